@@ -1,0 +1,61 @@
+"""``sequence_parallel_attention`` on global arrays: validate, shard, pick the algorithm.
+
+The mesh's axis names choose the algorithm (DESIGN.md): ``"ring"`` -> ring attention,
+``"ulysses"`` -> Ulysses, both -> USP, ``"data"`` shards the batch. Inputs are global arrays in
+layout order with any sharding; they are resharded to
+
+    q, k, v, o: P("data", ("ring", "ulysses"), None, None)     lse: P("data", None, ("ring", "ulysses"))
+
+so the device at ring coordinate r and Ulysses coordinate u holds sequence block r*U + u.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from .axes import DATA, RING, ULYSSES
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+from .usp import usp_attention
+from .validation import Decomposition, validate
+
+
+def _per_device(algorithm: str, *, layout: str, **kw):
+    if algorithm == "usp":
+        return partial(usp_attention, ring_axis=RING, ulysses_axis=ULYSSES, layout=layout, **kw)
+    if algorithm == "ulysses":
+        return partial(ulysses_attention, axis_name=ULYSSES, **kw)
+    axis = RING if algorithm == "ring" else None
+    return partial(ring_attention, axis_name=axis, layout=layout, **kw)
+
+
+def partition_specs(mesh) -> tuple[P, P]:
+    """(spec of q/k/v/o, spec of lse) for ``mesh``."""
+    names = mesh.axis_names
+    batch = DATA if DATA in names else None
+    seq = tuple(a for a in (RING, ULYSSES) if a in names) or None
+    return P(batch, seq, None, None), P(batch, None, seq)
+
+
+def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag",
+                                scale: float | None = None, kv_exchange: str = "ring",
+                                return_lse: bool = False, block_backend: str = "auto"):
+    """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
+    sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
+    sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``."""
+    decomposition: Decomposition = validate(
+        q.shape, k.shape, v.shape, tuple(str(x.dtype) for x in (q, k, v)), dict(mesh.shape),
+        layout=layout, kv_exchange=kv_exchange, scale=scale)
+    x_spec, lse_spec = partition_specs(mesh)
+    per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
+                             block_backend=block_backend)
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3, out_specs=(x_spec, lse_spec),
+                            check_vma=True)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        # shard_map does not reshard Explicit-axis inputs by itself.
+        q, k, v = (jax.reshard(x, NamedSharding(mesh, x_spec)) for x in (q, k, v))
+    o, lse = sharded(q, k, v)
+    return (o, lse) if return_lse else o

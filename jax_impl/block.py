@@ -1,0 +1,122 @@
+"""The local block kernel: attention of a query block against one K/V block, with its LSE.
+
+    block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  all float32
+
+``block_bwd`` takes the *global* ``o`` and ``lse`` (after every block was merged), which is what
+makes per-block gradients sum to the true gradient. Backends are pluggable by name: the portable
+``"reference"`` backend (einsum, float32 accumulation, any device) is the default and the
+fallback; fast GPU kernels register themselves under other names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .layouts import Mask
+
+F32 = jnp.float32
+# f32 matmuls at full precision: on GPUs XLA's default may use TF32, which breaks the 1e-5 policy.
+_PRECISION = jax.lax.Precision.HIGHEST
+
+
+@dataclass(frozen=True)
+class BlockBackend:
+    """A pair of block kernels with the signatures in the module docstring."""
+
+    name: str
+    fwd: Callable
+    bwd: Callable
+
+
+_BACKENDS: dict[str, BlockBackend] = {}
+
+
+def register_backend(backend: BlockBackend) -> None:
+    """Make ``backend`` selectable by name (tests use this to count kernel calls)."""
+    _BACKENDS[backend.name] = backend
+
+
+def get_backend(name: str = "auto") -> BlockBackend:
+    """The backend called ``name``; ``"auto"`` picks the fastest one registered for the
+    default device, which today is the portable reference everywhere."""
+    if name == "auto":
+        name = "reference"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def _mask_matrix(mask: Mask, t: int, s: int):
+    """[t, s] bool of visible (query, key) pairs in local indices, or None for FULL."""
+    if mask is Mask.FULL:
+        return None
+    if t != s:
+        raise ValueError(f"a {mask.value} mask needs a square block, got {t}x{s}")
+    offset = 0 if mask is Mask.CAUSAL else -1
+    return jnp.tril(jnp.ones((t, s), dtype=bool), k=offset)
+
+
+def _scores(q, k, scale):
+    """q: [b, t, h, d], k: [b, s, hk, d] -> scores [b, hk, g, t, s] float32 (g = h // hk)."""
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    qg = q.reshape(b, t, hk, h // hk, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=F32, precision=_PRECISION)
+    return s * jnp.asarray(scale, F32)
+
+
+def _heads_last(x, b, t, h):
+    """[b, hk, g, t] -> [b, h, t]."""
+    return x.reshape(b, h, t)
+
+
+def reference_block_fwd(q, k, v, mask: Mask, scale: float):
+    """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
+    strict mask on row 0), which the LSE merge treats as an empty partial."""
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    s = _scores(q, k, scale)
+    visible = _mask_matrix(mask, t, k.shape[1])
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+    row_max = jnp.max(s, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(s - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    has_key = denom > 0
+    lse = jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
+    p = p / jnp.where(has_key, denom, 1.0)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(F32), precision=_PRECISION)
+    return o.reshape(b, t, h, d), _heads_last(lse[..., 0], b, t, h)
+
+
+def reference_block_bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
+    """Portable backward with the global ``o`` and ``lse``:
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    g = h // hk
+    s = _scores(q, k, scale)
+    lse_g = lse.reshape(b, hk, g, t)[..., None]
+    p = jnp.exp(s - lse_g)
+    visible = _mask_matrix(mask, t, k.shape[1])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
+    do_g = do.astype(F32).reshape(b, t, hk, g, d)
+    delta = jnp.einsum("btkgd,btkgd->bkgt", do_g, o.astype(F32).reshape(b, t, hk, g, d), precision=_PRECISION)
+    if dlse is not None:
+        delta = delta - dlse.astype(F32).reshape(b, hk, g, t)
+    dv = jnp.einsum("bkgts,btkgd->bskd", p, do_g, precision=_PRECISION)
+    dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v.astype(F32), precision=_PRECISION)
+    ds = p * (dp - delta[..., None]) * jnp.asarray(scale, F32)
+    dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(F32), precision=_PRECISION).reshape(b, t, h, d)
+    dk = jnp.einsum("bkgts,btkgd->bskd", ds, q.astype(F32).reshape(b, t, hk, g, d), precision=_PRECISION)
+    return dq, dk, dv
+
+
+register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd))

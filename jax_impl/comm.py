@@ -1,0 +1,29 @@
+"""Collective building blocks shared by the algorithms (one place for the ring shift)."""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def axis_size(axis_name: str | None) -> int:
+    """Static size of a mesh axis inside ``shard_map``; ``None`` (no axis) counts as 1."""
+    return 1 if axis_name is None else int(lax.axis_size(axis_name))
+
+
+def ring_shift(tree, axis_name: str):
+    """Send every array in ``tree`` to the next device of the ring (r -> r+1 mod n), receive
+    from the previous one. One collective-permute per array."""
+    n = axis_size(axis_name)
+    perm = [(j, (j + 1) % n) for j in range(n)]
+    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+
+
+def seq_to_heads(x, axis_name: str):
+    """Ulysses all-to-all: [b, t/U, h, d] -> [b, t, h/U, d] (device u keeps head block u)."""
+    return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def heads_to_seq(x, axis_name: str):
+    """Inverse Ulysses all-to-all: [b, t, h/U, d] -> [b, t/U, h, d]."""
+    return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)

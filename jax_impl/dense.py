@@ -1,0 +1,25 @@
+"""Plain dense attention in the inputs' own dtype: the low-precision *control* of DESIGN.md's
+numerics policy (what "attention run in the same dtype" means), differentiated by autodiff.
+
+Deliberately naive: scores, softmax and the weighted sum are each rounded to the input dtype, as a
+framework's textbook attention would be. Not sequence-parallel and not for speed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None):
+    """q: [b, t, h, d], k, v: [b, s, hk, d] in original token order -> (o [b, t, h, d], lse [b, h, t])."""
+    b, t, h, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    group = h // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = (jnp.einsum("bthd,bshd->bhts", q, k) * jnp.asarray(scale, q.dtype)).astype(q.dtype)
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool)), scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores.astype(jnp.float32), axis=-1)
+    probs = jnp.exp(scores.astype(jnp.float32) - lse[..., None]).astype(q.dtype)
+    return jnp.einsum("bhts,bshd->bthd", probs, v), lse

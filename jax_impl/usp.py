@@ -1,0 +1,24 @@
+"""USP (unified sequence parallelism): Ulysses inside, ring outside, on one 2-D mesh.
+
+Device (r, u) holds block r*U + u of the layout-ordered sequence. The Ulysses all-to-all within
+ring group r gathers ring shard r (for h/U heads); ring attention then runs across the R groups
+with the chosen layout; the inverse all-to-all restores the sequence split.
+
+    q: [b, t/(R·U), h, d]  ->  o: [b, t/(R·U), h, d], lse: [b, h, t/(R·U)]
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from .axes import RING, ULYSSES
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
+
+def usp_attention(q, k, v, ring_axis: str = RING, ulysses_axis: str = ULYSSES, *, causal: bool = False,
+                  layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto"):
+    """Ulysses over ``ulysses_axis`` around ring attention over ``ring_axis``. Returns (o, lse)."""
+    ring = partial(ring_attention, axis_name=ring_axis, layout=layout)
+    return ulysses_attention(q, k, v, ulysses_axis, causal=causal, scale=scale,
+                             block_backend=block_backend, attend=ring)

@@ -1,0 +1,112 @@
+"""The case matrix: one ``Case`` per (mesh, shapes, layout, causal, dtype, ...) combination.
+
+``full_matrix()`` is the cross product the issue asks for; ``pairwise_matrix()`` keeps every
+(layout, causal, mesh) triple and then just enough cases that every *pair* of factor values
+appears together at least once (greedy all-pairs), which is how the default test run stays fast
+while still meeting every mesh shape with every layout, head layout, head_dim and dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+# (ring, ulysses) shapes: pure ring, pure Ulysses, and USP, 1-8 devices.
+MESHES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2))
+HEAD_LAYOUTS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # name -> (heads, kv_heads)
+HEAD_DIMS = (16, 40, 64)
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity case. Sizes are global; ``ring``/``ulysses``/``data`` are mesh-axis sizes."""
+
+    ring: int = 1
+    ulysses: int = 1
+    data: int = 1
+    batch: int = 1
+    seq: int = 64
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 16
+    layout: str = "zigzag"
+    causal: bool = True
+    dtype: str = "float32"
+    scale: float | None = None
+    kv_exchange: str = "ring"
+
+    @property
+    def devices(self) -> int:
+        return self.ring * self.ulysses * self.data
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """Mesh axis name -> size in canonical order; an axis of size 1 is left out, except that a
+        mesh always has at least the ring axis."""
+        axes = {name: size for name, size in (("data", self.data), ("ring", self.ring), ("ulysses", self.ulysses))
+                if size > 1}
+        return axes or {"ring": 1}
+
+    @property
+    def strategy(self) -> str:
+        axes = self.mesh_axes
+        if "ring" in axes and "ulysses" in axes:
+            return "usp"
+        return "ulysses" if "ulysses" in axes else "ring"
+
+    @property
+    def name(self) -> str:
+        heads = f"h{self.heads}kv{self.kv_heads}"
+        mesh = "x".join(f"{a[0]}{n}" for a, n in self.mesh_axes.items())
+        scale = "" if self.scale is None else f"-s{self.scale:g}"
+        return (f"{self.strategy}-{mesh}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
+                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}")
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"name": self.name, "strategy": self.strategy}
+
+
+def _factors():
+    return {
+        "layout": LAYOUTS, "causal": (False, True), "mesh": MESHES,
+        "heads": tuple(HEAD_LAYOUTS), "head_dim": HEAD_DIMS, "dtype": DTYPES,
+    }
+
+
+def _make(values: dict) -> Case:
+    ring, ulysses = values["mesh"]
+    heads, kv_heads = HEAD_LAYOUTS[values["heads"]]
+    return Case(ring=ring, ulysses=ulysses, heads=heads, kv_heads=kv_heads, head_dim=values["head_dim"],
+                layout=values["layout"], causal=values["causal"], dtype=values["dtype"])
+
+
+def full_matrix() -> list[Case]:
+    """Every combination of the factors (1188 cases)."""
+    f = _factors()
+    return [_make(dict(zip(f, combo))) for combo in itertools.product(*f.values())]
+
+
+def pairwise_matrix() -> list[Case]:
+    """Every (layout, causal, mesh) triple once, every pair of factor values at least once."""
+    f = _factors()
+    names = list(f)
+    combos = [dict(zip(names, c)) for c in itertools.product(*f.values())]
+
+    def pairs(c):
+        return {((a, c[a]), (b, c[b])) for a, b in itertools.combinations(names, 2)}
+
+    uncovered = set().union(*(pairs(c) for c in combos))
+    chosen = []
+    # First every (layout, causal, mesh) triple, each with the completion covering most new pairs.
+    for layout, causal, mesh in itertools.product(f["layout"], f["causal"], f["mesh"]):
+        options = [c for c in combos if (c["layout"], c["causal"], c["mesh"]) == (layout, causal, mesh)]
+        best = max(options, key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    while uncovered:  # then greedy all-pairs for whatever is left
+        best = max(combos, key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return [_make(c) for c in chosen]

@@ -1,0 +1,53 @@
+"""Run one parity case with jax_impl (simulated CPU devices or real GPUs)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_impl
+
+from .cases import Case
+from .inputs import Inputs, from_layout, permutation, to_layout
+
+
+def make_mesh(case: Case, devices=None):
+    """A mesh with the case's axes, in canonical order, over the first ``case.devices`` devices."""
+    axes = case.mesh_axes
+    devices = jax.devices()[: case.devices] if devices is None else devices
+    if len(devices) < case.devices:
+        raise ValueError(f"case {case.name} needs {case.devices} devices, JAX has {len(devices)}")
+    return jax.sharding.Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
+
+
+def _as(x, dtype):
+    return jnp.asarray(np.asarray(x, np.float32), dtype)
+
+
+def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
+    dtype = jnp.dtype(case.dtype)
+    (o, lse), vjp = jax.vjp(fn, _as(x.q, dtype), _as(x.k, dtype), _as(x.v, dtype))
+    dq, dk, dv = vjp((_as(x.do, dtype), _as(x.dlse, jnp.float32)))
+    out = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    return {n: np.asarray(jnp.asarray(t, jnp.float32), np.float64) for n, t in out.items()}
+
+
+def run_case(case: Case, x: Inputs, *, block_backend: str = "auto") -> dict[str, np.ndarray]:
+    """o, lse, dq, dk, dv from ``sequence_parallel_attention`` (jitted), in original order."""
+    mesh = make_mesh(case)
+    perm = permutation(case)
+
+    @jax.jit
+    def fn(q, k, v):
+        return jax_impl.sequence_parallel_attention(
+            q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale,
+            kv_exchange=case.kv_exchange, return_lse=True, block_backend=block_backend)
+
+    return from_layout(_vjp_results(fn, case, to_layout(x, perm)), perm)
+
+
+def run_control(case: Case, x: Inputs) -> dict[str, np.ndarray]:
+    """Dense attention in the case's own dtype on one device: the low-precision control."""
+    fn = jax.jit(lambda q, k, v: jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale))
+    return _vjp_results(fn, case, x)

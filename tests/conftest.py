@@ -1,0 +1,50 @@
+"""Test-session setup: 8 simulated CPU devices for JAX (set before JAX starts) and strict JAX
+numerics, so that an accidental rank broadcast fails instead of silently computing something."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+try:
+    import jax  # noqa: E402
+
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+except ImportError:  # the torch-only install still runs the pure and torch tiers
+    jax = None
+
+FULL = os.environ.get("RINGBRIDGE_FULL", "") == "1"
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--seed")
+    lines = [f"ringbridge: seed {seed} (pass --seed N to reproduce), full matrix: {FULL}"]
+    if jax is not None:
+        lines.append(f"jax {jax.__version__}: {len(jax.devices())} {jax.devices()[0].platform} devices")
+    return lines
+
+
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=int(os.environ.get("RINGBRIDGE_SEED", np.random.SeedSequence().entropy % 2**31)),
+                     help="seed of the random inputs (fresh each run unless given)")
+
+
+@pytest.fixture(scope="session")
+def seed(request) -> int:
+    return request.config.getoption("--seed")
+
+
+@pytest.fixture(scope="session")
+def jax_devices():
+    if jax is None:
+        pytest.skip("jax is not installed")
+    devices = jax.devices()
+    assert len(devices) >= 8, f"tests need 8 JAX devices, got {len(devices)}: XLA_FLAGS was set too late"
+    return devices
