@@ -40,6 +40,14 @@ def partition_specs(mesh) -> tuple[P, P]:
     return P(batch, seq, None, None), P(batch, None, seq)
 
 
+def _onto_mesh(x, sharding: NamedSharding, explicit: bool):
+    """Concrete arrays (any sharding, any devices, or NumPy) are placed on the mesh; traced ones
+    are resharded when the mesh has Explicit axes (shard_map reshards Auto-axis inputs itself)."""
+    if not isinstance(x, jax.core.Tracer):
+        return jax.device_put(x, sharding)
+    return jax.reshard(x, sharding) if explicit else x
+
+
 def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag",
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto"):
@@ -54,8 +62,6 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                              block_backend=block_backend)
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3, out_specs=(x_spec, lse_spec),
                             check_vma=True)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        # shard_map does not reshard Explicit-axis inputs by itself.
-        q, k, v = (jax.reshard(x, NamedSharding(mesh, x_spec)) for x in (q, k, v))
-    o, lse = sharded(q, k, v)
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+    o, lse = sharded(*(_onto_mesh(x, NamedSharding(mesh, x_spec), explicit) for x in (q, k, v)))
     return (o, lse) if return_lse else o
