@@ -53,10 +53,10 @@ def _runner(framework: str):
         return None, f"{framework} not available: {err}"
 
 
-def run_one(case: Case, framework: str, runner, seed: int) -> Outcome:
+def run_one(case: Case, framework: str, runner, seed: int, devices: str = "cpu") -> Outcome:
     try:
         x = make_inputs(case, seed)
-        got = runner.run_case(case, x)
+        got = runner.run_case(case, x, devices=devices)
         control = None if case.dtype == "float32" else runner.run_control(case, x)
         checks = compare(case, got, oracle(case, x), control)
     except Exception:  # noqa: BLE001 — a broken case is a failed case, the run continues
@@ -139,7 +139,11 @@ def main(argv=None) -> int:
             outcomes += [Outcome(c, framework, "skipped", detail=why) for c in cases]
             continue
         for case in track(cases, description=f"{framework:>5}"):
-            outcomes.append(run_one(case, framework, runner, seed))
+            outcomes.append(run_one(case, framework, runner, seed, args.devices))
+    if "torch" in frameworks:
+        from .torch_world import close_worlds
+
+        close_worlds()
     seconds = time.time() - start
     _print_table(outcomes)
     _write_reports(args.out, outcomes, seed, seconds)

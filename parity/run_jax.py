@@ -33,8 +33,9 @@ def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
     return {n: np.asarray(jnp.asarray(t, jnp.float32), np.float64) for n, t in out.items()}
 
 
-def run_case(case: Case, x: Inputs, *, block_backend: str = "auto") -> dict[str, np.ndarray]:
-    """o, lse, dq, dk, dv from ``sequence_parallel_attention`` (jitted), in original order."""
+def run_case(case: Case, x: Inputs, *, devices: str = "cpu", block_backend: str = "auto") -> dict[str, np.ndarray]:
+    """o, lse, dq, dk, dv from ``sequence_parallel_attention`` (jitted), in original order.
+    ``devices`` is informational: JAX runs on its default platform (set before JAX starts)."""
     mesh = make_mesh(case)
     perm = permutation(case)
 

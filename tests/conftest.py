@@ -48,3 +48,6 @@ def jax_devices():
     devices = jax.devices()
     assert len(devices) >= 8, f"tests need 8 JAX devices, got {len(devices)}: XLA_FLAGS was set too late"
     return devices
+
+
+from torch_world_fixture import worlds  # noqa: E402,F401  (session-scoped gloo worlds)

@@ -2,7 +2,7 @@
 
 What is reduced, and why: the issue's matrix is the cross product of layout × causal × mesh
 (ring 1/2/4/8, ulysses 2/4/8, ring×ulysses 2×2, 2×4, 4×2) × MHA/GQA/MQA × head_dim 16/40/64 ×
-float32/bfloat16 = 1188 compiled fwd+bwd programs, about 40 minutes on 2 cores. The default run
+float32/bfloat16 = 1080 compiled fwd+bwd programs, about 40 minutes on 2 cores. The default run
 keeps every (layout, causal, mesh) triple and adds cases until every *pair* of factor values has
 appeared together (``parity.cases.pairwise_matrix``, ~70 cases); ``RINGBRIDGE_FULL=1`` runs the
 whole product. Every case runs under ``jax.jit`` and ``jax.vjp`` with a random lse cotangent.

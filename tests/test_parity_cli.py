@@ -25,7 +25,7 @@ def test_cli_fails_when_a_case_fails(tmp_path, jax_devices, monkeypatch):
     import parity.run_jax as run_jax
 
     real = run_jax.run_case
-    monkeypatch.setattr(run_jax, "run_case", lambda case, x: {**real(case, x), "dv": real(case, x)["dv"] * 1.01})
+    monkeypatch.setattr(run_jax, "run_case", lambda case, x, **kw: {**real(case, x), "dv": real(case, x)["dv"] * 1.01})
     code = cli.main(["--filter", "ring-r2 zigzag-causal", "--frameworks", "jax", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "report.json").read_text())["results"]
     assert code == 1

@@ -1,0 +1,103 @@
+"""Run one parity case with torch_impl: gloo worker processes on CPU (NCCL on GPUs).
+
+The parent slices nothing: every rank receives the global inputs (layout order, NumPy), takes
+its own shard by its mesh coordinates, runs forward and backward, and returns its shard of the
+results, which the parent stitches back together in original order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cases import Case
+from .inputs import Inputs, from_layout, permutation, to_layout
+from .torch_world import get_world
+
+_MESHES: dict = {}  # per worker process: (device_type, axes) -> DeviceMesh, built once
+
+
+def _mesh(device_type: str, axes: tuple):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, axes)
+    if key not in _MESHES:
+        names, sizes = zip(*axes)
+        _MESHES[key] = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def _shard(x: np.ndarray, coords: dict, sizes: dict, seq_dim: int) -> np.ndarray:
+    """This rank's block: batch block of "data", sequence block r*U + u."""
+    d, r, u = (coords.get(a, 0) for a in ("data", "ring", "ulysses"))
+    n_data, n_ring, n_uly = (sizes.get(a, 1) for a in ("data", "ring", "ulysses"))
+    b = x.shape[0] // n_data
+    t = x.shape[seq_dim] // (n_ring * n_uly)
+    block = r * n_uly + u
+    x = x[d * b:(d + 1) * b]
+    return np.take(x, np.arange(block * t, (block + 1) * t), axis=seq_dim)
+
+
+def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> dict:
+    """Runs on every rank: forward + backward of this rank's shard; returns its shards."""
+    import torch
+
+    import torch_impl
+
+    axes = tuple(case.mesh_axes.items())
+    mesh = _mesh(device_type, axes)
+    sizes = dict(axes)
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, case.dtype)
+
+    def local(arr, seq_dim=1, dt=dtype, grad=False):
+        t = torch.tensor(_shard(arr, coords, sizes, seq_dim), dtype=torch.float32, device=device).to(dt)
+        return t.requires_grad_(grad)
+
+    q, k, v = (local(a, grad=True) for a in (x.q, x.k, x.v))
+    o, lse = torch_impl.sequence_parallel_attention(
+        q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
+        return_lse=True, block_backend=block_backend)
+    torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
+    out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return {"coords": coords, **{n: t.detach().float().cpu().numpy() for n, t in out.items()}}
+
+
+def _stitch(case: Case, shards: list[dict]) -> dict[str, np.ndarray]:
+    """Reassemble per-rank shards into global layout-order arrays."""
+    sizes = case.mesh_axes
+    n_uly = sizes.get("ulysses", 1)
+    out = {}
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        seq_dim = 2 if name == "lse" else 1
+        def key(s):
+            c = s["coords"]
+            return c.get("data", 0), c.get("ring", 0) * n_uly + c.get("ulysses", 0)
+        rows: dict[int, list] = {}
+        for s in sorted(shards, key=key):
+            rows.setdefault(key(s)[0], []).append(s[name])
+        out[name] = np.concatenate([np.concatenate(rows[d], axis=seq_dim) for d in sorted(rows)], axis=0)
+    return {n: a.astype(np.float64) for n, a in out.items()}
+
+
+def run_case(case: Case, x: Inputs, *, devices: str = "cpu", block_backend: str = "auto") -> dict[str, np.ndarray]:
+    """o, lse, dq, dk, dv from ``torch_impl.sequence_parallel_attention``, in original order."""
+    backend, device_type = ("nccl", "cuda") if devices == "gpu" else ("gloo", "cpu")
+    perm = permutation(case)
+    shards = get_world(case.devices, backend).run(rank_task, case, to_layout(x, perm), device_type, block_backend)
+    return from_layout(_stitch(case, shards), perm)
+
+
+def run_control(case: Case, x: Inputs) -> dict[str, np.ndarray]:
+    """Dense attention in the case's own dtype, in this process: the low-precision control."""
+    import torch
+
+    import torch_impl
+
+    dtype = getattr(torch, case.dtype)
+    q, k, v = (torch.tensor(a, dtype=torch.float32).to(dtype).requires_grad_() for a in (x.q, x.k, x.v))
+    o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale)
+    torch.autograd.backward((o, lse), (torch.tensor(x.do, dtype=torch.float32).to(dtype),
+                                       torch.tensor(x.dlse, dtype=torch.float32)))
+    out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return {n: t.detach().double().numpy() for n, t in out.items()}

@@ -1,0 +1,30 @@
+"""Functions the torch tests run on every rank of a gloo world (importable by name)."""
+
+from __future__ import annotations
+
+
+def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
+    """Call sequence_parallel_attention with collectives booby-trapped; return (error type, message)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from parity.run_torch import _mesh
+
+    mesh = _mesh("cpu", tuple(mesh_axes))
+    saved = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_to_all_single")}
+
+    def tripwire(*a, **k):
+        raise AssertionError("a collective was reached: validation must come first")
+
+    try:
+        for n in saved:
+            setattr(dist, n, tripwire)
+        q, k, v = (torch.ones(s, dtype=getattr(torch, d)) for s, d in zip((q_shape, k_shape, v_shape), dtypes))
+        torch_impl.sequence_parallel_attention(q, k, v, mesh, **kwargs)
+    except (ValueError, TypeError, NotImplementedError, AssertionError) as err:
+        return type(err).__name__, str(err)
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return None, "no error"

@@ -1,0 +1,17 @@
+"""ringbridge's torch implementation: the jax_impl algorithms, step for step, in torch.distributed."""
+
+from .api import sequence_parallel_attention
+from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from .block import BlockBackend, get_backend, register_backend
+from .dense import dense_attention
+from .layouts import LAYOUTS, layout_permutation
+from .merge import merge_partials
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+from .usp import usp_attention
+
+__all__ = [
+    "DATA", "LAYOUTS", "RING", "RING_INNER", "RING_OUTER", "ULYSSES", "BlockBackend", "dense_attention",
+    "get_backend", "layout_permutation", "merge_partials", "register_backend", "ring_attention",
+    "sequence_parallel_attention", "ulysses_attention", "usp_attention",
+]

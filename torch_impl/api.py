@@ -1,0 +1,61 @@
+"""``sequence_parallel_attention`` on this rank's local shards and a ``DeviceMesh``.
+
+The mesh's ``mesh_dim_names`` choose the algorithm (DESIGN.md): ``"ring"`` -> ring attention,
+``"ulysses"`` -> Ulysses, both -> USP, ``"data"`` shards the batch. The rank at ring coordinate
+r and Ulysses coordinate u holds sequence block r*U + u (layout order) of its batch shard:
+
+    q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   ->   o like q, lse: [b/D, h, t/(R·U)]
+
+Validation runs on shapes alone, identically on every rank, before any collective.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from .axes import DATA, RING, ULYSSES
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+from .usp import usp_attention
+from .validation import Decomposition, validate
+
+_DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def _dtype_name(dtype) -> str:
+    return _DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
+
+
+def _per_device(algorithm: str, mesh, *, layout: str, **kw):
+    if algorithm == "usp":
+        return partial(usp_attention, ring_group=mesh.get_group(RING), ulysses_group=mesh.get_group(ULYSSES),
+                       layout=layout, **kw)
+    if algorithm == "ulysses":
+        return partial(ulysses_attention, group=mesh.get_group(ULYSSES), **kw)
+    group = mesh.get_group(RING) if algorithm == "ring" else None
+    return partial(ring_attention, group=group, layout=layout, **kw)
+
+
+def global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
+    """The global [b, t, heads, d] a local shard of ``local_shape`` belongs to."""
+    if len(local_shape) != 4:
+        return tuple(local_shape)
+    b, t, h, d = local_shape
+    seq_split = mesh_sizes.get(RING, 1) * mesh_sizes.get(ULYSSES, 1)
+    return (b * mesh_sizes.get(DATA, 1), t * seq_split, h, d)
+
+
+def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag",
+                                scale: float | None = None, kv_exchange: str = "ring",
+                                return_lse: bool = False, block_backend: str = "auto"):
+    """Attention of this rank's ``q`` shard against ``k, v`` shards (layout order), sequence-
+    parallel over ``mesh`` (a ``DeviceMesh``). Returns o (and lse if ``return_lse``)."""
+    names = mesh.mesh_dim_names or ()
+    sizes = {name: mesh.size(i) for i, name in enumerate(names)}
+    decomposition: Decomposition = validate(
+        *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(_dtype_name(x.dtype) for x in (q, k, v)),
+        sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
+    per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
+                             block_backend=block_backend)
+    o, lse = per_device(q, k, v)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,209 @@
+"""The local block kernel: attention of a query block against one K/V block, with its LSE.
+
+    block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  all float32
+
+``block_bwd`` takes the *global* ``o`` and ``lse``. Backends are pluggable by name:
+
+- ``"reference"``: portable einsum, float32 accumulation, any device (the default fallback);
+- ``"aten_cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward;
+- ``"aten_flash"`` / ``"aten_cudnn"``: the CUDA flash / cuDNN SDPA ops and their backwards.
+
+The aten ops take [b, h, t, d], equal head counts and no lse cotangent; the adapters below expand
+GQA heads (and sum their gradients back), fold ``dlse`` into the reference path, and express the
+strict mask as a causal block shifted by one row (row 0 sees nothing). Each op's LSE shape and
+strides (cuDNN ``[b, h, t, 1]``, CPU non-contiguous) are normalised in ``_lse_bht`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .layouts import Mask
+
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class BlockBackend:
+    """A pair of block kernels with the signatures in the module docstring."""
+
+    name: str
+    fwd: Callable
+    bwd: Callable
+
+
+_BACKENDS: dict[str, BlockBackend] = {}
+
+
+def register_backend(backend: BlockBackend) -> None:
+    """Make ``backend`` selectable by name (tests use this to count kernel calls)."""
+    _BACKENDS[backend.name] = backend
+
+
+def get_backend(name: str = "auto") -> BlockBackend:
+    """The backend called ``name``; ``"auto"`` is the portable reference (fast kernels are
+    chosen explicitly until the GPU benchmarks pick a default)."""
+    if name == "auto":
+        name = "reference"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def _mask_matrix(mask: Mask, t: int, s: int, device):
+    """[t, s] bool of visible (query, key) pairs in local indices, or None for FULL."""
+    if mask is Mask.FULL:
+        return None
+    if t != s:
+        raise ValueError(f"a {mask.value} mask needs a square block, got {t}x{s}")
+    offset = 0 if mask is Mask.CAUSAL else -1
+    return torch.ones((t, s), dtype=torch.bool, device=device).tril(offset)
+
+
+def _scores(q, k, scale):
+    """q: [b, t, h, d], k: [b, s, hk, d] -> scores [b, hk, g, t, s] float32 (g = h // hk)."""
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    qg = q.float().reshape(b, t, hk, h // hk, d)
+    return torch.einsum("btkgd,bskd->bkgts", qg, k.float()) * scale
+
+
+def reference_block_fwd(q, k, v, mask: Mask, scale: float):
+    """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
+    strict mask on row 0), which the LSE merge treats as an empty partial."""
+    b, t, h, d = q.shape
+    s = _scores(q, k, scale)
+    visible = _mask_matrix(mask, t, k.shape[1], q.device)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(s - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    has_key = denom > 0
+    safe = torch.where(has_key, denom, torch.ones_like(denom))
+    lse = torch.where(has_key, row_max + torch.log(safe), torch.full_like(denom, float("-inf")))
+    o = torch.einsum("bkgts,bskd->btkgd", p / safe, v.float())
+    return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
+
+
+def reference_block_bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
+    """Portable backward with the global ``o`` and ``lse``:
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    g = h // hk
+    s = _scores(q, k, scale)
+    p = torch.exp(s - lse.float().reshape(b, hk, g, t, 1))
+    visible = _mask_matrix(mask, t, k.shape[1], q.device)
+    if visible is not None:
+        p = p.masked_fill(~visible, 0.0)
+    do_g = do.float().reshape(b, t, hk, g, d)
+    delta = torch.einsum("btkgd,btkgd->bkgt", do_g, o.float().reshape(b, t, hk, g, d))
+    if dlse is not None:
+        delta = delta - dlse.float().reshape(b, hk, g, t)
+    dv = torch.einsum("bkgts,btkgd->bskd", p, do_g)
+    dp = torch.einsum("btkgd,bskd->bkgts", do_g, v.float())
+    ds = p * (dp - delta.unsqueeze(-1)) * scale
+    dq = torch.einsum("bkgts,bskd->btkgd", ds, k.float()).reshape(b, t, h, d)
+    dk = torch.einsum("bkgts,btkgd->bskd", ds, q.float().reshape(b, t, hk, g, d))
+    return dq, dk, dv
+
+
+register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd))
+
+
+# ---- aten SDPA adapters -------------------------------------------------------------------------
+
+def _lse_bht(lse, b: int, h: int, t: int):
+    """Every op's LSE as a contiguous float32 [b, h, t] (cuDNN: [b, h, t, 1]; CPU: strided)."""
+    return lse.reshape(b, h, t).float().contiguous()
+
+
+def _expand(x, heads: int):
+    """[b, s, hk, d] -> [b, h, s, d] (the aten ops want equal head counts, head-major)."""
+    return x.repeat_interleave(heads // x.shape[2], dim=2).transpose(1, 2)
+
+
+def _fold_heads(dx, kv_heads: int):
+    """[b, h, s, d] gradient of an expanded K/V -> [b, s, hk, d], summed over each group."""
+    b, h, s, d = dx.shape
+    return dx.reshape(b, kv_heads, h // kv_heads, s, d).sum(2).transpose(1, 2)
+
+
+def _aten_ops(name: str):
+    ops = torch.ops.aten
+    if name == "aten_cpu":
+        fwd = lambda q, k, v, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu(  # noqa: E731
+            q, k, v, 0.0, causal, scale=scale)[:2]
+        bwd = lambda do, q, k, v, o, lse, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu_backward(  # noqa: E731
+            do, q, k, v, o, lse, 0.0, causal, scale=scale)
+        return fwd, bwd
+    if name == "aten_flash":
+        def fwd(q, k, v, causal, scale):
+            out = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            return out[0], out[1]
+
+        def bwd(do, q, k, v, o, lse, causal, scale):
+            t, s = q.shape[2], k.shape[2]
+            cum_q = torch.zeros(0, dtype=torch.int32, device=q.device)
+            empty = torch.empty(0, device=q.device)
+            return ops._scaled_dot_product_flash_attention_backward(
+                do, q, k, v, o, lse.contiguous(), cum_q, cum_q, t, s, 0.0, causal, empty, empty, scale=scale)
+        return fwd, bwd
+    if name == "aten_cudnn":
+        def fwd(q, k, v, causal, scale):
+            out = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+            return out[0], out[1]
+
+        def bwd(do, q, k, v, o, lse, causal, scale):
+            t, s = q.shape[2], k.shape[2]
+            empty = torch.empty(0, device=q.device)
+            cum = torch.zeros(0, dtype=torch.int32, device=q.device)
+            return ops._scaled_dot_product_cudnn_attention_backward(
+                do, q, k, v, o, lse.reshape(*lse.shape[:3], 1), empty, empty, None, cum, cum, t, s, 0.0,
+                causal, scale=scale)
+        return fwd, bwd
+    raise ValueError(name)
+
+
+def _make_aten_backend(name: str) -> BlockBackend:
+    """Adapt an aten (fwd, bwd) op pair to the block-kernel signatures."""
+    op_fwd, op_bwd = _aten_ops(name)
+
+    def fwd(q, k, v, mask: Mask, scale: float):
+        if mask is Mask.STRICT:  # strict lower triangle = causal block of rows 1.. vs keys ..t-1
+            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], Mask.CAUSAL, scale)
+            b, _, h, d = q.shape
+            o0 = torch.zeros((b, 1, h, d), dtype=F32, device=q.device)
+            lse0 = torch.full((b, h, 1), float("-inf"), dtype=F32, device=q.device)
+            return torch.cat([o0, o_r], 1), torch.cat([lse0, lse_r], 2)
+        b, t, h, d = q.shape
+        o, lse = op_fwd(q.transpose(1, 2), _expand(k, h), _expand(v, h), mask is Mask.CAUSAL, scale)
+        return o.transpose(1, 2).float(), _lse_bht(lse, b, h, t)
+
+    def bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
+        if dlse is not None and bool(torch.any(dlse != 0)):  # the ops have no lse cotangent
+            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
+        if mask is Mask.STRICT:
+            dq, dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (q, k, v))
+            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], Mask.CAUSAL, scale)
+            dq[:, 1:], dk[:, :-1], dv[:, :-1] = dq_r, dk_r, dv_r
+            return dq, dk, dv
+        b, t, h, d = q.shape
+        hk = k.shape[2]
+        dtype = q.dtype
+        grads = op_bwd(do.to(dtype).transpose(1, 2), q.transpose(1, 2), _expand(k, h), _expand(v, h),
+                       o.to(dtype).transpose(1, 2), lse.float().contiguous(), mask is Mask.CAUSAL, scale)
+        dq, dk, dv = grads[:3]
+        return dq.transpose(1, 2).float(), _fold_heads(dk.float(), hk), _fold_heads(dv.float(), hk)
+
+    return BlockBackend(name, fwd, bwd)
+
+
+for _name in ("aten_cpu", "aten_flash", "aten_cudnn"):
+    register_backend(_make_aten_backend(_name))

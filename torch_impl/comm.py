@@ -1,0 +1,81 @@
+"""Collective building blocks shared by the algorithms (one place for the ring shift).
+
+A ``group`` of ``None`` means "no group": one rank, no communication (mirrors ``axis_name=None``
+in jax_impl)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def axis_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class RingShift:
+    """Sends tensors to the next rank of ``group`` and receives the previous rank's, into receive
+    buffers allocated once and reused at every step (double-buffered by the caller).
+
+    ``start(tensors, into)`` issues one batched isend/irecv and returns at once, so the caller
+    computes while the transfer runs; ``wait()`` completes it."""
+
+    def __init__(self, group):
+        self.group = group
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_group_rank(group, dist.get_rank())
+        self.next = ranks[(me + 1) % len(ranks)]
+        self.prev = ranks[(me - 1) % len(ranks)]
+        self._reqs: list = []
+
+    def start(self, tensors, into) -> None:
+        ops = []
+        for send, recv in zip(tensors, into):
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), self.next, self.group))
+            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group))
+        self._reqs = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> None:
+        for req in self._reqs:
+            req.wait()
+        self._reqs = []
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` over dim 0 chunks; its own transpose, so backward is the same op."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()  # (a gradient may arrive strided; empty_like would copy its strides)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def _all_to_all(x, group, split_dim: int, concat_dim: int):
+    """Tiled all-to-all: split ``split_dim`` into n chunks (chunk j to rank j) and concatenate
+    the received chunks along ``concat_dim`` in rank order — ``lax.all_to_all(tiled=True)``."""
+    n = axis_size(group)
+    chunks = x.reshape(*x.shape[:split_dim], n, x.shape[split_dim] // n, *x.shape[split_dim + 1:])
+    send = chunks.movedim(split_dim, 0)  # [n, ...]: chunk for rank j first
+    recv = _AllToAll.apply(send.contiguous(), group)  # [n (source), ...]
+    recv = recv.movedim(0, concat_dim)  # source index just before the concat dim
+    shape = list(x.shape)
+    shape[split_dim] //= n
+    shape[concat_dim] *= n
+    return recv.reshape(shape)
+
+
+def seq_to_heads(x, group):
+    """Ulysses all-to-all: [b, t/U, h, d] -> [b, t, h/U, d] (rank u keeps head block u)."""
+    return _all_to_all(x, group, split_dim=2, concat_dim=1)
+
+
+def heads_to_seq(x, group):
+    """Inverse Ulysses all-to-all: [b, t, h/U, d] -> [b, t/U, h, d]."""
+    return _all_to_all(x, group, split_dim=1, concat_dim=2)

@@ -1,0 +1,23 @@
+"""The stable LSE merge of two attention partials, written once for every algorithm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def merge_partials(o, lse, o_b, lse_b):
+    """Fold partial ``(o_b, lse_b)`` into ``(o, lse)``, in float32.
+
+        o   ← o − σ(lse_b − lse)·(o − o_b)
+        lse ← lse − log σ(lse − lse_b)
+
+    o, o_b: [b, t, h, d]; lse, lse_b: [b, h, t]. An empty partial (lse_b = −inf) leaves (o, lse)
+    unchanged; (o, lse) itself must be non-empty (the local diagonal block always is).
+    """
+    o, o_b = o.float(), o_b.float()
+    lse, lse_b = lse.float(), lse_b.float()
+    weight = torch.sigmoid(lse_b - lse)  # [b, h, t]
+    o = o - weight.transpose(1, 2).unsqueeze(-1) * (o - o_b)
+    lse = lse - F.logsigmoid(lse - lse_b)
+    return o, lse

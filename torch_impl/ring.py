@@ -1,0 +1,147 @@
+"""Ring attention (contiguous / zigzag / stripe layouts) as a ``torch.autograd.Function``.
+
+Per rank of a ring process group of size R, rank r holds ring shard r:
+
+    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    ->    o: [b, t/R, h, d], lse: [b, h, t/R]
+
+Forward: K/V rotate R-1 times with batched isend/irecv to the next rank; each hop is started
+before the block that uses the K/V in hand, so the transfer overlaps the compute; receive
+buffers are allocated once and reused (double-buffered). Backward: K/V rotate again; float32
+dK/dV accumulators travel with them, one hop behind, and a final hop brings them home (R hops);
+dQ stays local. Same step plan as jax_impl (``layouts.step_plan``), step for step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .block import get_backend
+from .comm import RingShift, axis_size
+from .layouts import Block, Part, StepPlan, step_plan
+from .merge import merge_partials
+
+F32 = torch.float32
+
+
+def ring_attention(q, k, v, group=None, *, causal: bool = False, layout: str = "zigzag",
+                   scale: float | None = None, block_backend: str = "auto"):
+    """Ring attention over process group ``group`` (``None``: one rank, plain attention).
+
+    Inputs are this rank's ring shard in layout order. Returns ``(o, lse)``: o like q, lse
+    float32 [b, h, t/R]. Differentiable through torch.autograd (o and lse).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, group, causal, layout, scale, block_backend)
+
+
+def _part(x, part: Part, dim: int):
+    lo, hi = part.bounds(x.shape[dim])
+    return x if part is Part.ALL else x.narrow(dim, lo, hi - lo)
+
+
+def _block_for_step(plan: StepPlan, step: int, rank: int) -> Block | None:
+    """K/V at step i come from ring shard (r - i) mod R: an earlier shard iff i <= r."""
+    return plan.from_earlier if step <= rank else plan.from_later
+
+
+def _buffer(x):
+    """A contiguous receive buffer like ``x`` (``empty_like`` would copy x's strides)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _ring_loop(group, k, v, visit, after_visit=None):
+    """Drive steps 1..R-1: hop K/V ahead of each step's compute into two reused buffers;
+    ``after_visit(step)`` may exchange what depends on the step (the backward's dK/dV)."""
+    n = axis_size(group)
+    shift = RingShift(group)
+    current, spare = (_buffer(k), _buffer(v)), (_buffer(k), _buffer(v))
+    shift.start((k, v), current)  # in flight while the caller's step 0 computed
+    for step in range(1, n):
+        shift.wait()
+        if step < n - 1:
+            shift.start(current, spare)
+        visit(step, *current)
+        if after_visit is not None:
+            after_visit(step)
+        if step < n - 1:
+            current, spare = spare, current
+    shift.wait()
+
+
+def _forward(q, k, v, group, causal, layout, scale, backend_name):
+    backend, plan = get_backend(backend_name), step_plan(layout, causal)
+    k, v = k.contiguous(), v.contiguous()  # they are sent as they are
+    o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V, never empty
+    if axis_size(group) == 1:
+        return o, lse
+    rank = dist.get_group_rank(group, dist.get_rank())
+
+    def visit(step, k_cur, v_cur):
+        block = _block_for_step(plan, step, rank)
+        if block is None:
+            return
+        o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
+                                 _part(v_cur, block.kv_part, 1), block.mask, scale)
+        o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
+        _part(o, block.q_part, 1).copy_(o_p)
+        _part(lse, block.q_part, 2).copy_(lse_p)
+
+    _ring_loop(group, k, v, visit)
+    return o, lse
+
+
+def _backward(q, k, v, o, lse, do, dlse, group, causal, layout, scale, backend_name):
+    backend, plan = get_backend(backend_name), step_plan(layout, causal)
+    k, v = k.contiguous(), v.contiguous()
+    dq, dk, dv = backend.bwd(do, q, k, v, o, lse, plan.local.mask, scale, dlse)
+    if axis_size(group) == 1:
+        return dq, dk, dv
+    rank = dist.get_group_rank(group, dist.get_rank())
+    dkv_shift = RingShift(group)
+    acc, spare = (dk.contiguous(), dv.contiguous()), (_buffer(dk), _buffer(dv))
+    dkv_shift.start(acc, spare)  # the accumulator of my shard leaves with my K/V
+    acc, spare = spare, acc
+
+    def visit(step, k_cur, v_cur):
+        block = _block_for_step(plan, step, rank)
+        contribution = None
+        if block is not None:
+            qp, kp = block.q_part, block.kv_part
+            contribution = backend.bwd(
+                _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
+                _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale,
+                None if dlse is None else _part(dlse, qp, 2))
+        dkv_shift.wait()  # the visiting shard's dK/dV accumulator has arrived in ``acc``
+        if contribution is not None:
+            dq_b, dk_b, dv_b = contribution
+            _part(dq, qp, 1).add_(dq_b)
+            _part(acc[0], kp, 1).add_(dk_b)
+            _part(acc[1], kp, 1).add_(dv_b)
+
+    def send_dkv(step):
+        nonlocal acc, spare
+        dkv_shift.start(acc, spare)
+        acc, spare = spare, acc
+
+    _ring_loop(group, k, v, visit, after_visit=send_dkv)
+    dkv_shift.wait()  # after R hops, ``acc`` holds this shard's own dK/dV
+    return dq, acc[0], acc[1]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, layout, scale, backend_name):
+        o, lse = _forward(q, k, v, group, causal, layout, scale, backend_name)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.config = (group, causal, layout, scale, backend_name)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, *ctx.config)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

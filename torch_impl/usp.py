@@ -1,0 +1,23 @@
+"""USP (unified sequence parallelism): Ulysses inside, ring outside, on one 2-D DeviceMesh.
+
+Rank (r, u) holds block r*U + u of the layout-ordered sequence. The Ulysses all-to-all within
+ring group r gathers ring shard r (for h/U heads); ring attention then runs across the R groups
+with the chosen layout; the inverse all-to-all restores the sequence split.
+
+    q: [b, t/(R·U), h, d]  ->  o: [b, t/(R·U), h, d], lse: [b, h, t/(R·U)]
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
+
+def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, causal: bool = False,
+                  layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto"):
+    """Ulysses over ``ulysses_group`` around ring attention over ``ring_group``. Returns (o, lse)."""
+    ring = partial(ring_attention, group=ring_group, layout=layout)
+    return ulysses_attention(q, k, v, ulysses_group, causal=causal, scale=scale,
+                             block_backend=block_backend, attend=ring)

@@ -1,0 +1,84 @@
+"""Input checks for ``sequence_parallel_attention``, run on shapes alone, before any collective.
+
+Every constraint raises ``ValueError`` (or ``TypeError`` for dtypes) naming the constraint and the
+offending numbers. Shapes here are *global*: [batch, seq, heads, head_dim] (torch callers pass
+local shards; ``api.py`` multiplies them out first).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .axes import DATA, KNOWN_AXES, RING, RING_INNER, RING_OUTER, ULYSSES
+from .layouts import LAYOUTS, seq_multiple
+
+DTYPES = ("float32", "bfloat16", "float16")
+KV_EXCHANGES = ("ring", "allgather")
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """How a validated call splits the work: mesh sizes per role and the algorithm they pick."""
+
+    data: int
+    ring: int
+    ulysses: int
+    algorithm: str  # "local" | "ring" | "ulysses" | "usp"
+
+
+def _algorithm(axes) -> str:
+    has_ring, has_ulysses = RING in axes, ULYSSES in axes
+    if has_ring and has_ulysses:
+        return "usp"
+    return "ring" if has_ring else "ulysses" if has_ulysses else "local"
+
+
+def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str, kv_exchange: str,
+             scale) -> Decomposition:
+    """Check one call; ``dtypes`` is (q, k, v) dtype names, ``mesh_sizes`` maps axis name -> size."""
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) != 4:
+            raise ValueError(f"{name} must be rank-4 [batch, seq, heads, head_dim], got shape {tuple(shape)}")
+    if len(set(dtypes)) != 1:
+        raise TypeError(f"q, k, v must share one dtype, got {tuple(dtypes)}")
+    if dtypes[0] not in DTYPES:
+        raise TypeError(f"dtype must be one of {DTYPES}, got {dtypes[0]}")
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+    (b, s, h, d), (bk, sk, hk, dk) = q_shape, k_shape
+    if (b, s, d) != (bk, sk, dk):
+        raise ValueError(f"q and k must agree in batch, seq and head_dim, got q {tuple(q_shape)}, k {tuple(k_shape)}")
+    if hk < 1 or h % hk:
+        raise ValueError(f"heads % kv_heads must be 0, got heads={h}, kv_heads={hk}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if kv_exchange not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {kv_exchange!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
+
+    unknown = [a for a in mesh_sizes if a not in KNOWN_AXES]
+    if unknown:
+        raise ValueError(f"unknown mesh axis names {unknown}; known: {KNOWN_AXES}")
+    if RING_OUTER in mesh_sizes or RING_INNER in mesh_sizes:
+        raise NotImplementedError(
+            f"the double ring ({RING_OUTER!r} x {RING_INNER!r}) is not implemented yet; use {RING!r}")
+    if kv_exchange == "allgather":
+        raise NotImplementedError("kv_exchange='allgather' is not implemented yet; use 'ring'")
+
+    data, ring, ulysses = (int(mesh_sizes.get(a, 1)) for a in (DATA, RING, ULYSSES))
+    if b % data:
+        raise ValueError(f"batch % {DATA!r} mesh size must be 0, got batch={b}, {DATA}={data}")
+    if h % ulysses:
+        raise ValueError(f"heads % {ULYSSES!r} mesh size must be 0, got heads={h}, {ULYSSES}={ulysses}")
+    if hk % ulysses and ulysses % hk:
+        raise ValueError(
+            f"kv_heads and the {ULYSSES!r} size must divide one another (kv heads are split, or "
+            f"replicated up to it), got kv_heads={hk}, {ULYSSES}={ulysses}")
+    multiple = seq_multiple(layout, ring, ulysses)
+    if s % multiple:
+        raise ValueError(
+            f"seq_len % {multiple} must be 0 for layout {layout!r} with {RING}={ring}, {ULYSSES}={ulysses}, "
+            f"got seq_len={s}")
+    return Decomposition(data=data, ring=ring, ulysses=ulysses, algorithm=_algorithm(mesh_sizes))
