@@ -114,11 +114,11 @@ class World:
 _WORLDS: dict[tuple[int, str], World] = {}
 
 
-def get_world(size: int, backend: str = "gloo") -> World:
+def get_world(size: int, backend: str = "gloo", timeout_s: float = 120.0) -> World:
     """A cached world of ``size`` ranks (started on first use, shared by every later caller)."""
     key = (size, backend)
     if key not in _WORLDS:
-        _WORLDS[key] = World(size, backend)
+        _WORLDS[key] = World(size, backend, timeout_s)
     return _WORLDS[key]
 
 
