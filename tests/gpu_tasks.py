@@ -23,7 +23,7 @@ def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes
     k, v = (torch.randn(b, seq, kv_heads, head_dim, device=device, generator=gen).bfloat16() for _ in range(2))
 
     def dense(dtype):
-        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v)]
         qd, kd, vd = (x.transpose(1, 2) for x in leaves)
         o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True).transpose(1, 2)
         o.backward(do.to(dtype))
@@ -38,7 +38,7 @@ def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes
     perm = torch.as_tensor(torch_impl.layout_permutation(seq, layout, ring, ulysses), device=device)
     block = coords.get("ring", 0) * ulysses + coords.get("ulysses", 0)
     mine = perm[block * seq // (ring * ulysses):(block + 1) * seq // (ring * ulysses)]
-    local = [x[:, mine].contiguous().requires_grad_() for x in (q, k, v)]
+    local = [x[:, mine].detach().clone().requires_grad_() for x in (q, k, v)]
     o = torch_impl.sequence_parallel_attention(*local, mesh, causal=True, layout=layout, block_backend=block_backend)
     o.backward(do[:, mine])
     torch.cuda.synchronize()

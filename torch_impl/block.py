@@ -135,6 +135,21 @@ def _fold_heads(dx, kv_heads: int):
     return dx.reshape(b, kv_heads, h // kv_heads, s, d).sum(2).transpose(1, 2)
 
 
+_AUX: dict = {}
+
+
+def _aux_outputs(op, device, dtype, d: int):
+    """The non-varlen, dropout-free auxiliaries (cum_seq_q/k: undefined; philox seed/offset) that
+    the CUDA backward ops expect back from their forward. They do not depend on the block's
+    values, so one tiny forward per (op, device, dtype, head_dim) supplies them for every block;
+    passing *defined* empty tensors instead would switch the ops into varlen (nested) mode."""
+    key = (op, device, dtype, d)
+    if key not in _AUX:
+        x = torch.zeros((1, 1, 1, d), device=device, dtype=dtype)
+        _AUX[key] = op(x)
+    return _AUX[key]
+
+
 def _aten_ops(name: str):
     ops = torch.ops.aten
     if name == "aten_cpu":
@@ -144,28 +159,31 @@ def _aten_ops(name: str):
             do, q, k, v, o, lse, 0.0, causal, scale=scale)
         return fwd, bwd
     if name == "aten_flash":
+        def flash(q, k, v, causal=False, scale=None):
+            return ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+
         def fwd(q, k, v, causal, scale):
-            out = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-            return out[0], out[1]
+            return flash(q, k, v, causal, scale)[:2]
 
         def bwd(do, q, k, v, o, lse, causal, scale):
-            t, s = q.shape[2], k.shape[2]
-            cum_q = torch.zeros(0, dtype=torch.int32, device=q.device)
-            empty = torch.empty(0, device=q.device)
+            aux = _aux_outputs(lambda x: flash(x, x, x), q.device, q.dtype, q.shape[-1])
+            cum_q, cum_k, seed, offset = aux[2], aux[3], aux[6], aux[7]
             return ops._scaled_dot_product_flash_attention_backward(
-                do, q, k, v, o, lse.contiguous(), cum_q, cum_q, t, s, 0.0, causal, empty, empty, scale=scale)
+                do, q, k, v, o, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
         return fwd, bwd
     if name == "aten_cudnn":
+        def cudnn(q, k, v, causal=False, scale=None):
+            return ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+
         def fwd(q, k, v, causal, scale):
-            out = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
-            return out[0], out[1]
+            return cudnn(q, k, v, causal, scale)[:2]
 
         def bwd(do, q, k, v, o, lse, causal, scale):
-            t, s = q.shape[2], k.shape[2]
-            empty = torch.empty(0, device=q.device)
-            cum = torch.zeros(0, dtype=torch.int32, device=q.device)
+            aux = _aux_outputs(lambda x: cudnn(x, x, x), q.device, q.dtype, q.shape[-1])
+            cum_q, cum_k, seed, offset = aux[2], aux[3], aux[6], aux[7]
+            b, h, t = lse.shape
             return ops._scaled_dot_product_cudnn_attention_backward(
-                do, q, k, v, o, lse.reshape(*lse.shape[:3], 1), empty, empty, None, cum, cum, t, s, 0.0,
+                do, q, k, v, o, lse.reshape(b, h, t, 1), seed, offset, None, cum_q, cum_k, t, k.shape[2], 0.0,
                 causal, scale=scale)
         return fwd, bwd
     raise ValueError(name)
