@@ -1,6 +1,6 @@
 """Mesh axis names (DESIGN.md): the mesh's axis names choose the algorithm."""
 
-DATA = "data"  # shards the batch (DeviceMesh mesh_dim_names use the same strings)
+DATA = "data"  # shards the batch
 RING = "ring"  # K/V travel around this axis
 ULYSSES = "ulysses"  # all-to-all heads <-> sequence inside this axis
 RING_OUTER = "ring_outer"  # double ring (LoongTrain): outer ring, across nodes
