@@ -1,7 +1,10 @@
-"""``python -m parity``: run the case matrix through each installed framework, compare every
-tensor with the float64 oracle, print a table, write report.json / report.md, exit non-zero on
-any failure. A framework that is not installed is reported as *skipped*, never as passed; an
-exception inside a case fails that case (with the traceback's last lines) and the run goes on.
+"""``python -m parity``: the same permuted NumPy inputs through jax_impl and torch_impl, every
+tensor compared with the float64 oracle and the two frameworks with each other; a table, then
+report.json / report.md; exit status 1 on any failure.
+
+A framework that is not installed is reported as *skipped*, never as passed, and so is a case
+that needs more devices than the machine has. An exception inside a case fails that case (with
+the traceback's last lines) and the run goes on.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ import argparse
 import importlib
 import json
 import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -19,33 +21,60 @@ from pathlib import Path
 import numpy as np
 
 from .cases import Case, full_matrix, pairwise_matrix
-from .compare import compare
+from .compare import compare, compare_frameworks
 from .inputs import TENSORS, make_inputs, oracle
 
 FRAMEWORKS = ("jax", "torch")
+STATUSES = ("passed", "failed", "skipped")
 
 
 @dataclass
-class Outcome:
-    """One (case, framework) result: status is passed / failed / skipped."""
+class Side:
+    """One framework's verdict on one case. ``errors``: tensor -> error in the policy's metric."""
+
+    status: str
+    errors: dict[str, float] = field(default_factory=dict)
+    detail: str = ""
+    checks: list = field(default_factory=list, repr=False)
+    results: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class CaseResult:
+    """Every side of one case plus the JAX-vs-torch check (when both ran)."""
 
     case: Case
-    framework: str
-    status: str
-    errors: dict[str, float] = field(default_factory=dict)  # tensor -> error in the policy's metric
-    detail: str = ""
+    sides: dict[str, Side]
+    cross: Side | None = None
+
+    @property
+    def status(self) -> str:
+        parts = [*self.sides.values(), *([self.cross] if self.cross else [])]
+        if any(p.status == "failed" for p in parts):
+            return "failed"
+        return "passed" if any(p.status == "passed" for p in parts) else "skipped"
+
+    def to_dict(self) -> dict:
+        side = lambda s: {"status": s.status, "errors": s.errors, "detail": s.detail}  # noqa: E731
+        return {"case": self.case.to_dict(), "status": self.status,
+                "sides": {f: side(s) for f, s in self.sides.items()},
+                "jax_vs_torch": side(self.cross) if self.cross else None}
 
 
 def _setup_devices(devices: str) -> None:
+    """CPU: 8 simulated JAX devices (must happen before JAX starts). GPU: JAX must not grab the
+    memory the torch worker processes need."""
     if devices == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    else:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-def _runner(framework: str):
-    """The framework's runner module, or None with the reason it is unavailable."""
+def load_runner(framework: str):
+    """The framework's runner module, or (None, reason) when it cannot be imported."""
     try:
         importlib.import_module(framework)
         return importlib.import_module(f"parity.run_{framework}"), ""
@@ -53,17 +82,38 @@ def _runner(framework: str):
         return None, f"{framework} not available: {err}"
 
 
-def run_one(case: Case, framework: str, runner, seed: int, devices: str = "cpu") -> Outcome:
+def _tail() -> str:
+    return "".join(traceback.format_exc().strip().splitlines(keepends=True)[-3:])
+
+
+def run_side(case: Case, runner, x, ref, devices: str) -> Side:
+    have = runner.device_count(devices)
+    if case.devices > have:
+        return Side("skipped", detail=f"needs {case.devices} devices, {devices} has {have}")
     try:
-        x = make_inputs(case, seed)
         got = runner.run_case(case, x, devices=devices)
         control = None if case.dtype == "float32" else runner.run_control(case, x)
-        checks = compare(case, got, oracle(case, x), control)
-    except Exception:  # noqa: BLE001 — a broken case is a failed case, the run continues
-        tail = "".join(traceback.format_exc().strip().splitlines(keepends=True)[-3:])
-        return Outcome(case, framework, "failed", detail=tail)
-    bad = [str(c) for c in checks if not c.ok]
-    return Outcome(case, framework, "failed" if bad else "passed", {c.name: c.error for c in checks}, "; ".join(bad))
+        checks = compare(case, got, ref, control)
+    except Exception:  # noqa: BLE001 — a broken case is a failed case; the run continues
+        return Side("failed", detail=_tail())
+    bad = "; ".join(str(c) for c in checks if not c.ok)
+    return Side("failed" if bad else "passed", {c.name: c.error for c in checks}, bad, checks, got)
+
+
+def run_case_everywhere(case: Case, runners: dict, seed: int, devices: str) -> CaseResult:
+    """One case through every framework in ``runners`` (framework -> runner module, or a reason
+    string when unavailable), on one set of inputs."""
+    x = make_inputs(case, seed)
+    ref = oracle(case, x)
+    sides = {f: (Side("skipped", detail=r) if isinstance(r, str) else run_side(case, r, x, ref, devices))
+             for f, r in runners.items()}
+    cross = None
+    if all(f in sides and sides[f].checks for f in FRAMEWORKS):
+        j, t = sides["jax"], sides["torch"]
+        checks = compare_frameworks(case, j.checks, t.checks, j.results, t.results)
+        bad = "; ".join(str(c) for c in checks if not c.ok)
+        cross = Side("failed" if bad else "passed", {c.name.split()[0]: c.error for c in checks}, bad)
+    return CaseResult(case, sides, cross)
 
 
 def _select(args) -> list[Case]:
@@ -73,40 +123,59 @@ def _select(args) -> list[Case]:
     return cases
 
 
-def _write_reports(out: Path, outcomes: list[Outcome], seed: int, seconds: float) -> None:
+def _counts(results: list[CaseResult]) -> dict[str, int]:
+    return {s: sum(r.status == s for r in results) for s in STATUSES}
+
+
+def _fmt(side: Side | None, tensor: str) -> str:
+    return f"{side.errors[tensor]:.1e}" if side and tensor in side.errors else "-"
+
+
+def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: float, devices: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    rows = [{"case": o.case.to_dict(), "framework": o.framework, "status": o.status, "errors": o.errors,
-             "detail": o.detail} for o in outcomes]
-    summary = {s: sum(o.status == s for o in outcomes) for s in ("passed", "failed", "skipped")}
-    (out / "report.json").write_text(json.dumps({"seed": seed, "seconds": seconds, "summary": summary,
-                                                 "results": rows}, indent=1))
-    lines = [f"# ringbridge parity report", "", f"seed {seed}; {summary}; {seconds:.0f} s", "",
-             "| case | framework | status | " + " | ".join(TENSORS) + " |", "|---" * (3 + len(TENSORS)) + "|"]
-    for o in outcomes:
-        errs = " | ".join(f"{o.errors[t]:.1e}" if t in o.errors else "" for t in TENSORS)
-        lines.append(f"| {o.case.name} | {o.framework} | {o.status} | {errs} |")
+    summary = _counts(results)
+    (out / "report.json").write_text(json.dumps(
+        {"seed": seed, "devices": devices, "seconds": round(seconds, 1), "summary": summary,
+         "results": [r.to_dict() for r in results]}, indent=1))
+    head = "| case | status | " + " | ".join(f"{t} jax / torch / x" for t in TENSORS) + " |"
+    lines = ["# ringbridge parity report", "",
+             f"seed {seed}, devices {devices}: {summary['passed']} passed, {summary['failed']} failed, "
+             f"{summary['skipped']} skipped in {seconds:.0f} s. Errors: float32 relative, low precision max-abs "
+             "(DESIGN.md); x = JAX vs torch.", "", head, "|---" * (2 + len(TENSORS)) + "|"]
+    for r in results:
+        j, t = r.sides.get("jax"), r.sides.get("torch")
+        cells = " | ".join(f"{_fmt(j, n)} / {_fmt(t, n)} / {_fmt(r.cross, n)}" for n in TENSORS)
+        lines.append(f"| {r.case.name} | {r.status} | {cells} |")
+    problems = [(r.case.name, f, s) for r in results for f, s in [*r.sides.items(), ("jax-vs-torch", r.cross)]
+                if s is not None and s.status != "passed"]
+    if problems:
+        lines += ["", "## Not passed", ""] + [f"- `{n}` {f} **{s.status}**: {s.detail.strip()}" for n, f, s in problems]
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-def _print_table(outcomes: list[Outcome]) -> None:
+def _print_table(results: list[CaseResult]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="parity vs float64 oracle (float32: relative error; low precision: max abs error)")
+    table = Table(title="max error per tensor vs the float64 oracle — jax / torch (x: jax vs torch)")
     table.add_column("case", no_wrap=True)
-    for col in ("fw", "status", *TENSORS):
-        table.add_column(col)
-    for o in outcomes:
-        style = {"passed": "green", "failed": "bold red", "skipped": "yellow"}[o.status]
-        table.add_row(o.case.name, o.framework, f"[{style}]{o.status}[/]",
-                      *(f"{o.errors[t]:.1e}" if t in o.errors else "" for t in TENSORS))
-    Console(width=200).print(table)
-    skipped = {o.framework: o.detail for o in outcomes if o.status == "skipped"}
-    for framework, why in skipped.items():
-        print(f"SKIPPED {framework}: {why}")
-    for o in outcomes:
-        if o.status == "failed":
-            print(f"FAILED {o.framework} {o.case.name}: {o.detail}")
+    table.add_column("status")
+    for t in TENSORS:
+        table.add_column(t, no_wrap=True)
+    style = {"passed": "green", "failed": "bold red", "skipped": "yellow"}
+    for r in results:
+        j, t = r.sides.get("jax"), r.sides.get("torch")
+        table.add_row(r.case.name, f"[{style[r.status]}]{r.status}[/]",
+                      *(f"{_fmt(j, n)} / {_fmt(t, n)}" for n in TENSORS))
+    console = Console(width=220)
+    console.print(table)
+    for r in results:
+        for f, s in [*r.sides.items(), ("jax-vs-torch", r.cross)]:
+            if s is not None and s.status == "failed":
+                console.print(f"[bold red]FAILED[/] {r.case.name} {f}: {s.detail.strip()}", highlight=False)
+    reasons = {(f, s.detail) for r in results for f, s in r.sides.items() if s.status == "skipped"}
+    for f, why in sorted(reasons):
+        console.print(f"[yellow]skipped[/] {f}: {why}", highlight=False)
 
 
 def main(argv=None) -> int:
@@ -116,38 +185,40 @@ def main(argv=None) -> int:
     parser.add_argument("--filter", default="", help="keep cases whose name contains every word of EXPR")
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
     parser.add_argument("--devices", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--frameworks", default="jax,torch")
+    parser.add_argument("--frameworks", default="jax,torch", help="comma-separated subset of jax,torch")
     parser.add_argument("--out", type=Path, default=Path("parity-report"))
     args = parser.parse_args(argv)
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    if set(frameworks) - set(FRAMEWORKS) or not frameworks:
+        parser.error(f"--frameworks must be a subset of {FRAMEWORKS}, got {args.frameworks!r}")
     cases = _select(args)
     if args.command == "list":
         print("\n".join(c.name for c in cases))
         return 0
+    if not cases:
+        parser.error(f"no case matches --filter {args.filter!r} (see `python -m parity list`)")
     _setup_devices(args.devices)
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
-    print(f"ringbridge parity: {len(cases)} cases, seed {seed} (reproduce with --seed {seed})")
-    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
-    unknown = set(frameworks) - set(FRAMEWORKS)
-    if unknown:
-        parser.error(f"unknown frameworks {sorted(unknown)}; choose from {FRAMEWORKS}")
+    print(f"ringbridge parity: {len(cases)} cases x {frameworks} on {args.devices}, seed {seed} "
+          f"(reproduce with --seed {seed})")
+    runners = {}
+    for f in frameworks:
+        runner, why = load_runner(f)
+        runners[f] = runner or why
     from rich.progress import track
 
-    start, outcomes = time.time(), []
-    for framework in frameworks:
-        runner, why = _runner(framework)
-        if runner is None:
-            outcomes += [Outcome(c, framework, "skipped", detail=why) for c in cases]
-            continue
-        for case in track(cases, description=f"{framework:>5}"):
-            outcomes.append(run_one(case, framework, runner, seed, args.devices))
-    if "torch" in frameworks:
-        from .torch_world import close_worlds
+    start = time.time()
+    try:
+        results = [run_case_everywhere(c, runners, seed, args.devices) for c in track(cases, description="cases")]
+    finally:
+        if "torch" in frameworks and not isinstance(runners["torch"], str):
+            from .torch_world import close_worlds
 
-        close_worlds()
+            close_worlds()
     seconds = time.time() - start
-    _print_table(outcomes)
-    _write_reports(args.out, outcomes, seed, seconds)
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("passed", "failed", "skipped")}
+    _print_table(results)
+    _write_reports(args.out, results, seed, seconds, args.devices)
+    counts = _counts(results)
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
           f"in {seconds:.0f} s; reports in {args.out}/")
     return 1 if counts["failed"] or not counts["passed"] else 0

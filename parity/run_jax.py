@@ -21,6 +21,11 @@ def make_mesh(case: Case, devices=None):
     return jax.sharding.Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
 
 
+def device_count(devices: str = "cpu") -> int:
+    """Devices JAX can place a mesh on (its default platform)."""
+    return len(jax.devices())
+
+
 def _as(x, dtype):
     return jnp.asarray(np.asarray(x, np.float32), dtype)
 

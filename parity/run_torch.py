@@ -80,11 +80,23 @@ def _stitch(case: Case, shards: list[dict]) -> dict[str, np.ndarray]:
     return {n: a.astype(np.float64) for n, a in out.items()}
 
 
-def run_case(case: Case, x: Inputs, *, devices: str = "cpu", block_backend: str = "auto") -> dict[str, np.ndarray]:
-    """o, lse, dq, dk, dv from ``torch_impl.sequence_parallel_attention``, in original order."""
+def device_count(devices: str = "cpu") -> int:
+    """GPUs for NCCL worlds; on CPU a gloo world can have any number of processes (8 is what the
+    matrix needs and what 2 cores tolerate)."""
+    if devices == "gpu":
+        import torch
+
+        return torch.cuda.device_count()
+    return 8
+
+
+def run_case(case: Case, x: Inputs, *, devices: str = "cpu", block_backend: str = "auto",
+             task=rank_task) -> dict[str, np.ndarray]:
+    """o, lse, dq, dk, dv from ``torch_impl.sequence_parallel_attention``, in original order.
+    ``task`` is the per-rank function (replaceable by fault-injection tests)."""
     backend, device_type = ("nccl", "cuda") if devices == "gpu" else ("gloo", "cpu")
     perm = permutation(case)
-    shards = get_world(case.devices, backend).run(rank_task, case, to_layout(x, perm), device_type, block_backend)
+    shards = get_world(case.devices, backend).run(task, case, to_layout(x, perm), device_type, block_backend)
     return from_layout(_stitch(case, shards), perm)
 
 

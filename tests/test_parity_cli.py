@@ -1,38 +1,111 @@
-"""Tier 2 — the ``python -m parity`` entry point end to end on a few cases: it runs, writes both
-reports, counts a missing framework as skipped (never passed), and exits non-zero on failure."""
+"""Tier 2 — the parity harness (``python -m parity``) itself: it must pass correct code, *fail*
+planted bugs naming the case and the tensor, never count a missing framework or an unrunnable
+case as passed, and keep going after a case raises."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("jax")
 
-from parity import cli  # noqa: E402
+from parity import cli, run_jax  # noqa: E402
+from parity.cases import Case  # noqa: E402
 
 
-def test_cli_runs_filtered_cases_and_writes_reports(tmp_path, jax_devices, capsys):
-    code = cli.main(["--filter", "ring-r2 zigzag", "--frameworks", "jax", "--seed", "3", "--out", str(tmp_path)])
+def test_cli_runs_both_frameworks_and_writes_reports(tmp_path, jax_devices, worlds, capsys):
+    """A filtered run: every case passes for jax, torch and jax-vs-torch; both reports written."""
+    code = cli.main(["--filter", "ring-r2 zigzag", "--seed", "3", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
     report = json.loads((tmp_path / "report.json").read_text())
-    assert code == 0, capsys.readouterr().out
+    assert code == 0, out
     assert report["seed"] == 3 and report["summary"]["passed"] == len(report["results"]) >= 2
-    assert (tmp_path / "report.md").read_text().count("| passed |") == report["summary"]["passed"]
+    for r in report["results"]:
+        assert {s["status"] for s in r["sides"].values()} == {"passed"} and r["jax_vs_torch"]["status"] == "passed"
+        assert set(r["sides"]["torch"]["errors"]) == {"o", "lse", "dq", "dk", "dv"}
+    assert (tmp_path / "report.md").read_text().count("| passed |") == len(report["results"])
+    assert "seed 3" in out
 
 
-def test_cli_fails_when_a_case_fails(tmp_path, jax_devices, monkeypatch):
-    """A runner that returns wrong numbers makes the run exit 1 and names the tensor."""
-    import parity.run_jax as run_jax
+def _wrong_merge_sign(o, lse, o_b, lse_b):
+    """merge_partials with the weight's sign flipped: o ← o + σ(lse_b − lse)(o − o_b)."""
+    import jax
+    import jax.numpy as jnp
 
-    real = run_jax.run_case
-    monkeypatch.setattr(run_jax, "run_case", lambda case, x, **kw: {**real(case, x), "dv": real(case, x)["dv"] * 1.01})
-    code = cli.main(["--filter", "ring-r2 zigzag-causal", "--frameworks", "jax", "--out", str(tmp_path)])
-    results = json.loads((tmp_path / "report.json").read_text())["results"]
-    assert code == 1
-    assert all(r["status"] == "failed" and "dv:" in r["detail"] and "o:" not in r["detail"] for r in results)
+    w = jnp.swapaxes(jax.nn.sigmoid(lse_b - lse), 1, 2)[..., None]
+    return o + w * (o - o_b), lse - jax.nn.log_sigmoid(lse - lse_b)
+
+
+def test_harness_catches_wrong_merge_sign_in_jax(monkeypatch, jax_devices):
+    """A sign error in the JAX LSE merge fails the case and names o (lse is still right)."""
+    import jax_impl.ring
+
+    monkeypatch.setattr(jax_impl.ring, "merge_partials", _wrong_merge_sign)
+    case = Case(ring=4, layout="zigzag", causal=True)
+    result = cli.run_case_everywhere(case, {"jax": run_jax}, seed=5, devices="cpu")
+    side = result.sides["jax"]
+    assert result.status == "failed" and side.status == "failed"
+    assert "o: error" in side.detail and "lse: error" not in side.detail
+    assert side.errors["o"] > 1e-2
+
+
+def test_harness_catches_local_position_causal_mask_in_torch(worlds):
+    """torch ranks masking by local layout positions (zigzag treated as contiguous) fail the case;
+    the report names the case and the wrong tensors, and the JAX side still passes."""
+    from parity import run_torch
+    from torch_tasks import rank_task_with_local_causal_mask
+
+    buggy = SimpleNamespace(run_case=partial(run_torch.run_case, task=rank_task_with_local_causal_mask),
+                            run_control=run_torch.run_control, device_count=run_torch.device_count)
+    case = Case(ring=2, layout="zigzag", causal=True, kv_heads=2)
+    result = cli.run_case_everywhere(case, {"jax": run_jax, "torch": buggy}, seed=6, devices="cpu")
+    torch_side = result.sides["torch"]
+    assert result.status == "failed" and torch_side.status == "failed" and result.sides["jax"].status == "passed"
+    assert "o: error" in torch_side.detail and "dq: error" in torch_side.detail
+    assert result.cross.status == "failed"  # and the frameworks disagree with each other
+
+
+def test_missing_framework_and_too_few_devices_are_skipped_not_passed(jax_devices):
+    """An unavailable framework and a case larger than the machine are *skipped*; a run where
+    nothing passed is not a success."""
+    few = SimpleNamespace(run_case=run_jax.run_case, run_control=run_jax.run_control, device_count=lambda d: 2)
+    result = cli.run_case_everywhere(Case(ring=4), {"jax": few, "torch": "torch not available: test"}, 1, "cpu")
+    assert result.status == "skipped"
+    assert result.sides["jax"].detail == "needs 4 devices, cpu has 2"
+    assert result.sides["torch"].status == "skipped" and result.cross is None
+
+
+def test_an_exception_fails_only_its_case(jax_devices):
+    """A runner that raises fails that case with the traceback's last lines; the next case runs."""
+    def explode(case, x, **kw):
+        raise RuntimeError("planted failure")
+
+    broken = SimpleNamespace(run_case=explode, run_control=run_jax.run_control, device_count=run_jax.device_count)
+    failed = cli.run_case_everywhere(Case(ring=2), {"jax": broken}, 1, "cpu")
+    assert failed.status == "failed" and "RuntimeError: planted failure" in failed.sides["jax"].detail
+    assert cli.run_case_everywhere(Case(ring=2), {"jax": run_jax}, 1, "cpu").status == "passed"
 
 
 def test_cli_list_prints_case_names(capsys):
     assert cli.main(["list", "--filter", "usp"]) == 0
     names = capsys.readouterr().out.split()
     assert names and all(n.startswith("usp-") for n in names)
+
+
+def test_default_matrix_covers_what_the_issue_asks():
+    """≥ 40 cases: every strategy and layout, meshes of 1-8 devices, fp32 and bf16, GQA and MQA,
+    causal and not."""
+    from parity.cases import pairwise_matrix
+
+    cases = pairwise_matrix()
+    assert len(cases) >= 40
+    assert {c.strategy for c in cases} == {"ring", "ulysses", "usp"}
+    assert {c.layout for c in cases} == {"contiguous", "zigzag", "stripe"}
+    assert {c.devices for c in cases} == {1, 2, 4, 8} and {c.dtype for c in cases} == {"float32", "bfloat16"}
+    assert {c.causal for c in cases} == {True, False}
+    assert {(c.heads, c.kv_heads) for c in cases} >= {(8, 2), (8, 1)}
+    assert np.unique([c.name for c in cases]).size == len(cases)

@@ -28,3 +28,17 @@ def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
         for n, f in saved.items():
             setattr(dist, n, f)
     return None, "no error"
+
+
+def rank_task_with_local_causal_mask(case, x, device_type, block_backend):
+    """parity.run_torch.rank_task with a planted bug: the ring masks causally by *local* layout
+    positions (every layout planned as if it were contiguous) instead of original positions."""
+    import torch_impl.ring as ring
+    from parity.run_torch import rank_task
+
+    real = ring.step_plan
+    ring.step_plan = lambda layout, causal: real("contiguous", causal)
+    try:
+        return rank_task(case, x, device_type, block_backend)
+    finally:
+        ring.step_plan = real
