@@ -23,11 +23,11 @@ from .usp import usp_attention
 from .validation import Decomposition, validate
 
 
-def _per_device(algorithm: str, *, layout: str, **kw):
+def _per_device(algorithm: str, *, layout: str, return_lse: bool, **kw):
     if algorithm == "usp":
-        return partial(usp_attention, ring_axis=RING, ulysses_axis=ULYSSES, layout=layout, **kw)
+        return partial(usp_attention, ring_axis=RING, ulysses_axis=ULYSSES, layout=layout, return_lse=return_lse, **kw)
     if algorithm == "ulysses":
-        return partial(ulysses_attention, axis_name=ULYSSES, **kw)
+        return partial(ulysses_attention, axis_name=ULYSSES, return_lse=return_lse, **kw)
     axis = RING if algorithm == "ring" else None
     return partial(ring_attention, axis_name=axis, layout=layout, **kw)
 
@@ -59,9 +59,10 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         layout=layout, kv_exchange=kv_exchange, scale=scale)
     x_spec, lse_spec = partition_specs(mesh)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
-                             block_backend=block_backend)
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3, out_specs=(x_spec, lse_spec),
-                            check_vma=True)
+                             block_backend=block_backend, return_lse=return_lse)
+    if not return_lse:
+        attention, per_device = per_device, (lambda q, k, v: attention(q, k, v)[0])
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3,
+                            out_specs=(x_spec, lse_spec) if return_lse else x_spec, check_vma=True)
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-    o, lse = sharded(*(_onto_mesh(x, NamedSharding(mesh, x_spec), explicit) for x in (q, k, v)))
-    return (o, lse) if return_lse else o
+    return sharded(*(_onto_mesh(x, NamedSharding(mesh, x_spec), explicit) for x in (q, k, v)))

@@ -6,8 +6,9 @@ Per device, inside ``shard_map`` over a ring axis of size R, device r holds ring
 
 Forward: K/V rotate R-1 times with ``lax.ppermute``; each hop is issued before the block that
 uses the K/V in hand, so the transfer overlaps the compute. Partials merge by LSE (float32).
-Backward: K/V rotate again; float32 dK/dV accumulators travel with them, one hop behind, and a
-final hop brings them home (R hops); dQ stays local. Which block is computed at each step comes
+Backward: K/V rotate again, starting from the K/V the forward received for step 1 (kept as a
+residual, so R-2 hops); float32 dK/dV accumulators travel with them, one hop behind, and a final
+hop brings them home (R hops); dQ stays local. Which block is computed at each step comes
 from :func:`layouts.step_plan`, so causal work is balanced and a fully masked block is skipped.
 """
 
@@ -68,12 +69,13 @@ def _visit(plan: StepPlan, step, axis_name: str, on_block, state):
     return lax.cond(earlier, branch(plan.from_earlier), branch(plan.from_later), state)
 
 
-def _ring_loop(axis_name: str, kv, state, visit, after_visit=None):
-    """Drive steps 1..R-1: hop K/V ahead of each step's compute; ``after_visit`` may emit a
-    collective that depends on the step's result (the backward's dK/dV hop)."""
+def _ring_loop(axis_name: str, kv_first, state, visit, after_visit=None):
+    """Drive steps 1..R-1 from ``kv_first`` (the K/V of step 1): hop K/V ahead of each step's
+    compute; ``after_visit`` may emit a collective that depends on the step's result (the
+    backward's dK/dV hop)."""
     n = axis_size(axis_name)
     after_visit = after_visit or (lambda st: st)
-    kv = ring_shift(kv, axis_name)  # in flight while the caller's step 0 computes
+    kv = kv_first
 
     def body(carry, step):
         kv, st = carry
@@ -86,10 +88,14 @@ def _ring_loop(axis_name: str, kv, state, visit, after_visit=None):
 
 
 def _forward(q, k, v, axis_name, causal, layout, scale, backend_name):
+    """Returns (o, lse, kv_first): kv_first, the K/V received for step 1, is kept for the
+    backward, which then starts at step 1 without re-sending it (R-2 K/V hops, not R-1)."""
     backend, plan = get_backend(backend_name), step_plan(layout, causal)
+    if axis_size(axis_name) > 1:
+        kv_first = ring_shift((k, v), axis_name)  # in flight while step 0 computes
     o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V, never empty
     if axis_size(axis_name) == 1:
-        return o, lse
+        return o, lse, None
 
     def merge_block(block: Block, kv, st):
         k_cur, v_cur = kv
@@ -106,10 +112,10 @@ def _forward(q, k, v, axis_name, causal, layout, scale, backend_name):
     def visit(step, kv, st):
         return _visit(plan, step, axis_name, lambda blk, s: merge_block(blk, kv, s), st)
 
-    return _ring_loop(axis_name, (k, v), (o, lse), visit)
+    return (*_ring_loop(axis_name, kv_first, (o, lse), visit), kv_first)
 
 
-def _backward(q, k, v, o, lse, do, dlse, axis_name, causal, layout, scale, backend_name):
+def _backward(q, k, v, o, lse, kv_first, do, dlse, axis_name, causal, layout, scale, backend_name):
     backend, plan = get_backend(backend_name), step_plan(layout, causal)
     dq, dk, dv = backend.bwd(do, q, k, v, o, lse, plan.local.mask, scale, dlse)
     if axis_size(axis_name) == 1:
@@ -131,24 +137,25 @@ def _backward(q, k, v, o, lse, do, dlse, axis_name, causal, layout, scale, backe
         dq, dk_acc, dv_acc = st
         return (dq, *ring_shift((dk_acc, dv_acc), axis_name))
 
-    return _ring_loop(axis_name, (k, v), send_dkv((dq, dk, dv)), visit, after_visit=send_dkv)
+    return _ring_loop(axis_name, kv_first, send_dkv((dq, dk, dv)), visit, after_visit=send_dkv)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _ring(q, k, v, axis_name, causal, layout, scale, backend_name):
-    o, lse = _forward(q, k, v, axis_name, causal, layout, scale, backend_name)
+    o, lse, _ = _forward(q, k, v, axis_name, causal, layout, scale, backend_name)
     return o.astype(q.dtype), lse
 
 
 def _ring_fwd(q, k, v, axis_name, causal, layout, scale, backend_name):
-    o, lse = _ring(q, k, v, axis_name, causal, layout, scale, backend_name)
-    return (o, lse), (q, k, v, o, lse)
+    o, lse, kv_first = _forward(q, k, v, axis_name, causal, layout, scale, backend_name)
+    o = o.astype(q.dtype)
+    return (o, lse), (q, k, v, o, lse, kv_first)
 
 
 def _ring_bwd(axis_name, causal, layout, scale, backend_name, residuals, cotangents):
-    q, k, v, o, lse = residuals
+    q, k, v, o, lse, kv_first = residuals
     do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, axis_name, causal, layout, scale, backend_name)
+    dq, dk, dv = _backward(q, k, v, o, lse, kv_first, do, dlse, axis_name, causal, layout, scale, backend_name)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -30,10 +30,12 @@ def replicate_kv_heads(x, ulysses_size: int):
 
 
 def ulysses_attention(q, k, v, axis_name: str = ULYSSES, *, causal: bool = False, scale: float | None = None,
-                      block_backend: str = "auto", attend: Callable | None = None):
+                      block_backend: str = "auto", attend: Callable | None = None,
+                      return_lse: bool = True):
     """Ulysses attention over ``axis_name``. ``attend(q, k, v, *, causal, scale, block_backend)``
     computes attention on the gathered sequence (default: one device's attention; USP passes
-    ring attention over the ring axis). Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32.
+    ring attention over the ring axis). Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32
+    (``None`` when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(axis_name)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -41,6 +43,8 @@ def ulysses_attention(q, k, v, axis_name: str = ULYSSES, *, causal: bool = False
     k, v = replicate_kv_heads(k, n), replicate_kv_heads(v, n)
     q_h, k_h, v_h = (seq_to_heads(x, axis_name) for x in (q, k, v))  # [b, t, h/U, d]
     o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend)
+    if not return_lse:  # skip the LSE all-to-all (torch would otherwise run it; XLA drops it)
+        return heads_to_seq(o_h, axis_name), None
     # lse_h: [b, h/U, t] -> [b, h, t/U]: split the sequence, gather the heads.
     lse = heads_to_seq(jnp.swapaxes(lse_h, 1, 2)[..., None], axis_name)[..., 0]
     return heads_to_seq(o_h, axis_name), jnp.swapaxes(lse, 1, 2)

@@ -17,8 +17,9 @@ from .ulysses import ulysses_attention
 
 
 def usp_attention(q, k, v, ring_axis: str = RING, ulysses_axis: str = ULYSSES, *, causal: bool = False,
-                  layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto"):
+                  layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
+                  return_lse: bool = True):
     """Ulysses over ``ulysses_axis`` around ring attention over ``ring_axis``. Returns (o, lse)."""
     ring = partial(ring_attention, axis_name=ring_axis, layout=layout)
     return ulysses_attention(q, k, v, ulysses_axis, causal=causal, scale=scale,
-                             block_backend=block_backend, attend=ring)
+                             block_backend=block_backend, attend=ring, return_lse=return_lse)

@@ -26,12 +26,12 @@ def _dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
 
 
-def _per_device(algorithm: str, mesh, *, layout: str, **kw):
+def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, **kw):
     if algorithm == "usp":
         return partial(usp_attention, ring_group=mesh.get_group(RING), ulysses_group=mesh.get_group(ULYSSES),
-                       layout=layout, **kw)
+                       layout=layout, return_lse=return_lse, **kw)
     if algorithm == "ulysses":
-        return partial(ulysses_attention, group=mesh.get_group(ULYSSES), **kw)
+        return partial(ulysses_attention, group=mesh.get_group(ULYSSES), return_lse=return_lse, **kw)
     group = mesh.get_group(RING) if algorithm == "ring" else None
     return partial(ring_attention, group=group, layout=layout, **kw)
 
@@ -56,6 +56,6 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(_dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
-                             block_backend=block_backend)
+                             block_backend=block_backend, return_lse=return_lse)
     o, lse = per_device(q, k, v)
     return (o, lse) if return_lse else o

@@ -6,9 +6,10 @@ Per rank of a ring process group of size R, rank r holds ring shard r:
 
 Forward: K/V rotate R-1 times with batched isend/irecv to the next rank; each hop is started
 before the block that uses the K/V in hand, so the transfer overlaps the compute; receive
-buffers are allocated once and reused (double-buffered). Backward: K/V rotate again; float32
-dK/dV accumulators travel with them, one hop behind, and a final hop brings them home (R hops);
-dQ stays local. Same step plan as jax_impl (``layouts.step_plan``), step for step.
+buffers are allocated once and reused (double-buffered). Backward: K/V rotate again, starting
+from the K/V the forward received for step 1 (saved for backward, so R-2 hops); float32 dK/dV
+accumulators travel with them, one hop behind, and a final hop brings them home (R hops); dQ
+stays local. Same step plan as jax_impl (``layouts.step_plan``), step for step.
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ def _buffer(x):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _ring_loop(group, k, v, visit, after_visit=None):
-    """Drive steps 1..R-1: hop K/V ahead of each step's compute into two reused buffers;
-    ``after_visit(step)`` may exchange what depends on the step (the backward's dK/dV)."""
+def _ring_loop(group, kv_first, shift: RingShift, visit, after_visit=None):
+    """Drive steps 1..R-1 from ``kv_first`` (the K/V of step 1, possibly still arriving through
+    ``shift``): hop K/V ahead of each step's compute into two buffers allocated once and
+    swapped; ``after_visit(step)`` may exchange what depends on the step (the backward's dK/dV).
+    ``kv_first`` itself is never overwritten: the backward starts from it again."""
     n = axis_size(group)
-    shift = RingShift(group)
-    current, spare = (_buffer(k), _buffer(v)), (_buffer(k), _buffer(v))
-    shift.start((k, v), current)  # in flight while the caller's step 0 computed
+    current = kv_first
+    spare, other = None, None
+    if n > 2:
+        spare, other = tuple(_buffer(x) for x in kv_first), tuple(_buffer(x) for x in kv_first)
     for step in range(1, n):
         shift.wait()
         if step < n - 1:
@@ -65,16 +69,23 @@ def _ring_loop(group, k, v, visit, after_visit=None):
         if after_visit is not None:
             after_visit(step)
         if step < n - 1:
-            current, spare = spare, current
+            current, spare, other = spare, other, spare
     shift.wait()
 
 
 def _forward(q, k, v, group, causal, layout, scale, backend_name):
+    """Returns (o, lse, kv_first): kv_first, the K/V received for step 1, is kept for the
+    backward, which then starts at step 1 without re-sending it (R-2 K/V hops, not R-1)."""
     backend, plan = get_backend(backend_name), step_plan(layout, causal)
     k, v = k.contiguous(), v.contiguous()  # they are sent as they are
+    n = axis_size(group)
+    if n > 1:
+        shift = RingShift(group)
+        kv_first = (_buffer(k), _buffer(v))
+        shift.start((k, v), kv_first)  # in flight while step 0 computes
     o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V, never empty
-    if axis_size(group) == 1:
-        return o, lse
+    if n == 1:
+        return o, lse, None
     rank = dist.get_group_rank(group, dist.get_rank())
 
     def visit(step, k_cur, v_cur):
@@ -87,13 +98,12 @@ def _forward(q, k, v, group, causal, layout, scale, backend_name):
         _part(o, block.q_part, 1).copy_(o_p)
         _part(lse, block.q_part, 2).copy_(lse_p)
 
-    _ring_loop(group, k, v, visit)
-    return o, lse
+    _ring_loop(group, kv_first, shift, visit)
+    return o, lse, kv_first
 
 
-def _backward(q, k, v, o, lse, do, dlse, group, causal, layout, scale, backend_name):
+def _backward(q, k, v, o, lse, kv_first, do, dlse, group, causal, layout, scale, backend_name):
     backend, plan = get_backend(backend_name), step_plan(layout, causal)
-    k, v = k.contiguous(), v.contiguous()
     dq, dk, dv = backend.bwd(do, q, k, v, o, lse, plan.local.mask, scale, dlse)
     if axis_size(group) == 1:
         return dq, dk, dv
@@ -124,7 +134,7 @@ def _backward(q, k, v, o, lse, do, dlse, group, causal, layout, scale, backend_n
         dkv_shift.start(acc, spare)
         acc, spare = spare, acc
 
-    _ring_loop(group, k, v, visit, after_visit=send_dkv)
+    _ring_loop(group, kv_first, RingShift(group), visit, after_visit=send_dkv)
     dkv_shift.wait()  # after R hops, ``acc`` holds this shard's own dK/dV
     return dq, acc[0], acc[1]
 
@@ -132,16 +142,16 @@ def _backward(q, k, v, o, lse, do, dlse, group, causal, layout, scale, backend_n
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale, backend_name):
-        o, lse = _forward(q, k, v, group, causal, layout, scale, backend_name)
+        o, lse, kv_first = _forward(q, k, v, group, causal, layout, scale, backend_name)
         o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, *(kv_first or ()))
         ctx.config = (group, causal, layout, scale, backend_name)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, *kv_first = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, *ctx.config)
+        dq, dk, dv = _backward(q, k, v, o, lse, tuple(kv_first) or None, do, dlse, *ctx.config)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -27,11 +27,12 @@ def replicate_kv_heads(x, ulysses_size: int):
 
 
 def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: float | None = None,
-                      block_backend: str = "auto", attend: Callable | None = None):
+                      block_backend: str = "auto", attend: Callable | None = None,
+                      return_lse: bool = True):
     """Ulysses attention over process group ``group``. ``attend(q, k, v, *, causal, scale,
     block_backend)`` computes attention on the gathered sequence (default: one rank's attention;
     USP passes ring attention over the ring group). Returns ``(o, lse)``: o like q, lse
-    [b, h, t/U] float32.
+    [b, h, t/U] float32 (``None`` when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(group)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -39,6 +40,8 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: float
     k, v = replicate_kv_heads(k, n), replicate_kv_heads(v, n)
     q_h, k_h, v_h = (seq_to_heads(x, group) for x in (q, k, v))  # [b, t, h/U, d]
     o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend)
+    if not return_lse:  # skip the LSE all-to-all nobody reads (XLA drops it in JAX too)
+        return heads_to_seq(o_h, group), None
     # lse_h: [b, h/U, t] -> [b, h, t/U]: split the sequence, gather the heads.
     lse = heads_to_seq(lse_h.transpose(1, 2).unsqueeze(-1), group)[..., 0]
     return heads_to_seq(o_h, group), lse.transpose(1, 2)

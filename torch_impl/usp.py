@@ -16,8 +16,9 @@ from .ulysses import ulysses_attention
 
 
 def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, causal: bool = False,
-                  layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto"):
+                  layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
+                  return_lse: bool = True):
     """Ulysses over ``ulysses_group`` around ring attention over ``ring_group``. Returns (o, lse)."""
     ring = partial(ring_attention, group=ring_group, layout=layout)
     return ulysses_attention(q, k, v, ulysses_group, causal=causal, scale=scale,
-                             block_backend=block_backend, attend=ring)
+                             block_backend=block_backend, attend=ring, return_lse=return_lse)
