@@ -57,3 +57,28 @@ def run_control(case: Case, x: Inputs) -> dict[str, np.ndarray]:
     """Dense attention in the case's own dtype on one device: the low-precision control."""
     fn = jax.jit(lambda q, k, v: jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale))
     return _vjp_results(fn, case, x)
+
+
+def measure_attention_traffic(case: Case, *, return_lse: bool = True):
+    """Per-device collectives of the compiled forward and forward+backward programs (``Traffic``),
+    for a loss that uses o and (when returned) lse."""
+    from .hlo import split_passes
+
+    mesh = make_mesh(case)
+    dtype = jnp.dtype(case.dtype)
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.head_dim), dtype)
+
+    def attention(q, k, v):
+        out = jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=case.causal, layout=case.layout,
+                                                   scale=case.scale, return_lse=return_lse)
+        return out if return_lse else (out, None)
+
+    def forward_backward(q, k, v, do, dlse):  # cotangents are inputs and outputs are kept, as in
+        out, vjp = jax.vjp(attention, q, k, v)  # training (else XLA drops the output all-to-alls)
+        return out, vjp((do, dlse))
+
+    lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq), jnp.float32) if return_lse else None
+    fwd = jax.jit(attention).lower(q, kv, kv).compile().as_text()
+    both = jax.jit(forward_backward).lower(q, kv, kv, q, lse).compile().as_text()
+    return split_passes(fwd, both)

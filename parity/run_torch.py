@@ -113,3 +113,43 @@ def run_control(case: Case, x: Inputs) -> dict[str, np.ndarray]:
                                        torch.tensor(x.dlse, dtype=torch.float32)))
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return {n: t.detach().double().numpy() for n, t in out.items()}
+
+
+def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
+    """Runs on every rank: forward and backward of random shards under the comm tracer;
+    returns this rank's traffic rows."""
+    import torch
+
+    import torch_impl
+
+    from .torch_trace import CommTracer
+
+    mesh = _mesh(device_type, tuple(case.mesh_axes.items()))
+    sizes = case.mesh_axes
+    b = case.batch // sizes.get("data", 1)
+    t = case.seq // (sizes.get("ring", 1) * sizes.get("ulysses", 1))
+    dtype = getattr(torch, case.dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    q = torch.randn(b, t, case.heads, case.head_dim, device=device).to(dtype).requires_grad_()
+    k, v = (torch.randn(b, t, case.kv_heads, case.head_dim, device=device).to(dtype).requires_grad_() for _ in range(2))
+    with CommTracer() as tracer:
+        out = torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=case.causal, layout=case.layout,
+                                                     scale=case.scale, return_lse=return_lse)
+        outputs = out if return_lse else (out,)
+        with tracer.phase("bwd"):
+            torch.autograd.backward(outputs, [torch.randn_like(x) for x in outputs])
+    return tracer.traffic.rows()
+
+
+def measure_attention_traffic(case: Case, *, devices: str = "cpu", return_lse: bool = True):
+    """Per-device ``Traffic`` of torch_impl for ``case``; every rank must report the same."""
+    from .accounting import Traffic
+
+    backend, device_type = ("nccl", "cuda") if devices == "gpu" else ("gloo", "cpu")
+    per_rank = get_world(case.devices, backend).run(traffic_task, case, device_type, return_lse)
+    if any(rows != per_rank[0] for rows in per_rank):
+        raise AssertionError(f"ranks moved different traffic: {per_rank}")
+    traffic = Traffic()
+    for (pass_, kind), (calls, nbytes) in per_rank[0].items():
+        traffic.add(pass_, kind, nbytes, calls)
+    return traffic
