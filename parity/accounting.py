@@ -18,7 +18,7 @@ from fractions import Fraction
 
 from .cases import Case
 
-PASSES = ("fwd", "bwd")
+PASSES = ("fwd", "bwd", "step")  # step: the optimizer step (ZeRO-1 parameter all-gather)
 KINDS = ("p2p", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
