@@ -83,7 +83,7 @@ def attention_traffic(case: Case, *, return_lse: bool = True) -> Traffic:
         tokens = case.seq // (ring * uly)  # per device, before the all-to-all
         q_buf, kv_buf, lse_buf = b * tokens * case.heads * d * e, b * tokens * kv_heads * d * e, b * tokens * case.heads * 4
         buffers = [q_buf, kv_buf, kv_buf, q_buf] + ([lse_buf] if return_lse else [])
-        for pass_ in PASSES:
+        for pass_ in ("fwd", "bwd"):  # each all-to-all and its transpose
             for buf in buffers:
                 t.add(pass_, "all-to-all", a2a_bytes(buf, uly))
     if ring > 1:
