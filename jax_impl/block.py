@@ -70,16 +70,10 @@ def _scores(q, k, scale):
     return s * jnp.asarray(scale, F32)
 
 
-def _heads_last(x, b, t, h):
-    """[b, hk, g, t] -> [b, h, t]."""
-    return x.reshape(b, h, t)
-
-
 def reference_block_fwd(q, k, v, mask: Mask, scale: float):
     """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
     strict mask on row 0), which the LSE merge treats as an empty partial."""
     b, t, h, d = q.shape
-    hk = k.shape[2]
     s = _scores(q, k, scale)
     visible = _mask_matrix(mask, t, k.shape[1])
     if visible is not None:
@@ -92,7 +86,7 @@ def reference_block_fwd(q, k, v, mask: Mask, scale: float):
     lse = jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
     p = p / jnp.where(has_key, denom, 1.0)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(F32), precision=_PRECISION)
-    return o.reshape(b, t, h, d), _heads_last(lse[..., 0], b, t, h)
+    return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
 
 
 def reference_block_bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):

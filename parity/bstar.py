@@ -81,7 +81,7 @@ def _coefficients(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: floa
         flops = sum(ffn_step_flops(step)[p] for p in passes)
         return bx, by, flops
 
-    (bx1, by1, f1), (bx2, by2, f2) = measure(1), measure(2)
+    (bx1, by1, f1), (_, by2, f2) = measure(1), measure(2)  # weight bytes do not grow with B
     if not ch.ring_factor:
         bx1 *= x / (x - 1) if x > 1 else 1
         by1, by2 = (b * (y / (y - 1) if y > 1 else 1) for b in (by1, by2))
@@ -110,12 +110,13 @@ def optimal_split(d_model: int, d_ff: int, devices: float, m_x: float, m_y: floa
     """The Y (TP size, X = N/Y) minimising the global B*, treating Y as continuous and without
     the ring factor (as the Scaling Book's closed forms do): ternary search on log Y over [1, N].
     ``choices.ring_factor`` is ignored here."""
+    # Without the ring factor a, c scale exactly as 1/Y and y_coef not at all: take them at
+    # X = Y = 2 once and rescale, so that Y may be continuous.
+    a2, c2, yc = _coefficients(d_model, d_ff, 2, 2, m_x, m_y, hw, replace(choices, ring_factor=False))
+
     def global_b(log_y: float) -> float:
         y = math.exp(log_y)
-        # a, c, y_coef scale exactly as 1/Y, 1/Y, 1 with the ring factor off; evaluate at Y=1
-        # and rescale so that a continuous Y is allowed.
-        a, c, yc = _coefficients(d_model, d_ff, 2, 2, m_x, m_y, hw, replace(choices, ring_factor=False))
-        a, c = a * 2 / y, c * 2 / y
+        a, c = a2 * 2 / y, c2 * 2 / y
         b = (c / a if a >= yc else math.inf) if choices.overlap == "max" else (c / (a - yc) if a > yc else math.inf)
         return b * devices / y
 

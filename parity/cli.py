@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import numpy as np
 
 from .cases import Case, full_matrix, pairwise_matrix
 from .compare import compare, compare_frameworks
+from .devices import configure_jax_devices
 from .inputs import TENSORS, make_inputs, oracle
 
 FRAMEWORKS = ("jax", "torch")
@@ -59,18 +59,6 @@ class CaseResult:
         return {"case": self.case.to_dict(), "status": self.status,
                 "sides": {f: side(s) for f, s in self.sides.items()},
                 "jax_vs_torch": side(self.cross) if self.cross else None}
-
-
-def _setup_devices(devices: str) -> None:
-    """CPU: 8 simulated JAX devices (must happen before JAX starts). GPU: JAX must not grab the
-    memory the torch worker processes need."""
-    if devices == "cpu":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    else:
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def load_runner(framework: str):
@@ -197,7 +185,7 @@ def main(argv=None) -> int:
         return 0
     if not cases:
         parser.error(f"no case matches --filter {args.filter!r} (see `python -m parity list`)")
-    _setup_devices(args.devices)
+    configure_jax_devices(args.devices)
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     print(f"ringbridge parity: {len(cases)} cases x {frameworks} on {args.devices}, seed {seed} "
           f"(reproduce with --seed {seed})")

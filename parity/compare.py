@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .cases import Case
 from .inputs import TENSORS
 from .numerics import TensorCheck, check_tensor
@@ -18,8 +20,6 @@ def compare_frameworks(case: Case, jax_checks: list[TensorCheck], torch_checks: 
                        jax_out: dict, torch_out: dict) -> list[TensorCheck]:
     """JAX vs torch on identical inputs: their difference may not exceed the sum of what the
     policy allows each of them against the oracle (same metric as the policy uses)."""
-    import numpy as np
-
     checks = []
     for a, b in zip(jax_checks, torch_checks):
         x, y = np.asarray(jax_out[a.name], np.float64), np.asarray(torch_out[a.name], np.float64)

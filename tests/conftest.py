@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+from parity.devices import configure_jax_devices
+
+configure_jax_devices("cpu")  # before JAX is imported anywhere
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

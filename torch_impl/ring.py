@@ -57,19 +57,19 @@ def _ring_loop(group, kv_first, shift: RingShift, visit, after_visit=None):
     swapped; ``after_visit(step)`` may exchange what depends on the step (the backward's dK/dV).
     ``kv_first`` itself is never overwritten: the backward starts from it again."""
     n = axis_size(group)
+    # Steps 1..n-2 each receive the next K/V; alternate between (at most) two buffers.
+    buffers = [tuple(_buffer(x) for x in kv_first) for _ in range(min(n - 2, 2))]
     current = kv_first
-    spare, other = None, None
-    if n > 2:
-        spare, other = tuple(_buffer(x) for x in kv_first), tuple(_buffer(x) for x in kv_first)
     for step in range(1, n):
         shift.wait()
-        if step < n - 1:
-            shift.start(current, spare)
+        incoming = buffers[(step - 1) % 2] if step < n - 1 else None
+        if incoming is not None:
+            shift.start(current, incoming)
         visit(step, *current)
         if after_visit is not None:
             after_visit(step)
-        if step < n - 1:
-            current, spare, other = spare, other, spare
+        if incoming is not None:
+            current = incoming
     shift.wait()
 
 
@@ -142,6 +142,9 @@ def _backward(q, k, v, o, lse, kv_first, do, dlse, group, causal, layout, scale,
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale, backend_name):
+        # An unused output's gradient arrives as None rather than zeros, so the kernels know
+        # there is no lse cotangent without inspecting a tensor (a device sync on GPUs).
+        ctx.set_materialize_grads(False)
         o, lse, kv_first = _forward(q, k, v, group, causal, layout, scale, backend_name)
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, *(kv_first or ()))
