@@ -8,6 +8,14 @@ def _dispatch(argv: list[str]) -> int:
         from .bstar import main as bstar_main
 
         return bstar_main(argv[1:])
+    if argv[:1] == ["accounting"]:
+        from .accounting_check import main as accounting_main
+
+        return accounting_main(argv[1:])
+    if argv[:1] == ["calibrate"]:
+        from .calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     return main(argv)
 
 

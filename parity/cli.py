@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--frameworks", default="jax,torch", help="comma-separated subset of jax,torch")
     parser.add_argument("--out", type=Path, default=Path("parity-report"))
+    parser.add_argument("--no-accounting", action="store_true",
+                        help="skip the closing communication check (python -m parity accounting)")
     args = parser.parse_args(argv)
     frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
     if set(frameworks) - set(FRAMEWORKS) or not frameworks:
@@ -196,8 +198,15 @@ def main(argv=None) -> int:
     from rich.progress import track
 
     start = time.time()
+    mismatches, verdicts = 0, []
     try:
         results = [run_case_everywhere(c, runners, seed, args.devices) for c in track(cases, description="cases")]
+        if not args.no_accounting:
+            from .accounting_check import run_all
+
+            available = [f for f in frameworks if not isinstance(runners[f], str)]
+            limit = min(r.device_count(args.devices) for r in runners.values() if not isinstance(r, str)) if available else 0
+            verdicts = run_all(available, args.devices, args.filter, limit) if available else []
     finally:
         if "torch" in frameworks and not isinstance(runners["torch"], str):
             from .torch_world import close_worlds
@@ -205,8 +214,14 @@ def main(argv=None) -> int:
             close_worlds()
     seconds = time.time() - start
     _print_table(results)
+    if verdicts:
+        from .accounting_check import print_verdicts
+
+        mismatches = print_verdicts(verdicts)
     _write_reports(args.out, results, seed, seconds, args.devices)
     counts = _counts(results)
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
           f"in {seconds:.0f} s; reports in {args.out}/")
-    return 1 if counts["failed"] or not counts["passed"] else 0
+    if verdicts:
+        print(f"communication: {len(verdicts) - mismatches} of {len(verdicts)} configurations equal the model")
+    return 1 if counts["failed"] or not counts["passed"] or mismatches else 0

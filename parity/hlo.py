@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from .accounting import Traffic
+from .accounting import PASSES, Traffic
 
 _ELEMENT_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "pred": 1,
                   "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -46,22 +46,30 @@ def _group_size(line: str) -> int:
 
 
 def _collective(op: str, shape: str, line: str):
-    """(kind, bytes) of one collective instruction, or None if ``op`` is not one."""
-    base = op[: -len("-start")] if op.endswith("-start") else op
+    """(kind, bytes, calls) of one collective instruction, or None if ``op`` is not one or its
+    group is a single device (it moves nothing). A combined collective (XLA's combiner passes
+    merge independent all-reduces, all-gathers, reduce-scatters into one tuple-shaped
+    instruction) counts one call per buffer, as the model does."""
+    start = op.endswith("-start")
+    base = op[: -len("-start")] if start else op
     if base not in _OPS or op.endswith("-done"):
         return None
     sizes = _arrays(shape)
     kind = _OPS[base]
     if kind == "p2p":  # output shape == the buffer sent (-start: the first tuple element)
-        return kind, Fraction(sizes[0])
+        return kind, Fraction(sizes[0]), 1
     n = _group_size(line)
-    if kind == "all-to-all":  # tuple form: one operand per peer; array form: the buffer
-        return kind, Fraction(sum(sizes) * (n - 1), n)
-    if kind == "all-gather":  # (n-1)/n of the gathered output (-start: the last element)
-        return kind, Fraction(sizes[-1] * (n - 1), n)
+    if n == 1:
+        return None
+    if kind == "all-to-all":  # tuple form: one operand per peer of one buffer; array form: the buffer
+        return kind, Fraction(sum(sizes) * (n - 1), n), 1
+    if start and kind in ("all-gather", "reduce-scatter"):  # ((operands), (outputs)): keep the outputs
+        sizes = sizes[len(sizes) // 2:]
+    if kind == "all-gather":  # (n-1)/n of each gathered output
+        return kind, Fraction(sum(sizes) * (n - 1), n), len(sizes)
     if kind == "reduce-scatter":  # input = n x output
-        return kind, Fraction(sizes[-1] * (n - 1))
-    return kind, Fraction(2 * sum(sizes) * (n - 1), n)  # all-reduce
+        return kind, Fraction(sum(sizes) * (n - 1)), len(sizes)
+    return kind, Fraction(2 * sum(sizes) * (n - 1), n), len(sizes)  # all-reduce
 
 
 def _parse(text: str):
@@ -107,8 +115,8 @@ def count_collectives(text: str, pass_: str) -> Traffic:
 
     def visit(name: str, times: int) -> None:
         own, callees = comps.get(name, ([], []))
-        for kind, nbytes in own:
-            traffic.add(pass_, kind, nbytes * times, calls=times)
+        for kind, nbytes, calls in own:
+            traffic.add(pass_, kind, nbytes * times, calls=calls * times)
         for callee, mult in callees:
             if mult == "branch":
                 if _has_collectives(comps, callee):
@@ -129,14 +137,17 @@ def _has_collectives(comps, name, seen=None) -> bool:
     return bool(own) or any(_has_collectives(comps, c, seen) for c, _ in callees)
 
 
-def split_passes(forward_text: str, forward_backward_text: str) -> Traffic:
-    """fwd = the forward program; bwd = (forward + backward program) − forward."""
-    fwd = count_collectives(forward_text, "fwd")
-    total = count_collectives(forward_backward_text, "bwd")
-    out = Traffic()
-    for (p, kind), (calls, nbytes) in fwd.rows().items():
-        out.add("fwd", kind, nbytes, calls)
-        out.add("bwd", kind, -nbytes, -calls)
-    for (p, kind), (calls, nbytes) in total.rows().items():
-        out.add("bwd", kind, nbytes, calls)
+def split_passes(*texts: str) -> Traffic:
+    """Programs that each add one pass to the previous one (forward; forward + backward;
+    forward + backward + optimizer step) → per-pass traffic: pass i = program i − program i−1."""
+    if not 1 <= len(texts) <= len(PASSES):
+        raise ValueError(f"give 1 to {len(PASSES)} programs, one per pass in {PASSES}")
+    out, previous = Traffic(), Traffic()
+    for pass_, text in zip(PASSES, texts):
+        total = count_collectives(text, pass_)
+        for (_, kind), (calls, nbytes) in total.rows().items():
+            out.add(pass_, kind, nbytes, calls)
+        for (_, kind), (calls, nbytes) in previous.rows().items():
+            out.add(pass_, kind, -nbytes, -calls)
+        previous = total
     return out

@@ -15,17 +15,11 @@ pytest.importorskip("jax")
 
 from parity import run_jax  # noqa: E402
 from parity.accounting import Traffic, attention_traffic  # noqa: E402
+from parity.accounting_check import ATTENTION_CONFIGS  # noqa: E402
 from parity.cases import Case  # noqa: E402
 from parity.hlo import count_collectives  # noqa: E402
 
-CONFIGS = [
-    Case(ring=2), Case(ring=4), Case(ring=8), Case(ring=4, layout="stripe", kv_heads=2),
-    Case(ring=8, layout="contiguous", kv_heads=1, causal=False), Case(ring=4, layout="zigzag", head_dim=40),
-    Case(ulysses=2), Case(ulysses=4, kv_heads=2), Case(ulysses=8, kv_heads=1), Case(ulysses=4, kv_heads=8, causal=False),
-    Case(ring=2, ulysses=2), Case(ring=2, ulysses=2, kv_heads=1), Case(ring=2, ulysses=4, kv_heads=2),
-    Case(ring=4, ulysses=2, kv_heads=4, layout="stripe"), Case(ring=2, ulysses=2, data=2, batch=4, kv_heads=2),
-    Case(ring=4, data=2, batch=2), Case(ulysses=2, data=4, batch=4), Case(ring=1, data=8, batch=8),
-]
+CONFIGS = ATTENTION_CONFIGS  # shared with `python -m parity accounting`
 
 
 @pytest.mark.parametrize("return_lse", [True, False], ids=["with-lse", "o-only"])
@@ -79,6 +73,9 @@ ENTRY %main (a: f32[4,8], b: bf16[2,8]) -> f32[16,8] {
   %rs = bf16[1,8]{1,0} reduce-scatter(%b), channel_id=4, replica_groups={{0,1}}, dimensions={0}, to_apply=%add
   %ars = f32[4,8]{1,0} all-reduce-start(%a), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%add
   %ard = f32[4,8]{1,0} all-reduce-done(%ars)
+  %arc = (f32[4,8]{1,0}, bf16[2,8]{1,0}) all-reduce(%a, %b), channel_id=6, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ar1 = f32[4,8]{1,0} all-reduce(%a), channel_id=7, replica_groups={{0},{1},{2},{3}}, to_apply=%add
+  %ags = ((bf16[2,8]{1,0}), bf16[8,8]{1,0}) all-gather-start(%b), channel_id=8, replica_groups=[1,4]<=[4], dimensions={0}
   %w = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %r = f32[16,8]{1,0} copy(%ag)
 }
@@ -87,14 +84,15 @@ ENTRY %main (a: f32[4,8], b: bf16[2,8]) -> f32[16,8] {
 
 def test_hlo_counter_on_a_handwritten_program():
     """Each collective form sized by DESIGN.md's rule; async done not counted; a while body
-    counted trip-count times (3 collective-permutes of 128 B)."""
+    counted trip-count times (3 collective-permutes of 128 B); a combined (tuple) all-reduce is
+    one call per buffer; a group of one device moves nothing; all-gather-start sized by its output."""
     t = count_collectives(HLO, "fwd")
     assert t.rows() == {
         ("fwd", "p2p"): (3, 3 * 128),
         ("fwd", "all-to-all"): (1, 64),  # 128 B buffer, n = 2
-        ("fwd", "all-gather"): (1, 384),  # 512 B gathered, n = 4 -> 3/4
+        ("fwd", "all-gather"): (2, 384 + 96),  # 512 B gathered, n = 4 -> 3/4; start: 128 B output -> 96
         ("fwd", "reduce-scatter"): (1, 16),  # output 16 B, n = 2 -> input 32 B -> 1/2
-        ("fwd", "all-reduce"): (1, 192),  # 128 B, n = 4 -> 2·3/4
+        ("fwd", "all-reduce"): (3, 192 + 128 + 32),  # 128 B, n = 4 -> 2·3/4; combined 128 B + 32 B, n = 2 -> 2·1/2
     }
 
 

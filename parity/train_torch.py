@@ -1,0 +1,181 @@
+"""The FFN training step in torch: FSDP2 ``fully_shard`` and DTensor ``parallelize_module``
+(Colwise W1, Rowwise W2) on the 2-D DeviceMesh ("fsdp", "tp") — gloo on CPU, NCCL on GPUs — and
+explicit DP and ZeRO-1, each traced by ``parity.torch_trace`` per pass (fwd / bwd / step).
+
+- FSDP, FSDP+TP: one ``fully_shard`` unit per Linear (one all-gather and one reduce-scatter per
+  weight matrix, as the model counts), ``MixedPrecisionPolicy(param_dtype=reduce_dtype=dtype)``
+  (float32 sharded master weights, ``dtype`` on the wire), reshard after forward (the backward
+  gathers again), gradient divide factor 1 (the loss is already the global mean's share).
+- TP only, DP, ZeRO-1: a ``dtype`` compute copy of the model and float32 master weights.
+  DP all-reduces each gradient after the backward (DDP would bucket several into one call);
+  ZeRO-1 reduce-scatters each gradient, steps Adam on this rank's float32 row block and
+  all-gathers the updated ``dtype`` weights.
+torch Linear stores W1 as ``w1.weight`` [F, D] = W1ᵀ (and W2 as [D, F]).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .train_reference import TrainCase, TrainInputs
+from .torch_world import get_world
+
+
+def _build(case: TrainCase, inputs: TrainInputs, device):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class FFNBlock(nn.Module):
+        def __init__(self, layer: int):
+            super().__init__()
+            self.w1 = nn.Linear(case.d_model, case.d_ff, bias=False, device=device)
+            self.w2 = nn.Linear(case.d_ff, case.d_model, bias=False, device=device)
+            with torch.no_grad():
+                self.w1.weight.copy_(torch.from_numpy(inputs.w1[layer].T.copy()))
+                self.w2.weight.copy_(torch.from_numpy(inputs.w2[layer].T.copy()))
+
+        def forward(self, x):  # x: [T/X, D]
+            return x + self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+    return nn.Sequential(*[FFNBlock(i) for i in range(case.blocks)])
+
+
+def _full(t):
+    """A full tensor from a DTensor (a collective: call outside the traced region) or a tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def step_task(case: TrainCase, inputs: TrainInputs, device_type: str) -> dict:
+    """Runs on every rank: one traced training step. Rank 0 also returns the full gradients and
+    updated weights; every rank returns its loss share, input gradient and traffic rows."""
+    import copy
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from .run_torch import _mesh
+    from .torch_trace import CommTracer
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, case.dtype)
+    mesh = _mesh(device_type, (("fsdp", case.fsdp), ("tp", case.tp)))
+    fsdp_group = mesh.get_group("fsdp")
+    xi, n_tok = mesh.get_local_rank("fsdp"), case.tokens // case.fsdp
+    model = _build(case, inputs, device)
+    if case.strategy in ("tp", "fsdp_tp"):
+        for block in model:
+            parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    if case.strategy in ("fsdp", "fsdp_tp"):
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        for block in model:
+            fully_shard(block.w1, mesh=mesh["fsdp"], mp_policy=policy)
+            fully_shard(block.w2, mesh=mesh["fsdp"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["fsdp"], mp_policy=policy)
+        for module in model.modules():  # each unit reduces its own gradients: sum, not mean
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        master, compute = list(model.parameters()), None
+    else:
+        master = list(model.parameters())  # float32 (DTensor shards under TP)
+        compute = copy.deepcopy(model).to(dtype)
+        if case.strategy == "zero1":  # this rank's row block of each float32 weight
+            master = [p.detach().chunk(case.fsdp, dim=0)[xi].clone().requires_grad_() for p in master]
+    opt = torch.optim.Adam(master, lr=case.lr, foreach=False)
+    run = compute if compute is not None else model
+
+    x = torch.from_numpy(inputs.x[xi * n_tok:(xi + 1) * n_tok]).to(device, dtype).requires_grad_()
+    y = torch.from_numpy(inputs.y[xi * n_tok:(xi + 1) * n_tok]).to(device)
+    with CommTracer() as tracer:
+        loss = 0.5 * torch.sum(torch.square(run(x).float() - y)) / case.tokens
+        with tracer.phase("bwd"):
+            loss.backward()
+            grads = [p.grad for p in run.parameters()]
+            if case.strategy == "dp":
+                for g in grads:
+                    dist.all_reduce(g, group=fsdp_group)
+            if case.strategy == "zero1":
+                grads = [_reduce_scatter_rows(g, case.fsdp, fsdp_group) for g in grads]
+        with tracer.phase("step"):
+            if compute is not None:
+                for m, g in zip(master, grads):
+                    m.grad = g.float()
+            opt.step()
+            with torch.no_grad():
+                if case.strategy == "zero1":
+                    for p, m in zip(compute.parameters(), master):
+                        _collective("all_gather_single", "all_gather_into_tensor")(p, m.to(dtype).contiguous(),
+                                                                                   group=fsdp_group)
+                elif compute is not None:
+                    for p, m in zip(compute.parameters(), master):
+                        p.copy_(m)
+    out = {"coords": (xi, mesh.get_local_rank("tp")), "loss": float(loss), "dx": x.grad.double().cpu().numpy(),
+           "traffic": tracer.traffic.rows()}
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # 2-D gathers warn
+    full = lambda ts: [_full(t).detach().double().cpu().numpy() for t in ts]  # noqa: E731
+    if case.strategy == "zero1":
+        grads, master = _gather_rows(grads, fsdp_group), _gather_rows(master, fsdp_group)
+    weights = full(p.grad if compute is None else g for p, g in zip(master, grads)), full(master)
+    if dist.get_rank() == 0:
+        out["grads"], out["weights"] = weights
+    return out
+
+
+def _collective(name: str, older: str):
+    """torch ≥ 2.13 names the single-tensor collectives ``*_single`` (the older names warn)."""
+    import torch.distributed as dist
+
+    return getattr(dist, name, None) or getattr(dist, older)
+
+
+def _reduce_scatter_rows(g, n: int, group):
+    import torch
+
+    out = torch.empty((g.shape[0] // n, *g.shape[1:]), dtype=g.dtype, device=g.device)
+    _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, g.contiguous(), group=group)
+    return out
+
+
+def _gather_rows(shards, group):
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for s in shards:
+        full = torch.empty((s.shape[0] * dist.get_world_size(group), *s.shape[1:]), dtype=s.dtype, device=s.device)
+        _collective("all_gather_single", "all_gather_into_tensor")(full, s.detach().contiguous(), group=group)
+        out.append(full)
+    return out
+
+
+def _run(case: TrainCase, inputs: TrainInputs, devices: str) -> list[dict]:
+    backend, device_type = ("nccl", "cuda") if devices == "gpu" else ("gloo", "cpu")
+    return get_world(case.devices, backend).run(step_task, case, inputs, device_type)
+
+
+def run_step(case: TrainCase, inputs: TrainInputs, *, devices: str = "cpu") -> dict[str, np.ndarray]:
+    """One training step; the same keys as ``train_reference.reference_step``."""
+    ranks = _run(case, inputs, devices)
+    first_tp = sorted((r for r in ranks if r["coords"][1] == 0), key=lambda r: r["coords"][0])
+    root = next(r for r in ranks if "grads" in r)
+    g, w = root["grads"], root["weights"]  # per block: w1.weight [F, D], w2.weight [D, F]
+    return {"loss": np.array(sum(r["loss"] for r in first_tp)), "dx": np.concatenate([r["dx"] for r in first_tp]),
+            "dw1": np.stack([a.T for a in g[0::2]]), "dw2": np.stack([a.T for a in g[1::2]]),
+            "new_w1": np.stack([a.T for a in w[0::2]]), "new_w2": np.stack([a.T for a in w[1::2]])}
+
+
+def measure_traffic(case: TrainCase, inputs: TrainInputs, *, devices: str = "cpu"):
+    """Per-device ``Traffic`` of one step; every rank must report the same."""
+    from .accounting import Traffic
+
+    per_rank = [r["traffic"] for r in _run(case, inputs, devices)]
+    if any(rows != per_rank[0] for rows in per_rank):
+        raise AssertionError(f"ranks moved different traffic: {per_rank}")
+    traffic = Traffic()
+    for (pass_, kind), (calls, nbytes) in per_rank[0].items():
+        traffic.add(pass_, kind, nbytes, calls)
+    return traffic
