@@ -36,6 +36,13 @@ def _arrays(shape: str) -> list[int]:
 
 
 def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)  # mesh form: mesh['a'=2,'b'=4] {'b'}
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        n = 1
+        for axis in re.findall(r"'([^']+)'", m.group(2)):
+            n *= sizes[axis]
+        return n
     m = re.search(r"replica_groups=\{\{([0-9,]+)\}", line)
     if m:
         return len(m.group(1).split(","))
@@ -56,15 +63,19 @@ def _collective(op: str, shape: str, line: str):
         return None
     sizes = _arrays(shape)
     kind = _OPS[base]
-    if kind == "p2p":  # output shape == the buffer sent (-start: the first tuple element)
-        return kind, Fraction(sizes[0]), 1
+    if kind == "p2p":  # the buffers sent == the output shape; a tuple (K and V combined) is one call each
+        if start and shape.startswith("(("):  # ((operands), (outputs))
+            sizes = sizes[len(sizes) // 2:]
+        elif start:  # (operand, output, context scalars): the first element
+            sizes = sizes[:1]
+        return kind, Fraction(sum(sizes)), len(sizes)
     n = _group_size(line)
     if n == 1:
         return None
+    if start and shape.startswith("(("):  # ((operands), outputs): keep the outputs
+        sizes = sizes[len(sizes) // 2:]
     if kind == "all-to-all":  # tuple form: one operand per peer of one buffer; array form: the buffer
         return kind, Fraction(sum(sizes) * (n - 1), n), 1
-    if start and kind in ("all-gather", "reduce-scatter"):  # ((operands), (outputs)): keep the outputs
-        sizes = sizes[len(sizes) // 2:]
     if kind == "all-gather":  # (n-1)/n of each gathered output
         return kind, Fraction(sum(sizes) * (n - 1), n), len(sizes)
     if kind == "reduce-scatter":  # input = n x output
@@ -96,8 +107,11 @@ def _parse(text: str):
                 raise ValueError("a while loop without known_trip_count: cannot count its collectives")
             body = re.search(r"body=%?([\w.-]+)", line).group(1)
             comps[current][1].append((body, int(trip.group(1))))
-        elif m.group("op") == "conditional":
-            for name in re.findall(r"%?([\w.-]+)", re.search(r"branch_computations=\{([^}]*)\}", line).group(1)):
+        elif m.group("op") == "conditional":  # branch_computations={a, b} or true_/false_computation=
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            names = re.findall(r"%?([\w.-]+)", branches.group(1)) if branches else \
+                re.findall(r"(?:true|false)_computation=%?([\w.-]+)", line)
+            for name in names:
                 comps[current][1].append((name, "branch"))
         else:
             for key in ("to_apply", "calls"):

@@ -55,6 +55,11 @@ def _remat_policy(prim, *avals, **params) -> bool:
 # assignment and its next CSE then merges the re-gather into the forward's gather — keeping every
 # full weight alive from forward to backward, which is what FSDP exists to avoid. The reference
 # step keeps the barriers (measured on XLA:CPU, jax 0.10: 1 gather per weight without this, 2 with).
+# CPU only: XLA:GPU cannot execute an unexpanded opt-barrier (and keeps the re-gather by itself).
+# On GPUs, XLA's all-reduce combiner concatenates DP's per-matrix gradient all-reduces into one
+# buffer (same bytes, one call; measured jax 0.11.2, H200): the reference step turns it off so it
+# issues the calls the model (and torch's explicit DP) counts.
+GPU_COMPILER_OPTIONS = {"xla_gpu_all_reduce_combine_threshold_bytes": 0}
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
@@ -150,8 +155,9 @@ class Step:
 
     # ---- the three programs ------------------------------------------------------------
     def _shard_map(self, fn, in_specs, out_specs):
+        options = COMPILER_OPTIONS if self.mesh.devices.flat[0].platform == "cpu" else GPU_COMPILER_OPTIONS
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs),
-                       compiler_options=COMPILER_OPTIONS)
+                       compiler_options=options)
 
     def _opt_specs(self, opt_state):
         return optax.tree_map_params(self.opt, lambda _, spec: spec, opt_state, self.master_specs,

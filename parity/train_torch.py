@@ -21,7 +21,8 @@ from .train_reference import TrainCase, TrainInputs
 from .torch_world import get_world
 
 
-def _build(case: TrainCase, inputs: TrainInputs, device):
+def _build(case: TrainCase, inputs: TrainInputs | None, device):
+    """The plain float32 stack; weights from ``inputs`` (or torch's default init when None)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -31,6 +32,8 @@ def _build(case: TrainCase, inputs: TrainInputs, device):
             super().__init__()
             self.w1 = nn.Linear(case.d_model, case.d_ff, bias=False, device=device)
             self.w2 = nn.Linear(case.d_ff, case.d_model, bias=False, device=device)
+            if inputs is None:
+                return
             with torch.no_grad():
                 self.w1.weight.copy_(torch.from_numpy(inputs.w1[layer].T.copy()))
                 self.w2.weight.copy_(torch.from_numpy(inputs.w2[layer].T.copy()))
@@ -46,83 +49,147 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+class _Rig:
+    """One rank's sharded model, float32 master weights, optimizer and compute copy."""
+
+    def __init__(self, case: TrainCase, inputs: TrainInputs | None, device_type: str):
+        import copy
+
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        from .run_torch import _mesh
+
+        self.case = case
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.dtype = dtype = getattr(torch, case.dtype)
+        self.mesh = mesh = _mesh(device_type, (("fsdp", case.fsdp), ("tp", case.tp)))
+        self.fsdp_group = mesh.get_group("fsdp")
+        self.xi = mesh.get_local_rank("fsdp")
+        model = _build(case, inputs, self.device)
+        if case.strategy in ("tp", "fsdp_tp"):
+            for block in model:
+                parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        if case.strategy in ("fsdp", "fsdp_tp"):
+            policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+            for block in model:
+                fully_shard(block.w1, mesh=mesh["fsdp"], mp_policy=policy)
+                fully_shard(block.w2, mesh=mesh["fsdp"], mp_policy=policy)
+            fully_shard(model, mesh=mesh["fsdp"], mp_policy=policy)
+            for module in model.modules():  # each unit reduces its own gradients: sum, not mean
+                if hasattr(module, "set_gradient_divide_factor"):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+            self.master, self.compute = list(model.parameters()), None
+        else:
+            self.master = list(model.parameters())  # float32 (DTensor shards under TP)
+            self.compute = copy.deepcopy(model).to(dtype)
+            if case.strategy == "zero1":  # this rank's row block of each float32 weight
+                self.master = [p.detach().chunk(case.fsdp, dim=0)[self.xi].clone().requires_grad_() for p in self.master]
+        self.opt = torch.optim.Adam(self.master, lr=case.lr, foreach=False)
+        self.run = self.compute if self.compute is not None else model
+
+    def tokens(self, a):
+        """This rank's rows of a [T, D] array."""
+        n = self.case.tokens // self.case.fsdp
+        return a[self.xi * n:(self.xi + 1) * n]
+
+    def step(self, x, y, tracer):
+        """Forward, backward, optimizer step, each pass under ``tracer.phase``; (loss, grads)."""
+        import torch
+        import torch.distributed as dist
+
+        case, group = self.case, self.fsdp_group
+        with tracer.phase("fwd"):
+            loss = 0.5 * torch.sum(torch.square(self.run(x).float() - y)) / case.tokens
+        with tracer.phase("bwd"):
+            loss.backward()
+            grads = [p.grad for p in self.run.parameters()]
+            if case.strategy == "dp":
+                for g in grads:
+                    dist.all_reduce(g, group=group)
+            if case.strategy == "zero1":
+                grads = [_reduce_scatter_rows(g, case.fsdp, group) for g in grads]
+        with tracer.phase("step"):
+            if self.compute is not None:
+                for m, g in zip(self.master, grads):
+                    m.grad = g.float()
+            self.opt.step()
+            with torch.no_grad():
+                if case.strategy == "zero1":
+                    gather = _collective("all_gather_single", "all_gather_into_tensor")
+                    for p, m in zip(self.compute.parameters(), self.master):
+                        gather(p, m.to(self.dtype).contiguous(), group=group)
+                elif self.compute is not None:
+                    for p, m in zip(self.compute.parameters(), self.master):
+                        p.copy_(m)
+        return loss, grads
+
+
 def step_task(case: TrainCase, inputs: TrainInputs, device_type: str) -> dict:
     """Runs on every rank: one traced training step. Rank 0 also returns the full gradients and
     updated weights; every rank returns its loss share, input gradient and traffic rows."""
-    import copy
     import logging
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from .run_torch import _mesh
     from .torch_trace import CommTracer
 
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    dtype = getattr(torch, case.dtype)
-    mesh = _mesh(device_type, (("fsdp", case.fsdp), ("tp", case.tp)))
-    fsdp_group = mesh.get_group("fsdp")
-    xi, n_tok = mesh.get_local_rank("fsdp"), case.tokens // case.fsdp
-    model = _build(case, inputs, device)
-    if case.strategy in ("tp", "fsdp_tp"):
-        for block in model:
-            parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    if case.strategy in ("fsdp", "fsdp_tp"):
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-        for block in model:
-            fully_shard(block.w1, mesh=mesh["fsdp"], mp_policy=policy)
-            fully_shard(block.w2, mesh=mesh["fsdp"], mp_policy=policy)
-        fully_shard(model, mesh=mesh["fsdp"], mp_policy=policy)
-        for module in model.modules():  # each unit reduces its own gradients: sum, not mean
-            if hasattr(module, "set_gradient_divide_factor"):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        master, compute = list(model.parameters()), None
-    else:
-        master = list(model.parameters())  # float32 (DTensor shards under TP)
-        compute = copy.deepcopy(model).to(dtype)
-        if case.strategy == "zero1":  # this rank's row block of each float32 weight
-            master = [p.detach().chunk(case.fsdp, dim=0)[xi].clone().requires_grad_() for p in master]
-    opt = torch.optim.Adam(master, lr=case.lr, foreach=False)
-    run = compute if compute is not None else model
-
-    x = torch.from_numpy(inputs.x[xi * n_tok:(xi + 1) * n_tok]).to(device, dtype).requires_grad_()
-    y = torch.from_numpy(inputs.y[xi * n_tok:(xi + 1) * n_tok]).to(device)
+    rig = _Rig(case, inputs, device_type)
+    x = torch.from_numpy(rig.tokens(inputs.x)).to(rig.device, rig.dtype).requires_grad_()
+    y = torch.from_numpy(rig.tokens(inputs.y)).to(rig.device)
     with CommTracer() as tracer:
-        loss = 0.5 * torch.sum(torch.square(run(x).float() - y)) / case.tokens
-        with tracer.phase("bwd"):
-            loss.backward()
-            grads = [p.grad for p in run.parameters()]
-            if case.strategy == "dp":
-                for g in grads:
-                    dist.all_reduce(g, group=fsdp_group)
-            if case.strategy == "zero1":
-                grads = [_reduce_scatter_rows(g, case.fsdp, fsdp_group) for g in grads]
-        with tracer.phase("step"):
-            if compute is not None:
-                for m, g in zip(master, grads):
-                    m.grad = g.float()
-            opt.step()
-            with torch.no_grad():
-                if case.strategy == "zero1":
-                    for p, m in zip(compute.parameters(), master):
-                        _collective("all_gather_single", "all_gather_into_tensor")(p, m.to(dtype).contiguous(),
-                                                                                   group=fsdp_group)
-                elif compute is not None:
-                    for p, m in zip(compute.parameters(), master):
-                        p.copy_(m)
-    out = {"coords": (xi, mesh.get_local_rank("tp")), "loss": float(loss), "dx": x.grad.double().cpu().numpy(),
+        loss, grads = rig.step(x, y, tracer)
+    out = {"coords": (rig.xi, rig.mesh.get_local_rank("tp")), "loss": float(loss), "dx": x.grad.detach().double().cpu().numpy(),
            "traffic": tracer.traffic.rows()}
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # 2-D gathers warn
     full = lambda ts: [_full(t).detach().double().cpu().numpy() for t in ts]  # noqa: E731
+    master = rig.master
     if case.strategy == "zero1":
-        grads, master = _gather_rows(grads, fsdp_group), _gather_rows(master, fsdp_group)
-    weights = full(p.grad if compute is None else g for p, g in zip(master, grads)), full(master)
+        grads, master = _gather_rows(grads, rig.fsdp_group), _gather_rows(master, rig.fsdp_group)
+    weights = full(p.grad if rig.compute is None else g for p, g in zip(master, grads)), full(master)
     if dist.get_rank() == 0:
         out["grads"], out["weights"] = weights
     return out
+
+
+def timed_step_task(case: TrainCase, device_type: str, warmup: int, iters: int) -> float:
+    """Runs on every rank: median seconds per training step (random weights and tokens)."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from .torch_trace import CommTracer
+
+    rig = _Rig(case, None, device_type)
+    n = case.tokens // case.fsdp
+    x = torch.randn(n, case.d_model, device=rig.device, dtype=rig.dtype, requires_grad=True)
+    y = torch.randn(n, case.d_model, device=rig.device)
+    times, untraced = [], CommTracer()  # never entered: its phases only label
+    for i in range(warmup + iters):
+        for p in rig.master:
+            p.grad = None
+        for p in rig.run.parameters():
+            p.grad = None
+        _sync(device_type)
+        dist.barrier()
+        start = time.perf_counter()
+        rig.step(x, y, untraced)
+        _sync(device_type)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync(device_type: str) -> None:
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _collective(name: str, older: str):

@@ -92,3 +92,28 @@ def test_invalid_training_cases_are_refused():
         TrainCase("fsdp", fsdp=3)
     with pytest.raises(ValueError, match="strategy"):
         TrainCase("ddp")
+
+
+def test_calibrate_measures_a_loadable_profile_and_predicts(tmp_path, worlds):
+    """`python -m parity calibrate` machinery on a gloo world with tiny sizes: a profile with
+    positive C and W for every collective kind that the B* calculator loads, and finite
+    predicted / measured times for the FSDP+TP step and USP attention. (The numbers mean
+    nothing on CPU; the GPU run is in docs/accounting.md.)"""
+    import json
+
+    from parity import calibrate
+    from parity.accounting import KINDS
+    from parity.bstar import Hardware
+
+    result = worlds(2).run(calibrate.profile_task, calibrate.SMALL, "cpu")[0]
+    assert result["flops"] > 0 and set(result["bandwidth"]) == set(KINDS)
+    assert all(w > 0 for w in result["bandwidth"].values())
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "p", "source": "test", "flops": result["flops"],
+                                "bandwidth": result["bandwidth"]}))
+    assert Hardware.load(str(path)).flops == result["flops"]
+    rows = calibrate.predict(calibrate.SMALL, result, "gloo", "cpu")
+    assert len(rows) == 3
+    for r in rows:
+        assert r["measured_s"] > 0 and r["t_math_s"] > 0 and r["t_comm_s"] > 0
+        assert r["predicted_serial_s"] == r["t_math_s"] + r["t_comm_s"]
