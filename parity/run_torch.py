@@ -143,13 +143,8 @@ def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
 
 def measure_attention_traffic(case: Case, *, devices: str = "cpu", return_lse: bool = True):
     """Per-device ``Traffic`` of torch_impl for ``case``; every rank must report the same."""
-    from .accounting import Traffic
+    from .torch_trace import same_on_every_rank
 
     backend, device_type = ("nccl", "cuda") if devices == "gpu" else ("gloo", "cpu")
     per_rank = get_world(case.devices, backend).run(traffic_task, case, device_type, return_lse)
-    if any(rows != per_rank[0] for rows in per_rank):
-        raise AssertionError(f"ranks moved different traffic: {per_rank}")
-    traffic = Traffic()
-    for (pass_, kind), (calls, nbytes) in per_rank[0].items():
-        traffic.add(pass_, kind, nbytes, calls)
-    return traffic
+    return same_on_every_rank(per_rank)

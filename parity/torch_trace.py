@@ -107,3 +107,14 @@ class CommTracer:
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
         self._mode = None
+
+
+def same_on_every_rank(per_rank: list[dict]) -> Traffic:
+    """The ``Traffic`` all ranks reported (``Traffic.rows()`` each); ranks that moved different
+    traffic are an error — the model is per device and the same for all."""
+    if any(rows != per_rank[0] for rows in per_rank):
+        raise AssertionError(f"ranks moved different traffic: {per_rank}")
+    traffic = Traffic()
+    for (pass_, kind), (calls, nbytes) in per_rank[0].items():
+        traffic.add(pass_, kind, nbytes, calls)
+    return traffic

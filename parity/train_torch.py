@@ -237,12 +237,7 @@ def run_step(case: TrainCase, inputs: TrainInputs, *, devices: str = "cpu") -> d
 
 def measure_traffic(case: TrainCase, inputs: TrainInputs, *, devices: str = "cpu"):
     """Per-device ``Traffic`` of one step; every rank must report the same."""
-    from .accounting import Traffic
+    from .torch_trace import same_on_every_rank
 
     per_rank = [r["traffic"] for r in _run(case, inputs, devices)]
-    if any(rows != per_rank[0] for rows in per_rank):
-        raise AssertionError(f"ranks moved different traffic: {per_rank}")
-    traffic = Traffic()
-    for (pass_, kind), (calls, nbytes) in per_rank[0].items():
-        traffic.add(pass_, kind, nbytes, calls)
-    return traffic
+    return same_on_every_rank(per_rank)
