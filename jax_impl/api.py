@@ -17,19 +17,19 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .axes import DATA, RING, ULYSSES
-from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .usp import usp_attention
+from .usp import KV_EXCHANGE, usp_attention
 from .validation import Decomposition, validate
 
 
-def _per_device(algorithm: str, *, layout: str, return_lse: bool, **kw):
+def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
     if algorithm == "usp":
-        return partial(usp_attention, ring_axis=RING, ulysses_axis=ULYSSES, layout=layout, return_lse=return_lse, **kw)
+        return partial(usp_attention, ring_axis=RING, ulysses_axis=ULYSSES, layout=layout, return_lse=return_lse,
+                       kv_exchange=kv_exchange, **kw)
     if algorithm == "ulysses":
         return partial(ulysses_attention, axis_name=ULYSSES, return_lse=return_lse, **kw)
     axis = RING if algorithm == "ring" else None
-    return partial(ring_attention, axis_name=axis, layout=layout, **kw)
+    return partial(KV_EXCHANGE[kv_exchange], axis_name=axis, layout=layout, **kw)
 
 
 def partition_specs(mesh) -> tuple[P, P]:
@@ -59,7 +59,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         layout=layout, kv_exchange=kv_exchange, scale=scale)
     x_spec, lse_spec = partition_specs(mesh)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
-                             block_backend=block_backend, return_lse=return_lse)
+                             block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange)
     if not return_lse:
         attention, per_device = per_device, (lambda q, k, v: attention(q, k, v)[0])
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3,

@@ -69,6 +69,33 @@ def _visit(plan: StepPlan, step, axis_name: str, on_block, state):
     return lax.cond(earlier, branch(plan.from_earlier), branch(plan.from_later), state)
 
 
+def merge_block(backend, scale, q, block: Block, kv, state):
+    """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)``."""
+    k_cur, v_cur = kv
+    o, lse = state
+    o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
+                             _part(v_cur, block.kv_part, 1), block.mask, scale)
+    o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
+    lo, _ = block.q_part.bounds(q.shape[1])
+    if block.q_part is Part.ALL:
+        return o_p, lse_p
+    return (lax.dynamic_update_slice_in_dim(o, o_p, lo, axis=1),
+            lax.dynamic_update_slice_in_dim(lse, lse_p, lo, axis=2))
+
+
+def grad_block(backend, scale, saved, block: Block, kv, state):
+    """Add one block's gradients to ``state = (dq, dk_acc, dv_acc)`` (dk/dv of the visiting
+    ``kv``); ``saved = (q, o, lse, do, dlse)`` of this device."""
+    q, o, lse, do, dlse = saved
+    k_cur, v_cur = kv
+    dq, dk_acc, dv_acc = state
+    qp, kp = block.q_part, block.kv_part
+    dq_b, dk_b, dv_b = backend.bwd(
+        _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
+        _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale, _part(dlse, qp, 2))
+    return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
+
+
 def _ring_loop(axis_name: str, kv_first, state, visit, after_visit=None):
     """Drive steps 1..R-1 from ``kv_first`` (the K/V of step 1): hop K/V ahead of each step's
     compute; ``after_visit`` may emit a collective that depends on the step's result (the
@@ -97,20 +124,8 @@ def _forward(q, k, v, axis_name, causal, layout, scale, backend_name):
     if axis_size(axis_name) == 1:
         return o, lse, None
 
-    def merge_block(block: Block, kv, st):
-        k_cur, v_cur = kv
-        o, lse = st
-        o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
-                                 _part(v_cur, block.kv_part, 1), block.mask, scale)
-        o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
-        lo, _ = block.q_part.bounds(q.shape[1])
-        if block.q_part is Part.ALL:
-            return o_p, lse_p
-        return (lax.dynamic_update_slice_in_dim(o, o_p, lo, axis=1),
-                lax.dynamic_update_slice_in_dim(lse, lse_p, lo, axis=2))
-
     def visit(step, kv, st):
-        return _visit(plan, step, axis_name, lambda blk, s: merge_block(blk, kv, s), st)
+        return _visit(plan, step, axis_name, lambda blk, s: merge_block(backend, scale, q, blk, kv, s), st)
 
     return (*_ring_loop(axis_name, kv_first, (o, lse), visit), kv_first)
 
@@ -121,17 +136,9 @@ def _backward(q, k, v, o, lse, kv_first, do, dlse, axis_name, causal, layout, sc
     if axis_size(axis_name) == 1:
         return dq, dk, dv
 
-    def grad_block(block: Block, kv, st):
-        k_cur, v_cur = kv
-        dq, dk_acc, dv_acc = st
-        qp, kp = block.q_part, block.kv_part
-        dq_b, dk_b, dv_b = backend.bwd(
-            _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
-            _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale, _part(dlse, qp, 2))
-        return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
-
     def visit(step, kv, st):
-        return _visit(plan, step, axis_name, lambda blk, s: grad_block(blk, kv, s), st)
+        return _visit(plan, step, axis_name,
+                      lambda blk, s: grad_block(backend, scale, (q, o, lse, do, dlse), blk, kv, s), st)
 
     def send_dkv(st):  # dK/dV of the shard just visited move on with it; R hops bring them home
         dq, dk_acc, dv_acc = st

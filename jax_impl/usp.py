@@ -11,15 +11,20 @@ from __future__ import annotations
 
 from functools import partial
 
+from .allgather import allgather_attention
 from .axes import RING, ULYSSES
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
+# kv_exchange -> the per-device attention over the ring axis (same signature, same layouts)
+KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
+
 
 def usp_attention(q, k, v, ring_axis: str = RING, ulysses_axis: str = ULYSSES, *, causal: bool = False,
                   layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                  return_lse: bool = True):
-    """Ulysses over ``ulysses_axis`` around ring attention over ``ring_axis``. Returns (o, lse)."""
-    ring = partial(ring_attention, axis_name=ring_axis, layout=layout)
+                  return_lse: bool = True, kv_exchange: str = "ring"):
+    """Ulysses over ``ulysses_axis`` around ring (or all-gather-KV) attention over ``ring_axis``.
+    Returns (o, lse)."""
+    ring = partial(KV_EXCHANGE[kv_exchange], axis_name=ring_axis, layout=layout)
     return ulysses_attention(q, k, v, ulysses_axis, causal=causal, scale=scale,
                              block_backend=block_backend, attend=ring, return_lse=return_lse)

@@ -73,6 +73,8 @@ def attention_traffic(case: Case, *, return_lse: bool = True) -> Traffic:
     Ring (R > 1), on the ring shard of T/R tokens and h/U, max(hk, U)/U heads: forward R-1 hops
     of K and V; backward R-2 hops of K and V (it starts from the forward's first received K/V)
     and R hops of float32 dK and dV.
+    All-gather KV (R > 1): forward one all-gather of K and of V (each (R-1)/R of the gathered R
+    shards); backward one reduce-scatter of float32 dK and of dV over the R shards.
     """
     t = Traffic()
     e = DTYPE_BYTES[case.dtype]
@@ -86,7 +88,11 @@ def attention_traffic(case: Case, *, return_lse: bool = True) -> Traffic:
         for pass_ in ("fwd", "bwd"):  # each all-to-all and its transpose
             for buf in buffers:
                 t.add(pass_, "all-to-all", a2a_bytes(buf, uly))
-    if ring > 1:
+    if ring > 1 and case.kv_exchange == "allgather":  # gather K and V once; reduce-scatter f32 dK, dV
+        shard = b * (case.seq // ring) * (kv_heads // uly) * d
+        t.add("fwd", "all-gather", 2 * (ring - 1) * shard * e, calls=2)
+        t.add("bwd", "reduce-scatter", 2 * (ring - 1) * shard * 4, calls=2)
+    elif ring > 1:
         shard = b * (case.seq // ring) * (kv_heads // uly) * d  # K (or V) elements per ring shard
         t.add("fwd", "p2p", 2 * (ring - 1) * shard * e, calls=2 * (ring - 1))
         t.add("bwd", "p2p", 2 * (ring - 2) * shard * e, calls=2 * (ring - 2))

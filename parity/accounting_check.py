@@ -28,6 +28,8 @@ ATTENTION_CONFIGS = [
     Case(ring=2, ulysses=2), Case(ring=2, ulysses=2, kv_heads=1), Case(ring=2, ulysses=4, kv_heads=2),
     Case(ring=4, ulysses=2, kv_heads=4, layout="stripe"), Case(ring=2, ulysses=2, data=2, batch=4, kv_heads=2),
     Case(ring=4, data=2, batch=2), Case(ulysses=2, data=4, batch=4), Case(ring=1, data=8, batch=8),
+    Case(ring=4, kv_exchange="allgather"), Case(ring=8, layout="stripe", kv_heads=2, kv_exchange="allgather"),
+    Case(ring=2, ulysses=2, kv_heads=1, kv_exchange="allgather"),
 ]
 
 TRAINING_CONFIGS = [

@@ -17,6 +17,7 @@ MESHES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4)
 HEAD_LAYOUTS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # name -> (heads, kv_heads)
 HEAD_DIMS = (16, 40, 64)
 DTYPES = ("float32", "bfloat16")
+KV_EXCHANGES = ("ring", "allgather")  # ring hops, or one all-gather of K/V (jax_impl/allgather.py)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class Case:
         heads = f"h{self.heads}kv{self.kv_heads}"
         mesh = "x".join(f"{a[0]}{n}" for a, n in self.mesh_axes.items())
         scale = "" if self.scale is None else f"-s{self.scale:g}"
-        return (f"{self.strategy}-{mesh}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
+        exchange = "-agkv" if self.kv_exchange == "allgather" else ""  # all-gather KV instead of ring hops
+        return (f"{self.strategy}{exchange}-{mesh}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
                 f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}")
 
     def to_dict(self) -> dict:
@@ -71,28 +73,35 @@ class Case:
 def _factors():
     return {
         "layout": LAYOUTS, "causal": (False, True), "mesh": MESHES,
-        "heads": tuple(HEAD_LAYOUTS), "head_dim": HEAD_DIMS, "dtype": DTYPES,
+        "heads": tuple(HEAD_LAYOUTS), "head_dim": HEAD_DIMS, "dtype": DTYPES, "kv_exchange": KV_EXCHANGES,
     }
+
+
+def _meaningful(values: dict) -> bool:
+    """All-gather KV replaces ring hops: on a mesh without a ring it is the same computation."""
+    return values["kv_exchange"] == "ring" or values["mesh"][0] > 1
 
 
 def _make(values: dict) -> Case:
     ring, ulysses = values["mesh"]
     heads, kv_heads = HEAD_LAYOUTS[values["heads"]]
     return Case(ring=ring, ulysses=ulysses, heads=heads, kv_heads=kv_heads, head_dim=values["head_dim"],
-                layout=values["layout"], causal=values["causal"], dtype=values["dtype"])
+                layout=values["layout"], causal=values["causal"], dtype=values["dtype"],
+                kv_exchange=values["kv_exchange"])
 
 
 def full_matrix() -> list[Case]:
-    """Every combination of the factors (1080 cases)."""
+    """Every meaningful combination of the factors (1728 cases)."""
     f = _factors()
-    return [_make(dict(zip(f, combo))) for combo in itertools.product(*f.values())]
+    combos = (dict(zip(f, combo)) for combo in itertools.product(*f.values()))
+    return [_make(c) for c in combos if _meaningful(c)]
 
 
 def pairwise_matrix() -> list[Case]:
     """Every (layout, causal, mesh) triple once, every pair of factor values at least once."""
     f = _factors()
     names = list(f)
-    combos = [dict(zip(names, c)) for c in itertools.product(*f.values())]
+    combos = [c for c in (dict(zip(names, v)) for v in itertools.product(*f.values())) if _meaningful(c)]
 
     def pairs(c):
         return {((a, c[a]), (b, c[b])) for a, b in itertools.combinations(names, 2)}

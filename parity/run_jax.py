@@ -71,7 +71,8 @@ def measure_attention_traffic(case: Case, *, return_lse: bool = True):
 
     def attention(q, k, v):
         out = jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=case.causal, layout=case.layout,
-                                                   scale=case.scale, return_lse=return_lse)
+                                                   kv_exchange=case.kv_exchange, scale=case.scale,
+                                                   return_lse=return_lse)
         return out if return_lse else (out, None)
 
     def forward_backward(q, k, v, do, dlse):  # cotangents are inputs and outputs are kept, as in

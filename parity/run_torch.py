@@ -134,7 +134,8 @@ def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
     k, v = (torch.randn(b, t, case.kv_heads, case.head_dim, device=device).to(dtype).requires_grad_() for _ in range(2))
     with CommTracer() as tracer:
         out = torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=case.causal, layout=case.layout,
-                                                     scale=case.scale, return_lse=return_lse)
+                                                     kv_exchange=case.kv_exchange, scale=case.scale,
+                                                     return_lse=return_lse)
         outputs = out if return_lse else (out,)
         with tracer.phase("bwd"):
             torch.autograd.backward(outputs, [torch.randn_like(x) for x in outputs])

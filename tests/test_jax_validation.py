@@ -49,7 +49,6 @@ CASES = [
     ("unknown kv_exchange", RING4, _x(), _x(), _x(), {"kv_exchange": "gossip"}, ValueError, "kv_exchange must be one of"),
     ("negative scale", RING4, _x(), _x(), _x(), {"scale": -1.0}, ValueError, "scale must be a finite positive"),
     ("double ring not yet", ((2, 2), ("ring_outer", "ring_inner")), _x(), _x(), _x(), {}, NotImplementedError, "double ring"),
-    ("allgather not yet", RING4, _x(), _x(), _x(), {"kv_exchange": "allgather"}, NotImplementedError, "allgather"),
 ]
 
 

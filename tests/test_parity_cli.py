@@ -19,7 +19,7 @@ from parity.cases import Case  # noqa: E402
 
 def test_cli_runs_both_frameworks_and_writes_reports(tmp_path, jax_devices, worlds, capsys):
     """A filtered run: every case passes for jax, torch and jax-vs-torch; both reports written."""
-    code = cli.main(["--filter", "ring-r2 zigzag", "--seed", "3", "--out", str(tmp_path)])
+    code = cli.main(["--filter", "ring r2 causal", "--seed", "3", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "report.json").read_text())
     assert code == 0, out

@@ -28,8 +28,6 @@ CASES = [
      "layout must be one of"),
     ("negative scale", RING4, (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32, {"scale": -2.0}, "ValueError",
      "scale must be a finite positive"),
-    ("allgather not yet", RING4, (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32, {"kv_exchange": "allgather"},
-     "NotImplementedError", "allgather"),
 ]
 
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 from functools import partial
 
 from .axes import DATA, RING, ULYSSES
-from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .usp import usp_attention
+from .usp import KV_EXCHANGE, usp_attention
 from .validation import Decomposition, validate
 
 _DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -26,14 +25,14 @@ def _dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
 
 
-def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, **kw):
+def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
     if algorithm == "usp":
         return partial(usp_attention, ring_group=mesh.get_group(RING), ulysses_group=mesh.get_group(ULYSSES),
-                       layout=layout, return_lse=return_lse, **kw)
+                       layout=layout, return_lse=return_lse, kv_exchange=kv_exchange, **kw)
     if algorithm == "ulysses":
         return partial(ulysses_attention, group=mesh.get_group(ULYSSES), return_lse=return_lse, **kw)
     group = mesh.get_group(RING) if algorithm == "ring" else None
-    return partial(ring_attention, group=group, layout=layout, **kw)
+    return partial(KV_EXCHANGE[kv_exchange], group=group, layout=layout, **kw)
 
 
 def global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
@@ -56,6 +55,6 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(_dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
-                             block_backend=block_backend, return_lse=return_lse)
+                             block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange)
     o, lse = per_device(q, k, v)
     return (o, lse) if return_lse else o

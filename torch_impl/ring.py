@@ -46,6 +46,40 @@ def _block_for_step(plan: StepPlan, step: int, rank: int) -> Block | None:
     return plan.from_earlier if step <= rank else plan.from_later
 
 
+def merge_block(backend, scale, q, block: Block | None, kv, state) -> None:
+    """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)`` in place."""
+    if block is None:
+        return
+    (k_cur, v_cur), (o, lse) = kv, state
+    o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
+                             _part(v_cur, block.kv_part, 1), block.mask, scale)
+    o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
+    _part(o, block.q_part, 1).copy_(o_p)
+    _part(lse, block.q_part, 2).copy_(lse_p)
+
+
+def grad_block(backend, scale, saved, block: Block | None, kv):
+    """(dq, dk, dv) of one block against the visiting ``kv`` (None for a skipped block);
+    ``saved = (q, o, lse, do, dlse)`` of this rank."""
+    if block is None:
+        return None
+    (q, o, lse, do, dlse), (k_cur, v_cur) = saved, kv
+    qp, kp = block.q_part, block.kv_part
+    return backend.bwd(_part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
+                       _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale,
+                       None if dlse is None else _part(dlse, qp, 2))
+
+
+def _add_grads(block: Block | None, grads, dq, dkv) -> None:
+    """dq[q_part] += dq_b; dk, dv (of the visiting shard)[kv_part] += dk_b, dv_b — in place."""
+    if grads is None:
+        return
+    dq_b, dk_b, dv_b = grads
+    _part(dq, block.q_part, 1).add_(dq_b)
+    _part(dkv[0], block.kv_part, 1).add_(dk_b)
+    _part(dkv[1], block.kv_part, 1).add_(dv_b)
+
+
 def _buffer(x):
     """A contiguous receive buffer like ``x`` (``empty_like`` would copy x's strides)."""
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -89,14 +123,7 @@ def _forward(q, k, v, group, causal, layout, scale, backend_name):
     rank = dist.get_group_rank(group, dist.get_rank())
 
     def visit(step, k_cur, v_cur):
-        block = _block_for_step(plan, step, rank)
-        if block is None:
-            return
-        o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
-                                 _part(v_cur, block.kv_part, 1), block.mask, scale)
-        o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
-        _part(o, block.q_part, 1).copy_(o_p)
-        _part(lse, block.q_part, 2).copy_(lse_p)
+        merge_block(backend, scale, q, _block_for_step(plan, step, rank), (k_cur, v_cur), (o, lse))
 
     _ring_loop(group, kv_first, shift, visit)
     return o, lse, kv_first
@@ -115,19 +142,9 @@ def _backward(q, k, v, o, lse, kv_first, do, dlse, group, causal, layout, scale,
 
     def visit(step, k_cur, v_cur):
         block = _block_for_step(plan, step, rank)
-        contribution = None
-        if block is not None:
-            qp, kp = block.q_part, block.kv_part
-            contribution = backend.bwd(
-                _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
-                _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale,
-                None if dlse is None else _part(dlse, qp, 2))
+        grads = grad_block(backend, scale, (q, o, lse, do, dlse), block, (k_cur, v_cur))
         dkv_shift.wait()  # the visiting shard's dK/dV accumulator has arrived in ``acc``
-        if contribution is not None:
-            dq_b, dk_b, dv_b = contribution
-            _part(dq, qp, 1).add_(dq_b)
-            _part(acc[0], kp, 1).add_(dk_b)
-            _part(acc[1], kp, 1).add_(dv_b)
+        _add_grads(block, grads, dq, acc)
 
     def send_dkv(step):
         nonlocal acc, spare

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 from functools import partial
 
+from .allgather import allgather_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
+
+# kv_exchange -> the per-rank attention over the ring group (same signature, same layouts)
+KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
 
 
 def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, causal: bool = False,
                   layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                  return_lse: bool = True):
-    """Ulysses over ``ulysses_group`` around ring attention over ``ring_group``. Returns (o, lse)."""
-    ring = partial(ring_attention, group=ring_group, layout=layout)
+                  return_lse: bool = True, kv_exchange: str = "ring"):
+    """Ulysses over ``ulysses_group`` around ring (or all-gather-KV) attention over ``ring_group``.
+    Returns (o, lse)."""
+    ring = partial(KV_EXCHANGE[kv_exchange], group=ring_group, layout=layout)
     return ulysses_attention(q, k, v, ulysses_group, causal=causal, scale=scale,
                              block_backend=block_backend, attend=ring, return_lse=return_lse)

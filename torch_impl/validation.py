@@ -64,8 +64,6 @@ def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str
     if RING_OUTER in mesh_sizes or RING_INNER in mesh_sizes:
         raise NotImplementedError(
             f"the double ring ({RING_OUTER!r} x {RING_INNER!r}) is not implemented yet; use {RING!r}")
-    if kv_exchange == "allgather":
-        raise NotImplementedError("kv_exchange='allgather' is not implemented yet; use 'ring'")
 
     data, ring, ulysses = (int(mesh_sizes.get(a, 1)) for a in (DATA, RING, ULYSSES))
     if b % data:
