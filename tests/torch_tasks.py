@@ -42,3 +42,13 @@ def rank_task_with_local_causal_mask(case, x, device_type, block_backend):
         return rank_task(case, x, device_type, block_backend)
     finally:
         ring.step_plan = real
+
+
+def rank0_fails_before_a_collective() -> None:
+    """Rank 0 raises; every other rank enters an all-reduce that rank 0 never joins."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise ValueError("rank 0 refuses its input")
+    dist.all_reduce(torch.ones(4))
