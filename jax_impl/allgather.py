@@ -16,17 +16,14 @@ one shard in flight instead but needs R-1 dependent hops.
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .axes import RING
 from .block import get_backend
-from .comm import axis_size
+from .comm import axis_size, gather_shards, scatter_shard_sums
 from .layouts import step_plan
-from .ring import _visit, grad_block, merge_block
+from .ring import _visit, attention_with_vjp, grad_block, merge_block
 
 F32 = jnp.float32
 
@@ -60,7 +57,7 @@ def _steps(axis_name, n: int, t: int, kv_all, state, on_block, plan):
 def _forward(q, k, v, axis_name, causal, layout, scale, backend_name):
     backend, plan = get_backend(backend_name), step_plan(layout, causal)
     n = axis_size(axis_name)
-    kv_all = lax.all_gather((k, v), axis_name, axis=1, tiled=True) if n > 1 else None
+    kv_all = (gather_shards(k, axis_name), gather_shards(v, axis_name)) if n > 1 else None
     o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V
     if n == 1:
         return o, lse, None
@@ -87,27 +84,8 @@ def _backward(q, k, v, o, lse, kv_all, do, dlse, axis_name, causal, layout, scal
                 lax.dynamic_update_slice_in_dim(dv_all, dv_s, src * t, axis=1))
 
     dq, dk_all, dv_all = _steps(axis_name, n, t, kv_all, (dq, *dkv_all), on_block, plan)
-    dk, dv = (lax.psum_scatter(x, axis_name, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
+    dk, dv = scatter_shard_sums(dk_all, axis_name), scatter_shard_sums(dv_all, axis_name)
     return dq, dk, dv
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _allgather(q, k, v, axis_name, causal, layout, scale, backend_name):
-    o, lse, _ = _forward(q, k, v, axis_name, causal, layout, scale, backend_name)
-    return o.astype(q.dtype), lse
-
-
-def _allgather_fwd(q, k, v, axis_name, causal, layout, scale, backend_name):
-    o, lse, kv_all = _forward(q, k, v, axis_name, causal, layout, scale, backend_name)
-    o = o.astype(q.dtype)
-    return (o, lse), (q, k, v, o, lse, kv_all)
-
-
-def _allgather_bwd(axis_name, causal, layout, scale, backend_name, residuals, cotangents):
-    q, k, v, o, lse, kv_all = residuals
-    do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, o, lse, kv_all, do, dlse, axis_name, causal, layout, scale, backend_name)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-_allgather.defvjp(_allgather_fwd, _allgather_bwd)
+_allgather = attention_with_vjp(_forward, _backward)

@@ -27,3 +27,13 @@ def seq_to_heads(x, axis_name: str):
 def heads_to_seq(x, axis_name: str):
     """Inverse Ulysses all-to-all: [b, t, h/U, d] -> [b, t/U, h, d]."""
     return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def gather_shards(x, axis_name: str):
+    """All-gather along the sequence axis: [b, t/R, ...] -> [b, t, ...] (shard r at rows r·t/R)."""
+    return lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+
+def scatter_shard_sums(x_all, axis_name: str):
+    """Reduce-scatter along the sequence axis: [b, t, ...] summed over devices -> [b, t/R, ...]."""
+    return lax.psum_scatter(x_all, axis_name, scatter_dimension=1, tiled=True)

@@ -147,23 +147,29 @@ def _backward(q, k, v, o, lse, kv_first, do, dlse, axis_name, causal, layout, sc
     return _ring_loop(axis_name, kv_first, send_dkv((dq, dk, dv)), visit, after_visit=send_dkv)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _ring(q, k, v, axis_name, causal, layout, scale, backend_name):
-    o, lse, _ = _forward(q, k, v, axis_name, causal, layout, scale, backend_name)
-    return o.astype(q.dtype), lse
+def attention_with_vjp(forward, backward):
+    """A differentiable ``(q, k, v, axis_name, causal, layout, scale, backend_name) -> (o, lse)``
+    from ``forward(q, k, v, *config) -> (o, lse, extra)`` and ``backward(q, k, v, o, lse, extra,
+    do, dlse, *config) -> (dq, dk, dv)``: ``extra`` (K/V the forward received) is saved for the
+    backward. Shared by ring attention and all-gather-KV attention."""
+
+    @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+    def attention(q, k, v, axis_name, causal, layout, scale, backend_name):
+        o, lse, _ = forward(q, k, v, axis_name, causal, layout, scale, backend_name)
+        return o.astype(q.dtype), lse
+
+    def attention_fwd(q, k, v, axis_name, causal, layout, scale, backend_name):
+        o, lse, extra = forward(q, k, v, axis_name, causal, layout, scale, backend_name)
+        o = o.astype(q.dtype)
+        return (o, lse), (q, k, v, o, lse, extra)
+
+    def attention_bwd(axis_name, causal, layout, scale, backend_name, residuals, cotangents):
+        q, k, v, o, lse, extra = residuals
+        dq, dk, dv = backward(q, k, v, o, lse, extra, *cotangents, axis_name, causal, layout, scale, backend_name)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
 
 
-def _ring_fwd(q, k, v, axis_name, causal, layout, scale, backend_name):
-    o, lse, kv_first = _forward(q, k, v, axis_name, causal, layout, scale, backend_name)
-    o = o.astype(q.dtype)
-    return (o, lse), (q, k, v, o, lse, kv_first)
-
-
-def _ring_bwd(axis_name, causal, layout, scale, backend_name, residuals, cotangents):
-    q, k, v, o, lse, kv_first = residuals
-    do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, o, lse, kv_first, do, dlse, axis_name, causal, layout, scale, backend_name)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ring = attention_with_vjp(_forward, _backward)

@@ -61,19 +61,16 @@ def _collective(op: str, shape: str, line: str):
     base = op[: -len("-start")] if start else op
     if base not in _OPS or op.endswith("-done"):
         return None
-    sizes = _arrays(shape)
-    kind = _OPS[base]
-    if kind == "p2p":  # the buffers sent == the output shape; a tuple (K and V combined) is one call each
-        if start and shape.startswith("(("):  # ((operands), (outputs))
-            sizes = sizes[len(sizes) // 2:]
-        elif start:  # (operand, output, context scalars): the first element
-            sizes = sizes[:1]
+    kind, sizes = _OPS[base], _arrays(shape)
+    if start and shape.startswith("(("):  # ((operands), outputs): keep the outputs
+        sizes = sizes[len(sizes) // 2:]
+    elif start and kind == "p2p":  # (operand, output, context scalars): the buffer sent
+        sizes = sizes[:1]
+    if kind == "p2p":  # the buffers sent; a tuple (K and V combined) is one call each
         return kind, Fraction(sum(sizes)), len(sizes)
     n = _group_size(line)
     if n == 1:
         return None
-    if start and shape.startswith("(("):  # ((operands), outputs): keep the outputs
-        sizes = sizes[len(sizes) // 2:]
     if kind == "all-to-all":  # tuple form: one operand per peer of one buffer; array form: the buffer
         return kind, Fraction(sum(sizes) * (n - 1), n), 1
     if kind == "all-gather":  # (n-1)/n of each gathered output

@@ -100,6 +100,8 @@ class _Rig:
         import torch
         import torch.distributed as dist
 
+        from torch_impl.comm import gather_shards
+
         case, group = self.case, self.fsdp_group
         with tracer.phase("fwd"):
             loss = 0.5 * torch.sum(torch.square(self.run(x).float() - y)) / case.tokens
@@ -118,9 +120,8 @@ class _Rig:
             self.opt.step()
             with torch.no_grad():
                 if case.strategy == "zero1":
-                    gather = _collective("all_gather_single", "all_gather_into_tensor")
                     for p, m in zip(self.compute.parameters(), self.master):
-                        gather(p, m.to(self.dtype).contiguous(), group=group)
+                        p.copy_(gather_shards(m.to(self.dtype), group).reshape(p.shape))
                 elif self.compute is not None:
                     for p, m in zip(self.compute.parameters(), self.master):
                         p.copy_(m)
@@ -192,31 +193,17 @@ def _sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
-def _collective(name: str, older: str):
-    """torch ≥ 2.13 names the single-tensor collectives ``*_single`` (the older names warn)."""
-    import torch.distributed as dist
-
-    return getattr(dist, name, None) or getattr(dist, older)
-
-
 def _reduce_scatter_rows(g, n: int, group):
-    import torch
+    """This rank's row block of the sum over ranks of ``g`` (rows split into n blocks)."""
+    from torch_impl.comm import scatter_shard_sums
 
-    out = torch.empty((g.shape[0] // n, *g.shape[1:]), dtype=g.dtype, device=g.device)
-    _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, g.contiguous(), group=group)
-    return out
+    return scatter_shard_sums(g.reshape(n, g.shape[0] // n, *g.shape[1:]), group)
 
 
 def _gather_rows(shards, group):
-    import torch
-    import torch.distributed as dist
+    from torch_impl.comm import gather_shards
 
-    out = []
-    for s in shards:
-        full = torch.empty((s.shape[0] * dist.get_world_size(group), *s.shape[1:]), dtype=s.dtype, device=s.device)
-        _collective("all_gather_single", "all_gather_into_tensor")(full, s.detach().contiguous(), group=group)
-        out.append(full)
-    return out
+    return [gather_shards(s.detach(), group).reshape(-1, *s.shape[1:]) for s in shards]
 
 
 def _run(case: TrainCase, inputs: TrainInputs, devices: str) -> list[dict]:

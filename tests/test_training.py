@@ -116,4 +116,3 @@ def test_calibrate_measures_a_loadable_profile_and_predicts(tmp_path, worlds):
     assert len(rows) == 3
     for r in rows:
         assert r["measured_s"] > 0 and r["t_math_s"] > 0 and r["t_comm_s"] > 0
-        assert r["predicted_serial_s"] == r["t_math_s"] + r["t_comm_s"]

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from .block import get_backend
-from .comm import axis_size
+from .comm import axis_size, gather_shards, scatter_shard_sums
 from .layouts import step_plan
-from .ring import _block_for_step, _add_grads, grad_block, merge_block
+from .ring import _add_grads, _block_for_step, attention_with_vjp, grad_block, merge_block
 
 F32 = torch.float32
 
@@ -31,34 +31,14 @@ def allgather_attention(q, k, v, group=None, *, causal: bool = False, layout: st
     """All-gather-KV attention over process group ``group`` (``None``: one rank). Inputs are this
     rank's ring shard in layout order. Returns ``(o, lse)``; differentiable through autograd."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _AllGatherAttention.apply(q, k, v, group, causal, layout, scale, block_backend)
-
-
-def _collective(name: str, older: str):
-    """torch ≥ 2.13 names the single-tensor collectives ``*_single``; older releases do not."""
-    return getattr(dist, name, None) or getattr(dist, older)
-
-
-def _gather_start(x, group):
-    """([R, *x.shape] output, async work) of an all-gather of ``x`` over ``group``."""
-    n = axis_size(group)
-    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _collective("all_gather_single", "all_gather_into_tensor")(out, x.contiguous(), group=group, async_op=True)
-    return out.view(n, *x.shape), work
-
-
-def _reduce_scatter(x_all, group):
-    """Sum over ranks of ``x_all: [R, ...]``, this rank's slice ``[...]``."""
-    out = torch.empty(x_all.shape[1:], dtype=x_all.dtype, device=x_all.device)
-    _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x_all.reshape(-1, *x_all.shape[2:]), group=group)
-    return out
+    return _allgather(q, k, v, group, causal, layout, scale, block_backend)
 
 
 def _forward(q, k, v, group, causal, layout, scale, backend_name):
     backend, plan = get_backend(backend_name), step_plan(layout, causal)
     n = axis_size(group)
     if n > 1:
-        (k_all, k_work), (v_all, v_work) = _gather_start(k, group), _gather_start(v, group)
+        (k_all, k_work), (v_all, v_work) = (gather_shards(x, group, async_op=True) for x in (k, v))
     o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V, while K/V gather
     if n == 1:
         return o, lse, None
@@ -85,23 +65,7 @@ def _backward(q, k, v, o, lse, kv_all, do, dlse, group, causal, layout, scale, b
         block = _block_for_step(plan, step, rank)
         grads = grad_block(backend, scale, (q, o, lse, do, dlse), block, (kv_all[0][src], kv_all[1][src]))
         _add_grads(block, grads, dq, (dk_all[src], dv_all[src]))
-    return dq, _reduce_scatter(dk_all, group), _reduce_scatter(dv_all, group)
+    return dq, scatter_shard_sums(dk_all, group), scatter_shard_sums(dv_all, group)
 
 
-class _AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, backend_name):
-        ctx.set_materialize_grads(False)  # as in ring: an unused lse arrives as None
-        o, lse, kv_all = _forward(q, k, v, group, causal, layout, scale, backend_name)
-        o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse, *(kv_all or ()))
-        ctx.config = (group, causal, layout, scale, backend_name)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse, *kv_all = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
-        dq, dk, dv = _backward(q, k, v, o, lse, tuple(kv_all) or None, do, dlse, *ctx.config)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+_allgather = attention_with_vjp(_forward, _backward)

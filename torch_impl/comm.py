@@ -79,3 +79,26 @@ def seq_to_heads(x, group):
 def heads_to_seq(x, group):
     """Inverse Ulysses all-to-all: [b, t, h/U, d] -> [b, t/U, h, d]."""
     return _all_to_all(x, group, split_dim=1, concat_dim=2)
+
+
+def _single(name: str, older: str):
+    """torch ≥ 2.13 names the single-tensor collectives ``*_single`` (the older names warn)."""
+    return getattr(dist, name, None) or getattr(dist, older)
+
+
+def gather_shards(x, group, async_op: bool = False):
+    """All-gather: every rank's ``x`` stacked in rank order, ``[R, *x.shape]`` (with ``async_op``,
+    ``(result, work)``: wait on ``work`` before reading the result)."""
+    n = axis_size(group)
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _single("all_gather_single", "all_gather_into_tensor")(out, x.contiguous(), group=group, async_op=async_op)
+    out = out.view(n, *x.shape)
+    return (out, work) if async_op else out
+
+
+def scatter_shard_sums(x_all, group):
+    """Reduce-scatter: ``x_all: [R, ...]`` summed over ranks; this rank's slice ``[...]``."""
+    out = torch.empty(x_all.shape[1:], dtype=x_all.dtype, device=x_all.device)
+    _single("reduce_scatter_single", "reduce_scatter_tensor")(out, x_all.reshape(-1, *x_all.shape[2:]).contiguous(),
+                                                              group=group)
+    return out

@@ -33,7 +33,7 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, layout: str = "
     float32 [b, h, t/R]. Differentiable through torch.autograd (o and lse).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, causal, layout, scale, block_backend)
+    return _ring(q, k, v, group, causal, layout, scale, block_backend)
 
 
 def _part(x, part: Part, dim: int):
@@ -156,22 +156,36 @@ def _backward(q, k, v, o, lse, kv_first, do, dlse, group, causal, layout, scale,
     return dq, acc[0], acc[1]
 
 
-class _RingAttention(torch.autograd.Function):
+class _Attention(torch.autograd.Function):
+    """Autograd for a (forward, backward) pair; see :func:`attention_with_vjp`."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, backend_name):
+    def forward(ctx, forward, backward, q, k, v, group, causal, layout, scale, backend_name):
         # An unused output's gradient arrives as None rather than zeros, so the kernels know
         # there is no lse cotangent without inspecting a tensor (a device sync on GPUs).
         ctx.set_materialize_grads(False)
-        o, lse, kv_first = _forward(q, k, v, group, causal, layout, scale, backend_name)
+        o, lse, extra = forward(q, k, v, group, causal, layout, scale, backend_name)
         o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse, *(kv_first or ()))
+        ctx.save_for_backward(q, k, v, o, lse, *(extra or ()))
         ctx.config = (group, causal, layout, scale, backend_name)
+        ctx.backward_fn = backward
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, *kv_first = ctx.saved_tensors
+        q, k, v, o, lse, *extra = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = _backward(q, k, v, o, lse, tuple(kv_first) or None, do, dlse, *ctx.config)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, *ctx.config)
+        return None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def attention_with_vjp(forward, backward):
+    """A differentiable ``(q, k, v, group, causal, layout, scale, backend_name) -> (o, lse)``
+    from ``forward(q, k, v, *config) -> (o, lse, extra)`` and ``backward(q, k, v, o, lse, extra,
+    do, dlse, *config) -> (dq, dk, dv)``: ``extra`` (K/V the forward received) is saved for the
+    backward. Shared by ring attention and all-gather-KV attention."""
+    return lambda *args: _Attention.apply(forward, backward, *args)
+
+
+_ring = attention_with_vjp(_forward, _backward)
