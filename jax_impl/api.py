@@ -1,12 +1,14 @@
 """``sequence_parallel_attention`` on global arrays: validate, shard, pick the algorithm.
 
 The mesh's axis names choose the algorithm (DESIGN.md): ``"ring"`` -> ring attention,
-``"ulysses"`` -> Ulysses, both -> USP, ``"data"`` shards the batch. Inputs are global arrays in
+``"ulysses"`` -> Ulysses, both -> USP, ``"ring_outer"`` + ``"ring_inner"`` -> the double ring
+(with ``"ulysses"``: double-ring USP), ``"data"`` shards the batch. Inputs are global arrays in
 layout order with any sharding; they are resharded to
 
     q, k, v, o: P("data", ("ring", "ulysses"), None, None)     lse: P("data", None, ("ring", "ulysses"))
 
-so the device at ring coordinate r and Ulysses coordinate u holds sequence block r*U + u.
+(``("ring_outer", "ring_inner", "ulysses")`` for the double ring) so the device at ring
+coordinate r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*U + u.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from functools import partial
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from .axes import DATA, RING, ULYSSES
+from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from .double_ring import DOUBLE_RING, double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
 from .validation import Decomposition, validate
@@ -26,6 +29,11 @@ def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: s
     if algorithm == "usp":
         return partial(usp_attention, ring_axis=RING, ulysses_axis=ULYSSES, layout=layout, return_lse=return_lse,
                        kv_exchange=kv_exchange, **kw)
+    if algorithm == "double_ring_usp":
+        return partial(usp_attention, ring_axis=DOUBLE_RING, ulysses_axis=ULYSSES, layout=layout,
+                       return_lse=return_lse, **kw)
+    if algorithm == "double_ring":
+        return partial(double_ring_attention, axis_name=DOUBLE_RING, layout=layout, **kw)
     if algorithm == "ulysses":
         return partial(ulysses_attention, axis_name=ULYSSES, return_lse=return_lse, **kw)
     axis = RING if algorithm == "ring" else None
@@ -36,7 +44,7 @@ def partition_specs(mesh) -> tuple[P, P]:
     """(spec of q/k/v/o, spec of lse) for ``mesh``."""
     names = mesh.axis_names
     batch = DATA if DATA in names else None
-    seq = tuple(a for a in (RING, ULYSSES) if a in names) or None
+    seq = tuple(a for a in (RING, RING_OUTER, RING_INNER, ULYSSES) if a in names) or None
     return P(batch, seq, None, None), P(batch, None, seq)
 
 
@@ -65,4 +73,8 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3,
                             out_specs=(x_spec, lse_spec) if return_lse else x_spec, check_vma=True)
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-    return sharded(*(_onto_mesh(x, NamedSharding(mesh, x_spec), explicit) for x in (q, k, v)))
+    # The kernels' custom_vjp keeps an unused lse cotangent symbolic (fused backward kernels take
+    # none); JAX implements that for shard_map under a trace only, so an eager call is jitted.
+    traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v))
+    return (sharded if traced else jax.jit(sharded))(
+        *(_onto_mesh(x, NamedSharding(mesh, x_spec), explicit) for x in (q, k, v)))

@@ -114,3 +114,89 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None
 
 
 register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd))
+
+
+# ---- fused GPU kernels: cuDNN, FlashAttention-3 (bf16 / fp16) -----------------------------------
+# The ring's block backward needs the *global* o and lse; JAX's public
+# ``jax.nn.dot_product_attention(implementation="cudnn")`` differentiates only with its own, so
+# the backward binds cuDNN's backward primitive directly (jax._src; checked against the portable
+# kernel on GPU by tests/test_gpu.py). flash_attn3_jax (optional) exposes both directions.
+
+def _cudnn_ops():
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    def mask_type(causal: bool):
+        return fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+
+    def fwd(q, k, v, causal: bool, scale: float):
+        return fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask_type(causal), qkv_layout="BTNH",
+                                        return_residual=True)  # (o, lse: [b, h, t] float32, natural log)
+
+    def bwd(do, q, k, v, o, lse, causal: bool, scale: float):
+        unused = jnp.zeros(0, q.dtype)
+        grads = fa._dot_product_attention_bwd_p_wrapper.bind(
+            q, k, v, unused, unused, unused, unused, unused, unused, unused, lse, o, do,
+            scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask_type(causal),
+            layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
+        return grads[:3]
+
+    return fwd, bwd
+
+
+def _varying_like(x, like):
+    """Inside ``shard_map`` (check_vma), mark ``x`` as varying over the mesh axes ``like`` varies
+    over: flash_attn3_jax's primitives type their outputs without that annotation."""
+    missing = tuple(getattr(jax.typeof(like), "vma", frozenset()) - getattr(jax.typeof(x), "vma", frozenset()))
+    if not missing:
+        return x
+    return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
+
+
+def _fa3_ops():
+    try:
+        from flash_attn3_jax.flash import _flash_mha_bwd, _flash_mha_fwd
+    except ImportError as err:
+        raise RuntimeError("block backend 'fa3' needs the flash_attn3_jax package (Hopper GPUs)") from err
+
+    def fwd(q, k, v, causal: bool, scale: float):
+        out = _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:2]
+        return tuple(_varying_like(x, q) for x in out)
+
+    def bwd(do, q, k, v, o, lse, causal: bool, scale: float):
+        grads = _flash_mha_bwd(do, q, k, v, o, lse, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:3]
+        return tuple(_varying_like(g, q) for g in grads)
+
+    return fwd, bwd
+
+
+def _fused_backend(name: str, ops) -> BlockBackend:
+    """Block kernels on a fused attention op pair ``ops() -> (fwd, bwd)`` (imported at first use).
+    A STRICT block (stripe layout) is the causal block of rows 1.. against keys ..t-1; a backward
+    with an lse cotangent (only when the caller uses lse) falls back to the portable kernel, as
+    torch_impl's aten backends do."""
+
+    def fwd(q, k, v, mask: Mask, scale: float):
+        if mask is Mask.STRICT:
+            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], Mask.CAUSAL, scale)
+            b, _, h, d = q.shape
+            return (jnp.concatenate([jnp.zeros((b, 1, h, d), F32), o_r], 1),
+                    jnp.concatenate([jnp.full((b, h, 1), -jnp.inf, F32), lse_r], 2))
+        o, lse = ops()[0](q, k, v, mask is Mask.CAUSAL, scale)
+        return o.astype(F32), lse.astype(F32)
+
+    def bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
+        if dlse is not None:
+            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
+        if mask is Mask.STRICT:
+            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], Mask.CAUSAL, scale)
+            rows = lambda first, last: [(0, 0), (first, last), (0, 0), (0, 0)]  # noqa: E731
+            return jnp.pad(dq_r, rows(1, 0)), jnp.pad(dk_r, rows(0, 1)), jnp.pad(dv_r, rows(0, 1))
+        dtype = q.dtype
+        grads = ops()[1](do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask is Mask.CAUSAL, scale)
+        return tuple(g.astype(F32) for g in grads)
+
+    return BlockBackend(name, fwd, bwd)
+
+
+register_backend(_fused_backend("cudnn", _cudnn_ops))
+register_backend(_fused_backend("fa3", _fa3_ops))

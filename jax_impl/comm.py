@@ -19,6 +19,16 @@ def ring_shift(tree, axis_name: str):
     return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
+def diagonal_shift(tree, axis_names: tuple[str, str]):
+    """Send every array one step further on both axes of a 2-D ring, (o, i) -> (o+1, i+1) mod
+    the axis sizes: where a double-ring shard goes after the last inner step of a round."""
+    outer, inner = axis_names
+    n_out, n_in = axis_size(outer), axis_size(inner)
+    # Device (o, i) has index o·I + i over the pair of axes (row-major in the order given).
+    perm = [(o * n_in + i, (o + 1) % n_out * n_in + (i + 1) % n_in) for o in range(n_out) for i in range(n_in)]
+    return jax.tree.map(lambda x: lax.ppermute(x, tuple(axis_names), perm), tree)
+
+
 def seq_to_heads(x, axis_name: str):
     """Ulysses all-to-all: [b, t/U, h, d] -> [b, t, h/U, d] (device u keeps head block u)."""
     return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)

@@ -19,6 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from .axes import RING
 from .block import get_backend
@@ -53,20 +54,23 @@ def _add_part(acc, update, part: Part, axis: int):
     return lax.dynamic_update_slice_in_dim(acc, _part(acc, part, axis) + update, lo, axis=axis)
 
 
-def _visit(plan: StepPlan, step, axis_name: str, on_block, state):
-    """Apply ``on_block(block, state)`` for the block this device computes at ring ``step``.
-
-    K/V at step i come from ring shard (r - i) mod R, which is an earlier shard iff i <= r;
-    that is the only per-device choice, taken with ``lax.cond`` (a skipped block costs nothing).
-    """
+def _visit_block(plan: StepPlan, earlier, on_block, state):
+    """Apply ``on_block(block, state)`` for the block of visiting K/V from an ``earlier`` ring
+    shard (a traced bool) or a later one: the only per-device choice, taken with ``lax.cond``
+    (a skipped block costs nothing). ``earlier`` is a thunk, called only when layouts differ."""
 
     def branch(block: Block | None):
         return (lambda st: st) if block is None else (lambda st: on_block(block, st))
 
     if plan.uniform:
         return branch(plan.from_earlier)(state)
-    earlier = step <= lax.axis_index(axis_name)
-    return lax.cond(earlier, branch(plan.from_earlier), branch(plan.from_later), state)
+    return lax.cond(earlier(), branch(plan.from_earlier), branch(plan.from_later), state)
+
+
+def _visit(plan: StepPlan, step, axis_name: str, on_block, state):
+    """:func:`_visit_block` at ring ``step``: K/V at step i come from ring shard (r - i) mod R,
+    an earlier shard iff i <= r."""
+    return _visit_block(plan, lambda: step <= lax.axis_index(axis_name), on_block, state)
 
 
 def merge_block(backend, scale, q, block: Block, kv, state):
@@ -92,16 +96,17 @@ def grad_block(backend, scale, saved, block: Block, kv, state):
     qp, kp = block.q_part, block.kv_part
     dq_b, dk_b, dv_b = backend.bwd(
         _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
-        _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale, _part(dlse, qp, 2))
+        _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale, None if dlse is None else _part(dlse, qp, 2))
     return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
 
 
-def _ring_loop(axis_name: str, kv_first, state, visit, after_visit=None):
+def _ring_loop(axis_name: str, kv_first, state, visit, after_visit=None, after_last=None):
     """Drive steps 1..R-1 from ``kv_first`` (the K/V of step 1): hop K/V ahead of each step's
     compute; ``after_visit`` may emit a collective that depends on the step's result (the
-    backward's dK/dV hop)."""
+    backward's dK/dV hop); ``after_last`` (default ``after_visit``) replaces it after step R-1."""
     n = axis_size(axis_name)
     after_visit = after_visit or (lambda st: st)
+    after_last = after_last or after_visit
     kv = kv_first
 
     def body(carry, step):
@@ -111,7 +116,7 @@ def _ring_loop(axis_name: str, kv_first, state, visit, after_visit=None):
 
     if n > 2:
         (kv, state), _ = lax.scan(body, (kv, state), jnp.arange(1, n - 1))
-    return after_visit(visit(n - 1, kv, state))
+    return after_last(visit(n - 1, kv, state))
 
 
 def _forward(q, k, v, axis_name, causal, layout, scale, backend_name):
@@ -159,16 +164,22 @@ def attention_with_vjp(forward, backward):
         return o.astype(q.dtype), lse
 
     def attention_fwd(q, k, v, axis_name, causal, layout, scale, backend_name):
+        q, k, v = (x.value for x in (q, k, v))  # symbolic_zeros=True wraps the primals
         o, lse, extra = forward(q, k, v, axis_name, causal, layout, scale, backend_name)
         o = o.astype(q.dtype)
         return (o, lse), (q, k, v, o, lse, extra)
 
     def attention_bwd(axis_name, causal, layout, scale, backend_name, residuals, cotangents):
         q, k, v, o, lse, extra = residuals
-        dq, dk, dv = backward(q, k, v, o, lse, extra, *cotangents, axis_name, causal, layout, scale, backend_name)
+        do, dlse = cotangents
+        # An unused output's cotangent stays symbolic: dlse arrives as None (as in torch_impl),
+        # so the block kernels know there is none — fused kernels take no lse cotangent.
+        do = jnp.zeros_like(o) if isinstance(do, SymbolicZero) else do
+        dlse = None if isinstance(dlse, SymbolicZero) else dlse
+        dq, dk, dv = backward(q, k, v, o, lse, extra, do, dlse, axis_name, causal, layout, scale, backend_name)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
-    attention.defvjp(attention_fwd, attention_bwd)
+    attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
     return attention
 
 

@@ -1,4 +1,5 @@
-"""USP (unified sequence parallelism): Ulysses inside, ring outside, on one 2-D mesh.
+"""USP (unified sequence parallelism): Ulysses inside, ring outside, on one 2-D mesh (3-D with
+the double ring's two ring axes).
 
 Device (r, u) holds block r*U + u of the layout-ordered sequence. The Ulysses all-to-all within
 ring group r gathers ring shard r (for h/U heads); ring attention then runs across the R groups
@@ -13,6 +14,7 @@ from functools import partial
 
 from .allgather import allgather_attention
 from .axes import RING, ULYSSES
+from .double_ring import double_ring_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
@@ -20,11 +22,12 @@ from .ulysses import ulysses_attention
 KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
 
 
-def usp_attention(q, k, v, ring_axis: str = RING, ulysses_axis: str = ULYSSES, *, causal: bool = False,
+def usp_attention(q, k, v, ring_axis: str | tuple[str, str] = RING, ulysses_axis: str = ULYSSES, *, causal: bool = False,
                   layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
                   return_lse: bool = True, kv_exchange: str = "ring"):
-    """Ulysses over ``ulysses_axis`` around ring (or all-gather-KV) attention over ``ring_axis``.
-    Returns (o, lse)."""
-    ring = partial(KV_EXCHANGE[kv_exchange], axis_name=ring_axis, layout=layout)
+    """Ulysses over ``ulysses_axis`` around ring (or all-gather-KV) attention over ``ring_axis``;
+    a pair of axes ``(outer, inner)`` is the double ring. Returns (o, lse)."""
+    attend = double_ring_attention if isinstance(ring_axis, tuple) else KV_EXCHANGE[kv_exchange]
+    ring = partial(attend, axis_name=ring_axis, layout=layout)
     return ulysses_attention(q, k, v, ulysses_axis, causal=causal, scale=scale,
                              block_backend=block_backend, attend=ring, return_lse=return_lse)

@@ -72,7 +72,8 @@ def attention_traffic(case: Case, *, return_lse: bool = True) -> Traffic:
     returned, lse; the backward transposes each of them (dq, dk, dv, do, dlse).
     Ring (R > 1), on the ring shard of T/R tokens and h/U, max(hk, U)/U heads: forward R-1 hops
     of K and V; backward R-2 hops of K and V (it starts from the forward's first received K/V)
-    and R hops of float32 dK and dV.
+    and R hops of float32 dK and dV. The double ring (R = O·I) moves the same in the forward and
+    R-1 K/V hops in the backward (it keeps nothing from the forward), plus the same R dK/dV hops.
     All-gather KV (R > 1): forward one all-gather of K and of V (each (R-1)/R of the gathered R
     shards); backward one reduce-scatter of float32 dK and of dV over the R shards.
     """
@@ -95,6 +96,7 @@ def attention_traffic(case: Case, *, return_lse: bool = True) -> Traffic:
     elif ring > 1:
         shard = b * (case.seq // ring) * (kv_heads // uly) * d  # K (or V) elements per ring shard
         t.add("fwd", "p2p", 2 * (ring - 1) * shard * e, calls=2 * (ring - 1))
-        t.add("bwd", "p2p", 2 * (ring - 2) * shard * e, calls=2 * (ring - 2))
+        kv_hops = ring - 1 if case.ring_outer > 1 else ring - 2
+        t.add("bwd", "p2p", 2 * kv_hops * shard * e, calls=2 * kv_hops)
         t.add("bwd", "p2p", 2 * ring * shard * 4, calls=2 * ring)
     return t

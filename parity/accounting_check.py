@@ -30,6 +30,8 @@ ATTENTION_CONFIGS = [
     Case(ring=4, data=2, batch=2), Case(ulysses=2, data=4, batch=4), Case(ring=1, data=8, batch=8),
     Case(ring=4, kv_exchange="allgather"), Case(ring=8, layout="stripe", kv_heads=2, kv_exchange="allgather"),
     Case(ring=2, ulysses=2, kv_heads=1, kv_exchange="allgather"),
+    Case(ring=4, ring_outer=2), Case(ring=4, ring_outer=2, ulysses=2, kv_heads=2, layout="stripe"),
+    Case(ring=8, ring_outer=4, layout="contiguous", kv_heads=1), Case(ring=8, ring_outer=2, causal=False),
 ]
 
 TRAINING_CONFIGS = [

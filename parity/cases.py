@@ -12,8 +12,10 @@ import itertools
 from dataclasses import asdict, dataclass
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
-# (ring, ulysses) shapes: pure ring, pure Ulysses, and USP, 1-8 devices.
-MESHES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2))
+# (ring, ulysses) shapes: pure ring, pure Ulysses, and USP, 1-8 devices; (ring, ulysses,
+# ring_outer): the double ring, ring_outer x (ring / ring_outer) inner, alone and under Ulysses.
+MESHES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (4, 1, 2), (4, 2, 2))
+AXIS_ABBREVIATIONS = {"data": "d", "ring": "r", "ring_outer": "ro", "ring_inner": "ri", "ulysses": "u"}
 HEAD_LAYOUTS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # name -> (heads, kv_heads)
 HEAD_DIMS = (16, 40, 64)
 DTYPES = ("float32", "bfloat16")
@@ -22,7 +24,9 @@ KV_EXCHANGES = ("ring", "allgather")  # ring hops, or one all-gather of K/V (jax
 
 @dataclass(frozen=True)
 class Case:
-    """One parity case. Sizes are global; ``ring``/``ulysses``/``data`` are mesh-axis sizes."""
+    """One parity case. Sizes are global; ``ring``/``ulysses``/``data`` are mesh-axis sizes;
+    ``ring_outer > 1`` lays the ring of ``ring`` devices out as the double ring
+    ``ring_outer x ring // ring_outer``."""
 
     ring: int = 1
     ulysses: int = 1
@@ -37,6 +41,7 @@ class Case:
     dtype: str = "float32"
     scale: float | None = None
     kv_exchange: str = "ring"
+    ring_outer: int = 1
 
     @property
     def devices(self) -> int:
@@ -45,22 +50,32 @@ class Case:
     @property
     def mesh_axes(self) -> dict[str, int]:
         """Mesh axis name -> size in canonical order; an axis of size 1 is left out, except that a
-        mesh always has at least the ring axis."""
-        axes = {name: size for name, size in (("data", self.data), ("ring", self.ring), ("ulysses", self.ulysses))
-                if size > 1}
+        mesh always has at least the ring axis (the double ring: always both of its axes)."""
+        rings = ((("ring_outer", self.ring_outer), ("ring_inner", self.ring // self.ring_outer)) if self.ring_outer > 1
+                 else (("ring", self.ring),))
+        axes = {name: size for name, size in (("data", self.data), *rings, ("ulysses", self.ulysses))
+                if size > 1 or name.startswith("ring_")}
         return axes or {"ring": 1}
 
     @property
     def strategy(self) -> str:
         axes = self.mesh_axes
+        if "ring_outer" in axes:
+            return "double_ring_usp" if "ulysses" in axes else "double_ring"
         if "ring" in axes and "ulysses" in axes:
             return "usp"
         return "ulysses" if "ulysses" in axes else "ring"
 
+    def ring_coordinate(self, coords: dict) -> int:
+        """The combined ring index of a device at mesh ``coords`` (o·I + i in the double ring)."""
+        if self.ring_outer > 1:
+            return coords["ring_outer"] * (self.ring // self.ring_outer) + coords["ring_inner"]
+        return coords.get("ring", 0)
+
     @property
     def name(self) -> str:
         heads = f"h{self.heads}kv{self.kv_heads}"
-        mesh = "x".join(f"{a[0]}{n}" for a, n in self.mesh_axes.items())
+        mesh = "x".join(f"{AXIS_ABBREVIATIONS[a]}{n}" for a, n in self.mesh_axes.items())
         scale = "" if self.scale is None else f"-s{self.scale:g}"
         exchange = "-agkv" if self.kv_exchange == "allgather" else ""  # all-gather KV instead of ring hops
         return (f"{self.strategy}{exchange}-{mesh}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
@@ -78,16 +93,17 @@ def _factors():
 
 
 def _meaningful(values: dict) -> bool:
-    """All-gather KV replaces ring hops: on a mesh without a ring it is the same computation."""
-    return values["kv_exchange"] == "ring" or values["mesh"][0] > 1
+    """All-gather KV replaces ring hops: on a mesh without a ring it is the same computation;
+    on a double ring it has no form of its own (one all-gather over the combined ring)."""
+    return values["kv_exchange"] == "ring" or (values["mesh"][0] > 1 and len(values["mesh"]) == 2)
 
 
 def _make(values: dict) -> Case:
-    ring, ulysses = values["mesh"]
+    ring, ulysses, *outer = values["mesh"]
     heads, kv_heads = HEAD_LAYOUTS[values["heads"]]
     return Case(ring=ring, ulysses=ulysses, heads=heads, kv_heads=kv_heads, head_dim=values["head_dim"],
                 layout=values["layout"], causal=values["causal"], dtype=values["dtype"],
-                kv_exchange=values["kv_exchange"])
+                kv_exchange=values["kv_exchange"], ring_outer=outer[0] if outer else 1)
 
 
 def full_matrix() -> list[Case]:

@@ -26,13 +26,12 @@ def _mesh(device_type: str, axes: tuple):
     return _MESHES[key]
 
 
-def _shard(x: np.ndarray, coords: dict, sizes: dict, seq_dim: int) -> np.ndarray:
+def _shard(x: np.ndarray, case: Case, coords: dict, seq_dim: int) -> np.ndarray:
     """This rank's block: batch block of "data", sequence block r*U + u."""
-    d, r, u = (coords.get(a, 0) for a in ("data", "ring", "ulysses"))
-    n_data, n_ring, n_uly = (sizes.get(a, 1) for a in ("data", "ring", "ulysses"))
-    b = x.shape[0] // n_data
-    t = x.shape[seq_dim] // (n_ring * n_uly)
-    block = r * n_uly + u
+    d, r, u = coords.get("data", 0), case.ring_coordinate(coords), coords.get("ulysses", 0)
+    b = x.shape[0] // case.data
+    t = x.shape[seq_dim] // (case.ring * case.ulysses)
+    block = r * case.ulysses + u
     x = x[d * b:(d + 1) * b]
     return np.take(x, np.arange(block * t, (block + 1) * t), axis=seq_dim)
 
@@ -45,13 +44,12 @@ def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> di
 
     axes = tuple(case.mesh_axes.items())
     mesh = _mesh(device_type, axes)
-    sizes = dict(axes)
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     dtype = getattr(torch, case.dtype)
 
     def local(arr, seq_dim=1, dt=dtype, grad=False):
-        t = torch.tensor(_shard(arr, coords, sizes, seq_dim), dtype=torch.float32, device=device).to(dt)
+        t = torch.tensor(_shard(arr, case, coords, seq_dim), dtype=torch.float32, device=device).to(dt)
         return t.requires_grad_(grad)
 
     q, k, v = (local(a, grad=True) for a in (x.q, x.k, x.v))
@@ -65,14 +63,12 @@ def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> di
 
 def _stitch(case: Case, shards: list[dict]) -> dict[str, np.ndarray]:
     """Reassemble per-rank shards into global layout-order arrays."""
-    sizes = case.mesh_axes
-    n_uly = sizes.get("ulysses", 1)
     out = {}
     for name in ("o", "lse", "dq", "dk", "dv"):
         seq_dim = 2 if name == "lse" else 1
         def key(s):
             c = s["coords"]
-            return c.get("data", 0), c.get("ring", 0) * n_uly + c.get("ulysses", 0)
+            return c.get("data", 0), case.ring_coordinate(c) * case.ulysses + c.get("ulysses", 0)
         rows: dict[int, list] = {}
         for s in sorted(shards, key=key):
             rows.setdefault(key(s)[0], []).append(s[name])
@@ -125,9 +121,8 @@ def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
     from .torch_trace import CommTracer
 
     mesh = _mesh(device_type, tuple(case.mesh_axes.items()))
-    sizes = case.mesh_axes
-    b = case.batch // sizes.get("data", 1)
-    t = case.seq // (sizes.get("ring", 1) * sizes.get("ulysses", 1))
+    b = case.batch // case.data
+    t = case.seq // (case.ring * case.ulysses)
     dtype = getattr(torch, case.dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     q = torch.randn(b, t, case.heads, case.head_dim, device=device).to(dtype).requires_grad_()

@@ -34,9 +34,11 @@ def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes
     mesh = _mesh("cuda", mesh_axes)
     sizes = dict(mesh_axes)
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    ring, ulysses = sizes.get("ring", 1), sizes.get("ulysses", 1)
+    ulysses, inner = sizes.get("ulysses", 1), sizes.get("ring_inner", 1)
+    ring = sizes.get("ring", 1) * sizes.get("ring_outer", 1) * inner  # the combined ring (double ring: O·I)
+    ring_coord = coords.get("ring", 0) + coords.get("ring_outer", 0) * inner + coords.get("ring_inner", 0)
     perm = torch.as_tensor(torch_impl.layout_permutation(seq, layout, ring, ulysses), device=device)
-    block = coords.get("ring", 0) * ulysses + coords.get("ulysses", 0)
+    block = ring_coord * ulysses + coords.get("ulysses", 0)
     mine = perm[block * seq // (ring * ulysses):(block + 1) * seq // (ring * ulysses)]
     local = [x[:, mine].detach().clone().requires_grad_() for x in (q, k, v)]
     o = torch_impl.sequence_parallel_attention(*local, mesh, causal=True, layout=layout, block_backend=block_backend)

@@ -1,7 +1,8 @@
 """Tier 3 — GPU: torch_impl over NCCL on 4 GPUs at 16k tokens, bf16, causal, against a float32
 single-GPU reference, with the bf16 single-GPU SDPA as the low-precision control (DESIGN.md's
 policy: max error ≤ 2 × the control's + a quarter-ulp floor). Skipped without 4 CUDA GPUs; run
-through the device tool: ``python -m pytest -m gpu tests/test_gpu.py``."""
+through the device tool: ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/test_gpu.py`` (the
+conftest puts JAX on simulated CPU devices unless JAX_PLATFORMS says otherwise)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ MESHES = {
     "ring4-contiguous": ((("ring", 4),), "contiguous"),
     "ulysses4": ((("ulysses", 4),), "zigzag"),
     "usp-r2xu2": ((("ring", 2), ("ulysses", 2)), "zigzag"),
+    "double-ring-2x2": ((("ring_outer", 2), ("ring_inner", 2)), "zigzag"),
 }
 
 
@@ -57,6 +59,36 @@ def test_gpu_block_kernel_matches_portable_kernel(backend, mask):
     o = o_r.bfloat16()
     for g_f, g_r in zip(fast.bwd(do, q, k, v, o, lse_r, m, d**-0.5), ref.bwd(do, q, k, v, o, lse_r, m, d**-0.5)):
         torch.testing.assert_close(g_f, g_r, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "strict"])
+def test_gpu_jax_cudnn_block_kernel_matches_portable_kernel(mask):
+    """One GPU: jax_impl's cuDNN block kernels (the backward bound to cuDNN's primitive with the
+    *given* o and lse) agree with the portable kernel on the same bf16 inputs."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_impl.block import get_backend
+    from jax_impl.layouts import Mask
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU here")
+    rng = np.random.default_rng(0)
+    b, t, h, hk, d = 1, 256, 8, 2, 128
+    q, do = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, t, hk, d)), jnp.bfloat16) for _ in range(2))
+    m, scale = Mask(mask), d**-0.5
+    ref, fast = get_backend("reference"), get_backend("cudnn")
+    o_r, lse_r = ref.fwd(q, k, v, m, scale)
+    o_f, lse_f = jax.jit(lambda q, k, v: fast.fwd(q, k, v, m, scale))(q, k, v)
+    assert o_f.shape == o_r.shape and lse_f.shape == lse_r.shape == (b, h, t)
+    np.testing.assert_allclose(np.asarray(o_f), np.asarray(o_r), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse_f), np.asarray(lse_r), atol=2e-3, rtol=1e-3)
+    o = o_r.astype(jnp.bfloat16)
+    fast_grads = jax.jit(lambda *a: fast.bwd(*a, m, scale))(do, q, k, v, o, lse_r)
+    for g_f, g_r in zip(fast_grads, ref.bwd(do, q, k, v, o, lse_r, m, scale)):
+        np.testing.assert_allclose(np.asarray(g_f), np.asarray(g_r), atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("backend", ["aten_flash", "aten_cudnn", "reference"])

@@ -48,7 +48,13 @@ CASES = [
     ("unknown layout", RING4, _x(), _x(), _x(), {"layout": "spiral"}, ValueError, "layout must be one of"),
     ("unknown kv_exchange", RING4, _x(), _x(), _x(), {"kv_exchange": "gossip"}, ValueError, "kv_exchange must be one of"),
     ("negative scale", RING4, _x(), _x(), _x(), {"scale": -1.0}, ValueError, "scale must be a finite positive"),
-    ("double ring not yet", ((2, 2), ("ring_outer", "ring_inner")), _x(), _x(), _x(), {}, NotImplementedError, "double ring"),
+    ("double ring half", ((4,), ("ring_outer",)), _x(), _x(), _x(), {}, ValueError, "needs both mesh axes"),
+    ("double ring and ring", ((2, 2, 2), ("ring", "ring_outer", "ring_inner")), _x(), _x(), _x(), {}, ValueError,
+     "cannot be combined with the double ring"),
+    ("double ring all-gather", ((2, 2), ("ring_outer", "ring_inner")), _x(), _x(), _x(), {"kv_exchange": "allgather"},
+     ValueError, "has no double-ring form"),
+    ("double ring zigzag seq", ((2, 2, 2), ("ring_outer", "ring_inner", "ulysses")), _x(t=36), _x(t=36, h=2), _x(t=36, h=2),
+     {}, ValueError, "seq_len % 16 must be 0 for layout 'zigzag' with ring_outer*ring_inner=4, ulysses=2"),
 ]
 
 

@@ -36,7 +36,9 @@ def test_mirrors_have_the_same_files_and_public_names():
 
     for name in sorted(jax_files - {"__init__.py"}):
         jax_names, torch_names = public(ROOT / "jax_impl" / name), public(ROOT / "torch_impl" / name)
-        # Framework-shaped pairs: JAX's ring_shift (a ppermute XLA schedules) is torch's RingShift
-        # (start/wait around the compute, reused buffers); partition_specs (JAX shardings) and
-        # global_shape (torch's local shards) each describe placement in their framework's terms.
-        assert jax_names - {"partition_specs", "ring_shift"} == torch_names - {"global_shape", "RingShift"}, name
+        # Framework-shaped pairs: JAX's ring_shift and diagonal_shift (ppermutes XLA schedules) are
+        # torch's RingShift and RingShift.diagonal (start/wait around the compute, reused
+        # buffers); partition_specs (JAX shardings) and global_shape (torch's local shards) each
+        # describe placement in their framework's terms.
+        jax_only, torch_only = {"partition_specs", "ring_shift", "diagonal_shift"}, {"global_shape", "RingShift"}
+        assert jax_names - jax_only == torch_names - torch_only, name

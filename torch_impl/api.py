@@ -1,8 +1,10 @@
 """``sequence_parallel_attention`` on this rank's local shards and a ``DeviceMesh``.
 
 The mesh's ``mesh_dim_names`` choose the algorithm (DESIGN.md): ``"ring"`` -> ring attention,
-``"ulysses"`` -> Ulysses, both -> USP, ``"data"`` shards the batch. The rank at ring coordinate
-r and Ulysses coordinate u holds sequence block r*U + u (layout order) of its batch shard:
+``"ulysses"`` -> Ulysses, both -> USP, ``"ring_outer"`` + ``"ring_inner"`` -> the double ring
+(with ``"ulysses"``: double-ring USP), ``"data"`` shards the batch. The rank at ring coordinate
+r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*U + u (layout
+order) of its batch shard:
 
     q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   ->   o like q, lse: [b/D, h, t/(R·U)]
 
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from .axes import DATA, RING, ULYSSES
+from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from .double_ring import double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
 from .validation import Decomposition, validate
@@ -29,6 +32,12 @@ def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, kv_excha
     if algorithm == "usp":
         return partial(usp_attention, ring_group=mesh.get_group(RING), ulysses_group=mesh.get_group(ULYSSES),
                        layout=layout, return_lse=return_lse, kv_exchange=kv_exchange, **kw)
+    if algorithm.startswith("double_ring"):
+        groups = (mesh.get_group(RING_OUTER), mesh.get_group(RING_INNER))
+        if algorithm == "double_ring_usp":
+            return partial(usp_attention, ring_group=groups, ulysses_group=mesh.get_group(ULYSSES), layout=layout,
+                           return_lse=return_lse, **kw)
+        return partial(double_ring_attention, group=groups, layout=layout, **kw)
     if algorithm == "ulysses":
         return partial(ulysses_attention, group=mesh.get_group(ULYSSES), return_lse=return_lse, **kw)
     group = mesh.get_group(RING) if algorithm == "ring" else None
@@ -40,7 +49,9 @@ def global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
     if len(local_shape) != 4:
         return tuple(local_shape)
     b, t, h, d = local_shape
-    seq_split = mesh_sizes.get(RING, 1) * mesh_sizes.get(ULYSSES, 1)
+    seq_split = 1
+    for axis in (RING, RING_OUTER, RING_INNER, ULYSSES):
+        seq_split *= mesh_sizes.get(axis, 1)
     return (b * mesh_sizes.get(DATA, 1), t * seq_split, h, d)
 
 

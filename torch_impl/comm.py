@@ -20,13 +20,31 @@ class RingShift:
     ``start(tensors, into)`` issues one batched isend/irecv and returns at once, so the caller
     computes while the transfer runs; ``wait()`` completes it."""
 
-    def __init__(self, group):
+    def __init__(self, group, peers: tuple[int, int] | None = None):
+        """``peers = (next, prev)`` as global ranks overrides the ring order of ``group``
+        (``None`` then means the default group)."""
         self.group = group
-        ranks = dist.get_process_group_ranks(group)
-        me = dist.get_group_rank(group, dist.get_rank())
-        self.next = ranks[(me + 1) % len(ranks)]
-        self.prev = ranks[(me - 1) % len(ranks)]
+        if peers is None:
+            ranks = dist.get_process_group_ranks(group)
+            me = dist.get_group_rank(group, dist.get_rank())
+            peers = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+        self.next, self.prev = peers
         self._reqs: list = []
+
+    @classmethod
+    def diagonal(cls, outer_group, inner_group) -> "RingShift":
+        """(o, i) -> (o+1, i+1) mod the group sizes: where a double-ring shard goes after the last
+        inner step of a round. The peer is in neither
+        group; its global rank follows from ranks being affine in mesh coordinates (true of
+        every ``init_device_mesh`` mesh): rank(o', i') = rank(o', i) + rank(o, i') - rank(o, i)."""
+        outer, inner = dist.get_process_group_ranks(outer_group), dist.get_process_group_ranks(inner_group)
+        me = dist.get_rank()
+        o, i = dist.get_group_rank(outer_group, me), dist.get_group_rank(inner_group, me)
+
+        def at(step: int) -> int:
+            return outer[(o + step) % len(outer)] + inner[(i + step) % len(inner)] - me
+
+        return cls(None, peers=(at(1), at(-1)))
 
     def start(self, tensors, into) -> None:
         ops = []

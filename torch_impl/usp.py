@@ -1,4 +1,5 @@
-"""USP (unified sequence parallelism): Ulysses inside, ring outside, on one 2-D DeviceMesh.
+"""USP (unified sequence parallelism): Ulysses inside, ring outside, on one 2-D DeviceMesh (3-D
+with the double ring's two ring dimensions).
 
 Rank (r, u) holds block r*U + u of the layout-ordered sequence. The Ulysses all-to-all within
 ring group r gathers ring shard r (for h/U heads); ring attention then runs across the R groups
@@ -12,6 +13,7 @@ from __future__ import annotations
 from functools import partial
 
 from .allgather import allgather_attention
+from .double_ring import double_ring_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
@@ -22,8 +24,9 @@ KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
 def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, causal: bool = False,
                   layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
                   return_lse: bool = True, kv_exchange: str = "ring"):
-    """Ulysses over ``ulysses_group`` around ring (or all-gather-KV) attention over ``ring_group``.
-    Returns (o, lse)."""
-    ring = partial(KV_EXCHANGE[kv_exchange], group=ring_group, layout=layout)
+    """Ulysses over ``ulysses_group`` around ring (or all-gather-KV) attention over ``ring_group``;
+    a pair of groups ``(outer, inner)`` is the double ring. Returns (o, lse)."""
+    attend = double_ring_attention if isinstance(ring_group, tuple) else KV_EXCHANGE[kv_exchange]
+    ring = partial(attend, group=ring_group, layout=layout)
     return ulysses_attention(q, k, v, ulysses_group, causal=causal, scale=scale,
                              block_backend=block_backend, attend=ring, return_lse=return_lse)

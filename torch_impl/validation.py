@@ -24,14 +24,32 @@ class Decomposition:
     data: int
     ring: int
     ulysses: int
-    algorithm: str  # "local" | "ring" | "ulysses" | "usp"
+    algorithm: str  # "local" | "ring" | "ulysses" | "usp" | "double_ring" | "double_ring_usp"
+    ring_outer: int = 1  # double ring only: ring = ring_outer * ring_inner
+    ring_inner: int = 1
 
 
 def _algorithm(axes) -> str:
-    has_ring, has_ulysses = RING in axes, ULYSSES in axes
-    if has_ring and has_ulysses:
+    has_ulysses = ULYSSES in axes
+    if RING_OUTER in axes:
+        return "double_ring_usp" if has_ulysses else "double_ring"
+    if RING in axes and has_ulysses:
         return "usp"
-    return "ring" if has_ring else "ulysses" if has_ulysses else "local"
+    return "ring" if RING in axes else "ulysses" if has_ulysses else "local"
+
+
+def _check_double_ring(mesh_sizes: dict, kv_exchange: str) -> None:
+    """The double ring needs both of its axes, replaces ``"ring"``, and is a KV ring."""
+    double = [a for a in (RING_OUTER, RING_INNER) if a in mesh_sizes]
+    if not double:
+        return
+    if len(double) == 1:
+        raise ValueError(f"the double ring needs both mesh axes {RING_OUTER!r} and {RING_INNER!r}, got only {double[0]!r}")
+    if RING in mesh_sizes:
+        raise ValueError(f"mesh axis {RING!r} cannot be combined with the double ring's {RING_OUTER!r} x {RING_INNER!r}")
+    if kv_exchange != "ring":
+        raise ValueError(f"kv_exchange={kv_exchange!r} has no double-ring form: use kv_exchange='ring' with "
+                         f"{RING_OUTER!r} x {RING_INNER!r}, or a single {RING!r} axis for all-gather KV")
 
 
 def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str, kv_exchange: str,
@@ -61,11 +79,11 @@ def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str
     unknown = [a for a in mesh_sizes if a not in KNOWN_AXES]
     if unknown:
         raise ValueError(f"unknown mesh axis names {unknown}; known: {KNOWN_AXES}")
-    if RING_OUTER in mesh_sizes or RING_INNER in mesh_sizes:
-        raise NotImplementedError(
-            f"the double ring ({RING_OUTER!r} x {RING_INNER!r}) is not implemented yet; use {RING!r}")
+    _check_double_ring(mesh_sizes, kv_exchange)
 
-    data, ring, ulysses = (int(mesh_sizes.get(a, 1)) for a in (DATA, RING, ULYSSES))
+    data, ulysses, ring_outer, ring_inner = (int(mesh_sizes.get(a, 1)) for a in (DATA, ULYSSES, RING_OUTER, RING_INNER))
+    ring = int(mesh_sizes.get(RING, 1)) * ring_outer * ring_inner  # the combined ring
+    ring_name = f"{RING_OUTER}*{RING_INNER}" if RING_OUTER in mesh_sizes else RING
     if b % data:
         raise ValueError(f"batch % {DATA!r} mesh size must be 0, got batch={b}, {DATA}={data}")
     if h % ulysses:
@@ -77,6 +95,7 @@ def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str
     multiple = seq_multiple(layout, ring, ulysses)
     if s % multiple:
         raise ValueError(
-            f"seq_len % {multiple} must be 0 for layout {layout!r} with {RING}={ring}, {ULYSSES}={ulysses}, "
+            f"seq_len % {multiple} must be 0 for layout {layout!r} with {ring_name}={ring}, {ULYSSES}={ulysses}, "
             f"got seq_len={s}")
-    return Decomposition(data=data, ring=ring, ulysses=ulysses, algorithm=_algorithm(mesh_sizes))
+    return Decomposition(data=data, ring=ring, ulysses=ulysses, algorithm=_algorithm(mesh_sizes),
+                         ring_outer=ring_outer, ring_inner=ring_inner)

@@ -1,0 +1,196 @@
+"""JAX side of the benchmark, one process driving every GPU: the single-GPU ceilings (cuDNN
+through ``jax.nn.dot_product_attention``; FlashAttention-3 through flash_attn3_jax when
+installed), jax_impl in each mesh shape and block backend, and flash_attn3_jax's own ring.
+
+    python -m benchmarks.bench_jax --out rows.json [--seqs 32768,131072] [--meshes ring4,usp2x2]
+
+Times are medians of ``--iters`` runs of one jitted program (forward, or forward+backward via
+``jax.vjp``), each waited for with ``block_until_ready``; memory is XLA's compiled memory
+analysis per device (arguments + outputs + temporaries): JAX cannot reset its runtime peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+# Set before JAX starts: overlap collectives with compute (the latency-hiding scheduler).
+os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from .common import MeshSpec, Problem, Row, finish  # noqa: E402
+
+
+def _time(fn, args, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _compiled_bytes(fn, args) -> float | None:
+    try:
+        m = fn.lower(*args).compile().memory_analysis()
+        return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 — not every backend reports it
+        return None
+
+
+def _inputs(problem: Problem, sharding, seed: int = 0):
+    key = jax.random.key(seed)
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    b, s, h, hk, d = problem.batch, problem.seq, problem.heads, problem.kv_heads, problem.head_dim
+    dt = jnp.dtype(problem.dtype)
+
+    def make(k, heads):
+        return jax.jit(lambda: jax.random.normal(k, (b, s, heads, d), dt), out_shardings=sharding)()
+
+    return make(kq, h), make(kk, hk), make(kv, hk), make(kd, h)
+
+
+def _programs(attention):
+    """(forward, forward+backward) jitted programs of ``attention(q, k, v) -> o``."""
+    fwd = jax.jit(lambda q, k, v, do: attention(q, k, v))
+
+    def both(q, k, v, do):
+        o, vjp = jax.vjp(attention, q, k, v)
+        return o, vjp(do)
+
+    return fwd, jax.jit(both)
+
+
+def _measure(row: Row, problem: Problem, attention, sharding, iters: int, warmup: int) -> Row:
+    try:
+        args = _inputs(problem, sharding)
+        fwd, both = _programs(attention)
+        fn = fwd if row.fwd_only else both
+        times = _time(fn, args, iters, warmup)
+        finish(row, problem, times, _compiled_bytes(fn, args))
+    except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
+        row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        traceback.print_exc()
+    return row
+
+
+def _mesh(axes: dict, devices):
+    names = tuple(axes) or ("ring",)
+    shape = tuple(axes.values()) or (1,)
+    n = int(np.prod(shape))
+    return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), names)
+
+
+def ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
+    one = NamedSharding(_mesh({}, jax.devices()), P())
+    rows = []
+    for fwd_only in (True, False):
+        row = Row("jax_cudnn_ceiling", "single", "-", problem.seq, 1, 1, 1, fwd_only)
+        rows.append(_measure(row, problem, lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=problem.causal, implementation="cudnn"), one, iters, warmup))
+        try:
+            from flash_attn3_jax import flash_mha
+        except ImportError as err:
+            rows.append(Row("fa3_jax_ceiling", "single", "-", problem.seq, 1, 1, 1, fwd_only, note=f"not installed: {err}"))
+            continue
+        row = Row("fa3_jax_ceiling", "single", "-", problem.seq, 1, 1, 1, fwd_only)
+        rows.append(_measure(row, problem, lambda q, k, v: flash_mha(q, k, v, is_causal=problem.causal), one,
+                             iters, warmup))
+    return rows
+
+
+def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int,
+              fwd_modes=(True, False)) -> list[Row]:
+    import jax_impl
+    from jax_impl.api import partition_specs
+
+    mesh = _mesh(spec.axes, jax.devices())
+    x_spec, _ = partition_specs(mesh)
+    rows = []
+    for fwd_only in fwd_modes:
+        row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
+                  extra={"block_backend": backend, "mesh": spec.name})
+
+        def attention(q, k, v):
+            return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=layout,
+                                                        kv_exchange=spec.kv_exchange, block_backend=backend)
+
+        rows.append(_measure(row, problem, attention, NamedSharding(mesh, x_spec), iters, warmup))
+    return rows
+
+
+def fa3_ring_rows(problem: Problem, ring: int, iters: int, warmup: int) -> list[Row]:
+    """flash_attn3_jax's ring: its custom partitioning turns flash_mha on sequence-sharded
+    inputs into a ring (contiguous layout, every block computed then masked by a switch)."""
+    rows = []
+    for fwd_only in (True, False):
+        row = Row("fa3_jax", "ring", "contiguous", problem.seq, ring, 1, ring, fwd_only)
+        try:
+            from flash_attn3_jax import flash_mha
+        except ImportError as err:
+            row.note = f"not installed: {err}"
+            rows.append(row)
+            continue
+        mesh = _mesh({"ring": ring}, jax.devices())
+        rows.append(_measure(row, problem, lambda q, k, v: flash_mha(q, k, v, is_causal=problem.causal),
+                             NamedSharding(mesh, P(None, "ring", None, None)), iters, warmup))
+    return rows
+
+
+def _save(rows: list[Row], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([r.to_dict() for r in rows], f, indent=1)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seqs", default="32768,131072")
+    ap.add_argument("--ceiling-seq", type=int, default=32768)
+    ap.add_argument("--meshes", default="ring4,ulysses4,usp2x2,dring2x2,agkv4")
+    ap.add_argument("--layout", default="zigzag")
+    ap.add_argument("--jax-backends", default="cudnn", help="jax_impl block backends to run (cudnn, fa3, reference)")
+    ap.add_argument("--weak", default="", help="weak scaling: tokens per GPU; ring over 1, 2, 4 GPUs")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
+    base = dict(heads=args.heads, kv_heads=args.kv_heads)
+    rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup)
+    for seq in (int(s) for s in args.seqs.split(",") if s):
+        problem = Problem(seq=seq, **base)
+        for name in args.meshes.split(","):
+            spec = MeshSpec(name)
+            for backend in args.jax_backends.split(","):
+                rows += impl_rows(problem, spec, args.layout if spec.ring > 1 else "contiguous", backend,
+                                  args.iters, args.warmup)
+        rows += fa3_ring_rows(problem, len(jax.devices()), args.iters, args.warmup)
+        _save(rows, args.out)  # a run cut short keeps what it measured
+        print(f"jax seq {seq} done", flush=True)
+    if args.weak:
+        per_gpu = int(args.weak)
+        for n in (1, 2, 4):
+            spec = MeshSpec(f"ring{n}") if n > 1 else MeshSpec("single")
+            for row in impl_rows(Problem(seq=per_gpu * n, **base), spec, args.layout if n > 1 else "contiguous",
+                                 args.jax_backends.split(",")[0], args.iters, args.warmup, fwd_modes=(False,)):
+                row.extra["weak_scaling"] = True
+                rows.append(row)
+    _save(rows, args.out)
+    for r in rows:
+        print(f"{r.framework:18s} {r.strategy:12s} {r.seq_len:7d} fwd_only={r.fwd_only!s:5s} "
+              f"{r.extra.get('block_backend', ''):8s} {r.ms_per_iter or float('nan'):9.2f} ms "
+              f"{r.tflops_per_gpu or float('nan'):6.1f} TFLOP/s/GPU {r.note[:80]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""torch side of the benchmark, one process per GPU under ``torchrun`` (multi-host ready: every
+rank holds only its own shards): the single-GPU ceilings (SDPA cuDNN and flash on rank 0),
+torch_impl in each mesh shape, torch's context_parallel and yunchang's USP (when installed).
+
+    torchrun --standalone --nproc-per-node 4 -m benchmarks.bench_torch --out rows.json
+
+Times: each rank records CUDA events around every iteration (after a barrier); a row's time is
+the slowest rank's median. Memory: ``torch.cuda.max_memory_allocated`` after a reset, the
+slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .common import MeshSpec, Problem, Row, finish
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def _time(step, iters: int, warmup: int, group=None) -> list[float]:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _worst(value: float, group=None) -> float:
+    t = torch.tensor([value], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _measure(row: Row, problem: Problem, make_step, iters: int, warmup: int, group=None) -> Row:
+    """``make_step()`` builds inputs and returns the per-iteration callable; it runs on every
+    rank of ``group``; errors become the row's note (after every rank agrees something failed)."""
+    error = ""
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        step = make_step()
+        times = _time(step, iters, warmup, group)
+        peak = torch.cuda.max_memory_allocated()
+        median = _worst(sorted(times)[len(times) // 2], group)
+        times = [t * median / sorted(times)[len(times) // 2] for t in times]  # scale to the worst rank
+        finish(row, problem, times, _worst(peak, group))
+    except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
+        error = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        traceback.print_exc()
+    row.note = error
+    return row
+
+
+def _randn(*shape, requires_grad=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(requires_grad)
+
+
+def _train_step(run, q, k, v, do, fwd_only: bool):
+    """One iteration: forward only under no_grad, or forward + backward (gradients dropped)."""
+    if fwd_only:
+        def step():
+            with torch.no_grad():
+                run(q, k, v)
+    else:
+        def step():
+            q.grad = k.grad = v.grad = None
+            run(q, k, v).backward(do)
+    return step
+
+
+def ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
+    """SDPA on one GPU (rank 0; the others wait at a barrier). [b, h, s, d] layout."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    kernels = (("torch_cudnn_ceiling", SDPBackend.CUDNN_ATTENTION), ("torch_flash_ceiling", SDPBackend.FLASH_ATTENTION))
+    for name, backend in kernels:
+        for fwd_only in (True, False):
+            row = Row(name, "single", "-", problem.seq, 1, 1, 1, fwd_only)
+            if _rank() == 0:
+                def make_step():
+                    b, s, h, d = problem.batch, problem.seq, problem.heads, problem.head_dim
+                    q, do = _randn(b, h, s, d, requires_grad=True), _randn(b, h, s, d, seed=3)
+                    k, v = (_randn(b, problem.kv_heads, s, d, requires_grad=True, seed=i) for i in (1, 2))
+
+                    def run(q, k, v):
+                        with sdpa_kernel(backend):
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal,
+                                                                  enable_gqa=problem.kv_heads != problem.heads)
+                    return _train_step(run, q, k, v, do, fwd_only)
+
+                _measure(row, problem, make_step, iters, warmup, group=_SELF_GROUP)
+            dist.barrier()
+            rows.append(row)
+    return rows
+
+
+_SELF_GROUP = None  # a one-rank group for rank 0's single-GPU runs (set in main)
+
+
+def _local_shape(problem: Problem, devices: int, heads: int):
+    return problem.batch, problem.seq // devices, heads, problem.head_dim
+
+
+def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int) -> list[Row]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_impl
+
+    mesh = init_device_mesh("cuda", tuple(spec.axes.values()), mesh_dim_names=tuple(spec.axes))
+    rows = []
+    for fwd_only in (True, False):
+        row = Row("torch_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
+                  extra={"block_backend": backend, "mesh": spec.name})
+
+        def make_step():
+            n = spec.devices
+            q, do = _randn(*_local_shape(problem, n, problem.heads), requires_grad=True), _randn(
+                *_local_shape(problem, n, problem.heads), seed=3)
+            k, v = (_randn(*_local_shape(problem, n, problem.kv_heads), requires_grad=True, seed=i) for i in (1, 2))
+
+            def run(q, k, v):
+                return torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=layout,
+                                                              kv_exchange=spec.kv_exchange, block_backend=backend)
+            return _train_step(run, q, k, v, do, fwd_only)
+
+        rows.append(_measure(row, problem, make_step, iters, warmup))
+    return rows
+
+
+def context_parallel_rows(problem: Problem, iters: int, warmup: int, load_balance: bool) -> list[Row]:
+    """torch's context parallelism (experimental API): SDPA under ``context_parallel`` with the
+    cuDNN backend; the buffers are sharded in place on entry ([b, h, s, d], sequence dim 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental import _attention as cp_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cuda", (n,), mesh_dim_names=("cp",))
+    rows = []
+    for fwd_only in (True, False):
+        row = Row("torch_cp", "ring", "head-tail" if load_balance else "contiguous", problem.seq, n, 1, n, fwd_only,
+                  extra={"rotate": "default"})
+        stack = []
+
+        def make_step():
+            cp_attention._cp_options.enable_load_balance = load_balance
+            b, s, h, d = problem.batch, problem.seq, problem.heads, problem.head_dim
+            q, k, v, do = (_randn(b, h, s, d, seed=i) for i in range(4))
+            ctx = context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2])
+            ctx.__enter__()
+            stack.append((ctx, (q, k, v)))
+            for x in (q, k, v):
+                x.requires_grad_()
+
+            def run(q, k, v):
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal)
+            return _train_step(run, q, k, v, do, fwd_only)
+
+        try:
+            rows.append(_measure(row, problem, make_step, iters, warmup))
+        finally:
+            while stack:  # it restores the buffers by resizing them: no longer leaves with grads
+                ctx, leaves = stack.pop()
+                for x in leaves:
+                    x.grad = None
+                    x.requires_grad_(False)
+                ctx.__exit__(None, None, None)
+    return rows
+
+
+def yunchang_rows(problem: Problem, ulysses: int, ring: int, iters: int, warmup: int) -> list[Row]:
+    """yunchang's LongContextAttention (USP), zigzag ring, torch attention kernels."""
+    rows = []
+    for fwd_only in (True, False):
+        row = Row("yunchang", "usp" if ulysses > 1 and ring > 1 else "ulysses" if ulysses > 1 else "ring", "zigzag",
+                  problem.seq, ulysses * ring, ulysses, ring, fwd_only)
+        try:
+            import yunchang
+            from yunchang import LongContextAttention, set_seq_parallel_pg
+            from yunchang.kernels import AttnType
+        except Exception as err:  # noqa: BLE001 — import errors of an optional peer are a row note
+            row.note = f"not usable: {type(err).__name__}: {err}"
+            rows.append(row)
+            continue
+        row.extra["version"] = getattr(yunchang, "__version__", "?")
+
+        def make_step():
+            set_seq_parallel_pg(ulysses, ring, dist.get_rank(), dist.get_world_size())
+            attn = LongContextAttention(ring_impl_type="zigzag", attn_type=AttnType.TORCH)
+            n = ulysses * ring
+            q, do = _randn(*_local_shape(problem, n, problem.heads), requires_grad=True), _randn(
+                *_local_shape(problem, n, problem.heads), seed=3)
+            k, v = (_randn(*_local_shape(problem, n, problem.kv_heads), requires_grad=True, seed=i) for i in (1, 2))
+            return _train_step(lambda q, k, v: attn(q, k, v, dropout_p=0.0, causal=problem.causal), q, k, v, do, fwd_only)
+
+        rows.append(_measure(row, problem, make_step, iters, warmup))
+    return rows
+
+
+def _save(rows: list[Row], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([r.to_dict() for r in rows], f, indent=1)
+
+
+def main(argv=None) -> None:
+    global _SELF_GROUP
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seqs", default="32768,131072")
+    ap.add_argument("--ceiling-seq", type=int, default=32768)
+    ap.add_argument("--meshes", default="ring4,ulysses4,usp2x2,dring2x2,agkv4")
+    ap.add_argument("--layout", default="zigzag")
+    ap.add_argument("--torch-backends", default="aten_cudnn")
+    ap.add_argument("--peers", default="cp,yunchang")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    _SELF_GROUP = dist.new_group([0])
+    base = dict(heads=args.heads, kv_heads=args.kv_heads)
+    rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup)
+    n = dist.get_world_size()
+    peers = [p for p in args.peers.split(",") if p]
+    for seq in (int(s) for s in args.seqs.split(",") if s):
+        problem = Problem(seq=seq, **base)
+        for name in args.meshes.split(","):
+            spec = MeshSpec(name)
+            if spec.devices != n:
+                continue
+            for backend in args.torch_backends.split(","):
+                rows += impl_rows(problem, spec, args.layout if spec.ring > 1 else "contiguous", backend,
+                                  args.iters, args.warmup)
+        if "cp" in peers:
+            try:
+                rows += context_parallel_rows(problem, args.iters, args.warmup, load_balance=True)
+            except Exception as err:  # noqa: BLE001 — the experimental API changes between releases
+                traceback.print_exc()
+                note = f"{type(err).__name__}: {err}"
+                rows.append(Row("torch_cp", "ring", "head-tail", problem.seq, n, 1, n, False, note=note))
+        if "yunchang" in peers:
+            for u, r in ((n, 1), (2, n // 2), (1, n)):
+                rows += yunchang_rows(problem, u, r, args.iters, args.warmup)
+        if _rank() == 0:
+            _save(rows, args.out)  # a run cut short keeps what it measured
+            print(f"torch seq {seq} done", flush=True)
+    if _rank() == 0:
+        _save(rows, args.out)
+        for r in rows:
+            print(f"{r.framework:20s} {r.strategy:12s} {r.seq_len:7d} fwd_only={r.fwd_only!s:5s} "
+                  f"{r.ms_per_iter or float('nan'):9.2f} ms {r.tflops_per_gpu or float('nan'):6.1f} TFLOP/s/GPU {r.note[:90]}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""What every benchmark row shares: the problem, its FLOPs, the timing loop's statistics and the
+row format (one JSON object per measured configuration)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention problem: global sizes, as in the issue's tables (bf16, causal, batch 1)."""
+
+    seq: int = 131072  # global tokens
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 32
+    head_dim: int = 128
+    causal: bool = True
+    dtype: str = "bfloat16"
+
+    def flops(self, fwd_only: bool) -> float:
+        """4·b·h·s²·d (halved when causal) forward; ×3.5 for forward+backward (the backward is
+        2.5× the forward: five matmuls to two) — the FlashAttention papers' convention."""
+        fwd = 4 * self.batch * self.heads * self.seq**2 * self.head_dim / (2 if self.causal else 1)
+        return fwd if fwd_only else 3.5 * fwd
+
+    def min_bytes_per_device(self, devices: int, fwd_only: bool) -> int:
+        """The analytic memory floor per device (issue 7): q, k, v, o, lse, their gradients and
+        two K/V buffers (one in hand, one arriving) for this device's share of the sequence."""
+        t = self.seq // devices
+        e = 2 if self.dtype in ("bfloat16", "float16") else 4
+        q = o = self.batch * t * self.heads * self.head_dim * e
+        kv = self.batch * t * self.kv_heads * self.head_dim * e
+        lse = self.batch * self.heads * t * 4
+        tensors = q + 2 * kv + o + lse + 2 * kv  # q, k, v, o, lse + two K/V receive buffers
+        return tensors if fwd_only else tensors + q + 2 * kv + o  # + dq, dk, dv, do
+
+
+@dataclass
+class Row:
+    """One measured configuration (the JSON row; ``explore.benchmark_rows`` reads these)."""
+
+    framework: str  # jax_impl, torch_impl, torch_cp, yunchang, fa3_jax, or a *_ceiling
+    strategy: str  # ring, ulysses, usp, double_ring, allgather, single
+    layout: str
+    seq_len: int
+    devices: int
+    ulysses: int
+    ring: int
+    fwd_only: bool
+    ms_per_iter: float | None = None
+    ms_spread: float | None = None  # max - min over the timed iterations
+    peak_mb_per_device: float | None = None
+    tflops_per_gpu: float | None = None
+    efficiency: float | None = None  # tflops_per_gpu / the same-run single-GPU ceiling of its framework
+    memory_vs_floor: float | None = None
+    note: str = ""  # the error, when a configuration failed
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def iters_per_s(self) -> float | None:
+        return None if not self.ms_per_iter else 1e3 / self.ms_per_iter
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"iters_per_s": self.iters_per_s}
+
+
+def summarize(times_ms: list[float]) -> tuple[float, float]:
+    """(median, max - min) of per-iteration times."""
+    return statistics.median(times_ms), max(times_ms) - min(times_ms)
+
+
+def finish(row: Row, problem: Problem, times_ms: list[float], peak_bytes: float | None) -> Row:
+    row.ms_per_iter, row.ms_spread = summarize(times_ms)
+    row.tflops_per_gpu = problem.flops(row.fwd_only) / (row.ms_per_iter * 1e-3) / row.devices / 1e12
+    if peak_bytes is not None:
+        row.peak_mb_per_device = peak_bytes / 2**20
+        row.memory_vs_floor = peak_bytes / problem.min_bytes_per_device(row.devices, row.fwd_only)
+    return row
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A sequence-parallel configuration by name: ``ring4``, ``ulysses4``, ``usp2x2`` (ring ×
+    ulysses), ``dring2x2`` (double ring outer × inner), ``agkv4`` / ``agusp2x2`` (all-gather
+    KV), ``single`` (one device)."""
+
+    name: str
+
+    @property
+    def parts(self) -> tuple[str, tuple[int, ...]]:
+        import re
+
+        m = re.fullmatch(r"([a-z]+?)(\d+(?:x\d+)*)?", self.name)
+        if not m:
+            raise ValueError(f"bad mesh spec {self.name!r}")
+        sizes = tuple(int(x) for x in m.group(2).split("x")) if m.group(2) else ()
+        return m.group(1), sizes
+
+    @property
+    def axes(self) -> dict[str, int]:
+        kind, n = self.parts
+        table = {"single": lambda: {}, "ring": lambda: {"ring": n[0]}, "ulysses": lambda: {"ulysses": n[0]},
+                 "usp": lambda: {"ring": n[0], "ulysses": n[1]}, "agkv": lambda: {"ring": n[0]},
+                 "agusp": lambda: {"ring": n[0], "ulysses": n[1]},
+                 "dring": lambda: {"ring_outer": n[0], "ring_inner": n[1]},
+                 "dusp": lambda: {"ring_outer": n[0], "ring_inner": n[1], "ulysses": n[2]}}
+        if kind not in table:
+            raise ValueError(f"unknown mesh kind {kind!r} in {self.name!r}; known: {sorted(table)}")
+        return table[kind]()
+
+    @property
+    def kv_exchange(self) -> str:
+        return "allgather" if self.parts[0].startswith("ag") else "ring"
+
+    @property
+    def strategy(self) -> str:
+        return {"agkv": "allgather", "agusp": "allgather_usp", "dring": "double_ring", "dusp": "double_ring_usp"}.get(
+            self.parts[0], self.parts[0])
+
+    @property
+    def devices(self) -> int:
+        out = 1
+        for n in self.axes.values():
+            out *= n
+        return out
+
+    @property
+    def ring(self) -> int:
+        a = self.axes
+        return a.get("ring", 1) * a.get("ring_outer", 1) * a.get("ring_inner", 1)
+
+    @property
+    def ulysses(self) -> int:
+        return self.axes.get("ulysses", 1)

@@ -1,0 +1,126 @@
+"""``python -m benchmarks``: the JAX and torch benchmarks in one run on this machine's GPUs, then
+one results table (markdown + JSON) in ``benchmarks/results/<date>-<machine>.md``.
+
+    python -m benchmarks [--seqs 32768,131072] [--meshes ring4,ulysses4,usp2x2,dring2x2,agkv4]
+    python -m benchmarks report PART.json [PART.json ...]   # table from saved parts
+
+The JAX part runs in its own process (one process, every GPU); the torch part under
+``torchrun`` (one process per GPU). Each row's efficiency is its TFLOP/s per GPU over the best
+single-GPU ceiling of its own framework measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+JAX_FRAMEWORKS = ("jax_impl", "fa3_jax", "jax_cudnn_ceiling", "fa3_jax_ceiling")
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("jax", "torch", "flash_attn3_jax", "yunchang"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001
+            out[name] = "not installed"
+    try:
+        out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=30).stdout.strip().replace("\n", "; ")
+    except Exception:  # noqa: BLE001
+        out["gpu"] = "unknown"
+    return out
+
+
+def add_efficiency(rows: list[dict]) -> list[dict]:
+    """efficiency = TFLOP/s/GPU over the best same-mode single-GPU ceiling of the row's framework."""
+    def family(r):
+        return "jax" if r["framework"] in JAX_FRAMEWORKS else "torch"
+
+    best = {}
+    for r in rows:
+        if r["framework"].endswith("_ceiling") and r.get("tflops_per_gpu"):
+            key = (family(r), r["fwd_only"])
+            best[key] = max(best.get(key, 0.0), r["tflops_per_gpu"])
+    for r in rows:
+        ceiling = best.get((family(r), r["fwd_only"]))
+        r["efficiency"] = r["tflops_per_gpu"] / ceiling if ceiling and r.get("tflops_per_gpu") else None
+    return rows
+
+
+def _fmt(x, spec):
+    return "—" if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# Benchmark — {meta['date']} — {meta['machine']}", "",
+             f"Command: `{meta['command']}`  ", f"Versions: {json.dumps(meta['versions'])}  ",
+             "Problem: bf16, batch 1, causal, 32 heads (kv heads as listed), head_dim 128; FLOPs = 4·b·h·s²·d/2 "
+             "forward, ×3.5 forward+backward. Efficiency: TFLOP/s/GPU over the best single-GPU ceiling of the "
+             "same framework in this run. Memory: torch max_memory_allocated; JAX compiled memory analysis "
+             "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse (+ grads) and two K/V buffers.", "",
+             "| framework | strategy | layout | seq_len | ulysses | ring | fwd_only | backend | iters/s | ms/iter "
+             "| spread ms | peak MB/dev | ×floor | TFLOP/s/GPU | efficiency | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["framework"], r["strategy"], r["layout"], str(r["seq_len"]), str(r["ulysses"]), str(r["ring"]),
+            "fwd" if r["fwd_only"] else "fwd+bwd", r.get("extra", {}).get("block_backend", ""),
+            _fmt(r.get("iters_per_s"), ".2f"), _fmt(r.get("ms_per_iter"), ".2f"), _fmt(r.get("ms_spread"), ".2f"),
+            _fmt(r.get("peak_mb_per_device"), ".0f"), _fmt(r.get("memory_vs_floor"), ".2f"),
+            _fmt(r.get("tflops_per_gpu"), ".1f"), _fmt(r.get("efficiency"), ".2f"),
+            (r.get("note") or "").replace("|", "/")[:120]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict], command: str, machine: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.date.today().isoformat(), "machine": machine, "command": command, "versions": _versions()}
+    rows = add_efficiency(rows)
+    stem = RESULTS / f"{meta['date']}-{machine}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem.with_suffix(".md").write_text(markdown(rows, meta))
+    return stem.with_suffix(".md")
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        ap = argparse.ArgumentParser(prog="python -m benchmarks report")
+        ap.add_argument("parts", nargs="+")
+        ap.add_argument("--machine", default="h200x4")
+        ap.add_argument("--command", default="python -m benchmarks")
+        a = ap.parse_args(argv[1:])
+        rows = [r for p in a.parts for r in json.loads(Path(p).read_text())]
+        print(write(rows, a.command, a.machine))
+        return
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    ap.add_argument("--machine", default="h200x4")
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--only", choices=("jax", "torch"), default=None)
+    ap.add_argument("--parts-dir", default=os.environ.get("OUT", "/tmp"))
+    a, rest = ap.parse_known_args(argv)
+    parts = []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    if a.only in (None, "jax"):
+        out = Path(a.parts_dir) / "jax_rows.json"
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_jax", "--out", str(out), *rest], env=env, check=True)
+        parts.append(out)
+    if a.only in (None, "torch"):
+        out = Path(a.parts_dir) / "torch_rows.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}",
+                        "-m", "benchmarks.bench_torch", "--out", str(out), *rest], env=env, check=True)
+        parts.append(out)
+    rows = [r for p in parts for r in json.loads(p.read_text())]
+    print(write(rows, "python -m benchmarks " + " ".join(argv), a.machine))
+
+
+if __name__ == "__main__":
+    main()
