@@ -158,6 +158,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ceiling-seq", type=int, default=32768)
     ap.add_argument("--meshes", default="ring4,ulysses4,usp2x2,dring2x2,agkv4")
     ap.add_argument("--layout", default="zigzag")
+    ap.add_argument("--no-peers", action="store_true", help="skip flash_attn3_jax's ring")
     ap.add_argument("--jax-backends", default="cudnn", help="jax_impl block backends to run (cudnn, fa3, reference)")
     ap.add_argument("--weak", default="", help="weak scaling: tokens per GPU; ring over 1, 2, 4 GPUs")
     ap.add_argument("--iters", type=int, default=5)
@@ -166,15 +167,16 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-heads", type=int, default=32)
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
     base = dict(heads=args.heads, kv_heads=args.kv_heads)
-    rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup)
+    rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup) if args.ceiling_seq else []
     for seq in (int(s) for s in args.seqs.split(",") if s):
         problem = Problem(seq=seq, **base)
-        for name in args.meshes.split(","):
+        for name in filter(None, args.meshes.split(",")):
             spec = MeshSpec(name)
             for backend in args.jax_backends.split(","):
                 rows += impl_rows(problem, spec, args.layout if spec.ring > 1 else "contiguous", backend,
                                   args.iters, args.warmup)
-        rows += fa3_ring_rows(problem, len(jax.devices()), args.iters, args.warmup)
+        if not args.no_peers:
+            rows += fa3_ring_rows(problem, len(jax.devices()), args.iters, args.warmup)
         _save(rows, args.out)  # a run cut short keeps what it measured
         print(f"jax seq {seq} done", flush=True)
     if args.weak:

@@ -19,6 +19,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from .block import get_backend
 from .double_ring import DOUBLE_RING, double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
@@ -71,7 +72,8 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     if not return_lse:
         attention, per_device = per_device, (lambda q, k, v: attention(q, k, v)[0])
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3,
-                            out_specs=(x_spec, lse_spec) if return_lse else x_spec, check_vma=True)
+                            out_specs=(x_spec, lse_spec) if return_lse else x_spec,
+                            check_vma=get_backend(block_backend).typed_for_shard_map)
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     # The kernels' custom_vjp keeps an unused lse cotangent symbolic (fused backward kernels take
     # none); JAX implements that for shard_map under a trace only, so an eager call is jitted.

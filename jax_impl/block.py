@@ -31,6 +31,9 @@ class BlockBackend:
     name: str
     fwd: Callable
     bwd: Callable
+    # False when the kernels' outputs carry no shard_map "varying axes" type (flash_attn3_jax's
+    # primitives): the API then runs shard_map with check_vma=False.
+    typed_for_shard_map: bool = True
 
 
 _BACKENDS: dict[str, BlockBackend] = {}
@@ -143,15 +146,6 @@ def _cudnn_ops():
     return fwd, bwd
 
 
-def _varying_like(x, like):
-    """Inside ``shard_map`` (check_vma), mark ``x`` as varying over the mesh axes ``like`` varies
-    over: flash_attn3_jax's primitives type their outputs without that annotation."""
-    missing = tuple(getattr(jax.typeof(like), "vma", frozenset()) - getattr(jax.typeof(x), "vma", frozenset()))
-    if not missing:
-        return x
-    return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
-
-
 def _fa3_ops():
     try:
         from flash_attn3_jax.flash import _flash_mha_bwd, _flash_mha_fwd
@@ -159,17 +153,15 @@ def _fa3_ops():
         raise RuntimeError("block backend 'fa3' needs the flash_attn3_jax package (Hopper GPUs)") from err
 
     def fwd(q, k, v, causal: bool, scale: float):
-        out = _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:2]
-        return tuple(_varying_like(x, q) for x in out)
+        return _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:2]
 
     def bwd(do, q, k, v, o, lse, causal: bool, scale: float):
-        grads = _flash_mha_bwd(do, q, k, v, o, lse, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:3]
-        return tuple(_varying_like(g, q) for g in grads)
+        return _flash_mha_bwd(do, q, k, v, o, lse, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:3]
 
     return fwd, bwd
 
 
-def _fused_backend(name: str, ops) -> BlockBackend:
+def _fused_backend(name: str, ops, typed_for_shard_map: bool = True) -> BlockBackend:
     """Block kernels on a fused attention op pair ``ops() -> (fwd, bwd)`` (imported at first use).
     A STRICT block (stripe layout) is the causal block of rows 1.. against keys ..t-1; a backward
     with an lse cotangent (only when the caller uses lse) falls back to the portable kernel, as
@@ -195,8 +187,8 @@ def _fused_backend(name: str, ops) -> BlockBackend:
         grads = ops()[1](do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask is Mask.CAUSAL, scale)
         return tuple(g.astype(F32) for g in grads)
 
-    return BlockBackend(name, fwd, bwd)
+    return BlockBackend(name, fwd, bwd, typed_for_shard_map)
 
 
 register_backend(_fused_backend("cudnn", _cudnn_ops))
-register_backend(_fused_backend("fa3", _fa3_ops))
+register_backend(_fused_backend("fa3", _fa3_ops, typed_for_shard_map=False))
