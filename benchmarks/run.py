@@ -80,9 +80,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(rows: list[dict], command: str, machine: str) -> Path:
+def write(rows: list[dict], command: str, machine: str, versions: dict | None = None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = {"date": datetime.date.today().isoformat(), "machine": machine, "command": command, "versions": _versions()}
+    meta = {"date": datetime.date.today().isoformat(), "machine": machine, "command": command,
+            "versions": versions or _versions()}
     rows = add_efficiency(rows)
     stem = RESULTS / f"{meta['date']}-{machine}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -97,9 +98,10 @@ def main(argv=None) -> None:
         ap.add_argument("parts", nargs="+")
         ap.add_argument("--machine", default="h200x4")
         ap.add_argument("--command", default="python -m benchmarks")
+        ap.add_argument("--versions", default=None, help="JSON: the versions on the machine that measured the parts")
         a = ap.parse_args(argv[1:])
         rows = [r for p in a.parts for r in json.loads(Path(p).read_text())]
-        print(write(rows, a.command, a.machine))
+        print(write(rows, a.command, a.machine, json.loads(a.versions) if a.versions else None))
         return
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("--machine", default="h200x4")
