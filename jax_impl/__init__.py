@@ -2,8 +2,10 @@
 
 from .api import partition_specs, sequence_parallel_attention
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from .allgather import allgather_attention
 from .block import BlockBackend, get_backend, register_backend
 from .dense import dense_attention
+from .double_ring import double_ring_attention
 from .layouts import LAYOUTS, layout_permutation
 from .merge import merge_partials
 from .ring import ring_attention
@@ -11,7 +13,8 @@ from .ulysses import ulysses_attention
 from .usp import usp_attention
 
 __all__ = [
-    "DATA", "LAYOUTS", "RING", "RING_INNER", "RING_OUTER", "ULYSSES", "BlockBackend", "dense_attention",
+    "DATA", "LAYOUTS", "RING", "RING_INNER", "RING_OUTER", "ULYSSES", "BlockBackend", "allgather_attention",
+    "dense_attention", "double_ring_attention",
     "get_backend", "layout_permutation", "merge_partials", "partition_specs", "register_backend",
     "ring_attention", "sequence_parallel_attention", "ulysses_attention", "usp_attention",
 ]

@@ -107,7 +107,7 @@ def _make(values: dict) -> Case:
 
 
 def full_matrix() -> list[Case]:
-    """Every meaningful combination of the factors (1728 cases)."""
+    """Every meaningful combination of the factors (1944 cases)."""
     f = _factors()
     combos = (dict(zip(f, combo)) for combo in itertools.product(*f.values()))
     return [_make(c) for c in combos if _meaningful(c)]

@@ -1,11 +1,12 @@
 """Tier 2 — jax_impl on 8 simulated CPU devices against the float64 oracle (DESIGN.md policy).
 
 What is reduced, and why: the issue's matrix is the cross product of layout × causal × mesh
-(ring 1/2/4/8, ulysses 2/4/8, ring×ulysses 2×2, 2×4, 4×2) × MHA/GQA/MQA × head_dim 16/40/64 ×
-float32/bfloat16 = 1080 compiled fwd+bwd programs, about 40 minutes on 2 cores. The default run
-keeps every (layout, causal, mesh) triple and adds cases until every *pair* of factor values has
-appeared together (``parity.cases.pairwise_matrix``, ~70 cases); ``RINGBRIDGE_FULL=1`` runs the
-whole product. Every case runs under ``jax.jit`` and ``jax.vjp`` with a random lse cotangent.
+(ring 1/2/4/8, ulysses 2/4/8, ring×ulysses 2×2, 2×4, 4×2, double ring 2×2 and 2×2×U2) ×
+MHA/GQA/MQA × head_dim 16/40/64 × float32/bfloat16 × kv exchange = 1944 compiled fwd+bwd
+programs, over an hour on 2 cores. The default run keeps every (layout, causal, mesh) triple and
+adds cases until every *pair* of factor values has appeared together
+(``parity.cases.pairwise_matrix``, 72 cases); ``RINGBRIDGE_FULL=1`` runs the whole product.
+Every case runs under ``jax.jit`` and ``jax.vjp`` with a random lse cotangent.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tier 2 — torch_impl in gloo worlds of 1, 2, 4 and 8 processes against the float64 oracle, and
 against jax_impl on identical inputs.
 
-What is reduced on CPU, and why: the same all-pairs subset of the 1080-case cross product as the
+What is reduced on CPU, and why: the same all-pairs subset of the 1944-case cross product as the
 JAX tier (``parity.cases.pairwise_matrix``: every layout × causal × mesh triple, every pair of
 factor values), since 8 gloo processes share 2 cores; ``RINGBRIDGE_FULL=1`` runs the whole
 product. Worlds are started once per session and reused by every case of their size. The
