@@ -46,6 +46,9 @@ def _check_double_ring(mesh_sizes: dict, kv_exchange: str) -> None:
         raise ValueError(f"the double ring needs both mesh axes {RING_OUTER!r} and {RING_INNER!r}, got only {double[0]!r}")
     if RING in mesh_sizes:
         raise ValueError(f"mesh axis {RING!r} cannot be combined with the double ring's {RING_OUTER!r} x {RING_INNER!r}")
+    if min(mesh_sizes[RING_OUTER], mesh_sizes[RING_INNER]) < 2:
+        raise ValueError(f"the double ring needs {RING_OUTER!r} and {RING_INNER!r} of size >= 2 each, got "
+                         f"{mesh_sizes[RING_OUTER]} x {mesh_sizes[RING_INNER]}; with one ring of devices use {RING!r}")
     if kv_exchange != "ring":
         raise ValueError(f"kv_exchange={kv_exchange!r} has no double-ring form: use kv_exchange='ring' with "
                          f"{RING_OUTER!r} x {RING_INNER!r}, or a single {RING!r} axis for all-gather KV")

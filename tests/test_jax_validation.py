@@ -51,6 +51,8 @@ CASES = [
     ("double ring half", ((4,), ("ring_outer",)), _x(), _x(), _x(), {}, ValueError, "needs both mesh axes"),
     ("double ring and ring", ((2, 2, 2), ("ring", "ring_outer", "ring_inner")), _x(), _x(), _x(), {}, ValueError,
      "cannot be combined with the double ring"),
+    ("double ring of size 1", ((4, 1), ("ring_outer", "ring_inner")), _x(), _x(), _x(), {}, ValueError,
+     "of size >= 2 each, got 4 x 1"),
     ("double ring all-gather", ((2, 2), ("ring_outer", "ring_inner")), _x(), _x(), _x(), {"kv_exchange": "allgather"},
      ValueError, "has no double-ring form"),
     ("double ring zigzag seq", ((2, 2, 2), ("ring_outer", "ring_inner", "ulysses")), _x(t=36), _x(t=36, h=2), _x(t=36, h=2),
