@@ -11,7 +11,6 @@ analysis per device (arguments + outputs + temporaries): JAX cannot reset its ru
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -25,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from .common import MeshSpec, Problem, Row, finish  # noqa: E402
+from .common import MeshSpec, Problem, Row, finish, shared_arguments  # noqa: E402
 
 
 def _time(fn, args, iters: int, warmup: int) -> list[float]:
@@ -152,19 +151,10 @@ def _save(rows: list[Row], path: str) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seqs", default="32768,131072")
-    ap.add_argument("--ceiling-seq", type=int, default=32768)
-    ap.add_argument("--meshes", default="ring4,ulysses4,usp2x2,dring2x2,agkv4")
-    ap.add_argument("--layout", default="zigzag")
+    ap = shared_arguments(__doc__.splitlines()[0])
     ap.add_argument("--no-peers", action="store_true", help="skip flash_attn3_jax's ring")
     ap.add_argument("--jax-backends", default="cudnn", help="jax_impl block backends to run (cudnn, fa3, reference)")
     ap.add_argument("--weak", default="", help="weak scaling: tokens per GPU; ring over 1, 2, 4 GPUs")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=32)
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
     base = dict(heads=args.heads, kv_heads=args.kv_heads)
     rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup) if args.ceiling_seq else []

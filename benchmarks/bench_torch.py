@@ -11,7 +11,6 @@ slowest rank's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import traceback
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import MeshSpec, Problem, Row, finish
+from .common import MeshSpec, Problem, Row, finish, shared_arguments
 
 
 def _rank() -> int:
@@ -226,18 +225,9 @@ def _save(rows: list[Row], path: str) -> None:
 
 def main(argv=None) -> None:
     global _SELF_GROUP
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seqs", default="32768,131072")
-    ap.add_argument("--ceiling-seq", type=int, default=32768)
-    ap.add_argument("--meshes", default="ring4,ulysses4,usp2x2,dring2x2,agkv4")
-    ap.add_argument("--layout", default="zigzag")
+    ap = shared_arguments(__doc__.splitlines()[0])
     ap.add_argument("--torch-backends", default="aten_cudnn")
     ap.add_argument("--peers", default="cp,yunchang")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=32)
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

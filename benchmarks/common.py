@@ -134,3 +134,20 @@ class MeshSpec:
     @property
     def ulysses(self) -> int:
         return self.axes.get("ulysses", 1)
+
+
+def shared_arguments(description: str):
+    """The flags both benchmark sides take (the driver passes one flag set to both)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seqs", default="32768,131072")
+    ap.add_argument("--ceiling-seq", type=int, default=32768, help="single-GPU ceiling tokens (0: skip)")
+    ap.add_argument("--meshes", default="ring4,ulysses4,usp2x2,dring2x2,agkv4")
+    ap.add_argument("--layout", default="zigzag")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    return ap
