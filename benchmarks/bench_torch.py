@@ -50,15 +50,16 @@ def _worst(value: float, group=None) -> float:
 
 def _measure(row: Row, problem: Problem, make_step, iters: int, warmup: int, group=None) -> Row:
     """``make_step()`` builds inputs and returns the per-iteration callable; it runs on every
-    rank of ``group``; errors become the row's note (after every rank agrees something failed)."""
+    rank of ``group``. An error becomes this rank's row note (rank 0's rows are the ones saved)."""
     error = ""
     try:
         torch.cuda.reset_peak_memory_stats()
         step = make_step()
         times = _time(step, iters, warmup, group)
         peak = torch.cuda.max_memory_allocated()
-        median = _worst(sorted(times)[len(times) // 2], group)
-        times = [t * median / sorted(times)[len(times) // 2] for t in times]  # scale to the worst rank
+        median = sorted(times)[len(times) // 2]
+        worst = _worst(median, group)
+        times = [t * worst / median for t in times]  # this rank's spread, at the slowest rank's median
         finish(row, problem, times, _worst(peak, group))
     except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
         error = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
@@ -89,6 +90,7 @@ def ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
     """SDPA on one GPU (rank 0; the others wait at a barrier). [b, h, s, d] layout."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    rank0 = dist.new_group([0])  # every rank creates it; only rank 0 runs in it
     rows = []
     kernels = (("torch_cudnn_ceiling", SDPBackend.CUDNN_ATTENTION), ("torch_flash_ceiling", SDPBackend.FLASH_ATTENTION))
     for name, backend in kernels:
@@ -106,13 +108,10 @@ def ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
                                                                   enable_gqa=problem.kv_heads != problem.heads)
                     return _train_step(run, q, k, v, do, fwd_only)
 
-                _measure(row, problem, make_step, iters, warmup, group=_SELF_GROUP)
+                _measure(row, problem, make_step, iters, warmup, group=rank0)
             dist.barrier()
             rows.append(row)
     return rows
-
-
-_SELF_GROUP = None  # a one-rank group for rank 0's single-GPU runs (set in main)
 
 
 def _local_shape(problem: Problem, devices: int, heads: int):
@@ -224,7 +223,6 @@ def _save(rows: list[Row], path: str) -> None:
 
 
 def main(argv=None) -> None:
-    global _SELF_GROUP
     ap = shared_arguments(__doc__.splitlines()[0])
     ap.add_argument("--torch-backends", default="aten_cudnn")
     ap.add_argument("--peers", default="cp,yunchang")
@@ -232,7 +230,6 @@ def main(argv=None) -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    _SELF_GROUP = dist.new_group([0])
     base = dict(heads=args.heads, kv_heads=args.kv_heads)
     rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup) if args.ceiling_seq else []
     n = dist.get_world_size()

@@ -26,14 +26,16 @@ class Problem:
         return fwd if fwd_only else 3.5 * fwd
 
     def min_bytes_per_device(self, devices: int, fwd_only: bool) -> int:
-        """The analytic memory floor per device (issue 7): q, k, v, o, lse, their gradients and
-        two K/V buffers (one in hand, one arriving) for this device's share of the sequence."""
+        """The analytic memory floor per device (issue 7) for this device's share of the sequence:
+        q, k, v, o, lse, their gradients, and one more K/V pair — the issue's "two K/V buffers"
+        read as the K/V in hand (the size of k, v) and the one arriving. Counting two pairs
+        beyond k, v instead would make the floor larger and every ×floor ratio smaller."""
         t = self.seq // devices
         e = 2 if self.dtype in ("bfloat16", "float16") else 4
         q = o = self.batch * t * self.heads * self.head_dim * e
         kv = self.batch * t * self.kv_heads * self.head_dim * e
         lse = self.batch * self.heads * t * 4
-        tensors = q + 2 * kv + o + lse + 2 * kv  # q, k, v, o, lse + two K/V receive buffers
+        tensors = q + 2 * kv + o + lse + 2 * kv  # q, k, v, o, lse + the arriving K/V pair
         return tensors if fwd_only else tensors + q + 2 * kv + o  # + dq, dk, dv, do
 
 

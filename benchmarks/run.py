@@ -65,7 +65,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "Problem: bf16, batch 1, causal, 32 heads (kv heads as listed), head_dim 128; FLOPs = 4·b·h·s²·d/2 "
              "forward, ×3.5 forward+backward. Efficiency: TFLOP/s/GPU over the best single-GPU ceiling of the "
              "same framework in this run. Memory: torch max_memory_allocated; JAX compiled memory analysis "
-             "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse (+ grads) and two K/V buffers.", "",
+             "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse (+ grads) and one arriving K/V pair.", "",
              "| framework | strategy | layout | seq_len | ulysses | ring | fwd_only | backend | iters/s | ms/iter "
              "| spread ms | peak MB/dev | ×floor | TFLOP/s/GPU | efficiency | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

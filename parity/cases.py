@@ -22,6 +22,14 @@ DTYPES = ("float32", "bfloat16")
 KV_EXCHANGES = ("ring", "allgather")  # ring hops, or one all-gather of K/V (jax_impl/allgather.py)
 
 
+def ring_position(coords: dict, sizes: dict) -> tuple[int, int]:
+    """(index, size) of a device in the combined ring of a mesh with axis ``sizes``: its "ring"
+    coordinate, or the double ring's o·I + i."""
+    inner = sizes.get("ring_inner", 1)
+    index = coords.get("ring", 0) + coords.get("ring_outer", 0) * inner + coords.get("ring_inner", 0)
+    return index, sizes.get("ring", 1) * sizes.get("ring_outer", 1) * inner
+
+
 @dataclass(frozen=True)
 class Case:
     """One parity case. Sizes are global; ``ring``/``ulysses``/``data`` are mesh-axis sizes;
@@ -68,9 +76,7 @@ class Case:
 
     def ring_coordinate(self, coords: dict) -> int:
         """The combined ring index of a device at mesh ``coords`` (o·I + i in the double ring)."""
-        if self.ring_outer > 1:
-            return coords["ring_outer"] * (self.ring // self.ring_outer) + coords["ring_inner"]
-        return coords.get("ring", 0)
+        return ring_position(coords, self.mesh_axes)[0]
 
     @property
     def name(self) -> str:

@@ -14,6 +14,7 @@ def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes
 
     import torch_impl
     from parity.numerics import LOWP_ABS_FLOOR, LOWP_FACTOR
+    from parity.cases import ring_position
     from parity.run_torch import _mesh
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -34,9 +35,8 @@ def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes
     mesh = _mesh("cuda", mesh_axes)
     sizes = dict(mesh_axes)
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    ulysses, inner = sizes.get("ulysses", 1), sizes.get("ring_inner", 1)
-    ring = sizes.get("ring", 1) * sizes.get("ring_outer", 1) * inner  # the combined ring (double ring: O·I)
-    ring_coord = coords.get("ring", 0) + coords.get("ring_outer", 0) * inner + coords.get("ring_inner", 0)
+    ulysses = sizes.get("ulysses", 1)
+    ring_coord, ring = ring_position(coords, sizes)  # the combined ring (double ring: o·I + i of O·I)
     perm = torch.as_tensor(torch_impl.layout_permutation(seq, layout, ring, ulysses), device=device)
     block = ring_coord * ulysses + coords.get("ulysses", 0)
     mine = perm[block * seq // (ring * ulysses):(block + 1) * seq // (ring * ulysses)]
