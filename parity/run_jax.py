@@ -27,24 +27,33 @@ def device_count(devices: str = "cpu") -> int:
 
 
 def _as(x, dtype):
-    return jnp.asarray(np.asarray(x, np.float32), dtype)
+    """Host-side cast (ml_dtypes), so that no small conversion program is compiled per shape."""
+    return jnp.asarray(np.asarray(x, np.float32).astype(jnp.dtype(dtype)))
 
 
 def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
+    """Forward and backward of ``fn`` compiled as one program, as a training step compiles them
+    (and half the compile time of two programs, which the CPU tiers' many small cases notice)."""
     dtype = jnp.dtype(case.dtype)
-    (o, lse), vjp = jax.vjp(fn, _as(x.q, dtype), _as(x.k, dtype), _as(x.v, dtype))
-    dq, dk, dv = vjp((_as(x.do, dtype), _as(x.dlse, jnp.float32)))
+
+    @jax.jit
+    def forward_backward(q, k, v, do, dlse):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp((do, dlse))
+
+    (o, lse), (dq, dk, dv) = forward_backward(_as(x.q, dtype), _as(x.k, dtype), _as(x.v, dtype),
+                                              _as(x.do, dtype), _as(x.dlse, jnp.float32))
     out = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-    return {n: np.asarray(jnp.asarray(t, jnp.float32), np.float64) for n, t in out.items()}
+    return {n: np.asarray(t).astype(np.float64) for n, t in out.items()}
 
 
 def run_case(case: Case, x: Inputs, *, devices: str = "cpu", block_backend: str = "auto") -> dict[str, np.ndarray]:
-    """o, lse, dq, dk, dv from ``sequence_parallel_attention`` (jitted), in original order.
+    """o, lse, dq, dk, dv from ``sequence_parallel_attention`` (forward + backward jitted as one
+    program), in original order.
     ``devices`` is informational: JAX runs on its default platform (set before JAX starts)."""
     mesh = make_mesh(case)
     perm = permutation(case)
 
-    @jax.jit
     def fn(q, k, v):
         return jax_impl.sequence_parallel_attention(
             q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale,
@@ -55,8 +64,8 @@ def run_case(case: Case, x: Inputs, *, devices: str = "cpu", block_backend: str 
 
 def run_control(case: Case, x: Inputs) -> dict[str, np.ndarray]:
     """Dense attention in the case's own dtype on one device: the low-precision control."""
-    fn = jax.jit(lambda q, k, v: jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale))
-    return _vjp_results(fn, case, x)
+    return _vjp_results(lambda q, k, v: jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale),
+                        case, x)
 
 
 def measure_attention_traffic(case: Case, *, return_lse: bool = True):

@@ -52,3 +52,33 @@ def rank0_fails_before_a_collective() -> None:
     if dist.get_rank() == 0:
         raise ValueError("rank 0 refuses its input")
     dist.all_reduce(torch.ones(4))
+
+
+def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool):
+    """Every rank calls sequence_parallel_attention on ring-shaped local shards, except that the
+    ranks named in ``rank_overrides`` (rank -> dict of q_seq / kv_seq / dtype / causal) pass something else.
+    Returns (error type, message), or (None, "no error")."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from parity.run_torch import _mesh
+    from torch_impl.comm import CHECK_RANKS_ENV
+
+    mine = {"q_seq": 8, "kv_seq": 8, "dtype": "float32", "causal": True} | rank_overrides.get(dist.get_rank(), {})
+    dtype = getattr(torch, mine["dtype"])
+    q = torch.randn(1, mine["q_seq"], 4, 8).to(dtype).requires_grad_()
+    k, v = (torch.randn(1, mine["kv_seq"], 4, 8).to(dtype).requires_grad_() for _ in range(2))
+    saved = os.environ.get(CHECK_RANKS_ENV)
+    os.environ[CHECK_RANKS_ENV] = "1" if check_ranks else "0"
+    try:
+        o = torch_impl.sequence_parallel_attention(q, k, v, _mesh("cpu", tuple(mesh_axes)), causal=mine["causal"],
+                                                   layout="contiguous")
+        o.sum().backward()
+    except (ValueError, TypeError) as err:
+        return type(err).__name__, str(err)
+    finally:
+        os.environ.pop(CHECK_RANKS_ENV) if saved is None else os.environ.__setitem__(CHECK_RANKS_ENV, saved)
+    return None, "no error"

@@ -8,14 +8,20 @@ order) of its batch shard:
 
     q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   ->   o like q, lse: [b/D, h, t/(R·U)]
 
-Validation runs on shapes alone, identically on every rank, before any collective.
+Validation runs on shapes alone, identically on every rank, before any collective. Ranks that
+pass *different* local shapes, dtypes or options are caught only with ``RINGBRIDGE_CHECK_RANKS=1``
+(one small all-reduce per mesh dimension, before validation and before any attention collective);
+see ``comm.check_ranks_agree`` for what goes unnoticed without it.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import os
+
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from .comm import CHECK_RANKS_ENV, check_ranks_agree
 from .double_ring import double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
@@ -26,6 +32,26 @@ _DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch
 
 def _dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
+
+
+_LAYOUT_CODES = ("contiguous", "zigzag", "stripe")
+_EXCHANGE_CODES = ("ring", "allgather")
+
+
+def _code(value, known: tuple) -> int:
+    return known.index(value) if value in known else -1
+
+
+def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse) -> dict:
+    """What every rank must agree on, as small ints (scale by its float64 bit pattern)."""
+    import struct
+
+    dtypes = tuple(_code(_dtype_name(x.dtype), ("float32", "bfloat16", "float16")) for x in (q, k, v))
+    scale_bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+    return {"q shape": tuple(q.shape), "k shape": tuple(k.shape), "v shape": tuple(v.shape), "dtypes (f32, bf16, f16 = 0, 1, 2)": dtypes,
+            "causal, layout, kv_exchange, return_lse": (int(bool(causal)), _code(layout, _LAYOUT_CODES),
+                                                        _code(kv_exchange, _EXCHANGE_CODES), int(bool(return_lse))),
+            "scale (float64 bits)": (scale_bits,)}
 
 
 def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
@@ -60,6 +86,9 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 return_lse: bool = False, block_backend: str = "auto"):
     """Attention of this rank's ``q`` shard against ``k, v`` shards (layout order), sequence-
     parallel over ``mesh`` (a ``DeviceMesh``). Returns o (and lse if ``return_lse``)."""
+    if os.environ.get(CHECK_RANKS_ENV) == "1":
+        check_ranks_agree(_signature(q, k, v, causal=causal, layout=layout, scale=scale, kv_exchange=kv_exchange,
+                                     return_lse=return_lse), mesh)
     names = mesh.mesh_dim_names or ()
     sizes = {name: mesh.size(i) for i, name in enumerate(names)}
     decomposition: Decomposition = validate(

@@ -120,3 +120,39 @@ def scatter_shard_sums(x_all, group):
     _single("reduce_scatter_single", "reduce_scatter_tensor")(out, x_all.reshape(-1, *x_all.shape[2:]).contiguous(),
                                                               group=group)
     return out
+
+
+CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
+
+
+def check_ranks_agree(fields: dict[str, tuple[int, ...]], mesh) -> None:
+    """Raise the same ``ValueError`` on every rank of ``mesh`` if any rank's ``fields`` (name ->
+    small ints: local shapes, dtype codes, options) differ from another's; otherwise return.
+
+    One MAX all-reduce of [fields, -fields] per mesh dimension, in mesh-dimension order: after
+    dimension j every rank holds the max over the ranks that differ from it in dimensions <= j,
+    so after the last one every rank holds the mesh-wide max and min of every field — the same
+    numbers everywhere, hence the same verdict, and every rank makes the same calls whatever its
+    inputs (no rank can be left waiting). It costs one device-to-host copy, which is why it is
+    opt-in (``RINGBRIDGE_CHECK_RANKS=1``, like ``TORCH_DISTRIBUTED_DEBUG``): without it, ranks whose
+    K/V shapes disagree fail in (or time out of) the first collective, and a mismatch in q alone or
+    in the options goes unnoticed."""
+    names = list(fields)
+    width = max(len(v) for v in fields.values())
+    rows = [list(fields[n]) + [0] * (width - len(fields[n])) + [len(fields[n])] for n in names]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor(rows, dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine])
+    for dim in range(mesh.ndim):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    high, low = both[: len(names)].cpu(), (-both[len(names):]).cpu()
+    differ = [f"{n}: from {_field(low[i])} to {_field(high[i])}" for i, n in enumerate(names) if not torch.equal(low[i], high[i])]
+    if differ:
+        raise ValueError(f"ranks of the mesh disagree on their inputs (every rank must pass the same local "
+                         f"shapes, dtypes and options): {'; '.join(differ)}")
+
+
+def _field(row) -> str:
+    """A field's row back as text (shown elementwise min / max, the last entry its length)."""
+    values = row.tolist()
+    return str(tuple(values[: values[-1]]))

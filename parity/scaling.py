@@ -1,0 +1,164 @@
+"""Error against device count: the same bf16 (or fp16) attention on 1, 2, 4, 8 devices, each
+tensor's max error against the float64 oracle divided by the error of dense attention run in
+the same dtype (the numerics policy's control). The policy allows a ratio of 2 (plus a small
+floor); on top, the error may grow at most ``GROWTH_LIMIT`` from 1 device to N: a ring that
+accumulated or sent dK/dV in bf16 shows an error growing with the ring.
+
+    python -m parity scaling                          # CPU: 8 simulated JAX devices, gloo worlds
+    python -m parity scaling --devices gpu --plot error-vs-devices.png
+
+The docs' figure (docs/numerics-at-scale.md) comes from this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from .cases import Case
+from .compare import compare
+from .devices import configure_jax_devices
+from .inputs import TENSORS, make_inputs, oracle
+from .numerics import LOWP_ABS_FLOOR
+
+# How much more error than on one device a sharded run may show (max error, per tensor). The
+# policy's 2× of the dense control is too loose to see R-dependent loss: measured, a ring that
+# sent dK/dV in bf16 grows the dk error 3.2× from 1 to 8 devices and still passes the policy.
+GROWTH_LIMIT = 1.25
+# Ulysses with kv_heads < U replicates K/V heads and sums the replicas' dK/dV after the bf16
+# all-to-all back (measured: dk error 1.4× at U = 4, 2.2× at U = 8, h8/kv2): a property of moving
+# the backward in the input dtype, not of the ring. Reported, held to the policy only.
+GROWTH_CHECKED = ("ring", "allgather")
+
+# One case per strategy family; ``ring`` (or ``ulysses``) is set per device count.
+BASE = Case(seq=512, heads=8, kv_heads=2, head_dim=32, layout="zigzag", causal=True, dtype="bfloat16")
+STRATEGIES = ("ring", "ulysses", "allgather")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One framework on one device count: per tensor, max error / the control's max error."""
+
+    framework: str
+    strategy: str
+    devices: int
+    ratio: dict[str, float]
+    error: dict[str, float]
+    ok: bool
+    floor: dict[str, float]  # the policy's absolute floor for each tensor (LOWP_ABS_FLOOR × max |ref|)
+
+
+def case_for(strategy: str, devices: int, base: Case = BASE) -> Case:
+    if strategy == "ulysses":
+        return replace(base, ulysses=devices, kv_heads=max(base.kv_heads, 1))
+    return replace(base, ring=devices, kv_exchange="allgather" if strategy == "allgather" and devices > 1 else "ring")
+
+
+def measure(runner, framework: str, strategies=STRATEGIES, device_counts=(1, 2, 4, 8), base: Case = BASE,
+            seed: int = 0, devices: str = "cpu") -> list[Point]:
+    """Run ``runner`` (parity.run_jax or parity.run_torch) on every (strategy, device count)."""
+    points = []
+    for strategy in strategies:
+        for n in device_counts:
+            case = case_for(strategy, n, base)
+            x = make_inputs(case, seed)
+            ref, got, control = oracle(case, x), runner.run_case(case, x, devices=devices), runner.run_control(case, x)
+            checks = compare(case, got, ref, control)
+            control_err = {t: float(np.max(np.abs(control[t] - ref[t]))) for t in TENSORS}
+            points.append(Point(framework, strategy, n, {c.name: c.max_abs_error / max(control_err[c.name], 1e-30)
+                                                         for c in checks},
+                                {c.name: c.max_abs_error for c in checks}, all(c.ok for c in checks),
+                                {t: LOWP_ABS_FLOOR[case.dtype] * float(np.max(np.abs(ref[t]))) for t in TENSORS}))
+    return points
+
+
+def growth(points: list[Point]) -> dict[tuple[str, str, int], dict[str, float]]:
+    """(framework, strategy, devices) -> per tensor, max error / the same strategy's on one device,
+    each error raised to at least the policy's absolute floor (lse is float32 in every dtype: its
+    1e-7-level errors are noise, not growth)."""
+    one = {(p.framework, p.strategy): p for p in points if p.devices == 1}
+
+    def floored(p, t):
+        return max(p.error[t], p.floor[t])
+
+    return {(p.framework, p.strategy, p.devices): {t: floored(p, t) / floored(one[(p.framework, p.strategy)], t)
+                                                   for t in TENSORS}
+            for p in points if (p.framework, p.strategy) in one}
+
+
+def excessive_growth(points: list[Point]) -> dict:
+    """The growth entries of checked strategies over ``GROWTH_LIMIT``."""
+    return {key: g for key, g in growth(points).items()
+            if key[1] in GROWTH_CHECKED and max(g.values()) > GROWTH_LIMIT}
+
+
+def plot(points: list[Point], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(STRATEGIES), figsize=(4.2 * len(STRATEGIES), 3.6), sharey=True)
+    for ax, strategy in zip(np.atleast_1d(axes), STRATEGIES):
+        for framework, marker in (("jax", "o"), ("torch", "s")):
+            rows = [p for p in points if p.strategy == strategy and p.framework == framework]
+            for tensor, color in zip(TENSORS, ("C0", "C1", "C2", "C3", "C4")):
+                if rows:
+                    ax.plot([p.devices for p in rows], [p.ratio[tensor] for p in rows], marker=marker, color=color,
+                            linestyle="-" if framework == "jax" else "--", label=f"{framework} {tensor}")
+        ax.axhline(2.0, color="k", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_title(strategy)
+        ax.set_xlabel("devices")
+    np.atleast_1d(axes)[0].set_ylabel("max error / dense same-dtype control")
+    np.atleast_1d(axes)[-1].legend(fontsize=6, ncol=2)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parity scaling", description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--counts", default="1,2,4,8", help="device counts (those above the machine's are skipped)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--seq", type=int, default=BASE.seq)
+    parser.add_argument("--frameworks", default="jax,torch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, help="write the figure here (PNG)")
+    parser.add_argument("--json", default=None, help="write the points here")
+    args = parser.parse_args(argv)
+    configure_jax_devices(args.devices)
+    from .cli import load_runner
+
+    base = replace(BASE, dtype=args.dtype, seq=args.seq)
+    points = []
+    try:
+        for framework in args.frameworks.split(","):
+            runner, why = load_runner(framework)
+            if runner is None:
+                print(f"{framework}: skipped ({why})")
+                continue
+            counts = [n for n in map(int, args.counts.split(",")) if n <= runner.device_count(args.devices)]
+            points += measure(runner, framework, device_counts=counts, base=base, seed=args.seed, devices=args.devices)
+    finally:
+        from .torch_world import close_worlds
+
+        close_worlds()
+    print(f"{'framework':9} {'strategy':9} {'dev':>3}  " + "  ".join(f"{t:>6}" for t in TENSORS) + "   (max error / control's)")
+    grown, too_much = growth(points), excessive_growth(points)
+    for p in points:
+        g = grown.get((p.framework, p.strategy, p.devices), {})
+        print(f"{p.framework:9} {p.strategy:9} {p.devices:>3}  " + "  ".join(f"{p.ratio[t]:6.2f}" for t in TENSORS)
+              + ("" if p.ok else "   FAIL (policy)") + (f"   FAIL (grew {max(g.values()):.2f}x)" if (p.framework, p.strategy, p.devices) in too_much
+                 else f"   (grew {max(g.values()):.2f}x, not checked)" if max(g.values(), default=0) > GROWTH_LIMIT else ""))
+    if args.plot:
+        plot(points, args.plot, f"{base.dtype}, seq {base.seq}, h{base.heads}/kv{base.kv_heads}, d{base.head_dim}, "
+             f"{base.layout} causal, {args.devices}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(p) for p in points], f, indent=1)
+    return 0 if points and all(p.ok for p in points) and not too_much else 1
