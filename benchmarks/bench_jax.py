@@ -108,7 +108,7 @@ def ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
 
 
 def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int,
-              fwd_modes=(True, False)) -> list[Row]:
+              fwd_modes=(True, False), variant: str = "") -> list[Row]:
     import jax_impl
     from jax_impl.api import partition_specs
 
@@ -117,14 +117,36 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     rows = []
     for fwd_only in fwd_modes:
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
-                  extra={"block_backend": backend, "mesh": spec.name})
+                  extra={"block_backend": backend, "mesh": spec.name, **({"variant": variant} if variant else {}),
+                         **({"controllers": jax.process_count()} if jax.process_count() > 1 else {})})
 
-        def attention(q, k, v):
+        def attention(q, k, v, backend=backend):
             return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=layout,
                                                         kv_exchange=spec.kv_exchange, block_backend=backend)
 
         rows.append(_measure(row, problem, attention, NamedSharding(mesh, x_spec), iters, warmup))
     return rows
+
+
+def overlap_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int) -> list[Row]:
+    """The ring's forward+backward with compute only and with communication only (overlap.py)."""
+    from .overlap import VARIANTS, jax_variant
+
+    rows = []
+    for variant in VARIANTS:
+        with jax_variant(variant) as probe_backend:
+            rows += impl_rows(problem, spec, layout, probe_backend or backend, iters, warmup, fwd_modes=(False,),
+                              variant=variant)
+    return rows
+
+
+def _init_multi_controller() -> None:
+    """One JAX process per GPU (multi-controller), started by ``torchrun``: its rendezvous
+    variables name the coordinator (MASTER_PORT + 1), the process count and this process."""
+    env = os.environ
+    jax.distributed.initialize(coordinator_address=f"{env['MASTER_ADDR']}:{int(env['MASTER_PORT']) + 1}",
+                               num_processes=int(env["WORLD_SIZE"]), process_id=int(env["RANK"]),
+                               local_device_ids=[int(env["LOCAL_RANK"])])
 
 
 def fa3_ring_rows(problem: Problem, ring: int, iters: int, warmup: int) -> list[Row]:
@@ -155,7 +177,13 @@ def main(argv=None) -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip flash_attn3_jax's ring")
     ap.add_argument("--jax-backends", default="cudnn", help="jax_impl block backends to run (cudnn, fa3, reference)")
     ap.add_argument("--weak", default="", help="weak scaling: tokens per GPU; ring over 1, 2, 4 GPUs")
+    ap.add_argument("--multi-controller", action="store_true",
+                    help="one process per GPU under torchrun (jax.distributed.initialize); no ceilings or peers")
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
+    if args.multi_controller:
+        _init_multi_controller()
+        args.ceiling_seq, args.no_peers, args.weak, args.overlap = 0, True, "", False
+    lead = jax.process_index() == 0
     base = dict(heads=args.heads, kv_heads=args.kv_heads)
     rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup) if args.ceiling_seq else []
     for seq in (int(s) for s in args.seqs.split(",") if s):
@@ -163,12 +191,15 @@ def main(argv=None) -> None:
         for name in filter(None, args.meshes.split(",")):
             spec = MeshSpec(name)
             for backend in args.jax_backends.split(","):
-                rows += impl_rows(problem, spec, args.layout if spec.ring > 1 else "contiguous", backend,
-                                  args.iters, args.warmup)
+                layout = args.layout if spec.ring > 1 else "contiguous"
+                rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
+                if args.overlap and spec.strategy == "ring":
+                    rows += overlap_rows(problem, spec, layout, backend, args.iters, args.warmup)
         if not args.no_peers:
             rows += fa3_ring_rows(problem, len(jax.devices()), args.iters, args.warmup)
-        _save(rows, args.out)  # a run cut short keeps what it measured
-        print(f"jax seq {seq} done", flush=True)
+        if lead:
+            _save(rows, args.out)  # a run cut short keeps what it measured
+            print(f"jax seq {seq} done", flush=True)
     if args.weak:
         per_gpu = int(args.weak)
         for n in (1, 2, 4):
@@ -177,10 +208,12 @@ def main(argv=None) -> None:
                                  args.jax_backends.split(",")[0], args.iters, args.warmup, fwd_modes=(False,)):
                 row.extra["weak_scaling"] = True
                 rows.append(row)
+    if not lead:
+        return
     _save(rows, args.out)
     for r in rows:
         print(f"{r.framework:18s} {r.strategy:12s} {r.seq_len:7d} fwd_only={r.fwd_only!s:5s} "
-              f"{r.extra.get('block_backend', ''):8s} {r.ms_per_iter or float('nan'):9.2f} ms "
+              f"{r.extra.get('block_backend', ''):8s} {r.extra.get('variant', ''):12s} {r.ms_per_iter or float('nan'):9.2f} ms "
               f"{r.tflops_per_gpu or float('nan'):6.1f} TFLOP/s/GPU {r.note[:80]}")
 
 

@@ -118,16 +118,17 @@ def _local_shape(problem: Problem, devices: int, heads: int):
     return problem.batch, problem.seq // devices, heads, problem.head_dim
 
 
-def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int) -> list[Row]:
+def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int,
+              fwd_modes=(True, False), variant: str = "") -> list[Row]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_impl
 
     mesh = init_device_mesh("cuda", tuple(spec.axes.values()), mesh_dim_names=tuple(spec.axes))
     rows = []
-    for fwd_only in (True, False):
+    for fwd_only in fwd_modes:
         row = Row("torch_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
-                  extra={"block_backend": backend, "mesh": spec.name})
+                  extra={"block_backend": backend, "mesh": spec.name, **({"variant": variant} if variant else {})})
 
         def make_step():
             n = spec.devices
@@ -217,6 +218,18 @@ def yunchang_rows(problem: Problem, ulysses: int, ring: int, iters: int, warmup:
     return rows
 
 
+def overlap_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int) -> list[Row]:
+    """The ring's forward+backward with compute only and with communication only (overlap.py)."""
+    from .overlap import VARIANTS, torch_variant
+
+    rows = []
+    for variant in VARIANTS:
+        with torch_variant(variant) as probe_backend:
+            rows += impl_rows(problem, spec, layout, probe_backend or backend, iters, warmup, fwd_modes=(False,),
+                              variant=variant)
+    return rows
+
+
 def _save(rows: list[Row], path: str) -> None:
     with open(path, "w") as f:
         json.dump([r.to_dict() for r in rows], f, indent=1)
@@ -241,8 +254,10 @@ def main(argv=None) -> None:
             if spec.devices != n:
                 continue
             for backend in args.torch_backends.split(","):
-                rows += impl_rows(problem, spec, args.layout if spec.ring > 1 else "contiguous", backend,
-                                  args.iters, args.warmup)
+                layout = args.layout if spec.ring > 1 else "contiguous"
+                rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
+                if args.overlap and spec.strategy == "ring":
+                    rows += overlap_rows(problem, spec, layout, backend, args.iters, args.warmup)
         if "cp" in peers:
             try:
                 rows += context_parallel_rows(problem, args.iters, args.warmup, load_balance=True)

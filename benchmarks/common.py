@@ -152,4 +152,6 @@ def shared_arguments(description: str):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--overlap", action="store_true",
+                    help="also time ring meshes with compute only / communication only (benchmarks/overlap.py)")
     return ap

@@ -20,8 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .common import Row
+
 RESULTS = Path(__file__).parent / "results"
-JAX_FRAMEWORKS = ("jax_impl", "fa3_jax", "jax_cudnn_ceiling", "fa3_jax_ceiling")
+JAX_FRAMEWORKS = ("jax_impl", "jax_impl_mc", "fa3_jax", "jax_cudnn_ceiling", "fa3_jax_ceiling")
 
 
 def _versions() -> dict:
@@ -55,6 +57,16 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _backend_cell(extra: dict) -> str:
+    """Block backend, plus the overlap probe's variant or the multi-controller process count."""
+    cell = extra.get("block_backend", "")
+    if extra.get("variant"):
+        cell += f" ({extra['variant']})"
+    if extra.get("controllers"):
+        cell += f" ({extra['controllers']} processes)"
+    return cell
+
+
 def _fmt(x, spec):
     return "—" if x is None else format(x, spec)
 
@@ -72,7 +84,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for r in rows:
         lines.append("| " + " | ".join([
             r["framework"], r["strategy"], r["layout"], str(r["seq_len"]), str(r["ulysses"]), str(r["ring"]),
-            "fwd" if r["fwd_only"] else "fwd+bwd", r.get("extra", {}).get("block_backend", ""),
+            "fwd" if r["fwd_only"] else "fwd+bwd", _backend_cell(r.get("extra", {})),
             _fmt(r.get("iters_per_s"), ".2f"), _fmt(r.get("ms_per_iter"), ".2f"), _fmt(r.get("ms_spread"), ".2f"),
             _fmt(r.get("peak_mb_per_device"), ".0f"), _fmt(r.get("memory_vs_floor"), ".2f"),
             _fmt(r.get("tflops_per_gpu"), ".1f"), _fmt(r.get("efficiency"), ".2f"),
@@ -108,6 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--only", choices=("jax", "torch"), default=None)
     ap.add_argument("--parts-dir", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--jax-multi-controller", action="store_true",
+                    help="also run jax_impl with one process per GPU (torchrun + jax.distributed.initialize)")
     a, rest = ap.parse_known_args(argv)
     parts = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
@@ -119,6 +133,18 @@ def main(argv=None) -> None:
         out = Path(a.parts_dir) / "torch_rows.json"
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}",
                         "-m", "benchmarks.bench_torch", "--out", str(out), *rest], env=env, check=True)
+        parts.append(out)
+    if a.jax_multi_controller and a.only in (None, "jax"):  # last: a failure here loses no other part
+        out = Path(a.parts_dir) / "jax_mc_rows.json"
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={a.gpus}", "-m", "benchmarks.bench_jax", "--multi-controller",
+                               "--out", str(out), *rest], env=env)
+        mc_rows = json.loads(out.read_text()) if done.returncode == 0 and out.exists() else [
+            Row("jax_impl", "-", "-", 0, a.gpus, 0, 0, False, note=f"multi-controller run failed (exit {done.returncode})"
+                ).to_dict()]
+        for r in mc_rows:
+            r["framework"] = "jax_impl_mc"  # same code, one process per GPU
+        out.write_text(json.dumps(mc_rows))
         parts.append(out)
     rows = [r for p in parts for r in json.loads(p.read_text())]
     print(write(rows, "python -m benchmarks " + " ".join(argv), a.machine))

@@ -16,6 +16,10 @@ def _dispatch(argv: list[str]) -> int:
         from .calibrate import main as calibrate_main
 
         return calibrate_main(argv[1:])
+    if argv[:1] == ["determinism"]:
+        from .determinism import main as determinism_main
+
+        return determinism_main(argv[1:])
     if argv[:1] == ["scaling"]:
         from .scaling import main as scaling_main
 

@@ -155,10 +155,10 @@ def main(argv=None) -> int:
         print(f"{p.framework:9} {p.strategy:9} {p.devices:>3}  " + "  ".join(f"{p.ratio[t]:6.2f}" for t in TENSORS)
               + ("" if p.ok else "   FAIL (policy)") + (f"   FAIL (grew {max(g.values()):.2f}x)" if (p.framework, p.strategy, p.devices) in too_much
                  else f"   (grew {max(g.values()):.2f}x, not checked)" if max(g.values(), default=0) > GROWTH_LIMIT else ""))
-    if args.plot:
-        plot(points, args.plot, f"{base.dtype}, seq {base.seq}, h{base.heads}/kv{base.kv_heads}, d{base.head_dim}, "
-             f"{base.layout} causal, {args.devices}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(p) for p in points], f, indent=1)
+    if args.plot:
+        plot(points, args.plot, f"{base.dtype}, seq {base.seq}, h{base.heads}/kv{base.kv_heads}, d{base.head_dim}, "
+             f"{base.layout} causal, {args.devices}")
     return 0 if points and all(p.ok for p in points) and not too_much else 1

@@ -1,0 +1,90 @@
+"""Overlap probes: the same ring program with its communication or its compute taken out.
+
+    compute-only: every K/V (and dK/dV) hop is replaced by a local copy of the buffer rolled by
+                  one token (JAX) / copied into the receive buffer (torch): the same kernels on
+                  different data each step, so XLA cannot merge identical steps, and no bytes move;
+    comm-only:    the block kernels are replaced by a "probe" backend that returns zeros that
+                  depend on one element of K and V (so no hop is dead code): the same hops, no
+                  attention math.
+
+If the ring overlaps its transfers with compute, full ≈ max(compute-only, comm-only); with no
+overlap, full ≈ their sum. The rows carry ``extra["variant"]``; only ring meshes are probed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+VARIANTS = ("compute-only", "comm-only")
+
+
+@contextlib.contextmanager
+def jax_variant(variant: str):
+    """Patch jax_impl for one variant; yields the block backend name to use (None: unchanged)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl.ring as ring
+    from jax_impl.block import BlockBackend, register_backend
+
+    if variant == "compute-only":
+        real = ring.ring_shift
+        ring.ring_shift = lambda tree, axis_name: jax.tree.map(lambda x: jnp.roll(x, 1, axis=1), tree)
+        try:
+            yield None
+        finally:
+            ring.ring_shift = real
+        return
+
+    def touch(q, k, v):  # [b, 1, 1, 1] f32, zero, but reading K and V
+        return (k[:, :1, :1, :1].astype(jnp.float32) + v[:, :1, :1, :1].astype(jnp.float32)) * 0.0
+
+    def fwd(q, k, v, mask, scale):
+        b, t, h, _ = q.shape
+        return jnp.zeros(q.shape, jnp.float32) + touch(q, k, v), jnp.zeros((b, h, t), jnp.float32)
+
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None):
+        z = touch(q, k, v)
+        return (jnp.zeros(q.shape, jnp.float32) + z, jnp.zeros(k.shape, jnp.float32) + z,
+                jnp.zeros(v.shape, jnp.float32) + z)
+
+    register_backend(BlockBackend("probe", fwd, bwd))
+    yield "probe"
+
+
+@contextlib.contextmanager
+def torch_variant(variant: str):
+    """Patch torch_impl for one variant; yields the block backend name to use (None: unchanged)."""
+    import torch
+
+    from torch_impl import comm
+    from torch_impl.block import BlockBackend, register_backend
+
+    if variant == "compute-only":
+        real_start, real_wait = comm.RingShift.start, comm.RingShift.wait
+
+        def start(self, tensors, into):
+            for src, dst in zip(tensors, into):
+                dst.copy_(src)
+
+        comm.RingShift.start, comm.RingShift.wait = start, lambda self: None
+        try:
+            yield None
+        finally:
+            comm.RingShift.start, comm.RingShift.wait = real_start, real_wait
+        return
+
+    def touch(k, v):
+        return (k[:, :1, :1, :1].float() + v[:, :1, :1, :1].float()) * 0.0
+
+    def fwd(q, k, v, mask, scale):
+        b, t, h, _ = q.shape
+        return (torch.zeros(q.shape, dtype=torch.float32, device=q.device) + touch(k, v),
+                torch.zeros((b, h, t), dtype=torch.float32, device=q.device))
+
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None):
+        z = touch(k, v)
+        return tuple(torch.zeros(x.shape, dtype=torch.float32, device=x.device) + z for x in (q, k, v))
+
+    register_backend(BlockBackend("probe", fwd, bwd))
+    yield "probe"
