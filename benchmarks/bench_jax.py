@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     ap = shared_arguments(__doc__.splitlines()[0])
     ap.add_argument("--no-peers", action="store_true", help="skip flash_attn3_jax's ring")
     ap.add_argument("--jax-backends", default="cudnn", help="jax_impl block backends to run (cudnn, fa3, reference)")
-    ap.add_argument("--weak", default="", help="weak scaling: tokens per GPU; ring over 1, 2, 4 GPUs")
+    ap.add_argument("--weak", default="", help="weak scaling: tokens per GPU; ring over 1, 2, 4, 8 GPUs (as many as there are)")
     ap.add_argument("--multi-controller", action="store_true",
                     help="one process per GPU under torchrun (jax.distributed.initialize); no ceilings or peers")
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
@@ -202,7 +202,7 @@ def main(argv=None) -> None:
             print(f"jax seq {seq} done", flush=True)
     if args.weak:
         per_gpu = int(args.weak)
-        for n in (1, 2, 4):
+        for n in (n for n in (1, 2, 4, 8) if n <= len(jax.devices())):
             spec = MeshSpec(f"ring{n}") if n > 1 else MeshSpec("single")
             for row in impl_rows(Problem(seq=per_gpu * n, **base), spec, args.layout if n > 1 else "contiguous",
                                  args.jax_backends.split(",")[0], args.iters, args.warmup, fwd_modes=(False,)):
