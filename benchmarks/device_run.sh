@@ -17,6 +17,6 @@ if [ "$1" = wait ]; then
   end=$((SECONDS + $2))
   while kill -0 "$(cat /tmp/ringbridge-bench.pid)" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
   if kill -0 "$(cat /tmp/ringbridge-bench.pid)" 2>/dev/null; then echo "STILL RUNNING"; else echo "FINISHED"; fi
-  cp $LOG "$OUT/bench.log"; cp /tmp/*_rows.json "$OUT/" 2>/dev/null; cp benchmarks/results/*.md benchmarks/results/*.json "$OUT/" 2>/dev/null
+  cp $LOG "$OUT/bench.log"; cp /tmp/*_rows.json "$OUT/" 2>/dev/null; find benchmarks/results -newer /tmp/ringbridge-bench.cmd -type f -exec cp {} "$OUT/" \;
   grep -E "^(jax_impl|torch_impl|torch_cp|yunchang|fa3|jax_cudnn|torch_sdpa)|done|Error|error" $LOG | tail -60
 fi
