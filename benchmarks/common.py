@@ -75,7 +75,8 @@ def summarize(times_ms: list[float]) -> tuple[float, float]:
 
 def finish(row: Row, problem: Problem, times_ms: list[float], peak_bytes: float | None) -> Row:
     row.ms_per_iter, row.ms_spread = summarize(times_ms)
-    row.tflops_per_gpu = problem.flops(row.fwd_only) / (row.ms_per_iter * 1e-3) / row.devices / 1e12
+    if row.extra.get("variant") != "comm-only":  # the comm-only probe does no attention math
+        row.tflops_per_gpu = problem.flops(row.fwd_only) / (row.ms_per_iter * 1e-3) / row.devices / 1e12
     if peak_bytes is not None:
         row.peak_mb_per_device = peak_bytes / 2**20
         row.memory_vs_floor = peak_bytes / problem.min_bytes_per_device(row.devices, row.fwd_only)

@@ -11,6 +11,7 @@ fallback; fast GPU kernels register themselves under other names.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,13 +45,30 @@ def register_backend(backend: BlockBackend) -> None:
     _BACKENDS[backend.name] = backend
 
 
+# Run-to-run determinism, measured on H200 (``python -m parity determinism``, 2026-11-22): the
+# fused backwards accumulate dq with atomics, so dq differs between identical runs for cudnn and
+# fa3; with XLA_FLAGS=--xla_gpu_deterministic_ops=true XLA makes cudnn deterministic, fa3 stays
+# not. "reference" and every forward were bitwise reproducible.
+NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"fa3"})
+
+
+def _deterministic_requested() -> bool:
+    """Whether XLA was asked for deterministic GPU ops (read from XLA_FLAGS, as XLA reads it)."""
+    return "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+
+
 def get_backend(name: str = "auto") -> BlockBackend:
     """The backend called ``name``; ``"auto"`` picks the fastest one registered for the
-    default device, which today is the portable reference everywhere."""
+    default device, which today is the portable reference everywhere. With
+    ``--xla_gpu_deterministic_ops=true`` a backend measured non-deterministic in that mode raises."""
     if name == "auto":
         name = "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)}")
+    if name in NONDETERMINISTIC_WHEN_REQUESTED and _deterministic_requested():
+        raise RuntimeError(f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
+                           "runs) and XLA_FLAGS has --xla_gpu_deterministic_ops=true: use 'cudnn' (deterministic "
+                           "in that mode) or 'reference'")
     return _BACKENDS[name]
 
 

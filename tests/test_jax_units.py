@@ -120,3 +120,16 @@ def test_merge_of_two_key_halves_equals_whole(seed):
     o2, lse2 = merge_partials(o, lse, jnp.zeros_like(o), jnp.full_like(lse, -jnp.inf))
     np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
     np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+def test_deterministic_xla_flag_refuses_fa3(monkeypatch):
+    """With --xla_gpu_deterministic_ops=true, fa3 (dq differs run to run on H200 even then) raises;
+    cudnn (made deterministic by that flag) and reference pass."""
+    from jax_impl.block import get_backend
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true")
+    with pytest.raises(RuntimeError, match="'fa3' is not deterministic"):
+        get_backend("fa3")
+    assert get_backend("cudnn").name == "cudnn" and get_backend("auto").name == "reference"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert get_backend("fa3").name == "fa3"

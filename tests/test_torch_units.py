@@ -65,3 +65,22 @@ def test_merge_of_two_key_halves_equals_whole(seed):
                             *kernel.fwd(tq, tk[:, 4:], tv[:, 4:], Mask.FULL, 8**-0.5))
     np.testing.assert_allclose(o.numpy(), whole.o, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse.numpy(), whole.lse, rtol=1e-6)
+
+
+def test_deterministic_mode_refuses_the_backend_measured_nondeterministic():
+    """torch.use_deterministic_algorithms(True): aten_cudnn (dq differs run to run on H200 even in
+    that mode) raises like torch's own non-deterministic ops; aten_flash and reference pass."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="'aten_cudnn' is not deterministic"):
+            get_backend("aten_cudnn")
+        assert get_backend("aten_flash").name == "aten_flash" and get_backend("auto").name == "reference"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with pytest.warns(UserWarning, match="not deterministic"):
+            assert get_backend("aten_cudnn").name == "aten_cudnn"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert get_backend("aten_cudnn").name == "aten_cudnn"  # not requested: allowed

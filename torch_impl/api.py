@@ -21,6 +21,7 @@ from functools import partial
 import os
 
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from .block import get_backend
 from .comm import CHECK_RANKS_ENV, check_ranks_agree
 from .double_ring import double_ring_attention
 from .ulysses import ulysses_attention
@@ -94,6 +95,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     decomposition: Decomposition = validate(
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(_dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
+    get_backend(block_backend)  # an unknown or refused kernel fails here, before any collective
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange)
     o, lse = per_device(q, k, v)

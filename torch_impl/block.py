@@ -44,13 +44,32 @@ def register_backend(backend: BlockBackend) -> None:
     _BACKENDS[backend.name] = backend
 
 
+# Run-to-run determinism, measured on H200 (``python -m parity determinism``, 2026-11-22): the
+# fused backwards accumulate dq with atomics, so dq differs between identical runs for
+# aten_flash and aten_cudnn; torch.use_deterministic_algorithms(True) makes aten_flash
+# deterministic (torch picks FlashAttention's deterministic backward) but not aten_cudnn.
+# "reference" and every forward were bitwise reproducible.
+NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"aten_cudnn"})
+
+
 def get_backend(name: str = "auto") -> BlockBackend:
     """The backend called ``name``; ``"auto"`` is the portable reference (fast kernels are
-    chosen explicitly until the GPU benchmarks pick a default)."""
+    chosen explicitly until the GPU benchmarks pick a default). Under
+    ``torch.use_deterministic_algorithms(True)`` a backend measured non-deterministic in that
+    mode raises (or warns, with ``warn_only=True``), as torch's own non-deterministic ops do."""
     if name == "auto":
         name = "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)}")
+    if name in NONDETERMINISTIC_WHEN_REQUESTED and torch.are_deterministic_algorithms_enabled():
+        message = (f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
+                   "runs) and torch.use_deterministic_algorithms(True) is set: use 'aten_flash' (deterministic "
+                   "in that mode) or 'reference'")
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(message)
+        import warnings
+
+        warnings.warn(message, stacklevel=2)
     return _BACKENDS[name]
 
 
