@@ -54,7 +54,7 @@ def rank0_fails_before_a_collective() -> None:
     dist.all_reduce(torch.ones(4))
 
 
-def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool):
+def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool, device_type: str = "cpu"):
     """Every rank calls sequence_parallel_attention on ring-shaped local shards, except that the
     ranks named in ``rank_overrides`` (rank -> dict of q_seq / kv_seq / dtype / causal) pass something else.
     Returns (error type, message), or (None, "no error")."""
@@ -68,13 +68,13 @@ def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool):
     from torch_impl.comm import CHECK_RANKS_ENV
 
     mine = {"q_seq": 8, "kv_seq": 8, "dtype": "float32", "causal": True} | rank_overrides.get(dist.get_rank(), {})
-    dtype = getattr(torch, mine["dtype"])
-    q = torch.randn(1, mine["q_seq"], 4, 8).to(dtype).requires_grad_()
-    k, v = (torch.randn(1, mine["kv_seq"], 4, 8).to(dtype).requires_grad_() for _ in range(2))
+    dtype, device = getattr(torch, mine["dtype"]), device_type if device_type == "cpu" else torch.cuda.current_device()
+    q = torch.randn(1, mine["q_seq"], 4, 8, device=device).to(dtype).requires_grad_()
+    k, v = (torch.randn(1, mine["kv_seq"], 4, 8, device=device).to(dtype).requires_grad_() for _ in range(2))
     saved = os.environ.get(CHECK_RANKS_ENV)
     os.environ[CHECK_RANKS_ENV] = "1" if check_ranks else "0"
     try:
-        o = torch_impl.sequence_parallel_attention(q, k, v, _mesh("cpu", tuple(mesh_axes)), causal=mine["causal"],
+        o = torch_impl.sequence_parallel_attention(q, k, v, _mesh(device_type, tuple(mesh_axes)), causal=mine["causal"],
                                                    layout="contiguous")
         o.sum().backward()
     except (ValueError, TypeError) as err:
