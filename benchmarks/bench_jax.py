@@ -24,7 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from .common import MeshSpec, Problem, Row, finish, shared_arguments  # noqa: E402
+from .common import MeshSpec, Problem, Row, finish, shared_arguments
+from .overlap import probe_rows, jax_variant  # noqa: E402
 
 
 def _time(fn, args, iters: int, warmup: int) -> list[float]:
@@ -128,18 +129,6 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     return rows
 
 
-def overlap_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int) -> list[Row]:
-    """The ring's forward+backward with compute only and with communication only (overlap.py)."""
-    from .overlap import VARIANTS, jax_variant
-
-    rows = []
-    for variant in VARIANTS:
-        with jax_variant(variant) as probe_backend:
-            rows += impl_rows(problem, spec, layout, probe_backend or backend, iters, warmup, fwd_modes=(False,),
-                              variant=variant)
-    return rows
-
-
 def _init_multi_controller() -> None:
     """One JAX process per GPU (multi-controller), started by ``torchrun``: its rendezvous
     variables name the coordinator (MASTER_PORT + 1), the process count and this process."""
@@ -194,7 +183,7 @@ def main(argv=None) -> None:
                 layout = args.layout if spec.ring > 1 else "contiguous"
                 rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
                 if args.overlap and spec.strategy == "ring":
-                    rows += overlap_rows(problem, spec, layout, backend, args.iters, args.warmup)
+                    rows += probe_rows(impl_rows, jax_variant, problem, spec, layout, backend, args.iters, args.warmup)
         if not args.no_peers:
             rows += fa3_ring_rows(problem, len(jax.devices()), args.iters, args.warmup)
         if lead:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .common import MeshSpec, Problem, Row, finish, shared_arguments
+from .overlap import probe_rows, torch_variant
 
 
 def _rank() -> int:
@@ -218,18 +219,6 @@ def yunchang_rows(problem: Problem, ulysses: int, ring: int, iters: int, warmup:
     return rows
 
 
-def overlap_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int) -> list[Row]:
-    """The ring's forward+backward with compute only and with communication only (overlap.py)."""
-    from .overlap import VARIANTS, torch_variant
-
-    rows = []
-    for variant in VARIANTS:
-        with torch_variant(variant) as probe_backend:
-            rows += impl_rows(problem, spec, layout, probe_backend or backend, iters, warmup, fwd_modes=(False,),
-                              variant=variant)
-    return rows
-
-
 def _save(rows: list[Row], path: str) -> None:
     with open(path, "w") as f:
         json.dump([r.to_dict() for r in rows], f, indent=1)
@@ -257,7 +246,7 @@ def main(argv=None) -> None:
                 layout = args.layout if spec.ring > 1 else "contiguous"
                 rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
                 if args.overlap and spec.strategy == "ring":
-                    rows += overlap_rows(problem, spec, layout, backend, args.iters, args.warmup)
+                    rows += probe_rows(impl_rows, torch_variant, problem, spec, layout, backend, args.iters, args.warmup)
         if "cp" in peers:
             try:
                 rows += context_parallel_rows(problem, args.iters, args.warmup, load_balance=True)

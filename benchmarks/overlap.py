@@ -18,6 +18,17 @@ import contextlib
 VARIANTS = ("compute-only", "comm-only")
 
 
+def probe_rows(impl_rows, variant_context, problem, spec, layout: str, backend: str, iters: int, warmup: int) -> list:
+    """A ring mesh's forward+backward in each variant: ``impl_rows`` of one benchmark side, run
+    inside that side's ``variant_context`` (``jax_variant`` or ``torch_variant``)."""
+    rows = []
+    for variant in VARIANTS:
+        with variant_context(variant) as probe_backend:
+            rows += impl_rows(problem, spec, layout, probe_backend or backend, iters, warmup, fwd_modes=(False,),
+                              variant=variant)
+    return rows
+
+
 @contextlib.contextmanager
 def jax_variant(variant: str):
     """Patch jax_impl for one variant; yields the block backend name to use (None: unchanged)."""
