@@ -57,6 +57,7 @@ def _backward(q, k, v, o, lse, kv_all, do, dlse, group, causal, layout, scale, b
     n = axis_size(group)
     if n == 1:
         return dq, dk, dv
+    dq, dk, dv = dq.float(), dk.float(), dv.float()  # the float32 accumulators (kernels may return bf16)
     rank = dist.get_group_rank(group, dist.get_rank())
     dk_all, dv_all = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv_all)
     dk_all[rank], dv_all[rank] = dk, dv

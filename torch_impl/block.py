@@ -1,9 +1,12 @@
 """The local block kernel: attention of a query block against one K/V block, with its LSE.
 
     block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32
-    block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  all float32
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  float32 or the input dtype
 
-``block_bwd`` takes the *global* ``o`` and ``lse``. Backends are pluggable by name:
+``block_bwd`` takes the *global* ``o`` and ``lse``; the aten adapters return MHA gradients in the
+input dtype (a float32 copy of each would be a transient the size of two K/V shards), and every
+caller accumulates into float32 buffers (``Tensor.add_`` promotes in place). Backends are
+pluggable by name:
 
 - ``"reference"``: portable einsum, float32 accumulation, any device (the default fallback);
 - ``"aten_cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward;
@@ -237,7 +240,10 @@ def _make_aten_backend(name: str) -> BlockBackend:
         grads = op_bwd(do.to(dtype).transpose(1, 2), q.transpose(1, 2), _expand(k, h), _expand(v, h),
                        o.to(dtype).transpose(1, 2), lse.float().contiguous(), mask is Mask.CAUSAL, scale)
         dq, dk, dv = grads[:3]
-        return dq.transpose(1, 2).float(), _fold_heads(dk.float(), hk), _fold_heads(dv.float(), hk)
+        if hk != h:  # GQA: sum the expanded heads' gradients in float32
+            return dq.transpose(1, 2), _fold_heads(dk.float(), hk), _fold_heads(dv.float(), hk)
+        # In the input dtype: callers add them into float32 accumulators in place.
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     return BlockBackend(name, fwd, bwd)
 

@@ -117,6 +117,7 @@ def _backward(q, k, v, o, lse, _, do, dlse, groups, causal, layout, scale, backe
     topo = _Topology(groups)
     if topo.size == 1:
         return dq, dk, dv
+    dq, dk, dv = dq.float(), dk.float(), dv.float()  # the float32 accumulators (kernels may return bf16)
     to_inner, to_diagonal = RingShift(topo.inner_group) if topo.n_in > 1 else None, topo.diagonal()
     acc, spare = [dk.contiguous(), dv.contiguous()], [_buffer(dk), _buffer(dv)]
     in_flight: list[RingShift] = []

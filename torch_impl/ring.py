@@ -134,6 +134,7 @@ def _backward(q, k, v, o, lse, kv_first, do, dlse, group, causal, layout, scale,
     dq, dk, dv = backend.bwd(do, q, k, v, o, lse, plan.local.mask, scale, dlse)
     if axis_size(group) == 1:
         return dq, dk, dv
+    dq, dk, dv = dq.float(), dk.float(), dv.float()  # the float32 accumulators (kernels may return bf16)
     rank = dist.get_group_rank(group, dist.get_rank())
     dkv_shift = RingShift(group)
     acc, spare = (dk.contiguous(), dv.contiguous()), (_buffer(dk), _buffer(dv))
