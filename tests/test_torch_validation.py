@@ -30,6 +30,8 @@ CASES = [
      "scale must be a finite positive"),
     ("double ring all-gather", (("ring_outer", 2), ("ring_inner", 2)), (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32,
      {"kv_exchange": "allgather"}, "ValueError", "has no double-ring form"),
+    ("unknown block backend, USP", (("ring", 2), ("ulysses", 2)), (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32,
+     {"block_backend": "nope"}, "ValueError", "unknown block backend 'nope'"),  # before Ulysses' all-to-all
     ("double ring zigzag seq", (("ring_outer", 2), ("ring_inner", 2)), (1, 9, 8, 16), (1, 9, 8, 16), (1, 9, 8, 16), F32,
      {"layout": "zigzag"}, "ValueError", "seq_len % 8 must be 0 for layout 'zigzag' with ring_outer*ring_inner=4"),
 ]
