@@ -40,7 +40,8 @@ def test_mirrors_have_the_same_files_and_public_names():
         # torch's RingShift and RingShift.diagonal (start/wait around the compute, reused
         # buffers); partition_specs (JAX shardings) and global_shape (torch's local shards) each
         # describe placement in their framework's terms. check_ranks_agree exists for torch's
-        # per-rank local shards only (JAX's global arrays have one shape by construction).
+        # per-rank local shards only (JAX's global arrays have one shape by construction);
+        # merge_partials_into is the in-place merge (XLA reuses buffers by itself).
         jax_only = {"partition_specs", "ring_shift", "diagonal_shift"}
-        torch_only = {"global_shape", "RingShift", "check_ranks_agree"}
+        torch_only = {"global_shape", "RingShift", "check_ranks_agree", "merge_partials_into"}
         assert jax_names - jax_only == torch_names - torch_only, name

@@ -84,3 +84,19 @@ def test_deterministic_mode_refuses_the_backend_measured_nondeterministic():
     finally:
         torch.use_deterministic_algorithms(False)
     assert get_backend("aten_cudnn").name == "aten_cudnn"  # not requested: allowed
+
+
+def test_in_place_merge_equals_the_functional_merge():
+    """merge_partials_into (the ring forward's in-place merge, bf16 partial into a float32
+    accumulator) computes what merge_partials computes, empty partials (lse = -inf) included."""
+    from torch_impl.merge import merge_partials_into
+
+    gen = torch.Generator().manual_seed(3)
+    o, o_b = torch.randn(2, 6, 4, 8, generator=gen), torch.randn(2, 6, 4, 8, generator=gen).bfloat16()
+    lse, lse_b = torch.randn(2, 4, 6, generator=gen), torch.randn(2, 4, 6, generator=gen)
+    lse_b[0, 1] = float("-inf")
+    want_o, want_lse = merge_partials(o, lse, o_b, lse_b)
+    merge_partials_into(o, lse, o_b, lse_b)
+    torch.testing.assert_close(o, want_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    assert o.dtype == torch.float32

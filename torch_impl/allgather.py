@@ -42,6 +42,7 @@ def _forward(q, k, v, group, causal, layout, scale, backend_name):
     o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V, while K/V gather
     if n == 1:
         return o, lse, None
+    o = o.float()  # the float32 accumulator (kernels may return the input dtype)
     k_work.wait()
     v_work.wait()
     rank = dist.get_group_rank(group, dist.get_rank())

@@ -1,6 +1,6 @@
 """The local block kernel: attention of a query block against one K/V block, with its LSE.
 
-    block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32
+    block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32 or input dtype
     block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  float32 or the input dtype
 
 ``block_bwd`` takes the *global* ``o`` and ``lse``; the aten adapters return MHA gradients in the
@@ -219,12 +219,12 @@ def _make_aten_backend(name: str) -> BlockBackend:
         if mask is Mask.STRICT:  # strict lower triangle = causal block of rows 1.. vs keys ..t-1
             o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], Mask.CAUSAL, scale)
             b, _, h, d = q.shape
-            o0 = torch.zeros((b, 1, h, d), dtype=F32, device=q.device)
+            o0 = torch.zeros((b, 1, h, d), dtype=o_r.dtype, device=q.device)
             lse0 = torch.full((b, h, 1), float("-inf"), dtype=F32, device=q.device)
             return torch.cat([o0, o_r], 1), torch.cat([lse0, lse_r], 2)
         b, t, h, d = q.shape
         o, lse = op_fwd(q.transpose(1, 2), _expand(k, h), _expand(v, h), mask is Mask.CAUSAL, scale)
-        return o.transpose(1, 2).float(), _lse_bht(lse, b, h, t)
+        return o.transpose(1, 2), _lse_bht(lse, b, h, t)  # o in the input dtype: merged into float32
 
     def bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
         if dlse is not None:  # the ops take no lse cotangent (None when lse is not used)

@@ -103,6 +103,7 @@ def _forward(q, k, v, groups, causal, layout, scale, backend_name):
     topo = _Topology(groups)
     if topo.size == 1:
         return o, lse, None
+    o = o.float()  # the float32 accumulator (kernels may return the input dtype)
 
     def visit(j, s, k_cur, v_cur):
         merge_block(backend, scale, q, topo.block(plan, j, s), (k_cur, v_cur), (o, lse))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .block import get_backend
 from .comm import RingShift, axis_size
 from .layouts import Block, Part, StepPlan, step_plan
-from .merge import merge_partials
+from .merge import merge_partials_into
 
 F32 = torch.float32
 
@@ -53,9 +53,7 @@ def merge_block(backend, scale, q, block: Block | None, kv, state) -> None:
     (k_cur, v_cur), (o, lse) = kv, state
     o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
                              _part(v_cur, block.kv_part, 1), block.mask, scale)
-    o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
-    _part(o, block.q_part, 1).copy_(o_p)
-    _part(lse, block.q_part, 2).copy_(lse_p)
+    merge_partials_into(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
 
 
 def grad_block(backend, scale, saved, block: Block | None, kv):
@@ -120,6 +118,7 @@ def _forward(q, k, v, group, causal, layout, scale, backend_name):
     o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V, never empty
     if n == 1:
         return o, lse, None
+    o = o.float()  # the float32 accumulator (kernels may return the input dtype)
     rank = dist.get_group_rank(group, dist.get_rank())
 
     def visit(step, k_cur, v_cur):
