@@ -160,24 +160,28 @@ def attention_with_vjp(forward, backward):
 
     @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
     def attention(q, k, v, axis_name, causal, layout, scale, backend_name):
-        o, lse, _ = forward(q, k, v, axis_name, causal, layout, scale, backend_name)
+        o, lse, _ = forward(q, k.astype(q.dtype), v.astype(q.dtype), axis_name, causal, layout, scale, backend_name)
         return o.astype(q.dtype), lse
 
     def attention_fwd(q, k, v, axis_name, causal, layout, scale, backend_name):
         q, k, v = (x.value for x in (q, k, v))  # symbolic_zeros=True wraps the primals
+        # K/V may come in float32 (Ulysses' replicated heads, so that their dK/dV leave in float32):
+        # they are computed and sent in q's dtype; only the gradients keep the caller's dtype.
+        kv_dtype_of = jnp.zeros((0,), k.dtype)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
         o, lse, extra = forward(q, k, v, axis_name, causal, layout, scale, backend_name)
         o = o.astype(q.dtype)
-        return (o, lse), (q, k, v, o, lse, extra)
+        return (o, lse), (q, k, v, o, lse, extra, kv_dtype_of)
 
     def attention_bwd(axis_name, causal, layout, scale, backend_name, residuals, cotangents):
-        q, k, v, o, lse, extra = residuals
+        q, k, v, o, lse, extra, kv_dtype_of = residuals
         do, dlse = cotangents
         # An unused output's cotangent stays symbolic: dlse arrives as None (as in torch_impl),
         # so the block kernels know there is none — fused kernels take no lse cotangent.
         do = jnp.zeros_like(o) if isinstance(do, SymbolicZero) else do
         dlse = None if isinstance(dlse, SymbolicZero) else dlse
         dq, dk, dv = backward(q, k, v, o, lse, extra, do, dlse, axis_name, causal, layout, scale, backend_name)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        return dq.astype(q.dtype), dk.astype(kv_dtype_of.dtype), dv.astype(kv_dtype_of.dtype)
 
     attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
     return attention

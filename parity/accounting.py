@@ -69,7 +69,8 @@ def attention_traffic(case: Case, *, return_lse: bool = True) -> Traffic:
     backward of a loss that uses o and, when returned, lse).
 
     Ulysses (U > 1): all-to-all of q, k, v (KV heads replicated up to U first), o and, when
-    returned, lse; the backward transposes each of them (dq, dk, dv, do, dlse).
+    returned, lse; the backward transposes each of them (dq, dk, dv, do, dlse), dk and dv in
+    float32 when the KV heads were replicated.
     Ring (R > 1), on the ring shard of T/R tokens and h/U, max(hk, U)/U heads: forward R-1 hops
     of K and V; backward R-2 hops of K and V (it starts from the forward's first received K/V)
     and R hops of float32 dK and dV. The double ring (R = O·I) moves the same in the forward and
@@ -85,9 +86,10 @@ def attention_traffic(case: Case, *, return_lse: bool = True) -> Traffic:
     if uly > 1:
         tokens = case.seq // (ring * uly)  # per device, before the all-to-all
         q_buf, kv_buf, lse_buf = b * tokens * case.heads * d * e, b * tokens * kv_heads * d * e, b * tokens * case.heads * 4
-        buffers = [q_buf, kv_buf, kv_buf, q_buf] + ([lse_buf] if return_lse else [])
-        for pass_ in ("fwd", "bwd"):  # each all-to-all and its transpose
-            for buf in buffers:
+        # Replicated KV heads (hk < U): their gradients come back in float32 (summed there).
+        dkv_buf = b * tokens * kv_heads * d * 4 if case.kv_heads < uly else kv_buf
+        for pass_, kv in (("fwd", kv_buf), ("bwd", dkv_buf)):  # each all-to-all and its transpose
+            for buf in [q_buf, kv, kv, q_buf] + ([lse_buf] if return_lse else []):
                 t.add(pass_, "all-to-all", a2a_bytes(buf, uly))
     if ring > 1 and case.kv_exchange == "allgather":  # gather K and V once; reduce-scatter f32 dK, dV
         shard = b * (case.seq // ring) * (kv_heads // uly) * d

@@ -37,11 +37,13 @@ def test_model_equals_xla_hlo_and_torch_trace(case, return_lse, jax_devices, wor
         assert model.bytes("fwd") > 0 and model.bytes("bwd") > 0
 
 
-@pytest.mark.parametrize("case", [Case(ring=4, dtype="bfloat16", kv_heads=2), Case(ring=2, ulysses=2, dtype="bfloat16")],
+@pytest.mark.parametrize("case", [Case(ring=4, dtype="bfloat16", kv_heads=2), Case(ring=2, ulysses=2, dtype="bfloat16"),
+                                  Case(ring=2, ulysses=4, dtype="bfloat16", kv_heads=2)],
                          ids=lambda c: c.name)
 def test_bfloat16_torch_moves_bf16_and_xla_cpu_moves_float32(case, jax_devices, worlds):
-    """torch moves bf16 buffers as modelled; XLA:CPU widens them to float32 — the same traffic
-    as the float32 model, exactly (a CPU-backend fact, not the algorithm's)."""
+    """torch moves bf16 buffers as modelled (and float32 dK/dV of replicated KV heads back through
+    Ulysses' all-to-all); XLA:CPU widens them to float32 — the same traffic as the float32
+    model, exactly (a CPU-backend fact, not the algorithm's)."""
     from parity import run_torch
 
     assert attention_traffic(case) == run_torch.measure_attention_traffic(case)

@@ -1,7 +1,7 @@
 """Tier 2 — numerics at scale: bf16 attention on 1, 2, 4, 8 devices (ring, Ulysses, all-gather KV)
 stays within the policy's 2× of dense same-dtype attention at every device count, in both
-frameworks, and the ring's and all-gather's error grows at most 1.25× from 1 device to 8
-(measured: not at all; Ulysses' replicated-KV growth is reported, see parity/scaling.py); a ring
+frameworks, and no error grows more than 1.25× from 1 device to 8 (measured: not at all, since
+Ulysses sums replicated KV heads' gradients in float32); a ring
 that sends dK/dV in bf16 instead of float32 (planted) breaks the growth bound while still
 passing the policy's 2× (which is why the growth bound exists).
 

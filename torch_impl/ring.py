@@ -164,6 +164,10 @@ class _Attention(torch.autograd.Function):
         # An unused output's gradient arrives as None rather than zeros, so the kernels know
         # there is no lse cotangent without inspecting a tensor (a device sync on GPUs).
         ctx.set_materialize_grads(False)
+        # K/V may come in float32 (Ulysses' replicated heads, so that their dK/dV leave in float32):
+        # they are computed and sent in q's dtype; only the gradients keep the caller's dtype.
+        ctx.kv_dtype = k.dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
         o, lse, extra = forward(q, k, v, group, causal, layout, scale, backend_name)
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, *(extra or ()))
@@ -177,7 +181,7 @@ class _Attention(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, *ctx.config)
-        return None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None
 
 
 def attention_with_vjp(forward, backward):

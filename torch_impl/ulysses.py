@@ -7,6 +7,10 @@ Per rank of a Ulysses process group of size U:
 When kv_heads < U, each KV head is replicated U // kv_heads times first, so that every rank
 receives exactly the KV head its query heads read. Gradients flow through the all-to-alls
 (``comm._AllToAll`` is its own transpose) and through the replication (its transpose sums).
+Replicated K/V heads are handed to the inner attention in float32 (which computes and sends them
+in q's dtype), so the replicas' dK/dV leave it unrounded, come back through the all-to-all in
+float32 and are summed there (``gather_kv_heads``): summing replicas rounded to bf16 lost
+accuracy (dv 4.4× the unsharded error in a fuzzed MQA case).
 """
 
 from __future__ import annotations
@@ -14,16 +18,35 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
+import torch
+
 from .comm import axis_size, heads_to_seq, seq_to_heads
 from .ring import ring_attention
 
 
-def replicate_kv_heads(x, ulysses_size: int):
-    """[b, s, hk, d] -> [b, s, max(hk, U), d]: repeat each KV head when hk < U (U % hk == 0)."""
+class _ReplicatedToHeads(torch.autograd.Function):
+    """Replicate KV heads and all-to-all them; backward in float32 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, group, reps: int):
+        ctx.group, ctx.reps, ctx.dtype = group, reps, x.dtype
+        return seq_to_heads(x.repeat_interleave(reps, dim=2), group).float()  # handed on in float32
+
+    @staticmethod
+    def backward(ctx, g):
+        back = heads_to_seq(g.float(), ctx.group)  # [b, t/U, hk·reps, d] float32
+        b, t, h, d = back.shape
+        return back.reshape(b, t, h // ctx.reps, ctx.reps, d).sum(3).to(ctx.dtype), None, None
+
+
+def gather_kv_heads(x, group, ulysses_size: int):
+    """K or V into the head split: [b, t/U, hk, d] -> [b, t, max(hk, U)/U, d]. With hk < U the
+    heads are replicated first, and the backward brings the replicas' gradients home in float32
+    and sums them there (one float32 all-to-all instead of one in the input dtype)."""
     kv_heads = x.shape[2]
     if kv_heads >= ulysses_size:
-        return x
-    return x.repeat_interleave(ulysses_size // kv_heads, dim=2)
+        return seq_to_heads(x, group)
+    return _ReplicatedToHeads.apply(x, group, ulysses_size // kv_heads)
 
 
 def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: float | None = None,
@@ -37,8 +60,8 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: float
     n = axis_size(group)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     attend = attend or partial(ring_attention, group=None, layout="contiguous")
-    k, v = replicate_kv_heads(k, n), replicate_kv_heads(v, n)
-    q_h, k_h, v_h = (seq_to_heads(x, group) for x in (q, k, v))  # [b, t, h/U, d]
+    q_h = seq_to_heads(q, group)  # [b, t, h/U, d]
+    k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
     o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend)
     if not return_lse:  # skip the LSE all-to-all nobody reads (XLA drops it in JAX too)
         return heads_to_seq(o_h, group), None
