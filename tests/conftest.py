@@ -9,8 +9,9 @@ from parity.devices import configure_jax_devices
 
 configure_jax_devices("cpu")  # before JAX is imported anywhere
 # The CPU tier compiles hundreds of small, distinct programs (every case and fuzz example is a new
-# shape): XLA:CPU's LLVM backend at optimization level 0 compiles them ~40 % faster. The HLO passes
-# (what the accounting tests read) are unchanged; only machine-code optimization is skipped.
+# shape): at LLVM optimization level 0 each compile-and-run took 22–63 % less (4 cases measured).
+# The HLO passes (what the accounting tests read) are unchanged; only machine-code optimization is
+# skipped.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 

@@ -41,17 +41,17 @@ def test_dkdv_sent_in_bf16_would_fail(jax_devices, monkeypatch):
     """Planted bug: every float32 buffer the ring sends (the backward's dK/dV) is rounded to bf16
     on the way. From 1 to 8 devices the dk error must grow past the limit — the tests above can
     fail (measured: 3.2×, while the policy's ratio, 1.14, still passes)."""
+    import jax
     import jax.numpy as jnp
 
     import jax_impl.ring as ring
 
     real = ring.ring_shift
 
-    def lossy_shift(tree, axis_name):
-        def narrow(x):
-            return x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x
-        import jax
+    def narrow(x):
+        return x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x
 
+    def lossy_shift(tree, axis_name):
         return real(jax.tree.map(narrow, tree), axis_name)
 
     monkeypatch.setattr(ring, "ring_shift", lossy_shift)

@@ -86,17 +86,22 @@ def test_deterministic_mode_refuses_the_backend_measured_nondeterministic():
     assert get_backend("aten_cudnn").name == "aten_cudnn"  # not requested: allowed
 
 
-def test_in_place_merge_equals_the_functional_merge():
-    """merge_partials_into (the ring forward's in-place merge, bf16 partial into a float32
-    accumulator) computes what merge_partials computes, empty partials (lse = -inf) included."""
+def test_in_place_merge_follows_the_merge_formula():
+    """merge_partials_into (the ring forward's in-place merge of a bf16 partial into a float32
+    accumulator; merge_partials is built on it) computes DESIGN.md's stable merge, checked in
+    float64 by hand, empty partials (lse_b = -inf) included."""
     from torch_impl.merge import merge_partials_into
 
     gen = torch.Generator().manual_seed(3)
     o, o_b = torch.randn(2, 6, 4, 8, generator=gen), torch.randn(2, 6, 4, 8, generator=gen).bfloat16()
     lse, lse_b = torch.randn(2, 4, 6, generator=gen), torch.randn(2, 4, 6, generator=gen)
-    lse_b[0, 1] = float("-inf")
-    want_o, want_lse = merge_partials(o, lse, o_b, lse_b)
+    lse_b[0, 1] = float("-inf")  # batch 0, head 1: an empty partial
+    o_before, lse_before = o.clone(), lse.clone()
+    w = torch.sigmoid(lse_b.double() - lse.double())
+    want_o = o.double() - w.transpose(1, 2).unsqueeze(-1) * (o.double() - o_b.double())
+    want_lse = lse.double() - torch.nn.functional.logsigmoid(lse.double() - lse_b.double())
     merge_partials_into(o, lse, o_b, lse_b)
-    torch.testing.assert_close(o, want_o, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
-    assert o.dtype == torch.float32
+    assert o.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(o[0, :, 1], o_before[0, :, 1]) and torch.equal(lse[0, 1], lse_before[0, 1])

@@ -16,9 +16,9 @@ see ``comm.check_ranks_agree`` for what goes unnoticed without it.
 
 from __future__ import annotations
 
-from functools import partial
-
 import os
+import struct
+from functools import partial
 
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from .block import get_backend
@@ -26,7 +26,8 @@ from .comm import CHECK_RANKS_ENV, check_ranks_agree
 from .double_ring import double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
-from .validation import Decomposition, validate
+from .layouts import LAYOUTS
+from .validation import DTYPES, KV_EXCHANGES, Decomposition, validate
 
 _DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -35,23 +36,18 @@ def _dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
 
 
-_LAYOUT_CODES = ("contiguous", "zigzag", "stripe")
-_EXCHANGE_CODES = ("ring", "allgather")
-
-
 def _code(value, known: tuple) -> int:
     return known.index(value) if value in known else -1
 
 
 def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse) -> dict:
-    """What every rank must agree on, as small ints (scale by its float64 bit pattern)."""
-    import struct
-
-    dtypes = tuple(_code(_dtype_name(x.dtype), ("float32", "bfloat16", "float16")) for x in (q, k, v))
+    """What every rank must agree on, as small ints (names by their index in validation's and the
+    layouts' tuples, scale by its float64 bit pattern)."""
+    dtypes = tuple(_code(_dtype_name(x.dtype), DTYPES) for x in (q, k, v))
     scale_bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-    return {"q shape": tuple(q.shape), "k shape": tuple(k.shape), "v shape": tuple(v.shape), "dtypes (f32, bf16, f16 = 0, 1, 2)": dtypes,
-            "causal, layout, kv_exchange, return_lse": (int(bool(causal)), _code(layout, _LAYOUT_CODES),
-                                                        _code(kv_exchange, _EXCHANGE_CODES), int(bool(return_lse))),
+    options = (int(bool(causal)), _code(layout, LAYOUTS), _code(kv_exchange, KV_EXCHANGES), int(bool(return_lse)))
+    return {"q shape": tuple(q.shape), "k shape": tuple(k.shape), "v shape": tuple(v.shape),
+            f"dtypes (index in {DTYPES})": dtypes, "causal, layout, kv_exchange, return_lse": options,
             "scale (float64 bits)": (scale_bits,)}
 
 

@@ -15,19 +15,17 @@ def merge_partials(o, lse, o_b, lse_b):
     o, o_b: [b, t, h, d]; lse, lse_b: [b, h, t]. An empty partial (lse_b = −inf) leaves (o, lse)
     unchanged; (o, lse) itself must be non-empty (the local diagonal block always is).
     """
-    o, o_b = o.float(), o_b.float()
-    lse, lse_b = lse.float(), lse_b.float()
-    weight = torch.sigmoid(lse_b - lse)  # [b, h, t]
-    o = o - weight.transpose(1, 2).unsqueeze(-1) * (o - o_b)
-    lse = lse - F.logsigmoid(lse - lse_b)
+    o, lse = o.float().clone(), lse.float().clone()
+    merge_partials_into(o, lse, o_b, lse_b)
     return o, lse
 
 
 def merge_partials_into(o, lse, o_b, lse_b) -> None:
-    """``merge_partials`` in place: ``o`` (float32) and ``lse`` are overwritten, and the only
+    """``merge_partials`` in place: ``o`` and ``lse`` (float32) are overwritten, and the only
     temporary the size of ``o`` is one difference — the ring's forward merges R−1 times into the
     same accumulator, so this is what bounds its memory. ``o_b`` may be in the input dtype."""
-    weight = torch.sigmoid(lse_b.float() - lse)  # [b, h, t], from the old lse
-    lse.sub_(F.logsigmoid(lse - lse_b.float()))
+    lse_b = lse_b.float()
+    weight = torch.sigmoid(lse_b - lse)  # [b, h, t], from the old lse
+    lse.sub_(F.logsigmoid(lse - lse_b))
     diff = o - o_b  # float32 (o is)
     o.sub_(diff.mul_(weight.transpose(1, 2).unsqueeze(-1)))

@@ -34,7 +34,7 @@ class _ReplicatedToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        back = heads_to_seq(g.float(), ctx.group)  # [b, t/U, hk·reps, d] float32
+        back = heads_to_seq(g, ctx.group)  # float32 (the output's dtype): [b, t/U, hk·reps, d]
         b, t, h, d = back.shape
         return back.reshape(b, t, h // ctx.reps, ctx.reps, d).sum(3).to(ctx.dtype), None, None
 
