@@ -4,17 +4,20 @@ from .api import partition_specs, sequence_parallel_attention
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from .allgather import allgather_attention
 from .block import BlockBackend, get_backend, register_backend
+from .comm import Comm
+from .config import AttentionConfig
 from .dense import dense_attention
 from .double_ring import double_ring_attention
 from .layouts import LAYOUTS, layout_permutation
 from .merge import merge_partials
 from .ring import ring_attention
+from .schedule import BlockMask, Schedule, device_visits
 from .ulysses import ulysses_attention
 from .usp import usp_attention
 
 __all__ = [
-    "DATA", "LAYOUTS", "RING", "RING_INNER", "RING_OUTER", "ULYSSES", "BlockBackend", "allgather_attention",
-    "dense_attention", "double_ring_attention",
+    "DATA", "LAYOUTS", "RING", "RING_INNER", "RING_OUTER", "ULYSSES", "AttentionConfig", "BlockBackend", "BlockMask",
+    "Comm", "Schedule", "allgather_attention", "dense_attention", "device_visits", "double_ring_attention",
     "get_backend", "layout_permutation", "merge_partials", "partition_specs", "register_backend",
     "ring_attention", "sequence_parallel_attention", "ulysses_attention", "usp_attention",
 ]

@@ -1,6 +1,6 @@
 """All-gather-KV attention (``kv_exchange="allgather"``: llama3-style context parallelism,
-MaxText's default) as a ``jax.custom_vjp``, over the same ring axis, layouts and step plan as
-ring attention.
+MaxText's default) as a ``jax.custom_vjp``, over the same ring axis, layouts and visiting order
+as ring attention (:func:`schedule.allgather_schedule`).
 
 Per device, inside ``shard_map`` over a ring axis of size R, device r holds ring shard r:
 
@@ -20,20 +20,25 @@ import jax.numpy as jnp
 from jax import lax
 
 from .axes import RING
-from .block import get_backend
-from .comm import axis_size, gather_shards, scatter_shard_sums
-from .layouts import step_plan
-from .ring import _visit, attention_with_vjp, grad_block, merge_block
+from .comm import axis_size
+from .config import AttentionConfig, make_config
+from .loop import attention_with_vjp, grad_block, merge_block, ring_index, visit_block, walk
+from .schedule import allgather_schedule
+from .validation import dtype_name, validate_local
 
 F32 = jnp.float32
 
 
 def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
-                        scale: float | None = None, block_backend: str = "auto"):
+                        scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """All-gather-KV attention over mesh axis ``axis_name`` (``None``: one device). Call inside
     ``shard_map``; inputs are this device's ring shard in layout order. Returns ``(o, lse)``."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _allgather(q, k, v, axis_name, causal, layout, scale, block_backend)
+    validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
+                   scale=scale)
+    config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
+                         deterministic=deterministic)
+    config.backend()  # an unknown or refused kernel fails here
+    return _allgather(q, k, v, axis_name, config)
 
 
 def _shard(x_all, src, t: int):
@@ -41,51 +46,53 @@ def _shard(x_all, src, t: int):
     return lax.dynamic_slice_in_dim(x_all, src * t, t, axis=1)
 
 
-def _steps(axis_name, n: int, t: int, kv_all, state, on_block, plan):
-    """Visit steps 1..R-1 (shard (r - i) mod R) with ``on_block(block, kv, state)``."""
-    r = lax.axis_index(axis_name)
-
-    def body(st, step):
-        src = (r - step) % n
-        kv = tuple(_shard(x, src, t) for x in kv_all)
-        return _visit(plan, step, axis_name, lambda blk, s: on_block(blk, kv, s, src), st), None
-
-    state, _ = lax.scan(body, state, jnp.arange(1, n))
-    return state
+def _schedule(axis_name, config: AttentionConfig):
+    return allgather_schedule(config.layout, config.causal, axis_size(axis_name))
 
 
-def _forward(q, k, v, axis_name, causal, layout, scale, backend_name):
-    backend, plan = get_backend(backend_name), step_plan(layout, causal)
-    n = axis_size(axis_name)
-    kv_all = (gather_shards(k, axis_name), gather_shards(v, axis_name)) if n > 1 else None
-    o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V
-    if n == 1:
-        return o, lse, None
-    o, lse = _steps(axis_name, n, k.shape[1], kv_all, (o, lse),
-                    lambda blk, kv, st, src: merge_block(backend, scale, q, blk, kv, st), plan)
+def _forward(q, k, v, axis_name, config: AttentionConfig):
+    backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
+    t = k.shape[1]
+    kv_all = tuple(config.comm.gather(x, axis_name) for x in (k, v)) if schedule.size > 1 else None
+
+    def visit(step, j, s, _, state):
+        if step.local:  # own K/V
+            return backend.fwd(q, k, v, schedule.plan.local.mask, config.scale)
+        kv = tuple(_shard(x, schedule.source(me, j, s), t) for x in kv_all)
+        return visit_block(schedule, me, j, s, lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st),
+                           state)
+
+    o, lse = walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
     return o, lse, kv_all
 
 
-def _backward(q, k, v, o, lse, kv_all, do, dlse, axis_name, causal, layout, scale, backend_name):
-    backend, plan = get_backend(backend_name), step_plan(layout, causal)
-    dq, dk, dv = backend.bwd(do, q, k, v, o, lse, plan.local.mask, scale, dlse)
-    n = axis_size(axis_name)
-    if n == 1:
-        return dq, dk, dv
-    t, r = k.shape[1], lax.axis_index(axis_name)
-    dkv_all = tuple(lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, F32), g.astype(F32), r * t, axis=1)
-                    for x, g in zip(kv_all, (dk, dv)))
+def _backward(q, k, v, o, lse, kv_all, do, dlse, axis_name, config: AttentionConfig):
+    backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
+    t, saved = k.shape[1], (q, o, lse, do, dlse)
 
-    def on_block(blk, kv, st, src):
-        dq, dk_all, dv_all = st
-        dq, dk_s, dv_s = grad_block(backend, scale, (q, o, lse, do, dlse), blk, kv,
-                                    (dq, _shard(dk_all, src, t), _shard(dv_all, src, t)))
-        return (dq, lax.dynamic_update_slice_in_dim(dk_all, dk_s, src * t, axis=1),
-                lax.dynamic_update_slice_in_dim(dv_all, dv_s, src * t, axis=1))
+    def visit(step, j, s, _, state):
+        if step.local:
+            dq, dk, dv = backend.bwd(do, q, k, v, o, lse, schedule.plan.local.mask, config.scale, dlse)
+            if schedule.size == 1:
+                return dq, dk, dv
+            return (dq, *(lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, F32), g.astype(F32), me * t, axis=1)
+                          for x, g in zip(kv_all, (dk, dv))))
+        src = schedule.source(me, j, s)
+        kv = tuple(_shard(x, src, t) for x in kv_all)
 
-    dq, dk_all, dv_all = _steps(axis_name, n, t, kv_all, (dq, *dkv_all), on_block, plan)
-    dk, dv = scatter_shard_sums(dk_all, axis_name), scatter_shard_sums(dv_all, axis_name)
-    return dq, dk, dv
+        def on_block(blk, st):
+            dq, dk_all, dv_all = st
+            dq, dk_s, dv_s = grad_block(backend, config.scale, saved, blk, kv,
+                                        (dq, _shard(dk_all, src, t), _shard(dv_all, src, t)))
+            return (dq, lax.dynamic_update_slice_in_dim(dk_all, dk_s, src * t, axis=1),
+                    lax.dynamic_update_slice_in_dim(dv_all, dv_s, src * t, axis=1))
+
+        return visit_block(schedule, me, j, s, on_block, state)
+
+    dq, dk_all, dv_all = walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
+    if schedule.size == 1:
+        return dq, dk_all, dv_all
+    return dq, config.comm.scatter(dk_all, axis_name), config.comm.scatter(dv_all, axis_name)
 
 
 _allgather = attention_with_vjp(_forward, _backward)

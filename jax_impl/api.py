@@ -20,10 +20,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from .block import get_backend
+from .config import default_check_ranks, default_deterministic
 from .double_ring import DOUBLE_RING, double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
-from .validation import Decomposition, validate
+from .validation import Decomposition, dtype_name, validate
 
 
 def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
@@ -59,21 +60,33 @@ def _onto_mesh(x, sharding: NamedSharding, explicit: bool):
 
 def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag",
                                 scale: float | None = None, kv_exchange: str = "ring",
-                                return_lse: bool = False, block_backend: str = "auto"):
+                                return_lse: bool = False, block_backend: str = "auto",
+                                deterministic: bool | None = None, check_ranks: bool | None = None):
     """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
     sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
-    sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``."""
+    sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``.
+
+    ``deterministic``: refuse block kernels that are not run-to-run deterministic (default: whether
+    XLA_FLAGS has ``--xla_gpu_deterministic_ops=true``). XLA reads its flags when its backend
+    starts, so ``deterministic=True`` can only refuse such a kernel; it cannot make XLA's own ops
+    deterministic — start the process with that flag for that.
+    ``check_ranks``: accepted for parity with torch_impl (default: RINGBRIDGE_CHECK_RANKS=1), and
+    there is nothing to check: one controller passes global arrays, which have one shape, dtype
+    and set of options by construction."""
+    default_check_ranks(check_ranks)  # nothing to compare in single-controller JAX (see above)
+    deterministic = default_deterministic(deterministic)
     decomposition: Decomposition = validate(
-        q.shape, k.shape, v.shape, tuple(str(x.dtype) for x in (q, k, v)), dict(mesh.shape),
+        q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), dict(mesh.shape),
         layout=layout, kv_exchange=kv_exchange, scale=scale)
     x_spec, lse_spec = partition_specs(mesh)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
-                             block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange)
+                             block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
+                             deterministic=deterministic)
     if not return_lse:
         attention, per_device = per_device, (lambda q, k, v: attention(q, k, v)[0])
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3,
                             out_specs=(x_spec, lse_spec) if return_lse else x_spec,
-                            check_vma=get_backend(block_backend).typed_for_shard_map)
+                            check_vma=get_backend(block_backend, deterministic=deterministic).typed_for_shard_map)
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     # The kernels' custom_vjp keeps an unused lse cotangent symbolic (fused backward kernels take
     # none); JAX implements that for shard_map under a trace only, so an eager call is jitted.

@@ -3,22 +3,23 @@
     block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32
     block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  all float32
 
-``block_bwd`` takes the *global* ``o`` and ``lse`` (after every block was merged), which is what
-makes per-block gradients sum to the true gradient. Backends are pluggable by name: the portable
-``"reference"`` backend (einsum, float32 accumulation, any device) is the default and the
-fallback; fast GPU kernels register themselves under other names.
+``mask`` is a :class:`schedule.BlockMask` (full / causal / strict today). ``block_bwd`` takes the
+*global* ``o`` and ``lse`` (after every block was merged), which is what makes per-block gradients
+sum to the true gradient. Backends are pluggable by name: the portable ``"reference"`` backend
+(einsum, float32 accumulation, any device) is the default and the fallback; fast GPU kernels
+register themselves under other names. Each says which masks and dtypes it takes
+(``BlockBackend.supports``), so a caller can refuse or reroute a block before any collective.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from .layouts import Mask
+from .schedule import CAUSAL_MASK, BlockMask, MaskKind
 
 F32 = jnp.float32
 # f32 matmuls at full precision: on GPUs XLA's default may use TF32, which breaks the 1e-5 policy.
@@ -35,6 +36,8 @@ class BlockBackend:
     # False when the kernels' outputs carry no shard_map "varying axes" type (flash_attn3_jax's
     # primitives): the API then runs shard_map with check_vma=False.
     typed_for_shard_map: bool = True
+    # supports(mask, dtype name) -> whether the kernels compute that block mask in that dtype.
+    supports: Callable[[BlockMask, str], bool] = lambda mask, dtype: True
 
 
 _BACKENDS: dict[str, BlockBackend] = {}
@@ -52,33 +55,31 @@ def register_backend(backend: BlockBackend) -> None:
 NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"fa3"})
 
 
-def _deterministic_requested() -> bool:
-    """Whether XLA was asked for deterministic GPU ops (read from XLA_FLAGS, as XLA reads it)."""
-    return "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
-
-
-def get_backend(name: str = "auto") -> BlockBackend:
-    """The backend called ``name``; ``"auto"`` picks the fastest one registered for the
-    default device, which today is the portable reference everywhere. With
-    ``--xla_gpu_deterministic_ops=true`` a backend measured non-deterministic in that mode raises."""
+def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBackend:
+    """The backend called ``name``; ``"auto"`` picks the fastest one registered for the default
+    device, which today is the portable reference everywhere. ``deterministic=True`` (the API's
+    ``deterministic`` argument, which defaults to whether XLA_FLAGS has
+    ``--xla_gpu_deterministic_ops=true``) refuses a backend measured non-deterministic in that mode.
+    XLA reads its flags when the backend starts, so this can only refuse a kernel: it cannot make
+    XLA's own ops deterministic."""
     if name == "auto":
         name = "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)}")
-    if name in NONDETERMINISTIC_WHEN_REQUESTED and _deterministic_requested():
+    if name in NONDETERMINISTIC_WHEN_REQUESTED and deterministic:
         raise RuntimeError(f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
-                           "runs) and XLA_FLAGS has --xla_gpu_deterministic_ops=true: use 'cudnn' (deterministic "
-                           "in that mode) or 'reference'")
+                           "runs) and deterministic=True (by default: XLA_FLAGS has "
+                           "--xla_gpu_deterministic_ops=true): use 'cudnn' (deterministic in that mode) or 'reference'")
     return _BACKENDS[name]
 
 
-def _mask_matrix(mask: Mask, t: int, s: int):
+def _mask_matrix(mask: BlockMask, t: int, s: int):
     """[t, s] bool of visible (query, key) pairs in local indices, or None for FULL."""
-    if mask is Mask.FULL:
+    if mask.is_full:
         return None
     if t != s:
-        raise ValueError(f"a {mask.value} mask needs a square block, got {t}x{s}")
-    offset = 0 if mask is Mask.CAUSAL else -1
+        raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
+    offset = 0 if mask.kind is MaskKind.CAUSAL else -1
     return jnp.tril(jnp.ones((t, s), dtype=bool), k=offset)
 
 
@@ -91,7 +92,7 @@ def _scores(q, k, scale):
     return s * jnp.asarray(scale, F32)
 
 
-def reference_block_fwd(q, k, v, mask: Mask, scale: float):
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float):
     """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
     strict mask on row 0), which the LSE merge treats as an empty partial."""
     b, t, h, d = q.shape
@@ -110,7 +111,7 @@ def reference_block_fwd(q, k, v, mask: Mask, scale: float):
     return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
 
 
-def reference_block_bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
+def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
     """Portable backward with the global ``o`` and ``lse``:
     dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
     b, t, h, d = q.shape
@@ -185,24 +186,24 @@ def _fused_backend(name: str, ops, typed_for_shard_map: bool = True) -> BlockBac
     with an lse cotangent (only when the caller uses lse) falls back to the portable kernel, as
     torch_impl's aten backends do."""
 
-    def fwd(q, k, v, mask: Mask, scale: float):
-        if mask is Mask.STRICT:
-            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], Mask.CAUSAL, scale)
+    def fwd(q, k, v, mask: BlockMask, scale: float):
+        if mask.kind is MaskKind.STRICT:
+            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], CAUSAL_MASK, scale)
             b, _, h, d = q.shape
             return (jnp.concatenate([jnp.zeros((b, 1, h, d), F32), o_r], 1),
                     jnp.concatenate([jnp.full((b, h, 1), -jnp.inf, F32), lse_r], 2))
-        o, lse = ops()[0](q, k, v, mask is Mask.CAUSAL, scale)
+        o, lse = ops()[0](q, k, v, mask.kind is MaskKind.CAUSAL, scale)
         return o.astype(F32), lse.astype(F32)
 
-    def bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
+    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
         if dlse is not None:
             return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
-        if mask is Mask.STRICT:
-            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], Mask.CAUSAL, scale)
+        if mask.kind is MaskKind.STRICT:
+            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK, scale)
             rows = lambda first, last: [(0, 0), (first, last), (0, 0), (0, 0)]  # noqa: E731
             return jnp.pad(dq_r, rows(1, 0)), jnp.pad(dk_r, rows(0, 1)), jnp.pad(dv_r, rows(0, 1))
         dtype = q.dtype
-        grads = ops()[1](do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask is Mask.CAUSAL, scale)
+        grads = ops()[1](do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask.kind is MaskKind.CAUSAL, scale)
         return tuple(g.astype(F32) for g in grads)
 
     return BlockBackend(name, fwd, bwd, typed_for_shard_map)

@@ -1,9 +1,23 @@
-"""Collective building blocks shared by the algorithms (one place for the ring shift)."""
+"""Collective building blocks shared by the algorithms (one place for the ring shift), and
+:class:`Comm`, the one object through which ring, all-gather-KV and double-ring attention send.
+
+**The communication hook.** Every K/V and dK/dV transfer of those three goes through the
+:class:`Comm` in their config: ``shift`` for each :class:`schedule.Hop`, ``gather`` and
+``scatter`` for all-gather KV. A probe or test subclasses :class:`Comm` and installs it with
+``with using(MyComm()):`` around the call that *traces* the attention (JAX fixes the transfers
+when it traces): the per-device entry points put the installed one into their config, so it is
+part of the jit cache key and the backward uses the same one. ``benchmarks/overlap.py`` replaces
+every hop by a local copy this way. Ulysses' all-to-alls are not routed through it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from jax import lax
+
+from .schedule import Hop
 
 
 def axis_size(axis_name: str | None) -> int:
@@ -47,3 +61,45 @@ def gather_shards(x, axis_name: str):
 def scatter_shard_sums(x_all, axis_name: str):
     """Reduce-scatter along the sequence axis: [b, t, ...] summed over devices -> [b, t/R, ...]."""
     return lax.psum_scatter(x_all, axis_name, scatter_dimension=1, tiled=True)
+
+
+class Comm:
+    """The transfers of ring, all-gather-KV and double-ring attention (see the module docstring).
+    Hashable by identity; subclasses override any method and call ``super()`` to send for real.
+    ``axes`` is the attention's ring axis name, or ``(outer, inner)`` for the double ring."""
+
+    def shift(self, tree, hop: Hop, axes):
+        """Every array of ``tree`` one ``hop`` further (one collective-permute per array)."""
+        if hop is Hop.RING:
+            return ring_shift(tree, axes)
+        if hop is Hop.DIAGONAL:
+            return diagonal_shift(tree, axes)
+        return ring_shift(tree, axes[0] if hop is Hop.OUTER else axes[1])
+
+    def gather(self, x, axis_name: str):
+        """All-gather KV: :func:`gather_shards`."""
+        return gather_shards(x, axis_name)
+
+    def scatter(self, x_all, axis_name: str):
+        """All-gather KV's dK/dV home: :func:`scatter_shard_sums`."""
+        return scatter_shard_sums(x_all, axis_name)
+
+
+_INSTALLED: list[Comm] = [Comm()]
+
+
+def current_comm() -> Comm:
+    """The :class:`Comm` the next attention call picks up (the plain one unless :func:`using`)."""
+    return _INSTALLED[-1]
+
+
+@contextlib.contextmanager
+def using(comm: Comm):
+    """Route the transfers of attention calls traced inside this block through ``comm``."""
+    if not isinstance(comm, Comm):
+        raise TypeError(f"using() takes a Comm, got {type(comm).__name__}")
+    _INSTALLED.append(comm)
+    try:
+        yield comm
+    finally:
+        _INSTALLED.pop()

@@ -3,7 +3,7 @@ over two mesh axes, an outer ring (``"ring_outer"``, O devices: across nodes) of
 (``"ring_inner"``, I devices: inside a node).
 
 Device (o, i) holds shard r = o·I + i of the combined ring, so every layout and the step plan of
-ring attention apply unchanged:
+ring attention apply unchanged; the visiting order is :func:`schedule.double_ring_schedule`:
 
     q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    ->    o: [b, t/R, h, d], lse: [b, h, t/R]
 
@@ -26,73 +26,37 @@ shards alive until the backward: all-gather memory by accident, and not what tor
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax.numpy as jnp
 from jax import lax
 
 from .axes import RING_INNER, RING_OUTER
-from .block import get_backend
-from .comm import axis_size, diagonal_shift, ring_shift
-from .layouts import step_plan
-from .ring import _ring_loop, attention_with_vjp, grad_block, merge_block, _visit_block
+from .comm import axis_size
+from .config import AttentionConfig, make_config
+from .loop import attention_with_vjp, grad_block, merge_block, ring_index, visit_block, walk
+from .schedule import double_ring_schedule
+from .validation import dtype_name, validate_local
 
 DOUBLE_RING = (RING_OUTER, RING_INNER)
 
 
 def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, causal: bool = False,
-                          layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto"):
+                          layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
+                          deterministic: bool | None = None):
     """Double ring attention over the mesh axes ``axis_name = (outer, inner)``. Call inside
     ``shard_map``; inputs are this device's shard of the combined ring (index o·I + i) in
     layout order. Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _double_ring(q, k, v, tuple(axis_name), causal, layout, scale, block_backend)
+    validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
+                   scale=scale)
+    if len(tuple(axis_name)) != 2:
+        raise ValueError(f"the double ring needs axis_name = (outer, inner), got {axis_name!r}")
+    config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
+                         deterministic=deterministic)
+    config.backend()  # an unknown or refused kernel fails here
+    return _double_ring(q, k, v, tuple(axis_name), config)
 
 
-def _sizes(axes) -> tuple[int, int]:
-    return axis_size(axes[0]), axis_size(axes[1])
-
-
-def _source_is_earlier(axes, j, s):
-    """Thunk: does the shard visiting at round ``j``, inner step ``s`` come before this device's
-    own shard in the combined ring? It is ((o - j) mod O, (i - s) mod I)."""
-    n_out, n_in = _sizes(axes)
-
-    def earlier():
-        o, i = lax.axis_index(axes[0]), lax.axis_index(axes[1])
-        return (o - j) % n_out * n_in + (i - s) % n_in < o * n_in + i
-
-    return earlier
-
-
-def _rounds(axes, kv0, state, visit, after_step=None):
-    """Drive every (round j, inner step s) after the local (0, 0): ``visit(j, s, kv, state)``;
-    ``after_step(state, shift)`` follows every step, (0, 0) included, with ``shift`` the hop to
-    the next holder of the shard just visited (inner, or diagonal after a round's last step)."""
-    outer, inner = axes
-    n_out, n_in = _sizes(axes)
-    after_step = after_step or (lambda st, shift: st)
-    to_inner, to_diagonal = partial(ring_shift, axis_name=inner), partial(diagonal_shift, axis_names=axes)
-
-    def one_round(j, kv_round, st, *, local: bool, prefetch: bool):
-        kv_next_round = ring_shift(kv_round, outer) if prefetch else None  # hidden behind the round
-        st = st if local else visit(j, 0, kv_round, st)
-        if n_in == 1:
-            return kv_next_round, after_step(st, to_diagonal)
-        kv_first = to_inner(kv_round)
-        st = _ring_loop(inner, kv_first, after_step(st, to_inner), partial(visit, j),
-                        after_visit=lambda s: after_step(s, to_inner), after_last=lambda s: after_step(s, to_diagonal))
-        return kv_next_round, st
-
-    kv_round, state = one_round(0, kv0, state, local=True, prefetch=n_out > 1)
-    if n_out > 2:
-        def body(carry, j):
-            return one_round(j, *carry, local=False, prefetch=True), None
-
-        (kv_round, state), _ = lax.scan(body, (kv_round, state), jnp.arange(1, n_out - 1))
-    if n_out > 1:
-        _, state = one_round(n_out - 1, kv_round, state, local=False, prefetch=False)
-    return state
+def _schedule(axes, config: AttentionConfig):
+    return double_ring_schedule(config.layout, config.causal, axis_size(axes[0]), axis_size(axes[1]))
 
 
 def _to_bits(x):
@@ -103,35 +67,38 @@ def _from_bits(bits, like):
     return lax.bitcast_convert_type(bits, like.dtype)
 
 
-def _forward(q, k, v, axes, causal, layout, scale, backend_name):
-    backend, plan = get_backend(backend_name), step_plan(layout, causal)
-    o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # round 0, step 0: own K/V
-    if _sizes(axes) == (1, 1):
-        return o, lse, None
+def _forward(q, k, v, axes, config: AttentionConfig):
+    backend, schedule, me = config.backend(), _schedule(axes, config), ring_index(axes)
 
-    def visit(j, s, kv, st):
-        return _visit_block(plan, _source_is_earlier(axes, j, s),
-                           lambda blk, st: merge_block(backend, scale, q, blk, kv, st), st)
+    def visit(step, j, s, kv, state):
+        if step.local:  # round 0, step 0: own K/V
+            return backend.fwd(q, *kv, schedule.plan.local.mask, config.scale)
+        return visit_block(schedule, me, j, s, lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st),
+                           state)
 
-    return (*_rounds(axes, (k, v), (o, lse), visit), None)
+    o, lse = walk(schedule, (k, v), None, visit, comm=config.comm, axes=axes)
+    return o, lse, None
 
 
-def _backward(q, k, v, o, lse, _, do, dlse, axes, causal, layout, scale, backend_name):
-    backend, plan = get_backend(backend_name), step_plan(layout, causal)
-    dq, dk, dv = backend.bwd(do, q, k, v, o, lse, plan.local.mask, scale, dlse)
-    if _sizes(axes) == (1, 1):
-        return dq, dk, dv
+def _backward(q, k, v, o, lse, _, do, dlse, axes, config: AttentionConfig):
+    backend, schedule, me = config.backend(), _schedule(axes, config), ring_index(axes)
+    saved = (q, o, lse, do, dlse)
 
-    def visit(j, s, kv_bits, st):
+    def visit(step, j, s, kv_bits, state):
+        if step.local:
+            return backend.bwd(do, q, k, v, o, lse, schedule.plan.local.mask, config.scale, dlse)
         kv = tuple(_from_bits(x, like) for x, like in zip(kv_bits, (k, v)))
-        return _visit_block(plan, _source_is_earlier(axes, j, s),
-                           lambda blk, st: grad_block(backend, scale, (q, o, lse, do, dlse), blk, kv, st), st)
+        return visit_block(schedule, me, j, s, lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st),
+                           state)
 
-    def send_dkv(st, shift):  # the visited shard's dK/dV follow it to its next holder
-        dq, dk_acc, dv_acc = st
-        return (dq, *shift((dk_acc, dv_acc)))
+    def send_dkv(step, state):  # the visited shard's dK/dV follow it to its next holder
+        if step.dkv_hop is None:
+            return state
+        dq, dk_acc, dv_acc = state
+        return (dq, *config.comm.shift((dk_acc, dv_acc), step.dkv_hop, axes))
 
-    return _rounds(axes, (_to_bits(k), _to_bits(v)), (dq, dk, dv), visit, after_step=send_dkv)  # see module doc
+    # K/V travel as raw bits in the backward: see the module docstring.
+    return walk(schedule, (_to_bits(k), _to_bits(v)), None, visit, comm=config.comm, axes=axes, after_step=send_dkv)
 
 
 _double_ring = attention_with_vjp(_forward, _backward)

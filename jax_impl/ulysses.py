@@ -22,8 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from .axes import ULYSSES
+from .block import get_backend
 from .comm import axis_size, heads_to_seq, seq_to_heads
+from .config import default_deterministic
 from .ring import ring_attention
+from .validation import dtype_name, validate_local
 
 
 def _replicate_to_heads(x, axis_name: str, reps: int):
@@ -61,18 +64,23 @@ def gather_kv_heads(x, axis_name: str, ulysses_size: int):
 
 def ulysses_attention(q, k, v, axis_name: str = ULYSSES, *, causal: bool = False, scale: float | None = None,
                       block_backend: str = "auto", attend: Callable | None = None,
-                      return_lse: bool = True):
-    """Ulysses attention over ``axis_name``. ``attend(q, k, v, *, causal, scale, block_backend)``
-    computes attention on the gathered sequence (default: one device's attention; USP passes
-    ring attention over the ring axis). Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32
-    (``None`` when ``return_lse`` is False: its all-to-all is skipped).
+                      return_lse: bool = True, deterministic: bool | None = None):
+    """Ulysses attention over ``axis_name``. ``attend(q, k, v, *, causal, scale, block_backend,
+    deterministic)`` computes attention on the gathered sequence (default: one device's attention;
+    USP passes ring attention over the ring axis). Returns ``(o, lse)``: o like q, lse
+    [b, h, t/U] float32 (``None`` when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(axis_name)
+    validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=None,
+                   scale=scale, ulysses=n)
+    deterministic = default_deterministic(deterministic)
+    get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     attend = attend or partial(ring_attention, axis_name=None, layout="contiguous")
     q_h = seq_to_heads(q, axis_name)  # [b, t, h/U, d]
     k_h, v_h = (gather_kv_heads(x, axis_name, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
-    o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend)
+    o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend,
+                        deterministic=deterministic)
     if not return_lse:  # skip the LSE all-to-all (torch would otherwise run it; XLA drops it)
         return heads_to_seq(o_h, axis_name), None
     # lse_h: [b, h/U, t] -> [b, h, t/U]: split the sequence, gather the heads.

@@ -16,7 +16,9 @@ from .allgather import allgather_attention
 from .axes import RING, ULYSSES
 from .double_ring import double_ring_attention
 from .ring import ring_attention
+from .comm import axis_size
 from .ulysses import ulysses_attention
+from .validation import dtype_name, validate_local
 
 # kv_exchange -> the per-device attention over the ring axis (same signature, same layouts)
 KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
@@ -24,10 +26,14 @@ KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
 
 def usp_attention(q, k, v, ring_axis: str | tuple[str, str] = RING, ulysses_axis: str = ULYSSES, *, causal: bool = False,
                   layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                  return_lse: bool = True, kv_exchange: str = "ring"):
+                  return_lse: bool = True, kv_exchange: str = "ring", deterministic: bool | None = None):
     """Ulysses over ``ulysses_axis`` around ring (or all-gather-KV) attention over ``ring_axis``;
     a pair of axes ``(outer, inner)`` is the double ring. Returns (o, lse)."""
+    validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
+                   scale=scale, ulysses=axis_size(ulysses_axis))
+    if kv_exchange not in KV_EXCHANGE:
+        raise ValueError(f"kv_exchange must be one of {tuple(KV_EXCHANGE)}, got {kv_exchange!r}")
     attend = double_ring_attention if isinstance(ring_axis, tuple) else KV_EXCHANGE[kv_exchange]
     ring = partial(attend, axis_name=ring_axis, layout=layout)
-    return ulysses_attention(q, k, v, ulysses_axis, causal=causal, scale=scale,
-                             block_backend=block_backend, attend=ring, return_lse=return_lse)
+    return ulysses_attention(q, k, v, ulysses_axis, causal=causal, scale=scale, block_backend=block_backend,
+                             attend=ring, return_lse=return_lse, deterministic=deterministic)

@@ -13,7 +13,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from jax_impl import layout_permutation, merge_partials  # noqa: E402
 from jax_impl.block import reference_block_bwd, reference_block_fwd  # noqa: E402
-from jax_impl.layouts import LAYOUTS, Mask, Part, step_plan  # noqa: E402
+from jax_impl.layouts import LAYOUTS  # noqa: E402
+from jax_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, Part, step_plan  # noqa: E402
 from parity import reference  # noqa: E402
 
 
@@ -40,8 +41,8 @@ def _visible_by_plan(layout: str, causal: bool, ring: int, shard: int) -> np.nda
         q_lo, q_hi = block.q_part.bounds(shard)
         k_lo, k_hi = block.kv_part.bounds(shard)
         rows, cols = np.meshgrid(np.arange(q_lo, q_hi), np.arange(k_lo, k_hi), indexing="ij")
-        keep = {Mask.FULL: np.ones_like(rows, bool), Mask.CAUSAL: cols - k_lo <= rows - q_lo,
-                Mask.STRICT: cols - k_lo < rows - q_lo}[block.mask]
+        keep = {FULL_MASK: np.ones_like(rows, bool), CAUSAL_MASK: cols - k_lo <= rows - q_lo,
+                STRICT_MASK: cols - k_lo < rows - q_lo}[block.mask]
         computed[r * shard + rows[keep], src * shard + cols[keep]] += 1
     return computed
 
@@ -67,18 +68,18 @@ def test_step_plan_never_computes_fully_masked_block(layout):
     plan = step_plan(layout, causal=True)
     blocks = [b for b in (plan.from_earlier, plan.from_later) if b is not None]
     if layout == "contiguous":
-        assert plan.from_later is None and plan.from_earlier.mask is Mask.FULL
+        assert plan.from_later is None and plan.from_earlier.mask == FULL_MASK
     if layout == "zigzag":
         assert all((b.q_part is Part.ALL) != (b.kv_part is Part.ALL) for b in blocks)
     if layout == "stripe":
-        assert {b.mask for b in blocks} == {Mask.CAUSAL, Mask.STRICT}
+        assert {b.mask for b in blocks} == {CAUSAL_MASK, STRICT_MASK}
 
 
 def _rand(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("mask", list(Mask))
+@pytest.mark.parametrize("mask", list(BLOCK_MASKS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
 def test_block_kernel_matches_oracle(mask, heads, kv_heads, seed):
     """The portable block kernel's o, lse and gradients (given the block's own o/lse as global)
@@ -88,16 +89,16 @@ def test_block_kernel_matches_oracle(mask, heads, kv_heads, seed):
     q, do = _rand(rng, b, t, heads, d), _rand(rng, b, t, heads, d)
     k, v = _rand(rng, b, t, kv_heads, d), _rand(rng, b, t, kv_heads, d)
     o, lse = reference_block_fwd(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, scale)
-    if mask is Mask.STRICT:  # row 0 sees nothing; the oracle (which needs a key per row) gets rows 1..
+    if mask == STRICT_MASK:  # row 0 sees nothing; the oracle (which needs a key per row) gets rows 1..
         assert np.all(np.asarray(lse)[:, :, 0] == -np.inf) and np.all(np.asarray(o)[:, 0] == 0)
         q_pos, rows = np.arange(t) - 0.5, slice(1, None)  # query i sees keys j <= i - 0.5
     else:
         q_pos, rows = np.arange(t), slice(None)
-    fwd = reference.attention_forward(q[:, rows], k, v, causal=mask is not Mask.FULL, scale=scale,
+    fwd = reference.attention_forward(q[:, rows], k, v, causal=mask != FULL_MASK, scale=scale,
                                       q_pos=q_pos[rows], k_pos=np.arange(t))
     np.testing.assert_allclose(np.asarray(o)[:, rows], fwd.o, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(lse)[:, :, rows], fwd.lse, rtol=2e-5, atol=2e-6)
-    if mask is Mask.STRICT:
+    if mask == STRICT_MASK:
         return
     dq, dk, dv = reference_block_bwd(jnp.asarray(do), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                      o, lse, mask, scale)
@@ -112,8 +113,8 @@ def test_merge_of_two_key_halves_equals_whole(seed):
     rng = np.random.default_rng(seed)
     q, k, v = _rand(rng, 1, 6, 2, 8), _rand(rng, 1, 10, 2, 8), _rand(rng, 1, 10, 2, 8)
     whole = reference.attention_forward(q, k, v)
-    o_a, lse_a = reference_block_fwd(jnp.asarray(q), jnp.asarray(k[:, :4]), jnp.asarray(v[:, :4]), Mask.FULL, 8**-0.5)
-    o_b, lse_b = reference_block_fwd(jnp.asarray(q), jnp.asarray(k[:, 4:]), jnp.asarray(v[:, 4:]), Mask.FULL, 8**-0.5)
+    o_a, lse_a = reference_block_fwd(jnp.asarray(q), jnp.asarray(k[:, :4]), jnp.asarray(v[:, :4]), FULL_MASK, 8**-0.5)
+    o_b, lse_b = reference_block_fwd(jnp.asarray(q), jnp.asarray(k[:, 4:]), jnp.asarray(v[:, 4:]), FULL_MASK, 8**-0.5)
     o, lse = merge_partials(o_a, lse_a, o_b, lse_b)
     np.testing.assert_allclose(np.asarray(o), whole.o, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), whole.lse, rtol=1e-6)
@@ -123,13 +124,18 @@ def test_merge_of_two_key_halves_equals_whole(seed):
 
 
 def test_deterministic_xla_flag_refuses_fa3(monkeypatch):
-    """With --xla_gpu_deterministic_ops=true, fa3 (dq differs run to run on H200 even then) raises;
-    cudnn (made deterministic by that flag) and reference pass."""
+    """With --xla_gpu_deterministic_ops=true, deterministic= defaults to True (read at the API
+    boundary only) and fa3 (dq differs run to run on H200 even then) raises; cudnn (made
+    deterministic by that flag) and reference pass. An explicit deterministic= wins."""
     from jax_impl.block import get_backend
+    from jax_impl.config import default_deterministic
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true")
+    assert default_deterministic(None) and not default_deterministic(False)
     with pytest.raises(RuntimeError, match="'fa3' is not deterministic"):
-        get_backend("fa3")
-    assert get_backend("cudnn").name == "cudnn" and get_backend("auto").name == "reference"
+        get_backend("fa3", deterministic=default_deterministic(None))
+    assert get_backend("cudnn", deterministic=True).name == "cudnn"
+    assert get_backend("auto", deterministic=True).name == "reference"
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert get_backend("fa3").name == "fa3"
+    assert not default_deterministic(None) and default_deterministic(True)
+    assert get_backend("fa3", deterministic=default_deterministic(None)).name == "fa3"

@@ -18,12 +18,12 @@ from jax import lax  # noqa: E402
 
 import jax_impl  # noqa: E402
 from jax_impl.block import BlockBackend, get_backend, register_backend  # noqa: E402
-from jax_impl.layouts import Mask  # noqa: E402
+from jax_impl.schedule import CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask  # noqa: E402
 
 CALLS: list = []
 
 
-def _record(kind: str, q, k, mask: Mask):
+def _record(kind: str, q, k, mask: BlockMask):
     def cb(device, qt, kt):
         CALLS.append((kind, int(device), int(qt), int(kt), mask))
     jax.debug.callback(cb, lax.axis_index("ring"), q.shape[1], k.shape[1])
@@ -62,7 +62,7 @@ def _calls(layout: str, ring: int, shard: int = 8):
 
 def _area(blocks) -> float:
     """Visible (query, key) pairs a kernel call covers: causal/strict blocks count half."""
-    return sum(qt * kt * (1.0 if mask is Mask.FULL else 0.5) for qt, kt, mask in blocks)
+    return sum(qt * kt * (1.0 if mask == FULL_MASK else 0.5) for qt, kt, mask in blocks)
 
 
 @pytest.mark.parametrize("ring", [2, 4, 8])
@@ -74,8 +74,8 @@ def test_zigzag_every_device_does_equal_work(ring, jax_devices):
         for r in range(ring):
             blocks = calls[(kind, r)]
             assert len(blocks) == ring, (kind, r, blocks)
-            assert blocks.count((shard, shard, Mask.CAUSAL)) == 1
-            halves = [b for b in blocks if b[2] is Mask.FULL]
+            assert blocks.count((shard, shard, CAUSAL_MASK)) == 1
+            halves = [b for b in blocks if b[2] == FULL_MASK]
             assert len(halves) == ring - 1 and all(qt * kt == shard * shard // 2 for qt, kt, _ in halves)
         assert len({_area(calls[(kind, r)]) for r in range(ring)}) == 1
 
@@ -88,7 +88,7 @@ def test_stripe_excludes_diagonal_of_later_stripes(ring, jax_devices):
         for r in range(ring):
             masks = [m for _, _, m in calls[(kind, r)]]
             assert len(masks) == ring
-            assert masks.count(Mask.STRICT) == ring - 1 - r and masks.count(Mask.CAUSAL) == r + 1
+            assert masks.count(STRICT_MASK) == ring - 1 - r and masks.count(CAUSAL_MASK) == r + 1
 
 
 @pytest.mark.parametrize("ring", [2, 4, 8])

@@ -42,9 +42,9 @@ def _wrong_merge_sign(o, lse, o_b, lse_b):
 
 def test_harness_catches_wrong_merge_sign_in_jax(monkeypatch, jax_devices):
     """A sign error in the JAX LSE merge fails the case and names o (lse is still right)."""
-    import jax_impl.ring
+    import jax_impl.loop
 
-    monkeypatch.setattr(jax_impl.ring, "merge_partials", _wrong_merge_sign)
+    monkeypatch.setattr(jax_impl.loop, "merge_partials", _wrong_merge_sign)
     case = Case(ring=4, layout="zigzag", causal=True)
     result = cli.run_case_everywhere(case, {"jax": run_jax}, seed=5, devices="cpu")
     side = result.sides["jax"]

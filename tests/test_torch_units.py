@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 from parity import reference  # noqa: E402
 from torch_impl import layout_permutation, merge_partials  # noqa: E402
 from torch_impl.block import get_backend  # noqa: E402
-from torch_impl.layouts import LAYOUTS, Mask  # noqa: E402
+from torch_impl.layouts import LAYOUTS  # noqa: E402
+from torch_impl.schedule import BLOCK_MASKS, FULL_MASK, STRICT_MASK  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -23,7 +24,7 @@ def test_layout_permutation_matches_oracle(layout):
 
 
 @pytest.mark.parametrize("backend", ["reference", "aten_cpu"])
-@pytest.mark.parametrize("mask", list(Mask))
+@pytest.mark.parametrize("mask", list(BLOCK_MASKS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
 def test_block_kernel_matches_oracle(backend, mask, heads, kv_heads, seed):
     """o, lse and gradients of one block (its own o/lse as global, with an lse cotangent on the
@@ -37,11 +38,11 @@ def test_block_kernel_matches_oracle(backend, mask, heads, kv_heads, seed):
     kernel = get_backend(backend)
     tq, tk, tv, tdo = (torch.tensor(x, dtype=torch.float32) for x in (q, k, v, do))
     o, lse = kernel.fwd(tq, tk, tv, mask, scale)
-    rows = slice(1, None) if mask is Mask.STRICT else slice(None)
-    q_pos = np.arange(t) - (0.5 if mask is Mask.STRICT else 0.0)  # strict: query i sees keys j < i
-    if mask is Mask.STRICT:
+    rows = slice(1, None) if mask == STRICT_MASK else slice(None)
+    q_pos = np.arange(t) - (0.5 if mask == STRICT_MASK else 0.0)  # strict: query i sees keys j < i
+    if mask == STRICT_MASK:
         assert torch.all(lse[:, :, 0] == float("-inf")) and torch.all(o[:, 0] == 0)
-    fwd = reference.attention_forward(q[:, rows], k, v, causal=mask is not Mask.FULL, scale=scale,
+    fwd = reference.attention_forward(q[:, rows], k, v, causal=mask != FULL_MASK, scale=scale,
                                       q_pos=q_pos[rows], k_pos=np.arange(t))
     np.testing.assert_allclose(o[:, rows].numpy(), fwd.o, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(lse[:, :, rows].numpy(), fwd.lse, rtol=2e-5, atol=2e-6)
@@ -61,8 +62,8 @@ def test_merge_of_two_key_halves_equals_whole(seed):
     whole = reference.attention_forward(q, k, v)
     kernel = get_backend("reference")
     tq, tk, tv = (torch.tensor(x, dtype=torch.float32) for x in (q, k, v))
-    o, lse = merge_partials(*kernel.fwd(tq, tk[:, :4], tv[:, :4], Mask.FULL, 8**-0.5),
-                            *kernel.fwd(tq, tk[:, 4:], tv[:, 4:], Mask.FULL, 8**-0.5))
+    o, lse = merge_partials(*kernel.fwd(tq, tk[:, :4], tv[:, :4], FULL_MASK, 8**-0.5),
+                            *kernel.fwd(tq, tk[:, 4:], tv[:, 4:], FULL_MASK, 8**-0.5))
     np.testing.assert_allclose(o.numpy(), whole.o, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse.numpy(), whole.lse, rtol=1e-6)
 
@@ -70,20 +71,25 @@ def test_merge_of_two_key_halves_equals_whole(seed):
 def test_deterministic_mode_refuses_the_backend_measured_nondeterministic():
     """torch.use_deterministic_algorithms(True): aten_cudnn (dq differs run to run on H200 even in
     that mode) raises like torch's own non-deterministic ops; aten_flash and reference pass."""
+    from torch_impl.config import default_deterministic
+
     torch.use_deterministic_algorithms(True)
     try:
+        assert default_deterministic(None) and not default_deterministic(False)
         with pytest.raises(RuntimeError, match="'aten_cudnn' is not deterministic"):
-            get_backend("aten_cudnn")
-        assert get_backend("aten_flash").name == "aten_flash" and get_backend("auto").name == "reference"
+            get_backend("aten_cudnn", deterministic=default_deterministic(None))
+        assert get_backend("aten_flash", deterministic=True).name == "aten_flash"
+        assert get_backend("auto", deterministic=True).name == "reference"
     finally:
         torch.use_deterministic_algorithms(False)
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with pytest.warns(UserWarning, match="not deterministic"):
-            assert get_backend("aten_cudnn").name == "aten_cudnn"
+            assert get_backend("aten_cudnn", deterministic=default_deterministic(None)).name == "aten_cudnn"
     finally:
         torch.use_deterministic_algorithms(False)
-    assert get_backend("aten_cudnn").name == "aten_cudnn"  # not requested: allowed
+    assert not default_deterministic(None)
+    assert get_backend("aten_cudnn", deterministic=default_deterministic(None)).name == "aten_cudnn"  # allowed
 
 
 def test_in_place_merge_follows_the_merge_formula():

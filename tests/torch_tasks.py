@@ -33,15 +33,15 @@ def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
 def rank_task_with_local_causal_mask(case, x, device_type, block_backend):
     """parity.run_torch.rank_task with a planted bug: the ring masks causally by *local* layout
     positions (every layout planned as if it were contiguous) instead of original positions."""
-    import torch_impl.ring as ring
+    import torch_impl.schedule as schedule
     from parity.run_torch import rank_task
 
-    real = ring.step_plan
-    ring.step_plan = lambda layout, causal: real("contiguous", causal)
+    real = schedule.step_plan
+    schedule.step_plan = lambda layout, causal: real("contiguous", causal)
     try:
         return rank_task(case, x, device_type, block_backend)
     finally:
-        ring.step_plan = real
+        schedule.step_plan = real
 
 
 def rank0_fails_before_a_collective() -> None:
@@ -65,7 +65,7 @@ def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool, d
 
     import torch_impl
     from parity.run_torch import _mesh
-    from torch_impl.comm import CHECK_RANKS_ENV
+    from torch_impl.config import CHECK_RANKS_ENV
 
     mine = {"q_seq": 8, "kv_seq": 8, "dtype": "float32", "causal": True} | rank_overrides.get(dist.get_rank(), {})
     dtype, device = getattr(torch, mine["dtype"]), device_type if device_type == "cpu" else torch.cuda.current_device()

@@ -1,6 +1,6 @@
 """All-gather-KV attention (``kv_exchange="allgather"``: llama3-style context parallelism,
-MaxText's default) as a ``torch.autograd.Function``, over the same ring group, layouts and step
-plan as ring attention.
+MaxText's default) as a ``torch.autograd.Function``, over the same ring group, layouts and
+visiting order as ring attention (:func:`schedule.allgather_schedule`).
 
 Per rank of a ring process group of size R, rank r holds ring shard r:
 
@@ -16,58 +16,66 @@ are saved for the backward — the price of no transfer inside the loop.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .block import get_backend
-from .comm import axis_size, gather_shards, scatter_shard_sums
-from .layouts import step_plan
-from .ring import _add_grads, _block_for_step, attention_with_vjp, grad_block, merge_block
+from .comm import axis_size
+from .config import AttentionConfig, make_config
+from .loop import add_grads, attention_with_vjp, grad_block, merge_block, ring_rank
+from .schedule import allgather_schedule, device_visits
+from .validation import dtype_name, validate_local
 
 F32 = torch.float32
 
 
 def allgather_attention(q, k, v, group=None, *, causal: bool = False, layout: str = "zigzag",
-                        scale: float | None = None, block_backend: str = "auto"):
+                        scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """All-gather-KV attention over process group ``group`` (``None``: one rank). Inputs are this
     rank's ring shard in layout order. Returns ``(o, lse)``; differentiable through autograd."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _allgather(q, k, v, group, causal, layout, scale, block_backend)
+    validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
+                   scale=scale)
+    config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
+                         deterministic=deterministic)
+    config.backend()  # an unknown or refused kernel fails here, before any collective
+    return _allgather(q, k, v, (None, group), config)
 
 
-def _forward(q, k, v, group, causal, layout, scale, backend_name):
-    backend, plan = get_backend(backend_name), step_plan(layout, causal)
-    n = axis_size(group)
-    if n > 1:
-        (k_all, k_work), (v_all, v_work) = (gather_shards(x, group, async_op=True) for x in (k, v))
-    o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # step 0: own K/V, while K/V gather
-    if n == 1:
-        return o, lse, None
-    o = o.float()  # the float32 accumulator (kernels may return the input dtype)
-    k_work.wait()
-    v_work.wait()
-    rank = dist.get_group_rank(group, dist.get_rank())
-    for step in range(1, n):
-        src = (rank - step) % n
-        merge_block(backend, scale, q, _block_for_step(plan, step, rank), (k_all[src], v_all[src]), (o, lse))
+def _visits(groups, config: AttentionConfig):
+    schedule = allgather_schedule(config.layout, config.causal, axis_size(groups[1]))
+    return schedule, device_visits(schedule, ring_rank(groups))
+
+
+def _forward(q, k, v, groups, config: AttentionConfig):
+    backend, (schedule, visits) = config.backend(), _visits(groups, config)
+    if schedule.size > 1:
+        (k_all, k_work), (v_all, v_work) = (config.comm.gather(x, groups[1], async_op=True) for x in (k, v))
+    for visit in visits:
+        if visit.step.local:  # own K/V, while K/V gather
+            o, lse = backend.fwd(q, k, v, visit.block.mask, config.scale)
+            if schedule.size == 1:
+                return o, lse, None
+            o = o.float()  # the float32 accumulator (kernels may return the input dtype)
+            k_work.wait()
+            v_work.wait()
+        else:
+            merge_block(backend, config.scale, q, visit.block, (k_all[visit.source], v_all[visit.source]), (o, lse))
     return o, lse, (k_all, v_all)
 
 
-def _backward(q, k, v, o, lse, kv_all, do, dlse, group, causal, layout, scale, backend_name):
-    backend, plan = get_backend(backend_name), step_plan(layout, causal)
-    dq, dk, dv = backend.bwd(do, q, k, v, o, lse, plan.local.mask, scale, dlse)
-    n = axis_size(group)
-    if n == 1:
-        return dq, dk, dv
-    dq, dk, dv = dq.float(), dk.float(), dv.float()  # the float32 accumulators (kernels may return bf16)
-    rank = dist.get_group_rank(group, dist.get_rank())
-    dk_all, dv_all = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv_all)
-    dk_all[rank], dv_all[rank] = dk, dv
-    for step in range(1, n):
-        src = (rank - step) % n
-        block = _block_for_step(plan, step, rank)
-        grads = grad_block(backend, scale, (q, o, lse, do, dlse), block, (kv_all[0][src], kv_all[1][src]))
-        _add_grads(block, grads, dq, (dk_all[src], dv_all[src]))
-    return dq, scatter_shard_sums(dk_all, group), scatter_shard_sums(dv_all, group)
+def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig):
+    backend, (schedule, visits) = config.backend(), _visits(groups, config)
+    saved = (q, o, lse, do, dlse)
+    for visit in visits:
+        src = visit.source
+        if visit.step.local:
+            dq, dk, dv = backend.bwd(do, q, k, v, o, lse, visit.block.mask, config.scale, dlse)
+            if schedule.size == 1:
+                return dq, dk, dv
+            dq = dq.float()  # the float32 accumulator (kernels may return bf16)
+            dk_all, dv_all = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv_all)
+            dk_all[src], dv_all[src] = dk, dv
+        else:
+            grads = grad_block(backend, config.scale, saved, visit.block, (kv_all[0][src], kv_all[1][src]))
+            add_grads(visit.block, grads, dq, (dk_all[src], dv_all[src]))
+    return dq, config.comm.scatter(dk_all, groups[1]), config.comm.scatter(dv_all, groups[1])
 
 
 _allgather = attention_with_vjp(_forward, _backward)

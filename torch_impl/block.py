@@ -3,7 +3,9 @@
     block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32 or input dtype
     block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  float32 or the input dtype
 
-``block_bwd`` takes the *global* ``o`` and ``lse``; the aten adapters return MHA gradients in the
+``mask`` is a :class:`schedule.BlockMask` (full / causal / strict today); each backend says which
+masks and dtypes it takes (``BlockBackend.supports``), so a caller can refuse or reroute a block
+before any collective. ``block_bwd`` takes the *global* ``o`` and ``lse``; the aten adapters return MHA gradients in the
 input dtype (a float32 copy of each would be a transient the size of two K/V shards), and every
 caller accumulates into float32 buffers (``Tensor.add_`` promotes in place). Backends are
 pluggable by name:
@@ -25,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .layouts import Mask
+from .schedule import CAUSAL_MASK, BlockMask, MaskKind
 
 F32 = torch.float32
 
@@ -37,6 +39,8 @@ class BlockBackend:
     name: str
     fwd: Callable
     bwd: Callable
+    # supports(mask, dtype name) -> whether the kernels compute that block mask in that dtype.
+    supports: Callable[[BlockMask, str], bool] = lambda mask, dtype: True
 
 
 _BACKENDS: dict[str, BlockBackend] = {}
@@ -55,19 +59,20 @@ def register_backend(backend: BlockBackend) -> None:
 NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"aten_cudnn"})
 
 
-def get_backend(name: str = "auto") -> BlockBackend:
+def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBackend:
     """The backend called ``name``; ``"auto"`` is the portable reference (fast kernels are
-    chosen explicitly until the GPU benchmarks pick a default). Under
-    ``torch.use_deterministic_algorithms(True)`` a backend measured non-deterministic in that
-    mode raises (or warns, with ``warn_only=True``), as torch's own non-deterministic ops do."""
+    chosen explicitly until the GPU benchmarks pick a default). ``deterministic=True`` (the API's
+    ``deterministic`` argument, which defaults to ``torch.are_deterministic_algorithms_enabled()``)
+    refuses a backend measured non-deterministic in that mode — or warns, under
+    ``torch.use_deterministic_algorithms(True, warn_only=True)``, as torch's own ops do."""
     if name == "auto":
         name = "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)}")
-    if name in NONDETERMINISTIC_WHEN_REQUESTED and torch.are_deterministic_algorithms_enabled():
+    if name in NONDETERMINISTIC_WHEN_REQUESTED and deterministic:
         message = (f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
-                   "runs) and torch.use_deterministic_algorithms(True) is set: use 'aten_flash' (deterministic "
-                   "in that mode) or 'reference'")
+                   "runs) and deterministic=True (by default: torch.use_deterministic_algorithms(True) is set): "
+                   "use 'aten_flash' (deterministic in that mode) or 'reference'")
         if not torch.is_deterministic_algorithms_warn_only_enabled():
             raise RuntimeError(message)
         import warnings
@@ -76,13 +81,13 @@ def get_backend(name: str = "auto") -> BlockBackend:
     return _BACKENDS[name]
 
 
-def _mask_matrix(mask: Mask, t: int, s: int, device):
+def _mask_matrix(mask: BlockMask, t: int, s: int, device):
     """[t, s] bool of visible (query, key) pairs in local indices, or None for FULL."""
-    if mask is Mask.FULL:
+    if mask.is_full:
         return None
     if t != s:
-        raise ValueError(f"a {mask.value} mask needs a square block, got {t}x{s}")
-    offset = 0 if mask is Mask.CAUSAL else -1
+        raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
+    offset = 0 if mask.kind is MaskKind.CAUSAL else -1
     return torch.ones((t, s), dtype=torch.bool, device=device).tril(offset)
 
 
@@ -94,7 +99,7 @@ def _scores(q, k, scale):
     return torch.einsum("btkgd,bskd->bkgts", qg, k.float()) * scale
 
 
-def reference_block_fwd(q, k, v, mask: Mask, scale: float):
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float):
     """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
     strict mask on row 0), which the LSE merge treats as an empty partial."""
     b, t, h, d = q.shape
@@ -113,7 +118,7 @@ def reference_block_fwd(q, k, v, mask: Mask, scale: float):
     return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
 
 
-def reference_block_bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
+def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
     """Portable backward with the global ``o`` and ``lse``:
     dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
     b, t, h, d = q.shape
@@ -215,30 +220,30 @@ def _make_aten_backend(name: str) -> BlockBackend:
     """Adapt an aten (fwd, bwd) op pair to the block-kernel signatures."""
     op_fwd, op_bwd = _aten_ops(name)
 
-    def fwd(q, k, v, mask: Mask, scale: float):
-        if mask is Mask.STRICT:  # strict lower triangle = causal block of rows 1.. vs keys ..t-1
-            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], Mask.CAUSAL, scale)
+    def fwd(q, k, v, mask: BlockMask, scale: float):
+        if mask.kind is MaskKind.STRICT:  # strict lower triangle = causal block of rows 1.. vs keys ..t-1
+            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], CAUSAL_MASK, scale)
             b, _, h, d = q.shape
             o0 = torch.zeros((b, 1, h, d), dtype=o_r.dtype, device=q.device)
             lse0 = torch.full((b, h, 1), float("-inf"), dtype=F32, device=q.device)
             return torch.cat([o0, o_r], 1), torch.cat([lse0, lse_r], 2)
         b, t, h, d = q.shape
-        o, lse = op_fwd(q.transpose(1, 2), _expand(k, h), _expand(v, h), mask is Mask.CAUSAL, scale)
+        o, lse = op_fwd(q.transpose(1, 2), _expand(k, h), _expand(v, h), mask.kind is MaskKind.CAUSAL, scale)
         return o.transpose(1, 2), _lse_bht(lse, b, h, t)  # o in the input dtype: merged into float32
 
-    def bwd(do, q, k, v, o, lse, mask: Mask, scale: float, dlse=None):
+    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
         if dlse is not None:  # the ops take no lse cotangent (None when lse is not used)
             return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
-        if mask is Mask.STRICT:
+        if mask.kind is MaskKind.STRICT:
             dq, dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (q, k, v))
-            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], Mask.CAUSAL, scale)
+            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK, scale)
             dq[:, 1:], dk[:, :-1], dv[:, :-1] = dq_r, dk_r, dv_r
             return dq, dk, dv
         b, t, h, d = q.shape
         hk = k.shape[2]
         dtype = q.dtype
         grads = op_bwd(do.to(dtype).transpose(1, 2), q.transpose(1, 2), _expand(k, h), _expand(v, h),
-                       o.to(dtype).transpose(1, 2), lse.float().contiguous(), mask is Mask.CAUSAL, scale)
+                       o.to(dtype).transpose(1, 2), lse.float().contiguous(), mask.kind is MaskKind.CAUSAL, scale)
         dq, dk, dv = grads[:3]
         if hk != h:  # GQA: sum the expanded heads' gradients in float32
             return dq.transpose(1, 2), _fold_heads(dk.float(), hk), _fold_heads(dv.float(), hk)

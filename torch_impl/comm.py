@@ -1,12 +1,26 @@
-"""Collective building blocks shared by the algorithms (one place for the ring shift).
+"""Collective building blocks shared by the algorithms (one place for the ring shift), and
+:class:`Comm`, the one object through which ring, all-gather-KV and double-ring attention send.
 
 A ``group`` of ``None`` means "no group": one rank, no communication (mirrors ``axis_name=None``
-in jax_impl)."""
+in jax_impl).
+
+**The communication hook.** Every K/V and dK/dV transfer of those three goes through the
+:class:`Comm` in their config: ``shift`` gives the transfer object of each
+:class:`schedule.Hop`, ``gather`` and ``scatter`` serve all-gather KV. A probe or test subclasses
+:class:`Comm` and installs it with ``with using(MyComm()):`` around the attention call: the
+per-device entry points put the installed one into their config, and the backward uses the same
+one. ``benchmarks/overlap.py`` replaces every hop by a local copy this way. Ulysses' all-to-alls
+are not routed through it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+
+from .schedule import Hop
 
 
 def axis_size(group) -> int:
@@ -122,9 +136,6 @@ def scatter_shard_sums(x_all, group):
     return out
 
 
-CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
-
-
 def check_ranks_agree(fields: dict[str, tuple[int, ...]], mesh) -> None:
     """Raise the same ``ValueError`` on every rank of ``mesh`` if any rank's ``fields`` (name ->
     small ints: local shapes, dtype codes, options) differ from another's; otherwise return.
@@ -134,7 +145,8 @@ def check_ranks_agree(fields: dict[str, tuple[int, ...]], mesh) -> None:
     so after the last one every rank holds the mesh-wide max and min of every field — the same
     numbers everywhere, hence the same verdict, and every rank makes the same calls whatever its
     inputs (no rank can be left waiting). It costs one device-to-host copy, which is why it is
-    opt-in (``RINGBRIDGE_CHECK_RANKS=1``, like ``TORCH_DISTRIBUTED_DEBUG``): without it, ranks whose
+    opt-in (``check_ranks=True``; by default ``RINGBRIDGE_CHECK_RANKS=1``, like
+    ``TORCH_DISTRIBUTED_DEBUG``): without it, ranks whose
     K/V shapes disagree fail in (or time out of) the first collective, and a mismatch in q alone or
     in the options goes unnoticed."""
     names = list(fields)
@@ -156,3 +168,50 @@ def _field(row) -> str:
     """A field's row back as text (shown elementwise min / max, the last entry its length)."""
     values = row.tolist()
     return str(tuple(values[: values[-1]]))
+
+
+class Comm:
+    """The transfers of ring, all-gather-KV and double-ring attention (see the module docstring).
+    Hashable by identity; subclasses override any method and call ``super()`` to send for real.
+    ``groups`` is ``(outer_group, inner_group)``; the single ring passes ``(None, group)``."""
+
+    def shift(self, hop: Hop, groups) -> RingShift:
+        """A transfer object (``start(tensors, into)``, ``wait()``) for ``hop`` on ``groups``."""
+        outer, inner = groups
+        if hop in (Hop.RING, Hop.INNER):
+            return RingShift(inner)
+        if hop is Hop.OUTER:
+            return RingShift(outer)
+        if axis_size(outer) == 1:  # a diagonal step on a 1 x I (or O x 1) ring is a plain one
+            return RingShift(inner)
+        if axis_size(inner) == 1:
+            return RingShift(outer)
+        return RingShift.diagonal(outer, inner)
+
+    def gather(self, x, group, async_op: bool = False):
+        """All-gather KV: :func:`gather_shards`."""
+        return gather_shards(x, group, async_op=async_op)
+
+    def scatter(self, x_all, group):
+        """All-gather KV's dK/dV home: :func:`scatter_shard_sums`."""
+        return scatter_shard_sums(x_all, group)
+
+
+_INSTALLED: list[Comm] = [Comm()]
+
+
+def current_comm() -> Comm:
+    """The :class:`Comm` the next attention call picks up (the plain one unless :func:`using`)."""
+    return _INSTALLED[-1]
+
+
+@contextlib.contextmanager
+def using(comm: Comm):
+    """Route the transfers of attention calls made inside this block through ``comm``."""
+    if not isinstance(comm, Comm):
+        raise TypeError(f"using() takes a Comm, got {type(comm).__name__}")
+    _INSTALLED.append(comm)
+    try:
+        yield comm
+    finally:
+        _INSTALLED.pop()

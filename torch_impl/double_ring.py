@@ -3,7 +3,7 @@ shards laid over two process groups, an outer ring (O ranks: across nodes) of in
 (I ranks: inside a node).
 
 Rank (o, i) holds shard r = o·I + i of the combined ring, so every layout and the step plan of
-ring attention apply unchanged:
+ring attention apply unchanged; the visiting order is :func:`schedule.double_ring_schedule`:
 
     q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    ->    o: [b, t/R, h, d], lse: [b, h, t/R]
 
@@ -22,124 +22,61 @@ Same schedule as jax_impl, step for step.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from .block import get_backend
-from .comm import RingShift, axis_size
-from .layouts import StepPlan, step_plan
-from .ring import _add_grads, _buffer, attention_with_vjp, grad_block, merge_block
+from .comm import axis_size
+from .config import AttentionConfig, make_config
+from .loop import DKVTrail, KVWalk, add_grads, attention_with_vjp, grad_block, merge_block
+from .schedule import double_ring_schedule
+from .validation import dtype_name, validate_local
 
 
 def double_ring_attention(q, k, v, group=None, *, causal: bool = False, layout: str = "zigzag",
-                          scale: float | None = None, block_backend: str = "auto"):
+                          scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """Double ring attention over ``group = (outer_group, inner_group)`` (``None``: one rank).
     Inputs are this rank's shard of the combined ring (index o·I + i) in layout order.
     Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]. Differentiable through autograd."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _double_ring(q, k, v, tuple(group) if group is not None else (None, None), causal, layout, scale,
-                        block_backend)
+    validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
+                   scale=scale)
+    groups = tuple(group) if group is not None else (None, None)
+    if len(groups) != 2:
+        raise ValueError(f"the double ring needs group = (outer_group, inner_group), got {group!r}")
+    config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
+                         deterministic=deterministic)
+    config.backend()  # an unknown or refused kernel fails here, before any collective
+    return _double_ring(q, k, v, groups, config)
 
 
-class _Topology:
-    """This rank's place in the double ring and the three shifts it uses."""
-
-    def __init__(self, groups):
-        self.outer_group, self.inner_group = groups
-        self.n_out, self.n_in = axis_size(self.outer_group), axis_size(self.inner_group)
-        self.size = self.n_out * self.n_in
-        if self.size == 1:
-            return
-        self.o = dist.get_group_rank(self.outer_group, dist.get_rank()) if self.n_out > 1 else 0
-        self.i = dist.get_group_rank(self.inner_group, dist.get_rank()) if self.n_in > 1 else 0
-        self.outer = RingShift(self.outer_group) if self.n_out > 1 else None
-        self.inner = RingShift(self.inner_group) if self.n_in > 1 else None
-
-    def diagonal(self) -> RingShift:
-        if self.n_out == 1:
-            return RingShift(self.inner_group)
-        if self.n_in == 1:
-            return RingShift(self.outer_group)
-        return RingShift.diagonal(self.outer_group, self.inner_group)
-
-    def block(self, plan: StepPlan, j: int, s: int):
-        """The block for round ``j``, inner step ``s``: the visiting shard is
-        ((o - j) mod O, (i - s) mod I), earlier in the combined ring or later."""
-        src = (self.o - j) % self.n_out * self.n_in + (self.i - s) % self.n_in
-        return plan.from_earlier if src < self.o * self.n_in + self.i else plan.from_later
+def _schedule(groups, config: AttentionConfig):
+    return double_ring_schedule(config.layout, config.causal, axis_size(groups[0]), axis_size(groups[1]))
 
 
-def _rounds(topo: _Topology, kv0, visit, after_step=None) -> None:
-    """Drive every (round j, inner step s) after the local (0, 0): ``visit(j, s, k, v)``;
-    ``after_step(j, s, last_in_round)`` follows every step, (0, 0) included."""
-    n_out, n_in = topo.n_out, topo.n_in
-    round_buffers = [tuple(_buffer(x) for x in kv0) for _ in range(min(n_out - 1, 2))]
-    inner_buffers = [tuple(_buffer(x) for x in kv0) for _ in range(min(n_in - 1, 2))]
-    kv_round = kv0
-    for j in range(n_out):
-        next_round = round_buffers[j % 2] if j < n_out - 1 else None
-        if next_round is not None:
-            topo.outer.start(kv_round, next_round)  # hidden behind the whole round
-        kv = kv_round
-        for s in range(n_in):
-            incoming = inner_buffers[s % 2] if s < n_in - 1 else None
-            if incoming is not None:
-                topo.inner.start(kv, incoming)
-            if (j, s) != (0, 0):
-                visit(j, s, *kv)
-            if after_step is not None:
-                after_step(j, s, s == n_in - 1)
-            if incoming is not None:
-                topo.inner.wait()
-                kv = incoming
-        if next_round is not None:
-            topo.outer.wait()
-            kv_round = next_round
-
-
-def _forward(q, k, v, groups, causal, layout, scale, backend_name):
-    backend, plan = get_backend(backend_name), step_plan(layout, causal)
+def _forward(q, k, v, groups, config: AttentionConfig):
+    backend, schedule = config.backend(), _schedule(groups, config)
     k, v = k.contiguous(), v.contiguous()  # they are sent as they are
-    o, lse = backend.fwd(q, k, v, plan.local.mask, scale)  # round 0, step 0: own K/V
-    topo = _Topology(groups)
-    if topo.size == 1:
-        return o, lse, None
-    o = o.float()  # the float32 accumulator (kernels may return the input dtype)
-
-    def visit(j, s, k_cur, v_cur):
-        merge_block(backend, scale, q, topo.block(plan, j, s), (k_cur, v_cur), (o, lse))
-
-    _rounds(topo, (k, v), visit)
+    for visit, kv in KVWalk(schedule, config.comm, groups, (k, v)):
+        if visit.step.local:  # round 0, step 0: own K/V
+            o, lse = backend.fwd(q, *kv, visit.block.mask, config.scale)
+            o = o.float() if schedule.size > 1 else o  # the float32 accumulator (kernels may return the input dtype)
+        else:
+            merge_block(backend, config.scale, q, visit.block, kv, (o, lse))
     return o, lse, None
 
 
-def _backward(q, k, v, o, lse, _, do, dlse, groups, causal, layout, scale, backend_name):
-    backend, plan = get_backend(backend_name), step_plan(layout, causal)
-    dq, dk, dv = backend.bwd(do, q, k, v, o, lse, plan.local.mask, scale, dlse)
-    topo = _Topology(groups)
-    if topo.size == 1:
-        return dq, dk, dv
-    dq, dk, dv = dq.float(), dk.float(), dv.float()  # the float32 accumulators (kernels may return bf16)
-    to_inner, to_diagonal = RingShift(topo.inner_group) if topo.n_in > 1 else None, topo.diagonal()
-    acc, spare = [dk.contiguous(), dv.contiguous()], [_buffer(dk), _buffer(dv)]
-    in_flight: list[RingShift] = []
-
-    def visit(j, s, k_cur, v_cur):
-        block = topo.block(plan, j, s)
-        grads = grad_block(backend, scale, (q, o, lse, do, dlse), block, (k_cur, v_cur))
-        in_flight.pop().wait()  # the visiting shard's dK/dV accumulator has arrived in ``acc``
-        _add_grads(block, grads, dq, acc)
-
-    def send_dkv(j, s, last_in_round):  # the visited shard's dK/dV follow it to its next holder
-        nonlocal acc, spare
-        shift = to_diagonal if last_in_round else to_inner
-        shift.start(acc, spare)
-        in_flight.append(shift)
-        acc, spare = spare, acc
-
-    k, v = k.contiguous(), v.contiguous()
-    _rounds(topo, (k, v), visit, after_step=send_dkv)
-    in_flight.pop().wait()  # after R hops, ``acc`` holds this shard's own dK/dV
-    return dq, acc[0], acc[1]
+def _backward(q, k, v, o, lse, _, do, dlse, groups, config: AttentionConfig):
+    backend, schedule = config.backend(), _schedule(groups, config)
+    saved = (q, o, lse, do, dlse)
+    for visit, kv in KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous())):
+        if visit.step.local:
+            dq, dk, dv = backend.bwd(do, q, *kv, o, lse, visit.block.mask, config.scale, dlse)
+            if schedule.size == 1:
+                return dq, dk, dv
+            dq = dq.float()  # the float32 accumulators (kernels may return bf16)
+            trail = DKVTrail(config.comm, groups, dk.float(), dv.float())
+        else:
+            grads = grad_block(backend, config.scale, saved, visit.block, kv)
+            add_grads(visit.block, grads, dq, trail.current())  # once the shard's dK/dV have arrived
+        trail.send(visit.step.dkv_hop)  # inner hop, or diagonal after a round's last step
+    dk, dv = trail.current()  # after R hops, this shard's own
+    return dq, dk, dv
 
 
 _double_ring = attention_with_vjp(_forward, _backward)

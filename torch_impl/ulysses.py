@@ -20,8 +20,11 @@ from typing import Callable
 
 import torch
 
+from .block import get_backend
 from .comm import axis_size, heads_to_seq, seq_to_heads
+from .config import default_deterministic
 from .ring import ring_attention
+from .validation import dtype_name, validate_local
 
 
 class _ReplicatedToHeads(torch.autograd.Function):
@@ -51,18 +54,23 @@ def gather_kv_heads(x, group, ulysses_size: int):
 
 def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: float | None = None,
                       block_backend: str = "auto", attend: Callable | None = None,
-                      return_lse: bool = True):
+                      return_lse: bool = True, deterministic: bool | None = None):
     """Ulysses attention over process group ``group``. ``attend(q, k, v, *, causal, scale,
-    block_backend)`` computes attention on the gathered sequence (default: one rank's attention;
-    USP passes ring attention over the ring group). Returns ``(o, lse)``: o like q, lse
-    [b, h, t/U] float32 (``None`` when ``return_lse`` is False: its all-to-all is skipped).
+    block_backend, deterministic)`` computes attention on the gathered sequence (default: one
+    rank's attention; USP passes ring attention over the ring group). Returns ``(o, lse)``: o like
+    q, lse [b, h, t/U] float32 (``None`` when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(group)
+    validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=None,
+                   scale=scale, ulysses=n)
+    deterministic = default_deterministic(deterministic)
+    get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     attend = attend or partial(ring_attention, group=None, layout="contiguous")
     q_h = seq_to_heads(q, group)  # [b, t, h/U, d]
     k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
-    o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend)
+    o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend,
+                        deterministic=deterministic)
     if not return_lse:  # skip the LSE all-to-all nobody reads (XLA drops it in JAX too)
         return heads_to_seq(o_h, group), None
     # lse_h: [b, h/U, t] -> [b, h, t/U]: split the sequence, gather the heads.

@@ -55,29 +55,74 @@ def _check_double_ring(mesh_sizes: dict, kv_exchange: str) -> None:
                          f"{RING_OUTER!r} x {RING_INNER!r}, or a single {RING!r} axis for all-gather KV")
 
 
-def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str, kv_exchange: str,
-             scale) -> Decomposition:
-    """Check one call; ``dtypes`` is (q, k, v) dtype names, ``mesh_sizes`` maps axis name -> size."""
+def dtype_name(dtype) -> str:
+    """A JAX or torch dtype as validation's name for it ("bfloat16", not "torch.bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_qkv(q_shape, k_shape, v_shape, dtypes, *, what: str, kv_may_be_float32: bool = False) -> None:
+    """Ranks, dtypes and agreeing sizes of q, k, v (``what`` names the shapes in messages)."""
     for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shape) != 4:
-            raise ValueError(f"{name} must be rank-4 [batch, seq, heads, head_dim], got shape {tuple(shape)}")
-    if len(set(dtypes)) != 1:
+            raise ValueError(f"{what}{name} must be rank-4 [batch, seq, heads, head_dim], got shape {tuple(shape)}")
+    q_dtype, k_dtype, v_dtype = dtypes
+    if kv_may_be_float32:
+        if k_dtype != v_dtype or k_dtype not in (q_dtype, "float32"):
+            raise TypeError(f"k and v must share one dtype, q's or float32, got {tuple(dtypes)}")
+    elif len(set(dtypes)) != 1:
         raise TypeError(f"q, k, v must share one dtype, got {tuple(dtypes)}")
-    if dtypes[0] not in DTYPES:
-        raise TypeError(f"dtype must be one of {DTYPES}, got {dtypes[0]}")
+    if q_dtype not in DTYPES:
+        raise TypeError(f"dtype must be one of {DTYPES}, got {q_dtype}")
     if tuple(k_shape) != tuple(v_shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+        raise ValueError(f"{what}k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
     (b, s, h, d), (bk, sk, hk, dk) = q_shape, k_shape
     if (b, s, d) != (bk, sk, dk):
-        raise ValueError(f"q and k must agree in batch, seq and head_dim, got q {tuple(q_shape)}, k {tuple(k_shape)}")
+        raise ValueError(f"{what}q and k must agree in batch, seq and head_dim, got q {tuple(q_shape)}, "
+                         f"k {tuple(k_shape)}")
     if hk < 1 or h % hk:
         raise ValueError(f"heads % kv_heads must be 0, got heads={h}, kv_heads={hk}")
-    if layout not in LAYOUTS:
+
+
+def _check_options(layout: str | None, kv_exchange: str | None, scale) -> None:
+    if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if kv_exchange not in KV_EXCHANGES:
+    if kv_exchange is not None and kv_exchange not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {kv_exchange!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
+
+
+def _check_head_split(heads: int, kv_heads: int, ulysses: int) -> None:
+    if heads % ulysses:
+        raise ValueError(f"heads % {ULYSSES!r} mesh size must be 0, got heads={heads}, {ULYSSES}={ulysses}")
+    if kv_heads % ulysses and ulysses % kv_heads:
+        raise ValueError(
+            f"kv_heads and the {ULYSSES!r} size must divide one another (kv heads are split, or "
+            f"replicated up to it), got kv_heads={kv_heads}, {ULYSSES}={ulysses}")
+
+
+def validate_local(q_shape, k_shape, v_shape, dtypes, *, layout: str | None, scale, ulysses: int = 1) -> None:
+    """Check one device's shards before any collective, in the per-device entry points.
+
+    Shapes are *local*: q [b, t, h, d], k and v [b, t, hk, d] (``t`` this device's tokens).
+    ``layout``: the ring's layout (``None``: no ring, Ulysses alone). ``ulysses``: the size of the
+    Ulysses group the heads are split over (1: none). K/V may be float32 where q is not (Ulysses
+    hands replicated K/V heads on in float32); the ring computes them in q's dtype."""
+    _check_qkv(q_shape, k_shape, v_shape, dtypes, what="local ", kv_may_be_float32=True)
+    _check_options(layout, None, scale)
+    _check_head_split(q_shape[2], k_shape[2], ulysses)
+    multiple = 1 if layout is None else seq_multiple(layout, 1)
+    if q_shape[1] % multiple:
+        raise ValueError(f"local seq % {multiple} must be 0 for layout {layout!r} (each device's shard is split "
+                         f"in two halves), got local seq={q_shape[1]}")
+
+
+def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str, kv_exchange: str,
+             scale) -> Decomposition:
+    """Check one call; ``dtypes`` is (q, k, v) dtype names, ``mesh_sizes`` maps axis name -> size."""
+    _check_qkv(q_shape, k_shape, v_shape, dtypes, what="")
+    (b, s, h, d), hk = q_shape, k_shape[2]
+    _check_options(layout, kv_exchange, scale)
 
     unknown = [a for a in mesh_sizes if a not in KNOWN_AXES]
     if unknown:
@@ -89,12 +134,7 @@ def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str
     ring_name = f"{RING_OUTER}*{RING_INNER}" if RING_OUTER in mesh_sizes else RING
     if b % data:
         raise ValueError(f"batch % {DATA!r} mesh size must be 0, got batch={b}, {DATA}={data}")
-    if h % ulysses:
-        raise ValueError(f"heads % {ULYSSES!r} mesh size must be 0, got heads={h}, {ULYSSES}={ulysses}")
-    if hk % ulysses and ulysses % hk:
-        raise ValueError(
-            f"kv_heads and the {ULYSSES!r} size must divide one another (kv heads are split, or "
-            f"replicated up to it), got kv_heads={hk}, {ULYSSES}={ulysses}")
+    _check_head_split(h, hk, ulysses)
     multiple = seq_multiple(layout, ring, ulysses)
     if s % multiple:
         raise ValueError(

@@ -1,0 +1,78 @@
+"""The static settings of one attention call (:class:`AttentionConfig`), and the environment
+defaults of the API's keyword arguments — read here, at the API boundary, and nowhere else.
+
+    RINGBRIDGE_CHECK_RANKS=1                   -> check_ranks=None means True
+    XLA_FLAGS has --xla_gpu_deterministic_ops=true  -> deterministic=None means True
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from .block import BlockBackend, get_backend
+from .comm import Comm, current_comm
+from .schedule import LAYOUTS
+
+CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Everything static about one ring / all-gather / double-ring attention call: hashable (JAX
+    passes it as a ``custom_vjp`` non-differentiable argument and keys compilations on it), never
+    an array. The same dataclass, with the same fields, is in torch_impl.
+
+    causal:        mask by original token positions (the layout's permutation is undone by the plan).
+    layout:        one of ``LAYOUTS``: how the sequence was permuted over the ring.
+    scale:         softmax scale (already resolved: head_dim ** -0.5 when the caller gave none).
+    block_backend: name of the block kernels (``block.get_backend``).
+    deterministic: refuse block kernels that are not run-to-run deterministic.
+    comm:          the transfers' hook (``comm.Comm``; the plain one unless a probe installed one).
+    """
+
+    causal: bool
+    layout: str
+    scale: float
+    block_backend: str = "auto"
+    deterministic: bool = False
+    comm: Comm = Comm()
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if not (isinstance(self.scale, float) and math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"scale must be a finite positive float, got {self.scale!r}")
+        if not isinstance(self.comm, Comm):
+            raise TypeError(f"comm must be a Comm, got {type(self.comm).__name__}")
+
+    def backend(self) -> BlockBackend:
+        """The block kernels (an unknown or refused name raises here)."""
+        return get_backend(self.block_backend, deterministic=self.deterministic)
+
+
+def default_deterministic(deterministic: bool | None) -> bool:
+    """``deterministic``, or when None whether XLA was started with deterministic GPU ops. XLA
+    reads XLA_FLAGS once, when its backend starts: ``deterministic=True`` can only refuse a block
+    kernel that is not deterministic, never make XLA's own ops deterministic."""
+    if deterministic is not None:
+        return bool(deterministic)
+    return "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+
+
+def default_check_ranks(check_ranks: bool | None) -> bool:
+    """``check_ranks``, or when None whether RINGBRIDGE_CHECK_RANKS=1. (JAX has nothing to check:
+    one controller passes global arrays, which have one shape by construction.)"""
+    if check_ranks is not None:
+        return bool(check_ranks)
+    return os.environ.get(CHECK_RANKS_ENV) == "1"
+
+
+def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
+                deterministic: bool | None) -> AttentionConfig:
+    """The config of a per-device call on ``q`` (for its head_dim), with the defaults resolved and
+    the installed communication hook (``comm.using``)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return AttentionConfig(bool(causal), layout, scale, block_backend, default_deterministic(deterministic),
+                           current_comm())

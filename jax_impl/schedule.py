@@ -1,0 +1,350 @@
+"""The sequence-parallel schedule, as data: what every device computes at every step, and where K/V and dK/dV travel.
+
+Pure Python (no framework import): ``jax_impl/schedule.py`` and ``torch_impl/schedule.py`` are the
+same code (a test compares them). The real loops of ring, all-gather-KV and double-ring attention
+walk it — JAX with traced device and step indices inside ``lax.scan`` (:meth:`Schedule.source` and
+:meth:`Schedule.is_earlier` use only ``+ - * // % <``), torch with ints — and so can a one-device
+replay of every virtual device's work (:func:`device_visits`).
+
+**Layouts.** ``LAYOUTS`` are the token orders of the sequence axis (``layouts.py`` builds their
+permutations); each acts on the R ring shards of ``seq_len / R`` tokens.
+
+**Block mask.** :class:`BlockMask` describes which (query, key) pairs of one block-kernel call are
+visible, in the block's *local* indices (query row i, key column j):
+
+    kind FULL:   every pair                 kind CAUSAL: j <= i          kind STRICT: j < i
+
+It is a frozen, hashable dataclass (a compile-time constant of the schedule, never an array), so
+kernels and routing can branch on it. Masks still to come join it as fields, each restricting
+``kind``'s pairs further: document masks (a flag that the kernel also compares the query's and
+key's segment ids, which travel beside q and k/v as arrays sliced like them) and window masks
+(``left``/``right`` extents on the pairs' *original* positions, given per block by the layout's
+position offsets). A block backend says which masks it takes (``BlockBackend.supports``).
+
+**Step plan.** :func:`step_plan` says which part of the local queries meets which part of a
+visiting K/V shard under which mask: one block for the device's own shard (``local``), one for a
+shard that comes earlier in the ring (``from_earlier``) and one for a later one (``from_later``);
+``None`` is a fully masked block, never computed.
+
+**Visiting order.** :class:`Schedule` lists the steps every device takes, in order, grouped into
+rounds. At round j, inner step s, device r (r = o·I + i on an O x I double ring; O = 1 otherwise)
+meets the K/V of shard :meth:`Schedule.source` = ((o - j) mod O)·I + (i - s) mod I, through
+:meth:`Schedule.block`. How the K/V got there and where the dK/dV go:
+
+- single ring (``Exchange.RING``; O = 1, I = R): one round of R steps. Before each step but the
+  last, the K/V in hand leave by a ``RING`` hop (r -> r+1) to be the next step's; after every
+  step the visited shard's float32 dK/dV accumulator follows it by a ``RING`` hop — R hops, the
+  last one brings it home. The backward starts again from the K/V the forward received for
+  step 1 (``backward_reuses_first_kv``), so it sends R-2 K/V hops, not R-1.
+- all-gather KV (``Exchange.ALLGATHER``): the same visiting order over one all-gather of K/V; no
+  hops; the dK/dV of every shard come home by one reduce-scatter after the last step.
+- double ring (``Exchange.DOUBLE_RING``; O x I): O rounds of I steps. At a round's start its
+  first K/V leave by an ``OUTER`` hop ((o, i) -> (o+1, i)), where they start the next round;
+  inside a round, ``INNER`` hops ((o, i) -> (o, i+1)) as on a single ring. dK/dV follow their
+  shard by ``INNER`` hops, and after a round's last step by a ``DIAGONAL`` hop
+  ((o, i) -> (o+1, i+1)), where that shard starts the next round — R hops in all.
+
+Step (0, 0) is always the device's own shard (:attr:`Step.local`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+# ---- block masks --------------------------------------------------------------------------------
+
+class MaskKind(Enum):
+    """The base pattern of a block mask, in the block's local indices (i: query row, j: key col)."""
+
+    FULL = "full"  # every key visible
+    CAUSAL = "causal"  # j <= i (the diagonal block of a causal layout)
+    STRICT = "strict"  # j < i (stripe: keys from a later stripe exclude the diagonal)
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Which (query, key) pairs of one block are visible (see the module docstring).
+
+    ``kind``: the base pattern; a string ("full", "causal", "strict") is accepted and converted.
+    CAUSAL and STRICT need a square block."""
+
+    kind: MaskKind = MaskKind.FULL
+
+    def __post_init__(self):
+        if not isinstance(self.kind, MaskKind):
+            try:
+                object.__setattr__(self, "kind", MaskKind(self.kind))
+            except ValueError:
+                raise ValueError(f"mask kind must be one of {[k.value for k in MaskKind]}, got {self.kind!r}") from None
+
+    @property
+    def is_full(self) -> bool:
+        """Every pair of the block is visible (kernels need no mask at all)."""
+        return self.kind is MaskKind.FULL
+
+    def visible(self, i: int, j: int) -> bool:
+        """Whether local query row ``i`` sees local key column ``j`` (the definition kernels implement)."""
+        if self.kind is MaskKind.FULL:
+            return True
+        return j <= i if self.kind is MaskKind.CAUSAL else j < i
+
+
+FULL_MASK = BlockMask(MaskKind.FULL)
+CAUSAL_MASK = BlockMask(MaskKind.CAUSAL)
+STRICT_MASK = BlockMask(MaskKind.STRICT)
+BLOCK_MASKS = (FULL_MASK, CAUSAL_MASK, STRICT_MASK)  # every mask a schedule produces today
+
+
+# ---- the step plan ------------------------------------------------------------------------------
+
+class Part(Enum):
+    """Which contiguous part of a local shard along the sequence axis."""
+
+    ALL = "all"
+    FIRST_HALF = "first_half"
+    SECOND_HALF = "second_half"
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        half = length // 2
+        return {Part.ALL: (0, length), Part.FIRST_HALF: (0, half), Part.SECOND_HALF: (half, length)}[self]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block-kernel call: ``q[q_part]`` against ``k, v[kv_part]`` under ``mask``."""
+
+    q_part: Part
+    kv_part: Part
+    mask: BlockMask
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What device r computes against each shard of the ring.
+
+    ``local``: its own K/V (step 0). ``from_earlier``: K/V of a ring shard src < r.
+    ``from_later``: src > r. ``None`` means the block is fully masked and skipped.
+    """
+
+    local: Block
+    from_earlier: Block | None
+    from_later: Block | None
+
+    @property
+    def uniform(self) -> bool:
+        """True when every off-diagonal step is the same, so no per-device branch is needed."""
+        return self.from_earlier == self.from_later
+
+
+_ALL_FULL = Block(Part.ALL, Part.ALL, FULL_MASK)
+
+
+def step_plan(layout: str, causal: bool) -> StepPlan:
+    """The step plan for ``layout``.
+
+    - non-causal: every step is one full block (all layouts compute the same).
+    - contiguous: earlier shards are fully visible, later ones fully masked (skipped).
+    - zigzag (shard r = chunk r ++ chunk 2R-1-r): from an earlier shard, all queries see only
+      its first chunk; from a later shard, only the second query chunk sees it, entirely.
+      Either way a half-size block.
+    - stripe (shard r = tokens with t % R == r): keys of stripe src <= r are visible up to and
+      including the same row; keys of a later stripe only strictly below it.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not causal:
+        return StepPlan(local=_ALL_FULL, from_earlier=_ALL_FULL, from_later=_ALL_FULL)
+    diagonal = Block(Part.ALL, Part.ALL, CAUSAL_MASK)
+    if layout == "contiguous":
+        return StepPlan(local=diagonal, from_earlier=_ALL_FULL, from_later=None)
+    if layout == "zigzag":
+        return StepPlan(
+            local=diagonal,
+            from_earlier=Block(Part.ALL, Part.FIRST_HALF, FULL_MASK),
+            from_later=Block(Part.SECOND_HALF, Part.ALL, FULL_MASK),
+        )
+    return StepPlan(local=diagonal, from_earlier=diagonal, from_later=Block(Part.ALL, Part.ALL, STRICT_MASK))
+
+
+# ---- the visiting order -------------------------------------------------------------------------
+
+class Exchange(Enum):
+    """How K/V reach the devices."""
+
+    RING = "ring"  # one ring of hops
+    ALLGATHER = "allgather"  # one all-gather; dK/dV home by one reduce-scatter
+    DOUBLE_RING = "double_ring"  # an outer ring of inner rings (LoongTrain)
+
+
+class Hop(Enum):
+    """One point-to-point shift of every device's buffer, named by where device (o, i) sends it."""
+
+    RING = "ring"  # r -> r+1 mod R (single ring)
+    INNER = "inner"  # (o, i) -> (o, i+1 mod I)
+    OUTER = "outer"  # (o, i) -> (o+1 mod O, i)
+    DIAGONAL = "diagonal"  # (o, i) -> (o+1 mod O, i+1 mod I)
+
+    def destination(self, device: int, outer: int, inner: int) -> int:
+        """The device that receives ``device``'s buffer, on an ``outer`` x ``inner`` ring."""
+        if self is Hop.RING:
+            return (device + 1) % (outer * inner)
+        o, i = divmod(device, inner)
+        d_o, d_i = int(self in (Hop.OUTER, Hop.DIAGONAL)), int(self in (Hop.INNER, Hop.DIAGONAL))
+        return (o + d_o) % outer * inner + (i + d_i) % inner
+
+
+@dataclass(frozen=True)
+class Step:
+    """Inner step ``inner`` of round ``round``; the same on every device.
+
+    ``kv_hop``: the hop that carries the K/V in hand on to the device where they are the next
+    step's, issued before this step's compute so it overlaps it (``None``: nothing is sent).
+    ``dkv_hop``: the hop the visited shard's dK/dV accumulator takes after this step, in the
+    backward (``None``: it stays; all-gather reduce-scatters them at the end instead)."""
+
+    round: int
+    inner: int
+    kv_hop: Hop | None
+    dkv_hop: Hop | None
+
+    @property
+    def local(self) -> bool:
+        """The first step: the device's own K/V, under the plan's ``local`` block."""
+        return self.round == 0 and self.inner == 0
+
+    @property
+    def kind(self) -> tuple:
+        """Everything but the position: steps of one kind run the same code (a loop can scan them)."""
+        return (self.local, self.kv_hop, self.dkv_hop)
+
+
+@dataclass(frozen=True)
+class Round:
+    """Round ``index``: ``kv_hop`` (double ring) sends the round's first K/V, at the round's start,
+    to where they start the next round; then ``steps``."""
+
+    index: int
+    kv_hop: Hop | None
+    steps: tuple[Step, ...]
+
+    @property
+    def kind(self) -> tuple:
+        return (self.kv_hop, tuple(step.kind for step in self.steps))
+
+
+@dataclass(frozen=True)
+class Visit:
+    """What a concrete ``device`` does at ``step``: the K/V of shard ``source`` under ``block``
+    (``None``: fully masked, skipped — the K/V and dK/dV still move on)."""
+
+    step: Step
+    source: int
+    block: Block | None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The visiting order of one exchange over an ``outer`` x ``inner`` ring of R = O·I devices
+    (O = 1 for the single ring and all-gather). ``rounds`` is built by :func:`make_schedule`."""
+
+    exchange: Exchange
+    plan: StepPlan
+    outer: int
+    inner: int
+    rounds: tuple[Round, ...]
+
+    @property
+    def size(self) -> int:
+        """R: devices on the ring (= shards of K/V)."""
+        return self.outer * self.inner
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """Every step of every round, in order (R of them)."""
+        return tuple(step for rnd in self.rounds for step in rnd.steps)
+
+    @property
+    def backward_reuses_first_kv(self) -> bool:
+        """The single ring's backward starts from the K/V its forward received for step 1 (kept),
+        so its first K/V hop is not sent again. (The double ring keeps nothing: see its module.)"""
+        return self.exchange is Exchange.RING and self.size > 1
+
+    def source(self, device, round, inner):
+        """The shard whose K/V ``device`` meets at (``round``, ``inner``): ints or traced ints."""
+        n_out, n_in = self.outer, self.inner
+        return (device // n_in - round) % n_out * n_in + (device % n_in - inner) % n_in
+
+    def is_earlier(self, device, round, inner):
+        """Whether that shard comes before ``device``'s own in the ring (ints or traced ints)."""
+        return self.source(device, round, inner) < device
+
+    def block(self, device: int, step: Step) -> Block | None:
+        """The block ``device`` computes at ``step`` (concrete ints)."""
+        if step.local:
+            return self.plan.local
+        earlier = self.is_earlier(device, step.round, step.inner)
+        return self.plan.from_earlier if earlier else self.plan.from_later
+
+
+def make_schedule(exchange: Exchange, layout: str, causal: bool, outer: int, inner: int) -> Schedule:
+    """The schedule of ``exchange`` on ``outer`` x ``inner`` devices (see the module docstring)."""
+    exchange = Exchange(exchange)
+    if outer < 1 or inner < 1:
+        raise ValueError(f"ring sizes must be >= 1, got {outer} x {inner}")
+    if exchange is not Exchange.DOUBLE_RING and outer != 1:
+        raise ValueError(f"a {exchange.value} schedule has one ring (outer = 1), got outer={outer}")
+    if exchange is Exchange.ALLGATHER:
+        kv_hop = dkv_hop = last_dkv_hop = outer_hop = None
+    elif exchange is Exchange.RING:
+        kv_hop = dkv_hop = last_dkv_hop = Hop.RING
+        outer_hop = None
+    else:
+        kv_hop, dkv_hop, last_dkv_hop, outer_hop = Hop.INNER, Hop.INNER, Hop.DIAGONAL, Hop.OUTER
+    if outer * inner == 1:
+        last_dkv_hop = None  # one device: nothing travels
+    rounds = tuple(
+        Round(j, outer_hop if j < outer - 1 else None,
+              tuple(Step(j, s, kv_hop if s < inner - 1 else None, dkv_hop if s < inner - 1 else last_dkv_hop)
+                    for s in range(inner)))
+        for j in range(outer))
+    return Schedule(exchange, step_plan(layout, causal), outer, inner, rounds)
+
+
+def ring_schedule(layout: str, causal: bool, size: int) -> Schedule:
+    """The single ring of ``size`` devices."""
+    return make_schedule(Exchange.RING, layout, causal, 1, size)
+
+
+def allgather_schedule(layout: str, causal: bool, size: int) -> Schedule:
+    """All-gather KV over ``size`` devices (the single ring's visiting order, no hops)."""
+    return make_schedule(Exchange.ALLGATHER, layout, causal, 1, size)
+
+
+def double_ring_schedule(layout: str, causal: bool, outer: int, inner: int) -> Schedule:
+    """The double ring of ``outer`` x ``inner`` devices."""
+    return make_schedule(Exchange.DOUBLE_RING, layout, causal, outer, inner)
+
+
+def device_visits(schedule: Schedule, device: int) -> list[Visit]:
+    """Every step of concrete ``device``, in order, with its source shard and block."""
+    if not 0 <= device < schedule.size:
+        raise ValueError(f"device must be in [0, {schedule.size}), got {device}")
+    return [Visit(step, schedule.source(device, step.round, step.inner), schedule.block(device, step))
+            for step in schedule.steps]
+
+
+def runs(items) -> list[tuple[object, range]]:
+    """Consecutive items of one ``kind``, as (first item, range of positions): a loop runs a
+    range of one item with one scanned body, so its compiled size does not grow with R."""
+    out: list[tuple[object, range]] = []
+    for pos, item in enumerate(items):
+        if out and out[-1][0].kind == item.kind:
+            first, span = out[-1]
+            out[-1] = (first, range(span.start, pos + 1))
+        else:
+            out.append((item, range(pos, pos + 1)))
+    return out

@@ -1,0 +1,196 @@
+"""The machinery ring, all-gather-KV and double-ring attention share: walking a
+:class:`schedule.Schedule` on this rank (K/V forward, dK/dV one hop behind), one block's forward
+merge and backward gradients, and the autograd Function that joins a forward and a backward.
+
+Shapes (per rank): q, o, dq [b, t, h, d]; k, v, dk, dv [b, t, hk, d]; lse [b, h, t] float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm, RingShift
+from .config import AttentionConfig
+from .merge import merge_partials_into
+from .schedule import Block, Hop, Part, Schedule, device_visits
+
+
+def ring_rank(groups) -> int:
+    """This rank's index on the ring over ``groups = (outer, inner)`` (o·I + i; a group of
+    ``None`` counts as size 1, index 0)."""
+    outer, inner = groups
+    n_in = 1 if inner is None else dist.get_world_size(inner)
+    o = 0 if outer is None else dist.get_group_rank(outer, dist.get_rank())
+    i = 0 if inner is None else dist.get_group_rank(inner, dist.get_rank())
+    return o * n_in + i
+
+
+def buffer(x):
+    """A contiguous receive buffer like ``x`` (``empty_like`` would copy x's strides)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+class KVWalk:
+    """This rank's K/V along ``schedule``: ``for visit, kv in KVWalk(...)`` gives every step's
+    :class:`schedule.Visit` with the K/V of its source shard, the transfer of the K/V the next step
+    needs already started (so it overlaps the step's compute). Receive buffers are allocated once
+    per hop kind, two at most, and reused alternately.
+
+    ``first``: the K/V of step 1, already received (the single ring's backward: the first hop is
+    not sent again). ``keep_first``: receive the K/V of step 1 into a buffer of their own, never
+    reused, and keep it as ``self.first`` (the single ring's forward saves it for the backward)."""
+
+    def __init__(self, schedule: Schedule, comm: Comm, groups, kv: tuple, *, first: tuple | None = None,
+                 keep_first: bool = False):
+        self.schedule, self.comm, self.groups, self.kv = schedule, comm, groups, kv
+        self.first, self._given_first, self._keep_first = first, first is not None, keep_first
+        self._shifts: dict[Hop, RingShift] = {}
+        self._pools: dict[Hop, list] = {}
+        self._sent: dict[Hop, int] = {}
+
+    def _start(self, hop: Hop, kv: tuple, into: tuple | None = None) -> tuple:
+        """Start sending ``kv`` one ``hop``; returns the buffers they arrive in (after ``_wait``)."""
+        if into is None:
+            pool, n = self._pools.setdefault(hop, []), self._sent.get(hop, 0)
+            if len(pool) < 2 and n == len(pool):
+                pool.append(tuple(buffer(x) for x in kv))
+            into, self._sent[hop] = pool[n % 2], n + 1
+        if hop not in self._shifts:
+            self._shifts[hop] = self.comm.shift(hop, self.groups)
+        self._shifts[hop].start(kv, into)
+        return into
+
+    def _wait(self, hop: Hop) -> None:
+        self._shifts[hop].wait()
+
+    def __iter__(self):
+        visits = iter(device_visits(self.schedule, ring_rank(self.groups)))
+        kv_round = self.kv
+        for rnd in self.schedule.rounds:
+            next_round = self._start(rnd.kv_hop, kv_round) if rnd.kv_hop is not None else None  # hidden by the round
+            kv = kv_round
+            for step in rnd.steps:
+                incoming, hop = None, step.kv_hop
+                if step.local and self._given_first:
+                    incoming, hop = self.first, None
+                elif hop is not None:
+                    keep = step.local and self._keep_first
+                    incoming = self._start(hop, kv, tuple(buffer(x) for x in kv) if keep else None)
+                    if keep:
+                        self.first = incoming
+                yield next(visits), kv
+                if hop is not None:
+                    self._wait(hop)
+                if incoming is not None:
+                    kv = incoming
+            if next_round is not None:
+                self._wait(rnd.kv_hop)
+                kv_round = next_round
+
+
+class DKVTrail:
+    """The float32 dK/dV accumulators of the shard in hand, one hop behind it (the backward of
+    ring and double ring): after each step they leave by the step's ``dkv_hop`` for the shard's
+    next holder (:meth:`send`); :meth:`current` waits until those of the shard now in hand have
+    arrived. After the last step's hop they are this rank's own."""
+
+    def __init__(self, comm: Comm, groups, dk, dv):
+        self.comm, self.groups = comm, groups
+        self._acc, self._spare = [dk.contiguous(), dv.contiguous()], None
+        self._shifts: dict[Hop, RingShift] = {}
+        self._in_flight: RingShift | None = None
+
+    def current(self) -> list:
+        """[dk, dv] of the shard in hand (waits for them)."""
+        if self._in_flight is not None:
+            self._in_flight.wait()
+            self._in_flight = None
+        return self._acc
+
+    def send(self, hop: Hop | None) -> None:
+        """Start moving the accumulators one ``hop`` (``None``: they stay)."""
+        if hop is None:
+            return
+        if hop not in self._shifts:
+            self._shifts[hop] = self.comm.shift(hop, self.groups)
+        if self._spare is None:
+            self._spare = [buffer(x) for x in self._acc]
+        self._shifts[hop].start(self._acc, self._spare)
+        self._in_flight = self._shifts[hop]
+        self._acc, self._spare = self._spare, self._acc
+
+
+def part(x, which: Part, dim: int):
+    """``x[which]`` along ``dim`` (a view)."""
+    lo, hi = which.bounds(x.shape[dim])
+    return x if which is Part.ALL else x.narrow(dim, lo, hi - lo)
+
+
+def merge_block(backend, scale, q, block: Block | None, kv, state) -> None:
+    """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)`` in place."""
+    if block is None:
+        return
+    (k_cur, v_cur), (o, lse) = kv, state
+    o_b, lse_b = backend.fwd(part(q, block.q_part, 1), part(k_cur, block.kv_part, 1),
+                             part(v_cur, block.kv_part, 1), block.mask, scale)
+    merge_partials_into(part(o, block.q_part, 1), part(lse, block.q_part, 2), o_b, lse_b)
+
+
+def grad_block(backend, scale, saved, block: Block | None, kv):
+    """(dq, dk, dv) of one block against the visiting ``kv`` (None for a skipped block);
+    ``saved = (q, o, lse, do, dlse)`` of this rank."""
+    if block is None:
+        return None
+    (q, o, lse, do, dlse), (k_cur, v_cur) = saved, kv
+    qp, kp = block.q_part, block.kv_part
+    return backend.bwd(part(do, qp, 1), part(q, qp, 1), part(k_cur, kp, 1), part(v_cur, kp, 1),
+                       part(o, qp, 1), part(lse, qp, 2), block.mask, scale,
+                       None if dlse is None else part(dlse, qp, 2))
+
+
+def add_grads(block: Block | None, grads, dq, dkv) -> None:
+    """dq[q_part] += dq_b; dk, dv (of the visiting shard)[kv_part] += dk_b, dv_b — in place."""
+    if grads is None:
+        return
+    dq_b, dk_b, dv_b = grads
+    part(dq, block.q_part, 1).add_(dq_b)
+    part(dkv[0], block.kv_part, 1).add_(dk_b)
+    part(dkv[1], block.kv_part, 1).add_(dv_b)
+
+
+class _Attention(torch.autograd.Function):
+    """Autograd for a (forward, backward) pair; see :func:`attention_with_vjp`."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig):
+        # An unused output's gradient arrives as None rather than zeros, so the kernels know
+        # there is no lse cotangent without inspecting a tensor (a device sync on GPUs).
+        ctx.set_materialize_grads(False)
+        # K/V may come in float32 (Ulysses' replicated heads, so that their dK/dV leave in float32):
+        # they are computed and sent in q's dtype; only the gradients keep the caller's dtype.
+        ctx.kv_dtype = k.dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        o, lse, extra = forward(q, k, v, groups, config)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse, *(extra or ()))
+        ctx.groups, ctx.config, ctx.backward_fn = groups, config, backward
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, *extra = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, ctx.groups, ctx.config)
+        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
+
+
+def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
+    """A differentiable ``(q, k, v, groups, config: AttentionConfig) -> (o, lse)`` from
+    ``forward(q, k, v, groups, config) -> (o, lse, extra)`` and ``backward(q, k, v, o, lse, extra,
+    do, dlse, groups, config) -> (dq, dk, dv)``: ``extra`` (K/V the forward received) is saved for
+    the backward."""
+    return lambda q, k, v, groups, config: _Attention.apply(forward, backward, q, k, v, groups, config)
