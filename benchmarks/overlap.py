@@ -2,7 +2,10 @@
 
     compute-only: every K/V (and dK/dV) hop is replaced by a local copy of the buffer rolled by
                   one token (JAX) / copied into the receive buffer (torch): the same kernels on
-                  different data each step, so XLA cannot merge identical steps, and no bytes move;
+                  different data each step, so XLA cannot merge identical steps, and no bytes move.
+                  The hops are replaced through each framework's communication hook
+                  (``comm.Comm`` installed with ``comm.using``), which every ring, all-gather and
+                  double-ring transfer goes through;
     comm-only:    the block kernels are replaced by a "probe" backend that returns zeros that
                   depend on one element of K and V (so no hop is dead code): the same hops, no
                   attention math.
@@ -31,20 +34,22 @@ def probe_rows(impl_rows, variant_context, problem, spec, layout: str, backend: 
 
 @contextlib.contextmanager
 def jax_variant(variant: str):
-    """Patch jax_impl for one variant; yields the block backend name to use (None: unchanged)."""
+    """jax_impl for one variant; yields the block backend name to use (None: unchanged)."""
     import jax
     import jax.numpy as jnp
 
-    import jax_impl.ring as ring
     from jax_impl.block import BlockBackend, register_backend
+    from jax_impl.comm import Comm, using
 
     if variant == "compute-only":
-        real = ring.ring_shift
-        ring.ring_shift = lambda tree, axis_name: jax.tree.map(lambda x: jnp.roll(x, 1, axis=1), tree)
-        try:
+        class LocalRoll(Comm):
+            """Every hop a local roll by one token: no bytes move."""
+
+            def shift(self, tree, hop, axes):
+                return jax.tree.map(lambda x: jnp.roll(x, 1, axis=1), tree)
+
+        with using(LocalRoll()):
             yield None
-        finally:
-            ring.ring_shift = real
         return
 
     def touch(q, k, v):  # [b, 1, 1, 1] f32, zero, but reading K and V
@@ -63,26 +68,34 @@ def jax_variant(variant: str):
     yield "probe"
 
 
+class _LocalCopy:
+    """A torch transfer (``start``/``wait``) that copies into the receive buffer: no bytes move."""
+
+    def start(self, tensors, into) -> None:
+        for src, dst in zip(tensors, into):
+            dst.copy_(src)
+
+    def wait(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def torch_variant(variant: str):
-    """Patch torch_impl for one variant; yields the block backend name to use (None: unchanged)."""
+    """torch_impl for one variant; yields the block backend name to use (None: unchanged)."""
     import torch
 
-    from torch_impl import comm
     from torch_impl.block import BlockBackend, register_backend
+    from torch_impl.comm import Comm, using
 
     if variant == "compute-only":
-        real_start, real_wait = comm.RingShift.start, comm.RingShift.wait
+        class LocalCopy(Comm):
+            """Every hop a local copy into the receive buffer."""
 
-        def start(self, tensors, into):
-            for src, dst in zip(tensors, into):
-                dst.copy_(src)
+            def shift(self, hop, groups):
+                return _LocalCopy()
 
-        comm.RingShift.start, comm.RingShift.wait = start, lambda self: None
-        try:
+        with using(LocalCopy()):
             yield None
-        finally:
-            comm.RingShift.start, comm.RingShift.wait = real_start, real_wait
         return
 
     def touch(k, v):

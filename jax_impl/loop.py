@@ -90,27 +90,27 @@ def visit_block(schedule: Schedule, device, j, s, on_block: Callable, state):
     return lax.cond(schedule.is_earlier(device, j, s), branch(plan.from_earlier), branch(plan.from_later), state)
 
 
-def part(x, which: Part, axis: int):
+def _part(x, which: Part, axis: int):
     """``x[which]`` along ``axis`` (static bounds)."""
     lo, hi = which.bounds(x.shape[axis])
     return x if which is Part.ALL else lax.slice_in_dim(x, lo, hi, axis=axis)
 
 
-def add_part(acc, update, which: Part, axis: int):
+def _add_part(acc, update, which: Part, axis: int):
     """acc[which] += update along ``axis`` (static bounds)."""
     if which is Part.ALL:
         return acc + update
     lo, _ = which.bounds(acc.shape[axis])
-    return lax.dynamic_update_slice_in_dim(acc, part(acc, which, axis) + update, lo, axis=axis)
+    return lax.dynamic_update_slice_in_dim(acc, _part(acc, which, axis) + update, lo, axis=axis)
 
 
 def merge_block(backend, scale, q, block: Block, kv, state):
     """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)``."""
     k_cur, v_cur = kv
     o, lse = state
-    o_b, lse_b = backend.fwd(part(q, block.q_part, 1), part(k_cur, block.kv_part, 1),
-                             part(v_cur, block.kv_part, 1), block.mask, scale)
-    o_p, lse_p = merge_partials(part(o, block.q_part, 1), part(lse, block.q_part, 2), o_b, lse_b)
+    o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
+                             _part(v_cur, block.kv_part, 1), block.mask, scale)
+    o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
     lo, _ = block.q_part.bounds(q.shape[1])
     if block.q_part is Part.ALL:
         return o_p, lse_p
@@ -126,9 +126,9 @@ def grad_block(backend, scale, saved, block: Block, kv, state):
     dq, dk_acc, dv_acc = state
     qp, kp = block.q_part, block.kv_part
     dq_b, dk_b, dv_b = backend.bwd(
-        part(do, qp, 1), part(q, qp, 1), part(k_cur, kp, 1), part(v_cur, kp, 1),
-        part(o, qp, 1), part(lse, qp, 2), block.mask, scale, None if dlse is None else part(dlse, qp, 2))
-    return add_part(dq, dq_b, qp, 1), add_part(dk_acc, dk_b, kp, 1), add_part(dv_acc, dv_b, kp, 1)
+        _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
+        _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale, None if dlse is None else _part(dlse, qp, 2))
+    return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
 
 
 def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:

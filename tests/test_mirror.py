@@ -19,7 +19,7 @@ def _code_without_module_docstring(path: Path) -> str:
     return ast.dump(tree)
 
 
-@pytest.mark.parametrize("module", ["axes.py", "layouts.py", "validation.py"])
+@pytest.mark.parametrize("module", ["axes.py", "layouts.py", "schedule.py", "validation.py"])
 def test_framework_free_modules_are_identical(module):
     assert _code_without_module_docstring(ROOT / "jax_impl" / module) == \
         _code_without_module_docstring(ROOT / "torch_impl" / module), f"{module} differs between the mirrors"
@@ -41,7 +41,11 @@ def test_mirrors_have_the_same_files_and_public_names():
         # buffers); partition_specs (JAX shardings) and global_shape (torch's local shards) each
         # describe placement in their framework's terms. check_ranks_agree exists for torch's
         # per-rank local shards only (JAX's global arrays have one shape by construction);
-        # merge_partials_into is the in-place merge (XLA reuses buffers by itself).
-        jax_only = {"partition_specs", "ring_shift", "diagonal_shift"}
-        torch_only = {"global_shape", "RingShift", "check_ranks_agree", "merge_partials_into"}
+        # merge_partials_into is the in-place merge (XLA reuses buffers by itself). Walking the
+        # schedule: JAX's walk (scans, traced steps) and visit_block (the per-device lax.cond) are
+        # torch's KVWalk / DKVTrail (start/wait, reused buffers, concrete visits) and add_grads
+        # (in-place accumulation; JAX's grad_block returns the sums).
+        jax_only = {"partition_specs", "ring_shift", "diagonal_shift", "walk", "visit_block"}
+        torch_only = {"global_shape", "RingShift", "check_ranks_agree", "merge_partials_into", "KVWalk", "DKVTrail",
+                      "add_grads"}
         assert jax_names - jax_only == torch_names - torch_only, name

@@ -19,7 +19,7 @@ import torch
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import add_grads, attention_with_vjp, grad_block, merge_block, ring_rank
+from .loop import add_grads, attention_with_vjp, grad_block, merge_block, ring_index
 from .schedule import allgather_schedule, device_visits
 from .validation import dtype_name, validate_local
 
@@ -40,7 +40,7 @@ def allgather_attention(q, k, v, group=None, *, causal: bool = False, layout: st
 
 def _visits(groups, config: AttentionConfig):
     schedule = allgather_schedule(config.layout, config.causal, axis_size(groups[1]))
-    return schedule, device_visits(schedule, ring_rank(groups))
+    return schedule, device_visits(schedule, ring_index(groups))
 
 
 def _forward(q, k, v, groups, config: AttentionConfig):

@@ -18,7 +18,7 @@ from .merge import merge_partials_into
 from .schedule import Block, Hop, Part, Schedule, device_visits
 
 
-def ring_rank(groups) -> int:
+def ring_index(groups) -> int:
     """This rank's index on the ring over ``groups = (outer, inner)`` (o·I + i; a group of
     ``None`` counts as size 1, index 0)."""
     outer, inner = groups
@@ -28,7 +28,7 @@ def ring_rank(groups) -> int:
     return o * n_in + i
 
 
-def buffer(x):
+def _buffer(x):
     """A contiguous receive buffer like ``x`` (``empty_like`` would copy x's strides)."""
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
@@ -56,7 +56,7 @@ class KVWalk:
         if into is None:
             pool, n = self._pools.setdefault(hop, []), self._sent.get(hop, 0)
             if len(pool) < 2 and n == len(pool):
-                pool.append(tuple(buffer(x) for x in kv))
+                pool.append(tuple(_buffer(x) for x in kv))
             into, self._sent[hop] = pool[n % 2], n + 1
         if hop not in self._shifts:
             self._shifts[hop] = self.comm.shift(hop, self.groups)
@@ -67,7 +67,7 @@ class KVWalk:
         self._shifts[hop].wait()
 
     def __iter__(self):
-        visits = iter(device_visits(self.schedule, ring_rank(self.groups)))
+        visits = iter(device_visits(self.schedule, ring_index(self.groups)))
         kv_round = self.kv
         for rnd in self.schedule.rounds:
             next_round = self._start(rnd.kv_hop, kv_round) if rnd.kv_hop is not None else None  # hidden by the round
@@ -78,7 +78,7 @@ class KVWalk:
                     incoming, hop = self.first, None
                 elif hop is not None:
                     keep = step.local and self._keep_first
-                    incoming = self._start(hop, kv, tuple(buffer(x) for x in kv) if keep else None)
+                    incoming = self._start(hop, kv, tuple(_buffer(x) for x in kv) if keep else None)
                     if keep:
                         self.first = incoming
                 yield next(visits), kv
@@ -117,13 +117,13 @@ class DKVTrail:
         if hop not in self._shifts:
             self._shifts[hop] = self.comm.shift(hop, self.groups)
         if self._spare is None:
-            self._spare = [buffer(x) for x in self._acc]
+            self._spare = [_buffer(x) for x in self._acc]
         self._shifts[hop].start(self._acc, self._spare)
         self._in_flight = self._shifts[hop]
         self._acc, self._spare = self._spare, self._acc
 
 
-def part(x, which: Part, dim: int):
+def _part(x, which: Part, dim: int):
     """``x[which]`` along ``dim`` (a view)."""
     lo, hi = which.bounds(x.shape[dim])
     return x if which is Part.ALL else x.narrow(dim, lo, hi - lo)
@@ -134,9 +134,9 @@ def merge_block(backend, scale, q, block: Block | None, kv, state) -> None:
     if block is None:
         return
     (k_cur, v_cur), (o, lse) = kv, state
-    o_b, lse_b = backend.fwd(part(q, block.q_part, 1), part(k_cur, block.kv_part, 1),
-                             part(v_cur, block.kv_part, 1), block.mask, scale)
-    merge_partials_into(part(o, block.q_part, 1), part(lse, block.q_part, 2), o_b, lse_b)
+    o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
+                             _part(v_cur, block.kv_part, 1), block.mask, scale)
+    merge_partials_into(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
 
 
 def grad_block(backend, scale, saved, block: Block | None, kv):
@@ -146,9 +146,9 @@ def grad_block(backend, scale, saved, block: Block | None, kv):
         return None
     (q, o, lse, do, dlse), (k_cur, v_cur) = saved, kv
     qp, kp = block.q_part, block.kv_part
-    return backend.bwd(part(do, qp, 1), part(q, qp, 1), part(k_cur, kp, 1), part(v_cur, kp, 1),
-                       part(o, qp, 1), part(lse, qp, 2), block.mask, scale,
-                       None if dlse is None else part(dlse, qp, 2))
+    return backend.bwd(_part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
+                       _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale,
+                       None if dlse is None else _part(dlse, qp, 2))
 
 
 def add_grads(block: Block | None, grads, dq, dkv) -> None:
@@ -156,9 +156,9 @@ def add_grads(block: Block | None, grads, dq, dkv) -> None:
     if grads is None:
         return
     dq_b, dk_b, dv_b = grads
-    part(dq, block.q_part, 1).add_(dq_b)
-    part(dkv[0], block.kv_part, 1).add_(dk_b)
-    part(dkv[1], block.kv_part, 1).add_(dv_b)
+    _part(dq, block.q_part, 1).add_(dq_b)
+    _part(dkv[0], block.kv_part, 1).add_(dk_b)
+    _part(dkv[1], block.kv_part, 1).add_(dv_b)
 
 
 class _Attention(torch.autograd.Function):

@@ -1,0 +1,204 @@
+"""Unit — the schedule (``schedule.py``) proved on its own, with no kernel and no framework: every
+(query, key) pair the mask allows is visited exactly once by original positions, K/V and dK/dV
+hops land where the next step needs them, the hop counts are the documented ones, and the two
+mirrors are the same code producing the same data."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(package: str):
+    """``<package>/schedule.py`` as a standalone module: it imports nothing of its package."""
+    spec = importlib.util.spec_from_file_location(f"_{package}_schedule", ROOT / package / "schedule.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+S = _load("jax_impl")
+TORCH_S = _load("torch_impl")
+
+SHARD = 4  # tokens per ring shard (even: zigzag halves it)
+RINGS = [(1, r) for r in range(1, 9)]  # single ring / all-gather: outer = 1
+DOUBLE = [(o, i) for o in range(1, 5) for i in range(1, 5)]
+
+
+def _schedules(layout: str, causal: bool):
+    for outer, inner in RINGS:
+        yield S.ring_schedule(layout, causal, inner)
+        yield S.allgather_schedule(layout, causal, inner)
+    for outer, inner in DOUBLE:
+        yield S.double_ring_schedule(layout, causal, outer, inner)
+
+
+def _original_positions(layout: str, ring: int, shard: int) -> np.ndarray:
+    """[ring, shard]: the original token at each local index of each ring shard, from the layouts'
+    definitions (DESIGN.md), written here independently of ``layouts.py``."""
+    n = ring * shard
+    if layout == "contiguous":
+        return np.arange(n).reshape(ring, shard)
+    if layout == "stripe":  # shard r = tokens t with t % R == r
+        return np.arange(n).reshape(shard, ring).T
+    chunks = np.arange(n).reshape(2 * ring, shard // 2)  # zigzag: chunk r ++ chunk 2R-1-r
+    return np.stack([np.concatenate([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
+
+
+def _pair_counts(schedule, layout: str) -> np.ndarray:
+    """[seq, seq] how often each (query, key) pair of *original* positions is computed, walking
+    ``device_visits`` on every device and applying each block's mask predicate."""
+    ring = schedule.size
+    pos = _original_positions(layout, ring, SHARD)
+    counts = np.zeros((ring * SHARD,) * 2, int)
+    for device in range(ring):
+        for visit in S.device_visits(schedule, device):
+            block = visit.block
+            if block is None:
+                continue
+            q_lo, q_hi = block.q_part.bounds(SHARD)
+            k_lo, k_hi = block.kv_part.bounds(SHARD)
+            for i, j in itertools.product(range(q_hi - q_lo), range(k_hi - k_lo)):
+                if block.mask.visible(i, j):
+                    counts[pos[device, q_lo + i], pos[visit.source, k_lo + j]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("layout", S.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_visible_pair_is_visited_exactly_once(layout, causal):
+    """Union over devices of the visited (query, key) pairs == the mask's visible pairs by
+    original positions, each once: single ring and all-gather for R = 1..8, double ring O x I."""
+    for schedule in _schedules(layout, causal):
+        n = schedule.size * SHARD
+        want = np.tril(np.ones((n, n), int)) if causal else np.ones((n, n), int)
+        got = _pair_counts(schedule, layout)
+        assert np.array_equal(got, want), (schedule.exchange, schedule.outer, schedule.inner)
+
+
+@pytest.mark.parametrize("layout", S.LAYOUTS)
+def test_every_device_meets_every_shard_once_own_first(layout):
+    for schedule in _schedules(layout, causal=True):
+        for device in range(schedule.size):
+            visits = S.device_visits(schedule, device)
+            assert [v.source for v in visits][0] == device and visits[0].step.local
+            assert sorted(v.source for v in visits) == list(range(schedule.size))
+            assert visits[0].block == schedule.plan.local
+
+
+def test_kv_hops_deliver_what_the_next_step_visits():
+    """A step's ``kv_hop`` takes the K/V in hand to the device whose next step visits them; a
+    round's ``kv_hop`` takes the round's first K/V to where they start the next round."""
+    for schedule in _schedules("zigzag", True):
+        n_out, n_in = schedule.outer, schedule.inner
+        for device in range(schedule.size):
+            for rnd in schedule.rounds:
+                for step in rnd.steps:
+                    here = schedule.source(device, step.round, step.inner)
+                    if step.kv_hop is not None:
+                        there = step.kv_hop.destination(device, n_out, n_in)
+                        assert schedule.source(there, step.round, step.inner + 1) == here
+                if rnd.kv_hop is not None:
+                    there = rnd.kv_hop.destination(device, n_out, n_in)
+                    assert schedule.source(there, rnd.index + 1, 0) == schedule.source(device, rnd.index, 0)
+
+
+def test_dkv_hops_follow_their_shard_and_end_at_home():
+    """After every step the visited shard's dK/dV go by ``dkv_hop`` to the device that visits that
+    shard next; the last hop brings them to the shard's own device (ring and double ring)."""
+    for schedule in _schedules("stripe", True):
+        if schedule.exchange is S.Exchange.ALLGATHER or schedule.size == 1:
+            assert all(step.dkv_hop is None for step in schedule.steps)
+            continue
+        steps = schedule.steps
+        for device in range(schedule.size):
+            for x, step in enumerate(steps):
+                shard = schedule.source(device, step.round, step.inner)
+                there = step.dkv_hop.destination(device, schedule.outer, schedule.inner)
+                if x + 1 < len(steps):
+                    nxt = steps[x + 1]
+                    assert schedule.source(there, nxt.round, nxt.inner) == shard
+                else:
+                    assert there == shard  # home
+
+
+def _kv_hops(schedule) -> dict:
+    hops = [s.kv_hop for s in schedule.steps] + [r.kv_hop for r in schedule.rounds]
+    return {h: hops.count(h) for h in S.Hop if hops.count(h)}
+
+
+@pytest.mark.parametrize("outer,inner", [(1, 1), (1, 2), (1, 5), (2, 2), (2, 3), (4, 2), (3, 1)])
+def test_hop_counts_are_the_documented_ones(outer, inner):
+    """Single ring: R-1 K/V hops forward, R-2 in the backward (it restarts from step 1's K/V),
+    R dK/dV hops. Double ring: O·(I-1) inner + O-1 outer K/V hops, R dK/dV hops (inner, and one
+    diagonal per round). All-gather: none."""
+    r = outer * inner
+    if outer == 1:
+        ring = S.ring_schedule("zigzag", True, r)
+        assert sum(_kv_hops(ring).values()) == r - 1 == _kv_hops(ring).get(S.Hop.RING, 0)
+        assert ring.backward_reuses_first_kv == (r > 1)
+        dkv = [s.dkv_hop for s in ring.steps if s.dkv_hop is not None]
+        assert len(dkv) == (r if r > 1 else 0) and set(dkv) <= {S.Hop.RING}
+        gather = S.allgather_schedule("zigzag", True, r)
+        assert not _kv_hops(gather) and all(s.dkv_hop is None for s in gather.steps)
+    double = S.double_ring_schedule("zigzag", True, outer, inner)
+    hops = _kv_hops(double)
+    assert hops.get(S.Hop.INNER, 0) == outer * (inner - 1) and hops.get(S.Hop.OUTER, 0) == outer - 1
+    assert not double.backward_reuses_first_kv
+    dkv = [s.dkv_hop for s in double.steps if s.dkv_hop is not None]
+    assert len(dkv) == (r if r > 1 else 0)
+    assert dkv.count(S.Hop.DIAGONAL) == (outer if r > 1 else 0)
+
+
+def test_loops_scan_a_bounded_number_of_step_kinds():
+    """The JAX loops trace one body per run of same-kind steps (rounds): at most 3 runs per level
+    whatever R, so the compiled program does not grow with the ring."""
+    for schedule in _schedules("zigzag", True):
+        assert len(S.runs(schedule.rounds)) <= 3
+        assert all(len(S.runs(rnd.steps)) <= 3 for rnd in schedule.rounds)
+        flattened = [p for _, span in S.runs(schedule.rounds) for p in span]
+        assert flattened == list(range(schedule.outer))
+
+
+def test_block_mask_descriptor():
+    assert S.BlockMask("causal") == S.CAUSAL_MASK and S.BlockMask() == S.FULL_MASK
+    assert len({S.FULL_MASK, S.CAUSAL_MASK, S.STRICT_MASK, S.BlockMask("strict")}) == 3  # hashable, by value
+    assert [S.STRICT_MASK.visible(i, 1) for i in range(3)] == [False, False, True]
+    assert [S.CAUSAL_MASK.visible(i, 1) for i in range(3)] == [False, True, True]
+    with pytest.raises(ValueError, match="mask kind must be one of"):
+        S.BlockMask("window")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        S.ring_schedule("spiral", True, 2)
+    with pytest.raises(ValueError, match="device must be in"):
+        S.device_visits(S.ring_schedule("zigzag", True, 2), 2)
+
+
+def _code(path: Path) -> str:
+    """The module's code without its docstring's first line."""
+    tree = ast.parse(path.read_text())
+    doc = ast.get_docstring(tree, clean=False) or ""
+    if doc:
+        tree.body[0].value.value = doc.split("\n", 1)[-1]
+    return ast.dump(tree)
+
+
+def test_mirrors_are_the_same_code_and_data():
+    assert _code(ROOT / "jax_impl" / "schedule.py") == _code(ROOT / "torch_impl" / "schedule.py")
+    for layout, causal in itertools.product(S.LAYOUTS, (False, True)):
+        for outer, inner in RINGS + DOUBLE:
+            kinds = [("double_ring", outer, inner)] + ([("ring", 1, inner), ("allgather", 1, inner)] if outer == 1 else [])
+            for exchange, o, i in kinds:
+                a = S.make_schedule(exchange, layout, causal, o, i)
+                b = TORCH_S.make_schedule(exchange, layout, causal, o, i)
+                assert repr(a) == repr(b)
+                for device in range(a.size):
+                    assert repr(S.device_visits(a, device)) == repr(TORCH_S.device_visits(b, device))
