@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jax_impl.layouts import LAYOUTS, Mask, Part, step_plan
+from jax_impl.schedule import FULL_MASK, LAYOUTS, Part, step_plan
 
 from .accounting import attention_traffic
 from .cases import Case
@@ -27,7 +27,7 @@ def _area(block) -> float:
     if block is None:
         return 0.0
     frac = lambda part: 1.0 if part is Part.ALL else 0.5  # noqa: E731
-    return frac(block.q_part) * frac(block.kv_part) * (1.0 if block.mask is Mask.FULL else 0.5)
+    return frac(block.q_part) * frac(block.kv_part) * (1.0 if block.mask == FULL_MASK else 0.5)
 
 
 def ring_work(layout: str, ring: int, causal: bool = True) -> list[float]:

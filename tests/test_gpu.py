@@ -43,7 +43,7 @@ def test_gpu_block_kernel_matches_portable_kernel(backend, mask):
     """One process, one GPU: the CUDA SDPA adapters (GQA expansion, strict mask by row shift,
     LSE shape) agree with the portable kernel on the same bf16 inputs, forward and backward."""
     from torch_impl.block import get_backend
-    from torch_impl.layouts import Mask
+    from torch_impl.schedule import BlockMask as Mask
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, t, h, hk, d = 1, 256, 8, 2, 128
@@ -70,7 +70,7 @@ def test_gpu_jax_cudnn_block_kernel_matches_portable_kernel(mask):
     import numpy as np
 
     from jax_impl.block import get_backend
-    from jax_impl.layouts import Mask
+    from jax_impl.schedule import BlockMask as Mask
 
     if jax.default_backend() != "gpu":
         pytest.skip("JAX has no GPU here")

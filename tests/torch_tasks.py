@@ -82,3 +82,45 @@ def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool, d
     finally:
         os.environ.pop(CHECK_RANKS_ENV) if saved is None else os.environ.__setitem__(CHECK_RANKS_ENV, saved)
     return None, "no error"
+
+
+def recorded_transfers_task() -> dict:
+    """Every rank runs the double ring (2 x 2), the ring (4) and all-gather KV (4), forward and
+    backward, with a recording ``torch_impl.comm.Comm`` installed around the forward only (the
+    backward must use the one in its config). Returns {strategy: transfers asked for}."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_impl
+    from torch_impl.comm import Comm, using
+
+    seen: list = []
+
+    class Recording(Comm):
+        def shift(self, hop, groups):
+            seen.append(hop.value)
+            return super().shift(hop, groups)
+
+        def gather(self, x, group, async_op=False):
+            seen.append("gather")
+            return super().gather(x, group, async_op=async_op)
+
+        def scatter(self, x_all, group):
+            seen.append("scatter")
+            return super().scatter(x_all, group)
+
+    out = {}
+    meshes = {"double_ring": (((2, 2), ("ring_outer", "ring_inner")), "ring"),
+              "ring": (((4,), ("ring",)), "ring"), "allgather": (((4,), ("ring",)), "allgather")}
+    gen = torch.Generator().manual_seed(0)
+    for name, ((sizes, dims), exchange) in meshes.items():
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=dims)
+        q, k, v = (torch.randn(1, 4, 2, 8, generator=gen).requires_grad_() for _ in range(3))
+        seen.clear()
+        with using(Recording()):
+            o = torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=True, layout="zigzag",
+                                                       kv_exchange=exchange)
+        forward = list(seen)
+        o.sum().backward()
+        out[name] = {"forward": forward, "backward": seen[len(forward):]}
+    return out
