@@ -6,8 +6,10 @@
 ``scatter`` for all-gather KV. A probe or test subclasses :class:`Comm` and installs it with
 ``with using(MyComm()):`` around the call that *traces* the attention (JAX fixes the transfers
 when it traces): the per-device entry points put the installed one into their config, so it is
-part of the jit cache key and the backward uses the same one. ``benchmarks/overlap.py`` replaces
-every hop by a local copy this way. Ulysses' all-to-alls are not routed through it.
+part of the config and the backward uses the same one. ``benchmarks/overlap.py`` replaces every
+hop by a local copy this way. Ulysses' all-to-alls are not routed through it. Caveat: JAX caches
+traces by function, so a function already traced (``jax.jit(f)`` called before) keeps the
+transfers it was traced with, inside or outside ``using`` — trace a fresh function under it.
 """
 
 from __future__ import annotations
