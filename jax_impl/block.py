@@ -199,11 +199,13 @@ def _fused_backend(name: str, ops, typed_for_shard_map: bool = True) -> BlockBac
         if dlse is not None:
             return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
         if mask.kind is MaskKind.STRICT:
-            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK, scale)
+            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK,
+                                   scale)
             rows = lambda first, last: [(0, 0), (first, last), (0, 0), (0, 0)]  # noqa: E731
             return jnp.pad(dq_r, rows(1, 0)), jnp.pad(dk_r, rows(0, 1)), jnp.pad(dv_r, rows(0, 1))
         dtype = q.dtype
-        grads = ops()[1](do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask.kind is MaskKind.CAUSAL, scale)
+        causal = mask.kind is MaskKind.CAUSAL
+        grads = ops()[1](do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), causal, scale)
         return tuple(g.astype(F32) for g in grads)
 
     return BlockBackend(name, fwd, bwd, typed_for_shard_map)

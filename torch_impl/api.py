@@ -92,7 +92,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     decomposition: Decomposition = validate(
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
-    get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here, before any collective
+    get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails before any collective
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
                              deterministic=deterministic)

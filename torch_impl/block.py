@@ -236,7 +236,8 @@ def _make_aten_backend(name: str) -> BlockBackend:
             return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
         if mask.kind is MaskKind.STRICT:
             dq, dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (q, k, v))
-            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK, scale)
+            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK,
+                                   scale)
             dq[:, 1:], dk[:, :-1], dv[:, :-1] = dq_r, dk_r, dv_r
             return dq, dk, dv
         b, t, h, d = q.shape

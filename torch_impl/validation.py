@@ -121,7 +121,7 @@ def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str
              scale) -> Decomposition:
     """Check one call; ``dtypes`` is (q, k, v) dtype names, ``mesh_sizes`` maps axis name -> size."""
     _check_qkv(q_shape, k_shape, v_shape, dtypes, what="")
-    (b, s, h, d), hk = q_shape, k_shape[2]
+    (b, s, h, _), hk = q_shape, k_shape[2]
     _check_options(layout, kv_exchange, scale)
 
     unknown = [a for a in mesh_sizes if a not in KNOWN_AXES]

@@ -195,7 +195,8 @@ def test_mirrors_are_the_same_code_and_data():
     assert _code(ROOT / "jax_impl" / "schedule.py") == _code(ROOT / "torch_impl" / "schedule.py")
     for layout, causal in itertools.product(S.LAYOUTS, (False, True)):
         for outer, inner in RINGS + DOUBLE:
-            kinds = [("double_ring", outer, inner)] + ([("ring", 1, inner), ("allgather", 1, inner)] if outer == 1 else [])
+            kinds = [("double_ring", outer, inner)]
+            kinds += [("ring", 1, inner), ("allgather", 1, inner)] if outer == 1 else []
             for exchange, o, i in kinds:
                 a = S.make_schedule(exchange, layout, causal, o, i)
                 b = TORCH_S.make_schedule(exchange, layout, causal, o, i)
