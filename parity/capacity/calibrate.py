@@ -1,11 +1,12 @@
 """``python -m parity calibrate``: measure this machine's hardware profile — C (bf16 matmul FLOP/s
 on one device) and W (bytes per second per device, by DESIGN.md's definition of bytes, for p2p,
 all-to-all, all-gather, reduce-scatter, all-reduce over all devices: NCCL on GPUs, gloo on CPU)
-— and write it as a JSON profile that ``python -m parity bstar --hardware FILE`` reads.
+— and write it as a JSON profile that ``python -m parity bstar --hardware FILE`` reads
+(``parity.capacity.bstar.Hardware.load``).
 
 ``--predict`` then times two workloads on the same machine and compares them with what the
 model predicts from the profile just measured:
-- the FFN FSDP+TP training step (torch FSDP2 + DTensor, ``parity.train_torch``);
+- the FFN FSDP+TP training step (torch FSDP2 + DTensor, ``parity.training.torch_step``);
 - USP attention, forward + backward (``torch_impl``).
 Prediction: T_math = FLOPs per device / C; T_comm = Σ over collective kinds of model bytes / W;
 printed both overlapped (max) and serial (sum). Attention's T_math also uses C_attention, the
@@ -15,7 +16,6 @@ matmul peak.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -23,11 +23,13 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from .accounting import KINDS, attention_traffic
-from .cases import Case
-from .torch_world import get_world
-from .train_reference import TrainCase
-from .training_model import ffn_step_flops, ffn_step_traffic
+from ..accounting.model import KINDS, attention_traffic
+from ..core.cases import Case
+from ..core.names import Device
+from ..runners.torch_runner import world_backend
+from ..runners.torch_world import get_world, make_mesh
+from ..training.reference import TrainCase
+from ..training.traffic_model import ffn_step_flops, ffn_step_traffic
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,6 @@ def attention_task(case: Case, device_type: str, block_backend: str, warmup: int
 
     import torch_impl
 
-    from .run_torch import _mesh
-
     dev, dtype = _device(device_type), getattr(torch, case.dtype)
     if single:
         import torch.nn.functional as F
@@ -159,7 +159,7 @@ def attention_task(case: Case, device_type: str, block_backend: str, warmup: int
     q = torch.randn(case.batch, t, case.heads, case.head_dim, device=dev, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(case.batch, t, case.kv_heads, case.head_dim, device=dev, dtype=dtype, requires_grad=True)
             for _ in range(2))
-    mesh = _mesh(device_type, tuple(case.mesh_axes.items()))
+    mesh = make_mesh(device_type, tuple(case.mesh_axes.items()))
     do = torch.randn_like(q)
 
     def run():
@@ -181,11 +181,11 @@ def _comm_seconds(traffic, bandwidth: dict) -> float:
 
 def predict(sizes: Sizes, profile: dict, backend: str, device_type: str) -> list[dict]:
     """Measured vs predicted seconds for the FSDP+TP step and USP attention."""
-    from . import train_torch
+    from ..training import torch_step
 
     rows = []
     tc = sizes.train
-    measured = max(get_world(tc.devices, backend).run(train_torch.timed_step_task, tc, device_type, sizes.warmup,
+    measured = max(get_world(tc.devices, backend).run(torch_step.timed_step_task, tc, device_type, sizes.warmup,
                                                       sizes.iters))
     math = sum(ffn_step_flops(tc.model_step()).values()) / profile["flops"]
     comm = _comm_seconds(ffn_step_traffic(tc.model_step()), profile["bandwidth"])
@@ -207,39 +207,33 @@ def predict(sizes: Sizes, profile: dict, backend: str, device_type: str) -> list
     return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parity calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", choices=("cpu", "gpu"), default="gpu")
-    parser.add_argument("--world", type=int, default=None, help="processes (default: all GPUs; 4 on CPU)")
-    parser.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke runs, tests)")
-    parser.add_argument("--predict", action="store_true", help="also time the FSDP+TP step and USP attention")
-    parser.add_argument("--name", default=None, help="profile name (default: calibrated-<devices>)")
-    parser.add_argument("--out", type=Path, default=Path("calibration"))
-    args = parser.parse_args(argv)
+def calibrate(devices: Device, world: int | None = None, small: bool = False, predict_times: bool = False,
+              name: str | None = None, out: Path = Path("calibration")) -> int:
+    """``python -m parity calibrate``: measure, write ``out/<name>.json`` (and the predictions)."""
     import torch
 
-    from .torch_world import close_worlds
+    from ..runners.torch_world import close_worlds
 
-    backend, device_type = ("nccl", "cuda") if args.devices == "gpu" else ("gloo", "cpu")
-    world = args.world or (torch.cuda.device_count() if args.devices == "gpu" else 4)
+    backend, device_type = world_backend(devices)
+    world = world or (torch.cuda.device_count() if devices == "gpu" else 4)
     if world < 2:
-        parser.error(f"calibrating collectives needs at least 2 devices, found {world}")
-    sizes = SMALL if args.small else Sizes()
+        raise ValueError(f"calibrating collectives needs at least 2 devices, found {world}")
+    sizes = SMALL if small else Sizes()
     try:
         result = get_world(world, backend).run(profile_task, sizes, device_type)[0]
-        name = args.name or f"calibrated-{args.devices}{world}"
-        gpu = torch.cuda.get_device_name(0) if args.devices == "gpu" else "CPU"
+        name = name or f"calibrated-{devices}{world}"
+        gpu = torch.cuda.get_device_name(0) if devices == "gpu" else "CPU"
         profile = {"name": name, "source": f"python -m parity calibrate on {world}x {gpu}, torch {torch.__version__}, "
                    f"{time.strftime('%Y-%m-%d')}; W per device, {sizes.buffer_mib} MiB bf16 buffers",
                    "flops": result["flops"], "bandwidth": result["bandwidth"]}
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{name}.json").write_text(json.dumps(profile, indent=1) + "\n")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(profile, indent=1) + "\n")
         print(f"C = {profile['flops'] / 1e12:.1f} TFLOP/s (bf16 matmul {sizes.matmul}³)")
         for kind, w in profile["bandwidth"].items():
             print(f"W {kind:>14} = {w / 1e9:8.1f} GB/s per device")
-        if args.predict:
+        if predict_times:
             rows = predict(sizes, profile, backend, device_type)
-            (args.out / f"{name}-predict.json").write_text(json.dumps({"sizes": repr(asdict(sizes)), "rows": rows},
+            (out / f"{name}-predict.json").write_text(json.dumps({"sizes": repr(asdict(sizes)), "rows": rows},
                                                                       indent=1) + "\n")
             for r in rows:
                 print(f"{r['workload']}: measured {r['measured_s'] * 1e3:.2f} ms; predicted overlap "
@@ -247,5 +241,5 @@ def main(argv=None) -> int:
                       f"(T_math {r['t_math_s'] * 1e3:.2f}, T_comm {r['t_comm_s'] * 1e3:.2f})")
     finally:
         close_worlds()
-    print(f"profile written to {args.out}/")
+    print(f"profile written to {out}/")
     return 0

@@ -1,6 +1,6 @@
 """The FFN training step in torch: FSDP2 ``fully_shard`` and DTensor ``parallelize_module``
 (Colwise W1, Rowwise W2) on the 2-D DeviceMesh ("fsdp", "tp") — gloo on CPU, NCCL on GPUs — and
-explicit DP and ZeRO-1, each traced by ``parity.torch_trace`` per pass (fwd / bwd / step).
+explicit DP and ZeRO-1, each traced by ``parity.accounting.torch_trace`` per pass (fwd / bwd / step).
 
 - FSDP, FSDP+TP: one ``fully_shard`` unit per Linear (one all-gather and one reduce-scatter per
   weight matrix, as the model counts), ``MixedPrecisionPolicy(param_dtype=reduce_dtype=dtype)``
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .train_reference import TrainCase, TrainInputs
-from .torch_world import get_world
+from ..runners.torch_world import get_world, make_mesh
+from .reference import TrainCase, TrainInputs
 
 
 def _build(case: TrainCase, inputs: TrainInputs | None, device):
@@ -59,12 +59,10 @@ class _Rig:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        from .run_torch import _mesh
-
         self.case = case
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.dtype = dtype = getattr(torch, case.dtype)
-        self.mesh = mesh = _mesh(device_type, (("fsdp", case.fsdp), ("tp", case.tp)))
+        self.mesh = mesh = make_mesh(device_type, (("fsdp", case.fsdp), ("tp", case.tp)))
         self.fsdp_group = mesh.get_group("fsdp")
         self.xi = mesh.get_local_rank("fsdp")
         model = _build(case, inputs, self.device)
@@ -136,7 +134,7 @@ def step_task(case: TrainCase, inputs: TrainInputs, device_type: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .torch_trace import CommTracer
+    from ..accounting.torch_trace import CommTracer
 
     rig = _Rig(case, inputs, device_type)
     x = torch.from_numpy(rig.tokens(inputs.x)).to(rig.device, rig.dtype).requires_grad_()
@@ -164,7 +162,7 @@ def timed_step_task(case: TrainCase, device_type: str, warmup: int, iters: int) 
     import torch
     import torch.distributed as dist
 
-    from .torch_trace import CommTracer
+    from ..accounting.torch_trace import CommTracer
 
     rig = _Rig(case, None, device_type)
     n = case.tokens // case.fsdp
@@ -212,7 +210,7 @@ def _run(case: TrainCase, inputs: TrainInputs, devices: str) -> list[dict]:
 
 
 def run_step(case: TrainCase, inputs: TrainInputs, *, devices: str = "cpu") -> dict[str, np.ndarray]:
-    """One training step; the same keys as ``train_reference.reference_step``."""
+    """One training step; the same keys as ``parity.training.reference.reference_step``."""
     ranks = _run(case, inputs, devices)
     first_tp = sorted((r for r in ranks if r["coords"][1] == 0), key=lambda r: r["coords"][0])
     root = next(r for r in ranks if "grads" in r)
@@ -224,7 +222,7 @@ def run_step(case: TrainCase, inputs: TrainInputs, *, devices: str = "cpu") -> d
 
 def measure_traffic(case: TrainCase, inputs: TrainInputs, *, devices: str = "cpu"):
     """Per-device ``Traffic`` of one step; every rank must report the same."""
-    from .torch_trace import same_on_every_rank
+    from ..accounting.torch_trace import same_on_every_rank
 
     per_rank = [r["traffic"] for r in _run(case, inputs, devices)]
     return same_on_every_rank(per_rank)

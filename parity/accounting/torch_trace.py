@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from fractions import Fraction
 
-from .accounting import Traffic
+from .model import Traffic
 
 
 def _nbytes(t) -> int:
@@ -55,7 +55,7 @@ def _sized(op: str, args):
         return "all-to-all", n(3), Fraction(_nbytes(args[0]) * (n(3) - 1), n(3))
     if op in _MOVES_NOTHING:
         return None
-    raise NotImplementedError(f"CommTracer cannot size {op}; add it to parity.torch_trace")
+    raise NotImplementedError(f"CommTracer cannot size {op}; add it to parity.accounting.torch_trace")
 
 
 # recv_: its bytes are the peer's send; wait/wrap/barrier carry no payload.

@@ -12,11 +12,10 @@ XLA_FLAGS (run the command twice to compare). The findings are in docs/decisions
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
-from .devices import configure_jax_devices
+from ..core.names import Device
 
 TENSORS = ("o", "dq", "dk", "dv")
 
@@ -28,12 +27,13 @@ def torch_task(backends, seq: int, heads: int, head_dim: int, repeats: int, dete
     import torch.distributed as dist
 
     import torch_impl
-    from parity.run_torch import _mesh
+
+    from ..runners.torch_world import make_mesh
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     n = dist.get_world_size()
-    mesh = _mesh(device.type, (("ring", n),))
+    mesh = make_mesh(device.type, (("ring", n),))
     gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
     shape = (1, seq // n, heads, head_dim)
     q, k, v, do = (torch.randn(shape, device=device, generator=gen).to(torch.bfloat16) for _ in range(4))
@@ -86,32 +86,24 @@ def jax_check(backends, ring: int, seq: int, heads: int, head_dim: int, repeats:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m parity determinism", description=__doc__.splitlines()[0])
-    ap.add_argument("--devices", choices=("cpu", "gpu"), default="gpu")
-    ap.add_argument("--ring", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=16384)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--frameworks", default="jax,torch")
-    ap.add_argument("--jax-backends", default="reference,cudnn,fa3")
-    ap.add_argument("--torch-backends", default="reference,aten_flash,aten_cudnn")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    configure_jax_devices(args.devices)
+def run_determinism(devices: Device = "cpu", ring: int = 2, seq: int = 16384, heads: int = 8, head_dim: int = 128,
+                    repeats: int = 5, frameworks=("jax", "torch"), jax_backends=("reference", "cudnn", "fa3"),
+                    torch_backends=("reference", "aten_flash", "aten_cudnn"), json_path: str | None = None) -> int:
+    """``python -m parity determinism``: print per framework, backend and tensor whether every
+    repeat equals the first (JAX must already be configured for ``devices``)."""
     results = {}
-    shape = (args.seq, args.heads, args.head_dim, args.repeats)
-    if "jax" in args.frameworks:
+    shape = (seq, heads, head_dim, repeats)
+    if "jax" in frameworks:
         flags = os.environ.get("XLA_FLAGS", "")
         label = "jax" + (" (xla_gpu_deterministic_ops)" if "xla_gpu_deterministic_ops=true" in flags else "")
-        results[label] = jax_check(args.jax_backends.split(","), args.ring, *shape)
-    if "torch" in args.frameworks:
-        from .torch_world import World
+        results[label] = jax_check(list(jax_backends), ring, *shape)
+    if "torch" in frameworks:
+        from ..runners.torch_runner import world_backend
+        from ..runners.torch_world import World
 
-        with World(args.ring, "nccl" if args.devices == "gpu" else "gloo", timeout_s=300) as world:
+        with World(ring, world_backend(devices)[0], timeout_s=300) as world:
             for deterministic in (False, True):
-                per_rank = world.run(torch_task, args.torch_backends.split(","), *shape, deterministic)
+                per_rank = world.run(torch_task, list(torch_backends), *shape, deterministic)
                 merged = {}
                 for backend in per_rank[0]:
                     answers = [r[backend] for r in per_rank]
@@ -123,7 +115,7 @@ def main(argv=None) -> int:
             text = verdict if isinstance(verdict, str) else "  ".join(
                 f"{t} {'same' if same else 'DIFFERS'}" for t, same in verdict.items())
             print(f"{label:42s} {backend:11s} {text}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
     return 0

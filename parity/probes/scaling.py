@@ -12,17 +12,17 @@ The docs' figure (docs/numerics-at-scale.md) comes from this command.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
 import numpy as np
 
-from .cases import Case
-from .compare import compare
-from .devices import configure_jax_devices
-from .inputs import TENSORS, make_inputs, oracle
-from .numerics import LOWP_ABS_FLOOR
+from ..core.cases import Case
+from ..core.inputs import TENSORS
+from ..core.names import Device
+from ..runners.base import Runner
+from ..runners.pipeline import check_case
 
 # How much more error than on one device a sharded run may show (max error, per tensor). The
 # policy's 2× of the dense control is too loose to see R-dependent loss: measured, a ring that
@@ -32,6 +32,7 @@ GROWTH_LIMIT = 1.25
 # One case per strategy family; ``ring`` (or ``ulysses``) is set per device count.
 BASE = Case(seq=512, heads=8, kv_heads=2, head_dim=32, layout="zigzag", causal=True, dtype="bfloat16")
 STRATEGIES = ("ring", "ulysses", "allgather")
+ScalingStrategy = Literal["ring", "ulysses", "allgather"]
 
 
 @dataclass(frozen=True)
@@ -47,27 +48,31 @@ class Point:
     floor: dict[str, float]  # the policy's absolute floor for each tensor (LOWP_ABS_FLOOR × max |ref|)
 
 
-def case_for(strategy: str, devices: int, base: Case = BASE) -> Case:
+def case_for(strategy: ScalingStrategy, devices: int, base: Case = BASE) -> Case:
     if strategy == "ulysses":
         return replace(base, ulysses=devices)
     return replace(base, ring=devices, kv_exchange="allgather" if strategy == "allgather" and devices > 1 else "ring")
 
 
-def measure(runner, framework: str, strategies=STRATEGIES, device_counts=(1, 2, 4, 8), base: Case = BASE,
-            seed: int = 0, devices: str = "cpu") -> list[Point]:
-    """Run ``runner`` (parity.run_jax or parity.run_torch) on every (strategy, device count)."""
+def measure(runner: Runner, framework: str, strategies=STRATEGIES, device_counts=(1, 2, 4, 8), base: Case = BASE,
+            seed: int = 0, devices: Device = "cpu") -> list[Point]:
+    """Run ``runner`` on every (strategy, device count) through ``check_case``; a case that
+    raises or does not fit the machine is an error here (the probe needs every point)."""
+    if base.dtype == "float32":
+        raise ValueError("the scaling probe compares with the dense same-dtype control: use bfloat16 or float16")
     points = []
     for strategy in strategies:
         for n in device_counts:
             case = case_for(strategy, n, base)
-            x = make_inputs(case, seed)
-            ref, got, control = oracle(case, x), runner.run_case(case, x, devices=devices), runner.run_control(case, x)
-            checks = compare(case, got, ref, control)
-            control_err = {t: float(np.max(np.abs(control[t] - ref[t]))) for t in TENSORS}
-            points.append(Point(framework, strategy, n, {c.name: c.max_abs_error / max(control_err[c.name], 1e-30)
-                                                         for c in checks},
-                                {c.name: c.max_abs_error for c in checks}, all(c.ok for c in checks),
-                                {t: LOWP_ABS_FLOOR[case.dtype] * float(np.max(np.abs(ref[t]))) for t in TENSORS}))
+            side = check_case(case, runner, seed=seed, devices=devices)
+            if not side.checks:
+                raise RuntimeError(f"{framework} {case.name} {side.status}: {side.detail}")
+            ref = {c.name: c for c in side.checks}
+            control_err = {c.name: c.control_error for c in side.checks}
+            points.append(Point(framework, strategy, n, {t: ref[t].max_abs_error / max(control_err[t], 1e-30)
+                                                         for t in TENSORS},
+                                {t: ref[t].max_abs_error for t in TENSORS}, side.status == "passed",
+                                {t: ref[t].floor for t in TENSORS}))
     return points
 
 
@@ -115,33 +120,24 @@ def plot(points: list[Point], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parity scaling", description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--counts", default="1,2,4,8", help="device counts (those above the machine's are skipped)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--seq", type=int, default=BASE.seq)
-    parser.add_argument("--frameworks", default="jax,torch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, help="write the figure here (PNG)")
-    parser.add_argument("--json", default=None, help="write the points here")
-    args = parser.parse_args(argv)
-    configure_jax_devices(args.devices)
-    from .cli import load_runner
+def run_scaling(devices: Device = "cpu", counts=(1, 2, 4, 8), dtype: str = "bfloat16", seq: int = BASE.seq,
+                frameworks=("jax", "torch"), seed: int = 0, plot_path: str | None = None,
+                json_path: str | None = None) -> int:
+    """``python -m parity scaling``: measure, print the table, optionally write points / figure."""
+    from ..runners.base import Unavailable, load_runner
+    from ..runners.torch_world import close_worlds
 
-    base = replace(BASE, dtype=args.dtype, seq=args.seq)
+    base = replace(BASE, dtype=dtype, seq=seq)
     points = []
     try:
-        for framework in args.frameworks.split(","):
-            runner, why = load_runner(framework)
-            if runner is None:
-                print(f"{framework}: skipped ({why})")
+        for framework in frameworks:
+            runner = load_runner(framework)
+            if isinstance(runner, Unavailable):
+                print(f"{framework}: skipped ({runner.reason})")
                 continue
-            counts = [n for n in map(int, args.counts.split(",")) if n <= runner.device_count(args.devices)]
-            points += measure(runner, framework, device_counts=counts, base=base, seed=args.seed, devices=args.devices)
+            fits = [n for n in counts if n <= runner.device_count(devices)]
+            points += measure(runner, framework, device_counts=fits, base=base, seed=seed, devices=devices)
     finally:
-        from .torch_world import close_worlds
-
         close_worlds()
     print(f"{'framework':9} {'strategy':9} {'dev':>3}  " + "  ".join(f"{t:>6}" for t in TENSORS) + "   (max error / control's)")
     grown, too_much = growth(points), excessive_growth(points)
@@ -150,10 +146,10 @@ def main(argv=None) -> int:
         grew = (p.framework, p.strategy, p.devices) in too_much
         print(f"{p.framework:9} {p.strategy:9} {p.devices:>3}  " + "  ".join(f"{p.ratio[t]:6.2f}" for t in TENSORS)
               + ("" if p.ok else "   FAIL (policy)") + (f"   FAIL (grew {max(g.values()):.2f}x)" if grew else ""))
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump([asdict(p) for p in points], f, indent=1)
-    if args.plot:
-        plot(points, args.plot, f"{base.dtype}, seq {base.seq}, h{base.heads}/kv{base.kv_heads}, d{base.head_dim}, "
-             f"{base.layout} causal, {args.devices}")
+    if plot_path:
+        plot(points, plot_path, f"{base.dtype}, seq {base.seq}, h{base.heads}/kv{base.kv_heads}, d{base.head_dim}, "
+             f"{base.layout} causal, {devices}")
     return 0 if points and all(p.ok for p in points) and not too_much else 1

@@ -1,6 +1,7 @@
 """Helpers the notebooks (``notebooks/*.ipynb``) call, so that each cell is one idea: mesh
 factorizations, per-device causal work from the step plan, bytes (model and measured), errors
-against the oracle, and benchmark result files when they exist.
+against the oracle, and benchmark result files when they exist. jax_impl is imported by the
+functions that replay its step plan, so this module imports without it.
 """
 
 from __future__ import annotations
@@ -8,12 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jax_impl.layouts import LAYOUTS, Mask, Part, step_plan
+from ..accounting.model import attention_traffic
+from ..core.cases import Case
+from ..core.names import LAYOUTS
+from ..runners.base import FRAMEWORKS, Unavailable, load_runner
+from ..runners.pipeline import check_case
 
-from .accounting import attention_traffic
-from .cases import Case
-
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def factorizations(n: int) -> list[tuple[int, int]]:
@@ -24,15 +26,22 @@ def factorizations(n: int) -> list[tuple[int, int]]:
 def _area(block) -> float:
     """Score entries a block kernel computes, as a fraction of a full shard × shard block; a
     causal or strict block counts half (flash kernels skip fully masked tiles)."""
+    from jax_impl.layouts import Mask, Part
+
     if block is None:
         return 0.0
-    frac = lambda part: 1.0 if part is Part.ALL else 0.5  # noqa: E731
+
+    def frac(part):
+        return 1.0 if part is Part.ALL else 0.5
+
     return frac(block.q_part) * frac(block.kv_part) * (1.0 if block.mask is Mask.FULL else 0.5)
 
 
 def ring_work(layout: str, ring: int, causal: bool = True) -> list[float]:
     """Attention work of each ring device over all its steps (units: one full shard block),
     replaying the step plan both frameworks execute."""
+    from jax_impl.layouts import step_plan
+
     plan = step_plan(layout, causal)
     work = []
     for r in range(ring):
@@ -61,13 +70,10 @@ def bytes_table(n: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
                "model_bwd": float(model.bytes("bwd"))}
         for framework in measure:
             if framework == "jax":
-                from . import run_jax as runner
-
-                got = runner.measure_attention_traffic(case)
+                from ..runners.jax_runner import measure_attention_traffic
             else:
-                from . import run_torch as runner
-
-                got = runner.measure_attention_traffic(case)
+                from ..runners.torch_runner import measure_attention_traffic
+            got = measure_attention_traffic(case)
             row[f"{framework}_fwd"], row[f"{framework}_bwd"] = float(got.bytes("fwd")), float(got.bytes("bwd"))
             row[f"{framework}_equal"] = got == model
         rows.append(row)
@@ -76,18 +82,17 @@ def bytes_table(n: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtyp
 
 def max_errors(case: Case, seed: int = 0) -> dict[str, float]:
     """Max relative error (max |x − ref| / max |ref| over o, lse, dq, dk, dv) vs the float64
-    oracle, per framework that ran."""
+    oracle, per framework that ran (``check_case``, CPU)."""
     import numpy as np
 
-    from .cli import load_runner, run_side
-    from .inputs import make_inputs, oracle
+    from ..core.inputs import make_inputs, oracle
 
     x = make_inputs(case, seed)
     ref = oracle(case, x)
     out = {}
-    for framework in ("jax", "torch"):
-        runner, _ = load_runner(framework)
-        side = run_side(case, runner, x, ref, "cpu") if runner else None
+    for framework in FRAMEWORKS:
+        runner = load_runner(framework)
+        side = None if isinstance(runner, Unavailable) else check_case(case, runner, x=x, ref=ref)
         if side is not None and side.results:
             out[framework] = max(float(np.max(np.abs(side.results[t] - ref[t])) / np.max(np.abs(ref[t]))) for t in ref)
     return out

@@ -1,19 +1,22 @@
-"""Run one parity case with jax_impl (simulated CPU devices or real GPUs)."""
+"""Run one parity case with jax_impl (simulated CPU devices or real GPUs). jax and jax_impl are
+imported when a case runs, so this module imports without them."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-import jax_impl
+from ..core.cases import Case
+from ..core.inputs import Inputs, from_layout, permutation, to_layout
+from ..core.names import Device
 
-from .cases import Case
-from .inputs import Inputs, from_layout, permutation, to_layout
+__all__ = ["JaxRunner", "RUNNER", "make_mesh", "measure_attention_traffic"]
 
 
 def make_mesh(case: Case, devices=None):
-    """A mesh with the case's axes, in canonical order, over the first ``case.devices`` devices."""
+    """A ``jax.sharding.Mesh`` with the case's axes, in canonical order, over the first
+    ``case.devices`` devices."""
+    import jax
+
     axes = case.mesh_axes
     devices = jax.devices()[: case.devices] if devices is None else devices
     if len(devices) < case.devices:
@@ -21,19 +24,19 @@ def make_mesh(case: Case, devices=None):
     return jax.sharding.Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
 
 
-def device_count(devices: str = "cpu") -> int:
-    """Devices JAX can place a mesh on (its default platform)."""
-    return len(jax.devices())
-
-
 def _as(x, dtype):
     """Host-side cast (ml_dtypes), so that no small conversion program is compiled per shape."""
+    import jax.numpy as jnp
+
     return jnp.asarray(np.asarray(x, np.float32).astype(jnp.dtype(dtype)))
 
 
 def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
     """Forward and backward of ``fn`` compiled as one program, as a training step compiles them
     (and less compile time than two programs: 0.9 s instead of 1.5 s for a USP r4×u2 case on CPU)."""
+    import jax
+    import jax.numpy as jnp
+
     dtype = jnp.dtype(case.dtype)
 
     @jax.jit
@@ -47,31 +50,53 @@ def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
     return {n: np.asarray(t).astype(np.float64) for n, t in out.items()}
 
 
-def run_case(case: Case, x: Inputs, *, devices: str = "cpu", block_backend: str = "auto") -> dict[str, np.ndarray]:
-    """o, lse, dq, dk, dv from ``sequence_parallel_attention`` (forward + backward jitted as one
-    program), in original order.
-    ``devices`` is informational: JAX runs on its default platform (set before JAX starts)."""
-    mesh = make_mesh(case)
-    perm = permutation(case)
+class JaxRunner:
+    """``Runner`` for jax_impl: one jitted forward+backward program per case."""
 
-    def fn(q, k, v):
-        return jax_impl.sequence_parallel_attention(
-            q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale,
-            kv_exchange=case.kv_exchange, return_lse=True, block_backend=block_backend)
+    def __init__(self, block_backend: str = "auto"):
+        self.block_backend = block_backend
 
-    return from_layout(_vjp_results(fn, case, to_layout(x, perm)), perm)
+    def device_count(self, devices: Device = "cpu") -> int:
+        """Devices JAX can place a mesh on (its default platform, chosen before JAX starts)."""
+        import jax
+
+        return len(jax.devices())
+
+    def run_case(self, case: Case, x: Inputs, *, devices: Device = "cpu") -> dict[str, np.ndarray]:
+        """o, lse, dq, dk, dv from ``sequence_parallel_attention``, in original order.
+        ``devices`` is informational: JAX runs on its default platform."""
+        import jax_impl
+
+        mesh = make_mesh(case)
+        perm = permutation(case)
+
+        def fn(q, k, v):
+            return jax_impl.sequence_parallel_attention(
+                q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale,
+                kv_exchange=case.kv_exchange, return_lse=True, block_backend=self.block_backend)
+
+        return from_layout(_vjp_results(fn, case, to_layout(x, perm)), perm)
+
+    def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
+        """Dense attention in the case's own dtype on one device: the low-precision control."""
+        import jax_impl
+
+        return _vjp_results(lambda q, k, v: jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale),
+                            case, x)
 
 
-def run_control(case: Case, x: Inputs) -> dict[str, np.ndarray]:
-    """Dense attention in the case's own dtype on one device: the low-precision control."""
-    return _vjp_results(lambda q, k, v: jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale),
-                        case, x)
+RUNNER = JaxRunner()
 
 
 def measure_attention_traffic(case: Case, *, return_lse: bool = True):
     """Per-device collectives of the compiled forward and forward+backward programs (``Traffic``),
     for a loss that uses o and (when returned) lse."""
-    from .hlo import split_passes
+    import jax
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    from ..accounting.hlo import split_passes
 
     mesh = make_mesh(case)
     dtype = jnp.dtype(case.dtype)

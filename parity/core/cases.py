@@ -9,32 +9,28 @@ while still meeting every mesh shape with every layout, head layout, head_dim an
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
+from .mesh import MeshShape, ring_position
+from .names import DTYPES, KV_EXCHANGES, LAYOUTS, Dtype, KvExchange, Layout, check_choice
+
 # (ring, ulysses) shapes: pure ring, pure Ulysses, and USP, 1-8 devices; (ring, ulysses,
 # ring_outer): the double ring, ring_outer x (ring / ring_outer) inner, alone and under Ulysses.
 MESHES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (4, 1, 2), (4, 2, 2))
-AXIS_ABBREVIATIONS = {"data": "d", "ring": "r", "ring_outer": "ro", "ring_inner": "ri", "ulysses": "u"}
 HEAD_LAYOUTS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # name -> (heads, kv_heads)
 HEAD_DIMS = (16, 40, 64)
-DTYPES = ("float32", "bfloat16")
-KV_EXCHANGES = ("ring", "allgather")  # ring hops, or one all-gather of K/V (jax_impl/allgather.py)
-
-
-def ring_position(coords: dict, sizes: dict) -> tuple[int, int]:
-    """(index, size) of a device in the combined ring of a mesh with axis ``sizes``: its "ring"
-    coordinate, or the double ring's o·I + i."""
-    inner = sizes.get("ring_inner", 1)
-    index = coords.get("ring", 0) + coords.get("ring_outer", 0) * inner + coords.get("ring_inner", 0)
-    return index, sizes.get("ring", 1) * sizes.get("ring_outer", 1) * inner
+MATRIX_DTYPES = ("float32", "bfloat16")  # float16 is drawn by the property tier (tests/property)
+__all__ = ["Case", "MESHES", "HEAD_LAYOUTS", "HEAD_DIMS", "MATRIX_DTYPES", "LAYOUTS", "KV_EXCHANGES",
+           "ring_position", "full_matrix", "pairwise_matrix"]
 
 
 @dataclass(frozen=True)
 class Case:
     """One parity case. Sizes are global; ``ring``/``ulysses``/``data`` are mesh-axis sizes;
     ``ring_outer > 1`` lays the ring of ``ring`` devices out as the double ring
-    ``ring_outer x ring // ring_outer``."""
+    ``ring_outer x ring // ring_outer``. Invalid combinations raise ValueError at construction."""
 
     ring: int = 1
     ulysses: int = 1
@@ -44,47 +40,63 @@ class Case:
     heads: int = 8
     kv_heads: int = 8
     head_dim: int = 16
-    layout: str = "zigzag"
+    layout: Layout = "zigzag"
     causal: bool = True
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     scale: float | None = None
-    kv_exchange: str = "ring"
+    kv_exchange: KvExchange = "ring"
     ring_outer: int = 1
+
+    def __post_init__(self):
+        for field in ("batch", "seq", "heads", "kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("dtype", self.dtype, DTYPES)
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
+                                           and self.scale > 0):
+            raise ValueError(f"scale must be a finite positive number or None, got {self.scale!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads % kv_heads must be 0, got heads={self.heads}, kv_heads={self.kv_heads}")
+        if self.batch % self.data:
+            raise ValueError(f"batch % data must be 0, got batch={self.batch}, data={self.data}")
+        self.mesh  # noqa: B018 — MeshShape validates the mesh sizes and kv_exchange
+
+    @cached_property
+    def mesh(self) -> MeshShape:
+        return MeshShape(data=self.data, ring=self.ring, ulysses=self.ulysses, ring_outer=self.ring_outer,
+                         kv_exchange=self.kv_exchange)
 
     @property
     def devices(self) -> int:
-        return self.ring * self.ulysses * self.data
+        return self.mesh.devices
 
     @property
     def mesh_axes(self) -> dict[str, int]:
-        """Mesh axis name -> size in canonical order; an axis of size 1 is left out, except that a
-        mesh always has at least the ring axis (the double ring: always both of its axes)."""
-        rings = ((("ring_outer", self.ring_outer), ("ring_inner", self.ring // self.ring_outer)) if self.ring_outer > 1
-                 else (("ring", self.ring),))
-        axes = {name: size for name, size in (("data", self.data), *rings, ("ulysses", self.ulysses))
-                if size > 1 or name.startswith("ring_")}
-        return axes or {"ring": 1}
+        """Mesh axis name -> size in canonical order (``MeshShape.axes``)."""
+        return self.mesh.axes
 
     @property
     def strategy(self) -> str:
-        axes = self.mesh_axes
-        if "ring_outer" in axes:
-            return "double_ring_usp" if "ulysses" in axes else "double_ring"
-        if "ring" in axes and "ulysses" in axes:
-            return "usp"
-        return "ulysses" if "ulysses" in axes else "ring"
+        """The algorithm the mesh selects (``parity.core.mesh.algorithm``)."""
+        return self.mesh.algorithm
 
     def ring_coordinate(self, coords: dict) -> int:
         """The combined ring index of a device at mesh ``coords`` (o·I + i in the double ring)."""
         return ring_position(coords, self.mesh_axes)[0]
 
+    def sequence_block(self, coords: dict) -> int:
+        """Which of the ring·ulysses sequence blocks (layout order) the device at ``coords`` holds."""
+        return self.ring_coordinate(coords) * self.ulysses + coords.get("ulysses", 0)
+
     @property
     def name(self) -> str:
         heads = f"h{self.heads}kv{self.kv_heads}"
-        mesh = "x".join(f"{AXIS_ABBREVIATIONS[a]}{n}" for a, n in self.mesh_axes.items())
         scale = "" if self.scale is None else f"-s{self.scale:g}"
-        exchange = "-agkv" if self.kv_exchange == "allgather" else ""  # all-gather KV instead of ring hops
-        return (f"{self.strategy}{exchange}-{mesh}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
+        return (f"{self.mesh.name}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
                 f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}")
 
     def to_dict(self) -> dict:
@@ -94,7 +106,7 @@ class Case:
 def _factors():
     return {
         "layout": LAYOUTS, "causal": (False, True), "mesh": MESHES,
-        "heads": tuple(HEAD_LAYOUTS), "head_dim": HEAD_DIMS, "dtype": DTYPES, "kv_exchange": KV_EXCHANGES,
+        "heads": tuple(HEAD_LAYOUTS), "head_dim": HEAD_DIMS, "dtype": MATRIX_DTYPES, "kv_exchange": KV_EXCHANGES,
     }
 
 

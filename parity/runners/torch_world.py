@@ -3,7 +3,8 @@
 Starting processes and process groups is the slow part of a torch distributed test, so a
 ``World`` starts ``size`` workers once and then runs any number of tasks on them: ``run(fn,
 *args)`` sends the same call to every rank and returns the per-rank results in rank order. ``fn``
-must be importable by name (module-level). Collectives are bounded by ``timeout_s``, so a rank
+must be importable by name (module-level). ``make_mesh`` gives a worker its DeviceMesh, built
+once per process and axes. Collectives are bounded by ``timeout_s``, so a rank
 that fails cannot leave the others blocked forever: they time out and the world reports it.
 """
 
@@ -123,5 +124,21 @@ def get_world(size: int, backend: str = "gloo", timeout_s: float = 120.0) -> Wor
 
 
 def close_worlds() -> None:
+    """Close every cached world (their workers exit)."""
     while _WORLDS:
         _WORLDS.popitem()[1].close()
+
+
+_MESHES: dict = {}  # per worker process: (device_type, axes) -> DeviceMesh
+
+
+def make_mesh(device_type: str, axes: tuple[tuple[str, int], ...]):
+    """The ``DeviceMesh`` of ``axes`` ((name, size) pairs, canonical order) on this worker's
+    process group, built once per process: every task of a world reuses it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, tuple(axes))
+    if key not in _MESHES:
+        names, sizes = zip(*axes)
+        _MESHES[key] = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    return _MESHES[key]

@@ -1,5 +1,5 @@
 """The reference training step of the accounting model's FFN stack: the case description shared
-by the JAX and torch implementations (``parity.train_jax``, ``parity.train_torch``), its inputs,
+by the JAX and torch implementations (``parity.training.jax_step``, ``parity.training.torch_step``), its inputs,
 and a float64 numpy oracle of one unsharded step (forward, loss, backward, one Adam update).
 
 Shapes (letters as everywhere in parity): T tokens, D = d_model, F = d_ff, L blocks.
@@ -16,28 +16,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .accounting import DTYPE_BYTES
-from .training_model import STRATEGIES, FFNStep
+from ..core.names import DTYPE_BYTES, DTYPES, Dtype
+from .traffic_model import STRATEGIES, FFNStep, TrainStrategy
 
 
 @dataclass(frozen=True)
 class TrainCase:
     """One reference training step.
 
-    strategy: dp | fsdp | tp | fsdp_tp | zero1 (parity.training_model).
+    strategy: dp | fsdp | tp | fsdp_tp | zero1 (``parity.training.traffic_model``).
     fsdp, tp: sizes of the mesh axes ("fsdp", "tp"); the step runs on fsdp·tp devices.
     dtype: activations, compute copies of the weights and everything on the wire; master
         weights and optimizer state are float32 always.
     """
 
-    strategy: str
+    strategy: TrainStrategy
     fsdp: int = 1
     tp: int = 1
     blocks: int = 2
     d_model: int = 16
     d_ff: int = 64
     tokens: int = 32
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     lr: float = 1e-2
     seed: int = 0
 
@@ -48,8 +48,8 @@ class TrainCase:
             raise ValueError(f"{self.strategy} uses the fsdp axis only; tp must be 1, got {self.tp}")
         if self.strategy == "tp" and self.fsdp != 1:
             raise ValueError(f"tp uses the tp axis only; fsdp must be 1, got {self.fsdp}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.d_model % self.fsdp or (self.d_ff // self.tp) % self.fsdp:
             raise ValueError(f"d_model and d_ff/tp must be multiples of fsdp={self.fsdp}")
         self.model_step()  # the model's own divisibility checks

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .names import DTYPES
+
 FLOAT32_RTOL = 1e-5
 LOWP_FACTOR = 2.0
 LOWP_ABS_FLOOR = {"bfloat16": 2.0**-10, "float16": 2.0**-13}
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class TensorCheck:
     error: float
     tolerance: float
     max_abs_error: float
+    control_error: float | None = None  # low precision: max |control − ref|
+    floor: float | None = None  # low precision: LOWP_ABS_FLOOR[dtype] × max |ref|
 
     @property
     def ok(self) -> bool:
@@ -61,5 +64,5 @@ def check_tensor(name: str, got, ref, dtype: str, control=None) -> TensorCheck:
     if control is None:
         raise ValueError(f"{name}: a {dtype} check needs the same-dtype dense control")
     control_err = float(np.max(np.abs(np.asarray(control, dtype=np.float64) - ref)))
-    tol = LOWP_FACTOR * control_err + LOWP_ABS_FLOOR[dtype] * float(np.max(np.abs(ref)))
-    return TensorCheck(name, max_abs, tol, max_abs)
+    floor = LOWP_ABS_FLOOR[dtype] * float(np.max(np.abs(ref)))
+    return TensorCheck(name, max_abs, LOWP_FACTOR * control_err + floor, max_abs, control_err, floor)

@@ -1,5 +1,5 @@
 """B*: the batch at which mixed FSDP+TP training of an FFN stack becomes compute-bound, built
-from the accounting model's own bytes (``training_model.ffn_step_traffic``) and FLOPs, with
+from the accounting model's own bytes (``parity.training.traffic_model.ffn_step_traffic``) and FLOPs, with
 every modeling choice explicit (``Choices``).
 
 Per block and device, with B = tokens a device computes on (TP ranks share them; global = B·X):
@@ -21,8 +21,14 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal, get_args
 
-from .training_model import FFNStep, ffn_step_flops, ffn_step_traffic
+from ..core.names import check_choice
+from ..training.traffic_model import FFNStep, ffn_step_flops, ffn_step_traffic
+
+Overlap = Literal["max", "sum"]  # comms overlap each other and compute, or add up
+MxRole = Literal["bandwidth", "bytes"]  # M_X multiplies the bandwidth, or counts gathered matrices
+Passes = Literal["fwd", "fwd+bwd"]
 
 PROFILES = Path(__file__).with_name("profiles")
 X_KINDS, Y_KINDS = ("all-gather", "reduce-scatter"), ("all-reduce",)
@@ -51,10 +57,21 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Choices:
-    overlap: str = "max"  # "max" | "sum"
-    ring_factor: bool = True  # (n-1)/n on the collectives' bytes
-    mx_role: str = "bandwidth"  # "bandwidth" | "bytes" (M_X read as the number of gathered matrices)
-    passes: str = "fwd"  # "fwd" | "fwd+bwd"
+    """Every modeling choice of B*, explicit. overlap: "max" (comms overlap each other and
+    compute) or "sum"; ring_factor: (n-1)/n on the collectives' bytes; mx_role: "bandwidth" or
+    "bytes" (M_X read as the number of gathered matrices); passes: "fwd" or "fwd+bwd"."""
+
+    overlap: Overlap = "max"
+    ring_factor: bool = True
+    mx_role: MxRole = "bandwidth"
+    passes: Passes = "fwd"
+
+    def __post_init__(self):
+        check_choice("overlap", self.overlap, get_args(Overlap))
+        check_choice("mx_role", self.mx_role, get_args(MxRole))
+        check_choice("passes", self.passes, get_args(Passes))
+        if not isinstance(self.ring_factor, bool):
+            raise TypeError(f"ring_factor must be a bool, got {self.ring_factor!r}")
 
     def label(self) -> str:
         return f"{self.overlap}, ring {'on' if self.ring_factor else 'off'}, M_X x {self.mx_role}, {self.passes}"
@@ -98,10 +115,8 @@ def critical_batch(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: flo
     a, c, y_coef = _coefficients(d_model, d_ff, x, y, m_x, m_y, hw, choices)
     if choices.overlap == "max":
         b = c / a if a >= y_coef else math.inf
-    elif choices.overlap == "sum":
+    else:  # "sum" (Choices validates the value)
         b = c / (a - y_coef) if a > y_coef else math.inf
-    else:
-        raise ValueError(f"overlap must be 'max' or 'sum', got {choices.overlap!r}")
     return BStar(b, b / y, b * x, x, y)
 
 
@@ -145,41 +160,58 @@ def ring_attention_min_tokens(hw: Hardware, heads: int, kv_heads: int, head_dim:
     return {"fwd": fwd, "bwd": bwd}
 
 
+@dataclass(frozen=True)
+class Preset:
+    """A named B* problem: the FFN's sizes, the mesh (X = FSDP, Y = TP; None: only the optimal
+    split is computed), the mesh axes each parallelism spans (M_X, M_Y) and the hardware."""
+
+    d_model: int
+    d_ff: int
+    x: int | None
+    y: int | None
+    m_x: float
+    m_y: float
+    hardware: Hardware
+
+    def __post_init__(self):
+        if (self.x is None) != (self.y is None):
+            raise ValueError(f"give both X and Y or neither, got X={self.x}, Y={self.y}")
+
+
 PRESETS = {
-    # name: (d_model, d_ff, X, Y, M_X, M_Y, hardware)
-    "cs336-xxl": (16384, 53248, 16, 4, 2, 1, Hardware.simple("tpu-v5p (CS336: C=4.6e14, W=2*9e10)", 4.6e14, 2 * 9e10)),
-    "llama2-13b": (5120, 13824, None, None, 2, 1, Hardware.load("tpu-v5p")),
+    "cs336-xxl": Preset(16384, 53248, x=16, y=4, m_x=2, m_y=1,
+                        hardware=Hardware.simple("tpu-v5p (CS336: C=4.6e14, W=2*9e10)", 4.6e14, 2 * 9e10)),
+    "llama2-13b": Preset(5120, 13824, x=None, y=None, m_x=2, m_y=1, hardware=Hardware.load("tpu-v5p")),
 }
 CHOICE_GRID = [Choices(o, r, m) for m in ("bandwidth", "bytes") for o in ("max", "sum") for r in (True, False)]
 
 
-def table(preset: str, devices: int | None = None) -> list[tuple[str, BStar]]:
-    """B* of a preset under every choice in CHOICE_GRID (given X, Y), plus the optimal split."""
-    d_model, d_ff, x, y, m_x, m_y, hw = PRESETS[preset]
+def table(preset: str | Preset, devices: int | None = None, hardware: Hardware | None = None) -> list[tuple[str, BStar]]:
+    """B* of a preset under every choice in CHOICE_GRID (given X, Y), plus the optimal split;
+    ``hardware`` replaces the preset's (e.g. a profile from ``python -m parity calibrate``)."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    hw = hardware or p.hardware
     rows = []
-    if x is not None:
-        rows += [(ch.label(), critical_batch(d_model, d_ff, x, y, m_x, m_y, hw, ch)) for ch in CHOICE_GRID]
-    n = devices or (x * y if x else 4096)
+    if p.x is not None:
+        rows += [(ch.label(), critical_batch(p.d_model, p.d_ff, p.x, p.y, p.m_x, p.m_y, hw, ch)) for ch in CHOICE_GRID]
+    n = devices or (p.x * p.y if p.x else 4096)
     for overlap in ("max", "sum"):
         ch = Choices(overlap, False)
-        rows.append((f"optimal X, {ch.label()} (N={n})", optimal_split(d_model, d_ff, n, m_x, m_y, hw, ch)))
+        rows.append((f"optimal X, {ch.label()} (N={n})", optimal_split(p.d_model, p.d_ff, n, p.m_x, p.m_y, hw, ch)))
     return rows
 
 
-def main(argv=None) -> int:
-    import argparse
-
+def print_table(preset: str, devices: int | None = None, hardware: str | None = None) -> int:
+    """``python -m parity bstar``: the table of ``table`` for a preset (and hardware profile)."""
     from rich.console import Console
     from rich.table import Table
 
-    parser = argparse.ArgumentParser(prog="python -m parity bstar", description="critical batch of FSDP+TP")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cs336-xxl")
-    parser.add_argument("--devices", type=int, default=None, help="N for the optimal-X rows")
-    args = parser.parse_args(argv)
-    out = Table(title=f"B* for {args.preset} (tokens: per device / per chip B/N / global)")
+    hw = Hardware.load(hardware) if hardware else None
+    title = f"B* for {preset}" + (f" on {hw.name}" if hw else "")
+    out = Table(title=f"{title} (tokens: per device / per chip B/N / global)")
     for col in ("choices", "X", "Y", "B* per device", "B/N", "global B*"):
         out.add_column(col)
-    for label, r in table(args.preset, args.devices):
+    for label, r in table(preset, devices, hw):
         out.add_row(label, f"{r.x:.4g}", f"{r.y:.4g}", f"{r.tokens_per_device:.4g}", f"{r.per_chip:.4g}",
                     f"{r.global_tokens:.4g}")
     Console(width=160).print(out)

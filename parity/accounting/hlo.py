@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from .accounting import PASSES, Traffic
+from .model import PASSES, Traffic
 
 _ELEMENT_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "pred": 1,
                   "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}

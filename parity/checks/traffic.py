@@ -11,15 +11,15 @@ there — a backend fact, pinned by its own test; GPUs move what the model says.
 
 from __future__ import annotations
 
-import argparse
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from .accounting import DTYPE_BYTES, Traffic, attention_traffic
-from .cases import Case
-from .train_reference import TrainCase, make_train_inputs
-from .training_model import ffn_step_traffic
+from ..accounting.model import DTYPE_BYTES, Traffic, attention_traffic
+from ..core.cases import Case
+from ..core.names import Device
+from ..training.reference import TrainCase, make_train_inputs
+from ..training.traffic_model import ffn_step_traffic
 
 ATTENTION_CONFIGS = [
     Case(ring=2), Case(ring=4), Case(ring=8), Case(ring=4, layout="stripe", kv_heads=2),
@@ -49,7 +49,7 @@ class Verdict:
 
     name: str
     model: Traffic
-    measured: dict  # framework -> Traffic | str (an error or skip reason)
+    measured: dict[str, Traffic | str] = field(default_factory=dict)  # str: the error that stopped it
     widened: Traffic | None = None  # what XLA:CPU moves for a low-precision config (see above)
 
     def problems(self) -> list[str]:
@@ -69,50 +69,57 @@ def _jax_widens(dtype: str, devices: str) -> bool:
     return devices == "cpu" and DTYPE_BYTES[dtype] < 4
 
 
-def check_attention(case: Case, frameworks, devices: str = "cpu", return_lse: bool = True) -> Verdict:
+def _last_line() -> str:
+    return traceback.format_exc().strip().splitlines()[-1]
+
+
+def check_attention(case: Case, frameworks, devices: Device = "cpu", return_lse: bool = True) -> Verdict:
     measured = {}
     for framework in frameworks:
         try:
             if framework == "jax":
-                from . import run_jax
+                from ..runners import jax_runner
 
-                measured[framework] = run_jax.measure_attention_traffic(case, return_lse=return_lse)
+                measured[framework] = jax_runner.measure_attention_traffic(case, return_lse=return_lse)
             else:
-                from . import run_torch
+                from ..runners import torch_runner
 
-                measured[framework] = run_torch.measure_attention_traffic(case, devices=devices, return_lse=return_lse)
+                measured[framework] = torch_runner.measure_attention_traffic(case, devices=devices,
+                                                                             return_lse=return_lse)
         except Exception:  # noqa: BLE001 — reported as that framework's failure
-            measured[framework] = traceback.format_exc().strip().splitlines()[-1]
+            measured[framework] = _last_line()
     widened = None
     if _jax_widens(case.dtype, devices):
-        widened = attention_traffic(Case(**{**case.__dict__, "dtype": "float32"}), return_lse=return_lse)
+        widened = attention_traffic(replace(case, dtype="float32"), return_lse=return_lse)
     return Verdict(case.name + ("" if return_lse else "-o-only"), attention_traffic(case, return_lse=return_lse),
                    measured, widened)
 
 
-def check_training(case: TrainCase, frameworks, devices: str = "cpu") -> Verdict:
+def check_training(case: TrainCase, frameworks, devices: Device = "cpu") -> Verdict:
     measured = {}
     for framework in frameworks:
         try:
             if framework == "jax":
-                from . import train_jax
+                from ..training import jax_step
 
-                measured[framework] = train_jax.measure_traffic(case)
+                measured[framework] = jax_step.measure_traffic(case)
             else:
-                from . import train_torch
+                from ..training import torch_step
 
-                measured[framework] = train_torch.measure_traffic(case, make_train_inputs(case), devices=devices)
-        except Exception:  # noqa: BLE001
-            measured[framework] = traceback.format_exc().strip().splitlines()[-1]
+                measured[framework] = torch_step.measure_traffic(case, make_train_inputs(case), devices=devices)
+        except Exception:  # noqa: BLE001 — reported as that framework's failure
+            measured[framework] = _last_line()
     widened = ffn_step_traffic(case.model_step(4)) if _jax_widens(case.dtype, devices) else None
     return Verdict(case.name, ffn_step_traffic(case.model_step()), measured, widened)
 
 
-def run_all(frameworks, devices: str = "cpu", name_filter: str = "", device_limit: int = 8) -> list[Verdict]:
+def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_limit: int = 8) -> list[Verdict]:
     """Every built-in configuration that fits on ``device_limit`` devices and matches the filter."""
     from rich.progress import track
 
-    keep = lambda name, n: n <= device_limit and all(t in name for t in name_filter.split())  # noqa: E731
+    def keep(name: str, n: int) -> bool:
+        return n <= device_limit and all(t in name for t in name_filter.split())
+
     jobs = [(check_attention, c) for c in ATTENTION_CONFIGS if keep(c.name, c.devices)]
     jobs += [(check_training, c) for c in TRAINING_CONFIGS if keep(c.name, c.devices)]
     return [fn(c, frameworks, devices) for fn, c in track(jobs, description="accounting")]
@@ -145,27 +152,22 @@ def print_verdicts(verdicts: list[Verdict]) -> int:
     return bad
 
 
-def main(argv=None) -> int:
-    from .devices import configure_jax_devices
+def run_accounting(frameworks=("jax", "torch"), devices: Device = "cpu", name_filter: str = "") -> int:
+    """``python -m parity accounting``: every configuration, a table, exit status 1 on a mismatch
+    (JAX must already be configured for ``devices``)."""
+    from ..runners.base import Unavailable, load_runner
+    from ..runners.torch_world import close_worlds
 
-    parser = argparse.ArgumentParser(prog="python -m parity accounting", description=__doc__.splitlines()[0])
-    parser.add_argument("--filter", default="", help="keep configurations whose name contains every word")
-    parser.add_argument("--devices", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--frameworks", default="jax,torch")
-    args = parser.parse_args(argv)
-    configure_jax_devices(args.devices)
-    frameworks = [f for f in args.frameworks.split(",") if f]
-    limit = 8
-    if args.devices == "gpu":
-        import jax
-
-        limit = len(jax.devices())
+    runners = {f: load_runner(f) for f in frameworks}
+    available = [f for f, r in runners.items() if not isinstance(r, Unavailable)]
+    for f, r in runners.items():
+        if isinstance(r, Unavailable):
+            print(f"{f}: skipped ({r.reason})")
+    limit = min((runners[f].device_count(devices) for f in available), default=0)
     start = time.time()
     try:
-        verdicts = run_all(frameworks, args.devices, args.filter, limit)
+        verdicts = run_all(available, devices, name_filter, limit) if available else []
     finally:
-        from .torch_world import close_worlds
-
         close_worlds()
     bad = print_verdicts(verdicts)
     print(f"{len(verdicts) - bad} of {len(verdicts)} configurations equal the model in {time.time() - start:.0f} s")

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Literal, get_args
 
-from .accounting import Traffic
+from ..accounting.model import Traffic
 
-STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp", "zero1")
+TrainStrategy = Literal["dp", "fsdp", "tp", "fsdp_tp", "zero1"]
+STRATEGIES: tuple[str, ...] = get_args(TrainStrategy)
 
 
 @dataclass(frozen=True)
 class FFNStep:
     """One training step: ``blocks`` × (D → F → D), ``tokens`` per step (global), mesh sizes."""
 
-    strategy: str
+    strategy: TrainStrategy
     blocks: int = 2
     d_model: int = 16
     d_ff: int = 64

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
+from .names import LAYOUTS
 
 
 @dataclass(frozen=True)

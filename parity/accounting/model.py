@@ -6,8 +6,9 @@ collective kind, as DESIGN.md defines "bytes":
     all-reduce:     2(n-1)/n of the buffer
 
 A "call" is one collective on one buffer (a ring hop of K and V is two calls). The JAX count
-(``parity.hlo``, from compiled HLO) and the torch count (``parity.torch_trace``) must equal this
-model exactly, bytes and calls.
+(``parity.accounting.hlo``, from compiled HLO) and the torch count (``parity.accounting.torch_trace``)
+must equal this model exactly, bytes and calls. The model reads an attention configuration by its
+attributes (``AttentionConfig``), so it needs no case type of the harness.
 """
 
 from __future__ import annotations
@@ -15,12 +16,30 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Protocol
 
-from .cases import Case
+from ..core.names import DTYPE_BYTES
 
 PASSES = ("fwd", "bwd", "step")  # step: the optimizer step (ZeRO-1 parameter all-gather)
 KINDS = ("p2p", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+__all__ = ["PASSES", "KINDS", "DTYPE_BYTES", "Traffic", "AttentionConfig", "a2a_bytes", "attention_traffic"]
+
+
+class AttentionConfig(Protocol):
+    """What the attention model reads (``parity.core.cases.Case`` is one): global sizes and the
+    mesh's axis sizes, ``ring`` being the combined ring of ``ring_outer`` x inner devices."""
+
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    data: int
+    ring: int
+    ulysses: int
+    ring_outer: int
+    kv_exchange: str
 
 
 @dataclass
@@ -64,7 +83,7 @@ def a2a_bytes(buffer: int, n: int) -> Fraction:
     return Fraction(buffer * (n - 1), n)
 
 
-def attention_traffic(case: Case, *, return_lse: bool = True) -> Traffic:
+def attention_traffic(case: AttentionConfig, *, return_lse: bool = True) -> Traffic:
     """Per-device traffic of ``sequence_parallel_attention`` for ``case`` (forward, and the
     backward of a loss that uses o and, when returned, lse).
 

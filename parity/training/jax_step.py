@@ -1,6 +1,6 @@
 """The FFN training step in JAX: ``shard_map`` over the mesh ("fsdp", "tp"), flax for the model,
 optax Adam — DP, FSDP, TP, FSDP+TP and ZeRO-1, each written the way the accounting model
-(``parity.training_model``) describes it, so the compiled HLO can be counted against it.
+(``parity.training.traffic_model``) describes it, so the compiled HLO can be counted against it.
 
 Inside the per-device function every collective is explicit or the transpose of one:
 - FSDP: ``all_gather`` of the weight shard (under ``jax.checkpoint``, so the backward gathers it
@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .train_reference import TrainCase, TrainInputs, make_train_inputs
+from .reference import TrainCase, TrainInputs, make_train_inputs
 
 FSDP, TP = "fsdp", "tp"
 
@@ -220,7 +220,7 @@ def _stack(tree, key):
 
 
 def run_step(case: TrainCase, inputs: TrainInputs) -> dict[str, np.ndarray]:
-    """One training step; the same keys as ``train_reference.reference_step``."""
+    """One training step; the same keys as ``parity.training.reference.reference_step``."""
     step = Step(case, make_mesh(case))
     weights, master, opt_state, x, y = step.arguments(inputs)
     _, grads_fn, step_fn = step.programs(opt_state)
@@ -235,7 +235,7 @@ def run_step(case: TrainCase, inputs: TrainInputs) -> dict[str, np.ndarray]:
 def measure_traffic(case: TrainCase):
     """Per-device collectives of the compiled loss, loss+grads and full-step programs, split
     into fwd / bwd / step passes (``Traffic``)."""
-    from .hlo import split_passes
+    from ..accounting.hlo import split_passes
 
     step = Step(case, make_mesh(case))
     weights, master, opt_state, x, y = step.arguments(make_train_inputs(case))
