@@ -1,4 +1,4 @@
-"""Tier 2 — torch ranks that pass *different* inputs (local shape, dtype, options): with
+"""Torch ranks that pass *different* inputs (local shape, dtype, options): with
 ``RINGBRIDGE_CHECK_RANKS=1`` every rank raises the same ValueError naming what differs, before
 validation and before any attention collective; without it a K/V shape mismatch still ends
 within the process-group timeout bound instead of hanging (a q-only or options mismatch would go
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from parity.torch_world import TaskError, World  # noqa: E402
+from parity.runners.torch_world import TaskError, World  # noqa: E402
 
 import torch_tasks  # noqa: E402
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax_impl import layout_permutation, merge_partials  # noqa: E402
 from jax_impl.block import reference_block_bwd, reference_block_fwd  # noqa: E402
 from jax_impl.layouts import LAYOUTS, Mask, Part, step_plan  # noqa: E402
-from parity import reference  # noqa: E402
+from parity.core import reference  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

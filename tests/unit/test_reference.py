@@ -1,4 +1,4 @@
-"""Tier 1 — the oracle itself. Everything else is judged against parity.reference, so it is
+"""The oracle itself. Everything else is judged against parity.core.reference, so it is
 checked against an independent derivation: torch float64 autograd of the textbook formula."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parity import reference
-from parity.inputs import round_to_dtype
+from parity.core import reference
+from parity.core.inputs import round_to_dtype
 
 torch = pytest.importorskip("torch")
 

@@ -1,10 +1,10 @@
-"""Tier 1 — the case matrix the parity tiers run really has the coverage their docstrings claim."""
+"""The case matrix the parity tiers run really has the coverage their docstrings claim."""
 
 from __future__ import annotations
 
 import itertools
 
-from parity.cases import DTYPES, HEAD_DIMS, HEAD_LAYOUTS, KV_EXCHANGES, LAYOUTS, MESHES, full_matrix, pairwise_matrix
+from parity.core.cases import HEAD_DIMS, HEAD_LAYOUTS, KV_EXCHANGES, LAYOUTS, MATRIX_DTYPES, MESHES, full_matrix, pairwise_matrix
 
 
 def _factors(case):
@@ -22,7 +22,7 @@ def test_pairwise_matrix_covers_every_pair_and_every_mesh_triple():
     """All-gather KV on a mesh without a ring is the ring computation, and has no double-ring form,
     so those pairs do not exist."""
     values = {"layout": LAYOUTS, "causal": (False, True), "mesh": MESHES, "heads": tuple(HEAD_LAYOUTS),
-              "head_dim": HEAD_DIMS, "dtype": DTYPES, "kv_exchange": KV_EXCHANGES}
+              "head_dim": HEAD_DIMS, "dtype": MATRIX_DTYPES, "kv_exchange": KV_EXCHANGES}
     chosen = [_factors(c) for c in pairwise_matrix()]
     for a, b in itertools.combinations(values, 2):
         seen = {(c[a], c[b]) for c in chosen}

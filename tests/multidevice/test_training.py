@@ -1,5 +1,5 @@
-"""Tier 2 — the reference FFN training steps (parity.train_jax: shard_map + flax + optax;
-parity.train_torch: FSDP2 + DTensor TP on gloo) against the float64 oracle of the unsharded
+"""The reference FFN training steps (parity.training.jax_step: shard_map + flax + optax;
+parity.training.torch_step: FSDP2 + DTensor TP on gloo) against the float64 oracle of the unsharded
 step, and their communication against the analytical model, byte for byte and call for call.
 
 Why: the accounting model and the B* calculator built on it are only worth something if real
@@ -14,11 +14,11 @@ pytest.importorskip("jax")
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
-from parity import train_jax  # noqa: E402
-from parity.accounting_check import TRAINING_CONFIGS  # noqa: E402
-from parity.numerics import check_tensor  # noqa: E402
-from parity.train_reference import TrainCase, make_train_inputs, reference_step  # noqa: E402
-from parity.training_model import ffn_step_traffic  # noqa: E402
+from parity.checks.traffic import TRAINING_CONFIGS  # noqa: E402
+from parity.core.numerics import check_tensor  # noqa: E402
+from parity.training import jax_step as train_jax  # noqa: E402
+from parity.training.reference import TrainCase, make_train_inputs, reference_step  # noqa: E402
+from parity.training.traffic_model import ffn_step_traffic  # noqa: E402
 
 KEYS = ("loss", "dx", "dw1", "dw2", "new_w1", "new_w2")
 LOW_PRECISION_KEYS = ("loss", "dx", "dw1", "dw2")  # Adam's first step is ≈ lr·sign(g): a bf16
@@ -26,15 +26,15 @@ LOW_PRECISION_KEYS = ("loss", "dx", "dw1", "dw2")  # Adam's first step is ≈ lr
 
 
 def _torch_step(case, inputs):
-    from parity import train_torch
+    from parity.training import torch_step
 
-    return train_torch.run_step(case, inputs)
+    return torch_step.run_step(case, inputs)
 
 
 @pytest.mark.parametrize("case", TRAINING_CONFIGS, ids=lambda c: c.name)
 def test_step_traffic_model_equals_xla_hlo_and_torch_trace(case, jax_devices, worlds):
     """Three-way equality per pass (fwd / bwd / optimizer step) and kind, float32 on the wire."""
-    from parity import train_torch
+    from parity.training import torch_step as train_torch
 
     model = ffn_step_traffic(case.model_step())
     jax_measured = train_jax.measure_traffic(case)
@@ -50,7 +50,7 @@ def test_step_traffic_model_equals_xla_hlo_and_torch_trace(case, jax_devices, wo
 def test_bf16_step_torch_moves_bf16_and_xla_cpu_moves_float32(case, jax_devices, worlds):
     """torch's FSDP2 / DTensor / explicit collectives move bf16 as modelled (2 bytes); XLA:CPU
     widens the same bf16 program's collectives to float32 — exactly the 4-byte model."""
-    from parity import train_torch
+    from parity.training import torch_step as train_torch
 
     assert ffn_step_traffic(case.model_step()) == train_torch.measure_traffic(case, make_train_inputs(case))
     assert ffn_step_traffic(case.model_step(comm_bytes=4)) == train_jax.measure_traffic(case)
@@ -101,9 +101,9 @@ def test_calibrate_measures_a_loadable_profile_and_predicts(tmp_path, worlds):
     nothing on CPU; the GPU run is in docs/accounting.md.)"""
     import json
 
-    from parity import calibrate
-    from parity.accounting import KINDS
-    from parity.bstar import Hardware
+    from parity.accounting.model import KINDS
+    from parity.capacity import calibrate
+    from parity.capacity.bstar import Hardware
 
     result = worlds(2).run(calibrate.profile_task, calibrate.SMALL, "cpu")[0]
     assert result["flops"] > 0 and set(result["bandwidth"]) == set(KINDS)

@@ -1,7 +1,7 @@
-"""Tier 3 — GPU: torch_impl over NCCL on 4 GPUs at 16k tokens, bf16, causal, against a float32
+"""GPU: torch_impl over NCCL on 4 GPUs at 16k tokens, bf16, causal, against a float32
 single-GPU reference, with the bf16 single-GPU SDPA as the low-precision control (DESIGN.md's
 policy: max error ≤ 2 × the control's + a quarter-ulp floor). Skipped without 4 CUDA GPUs; run
-through the device tool: ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/test_gpu.py`` (the
+through the device tool: ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/gpu`` (the
 conftest puts JAX on simulated CPU devices unless JAX_PLATFORMS says otherwise)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs"),
 ]
 
@@ -31,7 +30,7 @@ MESHES = {
 @pytest.fixture(scope="module")
 def nccl_world():
     """A getter, not a world: a failed case closes its world, and the next case gets a new one."""
-    from parity.torch_world import close_worlds, get_world
+    from parity.runners.torch_world import close_worlds, get_world
 
     yield lambda: get_world(4, "nccl")
     close_worlds()

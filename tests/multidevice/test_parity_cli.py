@@ -1,20 +1,22 @@
-"""Tier 2 — the parity harness (``python -m parity``) itself: it must pass correct code, *fail*
+"""The parity harness (``python -m parity``) itself: it must pass correct code, *fail*
 planted bugs naming the case and the tensor, never count a missing framework or an unrunnable
 case as passed, and keep going after a case raises."""
 
 from __future__ import annotations
 
 import json
-from functools import partial
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 pytest.importorskip("jax")
 
-from parity import cli, run_jax  # noqa: E402
-from parity.cases import Case  # noqa: E402
+from helpers import jax_runner  # noqa: E402
+from parity import cli  # noqa: E402
+from parity.core.cases import Case  # noqa: E402
+from parity.runners.base import Unavailable  # noqa: E402
+from parity.runners.jax_runner import JaxRunner  # noqa: E402
+from parity.runners.pipeline import run_case_everywhere  # noqa: E402
 
 
 def test_cli_runs_both_frameworks_and_writes_reports(tmp_path, jax_devices, worlds, capsys):
@@ -46,7 +48,7 @@ def test_harness_catches_wrong_merge_sign_in_jax(monkeypatch, jax_devices):
 
     monkeypatch.setattr(jax_impl.ring, "merge_partials", _wrong_merge_sign)
     case = Case(ring=4, layout="zigzag", causal=True)
-    result = cli.run_case_everywhere(case, {"jax": run_jax}, seed=5, devices="cpu")
+    result = run_case_everywhere(case, {"jax": jax_runner()}, seed=5, devices="cpu")
     side = result.sides["jax"]
     assert result.status == "failed" and side.status == "failed"
     assert "o: error" in side.detail and "lse: error" not in side.detail
@@ -56,13 +58,12 @@ def test_harness_catches_wrong_merge_sign_in_jax(monkeypatch, jax_devices):
 def test_harness_catches_local_position_causal_mask_in_torch(worlds):
     """torch ranks masking by local layout positions (zigzag treated as contiguous) fail the case;
     the report names the case and the wrong tensors, and the JAX side still passes."""
-    from parity import run_torch
+    from parity.runners.torch_runner import TorchRunner
     from torch_tasks import rank_task_with_local_causal_mask
 
-    buggy = SimpleNamespace(run_case=partial(run_torch.run_case, task=rank_task_with_local_causal_mask),
-                            run_control=run_torch.run_control, device_count=run_torch.device_count)
+    buggy = TorchRunner(task=rank_task_with_local_causal_mask)
     case = Case(ring=2, layout="zigzag", causal=True, kv_heads=2)
-    result = cli.run_case_everywhere(case, {"jax": run_jax, "torch": buggy}, seed=6, devices="cpu")
+    result = run_case_everywhere(case, {"jax": jax_runner(), "torch": buggy}, seed=6, devices="cpu")
     torch_side = result.sides["torch"]
     assert result.status == "failed" and torch_side.status == "failed" and result.sides["jax"].status == "passed"
     assert "o: error" in torch_side.detail and "dq: error" in torch_side.detail
@@ -72,8 +73,12 @@ def test_harness_catches_local_position_causal_mask_in_torch(worlds):
 def test_missing_framework_and_too_few_devices_are_skipped_not_passed(jax_devices):
     """An unavailable framework and a case larger than the machine are *skipped*; a run where
     nothing passed is not a success."""
-    few = SimpleNamespace(run_case=run_jax.run_case, run_control=run_jax.run_control, device_count=lambda d: 2)
-    result = cli.run_case_everywhere(Case(ring=4), {"jax": few, "torch": "torch not available: test"}, 1, "cpu")
+    class TwoDevices(JaxRunner):
+        def device_count(self, devices="cpu"):
+            return 2
+
+    result = run_case_everywhere(Case(ring=4), {"jax": TwoDevices(), "torch": Unavailable("torch not available: test")},
+                                 1, "cpu")
     assert result.status == "skipped"
     assert result.sides["jax"].detail == "needs 4 devices, cpu has 2"
     assert result.sides["torch"].status == "skipped" and result.cross is None
@@ -81,13 +86,13 @@ def test_missing_framework_and_too_few_devices_are_skipped_not_passed(jax_device
 
 def test_an_exception_fails_only_its_case(jax_devices):
     """A runner that raises fails that case with the traceback's last lines; the next case runs."""
-    def explode(case, x, **kw):
-        raise RuntimeError("planted failure")
+    class Broken(JaxRunner):
+        def run_case(self, case, x, **kw):
+            raise RuntimeError("planted failure")
 
-    broken = SimpleNamespace(run_case=explode, run_control=run_jax.run_control, device_count=run_jax.device_count)
-    failed = cli.run_case_everywhere(Case(ring=2), {"jax": broken}, 1, "cpu")
+    failed = run_case_everywhere(Case(ring=2), {"jax": Broken()}, 1, "cpu")
     assert failed.status == "failed" and "RuntimeError: planted failure" in failed.sides["jax"].detail
-    assert cli.run_case_everywhere(Case(ring=2), {"jax": run_jax}, 1, "cpu").status == "passed"
+    assert run_case_everywhere(Case(ring=2), {"jax": jax_runner()}, 1, "cpu").status == "passed"
 
 
 def test_cli_list_prints_case_names(capsys):
@@ -99,7 +104,7 @@ def test_cli_list_prints_case_names(capsys):
 def test_default_matrix_covers_what_the_issue_asks():
     """≥ 40 cases: every strategy and layout, meshes of 1-8 devices, fp32 and bf16, GQA and MQA,
     causal and not."""
-    from parity.cases import pairwise_matrix
+    from parity.core.cases import pairwise_matrix
 
     cases = pairwise_matrix()
     assert len(cases) >= 40
@@ -109,3 +114,14 @@ def test_default_matrix_covers_what_the_issue_asks():
     assert {c.causal for c in cases} == {True, False}
     assert {(c.heads, c.kv_heads) for c in cases} >= {(8, 2), (8, 1)}
     assert np.unique([c.name for c in cases]).size == len(cases)
+
+
+def test_every_command_parses_with_one_devices_default():
+    """Each subcommand that runs code takes --devices with the same default; no command is
+    missing from the parser; an unknown word is a case filter's error, not a crash."""
+    parser = cli.build_parser()
+    for command in ("run", "accounting", "calibrate", "scaling", "determinism"):
+        assert parser.parse_args([command]).devices == "cpu", command
+    assert parser.parse_args(["bstar", "--hardware", "h100"]).hardware == "h100"
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--filter", "no-such-case-name"])

@@ -1,4 +1,4 @@
-"""Tier 3 — the notebooks run top to bottom from a fresh kernel (nbclient), every code cell
+"""The notebooks run top to bottom from a fresh kernel (nbclient), every code cell
 executes, and every cell tagged ``figure`` produces a PNG.
 
 Why: notebooks rot silently; "mesh-shape experiments" are one of the three things users come
@@ -14,7 +14,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # figure-tagged cells per notebook (mesh_shapes' fourth plots the committed benchmark results)

@@ -1,4 +1,4 @@
-"""Tier 2 — a rank that raises never leaves the others blocked forever: every world runs with a
+"""A rank that raises never leaves the others blocked forever: every world runs with a
 bounded process-group timeout, so the peers stuck in a collective time out, the world reports
 the first rank's error and is discarded.
 
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from parity.torch_world import TaskError, World  # noqa: E402
+from parity.runners.torch_world import TaskError, World  # noqa: E402
 
 import torch_tasks  # noqa: E402
 

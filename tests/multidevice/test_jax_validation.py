@@ -1,4 +1,4 @@
-"""Tier 2 — bad input fails loudly, naming the constraint and the numbers, before any collective.
+"""Bad input fails loudly, naming the constraint and the numbers, before any collective.
 ``jax.shard_map`` is replaced by a tripwire, so a check that ran too late fails the test."""
 
 from __future__ import annotations

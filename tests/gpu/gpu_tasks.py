@@ -13,9 +13,9 @@ def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes
     import torch.nn.functional as F
 
     import torch_impl
-    from parity.numerics import LOWP_ABS_FLOOR, LOWP_FACTOR
-    from parity.cases import ring_position
-    from parity.run_torch import _mesh
+    from parity.core.mesh import ring_position
+    from parity.core.numerics import LOWP_ABS_FLOOR, LOWP_FACTOR
+    from parity.runners.torch_runner import make_mesh
 
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -32,7 +32,7 @@ def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes
 
     ref, control = dense(torch.float32), dense(torch.bfloat16)
 
-    mesh = _mesh("cuda", mesh_axes)
+    mesh = make_mesh("cuda", mesh_axes)
     sizes = dict(mesh_axes)
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     ulysses = sizes.get("ulysses", 1)

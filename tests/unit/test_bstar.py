@@ -1,4 +1,4 @@
-"""Tier 1 — the B* calculator reproduces the hand derivations it is built to explain (3
+"""The B* calculator reproduces the hand derivations it is built to explain (3
 significant figures), from the accounting model's own bytes and FLOPs."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from parity.bstar import Choices, Hardware, critical_batch, optimal_split, ring_attention_min_tokens
-from parity.training_model import FFNStep, ffn_step_flops, ffn_step_traffic
+from parity.capacity.bstar import Choices, Hardware, critical_batch, optimal_split, ring_attention_min_tokens
+from parity.training.traffic_model import FFNStep, ffn_step_flops, ffn_step_traffic
 
 TPU = Hardware.load("tpu-v5p")
 CS336 = Hardware.simple("cs336", 4.6e14, 2 * 9e10)

@@ -1,10 +1,10 @@
-"""Tier 2 — torch_impl in gloo worlds of 1, 2, 4 and 8 processes against the float64 oracle, and
+"""torch_impl in gloo worlds of 1, 2, 4 and 8 processes against the float64 oracle, and
 against jax_impl on identical inputs.
 
 What is reduced on CPU, and why: the same all-pairs subset of the 1944-case cross product as the
-JAX tier (``parity.cases.pairwise_matrix``: every layout × causal × mesh triple, every pair of
-factor values), since 8 gloo processes share 2 cores; ``RINGBRIDGE_FULL=1`` runs the whole
-product. Worlds are started once per session and reused by every case of their size. The
+JAX tier (``parity.core.cases.pairwise_matrix``: every layout × causal × mesh triple, every pair of
+factor values), since 8 gloo processes share 2 cores; ``--full`` / ``RINGBRIDGE_FULL=1`` adds the
+rest of the product, marked ``slow``. Worlds are started once per session and reused by every case of their size. The
 float16 and bf16 GPU kernels (cuDNN / flash) are exercised by the ``gpu`` tests instead.
 """
 
@@ -14,29 +14,18 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import FULL  # noqa: E402
-from parity import run_torch  # noqa: E402
-from parity.cases import Case, full_matrix, pairwise_matrix  # noqa: E402
-from parity.compare import compare, compare_frameworks  # noqa: E402
-from parity.inputs import make_inputs, oracle  # noqa: E402
-
-CASES = full_matrix() if FULL else pairwise_matrix()
+from helpers import assert_passed, jax_runner, matrix_params, torch_runner  # noqa: E402
+from parity.core.cases import Case  # noqa: E402
+from parity.core.inputs import make_inputs, oracle  # noqa: E402
+from parity.runners.pipeline import check_case, cross_check  # noqa: E402
+from parity.runners.torch_runner import TorchRunner  # noqa: E402
 
 
-def _checks(case: Case, seed: int, **kw):
-    x = make_inputs(case, seed)
-    got = run_torch.run_case(case, x, **kw)
-    control = None if case.dtype == "float32" else run_torch.run_control(case, x)
-    return x, got, compare(case, got, oracle(case, x), control)
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", matrix_params())
 def test_matrix_case_matches_oracle(case, seed, worlds):
     """o, lse, dq, dk, dv of one matrix case (gloo, forward + autograd backward with an lse
     cotangent) are within the numerics policy of the oracle."""
-    _, _, checks = _checks(case, seed)
-    failures = [str(c) for c in checks if not c.ok]
-    assert not failures, f"{case.name} (seed {seed}): " + "; ".join(failures)
+    assert_passed(check_case(case, torch_runner(), seed=seed), case, "torch", seed)
 
 
 @pytest.mark.parametrize("case", [
@@ -45,8 +34,7 @@ def test_matrix_case_matches_oracle(case, seed, worlds):
 ], ids=lambda c: c.name)
 def test_data_axis_shards_batch(case, seed, worlds):
     """A "data" mesh dimension splits the batch on top of ring / USP."""
-    _, _, checks = _checks(case, seed)
-    assert all(c.ok for c in checks), [str(c) for c in checks]
+    assert_passed(check_case(case, torch_runner(), seed=seed), case, "torch", seed)
 
 
 @pytest.mark.parametrize("case", [
@@ -55,8 +43,7 @@ def test_data_axis_shards_batch(case, seed, worlds):
 ], ids=lambda c: c.name)
 def test_aten_cpu_kernel_inside_the_ring(case, seed, worlds):
     """The aten CPU flash kernel as the ring's block backend (strict masks, GQA, zigzag halves)."""
-    _, _, checks = _checks(case, seed, block_backend="aten_cpu")
-    assert all(c.ok for c in checks), [str(c) for c in checks]
+    assert_passed(check_case(case, TorchRunner(block_backend="aten_cpu"), seed=seed), case, "torch aten_cpu", seed)
 
 
 @pytest.mark.parametrize("case", [
@@ -68,12 +55,9 @@ def test_aten_cpu_kernel_inside_the_ring(case, seed, worlds):
 def test_jax_and_torch_agree_on_identical_inputs(case, seed, worlds, jax_devices):
     """The same NumPy inputs (layout order) through jax_impl and torch_impl: each within policy
     of the oracle, and within the sum of both tolerances of each other."""
-    from parity import run_jax
-
-    x, torch_out, torch_checks = _checks(case, seed)
-    jax_out = run_jax.run_case(case, x)
-    control = None if case.dtype == "float32" else run_jax.run_control(case, x)
-    jax_checks = compare(case, jax_out, oracle(case, x), control)
-    cross = compare_frameworks(case, jax_checks, torch_checks, jax_out, torch_out)
-    bad = [str(c) for c in jax_checks + torch_checks + cross if not c.ok]
-    assert not bad, bad
+    x = make_inputs(case, seed)
+    ref = oracle(case, x)
+    sides = {f: check_case(case, r, x=x, ref=ref) for f, r in (("jax", jax_runner()), ("torch", torch_runner()))}
+    for framework, side in sides.items():
+        assert_passed(side, case, framework, seed)
+    assert_passed(cross_check(case, sides["jax"], sides["torch"]), case, "jax-vs-torch", seed)

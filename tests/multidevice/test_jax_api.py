@@ -1,4 +1,4 @@
-"""Tier 2 — the public JAX API in the ways users call it: Auto and Explicit mesh axes, eager and
+"""The public JAX API in the ways users call it: Auto and Explicit mesh axes, eager and
 jitted, ``jax.grad``, inputs of any sharding, and the per-algorithm functions inside a user's own
 ``shard_map`` with their own axis names."""
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_impl  # noqa: E402
-from parity import reference  # noqa: E402
+from parity.core import reference  # noqa: E402
 
 B, T, H, HK, D = 2, 32, 4, 2, 16
 

@@ -1,4 +1,4 @@
-"""Tier 2 — torch_impl rejects bad input with the same clear error on every rank of a 4-process
+"""Torch_impl rejects bad input with the same clear error on every rank of a 4-process
 gloo world, before any collective (the collectives are replaced by a tripwire on each rank).
 Shapes given here are *local* shards, as torch callers pass them, so "batch % data" cannot fail
 here (the global batch is the local one times the data size); the JAX tier tests it."""

@@ -9,9 +9,9 @@ def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
     import torch.distributed as dist
 
     import torch_impl
-    from parity.run_torch import _mesh
+    from parity.runners.torch_runner import make_mesh
 
-    mesh = _mesh("cpu", tuple(mesh_axes))
+    mesh = make_mesh("cpu", tuple(mesh_axes))
     saved = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_to_all_single")}
 
     def tripwire(*a, **k):
@@ -31,10 +31,10 @@ def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
 
 
 def rank_task_with_local_causal_mask(case, x, device_type, block_backend):
-    """parity.run_torch.rank_task with a planted bug: the ring masks causally by *local* layout
+    """parity.runners.torch_runner.rank_task with a planted bug: the ring masks causally by *local* layout
     positions (every layout planned as if it were contiguous) instead of original positions."""
     import torch_impl.ring as ring
-    from parity.run_torch import rank_task
+    from parity.runners.torch_runner import rank_task
 
     real = ring.step_plan
     ring.step_plan = lambda layout, causal: real("contiguous", causal)
@@ -64,7 +64,7 @@ def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool, d
     import torch.distributed as dist
 
     import torch_impl
-    from parity.run_torch import _mesh
+    from parity.runners.torch_runner import make_mesh
     from torch_impl.comm import CHECK_RANKS_ENV
 
     mine = {"q_seq": 8, "kv_seq": 8, "dtype": "float32", "causal": True} | rank_overrides.get(dist.get_rank(), {})
@@ -74,7 +74,7 @@ def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool, d
     saved = os.environ.get(CHECK_RANKS_ENV)
     os.environ[CHECK_RANKS_ENV] = "1" if check_ranks else "0"
     try:
-        o = torch_impl.sequence_parallel_attention(q, k, v, _mesh(device_type, tuple(mesh_axes)), causal=mine["causal"],
+        o = torch_impl.sequence_parallel_attention(q, k, v, make_mesh(device_type, tuple(mesh_axes)), causal=mine["causal"],
                                                    layout="contiguous")
         o.sum().backward()
     except (ValueError, TypeError) as err:

@@ -1,4 +1,4 @@
-"""Tier 2 — numerics at scale: bf16 attention on 1, 2, 4, 8 devices (ring, Ulysses, all-gather KV)
+"""Numerics at scale: bf16 attention on 1, 2, 4, 8 devices (ring, Ulysses, all-gather KV)
 stays within the policy's 2× of dense same-dtype attention at every device count, in both
 frameworks, and no error grows more than 1.25× from 1 device to 8 (measured: not at all, since
 Ulysses sums replicated KV heads' gradients in float32); a ring
@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("jax")
 
-from parity import run_jax, scaling  # noqa: E402
+from helpers import jax_runner, torch_runner  # noqa: E402
+from parity.probes import scaling  # noqa: E402
 
 
 def _assert_within_policy(points):
@@ -28,13 +29,11 @@ def _assert_within_policy(points):
 
 
 def test_jax_error_does_not_grow_with_devices(jax_devices):
-    _assert_within_policy(scaling.measure(run_jax, "jax"))
+    _assert_within_policy(scaling.measure(jax_runner(), "jax"))
 
 
 def test_torch_error_does_not_grow_with_devices(worlds):
-    from parity import run_torch
-
-    _assert_within_policy(scaling.measure(run_torch, "torch"))
+    _assert_within_policy(scaling.measure(torch_runner(), "torch"))
 
 
 def test_dkdv_sent_in_bf16_would_fail(jax_devices, monkeypatch):
@@ -55,5 +54,5 @@ def test_dkdv_sent_in_bf16_would_fail(jax_devices, monkeypatch):
         return real(jax.tree.map(narrow, tree), axis_name)
 
     monkeypatch.setattr(ring, "ring_shift", lossy_shift)
-    points = scaling.measure(run_jax, "jax", strategies=("ring",), device_counts=(1, 8))
+    points = scaling.measure(jax_runner(), "jax", strategies=("ring",), device_counts=(1, 8))
     assert scaling.growth(points)[("jax", "ring", 8)]["dk"] > 2 * scaling.GROWTH_LIMIT, points

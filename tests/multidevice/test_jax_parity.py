@@ -1,11 +1,12 @@
-"""Tier 2 — jax_impl on 8 simulated CPU devices against the float64 oracle (DESIGN.md policy).
+"""jax_impl on 8 simulated CPU devices against the float64 oracle (DESIGN.md policy).
 
 What is reduced, and why: the issue's matrix is the cross product of layout × causal × mesh
 (ring 1/2/4/8, ulysses 2/4/8, ring×ulysses 2×2, 2×4, 4×2, double ring 2×2 and 2×2×U2) ×
 MHA/GQA/MQA × head_dim 16/40/64 × float32/bfloat16 × kv exchange = 1944 compiled fwd+bwd
 programs, over an hour on 2 cores. The default run keeps every (layout, causal, mesh) triple and
 adds cases until every *pair* of factor values has appeared together
-(``parity.cases.pairwise_matrix``, 72 cases); ``RINGBRIDGE_FULL=1`` runs the whole product.
+(``parity.core.cases.pairwise_matrix``, 72 cases); ``--full`` / ``RINGBRIDGE_FULL=1`` adds the rest
+of the product, marked ``slow``.
 Every case runs under ``jax.jit`` and ``jax.vjp`` with a random lse cotangent.
 """
 
@@ -15,27 +16,19 @@ import pytest
 
 pytest.importorskip("jax")
 
-from conftest import FULL  # noqa: E402
-from parity.cases import Case, full_matrix, pairwise_matrix  # noqa: E402
-from parity.compare import compare  # noqa: E402
-from parity.inputs import make_inputs, oracle  # noqa: E402
-from parity.run_jax import run_case, run_control  # noqa: E402
-
-CASES = full_matrix() if FULL else pairwise_matrix()
+from helpers import assert_passed, jax_runner, matrix_params  # noqa: E402
+from parity.core.cases import Case  # noqa: E402
+from parity.runners.pipeline import check_case  # noqa: E402
 
 
-def check_case(case: Case, seed: int, **run_kw) -> None:
-    x = make_inputs(case, seed)
-    got = run_case(case, x, **run_kw)
-    control = None if case.dtype == "float32" else run_control(case, x)
-    failures = [str(c) for c in compare(case, got, oracle(case, x), control) if not c.ok]
-    assert not failures, f"{case.name} (seed {seed}): " + "; ".join(failures)
+def _check(case: Case, seed: int) -> None:
+    assert_passed(check_case(case, jax_runner(), seed=seed), case, "jax", seed)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", matrix_params())
 def test_matrix_case_matches_oracle(case, seed, jax_devices):
     """o, lse, dq, dk, dv of one matrix case are within the numerics policy of the oracle."""
-    check_case(case, seed)
+    _check(case, seed)
 
 
 @pytest.mark.parametrize("case", [
@@ -45,7 +38,7 @@ def test_matrix_case_matches_oracle(case, seed, jax_devices):
 ], ids=lambda c: c.name)
 def test_data_axis_shards_batch(case, seed, jax_devices):
     """A "data" axis splits the batch on top of ring / Ulysses / USP; results stay exact."""
-    check_case(case, seed)
+    _check(case, seed)
 
 
 @pytest.mark.parametrize("case", [
@@ -54,4 +47,4 @@ def test_data_axis_shards_batch(case, seed, jax_devices):
 ], ids=lambda c: c.name)
 def test_custom_scale_and_other_seq_lengths(case, seed, jax_devices):
     """A non-default softmax scale and a sequence length that is not a power of two."""
-    check_case(case, seed)
+    _check(case, seed)

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity import reference  # noqa: E402
+from parity.core import reference  # noqa: E402
 from torch_impl import layout_permutation, merge_partials  # noqa: E402
 from torch_impl.block import get_backend  # noqa: E402
 from torch_impl.layouts import LAYOUTS, Mask  # noqa: E402

@@ -1,4 +1,4 @@
-"""Tier 3 — property-based parity: hypothesis draws random *valid* configurations (mesh
+"""Property-based parity: hypothesis draws random *valid* configurations (mesh
 factorization of 1–8 devices over data × ring × Ulysses, the double ring ring_outer × ring_inner
 included; batch, seq, heads, kv_heads, head_dim, layout, causal, dtype — float32, bfloat16,
 float16 — scale, kv_exchange) and both frameworks must agree with the float64 oracle under the
@@ -24,13 +24,12 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from helpers import FULL, assert_passed, jax_runner, torch_runner  # noqa: E402
 from jax_impl.layouts import seq_multiple  # noqa: E402
-from parity import run_jax  # noqa: E402
-from parity.cases import KV_EXCHANGES, LAYOUTS, Case  # noqa: E402
-from parity.compare import compare  # noqa: E402
-from parity.inputs import make_inputs, oracle  # noqa: E402
+from parity.core.cases import KV_EXCHANGES, LAYOUTS, Case  # noqa: E402
+from parity.core.inputs import make_inputs, oracle  # noqa: E402
+from parity.runners.pipeline import check_case  # noqa: E402
 
-FULL = os.environ.get("RINGBRIDGE_FULL") == "1"
 EXAMPLES = int(os.environ.get("RINGBRIDGE_FUZZ_EXAMPLES", 1000 if FULL else 200))
 # (data, ring, ulysses, ring_outer): every factorization of 1–8 devices; ring_outer > 1 lays the
 # ring out as the double ring ring_outer × ring/ring_outer (both axes of size >= 2).
@@ -57,13 +56,6 @@ def cases(draw) -> Case:
                 kv_exchange=draw(st.sampled_from(KV_EXCHANGES)) if single_ring else "ring")
 
 
-def _check(case: Case, runner, x, ref, framework: str) -> None:
-    got = runner.run_case(case, x)
-    control = None if case.dtype == "float32" else runner.run_control(case, x)
-    bad = [str(c) for c in compare(case, got, ref, control) if not c.ok]
-    assert not bad, f"{framework} {case.name}: {bad}"
-
-
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=cases())
@@ -75,12 +67,10 @@ def _check(case: Case, runner, x, ref, framework: str) -> None:
 @example(case=Case(ring=4, ulysses=2, layout="stripe", causal=True, heads=8, kv_heads=1, head_dim=16, seq=8,
                    dtype="bfloat16", scale=0.05, kv_exchange="allgather"))
 def test_random_valid_configurations_match_the_oracle(case, seed, jax_devices, worlds):
-    from parity import run_torch
-
     x = make_inputs(case, seed=seed ^ zlib.crc32(case.name.encode()))  # the same inputs in every process
     ref = oracle(case, x)
-    _check(case, run_jax, x, ref, "jax")
-    _check(case, run_torch, x, ref, "torch")
+    for framework, runner in (("jax", jax_runner()), ("torch", torch_runner())):
+        assert_passed(check_case(case, runner, x=x, ref=ref), case, framework, seed)
 
 
 def test_the_strategy_reaches_every_mesh_family():
