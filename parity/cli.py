@@ -131,7 +131,7 @@ def run_report(args, parser) -> int:
             from .checks.traffic import run_all
 
             limit = min(runners[f].device_count(args.devices) for f in available)
-            verdicts = run_all(available, args.devices, args.filter, limit)
+            verdicts = run_all(available, args.devices, args.filter, limit, every_config=False)
     finally:
         close_worlds()
     seconds = time.time() - start
@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
             p.add_argument("--out", type=Path, default=Path("parity-report"))
             p.add_argument("--no-accounting", action="store_true",
-                           help="skip the closing communication check (python -m parity accounting)")
+                           help="skip the closing communication check (one configuration per model path; "
+                                "python -m parity accounting checks them all)")
 
     p = command("accounting", _accounting, "communication model == XLA HLO == torch trace", frameworks=True)
     p.add_argument("--filter", default="", help="keep configurations whose name contains every word")

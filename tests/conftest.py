@@ -11,13 +11,7 @@ from pathlib import Path
 
 from parity.core.devices import configure_jax_devices
 
-configure_jax_devices("cpu")  # before JAX is imported anywhere
-# The CPU tier compiles hundreds of small, distinct programs (every case and fuzz example is a new
-# shape): at LLVM optimization level 0 each compile-and-run took 22–63 % less (4 cases measured).
-# The HLO passes (what the accounting tests read) are unchanged; only machine-code optimization is
-# skipped.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+configure_jax_devices("cpu")  # before JAX is imported anywhere (and at LLVM optimization level 0: see there)
 
 import numpy as np  # noqa: E402 — after the XLA flags above
 import pytest  # noqa: E402

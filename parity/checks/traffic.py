@@ -43,6 +43,26 @@ TRAINING_CONFIGS = [
 ]
 
 
+def _attention_path(case: Case) -> tuple:
+    """The branch of ``attention_traffic`` a configuration exercises: algorithm, KV exchange,
+    whether Ulysses replicates KV heads (float32 dK/dV back through the all-to-all), data axis."""
+    return case.strategy, case.kv_exchange, case.ulysses > 1 and case.kv_heads < case.ulysses, case.data > 1
+
+
+def one_per_path(attention: list[Case], training: list[TrainCase]) -> tuple[list[Case], list[TrainCase]]:
+    """The first configuration of every distinct model path (attention: ``_attention_path``;
+    training: the strategy). The main ``python -m parity`` run closes with these — every branch
+    of both models, three-way, in about half the time of the whole list (18 of its 38
+    configurations); ``python -m parity accounting`` and the tests check every configuration."""
+    def first(items, key):
+        seen = {}
+        for item in items:
+            seen.setdefault(key(item), item)
+        return list(seen.values())
+
+    return first(attention, _attention_path), first(training, lambda c: c.strategy)
+
+
 @dataclass
 class Verdict:
     """One configuration: the model and each framework's measurement (None: not run)."""
@@ -113,15 +133,20 @@ def check_training(case: TrainCase, frameworks, devices: Device = "cpu") -> Verd
     return Verdict(case.name, ffn_step_traffic(case.model_step()), measured, widened)
 
 
-def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_limit: int = 8) -> list[Verdict]:
-    """Every built-in configuration that fits on ``device_limit`` devices and matches the filter."""
+def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_limit: int = 8,
+            every_config: bool = True) -> list[Verdict]:
+    """Every built-in configuration (or, with ``every_config=False``, one per model path: see
+    ``one_per_path``) that fits on ``device_limit`` devices and matches the filter."""
     from rich.progress import track
 
     def keep(name: str, n: int) -> bool:
         return n <= device_limit and all(t in name for t in name_filter.split())
 
-    jobs = [(check_attention, c) for c in ATTENTION_CONFIGS if keep(c.name, c.devices)]
-    jobs += [(check_training, c) for c in TRAINING_CONFIGS if keep(c.name, c.devices)]
+    attention = [c for c in ATTENTION_CONFIGS if keep(c.name, c.devices)]
+    training = [c for c in TRAINING_CONFIGS if keep(c.name, c.devices)]
+    if not every_config:
+        attention, training = one_per_path(attention, training)
+    jobs = [(check_attention, c) for c in attention] + [(check_training, c) for c in training]
     return [fn(c, frameworks, devices) for fn, c in track(jobs, description="accounting")]
 
 

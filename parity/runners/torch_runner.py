@@ -8,6 +8,8 @@ imported inside the functions (the workers import them; the parent only for the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..core.cases import Case
@@ -95,11 +97,16 @@ class TorchRunner:
 
     def run_case(self, case: Case, x: Inputs, *, devices: Device = "cpu") -> dict[str, np.ndarray]:
         """o, lse, dq, dk, dv from ``torch_impl.sequence_parallel_attention``, in original order."""
+        return self.start_case(case, x, devices=devices)()
+
+    def start_case(self, case: Case, x: Inputs, *, devices: Device = "cpu") -> Callable[[], dict[str, np.ndarray]]:
+        """Start the case on its world's ranks and return at once; calling the result waits for
+        them and gives what ``run_case`` gives (``check_case`` overlaps this with other work)."""
         backend, device_type = world_backend(devices)
         perm = permutation(case)
-        shards = get_world(case.devices, backend).run(self.task, case, to_layout(x, perm), device_type,
-                                                      self.block_backend)
-        return from_layout(_stitch(case, shards), perm)
+        world = get_world(case.devices, backend)
+        world.submit(self.task, case, to_layout(x, perm), device_type, self.block_backend)
+        return lambda: from_layout(_stitch(case, world.collect()), perm)
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
         """Dense attention in the case's own dtype, in this process: the low-precision control."""

@@ -66,6 +66,7 @@ class World:
         self.size, self.timeout_s = size, timeout_s
         self._tasks = [ctx.Queue() for _ in range(size)]
         self._results = ctx.Queue()
+        self._pending = False
         port = _free_port()
         self._procs = [ctx.Process(target=_worker, args=(r, size, port, backend, timeout_s, self._tasks[r], self._results),
                                    daemon=True) for r in range(size)]
@@ -74,8 +75,24 @@ class World:
 
     def run(self, fn, *args) -> list:
         """Run ``fn(*args)`` on every rank; per-rank results in rank order, or raise TaskError."""
+        self.submit(fn, *args)
+        return self.collect()
+
+    def submit(self, fn, *args) -> None:
+        """Start ``fn(*args)`` on every rank and return at once (the parent can work meanwhile:
+        the parity run compiles the JAX side while the torch ranks compute); ``collect`` answers.
+        One task at a time: submit, then collect, before the next submit."""
+        if self._pending:
+            raise RuntimeError("collect() the previous task before submitting another")
+        self._pending = True
         for q in self._tasks:
             q.put((fn.__module__, fn.__qualname__, args))
+
+    def collect(self) -> list:
+        """The submitted task's per-rank results in rank order, or raise TaskError."""
+        if not self._pending:
+            raise RuntimeError("nothing submitted")
+        self._pending = False
         out: dict[int, object] = {}
         errors: list[TaskError] = []
         for _ in range(self.size):

@@ -6,8 +6,8 @@ numerics policy.
 
 Why: the all-pairs matrix covers every pair of hand-picked values; users pass shapes nobody
 picked. ``RINGBRIDGE_FUZZ_EXAMPLES`` sets the number of examples: 200 in the default run (3.5 to
-4.3 minutes measured on 2 cores: the test session compiles XLA:CPU at backend optimization level 0, see
-conftest.py), 1000 with ``--full`` / ``RINGBRIDGE_FULL=1``. The draws are derandomized (the same
+4.3 minutes measured on 2 cores: XLA:CPU compiles at backend optimization level 0, see
+parity.core.devices), 1000 with ``--full`` / ``RINGBRIDGE_FULL=1``. The draws are derandomized (the same
 200 every run) so a CI failure reproduces; ``--seed`` still varies the input values. A shrunk
 failure becomes an explicit ``@example`` below and stays there as a regression case.
 """
