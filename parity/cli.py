@@ -194,7 +194,7 @@ def _determinism(args, parser) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m parity", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m parity", description="ringbridge's parity harness: one command per check.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:12]))
     sub = parser.add_subparsers(dest="command", metavar="command")

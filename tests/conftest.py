@@ -31,6 +31,7 @@ def pytest_configure(config):
         os.environ["RINGBRIDGE_FULL"] = "1"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(config, items):
     """Mark every test with its tier (its folder under tests/)."""
     here = Path(__file__).parent
