@@ -28,6 +28,7 @@ from helpers import FULL, assert_passed, jax_runner, torch_runner  # noqa: E402
 from jax_impl.layouts import seq_multiple  # noqa: E402
 from parity.core.cases import KV_EXCHANGES, LAYOUTS, Case  # noqa: E402
 from parity.core.inputs import make_inputs, oracle  # noqa: E402
+from parity.core.mesh import MeshShape  # noqa: E402
 from parity.runners.pipeline import check_case  # noqa: E402
 
 EXAMPLES = int(os.environ.get("RINGBRIDGE_FUZZ_EXAMPLES", 1000 if FULL else 200))
@@ -75,6 +76,6 @@ def test_random_valid_configurations_match_the_oracle(case, seed, jax_devices, w
 
 def test_the_strategy_reaches_every_mesh_family():
     """The fuzz draws meshes of every algorithm (guards the strategy against silently narrowing)."""
-    strategies = {Case(ring=r, ulysses=u, data=d, ring_outer=o).strategy for d, r, u, o in MESHES}
-    assert strategies == {"ring", "ulysses", "usp", "double_ring", "double_ring_usp"}
+    strategies = {MeshShape(data=d, ring=r, ulysses=u, ring_outer=o).algorithm for d, r, u, o in MESHES}
+    assert strategies == {"local", "ring", "ulysses", "usp", "double_ring", "double_ring_usp"}  # local: data only
     assert {d * r * u for d, r, u, _ in MESHES} == {1, 2, 4, 8}
