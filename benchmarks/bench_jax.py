@@ -2,7 +2,7 @@
 through ``jax.nn.dot_product_attention``; FlashAttention-3 through flash_attn3_jax when
 installed), jax_impl in each mesh shape and block backend, and flash_attn3_jax's own ring.
 
-    python -m benchmarks.bench_jax --out rows.json [--seqs 32768,131072] [--meshes ring4,usp2x2]
+    python -m benchmarks.bench_jax --out rows.json [--seqs 32768,131072] [--meshes ring-r4,usp-r2xu2]
 
 Times are medians of ``--iters`` runs of one jitted program (forward, or forward+backward via
 ``jax.vjp``), each waited for with ``block_until_ready``; memory is XLA's compiled memory
@@ -192,7 +192,7 @@ def main(argv=None) -> None:
     if args.weak:
         per_gpu = int(args.weak)
         for n in (n for n in (1, 2, 4, 8) if n <= len(jax.devices())):
-            spec = MeshSpec(f"ring{n}") if n > 1 else MeshSpec("single")
+            spec = MeshSpec(f"ring-r{n}")
             for row in impl_rows(Problem(seq=per_gpu * n, **base), spec, args.layout if n > 1 else "contiguous",
                                  args.jax_backends.split(",")[0], args.iters, args.warmup, fwd_modes=(False,)):
                 row.extra["weak_scaling"] = True

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+from parity.core.mesh import MeshShape
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class Row:
     """One measured configuration (the JSON row; ``explore.benchmark_rows`` reads these)."""
 
     framework: str  # jax_impl, torch_impl, torch_cp, yunchang, fa3_jax, or a *_ceiling
-    strategy: str  # ring, ulysses, usp, double_ring, allgather, single
+    strategy: str  # MeshSpec.strategy (ring, ulysses, usp, double_ring, allgather, ...), or single
     layout: str
     seq_len: int
     devices: int
@@ -85,58 +88,50 @@ def finish(row: Row, problem: Problem, times_ms: list[float], peak_bytes: float 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """A sequence-parallel configuration by name: ``ring4``, ``ulysses4``, ``usp2x2`` (ring ×
-    ulysses), ``dring2x2`` (double ring outer × inner), ``agkv4`` / ``agusp2x2`` (all-gather
-    KV), ``single`` (one device)."""
+    """A sequence-parallel configuration by its ``parity.core.mesh`` name, the same names the
+    parity cases start with: ``ring-r4``, ``ulysses-u4``, ``usp-r2xu2`` (ring × ulysses),
+    ``double_ring-ro2xri2`` (outer × inner), ``double_ring_usp-ro2xri2xu2``, ``ring-agkv-r4`` /
+    ``usp-agkv-r2xu2`` (all-gather KV), ``ring-r1`` (one device)."""
 
     name: str
 
-    @property
-    def parts(self) -> tuple[str, tuple[int, ...]]:
-        import re
+    def __post_init__(self):
+        self.shape  # noqa: B018 — parse now: a bad name fails before any GPU work
 
-        m = re.fullmatch(r"([a-z]+?)(\d+(?:x\d+)*)?", self.name)
-        if not m:
-            raise ValueError(f"bad mesh spec {self.name!r}")
-        sizes = tuple(int(x) for x in m.group(2).split("x")) if m.group(2) else ()
-        return m.group(1), sizes
+    @cached_property
+    def shape(self) -> MeshShape:
+        return MeshShape.from_name(self.name)
 
     @property
     def axes(self) -> dict[str, int]:
-        kind, n = self.parts
-        table = {"single": lambda: {}, "ring": lambda: {"ring": n[0]}, "ulysses": lambda: {"ulysses": n[0]},
-                 "usp": lambda: {"ring": n[0], "ulysses": n[1]}, "agkv": lambda: {"ring": n[0]},
-                 "agusp": lambda: {"ring": n[0], "ulysses": n[1]},
-                 "dring": lambda: {"ring_outer": n[0], "ring_inner": n[1]},
-                 "dusp": lambda: {"ring_outer": n[0], "ring_inner": n[1], "ulysses": n[2]}}
-        if kind not in table:
-            raise ValueError(f"unknown mesh kind {kind!r} in {self.name!r}; known: {sorted(table)}")
-        return table[kind]()
+        return self.shape.axes
 
     @property
     def kv_exchange(self) -> str:
-        return "allgather" if self.parts[0].startswith("ag") else "ring"
+        return self.shape.kv_exchange
 
     @property
     def strategy(self) -> str:
-        return {"agkv": "allgather", "agusp": "allgather_usp", "dring": "double_ring", "dusp": "double_ring_usp"}.get(
-            self.parts[0], self.parts[0])
+        """The row's strategy label: the algorithm the mesh selects (``parity.core.mesh.algorithm``),
+        ``allgather`` / ``allgather_usp`` for all-gather KV."""
+        if self.kv_exchange == "allgather":
+            return "allgather" if self.shape.algorithm == "ring" else f"allgather_{self.shape.algorithm}"
+        return self.shape.algorithm
 
     @property
     def devices(self) -> int:
-        out = 1
-        for n in self.axes.values():
-            out *= n
-        return out
+        return self.shape.devices
 
     @property
     def ring(self) -> int:
-        a = self.axes
-        return a.get("ring", 1) * a.get("ring_outer", 1) * a.get("ring_inner", 1)
+        return self.shape.ring
 
     @property
     def ulysses(self) -> int:
-        return self.axes.get("ulysses", 1)
+        return self.shape.ulysses
+
+
+DEFAULT_MESHES = ("ring-r4", "ulysses-u4", "usp-r2xu2", "double_ring-ro2xri2", "ring-agkv-r4")
 
 
 def shared_arguments(description: str):
@@ -147,7 +142,7 @@ def shared_arguments(description: str):
     ap.add_argument("--out", required=True)
     ap.add_argument("--seqs", default="32768,131072")
     ap.add_argument("--ceiling-seq", type=int, default=32768, help="single-GPU ceiling tokens (0: skip)")
-    ap.add_argument("--meshes", default="ring4,ulysses4,usp2x2,dring2x2,agkv4")
+    ap.add_argument("--meshes", default=",".join(DEFAULT_MESHES), help="parity.core mesh names, comma-separated")
     ap.add_argument("--layout", default="zigzag")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)

@@ -52,7 +52,7 @@ import jax_impl.block
 import torch_impl.block
 import torch_impl.layouts
 from jax_impl.layouts import Mask
-from parity.numerics import LOWP_ABS_FLOOR, LOWP_FACTOR
+from parity.core.numerics import LOWP_ABS_FLOOR, LOWP_FACTOR
 
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 MASKS = (Mask.FULL, Mask.CAUSAL, Mask.STRICT)

@@ -1,7 +1,7 @@
 """``python -m benchmarks``: the JAX and torch benchmarks in one run on this machine's GPUs, then
 one results table (markdown + JSON) in ``benchmarks/results/<date>-<machine>.md``.
 
-    python -m benchmarks [--seqs 32768,131072] [--meshes ring4,ulysses4,usp2x2,dring2x2,agkv4]
+    python -m benchmarks [--seqs 32768,131072] [--meshes ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4]
     python -m benchmarks report PART.json [PART.json ...]   # table from saved parts
 
 The JAX part runs in its own process (one process, every GPU); the torch part under
@@ -122,7 +122,7 @@ def main(argv=None) -> None:
     ap.add_argument("--machine", default="h200x4")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--only", choices=("jax", "torch"), default=None)
-    ap.add_argument("--parts-dir", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--parts-dir", default="/tmp", help="where each side writes its rows")
     ap.add_argument("--jax-multi-controller", action="store_true",
                     help="also run jax_impl with one process per GPU (torchrun + jax.distributed.initialize)")
     a, rest = ap.parse_known_args(argv)

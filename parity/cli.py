@@ -1,114 +1,47 @@
-"""``python -m parity``: the same permuted NumPy inputs through jax_impl and torch_impl, every
-tensor compared with the float64 oracle and the two frameworks with each other; a table, then
-report.json / report.md; exit status 1 on any failure.
+"""``python -m parity <command>``: argument parsing, tables and reports only; the work is done by
+the subpackages. Commands (``python -m parity <command> -h`` for their options):
 
-A framework that is not installed is reported as *skipped*, never as passed, and so is a case
-that needs more devices than the machine has. An exception inside a case fails that case (with
-the traceback's last lines) and the run goes on.
+    (none) / run   the parity report: the same permuted NumPy inputs through jax_impl and
+                   torch_impl, every tensor compared with the float64 oracle and the frameworks
+                   with each other; a table, report.json / report.md, then the communication
+                   check; exit status 1 on any failure
+    list           the names of the cases a run would check
+    accounting     the communication model against XLA's HLO and torch's trace (parity.checks.traffic)
+    bstar          the critical batch of FSDP+TP training (parity.capacity.bstar)
+    calibrate      measure this machine's hardware profile (parity.capacity.calibrate)
+    scaling        error against device count (parity.probes.scaling)
+    determinism    run-to-run determinism per block kernel (parity.probes.determinism)
+
+Every command that runs code takes ``--devices cpu|gpu`` with the one default ``cpu`` (8 simulated
+JAX devices, gloo worlds). A framework that is not installed is reported as *skipped*, never as
+passed, and so is a case that needs more devices than the machine has. An exception inside a
+case fails that case (with the traceback's last lines) and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import time
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .cases import Case, full_matrix, pairwise_matrix
-from .compare import compare, compare_frameworks
-from .devices import configure_jax_devices
-from .inputs import TENSORS, make_inputs, oracle
+from .core.cases import Case, full_matrix, pairwise_matrix
+from .core.devices import configure_jax_devices
+from .core.inputs import TENSORS
+from .core.names import DEFAULT_DEVICES, DEVICES
+from .runners.base import FRAMEWORKS, Unavailable, load_runner
+from .runners.pipeline import STATUSES, CaseResult, Side, run_case_everywhere
 
-FRAMEWORKS = ("jax", "torch")
-STATUSES = ("passed", "failed", "skipped")
-
-
-@dataclass
-class Side:
-    """One framework's verdict on one case. ``errors``: tensor -> error in the policy's metric."""
-
-    status: str
-    errors: dict[str, float] = field(default_factory=dict)
-    detail: str = ""
-    checks: list = field(default_factory=list, repr=False)
-    results: dict = field(default_factory=dict, repr=False)
+COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "determinism")
 
 
-@dataclass
-class CaseResult:
-    """Every side of one case plus the JAX-vs-torch check (when both ran)."""
-
-    case: Case
-    sides: dict[str, Side]
-    cross: Side | None = None
-
-    @property
-    def status(self) -> str:
-        parts = [*self.sides.values(), *([self.cross] if self.cross else [])]
-        if any(p.status == "failed" for p in parts):
-            return "failed"
-        return "passed" if any(p.status == "passed" for p in parts) else "skipped"
-
-    def to_dict(self) -> dict:
-        side = lambda s: {"status": s.status, "errors": s.errors, "detail": s.detail}  # noqa: E731
-        return {"case": self.case.to_dict(), "status": self.status,
-                "sides": {f: side(s) for f, s in self.sides.items()},
-                "jax_vs_torch": side(self.cross) if self.cross else None}
-
-
-def load_runner(framework: str):
-    """The framework's runner module, or (None, reason) when it cannot be imported."""
-    try:
-        importlib.import_module(framework)
-        return importlib.import_module(f"parity.run_{framework}"), ""
-    except ImportError as err:
-        return None, f"{framework} not available: {err}"
-
-
-def _tail() -> str:
-    return "".join(traceback.format_exc().strip().splitlines(keepends=True)[-3:])
-
-
-def run_side(case: Case, runner, x, ref, devices: str) -> Side:
-    have = runner.device_count(devices)
-    if case.devices > have:
-        return Side("skipped", detail=f"needs {case.devices} devices, {devices} has {have}")
-    try:
-        got = runner.run_case(case, x, devices=devices)
-        control = None if case.dtype == "float32" else runner.run_control(case, x)
-        checks = compare(case, got, ref, control)
-    except Exception:  # noqa: BLE001 — a broken case is a failed case; the run continues
-        return Side("failed", detail=_tail())
-    bad = "; ".join(str(c) for c in checks if not c.ok)
-    return Side("failed" if bad else "passed", {c.name: c.error for c in checks}, bad, checks, got)
-
-
-def run_case_everywhere(case: Case, runners: dict, seed: int, devices: str) -> CaseResult:
-    """One case through every framework in ``runners`` (framework -> runner module, or a reason
-    string when unavailable), on one set of inputs."""
-    x = make_inputs(case, seed)
-    ref = oracle(case, x)
-    sides = {f: (Side("skipped", detail=r) if isinstance(r, str) else run_side(case, r, x, ref, devices))
-             for f, r in runners.items()}
-    cross = None
-    if all(f in sides and sides[f].checks for f in FRAMEWORKS):
-        j, t = sides["jax"], sides["torch"]
-        checks = compare_frameworks(case, j.checks, t.checks, j.results, t.results)
-        bad = "; ".join(str(c) for c in checks if not c.ok)
-        cross = Side("failed" if bad else "passed", {c.name.split()[0]: c.error for c in checks}, bad)
-    return CaseResult(case, sides, cross)
-
-
-def _select(args) -> list[Case]:
-    cases = full_matrix() if args.full else pairwise_matrix()
-    if args.filter:
-        cases = [c for c in cases if all(term in c.name for term in args.filter.split())]
-    return cases
+def select_cases(full: bool, name_filter: str = "") -> list[Case]:
+    """The all-pairs matrix (or the full cross product), keeping names that contain every word
+    of ``name_filter``."""
+    cases = full_matrix() if full else pairwise_matrix()
+    return [c for c in cases if all(term in c.name for term in name_filter.split())]
 
 
 def _counts(results: list[CaseResult]) -> dict[str, int]:
@@ -166,56 +99,45 @@ def _print_table(results: list[CaseResult]) -> None:
         console.print(f"[yellow]skipped[/] {f}: {why}", highlight=False)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parity", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="run", choices=("run", "list"))
-    parser.add_argument("--full", action="store_true", help="the whole cross product instead of all-pairs")
-    parser.add_argument("--filter", default="", help="keep cases whose name contains every word of EXPR")
-    parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
-    parser.add_argument("--devices", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--frameworks", default="jax,torch", help="comma-separated subset of jax,torch")
-    parser.add_argument("--out", type=Path, default=Path("parity-report"))
-    parser.add_argument("--no-accounting", action="store_true",
-                        help="skip the closing communication check (python -m parity accounting)")
-    args = parser.parse_args(argv)
-    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+def _frameworks(parser, text: str) -> list[str]:
+    frameworks = [f.strip() for f in text.split(",") if f.strip()]
     if set(frameworks) - set(FRAMEWORKS) or not frameworks:
-        parser.error(f"--frameworks must be a subset of {FRAMEWORKS}, got {args.frameworks!r}")
-    cases = _select(args)
-    if args.command == "list":
-        print("\n".join(c.name for c in cases))
-        return 0
+        parser.error(f"--frameworks must be a subset of {FRAMEWORKS}, got {text!r}")
+    return frameworks
+
+
+def run_report(args, parser) -> int:
+    """The default command: every selected case through every framework, then the
+    communication check of the configurations the filter selects."""
+    frameworks = _frameworks(parser, args.frameworks)
+    cases = select_cases(args.full, args.filter)
     if not cases:
         parser.error(f"no case matches --filter {args.filter!r} (see `python -m parity list`)")
     configure_jax_devices(args.devices)
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     print(f"ringbridge parity: {len(cases)} cases x {frameworks} on {args.devices}, seed {seed} "
           f"(reproduce with --seed {seed})")
-    runners = {}
-    for f in frameworks:
-        runner, why = load_runner(f)
-        runners[f] = runner or why
+    runners = {f: load_runner(f) for f in frameworks}
+    available = [f for f, r in runners.items() if not isinstance(r, Unavailable)]
     from rich.progress import track
+
+    from .runners.torch_world import close_worlds
 
     start = time.time()
     mismatches, verdicts = 0, []
     try:
         results = [run_case_everywhere(c, runners, seed, args.devices) for c in track(cases, description="cases")]
-        if not args.no_accounting:
-            from .accounting_check import run_all
+        if not args.no_accounting and available:
+            from .checks.traffic import run_all
 
-            available = [f for f in frameworks if not isinstance(runners[f], str)]
-            limit = min(r.device_count(args.devices) for r in runners.values() if not isinstance(r, str)) if available else 0
-            verdicts = run_all(available, args.devices, args.filter, limit) if available else []
+            limit = min(runners[f].device_count(args.devices) for f in available)
+            verdicts = run_all(available, args.devices, args.filter, limit, every_config=False)
     finally:
-        if "torch" in frameworks and not isinstance(runners["torch"], str):
-            from .torch_world import close_worlds
-
-            close_worlds()
+        close_worlds()
     seconds = time.time() - start
     _print_table(results)
     if verdicts:
-        from .accounting_check import print_verdicts
+        from .checks.traffic import print_verdicts
 
         mismatches = print_verdicts(verdicts)
     _write_reports(args.out, results, seed, seconds, args.devices)
@@ -225,3 +147,128 @@ def main(argv=None) -> int:
     if verdicts:
         print(f"communication: {len(verdicts) - mismatches} of {len(verdicts)} configurations equal the model")
     return 1 if counts["failed"] or not counts["passed"] or mismatches else 0
+
+
+def _list(args, parser) -> int:
+    print("\n".join(c.name for c in select_cases(args.full, args.filter)))
+    return 0
+
+
+def _accounting(args, parser) -> int:
+    from .checks.traffic import run_accounting
+
+    configure_jax_devices(args.devices)
+    return run_accounting(_frameworks(parser, args.frameworks), args.devices, args.filter)
+
+
+def _bstar(args, parser) -> int:
+    from .capacity.bstar import print_table
+
+    return print_table(args.preset, args.chips, args.hardware)
+
+
+def _calibrate(args, parser) -> int:
+    from .capacity.calibrate import calibrate
+
+    try:
+        return calibrate(args.devices, args.world, args.small, args.predict, args.name, args.out)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def _scaling(args, parser) -> int:
+    from .probes.scaling import run_scaling
+
+    configure_jax_devices(args.devices)
+    return run_scaling(args.devices, tuple(int(n) for n in args.counts.split(",")), args.dtype, args.seq,
+                       _frameworks(parser, args.frameworks), args.seed, args.plot, args.json)
+
+
+def _determinism(args, parser) -> int:
+    from .probes.determinism import run_determinism
+
+    configure_jax_devices(args.devices)
+    return run_determinism(args.devices, args.ring, args.seq, args.heads, args.head_dim, args.repeats,
+                           _frameworks(parser, args.frameworks), args.jax_backends.split(","),
+                           args.torch_backends.split(","), args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m parity", description="ringbridge's parity harness: one command per check.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:12]))
+    sub = parser.add_subparsers(dest="command", metavar="command")
+
+    def command(name: str, fn, help: str, devices: bool = True, frameworks: bool = False):
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn, parser=p)
+        if devices:
+            p.add_argument("--devices", choices=DEVICES, default=DEFAULT_DEVICES,
+                           help="cpu: 8 simulated JAX devices and gloo worlds; gpu: GPUs and NCCL (default: %(default)s)")
+        if frameworks:
+            p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated subset of jax,torch")
+        return p
+
+    for name in ("run", "list"):
+        p = command(name, run_report if name == "run" else _list,
+                    "the parity report (default command)" if name == "run" else "print the selected case names",
+                    devices=name == "run", frameworks=name == "run")
+        p.add_argument("--full", action="store_true", help="the whole cross product instead of all-pairs")
+        p.add_argument("--filter", default="", help="keep cases whose name contains every word of EXPR")
+        if name == "run":
+            p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
+            p.add_argument("--out", type=Path, default=Path("parity-report"))
+            p.add_argument("--no-accounting", action="store_true",
+                           help="skip the closing communication check (one configuration per model path; "
+                                "python -m parity accounting checks them all)")
+
+    p = command("accounting", _accounting, "communication model == XLA HLO == torch trace", frameworks=True)
+    p.add_argument("--filter", default="", help="keep configurations whose name contains every word")
+
+    from .capacity.bstar import PRESETS
+
+    p = command("bstar", _bstar, "critical batch B* of FSDP+TP training", devices=False)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cs336-xxl")
+    p.add_argument("--chips", type=int, default=None, help="N (devices) for the optimal-X rows")
+    p.add_argument("--hardware", default=None,
+                   help="a profile name in parity/capacity/profiles or a JSON file (python -m parity calibrate "
+                        "writes one) instead of the preset's hardware")
+
+    p = command("calibrate", _calibrate, "measure C and W per collective kind into a hardware profile")
+    p.add_argument("--world", type=int, default=None, help="processes (default: all GPUs; 4 on CPU)")
+    p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke runs, tests)")
+    p.add_argument("--predict", action="store_true", help="also time the FSDP+TP step and USP attention")
+    p.add_argument("--name", default=None, help="profile name (default: calibrated-<devices><world>)")
+    p.add_argument("--out", type=Path, default=Path("calibration"))
+
+    from .probes.scaling import BASE
+
+    p = command("scaling", _scaling, "error against device count (bf16 / fp16)", frameworks=True)
+    p.add_argument("--counts", default="1,2,4,8", help="device counts (those above the machine's are skipped)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--seq", type=int, default=BASE.seq)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="write the figure here (PNG)")
+    p.add_argument("--json", default=None, help="write the points here")
+
+    p = command("determinism", _determinism, "run-to-run determinism per block kernel", frameworks=True)
+    p.add_argument("--ring", type=int, default=2)
+    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--jax-backends", default="reference,cudnn,fa3")
+    p.add_argument("--torch-backends", default="reference,aten_flash,aten_cudnn")
+    p.add_argument("--json", default=None)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Parse ``argv`` (the parity report when no command is named) and run the command."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "run")
+    args = build_parser().parse_args(argv)
+    return args.fn(args, args.parser)

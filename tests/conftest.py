@@ -1,43 +1,49 @@
 """Test-session setup: 8 simulated CPU devices for JAX (set before JAX starts) and strict JAX
-numerics, so that an accidental rank broadcast fails instead of silently computing something."""
+numerics, so that an accidental rank broadcast fails instead of silently computing something;
+the ``--seed`` and ``--full`` options; the tier markers (a test's folder is its tier, see
+docs/testing.md); and the session fixtures ``seed``, ``jax_devices`` and ``worlds``. Helpers
+that are not fixtures live in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from parity.devices import configure_jax_devices
+from parity.core.devices import configure_jax_devices
 
-configure_jax_devices("cpu")  # before JAX is imported anywhere
-# The CPU tier compiles hundreds of small, distinct programs (every case and fuzz example is a new
-# shape): at LLVM optimization level 0 each compile-and-run took 22–63 % less (4 cases measured).
-# The HLO passes (what the accounting tests read) are unchanged; only machine-code optimization is
-# skipped.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+configure_jax_devices("cpu")  # before JAX is imported anywhere (and at LLVM optimization level 0: see there)
 
-import numpy as np  # noqa: E402
+import numpy as np  # noqa: E402 — after the XLA flags above
 import pytest  # noqa: E402
 
 try:
-    import jax  # noqa: E402
+    import jax
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
 except ImportError:  # the torch-only install still runs the pure and torch tiers
     jax = None
 
-
-
-FULL = os.environ.get("RINGBRIDGE_FULL", "") == "1"
+TIERS = ("unit", "multidevice", "gpu", "property")  # folder name == marker name
 
 
 def pytest_configure(config):
-    global FULL
     if config.getoption("--full"):  # before collection imports the test modules that read it
         os.environ["RINGBRIDGE_FULL"] = "1"
-        FULL = True
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its tier (its folder under tests/)."""
+    here = Path(__file__).parent
+    for item in items:
+        parts = Path(item.path).relative_to(here).parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
 
 
 def pytest_report_header(config):
+    from helpers import FULL
+
     seed = config.getoption("--seed")
     lines = [f"ringbridge: seed {seed} (pass --seed N to reproduce), full matrix: {FULL}"]
     if jax is not None:
@@ -46,8 +52,8 @@ def pytest_report_header(config):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--full", action="store_true", help="the full case matrix and 1000 fuzz examples "
-                     "(same as RINGBRIDGE_FULL=1)")
+    parser.addoption("--full", action="store_true", help="the full case matrix (marked slow) and 1000 fuzz "
+                     "examples (same as RINGBRIDGE_FULL=1)")
     parser.addoption("--seed", type=int, default=int(os.environ.get("RINGBRIDGE_SEED", np.random.SeedSequence().entropy % 2**31)),
                      help="seed of the random inputs (fresh each run unless given)")
 
@@ -66,4 +72,11 @@ def jax_devices():
     return devices
 
 
-from torch_world_fixture import worlds  # noqa: E402,F401  (session-scoped gloo worlds)
+@pytest.fixture(scope="session")
+def worlds():
+    """``get_world``: gloo worlds shared by the whole session, one per size, closed at its end."""
+    pytest.importorskip("torch")
+    from parity.runners import torch_world
+
+    yield torch_world.get_world
+    torch_world.close_worlds()

@@ -1,0 +1,123 @@
+"""The analytical communication model: what each device puts on the wire, per pass and per
+collective kind, as DESIGN.md defines "bytes":
+
+    p2p / ppermute: the buffer sent          all-to-all:     (n-1)/n of the buffer
+    all-gather:     (n-1)/n of the output    reduce-scatter: (n-1)/n of the input
+    all-reduce:     2(n-1)/n of the buffer
+
+A "call" is one collective on one buffer (a ring hop of K and V is two calls). The JAX count
+(``parity.accounting.hlo``, from compiled HLO) and the torch count (``parity.accounting.torch_trace``)
+must equal this model exactly, bytes and calls. The model reads an attention configuration by its
+attributes (``AttentionConfig``), so it needs no case type of the harness.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Protocol
+
+from ..core.names import DTYPE_BYTES
+
+PASSES = ("fwd", "bwd", "step")  # step: the optimizer step (ZeRO-1 parameter all-gather)
+KINDS = ("p2p", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")
+__all__ = ["PASSES", "KINDS", "DTYPE_BYTES", "Traffic", "AttentionConfig", "a2a_bytes", "attention_traffic"]
+
+
+class AttentionConfig(Protocol):
+    """What the attention model reads (``parity.core.cases.Case`` is one): global sizes and the
+    mesh's axis sizes, ``ring`` being the combined ring of ``ring_outer`` x inner devices."""
+
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    data: int
+    ring: int
+    ulysses: int
+    ring_outer: int
+    kv_exchange: str
+
+
+@dataclass
+class Traffic:
+    """calls and bytes per (pass, kind) for one device. Bytes are exact fractions (the (n-1)/n
+    factors), so equality is exact."""
+
+    table: dict = field(default_factory=lambda: defaultdict(lambda: [0, Fraction(0)]))
+
+    def add(self, pass_: str, kind: str, nbytes, calls: int = 1) -> None:
+        if pass_ not in PASSES or kind not in KINDS:
+            raise ValueError(f"unknown pass/kind {pass_!r}/{kind!r}")
+        entry = self.table[(pass_, kind)]
+        entry[0] += calls
+        entry[1] += Fraction(nbytes)
+
+    def rows(self) -> dict[tuple[str, str], tuple[int, Fraction]]:
+        return {key: (c, b) for key, (c, b) in sorted(self.table.items()) if c or b}
+
+    def bytes(self, pass_: str | None = None) -> Fraction:
+        return sum((b for (p, _), (_, b) in self.rows().items() if pass_ in (None, p)), Fraction(0))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Traffic) and self.rows() == other.rows()
+
+    def diff(self, other: "Traffic", names=("model", "measured")) -> str:
+        """Per-collective differences, one line each ('' when equal)."""
+        lines = []
+        for key in sorted(set(self.rows()) | set(other.rows())):
+            a, b = self.rows().get(key, (0, 0)), other.rows().get(key, (0, 0))
+            if a != b:
+                lines.append(f"{key[0]} {key[1]}: {names[0]} {a[0]} calls / {float(a[1]):.0f} B, "
+                             f"{names[1]} {b[0]} calls / {float(b[1]):.0f} B")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return "Traffic(" + ", ".join(f"{p}/{k}: {c} calls {float(b):.0f} B" for (p, k), (c, b) in self.rows().items()) + ")"
+
+
+def a2a_bytes(buffer: int, n: int) -> Fraction:
+    return Fraction(buffer * (n - 1), n)
+
+
+def attention_traffic(case: AttentionConfig, *, return_lse: bool = True) -> Traffic:
+    """Per-device traffic of ``sequence_parallel_attention`` for ``case`` (forward, and the
+    backward of a loss that uses o and, when returned, lse).
+
+    Ulysses (U > 1): all-to-all of q, k, v (KV heads replicated up to U first), o and, when
+    returned, lse; the backward transposes each of them (dq, dk, dv, do, dlse), dk and dv in
+    float32 when the KV heads were replicated.
+    Ring (R > 1), on the ring shard of T/R tokens and h/U, max(hk, U)/U heads: forward R-1 hops
+    of K and V; backward R-2 hops of K and V (it starts from the forward's first received K/V)
+    and R hops of float32 dK and dV. The double ring (R = O·I) moves the same in the forward and
+    R-1 K/V hops in the backward (it keeps nothing from the forward), plus the same R dK/dV hops.
+    All-gather KV (R > 1): forward one all-gather of K and of V (each (R-1)/R of the gathered R
+    shards); backward one reduce-scatter of float32 dK and of dV over the R shards.
+    """
+    t = Traffic()
+    e = DTYPE_BYTES[case.dtype]
+    b, ring, uly = case.batch // case.data, case.ring, case.ulysses
+    kv_heads = max(case.kv_heads, uly) if uly > 1 else case.kv_heads
+    d = case.head_dim
+    if uly > 1:
+        tokens = case.seq // (ring * uly)  # per device, before the all-to-all
+        q_buf, kv_buf, lse_buf = b * tokens * case.heads * d * e, b * tokens * kv_heads * d * e, b * tokens * case.heads * 4
+        # Replicated KV heads (hk < U): their gradients come back in float32 (summed there).
+        dkv_buf = b * tokens * kv_heads * d * 4 if case.kv_heads < uly else kv_buf
+        for pass_, kv in (("fwd", kv_buf), ("bwd", dkv_buf)):  # each all-to-all and its transpose
+            for buf in [q_buf, kv, kv, q_buf] + ([lse_buf] if return_lse else []):
+                t.add(pass_, "all-to-all", a2a_bytes(buf, uly))
+    if ring > 1 and case.kv_exchange == "allgather":  # gather K and V once; reduce-scatter f32 dK, dV
+        shard = b * (case.seq // ring) * (kv_heads // uly) * d
+        t.add("fwd", "all-gather", 2 * (ring - 1) * shard * e, calls=2)
+        t.add("bwd", "reduce-scatter", 2 * (ring - 1) * shard * 4, calls=2)
+    elif ring > 1:
+        shard = b * (case.seq // ring) * (kv_heads // uly) * d  # K (or V) elements per ring shard
+        t.add("fwd", "p2p", 2 * (ring - 1) * shard * e, calls=2 * (ring - 1))
+        kv_hops = ring - 1 if case.ring_outer > 1 else ring - 2
+        t.add("bwd", "p2p", 2 * kv_hops * shard * e, calls=2 * kv_hops)
+        t.add("bwd", "p2p", 2 * ring * shard * 4, calls=2 * ring)
+    return t

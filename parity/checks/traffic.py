@@ -1,0 +1,199 @@
+"""``python -m parity accounting``: the analytical communication model against what XLA's compiled
+HLO and torch's collectives move — bytes and calls, per device, per pass and collective kind —
+for sequence-parallel attention and for the FFN training step under DP / FSDP / TP / FSDP+TP /
+ZeRO-1. The same check closes the main ``python -m parity`` run.
+
+Every configuration is three-way: model == JAX HLO == torch trace, exactly. On XLA:CPU, bf16
+collectives are widened to float32 by the compiler (its CPU collectives have no bf16 path), so
+the JAX side of a low-precision configuration is compared with the model at 4 bytes per element
+there — a backend fact, pinned by its own test; GPUs move what the model says.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+
+from ..accounting.model import DTYPE_BYTES, Traffic, attention_traffic
+from ..core.cases import Case
+from ..core.names import Device
+from ..training.reference import TrainCase, make_train_inputs
+from ..training.traffic_model import ffn_step_traffic
+
+ATTENTION_CONFIGS = [
+    Case(ring=2), Case(ring=4), Case(ring=8), Case(ring=4, layout="stripe", kv_heads=2),
+    Case(ring=8, layout="contiguous", kv_heads=1, causal=False), Case(ring=4, layout="zigzag", head_dim=40),
+    Case(ulysses=2), Case(ulysses=4, kv_heads=2), Case(ulysses=8, kv_heads=1), Case(ulysses=4, kv_heads=8, causal=False),
+    Case(ring=2, ulysses=2), Case(ring=2, ulysses=2, kv_heads=1), Case(ring=2, ulysses=4, kv_heads=2),
+    Case(ring=4, ulysses=2, kv_heads=4, layout="stripe"), Case(ring=2, ulysses=2, data=2, batch=4, kv_heads=2),
+    Case(ring=4, data=2, batch=2), Case(ulysses=2, data=4, batch=4), Case(ring=1, data=8, batch=8),
+    Case(ring=4, kv_exchange="allgather"), Case(ring=8, layout="stripe", kv_heads=2, kv_exchange="allgather"),
+    Case(ring=2, ulysses=2, kv_heads=1, kv_exchange="allgather"),
+    Case(ring=4, ring_outer=2), Case(ring=4, ring_outer=2, ulysses=2, kv_heads=2, layout="stripe"),
+    Case(ring=8, ring_outer=4, layout="contiguous", kv_heads=1), Case(ring=8, ring_outer=2, causal=False),
+]
+
+TRAINING_CONFIGS = [
+    TrainCase("dp", fsdp=2), TrainCase("dp", fsdp=4), TrainCase("dp", fsdp=8, blocks=3),
+    TrainCase("fsdp", fsdp=2), TrainCase("fsdp", fsdp=4), TrainCase("fsdp", fsdp=8, blocks=3),
+    TrainCase("tp", tp=2), TrainCase("tp", tp=4, blocks=3),
+    TrainCase("fsdp_tp", fsdp=2, tp=2), TrainCase("fsdp_tp", fsdp=2, tp=4), TrainCase("fsdp_tp", fsdp=4, tp=2, blocks=3),
+    TrainCase("zero1", fsdp=2), TrainCase("zero1", fsdp=4, blocks=3),
+]
+
+
+def _attention_path(case: Case) -> tuple:
+    """The branch of ``attention_traffic`` a configuration exercises: algorithm, KV exchange,
+    whether Ulysses replicates KV heads (float32 dK/dV back through the all-to-all), data axis."""
+    return case.strategy, case.kv_exchange, case.ulysses > 1 and case.kv_heads < case.ulysses, case.data > 1
+
+
+def one_per_path(attention: list[Case], training: list[TrainCase]) -> tuple[list[Case], list[TrainCase]]:
+    """The first configuration of every distinct model path (attention: ``_attention_path``;
+    training: the strategy). The main ``python -m parity`` run closes with these — every branch
+    of both models, three-way, in about half the time of the whole list (18 of its 38
+    configurations); ``python -m parity accounting`` and the tests check every configuration."""
+    def first(items, key):
+        seen = {}
+        for item in items:
+            seen.setdefault(key(item), item)
+        return list(seen.values())
+
+    return first(attention, _attention_path), first(training, lambda c: c.strategy)
+
+
+@dataclass
+class Verdict:
+    """One configuration: the model and each framework's measurement (None: not run)."""
+
+    name: str
+    model: Traffic
+    measured: dict[str, Traffic | str] = field(default_factory=dict)  # str: the error that stopped it
+    widened: Traffic | None = None  # what XLA:CPU moves for a low-precision config (see above)
+
+    def problems(self) -> list[str]:
+        out = []
+        for framework, got in self.measured.items():
+            if isinstance(got, str):
+                out.append(f"{framework}: {got}")
+            elif got != self.expected(framework):
+                out.append(f"{framework}:\n" + self.expected(framework).diff(got, ("model", framework)))
+        return out
+
+    def expected(self, framework: str) -> Traffic:
+        return self.widened if framework == "jax" and self.widened is not None else self.model
+
+
+def _jax_widens(dtype: str, devices: str) -> bool:
+    return devices == "cpu" and DTYPE_BYTES[dtype] < 4
+
+
+def _last_line() -> str:
+    return traceback.format_exc().strip().splitlines()[-1]
+
+
+def check_attention(case: Case, frameworks, devices: Device = "cpu", return_lse: bool = True) -> Verdict:
+    measured = {}
+    for framework in frameworks:
+        try:
+            if framework == "jax":
+                from ..runners import jax_runner
+
+                measured[framework] = jax_runner.measure_attention_traffic(case, return_lse=return_lse)
+            else:
+                from ..runners import torch_runner
+
+                measured[framework] = torch_runner.measure_attention_traffic(case, devices=devices,
+                                                                             return_lse=return_lse)
+        except Exception:  # noqa: BLE001 — reported as that framework's failure
+            measured[framework] = _last_line()
+    widened = None
+    if _jax_widens(case.dtype, devices):
+        widened = attention_traffic(replace(case, dtype="float32"), return_lse=return_lse)
+    return Verdict(case.name + ("" if return_lse else "-o-only"), attention_traffic(case, return_lse=return_lse),
+                   measured, widened)
+
+
+def check_training(case: TrainCase, frameworks, devices: Device = "cpu") -> Verdict:
+    measured = {}
+    for framework in frameworks:
+        try:
+            if framework == "jax":
+                from ..training import jax_step
+
+                measured[framework] = jax_step.measure_traffic(case)
+            else:
+                from ..training import torch_step
+
+                measured[framework] = torch_step.measure_traffic(case, make_train_inputs(case), devices=devices)
+        except Exception:  # noqa: BLE001 — reported as that framework's failure
+            measured[framework] = _last_line()
+    widened = ffn_step_traffic(case.model_step(4)) if _jax_widens(case.dtype, devices) else None
+    return Verdict(case.name, ffn_step_traffic(case.model_step()), measured, widened)
+
+
+def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_limit: int = 8,
+            every_config: bool = True) -> list[Verdict]:
+    """Every built-in configuration (or, with ``every_config=False``, one per model path: see
+    ``one_per_path``) that fits on ``device_limit`` devices and matches the filter."""
+    from rich.progress import track
+
+    def keep(name: str, n: int) -> bool:
+        return n <= device_limit and all(t in name for t in name_filter.split())
+
+    attention = [c for c in ATTENTION_CONFIGS if keep(c.name, c.devices)]
+    training = [c for c in TRAINING_CONFIGS if keep(c.name, c.devices)]
+    if not every_config:
+        attention, training = one_per_path(attention, training)
+    jobs = [(check_attention, c) for c in attention] + [(check_training, c) for c in training]
+    return [fn(c, frameworks, devices) for fn, c in track(jobs, description="accounting")]
+
+
+def print_verdicts(verdicts: list[Verdict]) -> int:
+    """A table (model bytes per pass; ok per framework); returns the number of mismatches."""
+    from rich.console import Console
+    from rich.table import Table
+
+    frameworks = sorted({f for v in verdicts for f in v.measured})
+    table = Table(title="communication per device: model == measured (bytes and calls, every pass and kind)")
+    for col in ("config", "fwd B", "bwd B", "step B", "calls", *frameworks):
+        table.add_column(col, no_wrap=True)
+    bad = 0
+    for v in verdicts:
+        calls = sum(c for c, _ in v.model.rows().values())
+        marks = []
+        for f in frameworks:
+            got = v.measured.get(f)
+            ok = isinstance(got, Traffic) and got == v.expected(f)
+            marks.append("-" if got is None else "[green]==[/]" if ok else "[bold red]differs[/]")
+        bad += bool(v.problems())
+        table.add_row(v.name, *(f"{float(v.model.bytes(p)):,.0f}" for p in ("fwd", "bwd", "step")), str(calls), *marks)
+    console = Console(width=200)
+    console.print(table)
+    for v in verdicts:
+        for p in v.problems():
+            console.print(f"[bold red]MISMATCH[/] {v.name} {p}", highlight=False)
+    return bad
+
+
+def run_accounting(frameworks=("jax", "torch"), devices: Device = "cpu", name_filter: str = "") -> int:
+    """``python -m parity accounting``: every configuration, a table, exit status 1 on a mismatch
+    (JAX must already be configured for ``devices``)."""
+    from ..runners.base import Unavailable, load_runner
+    from ..runners.torch_world import close_worlds
+
+    runners = {f: load_runner(f) for f in frameworks}
+    available = [f for f, r in runners.items() if not isinstance(r, Unavailable)]
+    for f, r in runners.items():
+        if isinstance(r, Unavailable):
+            print(f"{f}: skipped ({r.reason})")
+    limit = min((runners[f].device_count(devices) for f in available), default=0)
+    start = time.time()
+    try:
+        verdicts = run_all(available, devices, name_filter, limit) if available else []
+    finally:
+        close_worlds()
+    bad = print_verdicts(verdicts)
+    print(f"{len(verdicts) - bad} of {len(verdicts)} configurations equal the model in {time.time() - start:.0f} s")
+    return 1 if bad or not verdicts else 0

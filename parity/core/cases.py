@@ -1,0 +1,155 @@
+"""The case matrix: one ``Case`` per (mesh, shapes, layout, causal, dtype, ...) combination.
+
+``full_matrix()`` is the cross product the issue asks for; ``pairwise_matrix()`` keeps every
+(layout, causal, mesh) triple and then just enough cases that every *pair* of factor values
+appears together at least once (greedy all-pairs), which is how the default test run stays fast
+while still meeting every mesh shape with every layout, head layout, head_dim and dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from functools import cached_property
+
+from .mesh import MeshShape, ring_position
+from .names import DTYPES, KV_EXCHANGES, LAYOUTS, Dtype, KvExchange, Layout, check_choice
+
+# (ring, ulysses) shapes: pure ring, pure Ulysses, and USP, 1-8 devices; (ring, ulysses,
+# ring_outer): the double ring, ring_outer x (ring / ring_outer) inner, alone and under Ulysses.
+MESHES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (4, 1, 2), (4, 2, 2))
+HEAD_LAYOUTS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # name -> (heads, kv_heads)
+HEAD_DIMS = (16, 40, 64)
+MATRIX_DTYPES = ("float32", "bfloat16")  # float16 is drawn by the property tier (tests/property)
+__all__ = ["Case", "MESHES", "HEAD_LAYOUTS", "HEAD_DIMS", "MATRIX_DTYPES", "LAYOUTS", "KV_EXCHANGES",
+           "ring_position", "full_matrix", "pairwise_matrix"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity case. Sizes are global; ``ring``/``ulysses``/``data`` are mesh-axis sizes;
+    ``ring_outer > 1`` lays the ring of ``ring`` devices out as the double ring
+    ``ring_outer x ring // ring_outer``. Invalid combinations raise ValueError at construction."""
+
+    ring: int = 1
+    ulysses: int = 1
+    data: int = 1
+    batch: int = 1
+    seq: int = 64
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 16
+    layout: Layout = "zigzag"
+    causal: bool = True
+    dtype: Dtype = "float32"
+    scale: float | None = None
+    kv_exchange: KvExchange = "ring"
+    ring_outer: int = 1
+
+    def __post_init__(self):
+        for field in ("batch", "seq", "heads", "kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("dtype", self.dtype, DTYPES)
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
+                                           and self.scale > 0):
+            raise ValueError(f"scale must be a finite positive number or None, got {self.scale!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads % kv_heads must be 0, got heads={self.heads}, kv_heads={self.kv_heads}")
+        if self.batch % self.data:
+            raise ValueError(f"batch % data must be 0, got batch={self.batch}, data={self.data}")
+        self.mesh  # noqa: B018 — MeshShape validates the mesh sizes and kv_exchange
+
+    @cached_property
+    def mesh(self) -> MeshShape:
+        return MeshShape(data=self.data, ring=self.ring, ulysses=self.ulysses, ring_outer=self.ring_outer,
+                         kv_exchange=self.kv_exchange)
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.devices
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """Mesh axis name -> size in canonical order (``MeshShape.axes``)."""
+        return self.mesh.axes
+
+    @property
+    def strategy(self) -> str:
+        """The algorithm the mesh selects (``parity.core.mesh.algorithm``)."""
+        return self.mesh.algorithm
+
+    def ring_coordinate(self, coords: dict) -> int:
+        """The combined ring index of a device at mesh ``coords`` (o·I + i in the double ring)."""
+        return ring_position(coords, self.mesh_axes)[0]
+
+    def sequence_block(self, coords: dict) -> int:
+        """Which of the ring·ulysses sequence blocks (layout order) the device at ``coords`` holds."""
+        return self.ring_coordinate(coords) * self.ulysses + coords.get("ulysses", 0)
+
+    @property
+    def name(self) -> str:
+        heads = f"h{self.heads}kv{self.kv_heads}"
+        scale = "" if self.scale is None else f"-s{self.scale:g}"
+        return (f"{self.mesh.name}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
+                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}")
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"name": self.name, "strategy": self.strategy}
+
+
+def _factors():
+    return {
+        "layout": LAYOUTS, "causal": (False, True), "mesh": MESHES,
+        "heads": tuple(HEAD_LAYOUTS), "head_dim": HEAD_DIMS, "dtype": MATRIX_DTYPES, "kv_exchange": KV_EXCHANGES,
+    }
+
+
+def _meaningful(values: dict) -> bool:
+    """All-gather KV replaces ring hops: on a mesh without a ring it is the same computation;
+    on a double ring it has no form of its own (one all-gather over the combined ring)."""
+    return values["kv_exchange"] == "ring" or (values["mesh"][0] > 1 and len(values["mesh"]) == 2)
+
+
+def _make(values: dict) -> Case:
+    ring, ulysses, *outer = values["mesh"]
+    heads, kv_heads = HEAD_LAYOUTS[values["heads"]]
+    return Case(ring=ring, ulysses=ulysses, heads=heads, kv_heads=kv_heads, head_dim=values["head_dim"],
+                layout=values["layout"], causal=values["causal"], dtype=values["dtype"],
+                kv_exchange=values["kv_exchange"], ring_outer=outer[0] if outer else 1)
+
+
+def full_matrix() -> list[Case]:
+    """Every meaningful combination of the factors (1944 cases)."""
+    f = _factors()
+    combos = (dict(zip(f, combo)) for combo in itertools.product(*f.values()))
+    return [_make(c) for c in combos if _meaningful(c)]
+
+
+def pairwise_matrix() -> list[Case]:
+    """Every (layout, causal, mesh) triple once, every pair of factor values at least once."""
+    f = _factors()
+    names = list(f)
+    combos = [c for c in (dict(zip(names, v)) for v in itertools.product(*f.values())) if _meaningful(c)]
+
+    def pairs(c):
+        return {((a, c[a]), (b, c[b])) for a, b in itertools.combinations(names, 2)}
+
+    uncovered = set().union(*(pairs(c) for c in combos))
+    chosen = []
+    # First every (layout, causal, mesh) triple, each with the completion covering most new pairs.
+    for layout, causal, mesh in itertools.product(f["layout"], f["causal"], f["mesh"]):
+        options = [c for c in combos if (c["layout"], c["causal"], c["mesh"]) == (layout, causal, mesh)]
+        best = max(options, key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    while uncovered:  # then greedy all-pairs for whatever is left
+        best = max(combos, key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return [_make(c) for c in chosen]

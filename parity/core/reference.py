@@ -1,0 +1,120 @@
+"""The float64 oracle: dense attention and its analytic gradients, in NumPy.
+
+Everything in ringbridge is checked against this module, so it is written for obviousness, not
+speed: one dense score matrix, one mask built from *original* token positions, and the textbook
+softmax-attention backward. Shapes (DESIGN.md letters):
+
+    q: [b, t, h, d]    k, v: [b, s, hk, d]    o: [b, t, h, d]    lse: [b, h, t]
+
+Query head ``h`` reads KV head ``h // (heads // kv_heads)`` (MHA, GQA and MQA alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .names import LAYOUTS
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What the oracle's forward keeps for the backward (all float64)."""
+
+    o: np.ndarray  # [b, t, h, d]
+    lse: np.ndarray  # [b, h, t]
+    probs: np.ndarray  # [b, h, t, s]
+
+
+def _expand_kv(x: np.ndarray, heads: int) -> np.ndarray:
+    """[b, s, hk, d] -> [b, s, h, d]: each KV head serves heads // hk consecutive query heads."""
+    kv_heads = x.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"heads % kv_heads must be 0, got heads={heads}, kv_heads={kv_heads}")
+    return np.repeat(x, heads // kv_heads, axis=2)
+
+
+def _mask(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool) -> np.ndarray:
+    """[t, s] bool: True where query at original position q_pos[t] may read key k_pos[s]."""
+    if not causal:
+        return np.ones((len(q_pos), len(k_pos)), dtype=bool)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def attention_forward(
+    q, k, v, *, causal: bool = False, scale: float | None = None, q_pos=None, k_pos=None
+) -> Forward:
+    """Dense attention in float64. ``q_pos``/``k_pos`` are original token positions (default:
+    0..t-1), so inputs in any layout order are masked by where tokens really are."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    b, t, h, d = q.shape
+    s = k.shape[1]
+    scale = d**-0.5 if scale is None else float(scale)
+    q_pos = np.arange(t) if q_pos is None else np.asarray(q_pos)
+    k_pos = np.arange(s) if k_pos is None else np.asarray(k_pos)
+    ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+    scores = np.einsum("bthd,bshd->bhts", q, ke) * scale
+    mask = _mask(q_pos, k_pos, causal)
+    scores = np.where(mask, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    if not np.all(np.isfinite(row_max)):
+        raise ValueError("a query row has no visible key; the oracle needs at least one per row")
+    unnorm = np.exp(scores - row_max)
+    denom = unnorm.sum(axis=-1, keepdims=True)
+    probs = unnorm / denom
+    lse = (row_max + np.log(denom))[..., 0]
+    o = np.einsum("bhts,bshd->bthd", probs, ve)
+    return Forward(o=o, lse=lse, probs=probs)
+
+
+def attention_backward(fwd: Forward, q, k, v, do, dlse=None, *, scale: float | None = None):
+    """Analytic gradients of (o, lse) with cotangents (do, dlse). Returns (dq, dk, dv), float64.
+
+    With P = softmax(S), S = scale·QKᵀ:  dV = Pᵀ dO,  dP = dO Vᵀ,
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse)   (d lse / dS = P),  dQ = scale·dS K,  dK = scale·dSᵀ Q.
+    GQA: dK, dV of a KV head sum over the query heads that read it.
+    """
+    q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    scale = d**-0.5 if scale is None else float(scale)
+    ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+    p = fwd.probs
+    dlse = np.zeros((b, h, t)) if dlse is None else np.asarray(dlse, dtype=np.float64)
+    dv_e = np.einsum("bhts,bthd->bshd", p, do)
+    dp = np.einsum("bthd,bshd->bhts", do, ve)
+    delta = np.einsum("bthd,bthd->bht", do, fwd.o) - dlse
+    ds = p * (dp - delta[..., None])
+    dq = np.einsum("bhts,bshd->bthd", ds, ke) * scale
+    dk_e = np.einsum("bhts,bthd->bshd", ds, q) * scale
+    group = h // kv_heads
+    dk = dk_e.reshape(b, -1, kv_heads, group, d).sum(axis=3)
+    dv = dv_e.reshape(b, -1, kv_heads, group, d).sum(axis=3)
+    return dq, dk, dv
+
+
+def layout_permutation(seq_len: int, layout: str, ring_size: int, ulysses_size: int = 1) -> np.ndarray:
+    """Oracle for DESIGN.md's layouts: entry i is the original token index at layout position i.
+
+    Written token by token from the definitions (deliberately not the vectorised form the
+    implementations use), so that the two can disagree.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    per_device = 2 * ring_size * ulysses_size if layout == "zigzag" else ring_size * ulysses_size
+    if seq_len % per_device:
+        raise ValueError(f"seq_len={seq_len} must be divisible by {per_device} for layout {layout!r}")
+    shard = seq_len // ring_size
+    order: list[int] = []
+    for r in range(ring_size):
+        if layout == "contiguous":
+            order.extend(range(r * shard, (r + 1) * shard))
+        elif layout == "zigzag":
+            chunk = seq_len // (2 * ring_size)
+            order.extend(range(r * chunk, (r + 1) * chunk))
+            mirror = 2 * ring_size - 1 - r
+            order.extend(range(mirror * chunk, (mirror + 1) * chunk))
+        else:  # stripe
+            order.extend(t for t in range(seq_len) if t % ring_size == r)
+    return np.array(order, dtype=np.int64)

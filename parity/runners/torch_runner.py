@@ -1,0 +1,160 @@
+"""Run one parity case with torch_impl: gloo worker processes on CPU (NCCL on GPUs).
+
+The parent slices nothing: every rank receives the global inputs (layout order, NumPy), takes
+its own shard by its mesh coordinates, runs forward and backward, and returns its shard of the
+results, which the parent stitches back together in original order. torch and torch_impl are
+imported inside the functions (the workers import them; the parent only for the control).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..core.cases import Case
+from ..core.inputs import TENSORS, Inputs, from_layout, permutation, to_layout
+from ..core.names import Device
+from .torch_world import get_world, make_mesh
+
+__all__ = ["TorchRunner", "RUNNER", "make_mesh", "rank_task", "traffic_task", "measure_attention_traffic",
+           "world_backend"]
+
+
+def world_backend(devices: Device) -> tuple[str, str]:
+    """(process-group backend, device type) for ``devices``."""
+    return ("nccl", "cuda") if devices == "gpu" else ("gloo", "cpu")
+
+
+def _shard(x: np.ndarray, case: Case, coords: dict, seq_dim: int) -> np.ndarray:
+    """This rank's block: batch block of "data", sequence block r*U + u."""
+    b = x.shape[0] // case.data
+    t = x.shape[seq_dim] // (case.ring * case.ulysses)
+    block, d = case.sequence_block(coords), coords.get("data", 0)
+    x = x[d * b:(d + 1) * b]
+    return np.take(x, np.arange(block * t, (block + 1) * t), axis=seq_dim)
+
+
+def _device(device_type: str):
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> dict:
+    """Runs on every rank: forward + backward of this rank's shard; returns its shards."""
+    import torch
+
+    import torch_impl
+
+    mesh = make_mesh(device_type, tuple(case.mesh_axes.items()))
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    device, dtype = _device(device_type), getattr(torch, case.dtype)
+
+    def local(arr, seq_dim=1, dt=dtype, grad=False):
+        t = torch.tensor(_shard(arr, case, coords, seq_dim), dtype=torch.float32, device=device).to(dt)
+        return t.requires_grad_(grad)
+
+    q, k, v = (local(a, grad=True) for a in (x.q, x.k, x.v))
+    o, lse = torch_impl.sequence_parallel_attention(
+        q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
+        return_lse=True, block_backend=block_backend)
+    torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
+    out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return {"coords": coords, **{n: t.detach().float().cpu().numpy() for n, t in out.items()}}
+
+
+def _stitch(case: Case, shards: list[dict]) -> dict[str, np.ndarray]:
+    """Reassemble per-rank shards into global layout-order arrays."""
+    def key(s):
+        return s["coords"].get("data", 0), case.sequence_block(s["coords"])
+
+    out = {}
+    for name in TENSORS:
+        seq_dim = 2 if name == "lse" else 1
+        rows: dict[int, list] = {}
+        for s in sorted(shards, key=key):
+            rows.setdefault(key(s)[0], []).append(s[name])
+        out[name] = np.concatenate([np.concatenate(rows[d], axis=seq_dim) for d in sorted(rows)], axis=0)
+    return {n: a.astype(np.float64) for n, a in out.items()}
+
+
+class TorchRunner:
+    """``Runner`` for torch_impl: ``task`` runs on every rank of a cached world of the case's
+    size (replaceable by fault-injection tests)."""
+
+    def __init__(self, block_backend: str = "auto", task=rank_task):
+        self.block_backend, self.task = block_backend, task
+
+    def device_count(self, devices: Device = "cpu") -> int:
+        """GPUs for NCCL worlds; on CPU a gloo world can have any number of processes (8 is what
+        the matrix needs and what 2 cores tolerate)."""
+        if devices == "gpu":
+            import torch
+
+            return torch.cuda.device_count()
+        return 8
+
+    def run_case(self, case: Case, x: Inputs, *, devices: Device = "cpu") -> dict[str, np.ndarray]:
+        """o, lse, dq, dk, dv from ``torch_impl.sequence_parallel_attention``, in original order."""
+        return self.start_case(case, x, devices=devices)()
+
+    def start_case(self, case: Case, x: Inputs, *, devices: Device = "cpu") -> Callable[[], dict[str, np.ndarray]]:
+        """Start the case on its world's ranks and return at once; calling the result waits for
+        them and gives what ``run_case`` gives (``check_case`` overlaps this with other work)."""
+        backend, device_type = world_backend(devices)
+        perm = permutation(case)
+        world = get_world(case.devices, backend)
+        world.submit(self.task, case, to_layout(x, perm), device_type, self.block_backend)
+        return lambda: from_layout(_stitch(case, world.collect()), perm)
+
+    def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
+        """Dense attention in the case's own dtype, in this process: the low-precision control."""
+        import torch
+
+        import torch_impl
+
+        dtype = getattr(torch, case.dtype)
+        q, k, v = (torch.tensor(a, dtype=torch.float32).to(dtype).requires_grad_() for a in (x.q, x.k, x.v))
+        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale)
+        torch.autograd.backward((o, lse), (torch.tensor(x.do, dtype=torch.float32).to(dtype),
+                                           torch.tensor(x.dlse, dtype=torch.float32)))
+        out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        return {n: t.detach().double().numpy() for n, t in out.items()}
+
+
+RUNNER = TorchRunner()
+
+
+def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
+    """Runs on every rank: forward and backward of random shards under the comm tracer;
+    returns this rank's traffic rows."""
+    import torch
+
+    import torch_impl
+
+    from ..accounting.torch_trace import CommTracer
+
+    mesh = make_mesh(device_type, tuple(case.mesh_axes.items()))
+    b = case.batch // case.data
+    t = case.seq // (case.ring * case.ulysses)
+    dtype, device = getattr(torch, case.dtype), _device(device_type)
+    q = torch.randn(b, t, case.heads, case.head_dim, device=device).to(dtype).requires_grad_()
+    k, v = (torch.randn(b, t, case.kv_heads, case.head_dim, device=device).to(dtype).requires_grad_() for _ in range(2))
+    with CommTracer() as tracer:
+        out = torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=case.causal, layout=case.layout,
+                                                     kv_exchange=case.kv_exchange, scale=case.scale,
+                                                     return_lse=return_lse)
+        outputs = out if return_lse else (out,)
+        with tracer.phase("bwd"):
+            torch.autograd.backward(outputs, [torch.randn_like(x) for x in outputs])
+    return tracer.traffic.rows()
+
+
+def measure_attention_traffic(case: Case, *, devices: Device = "cpu", return_lse: bool = True):
+    """Per-device ``Traffic`` of torch_impl for ``case``; every rank must report the same."""
+    from ..accounting.torch_trace import same_on_every_rank
+
+    backend, device_type = world_backend(devices)
+    per_rank = get_world(case.devices, backend).run(traffic_task, case, device_type, return_lse)
+    return same_on_every_rank(per_rank)

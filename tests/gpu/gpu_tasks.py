@@ -1,0 +1,54 @@
+"""What each rank of an NCCL world runs for the GPU tests (importable by name)."""
+
+from __future__ import annotations
+
+
+def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes: tuple, layout: str,
+                   block_backend: str, seed: int) -> dict:
+    """One bf16 causal case at long context: every rank builds the same global inputs, runs its
+    shard through torch_impl, and compares its shard with a float32 single-GPU reference (SDPA on
+    the same bf16-rounded values, autograd) and the bf16 single-GPU control (SDPA in bf16).
+    Returns per-tensor (max error, tolerance) under DESIGN.md's low-precision policy."""
+    import torch
+    import torch.nn.functional as F
+
+    import torch_impl
+    from parity.core.mesh import ring_position
+    from parity.core.numerics import LOWP_ABS_FLOOR, LOWP_FACTOR
+    from parity.runners.torch_runner import make_mesh
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b = 1
+    q, do = (torch.randn(b, seq, heads, head_dim, device=device, generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(b, seq, kv_heads, head_dim, device=device, generator=gen).bfloat16() for _ in range(2))
+
+    def dense(dtype):
+        leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v)]
+        qd, kd, vd = (x.transpose(1, 2) for x in leaves)
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True).transpose(1, 2)
+        o.backward(do.to(dtype))
+        return {"o": o.detach().float(), **{n: x.grad.float() for n, x in zip(("dq", "dk", "dv"), leaves)}}
+
+    ref, control = dense(torch.float32), dense(torch.bfloat16)
+
+    mesh = make_mesh("cuda", mesh_axes)
+    sizes = dict(mesh_axes)
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    ulysses = sizes.get("ulysses", 1)
+    ring_coord, ring = ring_position(coords, sizes)  # the combined ring (double ring: o·I + i of O·I)
+    perm = torch.as_tensor(torch_impl.layout_permutation(seq, layout, ring, ulysses), device=device)
+    block = ring_coord * ulysses + coords.get("ulysses", 0)
+    mine = perm[block * seq // (ring * ulysses):(block + 1) * seq // (ring * ulysses)]
+    local = [x[:, mine].detach().clone().requires_grad_() for x in (q, k, v)]
+    o = torch_impl.sequence_parallel_attention(*local, mesh, causal=True, layout=layout, block_backend=block_backend)
+    o.backward(do[:, mine])
+    torch.cuda.synchronize()
+    got = {"o": o.detach().float(), **{n: x.grad.float() for n, x in zip(("dq", "dk", "dv"), local)}}
+    out = {}
+    for name, value in got.items():
+        r, c = ref[name][:, mine], control[name][:, mine]
+        err = float((value - r).abs().max())
+        tol = LOWP_FACTOR * float((c - r).abs().max()) + LOWP_ABS_FLOOR["bfloat16"] * float(r.abs().max())
+        out[name] = (err, tol)
+    return out

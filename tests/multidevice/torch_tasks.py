@@ -1,0 +1,126 @@
+"""Functions the torch tests run on every rank of a gloo world (importable by name)."""
+
+from __future__ import annotations
+
+
+def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
+    """Call sequence_parallel_attention with collectives booby-trapped; return (error type, message)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from parity.runners.torch_runner import make_mesh
+
+    mesh = make_mesh("cpu", tuple(mesh_axes))
+    saved = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_to_all_single")}
+
+    def tripwire(*a, **k):
+        raise AssertionError("a collective was reached: validation must come first")
+
+    try:
+        for n in saved:
+            setattr(dist, n, tripwire)
+        q, k, v = (torch.ones(s, dtype=getattr(torch, d)) for s, d in zip((q_shape, k_shape, v_shape), dtypes))
+        torch_impl.sequence_parallel_attention(q, k, v, mesh, **kwargs)
+    except (ValueError, TypeError, NotImplementedError, AssertionError) as err:
+        return type(err).__name__, str(err)
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return None, "no error"
+
+
+def rank_task_with_local_causal_mask(case, x, device_type, block_backend):
+    """parity.runners.torch_runner.rank_task with a planted bug: the ring masks causally by *local* layout
+    positions (every layout planned as if it were contiguous) instead of original positions."""
+    import torch_impl.schedule as schedule
+    from parity.runners.torch_runner import rank_task
+
+    real = schedule.step_plan
+    schedule.step_plan = lambda layout, causal: real("contiguous", causal)
+    try:
+        return rank_task(case, x, device_type, block_backend)
+    finally:
+        schedule.step_plan = real
+
+
+def rank0_fails_before_a_collective() -> None:
+    """Rank 0 raises; every other rank enters an all-reduce that rank 0 never joins."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise ValueError("rank 0 refuses its input")
+    dist.all_reduce(torch.ones(4))
+
+
+def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool, device_type: str = "cpu"):
+    """Every rank calls sequence_parallel_attention on ring-shaped local shards, except that the
+    ranks named in ``rank_overrides`` (rank -> dict of q_seq / kv_seq / dtype / causal) pass something else.
+    Returns (error type, message), or (None, "no error")."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from parity.runners.torch_runner import make_mesh
+    from torch_impl.config import CHECK_RANKS_ENV
+
+    mine = {"q_seq": 8, "kv_seq": 8, "dtype": "float32", "causal": True} | rank_overrides.get(dist.get_rank(), {})
+    dtype, device = getattr(torch, mine["dtype"]), device_type if device_type == "cpu" else torch.cuda.current_device()
+    q = torch.randn(1, mine["q_seq"], 4, 8, device=device).to(dtype).requires_grad_()
+    k, v = (torch.randn(1, mine["kv_seq"], 4, 8, device=device).to(dtype).requires_grad_() for _ in range(2))
+    saved = os.environ.get(CHECK_RANKS_ENV)
+    os.environ[CHECK_RANKS_ENV] = "1" if check_ranks else "0"
+    try:
+        o = torch_impl.sequence_parallel_attention(q, k, v, make_mesh(device_type, tuple(mesh_axes)), causal=mine["causal"],
+                                                   layout="contiguous")
+        o.sum().backward()
+    except (ValueError, TypeError) as err:
+        return type(err).__name__, str(err)
+    finally:
+        os.environ.pop(CHECK_RANKS_ENV) if saved is None else os.environ.__setitem__(CHECK_RANKS_ENV, saved)
+    return None, "no error"
+
+
+def recorded_transfers_task() -> dict:
+    """Every rank runs the double ring (2 x 2), the ring (4) and all-gather KV (4), forward and
+    backward, with a recording ``torch_impl.comm.Comm`` installed around the forward only (the
+    backward must use the one in its config). Returns {strategy: transfers asked for}."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_impl
+    from torch_impl.comm import Comm, using
+
+    seen: list = []
+
+    class Recording(Comm):
+        def shift(self, hop, groups):
+            seen.append(hop.value)
+            return super().shift(hop, groups)
+
+        def gather(self, x, group, async_op=False):
+            seen.append("gather")
+            return super().gather(x, group, async_op=async_op)
+
+        def scatter(self, x_all, group):
+            seen.append("scatter")
+            return super().scatter(x_all, group)
+
+    out = {}
+    meshes = {"double_ring": (((2, 2), ("ring_outer", "ring_inner")), "ring"),
+              "ring": (((4,), ("ring",)), "ring"), "allgather": (((4,), ("ring",)), "allgather")}
+    gen = torch.Generator().manual_seed(0)
+    for name, ((sizes, dims), exchange) in meshes.items():
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=dims)
+        q, k, v = (torch.randn(1, 4, 2, 8, generator=gen).requires_grad_() for _ in range(3))
+        seen.clear()
+        with using(Recording()):
+            o = torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=True, layout="zigzag",
+                                                       kv_exchange=exchange)
+        forward = list(seen)
+        o.sum().backward()
+        out[name] = {"forward": forward, "backward": seen[len(forward):]}
+    return out

@@ -1,0 +1,73 @@
+"""The traffic model and the HLO counter on inputs worked by hand (no compiler, no mesh)."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity.accounting.hlo import count_collectives
+from parity.accounting.model import Traffic, attention_traffic
+from parity.core.cases import Case
+
+
+def test_ring_traffic_formula_by_hand():
+    """Ring 4, one ring shard of K = 1·16·8·16 float32 = 8 KiB: forward 3 hops of K and V
+    (6 calls, 48 KiB); backward 2 hops of K and V plus 4 hops of float32 dK and dV
+    (4 + 8 calls, 32 KiB + 64 KiB)."""
+    t = attention_traffic(Case(ring=4))
+    kib = 1024
+    assert t.rows() == {("bwd", "p2p"): (12, 96 * kib), ("fwd", "p2p"): (6, 48 * kib)}
+
+
+HLO = """HloModule m
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %cp = f32[4,8]{1,0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %cp)
+}
+
+ENTRY %main (a: f32[4,8], b: bf16[2,8]) -> f32[16,8] {
+  %a2a = (f32[2,8]{1,0}, f32[2,8]{1,0}) all-to-all(%s0, %s1), channel_id=2, replica_groups={{0,1},{2,3}}
+  %ag = f32[16,8]{1,0} all-gather(%a), channel_id=3, replica_groups=[1,4]<=[4], dimensions={0}
+  %rs = bf16[1,8]{1,0} reduce-scatter(%b), channel_id=4, replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+  %ars = f32[4,8]{1,0} all-reduce-start(%a), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%add
+  %ard = f32[4,8]{1,0} all-reduce-done(%ars)
+  %arc = (f32[4,8]{1,0}, bf16[2,8]{1,0}) all-reduce(%a, %b), channel_id=6, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ar1 = f32[4,8]{1,0} all-reduce(%a), channel_id=7, replica_groups={{0},{1},{2},{3}}, to_apply=%add
+  %ags = ((bf16[2,8]{1,0}), bf16[8,8]{1,0}) all-gather-start(%b), channel_id=8, replica_groups=[1,4]<=[4], dimensions={0}
+  %cps = ((f32[4,8]{1,0}, f32[4,8]{1,0}), (f32[4,8]{1,0}, f32[4,8]{1,0})) collective-permute-start(%a, %a), channel_id=9, source_target_pairs={{0,1},{1,0}}
+  %arm = f32[4,8]{1,0} all-reduce(%a), channel_id=10, replica_groups=mesh['x'=2,'y'=4] {'y'}, to_apply=%add
+  %w = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[16,8]{1,0} copy(%ag)
+}
+"""
+
+
+def test_hlo_counter_on_a_handwritten_program():
+    """Each collective form sized by DESIGN.md's rule; async done not counted; a while body
+    counted trip-count times (3 collective-permutes of 128 B); a combined (tuple) all-reduce is
+    one call per buffer, and so is a combined collective-permute (K and V in one instruction, as
+    XLA:GPU emits); a group of one device moves nothing; async starts sized by their outputs;
+    jax ≥ 0.11's mesh-form replica groups read by the named axes' sizes."""
+    t = count_collectives(HLO, "fwd")
+    assert t.rows() == {
+        ("fwd", "p2p"): (3 + 2, 3 * 128 + 256),
+        ("fwd", "all-to-all"): (1, 64),  # 128 B buffer, n = 2
+        ("fwd", "all-gather"): (2, 384 + 96),  # 512 B gathered, n = 4 -> 3/4; start: 128 B output -> 96
+        ("fwd", "reduce-scatter"): (1, 16),  # output 16 B, n = 2 -> input 32 B -> 1/2
+        ("fwd", "all-reduce"): (4, 192 + 128 + 32 + 192),  # 128 B, n = 4 -> 2·3/4; combined 128 B + 32 B,
+        # n = 2 -> 2·1/2; mesh form over 'y' (4 devices): 128 B -> 2·3/4
+    }
+
+
+def test_while_without_trip_count_is_refused():
+    with pytest.raises(ValueError, match="known_trip_count"):
+        count_collectives(HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', ""), "fwd")
+
+
+def test_traffic_diff_names_the_collective():
+    a, b = Traffic(), Traffic()
+    a.add("fwd", "p2p", 100, 2)
+    b.add("fwd", "p2p", 50, 1)
+    assert a != b and a.diff(b) == "fwd p2p: model 2 calls / 100 B, measured 1 calls / 50 B"

@@ -1,0 +1,141 @@
+"""Tier 1 — jax_impl's pure pieces: layouts, the causal step plan, the block kernel, the merge.
+These are cheap and pin down each piece before the multi-device tests combine them."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from jax_impl import layout_permutation, merge_partials  # noqa: E402
+from jax_impl.block import reference_block_bwd, reference_block_fwd  # noqa: E402
+from jax_impl.layouts import LAYOUTS  # noqa: E402
+from jax_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, Part, step_plan  # noqa: E402
+from parity.core import reference  # noqa: E402
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("ring,ulysses", [(1, 1), (2, 1), (3, 1), (4, 2), (8, 1), (2, 4)])
+def test_layout_permutation_matches_oracle(layout, ring, ulysses):
+    """jax_impl's vectorised layouts equal the token-by-token oracle (and are permutations)."""
+    n = 2 * ring * ulysses * 3
+    got = layout_permutation(n, layout, ring, ulysses)
+    np.testing.assert_array_equal(got, reference.layout_permutation(n, layout, ring, ulysses))
+    np.testing.assert_array_equal(np.sort(got), np.arange(n))
+
+
+def _visible_by_plan(layout: str, causal: bool, ring: int, shard: int) -> np.ndarray:
+    """[seq, seq] count of how often each (query, key) pair of layout positions is computed,
+    following the step plan on every device at every step."""
+    plan = step_plan(layout, causal)
+    computed = np.zeros((ring * shard, ring * shard), dtype=int)
+    for r, step in itertools.product(range(ring), range(ring)):
+        src = (r - step) % ring
+        block = plan.local if step == 0 else plan.from_earlier if step <= r else plan.from_later
+        if block is None:
+            continue
+        q_lo, q_hi = block.q_part.bounds(shard)
+        k_lo, k_hi = block.kv_part.bounds(shard)
+        rows, cols = np.meshgrid(np.arange(q_lo, q_hi), np.arange(k_lo, k_hi), indexing="ij")
+        keep = {FULL_MASK: np.ones_like(rows, bool), CAUSAL_MASK: cols - k_lo <= rows - q_lo,
+                STRICT_MASK: cols - k_lo < rows - q_lo}[block.mask]
+        computed[r * shard + rows[keep], src * shard + cols[keep]] += 1
+    return computed
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ring", [1, 2, 3, 4, 8])
+def test_step_plan_computes_each_visible_pair_exactly_once(layout, causal, ring):
+    """The plan's blocks, over all devices and steps, cover every (query, key) pair the causal
+    mask allows exactly once and no other pair: nothing is lost, nothing counted twice."""
+    shard = 4
+    perm = reference.layout_permutation(ring * shard, layout, ring)
+    want = np.ones((ring * shard,) * 2, int)
+    if causal:
+        want = (perm[None, :] <= perm[:, None]).astype(int)
+    np.testing.assert_array_equal(_visible_by_plan(layout, causal, ring, shard), want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_step_plan_never_computes_fully_masked_block(layout):
+    """Every block the causal plan computes has at least one visible pair, and zigzag/stripe
+    off-diagonal blocks are half-size (zigzag) or strictly-lower (stripe): the balance claims."""
+    plan = step_plan(layout, causal=True)
+    blocks = [b for b in (plan.from_earlier, plan.from_later) if b is not None]
+    if layout == "contiguous":
+        assert plan.from_later is None and plan.from_earlier.mask == FULL_MASK
+    if layout == "zigzag":
+        assert all((b.q_part is Part.ALL) != (b.kv_part is Part.ALL) for b in blocks)
+    if layout == "stripe":
+        assert {b.mask for b in blocks} == {CAUSAL_MASK, STRICT_MASK}
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("mask", list(BLOCK_MASKS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_block_kernel_matches_oracle(mask, heads, kv_heads, seed):
+    """The portable block kernel's o, lse and gradients (given the block's own o/lse as global)
+    equal the oracle with the equivalent position mask; strict-causal row 0 is empty (lse=-inf)."""
+    rng = np.random.default_rng(seed)
+    b, t, d, scale = 2, 8, 16, 0.3
+    q, do = _rand(rng, b, t, heads, d), _rand(rng, b, t, heads, d)
+    k, v = _rand(rng, b, t, kv_heads, d), _rand(rng, b, t, kv_heads, d)
+    o, lse = reference_block_fwd(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, scale)
+    if mask == STRICT_MASK:  # row 0 sees nothing; the oracle (which needs a key per row) gets rows 1..
+        assert np.all(np.asarray(lse)[:, :, 0] == -np.inf) and np.all(np.asarray(o)[:, 0] == 0)
+        q_pos, rows = np.arange(t) - 0.5, slice(1, None)  # query i sees keys j <= i - 0.5
+    else:
+        q_pos, rows = np.arange(t), slice(None)
+    fwd = reference.attention_forward(q[:, rows], k, v, causal=mask != FULL_MASK, scale=scale,
+                                      q_pos=q_pos[rows], k_pos=np.arange(t))
+    np.testing.assert_allclose(np.asarray(o)[:, rows], fwd.o, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(lse)[:, :, rows], fwd.lse, rtol=2e-5, atol=2e-6)
+    if mask == STRICT_MASK:
+        return
+    dq, dk, dv = reference_block_bwd(jnp.asarray(do), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                     o, lse, mask, scale)
+    want = reference.attention_backward(fwd, q, k, v, do, scale=scale)
+    for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_merge_of_two_key_halves_equals_whole(seed):
+    """Attention over keys [A; B] is the LSE merge of attention over A and over B; merging an
+    empty partial (lse = -inf) changes nothing."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _rand(rng, 1, 6, 2, 8), _rand(rng, 1, 10, 2, 8), _rand(rng, 1, 10, 2, 8)
+    whole = reference.attention_forward(q, k, v)
+    o_a, lse_a = reference_block_fwd(jnp.asarray(q), jnp.asarray(k[:, :4]), jnp.asarray(v[:, :4]), FULL_MASK, 8**-0.5)
+    o_b, lse_b = reference_block_fwd(jnp.asarray(q), jnp.asarray(k[:, 4:]), jnp.asarray(v[:, 4:]), FULL_MASK, 8**-0.5)
+    o, lse = merge_partials(o_a, lse_a, o_b, lse_b)
+    np.testing.assert_allclose(np.asarray(o), whole.o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), whole.lse, rtol=1e-6)
+    o2, lse2 = merge_partials(o, lse, jnp.zeros_like(o), jnp.full_like(lse, -jnp.inf))
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+def test_deterministic_xla_flag_refuses_fa3(monkeypatch):
+    """With --xla_gpu_deterministic_ops=true, deterministic= defaults to True (read at the API
+    boundary only) and fa3 (dq differs run to run on H200 even then) raises; cudnn (made
+    deterministic by that flag) and reference pass. An explicit deterministic= wins."""
+    from jax_impl.block import get_backend
+    from jax_impl.config import default_deterministic
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true")
+    assert default_deterministic(None) and not default_deterministic(False)
+    with pytest.raises(RuntimeError, match="'fa3' is not deterministic"):
+        get_backend("fa3", deterministic=default_deterministic(None))
+    assert get_backend("cudnn", deterministic=True).name == "cudnn"
+    assert get_backend("auto", deterministic=True).name == "reference"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert not default_deterministic(None) and default_deterministic(True)
+    assert get_backend("fa3", deterministic=default_deterministic(None)).name == "fa3"

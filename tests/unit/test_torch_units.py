@@ -1,0 +1,113 @@
+"""Tier 1 — torch_impl's pure pieces on one process: every block-kernel backend that runs on
+CPU (portable einsum, aten CPU flash op) with every mask and head layout, and the LSE merge."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parity.core import reference  # noqa: E402
+from torch_impl import layout_permutation, merge_partials  # noqa: E402
+from torch_impl.block import get_backend  # noqa: E402
+from torch_impl.layouts import LAYOUTS  # noqa: E402
+from torch_impl.schedule import BLOCK_MASKS, FULL_MASK, STRICT_MASK  # noqa: E402
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_permutation_matches_oracle(layout):
+    for ring, ulysses in [(1, 1), (2, 1), (4, 2), (8, 1)]:
+        n = 2 * ring * ulysses * 3
+        np.testing.assert_array_equal(layout_permutation(n, layout, ring, ulysses),
+                                      reference.layout_permutation(n, layout, ring, ulysses))
+
+
+@pytest.mark.parametrize("backend", ["reference", "aten_cpu"])
+@pytest.mark.parametrize("mask", list(BLOCK_MASKS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_block_kernel_matches_oracle(backend, mask, heads, kv_heads, seed):
+    """o, lse and gradients of one block (its own o/lse as global, with an lse cotangent on the
+    reference path) equal the oracle under the equivalent position mask; row 0 of a strict block
+    is empty (o = 0, lse = -inf)."""
+    rng = np.random.default_rng(seed)
+    b, t, d, scale = 2, 8, 16, 0.3
+    q, do = rng.standard_normal((2, b, t, heads, d))
+    k, v = rng.standard_normal((2, b, t, kv_heads, d))
+    dlse = rng.standard_normal((b, heads, t)) if backend == "reference" else None
+    kernel = get_backend(backend)
+    tq, tk, tv, tdo = (torch.tensor(x, dtype=torch.float32) for x in (q, k, v, do))
+    o, lse = kernel.fwd(tq, tk, tv, mask, scale)
+    rows = slice(1, None) if mask == STRICT_MASK else slice(None)
+    q_pos = np.arange(t) - (0.5 if mask == STRICT_MASK else 0.0)  # strict: query i sees keys j < i
+    if mask == STRICT_MASK:
+        assert torch.all(lse[:, :, 0] == float("-inf")) and torch.all(o[:, 0] == 0)
+    fwd = reference.attention_forward(q[:, rows], k, v, causal=mask != FULL_MASK, scale=scale,
+                                      q_pos=q_pos[rows], k_pos=np.arange(t))
+    np.testing.assert_allclose(o[:, rows].numpy(), fwd.o, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(lse[:, :, rows].numpy(), fwd.lse, rtol=2e-5, atol=2e-6)
+    dl = None if dlse is None else torch.tensor(dlse, dtype=torch.float32)
+    dq, dk, dv = kernel.bwd(tdo, tq, tk, tv, o, lse, mask, scale, dl)
+    q_rows = q[:, rows]
+    want = reference.attention_backward(fwd, q_rows, k, v, do[:, rows], None if dlse is None else dlse[:, :, rows],
+                                        scale=scale)
+    for name, g, w in zip(("dq", "dk", "dv"), (dq[:, rows], dk, dv), want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_merge_of_two_key_halves_equals_whole(seed):
+    """Attention over keys [A; B] is the LSE merge of attention over A and over B."""
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((1, 6, 2, 8)), rng.standard_normal((1, 10, 2, 8)), rng.standard_normal((1, 10, 2, 8))
+    whole = reference.attention_forward(q, k, v)
+    kernel = get_backend("reference")
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float32) for x in (q, k, v))
+    o, lse = merge_partials(*kernel.fwd(tq, tk[:, :4], tv[:, :4], FULL_MASK, 8**-0.5),
+                            *kernel.fwd(tq, tk[:, 4:], tv[:, 4:], FULL_MASK, 8**-0.5))
+    np.testing.assert_allclose(o.numpy(), whole.o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), whole.lse, rtol=1e-6)
+
+
+def test_deterministic_mode_refuses_the_backend_measured_nondeterministic():
+    """torch.use_deterministic_algorithms(True): aten_cudnn (dq differs run to run on H200 even in
+    that mode) raises like torch's own non-deterministic ops; aten_flash and reference pass."""
+    from torch_impl.config import default_deterministic
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert default_deterministic(None) and not default_deterministic(False)
+        with pytest.raises(RuntimeError, match="'aten_cudnn' is not deterministic"):
+            get_backend("aten_cudnn", deterministic=default_deterministic(None))
+        assert get_backend("aten_flash", deterministic=True).name == "aten_flash"
+        assert get_backend("auto", deterministic=True).name == "reference"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with pytest.warns(UserWarning, match="not deterministic"):
+            assert get_backend("aten_cudnn", deterministic=default_deterministic(None)).name == "aten_cudnn"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not default_deterministic(None)
+    assert get_backend("aten_cudnn", deterministic=default_deterministic(None)).name == "aten_cudnn"  # allowed
+
+
+def test_in_place_merge_follows_the_merge_formula():
+    """merge_partials_into (the ring forward's in-place merge of a bf16 partial into a float32
+    accumulator; merge_partials is built on it) computes DESIGN.md's stable merge, checked in
+    float64 by hand, empty partials (lse_b = -inf) included."""
+    from torch_impl.merge import merge_partials_into
+
+    gen = torch.Generator().manual_seed(3)
+    o, o_b = torch.randn(2, 6, 4, 8, generator=gen), torch.randn(2, 6, 4, 8, generator=gen).bfloat16()
+    lse, lse_b = torch.randn(2, 4, 6, generator=gen), torch.randn(2, 4, 6, generator=gen)
+    lse_b[0, 1] = float("-inf")  # batch 0, head 1: an empty partial
+    o_before, lse_before = o.clone(), lse.clone()
+    w = torch.sigmoid(lse_b.double() - lse.double())
+    want_o = o.double() - w.transpose(1, 2).unsqueeze(-1) * (o.double() - o_b.double())
+    want_lse = lse.double() - torch.nn.functional.logsigmoid(lse.double() - lse_b.double())
+    merge_partials_into(o, lse, o_b, lse_b)
+    assert o.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(o[0, :, 1], o_before[0, :, 1]) and torch.equal(lse[0, 1], lse_before[0, 1])
