@@ -58,15 +58,16 @@ def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: flo
     (out / "report.json").write_text(json.dumps(
         {"seed": seed, "devices": devices, "seconds": round(seconds, 1), "summary": summary,
          "results": [r.to_dict() for r in results]}, indent=1))
-    head = "| case | status | " + " | ".join(f"{t} jax / torch / x" for t in TENSORS) + " |"
+    head = "| case | mode | status | " + " | ".join(f"{t} jax / torch / x" for t in TENSORS) + " |"
     lines = ["# ringbridge parity report", "",
-             f"seed {seed}, devices {devices}: {summary['passed']} passed, {summary['failed']} failed, "
+             (f"seed {seed}, devices {devices}: {summary['passed']} passed, {summary['failed']} failed, "
              f"{summary['skipped']} skipped in {seconds:.0f} s. Errors: float32 relative, low precision max-abs "
-             "(DESIGN.md); x = JAX vs torch.", "", head, "|---" * (2 + len(TENSORS)) + "|"]
+             "(DESIGN.md); x = JAX vs torch; mode: mesh = the real collectives, replay = every virtual device's "
+             "work run in turn on one device (too few devices for the mesh)."), "", head, "|---" * (3 + len(TENSORS)) + "|"]
     for r in results:
         j, t = r.sides.get("jax"), r.sides.get("torch")
         cells = " | ".join(f"{_fmt(j, n)} / {_fmt(t, n)} / {_fmt(r.cross, n)}" for n in TENSORS)
-        lines.append(f"| {r.case.name} | {r.status} | {cells} |")
+        lines.append(f"| {r.case.name} | {r.mode} | {r.status} | {cells} |")
     problems = [(r.case.name, f, s) for r in results for f, s in [*r.sides.items(), ("jax-vs-torch", r.cross)]
                 if s is not None and s.status != "passed"]
     if problems:
@@ -80,13 +81,14 @@ def _print_table(results: list[CaseResult]) -> None:
 
     table = Table(title="max error per tensor vs the float64 oracle — jax / torch (x: jax vs torch)")
     table.add_column("case", no_wrap=True)
+    table.add_column("mode")
     table.add_column("status")
     for t in TENSORS:
         table.add_column(t, no_wrap=True)
     style = {"passed": "green", "failed": "bold red", "skipped": "yellow"}
     for r in results:
         j, t = r.sides.get("jax"), r.sides.get("torch")
-        table.add_row(r.case.name, f"[{style[r.status]}]{r.status}[/]",
+        table.add_row(r.case.name, r.mode, f"[{style[r.status]}]{r.status}[/]",
                       *(f"{_fmt(j, n)} / {_fmt(t, n)}" for n in TENSORS))
     console = Console(width=220)
     console.print(table)
