@@ -52,12 +52,18 @@ def _fmt(side: Side | None, tensor: str) -> str:
     return f"{side.errors[tensor]:.1e}" if side and tensor in side.errors else "-"
 
 
-def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: float, devices: str) -> None:
+def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: float, devices: str,
+                   sweep: tuple | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = _counts(results)
-    (out / "report.json").write_text(json.dumps(
-        {"seed": seed, "devices": devices, "seconds": round(seconds, 1), "summary": summary,
-         "results": [r.to_dict() for r in results]}, indent=1))
+    payload = {"seed": seed, "devices": devices, "seconds": round(seconds, 1), "summary": summary,
+               "results": [r.to_dict() for r in results]}
+    if sweep is not None:
+        rows, crosses = sweep
+        payload["backend_sweep"] = {"rows": [r.to_dict() for r in rows],
+                                    "jax_vs_torch": [{"case": c.name, "backend": b, "status": s.status,
+                                                      "errors": s.errors, "detail": s.detail} for c, b, s in crosses]}
+    (out / "report.json").write_text(json.dumps(payload, indent=1))
     head = "| case | mode | status | " + " | ".join(f"{t} jax / torch / x" for t in TENSORS) + " |"
     lines = ["# ringbridge parity report", "",
              (f"seed {seed}, devices {devices}: {summary['passed']} passed, {summary['failed']} failed, "
@@ -72,7 +78,12 @@ def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: flo
                 if s is not None and s.status != "passed"]
     if problems:
         lines += ["", "## Not passed", ""] + [f"- `{n}` {f} **{s.status}**: {s.detail.strip()}" for n, f, s in problems]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    if sweep is not None:
+        from .probes.backend_sweep import sweep_markdown
+
+        text += "\n" + sweep_markdown(*sweep)
+    (out / "report.md").write_text(text)
 
 
 def _print_table(results: list[CaseResult]) -> None:
@@ -126,9 +137,14 @@ def run_report(args, parser) -> int:
     from .runners.torch_world import close_worlds
 
     start = time.time()
-    mismatches, verdicts = 0, []
+    mismatches, verdicts, sweep = 0, [], None
     try:
         results = [run_case_everywhere(c, runners, seed, args.devices) for c in track(cases, description="cases")]
+        if args.backend_sweep == "on" or (args.backend_sweep == "auto" and args.devices == "gpu"):
+            from .probes.backend_sweep import SWEEP_BACKENDS, run_sweep, sweep_cases
+
+            sweep = run_sweep(sweep_cases(seq=args.sweep_seq, head_dim=args.sweep_head_dim),
+                              {f: SWEEP_BACKENDS[f] for f in frameworks}, args.devices, seed)
         if not args.no_accounting and available:
             from .checks.traffic import run_all
 
@@ -142,13 +158,20 @@ def run_report(args, parser) -> int:
         from .checks.traffic import print_verdicts
 
         mismatches = print_verdicts(verdicts)
-    _write_reports(args.out, results, seed, seconds, args.devices)
+    _write_reports(args.out, results, seed, seconds, args.devices, sweep)
     counts = _counts(results)
+    sweep_failed = 0
+    if sweep is not None:
+        sweep_failed = sum(r.side.status == "failed" for r in sweep[0]) + sum(s.status == "failed" for *_, s in sweep[1])
+        print(f"backend sweep: {sum(r.side.status == 'passed' for r in sweep[0])} passed, "
+              f"{sum(r.side.status == 'failed' for r in sweep[0])} failed, "
+              f"{sum(r.side.status == 'skipped' for r in sweep[0])} skipped (framework:backend x case); "
+              f"jax-vs-torch {sum(s.status == 'passed' for *_, s in sweep[1])}/{len(sweep[1])} passed")
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
           f"in {seconds:.0f} s; reports in {args.out}/")
     if verdicts:
         print(f"communication: {len(verdicts) - mismatches} of {len(verdicts)} configurations equal the model")
-    return 1 if counts["failed"] or not counts["passed"] or mismatches else 0
+    return 1 if counts["failed"] or not counts["passed"] or mismatches or sweep_failed else 0
 
 
 def _list(args, parser) -> int:
@@ -220,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
             p.add_argument("--out", type=Path, default=Path("parity-report"))
+            p.add_argument("--backend-sweep", choices=("auto", "on", "off"), default="auto",
+                           help="every block backend of each framework through GPU-sized cases "
+                                "(parity.probes.backend_sweep; auto: on for --devices gpu)")
+            p.add_argument("--sweep-seq", type=int, default=8192, help="tokens of the sweep's ring-2 cases")
+            p.add_argument("--sweep-head-dim", type=int, default=128)
             p.add_argument("--no-accounting", action="store_true",
                            help="skip the closing communication check (one configuration per model path; "
                                 "python -m parity accounting checks them all)")
