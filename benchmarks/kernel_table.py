@@ -50,14 +50,15 @@ import torch
 
 import jax_impl.block
 import torch_impl.block
-import torch_impl.layouts
-from jax_impl.layouts import Mask
+import jax_impl.schedule
+import torch_impl.schedule
+from jax_impl.schedule import MaskKind as Mask
 from parity.core.numerics import LOWP_ABS_FLOOR, LOWP_FACTOR
 
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 MASKS = (Mask.FULL, Mask.CAUSAL, Mask.STRICT)
 HEADS = ((8, 8), (8, 2), (8, 1))  # (query heads, key/value heads): MHA, GQA, MQA
-BACKENDS = {"jax": ("reference", "cudnn", "fa3", "fa3_workspace"), "torch": ("reference", "aten_flash", "aten_cudnn")}
+BACKENDS = {"jax": ("reference", "cudnn", "fa3"), "torch": ("reference", "aten_flash", "aten_cudnn")}
 # Backends timed at --bench-tokens only when verified; the portable kernels materialise the
 # [b, h, t, s] float32 scores (137 GB at 32k tokens, 32 heads) and are not timed there.
 UNTIMED = {"reference": "materialises the [b, h, t, s] float32 scores"}
@@ -70,7 +71,7 @@ class Case:
 
     framework: str  # "jax" or "torch"
     backend: str
-    mask: str  # a jax_impl.layouts.Mask value
+    mask: str  # a schedule.MaskKind value
     heads: int
     kv_heads: int
     head_dim: int
@@ -234,37 +235,17 @@ def check(got: torch.Tensor, ref: torch.Tensor, control: torch.Tensor, dtype: st
 
 # ---- the backends under test -----------------------------------------------------------------------
 
-def _fa3_workspace_backend():
-    """Peer row: fa3's forward, and its backward kernel called through
-    benchmarks.fa3_workspace (workspaces sized for the kernel's row rounding). Full and causal
-    blocks only: strict is the causal kernel shifted by one row, which the fa3 row covers."""
-    from benchmarks.fa3_workspace import flash_mha_bwd
-
-    fa3 = jax_impl.block.get_backend("fa3")
-
-    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None):
-        if mask is Mask.STRICT or dlse is not None:
-            raise NotImplementedError("peer row covers full and causal blocks without an lse cotangent")
-        grads = flash_mha_bwd(do.astype(q.dtype), q, k, v, o.astype(q.dtype), lse, scale, mask is Mask.CAUSAL)
-        return tuple(g.astype(jnp.float32) for g in grads)
-
-    def fwd(q, k, v, mask, scale):
-        if mask is Mask.STRICT:
-            raise NotImplementedError("peer row covers full and causal blocks")
-        return fa3.fwd(q, k, v, mask, scale)
-
-    return jax_impl.block.BlockBackend("fa3_workspace", fwd, bwd, typed_for_shard_map=False)
-
-
 def get_backend(framework: str, name: str):
     if framework == "jax":
-        return _fa3_workspace_backend() if name == "fa3_workspace" else jax_impl.block.get_backend(name)
+        return jax_impl.block.get_backend(name)  # fa3: its backward mended (jax_impl/kernels/fa3.py)
     return torch_impl.block.get_backend(name)
 
 
 def jax_block_program(backend, mask: Mask, scale: float, backward: bool = True) -> Callable:
     """One jitted program: the block forward, then (optionally) its backward with the block's own
     o and lse, as a training step compiles them."""
+    mask = jax_impl.schedule.BlockMask(mask.value)
+
     def program(q, k, v, do):
         o, lse = backend.fwd(q, k, v, mask, scale)
         if not backward:
@@ -275,7 +256,7 @@ def jax_block_program(backend, mask: Mask, scale: float, backward: bool = True) 
 
 
 def torch_block_program(backend, mask: Mask, scale: float, backward: bool = True) -> Callable:
-    mask = torch_impl.layouts.Mask(mask.value)  # each framework has its own enum
+    mask = torch_impl.schedule.BlockMask(mask.value)  # each framework has its own class
 
     def program(q, k, v, do):
         o, lse = backend.fwd(q, k, v, mask, scale)
