@@ -11,6 +11,8 @@ the subpackages. Commands (``python -m parity <command> -h`` for their options):
     calibrate      measure this machine's hardware profile (parity.capacity.calibrate)
     scaling        error against device count (parity.probes.scaling)
     determinism    run-to-run determinism per block kernel (parity.probes.determinism)
+    peers          ringbridge's block backends and the single-GPU kernels a user could pick
+                   instead, verified against a float64 truth, then timed (parity.probes.kernels)
 
 Every command that runs code takes ``--devices cpu|gpu`` with the one default ``cpu`` (8 simulated
 JAX devices, gloo worlds). A framework that is not installed is reported as *skipped*, never as
@@ -34,7 +36,7 @@ from .core.names import DEFAULT_DEVICES, DEVICES
 from .runners.base import FRAMEWORKS, Unavailable, load_runner
 from .runners.pipeline import STATUSES, CaseResult, Side, run_case_everywhere
 
-COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "determinism")
+COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "determinism", "peers")
 
 
 def select_cases(full: bool, name_filter: str = "") -> list[Case]:
@@ -218,6 +220,21 @@ def _determinism(args, parser) -> int:
                            args.torch_backends.split(","), args.json)
 
 
+def _peers(args, parser) -> int:
+    """Everything after ``peers`` goes to parity.probes.kernels' own parser; on the CPU a reduced
+    run (portable kernels, the peers that run on a CPU, 128-token blocks, no timing)."""
+    configure_jax_devices(args.devices)
+    from .probes.kernels import main as kernels_main
+
+    rest = list(args.rest)
+    if args.devices == "cpu":
+        rest = ["--backends", "reference", "--peers", "cpu", "--tokens", "128", "--head-dims", "64",
+                "--no-timing", *rest]
+    if "--out" not in rest:
+        rest += ["--out", "parity-peers"]
+    return kernels_main(rest, prog="python -m parity peers")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m parity", description="ringbridge's parity harness: one command per check.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -281,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write the figure here (PNG)")
     p.add_argument("--json", default=None, help="write the points here")
 
+    p = command("peers", _peers, "block backends and peer kernels: verified, then timed (parity.probes.kernels; "
+                "its other options: --out, --tokens, --bench-tokens, --backends, --peers, --no-timing, ...)")
+
     p = command("determinism", _determinism, "run-to-run determinism per block kernel", frameworks=True)
     p.add_argument("--ring", type=int, default=2)
     p.add_argument("--seq", type=int, default=16384)
@@ -300,5 +320,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
         argv.insert(0, "run")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if argv[0] == "peers":  # the kernels probe parses the rest itself
+        args, rest = parser.parse_known_args(argv)
+        args.rest = rest
+    else:
+        args = parser.parse_args(argv)
     return args.fn(args, args.parser)
