@@ -18,8 +18,9 @@ def configure_jax_devices(devices: str = "cpu") -> None:
     measured). The HLO passes — what the accounting check counts — are unchanged; only machine-code
     optimization is skipped. An ``xla_backend_optimization_level`` already in XLA_FLAGS wins."""
     if devices == "cpu" and os.environ.get("JAX_PLATFORMS", "cpu") not in ("", "cpu"):
-        # A test session with JAX_PLATFORMS=cuda (the GPU tier): JAX on the GPU, sharing it with torch.
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # A test session with JAX_PLATFORMS=cuda (the GPU tier): JAX on the GPU, configured as for "gpu".
+        configure_jax_devices("gpu")
+        return
     if devices == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flags = os.environ.get("XLA_FLAGS", "")
