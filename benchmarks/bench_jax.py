@@ -118,7 +118,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     rows = []
     for fwd_only in fwd_modes:
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
-                  extra={"block_backend": backend, "mesh": spec.name, **({"variant": variant} if variant else {}),
+                  extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads, **({"variant": variant} if variant else {}),
                          **({"controllers": jax.process_count()} if jax.process_count() > 1 else {})})
 
         def attention(q, k, v, backend=backend):

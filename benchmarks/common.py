@@ -62,6 +62,9 @@ class Row:
     memory_vs_floor: float | None = None
     note: str = ""  # the error, when a configuration failed
     extra: dict = field(default_factory=dict)
+    # True: the row's exact path passed the parity check on a reduced problem before it was timed
+    # (benchmarks/verify.py); False: it failed (no throughput reported); None: not ringbridge's code.
+    verified: bool | None = None
 
     @property
     def iters_per_s(self) -> float | None:

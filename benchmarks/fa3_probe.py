@@ -1,5 +1,5 @@
 """Evidence for docs/gpu/fa3-finding.md: flash_attn3_jax 0.2.3's non-causal backward against a
-float32 truth, as the library calls its kernel and as ``benchmarks.fa3_workspace`` calls it.
+float32 truth, as the library calls its kernel and as ``jax_impl.kernels.fa3`` calls it.
 
     JAX_PLATFORMS=cuda python -m benchmarks.fa3_probe --out DIR     (one Hopper GPU, ~1 minute)
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.fa3_workspace import flash_mha_bwd
+from jax_impl.kernels.fa3 import flash_mha_bwd
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -68,7 +68,7 @@ def mended_grads(q, k, v, do, scale, causal, deterministic=False):
     from flash_attn3_jax.flash import _flash_mha_fwd
 
     o, lse = _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))
-    return flash_mha_bwd(do, q, k, v, o, lse, scale, causal, deterministic=deterministic)
+    return flash_mha_bwd(do, q, k, v, o, lse, causal, scale, deterministic=deterministic)
 
 
 def case(key, *, b=1, tq=4096, tk=None, h=8, hk=8, d=128, dtype=jnp.bfloat16, causal=False):

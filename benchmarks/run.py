@@ -2,7 +2,13 @@
 one results table (markdown + JSON) in ``benchmarks/results/<date>-<machine>.md``.
 
     python -m benchmarks [--seqs 32768,131072] [--meshes ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4]
+    python -m benchmarks --gpus 1 --machine h100 [...]      # one GPU: per-device work through the replay
     python -m benchmarks report PART.json [PART.json ...]   # table from saved parts
+
+Every ringbridge row's path is verified before it counts (``benchmarks/verify.py``): the
+``verified`` column; a failing path is a failing row, not a throughput. ``--gpus 1`` runs
+``benchmarks/bench_replay.py`` in this process (see there) and writes
+``results/<date>-<machine>-1gpu.md/.json``.
 
 The JAX part runs in its own process (one process, every GPU); the torch part under
 ``torchrun`` (one process per GPU). Each row's efficiency is its TFLOP/s per GPU over the best
@@ -60,6 +66,10 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
 def _backend_cell(extra: dict) -> str:
     """Block backend, plus the overlap probe's variant or the multi-controller process count."""
     cell = extra.get("block_backend", "")
+    if extra.get("resolved"):  # "auto" (or a named backend) -> the kernel of each mask kind
+        cell += " → " + ", ".join(f"{m}: {k}" for m, k in extra["resolved"].items())
+    if extra.get("replay_device") is not None:
+        cell += f" (device {extra['replay_device']})"
     if extra.get("variant"):
         cell += f" ({extra['variant']})"
     if extra.get("controllers"):
@@ -79,8 +89,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "same framework in this run. Memory: torch max_memory_allocated; JAX compiled memory analysis "
              "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse (+ grads) and one arriving K/V pair.", "",
              "| framework | strategy | layout | seq_len | ulysses | ring | fwd_only | backend | iters/s | ms/iter "
-             "| spread ms | peak MB/dev | ×floor | TFLOP/s/GPU | efficiency | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| spread ms | peak MB/dev | ×floor | TFLOP/s/GPU | efficiency | verified | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append("| " + " | ".join([
             r["framework"], r["strategy"], r["layout"], str(r["seq_len"]), str(r["ulysses"]), str(r["ring"]),
@@ -88,6 +98,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             _fmt(r.get("iters_per_s"), ".2f"), _fmt(r.get("ms_per_iter"), ".2f"), _fmt(r.get("ms_spread"), ".2f"),
             _fmt(r.get("peak_mb_per_device"), ".0f"), _fmt(r.get("memory_vs_floor"), ".2f"),
             _fmt(r.get("tflops_per_gpu"), ".1f"), _fmt(r.get("efficiency"), ".2f"),
+            {True: "yes", False: "**FAILED**", None: "—"}[r.get("verified")],
             (r.get("note") or "").replace("|", "/")[:120]]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -123,9 +134,20 @@ def main(argv=None) -> None:
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--only", choices=("jax", "torch"), default=None)
     ap.add_argument("--parts-dir", default="/tmp", help="where each side writes its rows")
+    ap.add_argument("--no-verify", action="store_true", help="do not verify the timed paths (rows: verified unknown)")
     ap.add_argument("--jax-multi-controller", action="store_true",
                     help="also run jax_impl with one process per GPU (torchrun + jax.distributed.initialize)")
     a, rest = ap.parse_known_args(argv)
+    if a.gpus == 1:
+        from . import bench_replay
+
+        rows = bench_replay.main(rest)
+        if "--smoke" in rest:  # a CPU check of the code path: no results file
+            print(markdown(add_efficiency([r.to_dict() for r in rows]), {"date": "smoke", "machine": "cpu",
+                                                                          "command": " ".join(argv), "versions": {}}))
+        elif "--dry-run" not in rest:
+            print(write([r.to_dict() for r in rows], "python -m benchmarks " + " ".join(argv), f"{a.machine}-1gpu"))
+        return
     parts = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     if a.only in (None, "jax"):
@@ -150,6 +172,13 @@ def main(argv=None) -> None:
         out.write_text(json.dumps(mc_rows))
         parts.append(out)
     rows = [r for p in parts for r in json.loads(p.read_text())]
+    if not a.no_verify:
+        from parity.core.devices import configure_jax_devices
+
+        configure_jax_devices("gpu")  # this process verifies; the timing processes have exited
+        from .verify import verify_rows
+
+        rows = verify_rows(rows)
     print(write(rows, "python -m benchmarks " + " ".join(argv), a.machine))
 
 

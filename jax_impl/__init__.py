@@ -3,7 +3,8 @@
 from .api import partition_specs, sequence_parallel_attention
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from .allgather import allgather_attention
-from .block import BlockBackend, get_backend, register_backend
+from . import kernels  # noqa: F401  (registers the built-in block backends)
+from .block import BlockBackend, get_backend, register_backend, resolve_backend
 from .comm import Comm
 from .config import AttentionConfig
 from .dense import dense_attention
@@ -18,6 +19,6 @@ from .usp import usp_attention
 __all__ = [
     "DATA", "LAYOUTS", "RING", "RING_INNER", "RING_OUTER", "ULYSSES", "AttentionConfig", "BlockBackend", "BlockMask",
     "Comm", "Schedule", "allgather_attention", "dense_attention", "device_visits", "double_ring_attention",
-    "get_backend", "layout_permutation", "merge_partials", "partition_specs", "register_backend",
+    "get_backend", "layout_permutation", "merge_partials", "partition_specs", "register_backend", "resolve_backend",
     "ring_attention", "sequence_parallel_attention", "ulysses_attention", "usp_attention",
 ]

@@ -1,29 +1,40 @@
-"""The local block kernel: attention of a query block against one K/V block, with its LSE.
+"""The local block kernel's interface, the registry of backends, and ``"auto"``: the routing table.
 
     block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32
     block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  all float32
 
-``mask`` is a :class:`schedule.BlockMask` (full / causal / strict today). ``block_bwd`` takes the
-*global* ``o`` and ``lse`` (after every block was merged), which is what makes per-block gradients
-sum to the true gradient. Backends are pluggable by name: the portable ``"reference"`` backend
-(einsum, float32 accumulation, any device) is the default and the fallback; fast GPU kernels
-register themselves under other names. Each says which masks and dtypes it takes
-(``BlockBackend.supports``), so a caller can refuse or reroute a block before any collective.
+q, do, o: [b, t, h, d]; k, v: [b, s, hk, d]; lse, dlse: [b, h, t] float32. ``mask`` is a
+:class:`schedule.BlockMask` (full / causal / strict today). ``block_bwd`` takes the *global* ``o``
+and ``lse`` (after every block was merged), which is what makes per-block gradients sum to the
+true gradient.
+
+**Backends** live in ``kernels/``, one module per kernel family, each registering itself here
+(``jax_impl/kernels/__init__.py`` imports them; none imports an optional package at module
+level): ``reference`` (portable einsum, float32, any device), ``cudnn`` (XLA's cuDNN fused
+attention), ``fa3`` (FlashAttention-3 through flash_attn3_jax, Hopper). ``kernels/`` is the one
+folder where jax_impl and torch_impl differ by nature — each binds its own framework's kernels —
+while the algorithm files mirror each other.
+
+**"auto"** is a routing backend: every block call resolves (device kind of the inputs, dtype,
+block mask, deterministic) to a concrete backend through :data:`AUTO_ROUTES` — the first row that
+matches and whose backend is registered and available — so one attention call may run its causal
+diagonal and its full off-diagonal blocks on different kernels. :func:`resolve_backend` gives the
+same answer as a name, for reports and benchmark rows. Inside ``jit`` the inputs have no device,
+so a traced call resolves for the default device (``jax.devices()[0]``: the platform ``jit``
+compiles for unless told otherwise); to force a kernel, name it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from .schedule import CAUSAL_MASK, BlockMask, MaskKind
+from .schedule import BlockMask, MaskKind
 
 F32 = jnp.float32
-# f32 matmuls at full precision: on GPUs XLA's default may use TF32, which breaks the 1e-5 policy.
-_PRECISION = jax.lax.Precision.HIGHEST
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,9 @@ class BlockBackend:
     typed_for_shard_map: bool = True
     # supports(mask, dtype name) -> whether the kernels compute that block mask in that dtype.
     supports: Callable[[BlockMask, str], bool] = lambda mask, dtype: True
+    # available() -> whether the kernels can run in this process (an optional package of the
+    # verified version is installed): "auto" routes only to available backends.
+    available: Callable[[], bool] = lambda: True
 
 
 _BACKENDS: dict[str, BlockBackend] = {}
@@ -45,6 +59,8 @@ _BACKENDS: dict[str, BlockBackend] = {}
 
 def register_backend(backend: BlockBackend) -> None:
     """Make ``backend`` selectable by name (tests use this to count kernel calls)."""
+    if backend.name == "auto":
+        raise ValueError("'auto' is the routing backend's name; register a concrete backend under another name")
     _BACKENDS[backend.name] = backend
 
 
@@ -55,161 +71,134 @@ def register_backend(backend: BlockBackend) -> None:
 NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"fa3"})
 
 
-def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBackend:
-    """The backend called ``name``; ``"auto"`` picks the fastest one registered for the default
-    device, which today is the portable reference everywhere. ``deterministic=True`` (the API's
-    ``deterministic`` argument, which defaults to whether XLA_FLAGS has
-    ``--xla_gpu_deterministic_ops=true``) refuses a backend measured non-deterministic in that mode.
-    XLA reads its flags when the backend starts, so this can only refuse a kernel: it cannot make
-    XLA's own ops deterministic."""
-    if name == "auto":
-        name = "reference"
+# ---- "auto": the routing table --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Route:
+    """One row of :data:`AUTO_ROUTES`: a block whose inputs match every field (``None``: any)
+    runs on ``backend``. ``reason``: the measurement or rule behind the row."""
+
+    backend: str
+    reason: str
+    device_kinds: tuple[str, ...] | None = None  # "cpu", "cuda", ... (:func:`device_kind_of`)
+    dtypes: tuple[str, ...] | None = None
+    masks: tuple[MaskKind, ...] | None = None
+    deterministic: bool | None = None
+
+    def matches(self, device_kind: str, dtype: str, mask: MaskKind, deterministic: bool) -> bool:
+        return ((self.device_kinds is None or device_kind in self.device_kinds)
+                and (self.dtypes is None or dtype in self.dtypes)
+                and (self.masks is None or mask in self.masks)
+                and (self.deterministic is None or deterministic == self.deterministic))
+
+
+LOW_PRECISION = ("bfloat16", "float16")
+ALL_MASKS = tuple(MaskKind)
+
+# First match wins; a row whose backend is not available (fa3 not installed at its verified
+# version) is passed over. Speeds: docs/gpu/kernel-table-2026-11-23-h100.md (H100, bf16, 32k
+# tokens, 32 heads, d 128, fwd+bwd TFLOP/s), each pair verified there against a float64 truth.
+AUTO_ROUTES: tuple[Route, ...] = (
+    Route("reference", "float32 is held to 1e-5 relative: only the portable kernel computes in float32",
+          dtypes=("float32",)),
+    Route("reference", "no fused kernel on the CPU", device_kinds=("cpu",)),
+    Route("cudnn", "XLA's deterministic mode makes cuDNN's backward deterministic; fa3's stays not",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, deterministic=True),
+    Route("fa3", "fastest verified in bf16: 632 / 600 / 598 TFLOP/s full / causal / strict vs cuDNN "
+          "573 / 556 / 541 (needs flash_attn3_jax 0.2.3; fp16 not yet verified on a GPU)",
+          device_kinds=("cuda",), dtypes=("bfloat16",), masks=ALL_MASKS, deterministic=False),
+    Route("cudnn", "verified bf16 and fp16 (fp16 resolves here, not to fa3, until fa3's fp16 is verified)",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION),
+    Route("reference", "any other platform: the portable kernel"),
+)
+
+
+def _kind(device) -> str:
+    if device.platform != "gpu":
+        return device.platform
+    return "rocm" if "rocm" in getattr(device.client, "platform_version", "").lower() else "cuda"
+
+
+def device_kind_of(x) -> str:
+    """The kind of device ``x`` lives on: "cpu", "cuda", "rocm", "tpu", ... A traced value has no
+    device: the default device's kind (see the module docstring)."""
+    concrete = not isinstance(x, jax.core.Tracer) and hasattr(x, "devices")
+    return _kind(next(iter(x.devices())) if concrete else jax.devices()[0])
+
+
+def _dtype_name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+
+
+def _mask_kind(mask) -> MaskKind:
+    return mask.kind if isinstance(mask, BlockMask) else MaskKind(mask)
+
+
+def _check_named(name: str, deterministic: bool) -> None:
     if name not in _BACKENDS:
-        raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)}")
+        raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)} and 'auto'")
     if name in NONDETERMINISTIC_WHEN_REQUESTED and deterministic:
         raise RuntimeError(f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
                            "runs) and deterministic=True (by default: XLA_FLAGS has "
                            "--xla_gpu_deterministic_ops=true): use 'cudnn' (deterministic in that mode) or 'reference'")
+
+
+def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: bool = False) -> str:
+    """The concrete backend that runs a block of ``dtype`` under ``mask`` (a BlockMask, MaskKind
+    or its value) on ``device_kind`` when ``name`` is asked for: ``name`` itself (checked), or for
+    ``"auto"`` the backend of the first matching row of :data:`AUTO_ROUTES` that is available."""
+    if name != "auto":
+        _check_named(name, deterministic)
+        return name
+    dtype, kind = _dtype_name(dtype), _mask_kind(mask)
+    for route in AUTO_ROUTES:
+        backend = _BACKENDS.get(route.backend)
+        if backend is not None and route.matches(device_kind, dtype, kind, bool(deterministic)) and backend.available():
+            return route.backend
+    raise ValueError(f"no block backend for {device_kind} {dtype} {kind.value} blocks (deterministic={deterministic})")
+
+
+def _process_device_kinds() -> set[str]:
+    return {"cpu", _kind(jax.devices()[0])}
+
+
+def _reachable(deterministic: bool) -> list[str]:
+    """Backends "auto" may route to in this process (rows of its device kinds, available)."""
+    kinds = _process_device_kinds()
+    names = [r.backend for r in AUTO_ROUTES
+             if (r.device_kinds is None or kinds & set(r.device_kinds))
+             and (r.deterministic is None or r.deterministic == deterministic)
+             and r.backend in _BACKENDS and _BACKENDS[r.backend].available()]
+    return list(dict.fromkeys(names))
+
+
+def routing_backend(deterministic: bool = False) -> BlockBackend:
+    """The ``"auto"`` backend: each call resolved by :func:`resolve_backend` from its inputs.
+    ``typed_for_shard_map`` is False when any backend it may route to in this process is."""
+    def pick(q, mask) -> BlockBackend:
+        return _BACKENDS[resolve_backend("auto", device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
+                                         deterministic=deterministic)]
+
+    def fwd(q, k, v, mask, scale):
+        return pick(q, mask).fwd(q, k, v, mask, scale)
+
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None):
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse)
+
+    typed = all(_BACKENDS[n].typed_for_shard_map for n in _reachable(deterministic))
+    return BlockBackend("auto", fwd, bwd, typed_for_shard_map=typed)
+
+
+def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBackend:
+    """The backend called ``name``. ``"auto"`` is :func:`routing_backend` — or, when every row this
+    process can reach names one backend (a CPU-only process: ``reference``), that backend itself.
+    ``deterministic=True`` (the API's ``deterministic`` argument, which defaults to whether
+    XLA_FLAGS has ``--xla_gpu_deterministic_ops=true``) refuses a backend measured
+    non-deterministic in that mode, and "auto" avoids it. XLA reads its flags when the backend
+    starts, so this can only refuse a kernel: it cannot make XLA's own ops deterministic."""
+    if name == "auto":
+        reachable = _reachable(bool(deterministic))
+        return _BACKENDS[reachable[0]] if len(reachable) == 1 else routing_backend(bool(deterministic))
+    _check_named(name, deterministic)
     return _BACKENDS[name]
 
-
-def _mask_matrix(mask: BlockMask, t: int, s: int):
-    """[t, s] bool of visible (query, key) pairs in local indices, or None for FULL."""
-    if mask.is_full:
-        return None
-    if t != s:
-        raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
-    offset = 0 if mask.kind is MaskKind.CAUSAL else -1
-    return jnp.tril(jnp.ones((t, s), dtype=bool), k=offset)
-
-
-def _scores(q, k, scale):
-    """q: [b, t, h, d], k: [b, s, hk, d] -> scores [b, hk, g, t, s] float32 (g = h // hk)."""
-    b, t, h, d = q.shape
-    hk = k.shape[2]
-    qg = q.reshape(b, t, hk, h // hk, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=F32, precision=_PRECISION)
-    return s * jnp.asarray(scale, F32)
-
-
-def reference_block_fwd(q, k, v, mask: BlockMask, scale: float):
-    """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
-    strict mask on row 0), which the LSE merge treats as an empty partial."""
-    b, t, h, d = q.shape
-    s = _scores(q, k, scale)
-    visible = _mask_matrix(mask, t, k.shape[1])
-    if visible is not None:
-        s = jnp.where(visible, s, -jnp.inf)
-    row_max = jnp.max(s, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.exp(s - row_max)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    has_key = denom > 0
-    lse = jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
-    p = p / jnp.where(has_key, denom, 1.0)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(F32), precision=_PRECISION)
-    return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
-
-
-def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
-    """Portable backward with the global ``o`` and ``lse``:
-    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
-    b, t, h, d = q.shape
-    hk = k.shape[2]
-    g = h // hk
-    s = _scores(q, k, scale)
-    lse_g = lse.reshape(b, hk, g, t)[..., None]
-    p = jnp.exp(s - lse_g)
-    visible = _mask_matrix(mask, t, k.shape[1])
-    if visible is not None:
-        p = jnp.where(visible, p, 0.0)
-    do_g = do.astype(F32).reshape(b, t, hk, g, d)
-    delta = jnp.einsum("btkgd,btkgd->bkgt", do_g, o.astype(F32).reshape(b, t, hk, g, d), precision=_PRECISION)
-    if dlse is not None:
-        delta = delta - dlse.astype(F32).reshape(b, hk, g, t)
-    dv = jnp.einsum("bkgts,btkgd->bskd", p, do_g, precision=_PRECISION)
-    dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v.astype(F32), precision=_PRECISION)
-    ds = p * (dp - delta[..., None]) * jnp.asarray(scale, F32)
-    dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(F32), precision=_PRECISION).reshape(b, t, h, d)
-    dk = jnp.einsum("bkgts,btkgd->bskd", ds, q.astype(F32).reshape(b, t, hk, g, d), precision=_PRECISION)
-    return dq, dk, dv
-
-
-register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd))
-
-
-# ---- fused GPU kernels: cuDNN, FlashAttention-3 (bf16 / fp16) -----------------------------------
-# The ring's block backward needs the *global* o and lse; JAX's public
-# ``jax.nn.dot_product_attention(implementation="cudnn")`` differentiates only with its own, so
-# the backward binds cuDNN's backward primitive directly (jax._src; checked against the portable
-# kernel on GPU by tests/test_gpu.py). flash_attn3_jax (optional) exposes both directions.
-
-def _cudnn_ops():
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-
-    def mask_type(causal: bool):
-        return fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-
-    def fwd(q, k, v, causal: bool, scale: float):
-        return fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask_type(causal), qkv_layout="BTNH",
-                                        return_residual=True)  # (o, lse: [b, h, t] float32, natural log)
-
-    def bwd(do, q, k, v, o, lse, causal: bool, scale: float):
-        unused = jnp.zeros(0, q.dtype)
-        grads = fa._dot_product_attention_bwd_p_wrapper.bind(
-            q, k, v, unused, unused, unused, unused, unused, unused, unused, lse, o, do,
-            scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask_type(causal),
-            layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
-        return grads[:3]
-
-    return fwd, bwd
-
-
-def _fa3_ops():
-    try:
-        from flash_attn3_jax.flash import _flash_mha_bwd, _flash_mha_fwd
-    except ImportError as err:
-        raise RuntimeError("block backend 'fa3' needs the flash_attn3_jax package (Hopper GPUs)") from err
-
-    def fwd(q, k, v, causal: bool, scale: float):
-        return _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:2]
-
-    def bwd(do, q, k, v, o, lse, causal: bool, scale: float):
-        return _flash_mha_bwd(do, q, k, v, o, lse, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:3]
-
-    return fwd, bwd
-
-
-def _fused_backend(name: str, ops, typed_for_shard_map: bool = True) -> BlockBackend:
-    """Block kernels on a fused attention op pair ``ops() -> (fwd, bwd)`` (imported at first use).
-    A STRICT block (stripe layout) is the causal block of rows 1.. against keys ..t-1; a backward
-    with an lse cotangent (only when the caller uses lse) falls back to the portable kernel, as
-    torch_impl's aten backends do."""
-
-    def fwd(q, k, v, mask: BlockMask, scale: float):
-        if mask.kind is MaskKind.STRICT:
-            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], CAUSAL_MASK, scale)
-            b, _, h, d = q.shape
-            return (jnp.concatenate([jnp.zeros((b, 1, h, d), F32), o_r], 1),
-                    jnp.concatenate([jnp.full((b, h, 1), -jnp.inf, F32), lse_r], 2))
-        o, lse = ops()[0](q, k, v, mask.kind is MaskKind.CAUSAL, scale)
-        return o.astype(F32), lse.astype(F32)
-
-    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
-        if dlse is not None:
-            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
-        if mask.kind is MaskKind.STRICT:
-            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK,
-                                   scale)
-            rows = lambda first, last: [(0, 0), (first, last), (0, 0), (0, 0)]  # noqa: E731
-            return jnp.pad(dq_r, rows(1, 0)), jnp.pad(dk_r, rows(0, 1)), jnp.pad(dv_r, rows(0, 1))
-        dtype = q.dtype
-        causal = mask.kind is MaskKind.CAUSAL
-        grads = ops()[1](do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), causal, scale)
-        return tuple(g.astype(F32) for g in grads)
-
-    return BlockBackend(name, fwd, bwd, typed_for_shard_map)
-
-
-register_backend(_fused_backend("cudnn", _cudnn_ops))
-register_backend(_fused_backend("fa3", _fa3_ops, typed_for_shard_map=False))

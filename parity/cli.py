@@ -11,6 +11,8 @@ the subpackages. Commands (``python -m parity <command> -h`` for their options):
     calibrate      measure this machine's hardware profile (parity.capacity.calibrate)
     scaling        error against device count (parity.probes.scaling)
     determinism    run-to-run determinism per block kernel (parity.probes.determinism)
+    peers          ringbridge's block backends and the single-GPU kernels a user could pick
+                   instead, verified against a float64 truth, then timed (parity.probes.kernels)
 
 Every command that runs code takes ``--devices cpu|gpu`` with the one default ``cpu`` (8 simulated
 JAX devices, gloo worlds). A framework that is not installed is reported as *skipped*, never as
@@ -34,7 +36,7 @@ from .core.names import DEFAULT_DEVICES, DEVICES
 from .runners.base import FRAMEWORKS, Unavailable, load_runner
 from .runners.pipeline import STATUSES, CaseResult, Side, run_case_everywhere
 
-COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "determinism")
+COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "determinism", "peers")
 
 
 def select_cases(full: bool, name_filter: str = "") -> list[Case]:
@@ -52,26 +54,38 @@ def _fmt(side: Side | None, tensor: str) -> str:
     return f"{side.errors[tensor]:.1e}" if side and tensor in side.errors else "-"
 
 
-def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: float, devices: str) -> None:
+def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: float, devices: str,
+                   sweep: tuple | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = _counts(results)
-    (out / "report.json").write_text(json.dumps(
-        {"seed": seed, "devices": devices, "seconds": round(seconds, 1), "summary": summary,
-         "results": [r.to_dict() for r in results]}, indent=1))
-    head = "| case | status | " + " | ".join(f"{t} jax / torch / x" for t in TENSORS) + " |"
+    payload = {"seed": seed, "devices": devices, "seconds": round(seconds, 1), "summary": summary,
+               "results": [r.to_dict() for r in results]}
+    if sweep is not None:
+        rows, crosses = sweep
+        payload["backend_sweep"] = {"rows": [r.to_dict() for r in rows],
+                                    "jax_vs_torch": [{"case": c.name, "backend": b, "status": s.status,
+                                                      "errors": s.errors, "detail": s.detail} for c, b, s in crosses]}
+    (out / "report.json").write_text(json.dumps(payload, indent=1))
+    head = "| case | mode | status | " + " | ".join(f"{t} jax / torch / x" for t in TENSORS) + " |"
     lines = ["# ringbridge parity report", "",
-             f"seed {seed}, devices {devices}: {summary['passed']} passed, {summary['failed']} failed, "
+             (f"seed {seed}, devices {devices}: {summary['passed']} passed, {summary['failed']} failed, "
              f"{summary['skipped']} skipped in {seconds:.0f} s. Errors: float32 relative, low precision max-abs "
-             "(DESIGN.md); x = JAX vs torch.", "", head, "|---" * (2 + len(TENSORS)) + "|"]
+             "(DESIGN.md); x = JAX vs torch; mode: mesh = the real collectives, replay = every virtual device's "
+             "work run in turn on one device (too few devices for the mesh)."), "", head, "|---" * (3 + len(TENSORS)) + "|"]
     for r in results:
         j, t = r.sides.get("jax"), r.sides.get("torch")
         cells = " | ".join(f"{_fmt(j, n)} / {_fmt(t, n)} / {_fmt(r.cross, n)}" for n in TENSORS)
-        lines.append(f"| {r.case.name} | {r.status} | {cells} |")
+        lines.append(f"| {r.case.name} | {r.mode} | {r.status} | {cells} |")
     problems = [(r.case.name, f, s) for r in results for f, s in [*r.sides.items(), ("jax-vs-torch", r.cross)]
                 if s is not None and s.status != "passed"]
     if problems:
         lines += ["", "## Not passed", ""] + [f"- `{n}` {f} **{s.status}**: {s.detail.strip()}" for n, f, s in problems]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    if sweep is not None:
+        from .probes.backend_sweep import sweep_markdown
+
+        text += "\n" + sweep_markdown(*sweep)
+    (out / "report.md").write_text(text)
 
 
 def _print_table(results: list[CaseResult]) -> None:
@@ -80,13 +94,14 @@ def _print_table(results: list[CaseResult]) -> None:
 
     table = Table(title="max error per tensor vs the float64 oracle — jax / torch (x: jax vs torch)")
     table.add_column("case", no_wrap=True)
+    table.add_column("mode")
     table.add_column("status")
     for t in TENSORS:
         table.add_column(t, no_wrap=True)
     style = {"passed": "green", "failed": "bold red", "skipped": "yellow"}
     for r in results:
         j, t = r.sides.get("jax"), r.sides.get("torch")
-        table.add_row(r.case.name, f"[{style[r.status]}]{r.status}[/]",
+        table.add_row(r.case.name, r.mode, f"[{style[r.status]}]{r.status}[/]",
                       *(f"{_fmt(j, n)} / {_fmt(t, n)}" for n in TENSORS))
     console = Console(width=220)
     console.print(table)
@@ -124,9 +139,14 @@ def run_report(args, parser) -> int:
     from .runners.torch_world import close_worlds
 
     start = time.time()
-    mismatches, verdicts = 0, []
+    mismatches, verdicts, sweep = 0, [], None
     try:
         results = [run_case_everywhere(c, runners, seed, args.devices) for c in track(cases, description="cases")]
+        if args.backend_sweep == "on" or (args.backend_sweep == "auto" and args.devices == "gpu"):
+            from .probes.backend_sweep import SWEEP_BACKENDS, run_sweep, sweep_cases
+
+            sweep = run_sweep(sweep_cases(seq=args.sweep_seq, head_dim=args.sweep_head_dim),
+                              {f: SWEEP_BACKENDS[f] for f in frameworks}, args.devices, seed)
         if not args.no_accounting and available:
             from .checks.traffic import run_all
 
@@ -140,13 +160,20 @@ def run_report(args, parser) -> int:
         from .checks.traffic import print_verdicts
 
         mismatches = print_verdicts(verdicts)
-    _write_reports(args.out, results, seed, seconds, args.devices)
+    _write_reports(args.out, results, seed, seconds, args.devices, sweep)
     counts = _counts(results)
+    sweep_failed = 0
+    if sweep is not None:
+        sweep_failed = sum(r.side.status == "failed" for r in sweep[0]) + sum(s.status == "failed" for *_, s in sweep[1])
+        print(f"backend sweep: {sum(r.side.status == 'passed' for r in sweep[0])} passed, "
+              f"{sum(r.side.status == 'failed' for r in sweep[0])} failed, "
+              f"{sum(r.side.status == 'skipped' for r in sweep[0])} skipped (framework:backend x case); "
+              f"jax-vs-torch {sum(s.status == 'passed' for *_, s in sweep[1])}/{len(sweep[1])} passed")
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
           f"in {seconds:.0f} s; reports in {args.out}/")
     if verdicts:
         print(f"communication: {len(verdicts) - mismatches} of {len(verdicts)} configurations equal the model")
-    return 1 if counts["failed"] or not counts["passed"] or mismatches else 0
+    return 1 if counts["failed"] or not counts["passed"] or mismatches or sweep_failed else 0
 
 
 def _list(args, parser) -> int:
@@ -193,6 +220,21 @@ def _determinism(args, parser) -> int:
                            args.torch_backends.split(","), args.json)
 
 
+def _peers(args, parser) -> int:
+    """Everything after ``peers`` goes to parity.probes.kernels' own parser; on the CPU a reduced
+    run (portable kernels, the peers that run on a CPU, 128-token blocks, no timing)."""
+    configure_jax_devices(args.devices)
+    from .probes.kernels import main as kernels_main
+
+    rest = list(args.rest)
+    if args.devices == "cpu":
+        rest = ["--backends", "reference", "--peers", "cpu", "--tokens", "128", "--head-dims", "64",
+                "--no-timing", *rest]
+    if "--out" not in rest:
+        rest += ["--out", "parity-peers"]
+    return kernels_main(rest, prog="python -m parity peers")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m parity", description="ringbridge's parity harness: one command per check.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -218,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
             p.add_argument("--out", type=Path, default=Path("parity-report"))
+            p.add_argument("--backend-sweep", choices=("auto", "on", "off"), default="auto",
+                           help="every block backend of each framework through GPU-sized cases "
+                                "(parity.probes.backend_sweep; auto: on for --devices gpu)")
+            p.add_argument("--sweep-seq", type=int, default=8192, help="tokens of the sweep's ring-2 cases")
+            p.add_argument("--sweep-head-dim", type=int, default=128)
             p.add_argument("--no-accounting", action="store_true",
                            help="skip the closing communication check (one configuration per model path; "
                                 "python -m parity accounting checks them all)")
@@ -251,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write the figure here (PNG)")
     p.add_argument("--json", default=None, help="write the points here")
 
+    p = command("peers", _peers, "block backends and peer kernels: verified, then timed (parity.probes.kernels; "
+                "its other options: --out, --tokens, --bench-tokens, --backends, --peers, --no-timing, ...)")
+
     p = command("determinism", _determinism, "run-to-run determinism per block kernel", frameworks=True)
     p.add_argument("--ring", type=int, default=2)
     p.add_argument("--seq", type=int, default=16384)
@@ -270,5 +320,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
         argv.insert(0, "run")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if argv[0] == "peers":  # the kernels probe parses the rest itself
+        args, rest = parser.parse_known_args(argv)
+        args.rest = rest
+    else:
+        args = parser.parse_args(argv)
     return args.fn(args, args.parser)

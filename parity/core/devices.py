@@ -17,6 +17,10 @@ def configure_jax_devices(devices: str = "cpu") -> None:
     new shape) and runs each once; at level 0 each compile-and-run took 22–63 % less (4 cases
     measured). The HLO passes — what the accounting check counts — are unchanged; only machine-code
     optimization is skipped. An ``xla_backend_optimization_level`` already in XLA_FLAGS wins."""
+    if devices == "cpu" and os.environ.get("JAX_PLATFORMS", "cpu") not in ("", "cpu"):
+        # A test session with JAX_PLATFORMS=cuda (the GPU tier): JAX on the GPU, configured as for "gpu".
+        configure_jax_devices("gpu")
+        return
     if devices == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flags = os.environ.get("XLA_FLAGS", "")
@@ -27,3 +31,8 @@ def configure_jax_devices(devices: str = "cpu") -> None:
         os.environ["XLA_FLAGS"] = flags.strip()
     else:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # XLA's GEMM autotuning cost ~13 s per new shape (H100, 2026-11-23); the harness compiles
+        # many shapes once each and times none of the GEMMs it would tune.
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_gpu_autotune_level" not in flags:
+            os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_autotune_level=0").strip()

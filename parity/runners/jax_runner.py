@@ -77,6 +77,13 @@ class JaxRunner:
 
         return from_layout(_vjp_results(fn, case, to_layout(x, perm)), perm)
 
+    def replay(self, devices: Device = "cpu"):
+        """The same backend replaying a case on one device (for cases that need more devices
+        than are present): ``parity.runners.replay_runner.JaxReplayRunner``."""
+        from .replay_runner import JaxReplayRunner
+
+        return JaxReplayRunner(self.block_backend)
+
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
         """Dense attention in the case's own dtype on one device: the low-precision control."""
         import jax_impl

@@ -2,8 +2,11 @@
 the notebooks' helpers and the tests alike (``check_case``), and one case through every framework
 with the JAX-vs-torch check (``run_case_everywhere``).
 
-A case that needs more devices than the runner has is *skipped*; an exception inside a case
-fails that case with the traceback's last lines, and the caller goes on.
+A case that needs more devices than the runner has runs through the *replay* of its strategy on
+one device when the runner offers one (``runner.replay(devices)``: every virtual device's work in
+turn, same schedule and kernels, communication by indexing), else it is *skipped*; the verdict's
+``mode`` says which ("mesh" or "replay"). An exception inside a case fails that case with the
+traceback's last lines, and the caller goes on.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ STATUSES: tuple[str, ...] = get_args(Status)
 class Side:
     """One framework's verdict on one case. ``errors``: tensor -> error in the policy's metric;
     ``results`` / ``control``: the runner's tensors and its dense same-dtype control (None for
-    float32 cases, which need none)."""
+    float32 cases, which need none); ``mode``: "mesh" (the real collectives) or "replay" (every
+    virtual device's work on one device)."""
 
     status: Status
     errors: dict[str, float] = field(default_factory=dict)
@@ -38,6 +42,7 @@ class Side:
     checks: list[TensorCheck] = field(default_factory=list, repr=False)
     results: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     control: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    mode: str = "mesh"
 
 
 @dataclass
@@ -55,11 +60,16 @@ class CaseResult:
             return "failed"
         return "passed" if any(p.status == "passed" for p in parts) else "skipped"
 
+    @property
+    def mode(self) -> str:
+        """"replay" when any framework replayed the case on one device, else "mesh"."""
+        return "replay" if any(s.mode == "replay" for s in self.sides.values()) else "mesh"
+
     def to_dict(self) -> dict:
         def side(s):
-            return {"status": s.status, "errors": s.errors, "detail": s.detail}
+            return {"status": s.status, "mode": s.mode, "errors": s.errors, "detail": s.detail}
 
-        return {"case": self.case.to_dict(), "status": self.status,
+        return {"case": self.case.to_dict(), "status": self.status, "mode": self.mode,
                 "sides": {f: side(s) for f, s in self.sides.items()},
                 "jax_vs_torch": side(self.cross) if self.cross else None}
 
@@ -81,7 +91,10 @@ def check_case(case: Case, runner: Runner | Unavailable, *, seed: int | None = N
         return Side("skipped", detail=runner.reason)
     have = runner.device_count(devices)
     if case.devices > have:
-        return Side("skipped", detail=f"needs {case.devices} devices, {devices} has {have}")
+        if not hasattr(runner, "replay"):
+            return Side("skipped", detail=f"needs {case.devices} devices, {devices} has {have}")
+        runner, started = runner.replay(devices), None  # the same backend, every device's work on one
+    mode = getattr(runner, "mode", "mesh")
     if x is None:
         if seed is None:
             raise ValueError("check_case needs inputs x or a seed to draw them from")
@@ -93,16 +106,17 @@ def check_case(case: Case, runner: Runner | Unavailable, *, seed: int | None = N
             control = runner.run_control(case, x)
         checks = compare(case, got, ref, control)
     except Exception:  # noqa: BLE001 — a broken case is a failed case; the caller continues
-        return Side("failed", detail=_tail())
+        return Side("failed", detail=_tail(), mode=mode)
     bad = "; ".join(str(c) for c in checks if not c.ok)
-    return Side("failed" if bad else "passed", {c.name: c.error for c in checks}, bad, checks, got, control)
+    return Side("failed" if bad else "passed", {c.name: c.error for c in checks}, bad, checks, got, control, mode)
 
 
 def cross_check(case: Case, jax_side: Side, torch_side: Side) -> Side:
     """JAX vs torch on identical inputs (both sides must have run)."""
     checks = compare_frameworks(case, jax_side.checks, torch_side.checks, jax_side.results, torch_side.results)
     bad = "; ".join(str(c) for c in checks if not c.ok)
-    return Side("failed" if bad else "passed", {c.name.split()[0]: c.error for c in checks}, bad, checks)
+    mode = "replay" if "replay" in (jax_side.mode, torch_side.mode) else "mesh"
+    return Side("failed" if bad else "passed", {c.name.split()[0]: c.error for c in checks}, bad, checks, mode=mode)
 
 
 def _start(case: Case, runner, x: Inputs, devices: Device):

@@ -108,6 +108,13 @@ class TorchRunner:
         world.submit(self.task, case, to_layout(x, perm), device_type, self.block_backend)
         return lambda: from_layout(_stitch(case, world.collect()), perm)
 
+    def replay(self, devices: Device = "cpu"):
+        """The same backend replaying a case in this process on one device (the GPU for
+        ``gpu``): ``parity.runners.replay_runner.TorchReplayRunner``."""
+        from .replay_runner import TorchReplayRunner
+
+        return TorchReplayRunner(self.block_backend, devices)
+
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
         """Dense attention in the case's own dtype, in this process: the low-precision control."""
         import torch

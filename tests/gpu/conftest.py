@@ -1,3 +1,8 @@
-"""Tier ``gpu`` (marker ``gpu``): CUDA kernels and NCCL worlds at long context, which no CPU run
-exercises. Skipped without GPUs; run through the device tool
-(``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/gpu``)."""
+"""Tier ``gpu`` (marker ``gpu``): CUDA kernels, the one-GPU replay of every strategy, and NCCL
+worlds at long context, which no CPU run exercises. Everything one GPU can run runs on one GPU; a
+test that needs more GPUs skips with "needs N GPUs". Run through the device tool:
+
+    JAX_PLATFORMS=cuda python -m pytest tests/gpu
+
+(the root conftest puts JAX on simulated CPU devices unless JAX_PLATFORMS says otherwise, and
+turns JAX's GPU memory preallocation off so that torch shares the GPU)."""

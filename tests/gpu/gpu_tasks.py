@@ -1,6 +1,31 @@
-"""What each rank of an NCCL world runs for the GPU tests (importable by name)."""
+"""What the GPU tests share (importable by name): how many GPUs there are and the skip marker
+that says so (``needs_gpus``), and what each rank of an NCCL world runs."""
 
 from __future__ import annotations
+
+import pytest
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs_gpus(n: int):
+    """Skip unless at least ``n`` CUDA GPUs are present, saying so."""
+    return pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} GPU{'s' if n > 1 else ''}, found {gpu_count()}")
+
+
+def jax_on_gpu() -> bool:
+    try:
+        import jax
+    except ImportError:
+        return False
+    return jax.default_backend() == "gpu"
+
 
 
 def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes: tuple, layout: str,

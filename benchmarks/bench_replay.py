@@ -1,0 +1,294 @@
+"""Single-GPU benchmark (``python -m benchmarks --gpus 1``): each strategy's per-device work timed
+alone on one GPU through the replay (``jax_impl.replay`` / ``torch_impl.replay``
+``device_forward`` / ``device_backward`` of one virtual device — the block kernels, merges, casts
+and accumulators that device runs, without its communication), next to the bare block kernels on
+the whole problem.
+
+Every row's path is verified first (``benchmarks.verify``): the same strategy, layout, backend and
+dtype on a reduced problem through ``check_case`` in replay mode; a path that fails is a row marked
+failing, never timed. The resolved kernel of each mask kind (``resolve_backend``) is in every row.
+
+    python -m benchmarks --gpus 1 [--seq 32768] [--strategies zigzag-r2,...] [--frameworks jax,torch]
+    python -m benchmarks --gpus 1 --dry-run      (the grid and what each row would verify, no GPU)
+    python -m benchmarks --gpus 1 --smoke        (CPU: tiny sizes, portable kernel, every step run)
+
+Timing: JAX — one jitted program per (device, pass), host clock around ``block_until_ready``;
+torch — CUDA events (host clock on CPU). Median of ``--iters`` after ``--warmup``. A row's ms is
+one device's forward, or forward + backward; TFLOP/s/GPU is the problem's FLOPs over devices,
+divided by that time (the per-device share, so a balanced layout's row is comparable with a
+multi-GPU row of the same mesh, minus communication).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+
+from .common import Problem, Row
+
+__all__ = ["STRATEGIES", "ReplaySpec", "main", "replay_rows"]
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    """One strategy of the grid: its name, mesh sizes and layout."""
+
+    name: str
+    ring: int = 1
+    ulysses: int = 1
+    outer: int = 1
+    kv_exchange: str = "ring"
+    layout: str = "zigzag"
+
+    @property
+    def devices(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def strategy(self) -> str:
+        if self.outer > 1:
+            return "double_ring"
+        if self.kv_exchange == "allgather":
+            return "allgather"
+        return "usp" if self.ring > 1 and self.ulysses > 1 else "ulysses" if self.ulysses > 1 else "ring"
+
+    def shape(self):
+        from parity.core.mesh import MeshShape
+
+        return MeshShape(ring=self.ring, ulysses=self.ulysses, ring_outer=self.outer, kv_exchange=self.kv_exchange)
+
+
+STRATEGIES = {s.name: s for s in (
+    ReplaySpec("zigzag-r2", ring=2), ReplaySpec("zigzag-r4", ring=4), ReplaySpec("zigzag-r8", ring=8),
+    ReplaySpec("stripe-r4", ring=4, layout="stripe"), ReplaySpec("contiguous-r4", ring=4, layout="contiguous"),
+    ReplaySpec("allgather-r4", ring=4, kv_exchange="allgather"), ReplaySpec("double-ring-2x2", ring=4, outer=2),
+    ReplaySpec("ulysses-u4", ulysses=4), ReplaySpec("usp-r2xu2", ring=2, ulysses=2),
+)}
+
+
+def _median(times: list[float]) -> tuple[float, float]:
+    return statistics.median(times), max(times) - min(times)
+
+
+def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time, iters: int, warmup: int):
+    """{device: (fwd ms list, bwd ms list)} for the JAX replay."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl import replay
+
+    strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, outer=spec.outer, kv_exchange=spec.kv_exchange)
+    kw = {"strategy": strategy, "causal": problem.causal, "layout": spec.layout, "block_backend": backend}
+    keys = jax.random.split(jax.random.key(0), 4)
+    dt = jnp.dtype(problem.dtype)
+    b, s, d = problem.batch, problem.seq, problem.head_dim
+    q, do = (jax.random.normal(k_, (b, s, problem.heads, d), dt) for k_ in keys[:2])
+    k, v = (jax.random.normal(k_, (b, s, problem.kv_heads, d), dt) for k_ in keys[2:])
+    o, lse = jax.jit(functools.partial(replay.replay_attention, **kw))(q, k, v)  # the backward's saved o, lse
+
+    def clock(fn, *args):
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(1e3 * (time.perf_counter() - start))
+        return times
+
+    out = {}
+    for device in devices_to_time:
+        fwd = jax.jit(functools.partial(replay.device_forward, device, **kw))
+        bwd = jax.jit(functools.partial(replay.device_backward, device, **kw))
+        out[device] = (clock(fwd, q, k, v), clock(bwd, q, k, v, o, lse, do))
+    return out
+
+
+def _torch_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time, iters: int, warmup: int):
+    """{device: (fwd ms list, bwd ms list)} for the torch replay (CUDA events on a GPU)."""
+    import torch
+
+    from torch_impl import replay
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, outer=spec.outer, kv_exchange=spec.kv_exchange)
+    kw = {"strategy": strategy, "causal": problem.causal, "layout": spec.layout, "block_backend": backend}
+    gen = torch.Generator(device=device_type).manual_seed(0)
+    dt = getattr(torch, problem.dtype)
+    b, s, d = problem.batch, problem.seq, problem.head_dim
+    q, do = (torch.randn(b, s, problem.heads, d, generator=gen, device=device_type, dtype=dt) for _ in range(2))
+    k, v = (torch.randn(b, s, problem.kv_heads, d, generator=gen, device=device_type, dtype=dt) for _ in range(2))
+
+    def clock(fn):
+        with torch.no_grad():
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(iters):
+                if device_type == "cuda":
+                    torch.cuda.synchronize()
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    times.append(begin.elapsed_time(end))
+                else:
+                    start = time.perf_counter()
+                    fn()
+                    times.append(1e3 * (time.perf_counter() - start))
+        return times
+
+    with torch.no_grad():
+        o, lse = replay.replay_attention(q, k, v, **kw)
+    out = {}
+    for device in devices_to_time:
+        out[device] = (clock(lambda device=device: replay.device_forward(device, q, k, v, **kw)),
+                       clock(lambda device=device: replay.device_backward(device, q, k, v, o, lse, do, **kw)))
+    return out
+
+
+def _devices_to_time(spec: ReplaySpec, which: str) -> list[int]:
+    if which == "all":
+        return list(range(spec.devices))
+    return sorted({0, spec.devices - 1})  # both ends: contiguous causal's lightest and heaviest device
+
+
+def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str, devices: str, which: str,
+                iters: int, warmup: int, seed: int = 0) -> list[Row]:
+    """Verify the path, then time each chosen device's forward and forward + backward."""
+    from parity.probes.backend_sweep import resolved_backends
+
+    from .verify import reduced_case, verify_path
+
+    case = reduced_case(spec.shape(), spec.layout, problem)
+    extra = {"block_backend": backend, "strategy_name": spec.name, "heads": problem.heads,
+             "kv_heads": problem.kv_heads, "resolved": resolved_backends(framework, backend, case, devices)}
+    try:
+        verdict = verify_path(framework, case, backend, devices, replay=True, seed=seed)
+    except Exception as err:  # noqa: BLE001 — a path that cannot be checked is not verified
+        verdict = (False, f"verification raised {type(err).__name__}: {err}")
+    print(f"{framework} {spec.name} {backend}: verification {verdict}", flush=True)
+
+    def row(device, fwd_only):
+        return Row(f"{framework}_impl_replay", spec.strategy, spec.layout, problem.seq, spec.devices, spec.ulysses,
+                   spec.ring, fwd_only, extra={**extra, "replay_device": device}, verified=verdict[0])
+
+    chosen = _devices_to_time(spec, which)
+    if not verdict[0]:
+        from .verify import mark
+
+        return [mark(row(d, f), verdict) for d in chosen for f in (True, False)]
+    timer = _jax_timer if framework == "jax" else _torch_timer
+    rows = []
+    try:
+        measured = timer(problem, spec, backend, chosen, iters, warmup)
+    except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
+        traceback.print_exc()
+        return [Row(f"{framework}_impl_replay", spec.strategy, spec.layout, problem.seq, spec.devices, spec.ulysses,
+                    spec.ring, f, extra=extra, verified=verdict[0], note=f"{type(err).__name__}: {str(err)[:200]}")
+                for f in (True, False)]
+    share = spec.devices
+    for device, (fwd, bwd) in measured.items():
+        for fwd_only in (True, False):
+            r = row(device, fwd_only)
+            times = fwd if fwd_only else [a + b for a, b in zip(fwd, bwd)]
+            r.ms_per_iter, r.ms_spread = _median(times)
+            r.tflops_per_gpu = problem.flops(fwd_only) / share / (r.ms_per_iter * 1e-3) / 1e12
+            rows.append(r)
+    return rows
+
+
+def kernel_rows(problem: Problem, framework: str, backend: str, devices: str, iters: int, seed: int) -> list[Row]:
+    """The bare block kernel that ``backend`` resolves to for the problem's diagonal mask, on the
+    whole problem (one block of ``seq`` tokens), verified first at 1024-token blocks
+    (``parity.probes.kernels``)."""
+    from parity.probes import kernels
+    from parity.probes.backend_sweep import resolved_backends
+
+    from .verify import reduced_case
+
+    mask = "causal" if problem.causal else "full"
+    case = reduced_case(STRATEGIES["zigzag-r2"].shape(), "zigzag", problem)
+    name = resolved_backends(framework, backend, case, devices).get(mask, backend)
+    subject = kernels.cases(1024, {framework: (name,)}, [problem.dtype], [problem.head_dim])
+    results = kernels.verify([c for c in subject if c.mask == mask and (c.heads, c.kv_heads) == (8, 8)], seed,
+                             lambda *_: None)
+    ok = bool(results) and all(r.status == "pass" for r in results)
+    rows = []
+    for fwd_only in (True, False):
+        r = Row(f"{framework}_kernel", "single", "-", problem.seq, 1, 1, 1, fwd_only,
+                extra={"block_backend": name, "resolved": {mask: name}}, verified=ok)
+        if not ok:
+            r.note = "NOT VERIFIED, not timed: " + "; ".join(sorted({x.status for x in results if x.status != "pass"}))[:200]
+        elif name in kernels.UNTIMED:
+            r.note = f"not timed: {kernels.UNTIMED[name]}"
+        else:
+            t = kernels.time_block(framework, name, kernels.Mask(mask), problem.seq, problem.heads, problem.head_dim,
+                                   problem.dtype, iters, seed)
+            label = "fwd" if fwd_only else "fwd_bwd"
+            r.ms_per_iter, r.ms_spread = t[f"{label}_ms"], t[f"{label}_spread_ms"]
+            r.tflops_per_gpu = t[f"{label}_tflops"]
+        rows.append(r)
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks --gpus 1", description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--full", action="store_true", help="non-causal (default: causal)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated of {sorted(STRATEGIES)}")
+    ap.add_argument("--frameworks", default="jax,torch")
+    ap.add_argument("--backend", default="auto", help="block backend of both frameworks (default: auto)")
+    ap.add_argument("--replay-devices", choices=("ends", "all"), default="ends",
+                    help="time virtual devices 0 and R·U-1 (default) or every one")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-kernels", action="store_true", help="skip the bare-kernel rows")
+    ap.add_argument("--dry-run", action="store_true", help="print the grid and the verification cases; run nothing")
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke run: 256 tokens, 4 heads (2 kv), d 16")
+    return ap
+
+
+def main(argv=None) -> list[Row]:
+    a = build_parser().parse_args(argv)
+    if a.smoke:
+        a.seq, a.heads, a.kv_heads, a.head_dim, a.iters, a.warmup = 256, 4, 2, 16, 2, 1
+    from parity.core.devices import configure_jax_devices
+
+    import torch
+
+    devices = "gpu" if torch.cuda.is_available() else "cpu"
+    configure_jax_devices(devices)
+    problem = Problem(seq=a.seq, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
+                      causal=not a.full)
+    specs = [STRATEGIES[n] for n in a.strategies.split(",") if n]
+    frameworks = [f for f in a.frameworks.split(",") if f]
+    if a.dry_run:
+        from .verify import reduced_case
+
+        for spec in specs:
+            case = reduced_case(spec.shape(), spec.layout, problem)
+            print(f"{spec.name:16s} devices {spec.devices}: time devices {_devices_to_time(spec, a.replay_devices)} "
+                  f"of {problem.seq} tokens; verify {case.name} (replay) for {frameworks} backend {a.backend}")
+        return []
+    rows = []
+    for framework in frameworks:
+        if not a.no_kernels:
+            rows += kernel_rows(problem, framework, a.backend, devices, a.iters, 0)
+        for spec in specs:
+            rows += replay_rows(problem, spec, framework, a.backend, devices, a.replay_devices, a.iters, a.warmup)
+            for r in rows[-2:]:
+                print(f"{r.framework} {spec.name} dev {r.extra.get('replay_device')} "
+                      f"{'fwd' if r.fwd_only else 'fwd+bwd'} {r.ms_per_iter} ms verified={r.verified} {r.note[:100]}",
+                      flush=True)
+    return rows

@@ -1,0 +1,56 @@
+"""What every fused attention kernel needs around it to serve as a block backend — no
+third-party code here (``cudnn.py`` and ``fa3.py`` supply the op pairs).
+
+A fused op pair takes a causal flag, not a block mask:
+
+    fwd_op(q, k, v, causal, scale)                  -> (o, lse)       o in the input dtype
+    bwd_op(do, q, k, v, o, lse, causal, scale)      -> (dq, dk, dv)   in the input dtype
+
+q, do, o: [b, t, h, d]; k, v: [b, s, hk, d] (bf16 / fp16); lse: [b, h, t] float32, natural log.
+The adapter expresses a STRICT block (j < i, stripe's later shards) as the causal block of rows
+1.. against keys ..t-1 (row 0 sees nothing: o = 0, lse = -inf; key t-1 is seen by no row), returns
+float32, and sends a backward with an lse cotangent (only when the caller uses lse) to the
+portable kernel, as torch_impl's aten adapters do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from ..block import LOW_PRECISION, BlockBackend
+from ..schedule import CAUSAL_MASK, BlockMask, MaskKind
+from .reference import reference_block_bwd
+
+F32 = jnp.float32
+
+
+def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_shard_map: bool = True,
+                  available: Callable[[], bool] = lambda: True) -> BlockBackend:
+    """A block backend on the fused op pair ``fwd_op`` / ``bwd_op`` (module docstring)."""
+
+    def fwd(q, k, v, mask: BlockMask, scale: float):
+        if mask.kind is MaskKind.STRICT:
+            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], CAUSAL_MASK, scale)
+            b, _, h, d = q.shape
+            return (jnp.concatenate([jnp.zeros((b, 1, h, d), F32), o_r], 1),
+                    jnp.concatenate([jnp.full((b, h, 1), -jnp.inf, F32), lse_r], 2))
+        o, lse = fwd_op(q, k, v, mask.kind is MaskKind.CAUSAL, scale)
+        return o.astype(F32), lse.astype(F32)
+
+    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
+        if dlse is not None:
+            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
+        if mask.kind is MaskKind.STRICT:
+            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK,
+                                   scale)
+            rows = lambda first, last: [(0, 0), (first, last), (0, 0), (0, 0)]  # noqa: E731
+            return jnp.pad(dq_r, rows(1, 0)), jnp.pad(dk_r, rows(0, 1)), jnp.pad(dv_r, rows(0, 1))
+        dtype = q.dtype
+        grads = bwd_op(do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask.kind is MaskKind.CAUSAL,
+                       scale)
+        return tuple(g.astype(F32) for g in grads)
+
+    return BlockBackend(name, fwd, bwd, typed_for_shard_map=typed_for_shard_map,
+                        supports=lambda mask, dtype: dtype in LOW_PRECISION, available=available)

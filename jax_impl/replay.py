@@ -1,0 +1,232 @@
+"""Every virtual device's work of a strategy, replayed on ONE device, device after device.
+
+What a mesh of R·U devices would compute, computed on the one device the inputs live on: for each
+virtual device, the block kernels, ``loop.merge_block`` / ``loop.grad_block``, casts and float32
+accumulators of the real loops, walking :func:`schedule.device_visits` of the same
+:class:`schedule.Schedule` the real loops walk (no re-derivation of which block meets which K/V);
+only the communication is replaced — by indexing into the resident global arrays. It is the
+check (and, one device at a time, the benchmark) of the per-device path when fewer devices are
+present than the mesh needs, and it catches a kernel that is wrong only for some block kinds.
+
+**Devices.** Virtual device ``device = r·U + u`` (ring coordinate r — o·I + i on a double ring —
+and Ulysses coordinate u), as in ``api.py``. Its work is the attention of ring shard r (T/R
+tokens of the layout-ordered sequence) for query-head group u (h/U heads) against every ring
+shard's K/V of its KV-head group (with KV heads replicated up to U when kv_heads < U, as Ulysses
+does). Ring, all-gather KV and the double ring are U = 1; Ulysses is R = 1; USP is both.
+
+**Communication, replaced.** K/V hops and all-gathers: slicing ring shard ``visit.source`` of the
+global K/V. dK/dV: each device returns its float32 contribution to every shard it visited; the
+shard's total is summed in the order the real accumulator meets them (ring and double ring: in
+step order, as it travels; all-gather: in device order, its reduce-scatter) and cast as the real
+code casts (Ulysses-replicated heads: summed over replicas in float32, then cast).
+
+    q: [b, T, h, d], k, v: [b, T, hk, d] (layout order)  ->  o [b, T, h, d], lse [b, h, T]
+    device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
+    device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
+
+:func:`device_forward` / :func:`device_backward` are one device's work alone (jit them with the
+device static to time it); :func:`replay_attention` / :func:`replay_attention_grads` run all of
+them and assemble global outputs in layout order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
+from .config import AttentionConfig
+from .loop import grad_block, merge_block
+from .schedule import Exchange, Schedule, device_visits, make_schedule
+from .validation import KV_EXCHANGES, dtype_name, validate
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The mesh a replay stands for. ``ring``: R, devices on the (combined) ring; ``ulysses``: U;
+    ``outer``: O, the double ring's outer ring (1: a single ring; the inner ring is R / O);
+    ``kv_exchange``: "ring" or "allgather" (a single ring only)."""
+
+    ring: int = 1
+    ulysses: int = 1
+    outer: int = 1
+    kv_exchange: str = "ring"
+
+    def __post_init__(self):
+        if min(self.ring, self.ulysses, self.outer) < 1:
+            raise ValueError(f"ring, ulysses and outer must be >= 1, got {self.ring}, {self.ulysses}, {self.outer}")
+        if self.kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {self.kv_exchange!r}")
+        if self.outer > 1 and (self.ring % self.outer or self.ring // self.outer < 2 or self.kv_exchange != "ring"):
+            raise ValueError(f"a double ring needs ring = outer x inner with inner >= 2 and kv_exchange='ring', got "
+                             f"ring={self.ring}, outer={self.outer}, kv_exchange={self.kv_exchange!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def name(self) -> str:
+        """e.g. ring4, allgather4, dring2x2, ulysses4, usp2x2, usp-allgather2x2, dring-usp2x2x2."""
+        exchange = "allgather" if self.kv_exchange == "allgather" else "ring"
+        if self.outer > 1:
+            rings = f"{self.outer}x{self.ring // self.outer}"
+            return f"dring-usp{rings}x{self.ulysses}" if self.ulysses > 1 else f"dring{rings}"
+        if self.ulysses == 1:
+            return f"{exchange}{self.ring}"
+        if self.ring == 1:
+            return f"ulysses{self.ulysses}"
+        return f"usp{'-allgather' if exchange == 'allgather' else ''}{self.ring}x{self.ulysses}"
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """The api's mesh axes for this strategy (what ``validation.validate`` checks)."""
+        sizes = {RING_OUTER: self.outer, RING_INNER: self.ring // self.outer} if self.outer > 1 else {RING: self.ring}
+        return {**sizes, ULYSSES: self.ulysses}
+
+    def schedule(self, layout: str, causal: bool) -> Schedule:
+        """The schedule the real loops of this strategy walk (Ulysses alone: one device's)."""
+        if self.outer > 1:
+            return make_schedule(Exchange.DOUBLE_RING, layout, causal, self.outer, self.ring // self.outer)
+        exchange = Exchange.ALLGATHER if self.kv_exchange == "allgather" else Exchange.RING
+        return make_schedule(exchange, layout, causal, 1, self.ring)
+
+    def head_groups(self, heads: int, kv_heads: int, u: int) -> tuple[slice, slice, bool]:
+        """(query heads, KV heads, replicated) of Ulysses coordinate ``u``: with kv_heads < U each
+        KV head is replicated U / kv_heads times and device u reads replica u of the result."""
+        n = self.ulysses
+        q_heads = slice(u * heads // n, (u + 1) * heads // n)
+        if kv_heads >= n:
+            return q_heads, slice(u * kv_heads // n, (u + 1) * kv_heads // n), False
+        head = u // (n // kv_heads)
+        return q_heads, slice(head, head + 1), True
+
+
+def _config(q, causal, layout, scale, block_backend, deterministic) -> AttentionConfig:
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return AttentionConfig(bool(causal), layout, scale, block_backend, bool(deterministic))
+
+
+def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
+    """Ring shard ``r`` of ``size`` along the sequence (axis 1; lse: axis 2), heads ``heads``."""
+    axis = 1 if head_axis == 2 else 2
+    t = x.shape[axis] // size
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(r * t, (r + 1) * t)
+    if heads is not None:
+        index[head_axis] = heads
+    return x[tuple(index)]
+
+
+def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
+                   scale: float | None = None, block_backend: str = "auto", deterministic: bool = False):
+    """Virtual device ``device``'s forward on the global q, k, v: its (o, lse), o in q's dtype
+    (shapes in the module docstring)."""
+    config = _config(q, causal, layout, scale, block_backend, deterministic)
+    backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
+    r, u = divmod(device, strategy.ulysses)
+    q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
+    q_d = _shard(q, r, strategy.ring, q_heads)
+    o = lse = None
+    for visit in device_visits(schedule, r):
+        kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
+        if visit.step.local:
+            o, lse = backend.fwd(q_d, *kv, visit.block.mask, config.scale)
+        elif visit.block is not None:
+            o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse))
+    return o.astype(q.dtype), lse
+
+
+def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
+                    layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
+                    deterministic: bool = False):
+    """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
+    and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32})."""
+    config = _config(q, causal, layout, scale, block_backend, deterministic)
+    backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
+    r, u = divmod(device, strategy.ulysses)
+    q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
+    mine = [_shard(x, r, strategy.ring, q_heads) for x in (q, o, do)]
+    lse_d, dlse_d = (None if x is None else _shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
+    saved = (mine[0], mine[1], lse_d, mine[2], dlse_d)
+    dq, contributions = None, {}
+    for visit in device_visits(schedule, r):
+        kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
+        if visit.step.local:
+            q_d, o_d, _, do_d, _ = saved
+            dq, dk, dv = backend.bwd(do_d, q_d, *kv, o_d, lse_d, visit.block.mask, config.scale, dlse_d)
+            dq, contributions[visit.source] = dq.astype(F32), (dk.astype(F32), dv.astype(F32))
+        elif visit.block is not None:
+            zeros = jnp.zeros(kv[0].shape, F32)
+            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros))
+            contributions[visit.source] = (dk, dv)
+    return dq.astype(q.dtype), contributions
+
+
+def _summation_order(schedule: Schedule, source: int) -> list[int]:
+    """The ring positions whose contributions to ``source``'s dK/dV the real code adds, in order."""
+    positions = range(schedule.size)
+    if schedule.exchange is Exchange.ALLGATHER:  # one reduce-scatter over the devices
+        return list(positions)
+    steps = {r: next(n for n, visit in enumerate(device_visits(schedule, r)) if visit.source == source)
+             for r in positions}
+    return sorted(positions, key=steps.__getitem__)  # the accumulator travels with the K/V
+
+
+def _check(q, k, v, strategy: Strategy, layout: str, scale) -> None:
+    validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
+             layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
+
+
+def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
+                     scale: float | None = None, block_backend: str = "auto", deterministic: bool = False):
+    """(o, lse) of ``strategy`` on global q, k, v in layout order, every virtual device's
+    forward run in turn on the inputs' device (module docstring)."""
+    _check(q, k, v, strategy, layout, scale)
+    kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
+              deterministic=deterministic)
+    outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
+    rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
+    o = jnp.concatenate([jnp.concatenate([o_d for o_d, _ in row], axis=2) for row in rows], axis=1)
+    lse = jnp.concatenate([jnp.concatenate([lse_d for _, lse_d in row], axis=1) for row in rows], axis=2)
+    return o, lse
+
+
+def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
+                           layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
+                           deterministic: bool = False):
+    """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
+    the forward's global o and lse; every virtual device's backward run in turn, dK/dV summed as
+    the real exchange sums them. dq like q, dk and dv like k."""
+    _check(q, k, v, strategy, layout, scale)
+    kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
+              deterministic=deterministic)
+    n_ring, n_uly = strategy.ring, strategy.ulysses
+    outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
+    dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u][0] for u in range(n_uly)], axis=2)
+                          for r in range(n_ring)], axis=1)
+    schedule = strategy.schedule(layout, causal)
+    replicated = strategy.head_groups(q.shape[2], k.shape[2], 0)[2]
+    grads = []
+    for which in (0, 1):  # dk, dv
+        shards = []
+        for s in range(n_ring):
+            groups = []
+            for u in range(n_uly):
+                parts = [outs[r * n_uly + u][1].get(s) for r in _summation_order(schedule, s)]
+                parts = [p[which] for p in parts if p is not None]
+                total = parts[0]
+                for part in parts[1:]:
+                    total = total + part
+                # The real attention hands back dK/dV in the K/V dtype it was given: float32 for
+                # Ulysses-replicated heads (summed below), the caller's dtype otherwise.
+                groups.append(total if replicated else total.astype(k.dtype))
+            shards.append(jnp.concatenate(groups, axis=2))  # [b, T/R, hk·reps or hk, d]
+        full = jnp.concatenate(shards, axis=1)
+        if replicated:  # each KV head's replicas, summed in float32 (ulysses.gather_kv_heads)
+            b, t, n, d = full.shape
+            full = full.reshape(b, t, k.shape[2], n // k.shape[2], d).sum(3).astype(k.dtype)
+        grads.append(full)
+    return dq, grads[0], grads[1]

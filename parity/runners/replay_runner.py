@@ -1,0 +1,129 @@
+"""Run a parity case through the one-device *replay* of its strategy (``jax_impl.replay`` /
+``torch_impl.replay``): every virtual device's work of the case's mesh — the same schedule, block
+kernels, merges, casts and float32 accumulators as the real loops — run device after device on
+ONE device, the communication replaced by indexing into the resident global arrays.
+
+``check_case`` uses a replay runner when a case needs more devices than are present (one GPU:
+every multi-device case), so the same inputs, oracle and policy judge it; its verdict says
+``mode="replay"``. Results are o, lse, dq, dk, dv as float64 NumPy arrays in original token order,
+like every ``Runner``'s. jax, torch and the implementations are imported inside the methods.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.cases import Case
+from ..core.inputs import Inputs, from_layout, permutation, to_layout
+from ..core.names import Device
+
+__all__ = ["JaxReplayRunner", "TorchReplayRunner", "strategy_of"]
+
+
+def strategy_of(case: Case, module):
+    """The ``Strategy`` of ``module`` (jax_impl.replay or torch_impl.replay) that stands for the
+    case's mesh. A "data" axis only splits the batch: the replay runs the whole batch."""
+    return module.Strategy(ring=case.ring, ulysses=case.ulysses, outer=case.ring_outer,
+                           kv_exchange=case.kv_exchange)
+
+
+def _keywords(case: Case, strategy, block_backend: str) -> dict:
+    return dict(strategy=strategy, causal=case.causal, layout=case.layout, scale=case.scale,
+                block_backend=block_backend)
+
+
+class JaxReplayRunner:
+    """``Runner`` replaying a case with ``jax_impl.replay`` on JAX's first device: forward and
+    backward compiled as one program (as ``JaxRunner`` compiles the mesh run)."""
+
+    mode = "replay"
+
+    def __init__(self, block_backend: str = "auto"):
+        self.block_backend = block_backend
+
+    def device_count(self, devices: Device = "cpu") -> int:
+        """The replay needs one device, whatever the mesh."""
+        return 1_000_000
+
+    def run_case(self, case: Case, x: Inputs, *, devices: Device = "cpu") -> dict[str, np.ndarray]:
+        import jax
+        import jax.numpy as jnp
+
+        from jax_impl import replay
+
+        kw = _keywords(case, strategy_of(case, replay), self.block_backend)
+
+        @jax.jit
+        def forward_backward(q, k, v, do, dlse):
+            o, lse = replay.replay_attention(q, k, v, **kw)
+            return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw))
+
+        perm = permutation(case)
+        y = to_layout(x, perm)
+        dtype = jnp.dtype(case.dtype)
+        cast = [jnp.asarray(np.asarray(a, np.float32).astype(dtype)) for a in (y.q, y.k, y.v, y.do)]
+        out = forward_backward(*cast, jnp.asarray(y.dlse, jnp.float32))
+        got = {n: np.asarray(t).astype(np.float64) for n, t in zip(("o", "lse", "dq", "dk", "dv"), out)}
+        return from_layout(got, perm)
+
+    def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
+        from .jax_runner import JaxRunner
+
+        return JaxRunner(self.block_backend).run_control(case, x)
+
+
+def torch_device(devices: Device) -> str:
+    """Where an in-process torch run goes: the current CUDA device for ``gpu``, else the CPU."""
+    if devices == "gpu":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+class TorchReplayRunner:
+    """``Runner`` replaying a case with ``torch_impl.replay`` in this process, on the GPU for
+    ``devices="gpu"`` (else the CPU); its dense control runs on the same device."""
+
+    mode = "replay"
+
+    def __init__(self, block_backend: str = "auto", devices: Device = "cpu"):
+        self.block_backend, self.devices = block_backend, devices
+
+    def device_count(self, devices: Device = "cpu") -> int:
+        return 1_000_000
+
+    def _tensors(self, case: Case, arrays):
+        import torch
+
+        device, dtype = torch_device(self.devices), getattr(torch, case.dtype)
+        return [torch.tensor(np.asarray(a, np.float32), device=device).to(dtype) for a in arrays]
+
+    def run_case(self, case: Case, x: Inputs, *, devices: Device = "cpu") -> dict[str, np.ndarray]:
+        import torch
+
+        from torch_impl import replay
+
+        kw = _keywords(case, strategy_of(case, replay), self.block_backend)
+        perm = permutation(case)
+        y = to_layout(x, perm)
+        q, k, v, do = self._tensors(case, (y.q, y.k, y.v, y.do))
+        dlse = torch.tensor(np.asarray(y.dlse, np.float32), device=q.device)
+        with torch.no_grad():
+            o, lse = replay.replay_attention(q, k, v, **kw)
+            dq, dk, dv = replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw)
+        out = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+        return from_layout({n: t.detach().double().cpu().numpy() for n, t in out.items()}, perm)
+
+    def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
+        """Dense attention in the case's dtype on the replay's device (the low-precision control)."""
+        import torch
+
+        import torch_impl
+
+        q, k, v, do = self._tensors(case, (x.q, x.k, x.v, x.do))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale)
+        torch.autograd.backward((o, lse), (do, torch.tensor(np.asarray(x.dlse, np.float32), device=q.device)))
+        out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        return {n: t.detach().double().cpu().numpy() for n, t in out.items()}

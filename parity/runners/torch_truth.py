@@ -1,0 +1,68 @@
+"""The float64 truth computed by torch on a device: the oracle for sizes the NumPy oracle
+(``parity.core.reference``) cannot afford on a host (a GPU-sized case: 8192 tokens, 8 heads, d 128
+is a 4 GB float64 score matrix per tensor; on an H100 this takes well under a second).
+
+Same mathematics as ``parity.core.reference`` — dense scores, a mask, the textbook analytic
+backward with the lse cotangent — in float64, one query head at a time (memory: one [b, t, s]
+float64 matrix and its temporaries). A row with no visible key (the first row of a strict block)
+gets o = 0, lse = −inf and no gradient, as the block kernels define it.
+
+    q, do: [b, t, h, d]; k, v: [b, s, hk, d]; dlse: [b, h, t] or None; visible: [t, s] bool or None
+    -> {"o": [b, t, h, d], "lse": [b, h, t], "dq", "dk", "dv"} float64 tensors on the inputs' device
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.cases import Case
+from ..core.inputs import Inputs
+
+__all__ = ["dense_truth", "case_truth"]
+
+
+def dense_truth(q, k, v, do, dlse=None, *, visible=None, scale: float | None = None) -> dict:
+    """float64 attention and its gradients for the cotangents (do, dlse) (module docstring)."""
+    import torch
+
+    f64 = torch.float64
+    q, k, v, do = (x.to(f64) for x in (q, k, v, do))
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    if h % hk:
+        raise ValueError(f"heads % kv_heads must be 0, got heads={h}, kv_heads={hk}")
+    scale = d**-0.5 if scale is None else float(scale)
+    group = h // hk
+    out = {"o": torch.zeros_like(q), "lse": torch.empty(b, h, t, dtype=f64, device=q.device),
+           "dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v)}
+    empty = None if visible is None else ~visible.any(-1)  # [t]
+    for head in range(h):
+        kh, vh, qh, doh = k[:, :, head // group], v[:, :, head // group], q[:, :, head], do[:, :, head]
+        scores = torch.einsum("btd,bsd->bts", qh, kh) * scale
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty[:, None], 0.0)
+        lse = torch.logsumexp(scores, dim=-1)  # [b, t]
+        p = torch.exp(scores - lse[..., None])
+        if visible is not None:
+            p = p.masked_fill(~visible, 0.0).masked_fill(empty[:, None], 0.0)
+            lse = lse.masked_fill(empty, float("-inf"))
+        o = torch.einsum("bts,bsd->btd", p, vh)
+        delta = (doh * o).sum(-1) - (0.0 if dlse is None else dlse[:, head].to(f64))  # [b, t]
+        ds = p * (torch.einsum("btd,bsd->bts", doh, vh) - delta[..., None])
+        out["o"][:, :, head], out["lse"][:, head] = o, lse
+        out["dq"][:, :, head] = torch.einsum("bts,bsd->btd", ds, kh) * scale
+        out["dk"][:, :, head // group] += torch.einsum("bts,btd->bsd", ds, qh) * scale
+        out["dv"][:, :, head // group] += torch.einsum("bts,btd->bsd", p, doh)
+        del scores, p, ds
+    return out
+
+
+def case_truth(case: Case, x: Inputs, device: str) -> dict[str, np.ndarray]:
+    """The oracle's answer for a parity case (inputs in original order, causal by position),
+    computed by :func:`dense_truth` on ``device``; float64 NumPy arrays like ``inputs.oracle``."""
+    import torch
+
+    q, k, v, do, dlse = (torch.tensor(a, dtype=torch.float64, device=device) for a in (x.q, x.k, x.v, x.do, x.dlse))
+    visible = torch.ones(case.seq, case.seq, dtype=torch.bool, device=device).tril() if case.causal else None
+    out = dense_truth(q, k, v, do, dlse, visible=visible, scale=case.scale)
+    return {n: t.cpu().numpy() for n, t in out.items()}

@@ -1,0 +1,45 @@
+"""GPU: torch_impl over NCCL on 4 GPUs at 16k tokens, bf16, causal, against a float32
+single-GPU reference, with the bf16 single-GPU SDPA as the low-precision control (DESIGN.md's
+policy: max error ≤ 2 × the control's + a quarter-ulp floor). Skipped with "needs 4 GPUs" on fewer;
+the same strategies' per-device work on one GPU is tests/gpu/test_one_gpu_replay.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gpu_tasks import needs_gpus  # noqa: E402
+
+pytestmark = [needs_gpus(4)]
+
+from gpu_tasks import bf16_case_task  # noqa: E402
+
+SEQ, HEADS, KV_HEADS, HEAD_DIM = 16384, 8, 2, 128
+MESHES = {
+    "ring4-zigzag": ((("ring", 4),), "zigzag"),
+    "ring4-stripe": ((("ring", 4),), "stripe"),
+    "ring4-contiguous": ((("ring", 4),), "contiguous"),
+    "ulysses4": ((("ulysses", 4),), "zigzag"),
+    "usp-r2xu2": ((("ring", 2), ("ulysses", 2)), "zigzag"),
+    "double-ring-2x2": ((("ring_outer", 2), ("ring_inner", 2)), "zigzag"),
+}
+
+
+@pytest.fixture(scope="module")
+def nccl_world():
+    """A getter, not a world: a failed case closes its world, and the next case gets a new one."""
+    from parity.runners.torch_world import close_worlds, get_world
+
+    yield lambda: get_world(4, "nccl")
+    close_worlds()
+
+
+@pytest.mark.parametrize("backend", ["aten_flash", "aten_cudnn", "reference"])
+@pytest.mark.parametrize("name", list(MESHES))
+def test_bf16_causal_16k_matches_fp32_reference(name, backend, nccl_world, seed):
+    axes, layout = MESHES[name]
+    results = nccl_world().run(bf16_case_task, SEQ, HEADS, KV_HEADS, HEAD_DIM, axes, layout, backend, seed)
+    lines = [f"rank {r} {t}: err {e:.3e} tol {tol:.3e}" for r, res in enumerate(results) for t, (e, tol) in res.items()]
+    print(f"\n{name} {backend}:\n" + "\n".join(lines))
+    assert all(e <= tol for res in results for e, tol in res.values()), "\n".join(lines)

@@ -1,0 +1,13 @@
+"""The block kernels torch_impl can run, one module per kernel family, each adapting its kernels
+to the block interface of ``block.py`` and registering them there:
+
+- ``reference``: the portable einsum kernels (float32 accumulation, any device);
+- ``aten``: torch's fused SDPA ops — ``aten_cpu``, ``aten_flash``, ``aten_cudnn`` (binds aten's
+  underscore ops, which return the lse the ring needs).
+
+Torch internals are confined to ``aten.py``, which says why. Unlike the algorithm files, this
+folder differs from ``jax_impl/kernels/`` by nature: each framework binds its own kernels (JAX:
+``reference``, ``fused``, ``cudnn``, ``fa3``).
+"""
+
+from . import aten, reference  # noqa: F401  (each registers its backends)

@@ -1,0 +1,147 @@
+"""Backends ``"aten_cpu"``, ``"aten_flash"``, ``"aten_cudnn"``: torch's fused SDPA kernels.
+
+    aten_cpu:   aten._scaled_dot_product_flash_attention_for_cpu and its backward
+    aten_flash: aten._scaled_dot_product_flash_attention (CUDA, FlashAttention-2) and its backward
+    aten_cudnn: aten._scaled_dot_product_cudnn_attention (CUDA, cuDNN) and its backward
+
+Why the underscore aten ops (torch internals): the ring's block backward needs the *global* o and
+lse, and the public ``F.scaled_dot_product_attention`` returns no lse and differentiates only with
+its own. The ops' argument lists can change between torch releases: they are used here and
+nowhere else, and checked on a GPU by ``tests/gpu/test_kernels_one_gpu.py``.
+
+The ops take [b, h, t, d], equal head counts and no lse cotangent; the adapters expand GQA heads
+(and sum their gradients back in float32), send a backward with ``dlse`` to the portable kernel,
+and express the strict mask as a causal block shifted by one row (row 0 sees nothing). Each op's
+LSE shape and strides (cuDNN ``[b, h, t, 1]``, CPU non-contiguous) are normalised in
+``_lse_bht`` only. Forward o and MHA gradients come back in the input dtype (a float32 copy of
+each would be a transient the size of two K/V shards); every caller accumulates into float32
+buffers (``Tensor.add_`` promotes in place).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..block import LOW_PRECISION, BlockBackend, register_backend
+from ..schedule import CAUSAL_MASK, BlockMask, MaskKind
+from .reference import reference_block_bwd
+
+F32 = torch.float32
+
+
+def _lse_bht(lse, b: int, h: int, t: int):
+    """Every op's LSE as a contiguous float32 [b, h, t] (cuDNN: [b, h, t, 1]; CPU: strided)."""
+    return lse.reshape(b, h, t).float().contiguous()
+
+
+def _expand(x, heads: int):
+    """[b, s, hk, d] -> [b, h, s, d] (the aten ops want equal head counts, head-major)."""
+    return x.repeat_interleave(heads // x.shape[2], dim=2).transpose(1, 2)
+
+
+def _fold_heads(dx, kv_heads: int):
+    """[b, h, s, d] gradient of an expanded K/V -> [b, s, hk, d], summed over each group."""
+    b, h, s, d = dx.shape
+    return dx.reshape(b, kv_heads, h // kv_heads, s, d).sum(2).transpose(1, 2)
+
+
+_AUX: dict = {}
+
+
+def _aux_outputs(op, device, dtype, d: int):
+    """The non-varlen, dropout-free auxiliaries (cum_seq_q/k: undefined; philox seed/offset) that
+    the CUDA backward ops expect back from their forward. They do not depend on the block's
+    values, so one tiny forward per (op, device, dtype, head_dim) supplies them for every block;
+    passing *defined* empty tensors instead would switch the ops into varlen (nested) mode."""
+    key = (op, device, dtype, d)
+    if key not in _AUX:
+        x = torch.zeros((1, 1, 1, d), device=device, dtype=dtype)
+        _AUX[key] = op(x)
+    return _AUX[key]
+
+
+def _aten_ops(name: str):
+    ops = torch.ops.aten
+    if name == "aten_cpu":
+        fwd = lambda q, k, v, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu(  # noqa: E731
+            q, k, v, 0.0, causal, scale=scale)[:2]
+        bwd = lambda do, q, k, v, o, lse, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu_backward(  # noqa: E731
+            do, q, k, v, o, lse, 0.0, causal, scale=scale)
+        return fwd, bwd
+    if name == "aten_flash":
+        def flash(q, k, v, causal=False, scale=None):
+            return ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+
+        def fwd(q, k, v, causal, scale):
+            return flash(q, k, v, causal, scale)[:2]
+
+        def bwd(do, q, k, v, o, lse, causal, scale):
+            aux = _aux_outputs(lambda x: flash(x, x, x), q.device, q.dtype, q.shape[-1])
+            cum_q, cum_k, seed, offset = aux[2], aux[3], aux[6], aux[7]
+            return ops._scaled_dot_product_flash_attention_backward(
+                do, q, k, v, o, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+        return fwd, bwd
+    if name == "aten_cudnn":
+        def cudnn(q, k, v, causal=False, scale=None):
+            return ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+
+        def fwd(q, k, v, causal, scale):
+            return cudnn(q, k, v, causal, scale)[:2]
+
+        def bwd(do, q, k, v, o, lse, causal, scale):
+            aux = _aux_outputs(lambda x: cudnn(x, x, x), q.device, q.dtype, q.shape[-1])
+            cum_q, cum_k, seed, offset = aux[2], aux[3], aux[6], aux[7]
+            b, h, t = lse.shape
+            return ops._scaled_dot_product_cudnn_attention_backward(
+                do, q, k, v, o, lse.reshape(b, h, t, 1), seed, offset, None, cum_q, cum_k, t, k.shape[2], 0.0,
+                causal, scale=scale)
+        return fwd, bwd
+    raise ValueError(name)
+
+
+def _make_aten_backend(name: str) -> BlockBackend:
+    """Adapt an aten (fwd, bwd) op pair to the block-kernel signatures."""
+    op_fwd, op_bwd = _aten_ops(name)
+
+    def fwd(q, k, v, mask: BlockMask, scale: float):
+        if mask.kind is MaskKind.STRICT:  # strict lower triangle = causal block of rows 1.. vs keys ..t-1
+            o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], CAUSAL_MASK, scale)
+            b, _, h, d = q.shape
+            o0 = torch.zeros((b, 1, h, d), dtype=o_r.dtype, device=q.device)
+            lse0 = torch.full((b, h, 1), float("-inf"), dtype=F32, device=q.device)
+            return torch.cat([o0, o_r], 1), torch.cat([lse0, lse_r], 2)
+        b, t, h, d = q.shape
+        o, lse = op_fwd(q.transpose(1, 2), _expand(k, h), _expand(v, h), mask.kind is MaskKind.CAUSAL, scale)
+        return o.transpose(1, 2), _lse_bht(lse, b, h, t)  # o in the input dtype: merged into float32
+
+    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
+        if dlse is not None:  # the ops take no lse cotangent (None when lse is not used)
+            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse)
+        if mask.kind is MaskKind.STRICT:
+            dq, dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (q, k, v))
+            dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK,
+                                   scale)
+            dq[:, 1:], dk[:, :-1], dv[:, :-1] = dq_r, dk_r, dv_r
+            return dq, dk, dv
+        h, hk = q.shape[2], k.shape[2]
+        dtype = q.dtype
+        grads = op_bwd(do.to(dtype).transpose(1, 2), q.transpose(1, 2), _expand(k, h), _expand(v, h),
+                       o.to(dtype).transpose(1, 2), lse.float().contiguous(), mask.kind is MaskKind.CAUSAL, scale)
+        dq, dk, dv = grads[:3]
+        if hk != h:  # GQA: sum the expanded heads' gradients in float32
+            return dq.transpose(1, 2), _fold_heads(dk.float(), hk), _fold_heads(dv.float(), hk)
+        # In the input dtype: callers add them into float32 accumulators in place.
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    supports = (lambda mask, dtype: True) if name == "aten_cpu" else (lambda mask, dtype: dtype in LOW_PRECISION)
+    return BlockBackend(name, fwd, bwd, supports=supports, available=lambda: _available(name))
+
+
+def _available(name: str) -> bool:
+    if name == "aten_cpu":
+        return True
+    return torch.cuda.is_available() and (name != "aten_cudnn" or torch.backends.cudnn.is_available())
+
+
+for _name in ("aten_cpu", "aten_flash", "aten_cudnn"):
+    register_backend(_make_aten_backend(_name))
