@@ -35,6 +35,7 @@ lse: [b, h, t] float32, natural log (as the library's forward returns it).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import warnings
@@ -53,9 +54,10 @@ UNVERIFIED_VERSION_BACKWARD = "cudnn"  # "cudnn" or "raise": see the module docs
 MAX_TILE_ROWS = 128
 
 
+@functools.lru_cache(maxsize=1)
 def installed_version() -> str | None:
     """flash_attn3_jax's installed version (None: not installed), without importing it when the
-    package metadata says."""
+    package metadata says (cached: "auto" asks at every block call it traces)."""
     try:
         return importlib.metadata.version(PACKAGE)
     except importlib.metadata.PackageNotFoundError:
