@@ -16,6 +16,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
@@ -58,6 +59,27 @@ def _onto_mesh(x, sharding: NamedSharding, explicit: bool):
     return jax.reshard(x, sharding) if explicit else x
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cotangents_onto_mesh(outputs: tuple, shardings: tuple, explicit: bool) -> tuple:
+    """Identity on the outputs; their cotangents are placed on the mesh as the outputs are, the
+    way the inputs were (see ``sequence_parallel_attention``: "Cotangents")."""
+    return outputs
+
+
+def _cotangents_onto_mesh_fwd(outputs, shardings, explicit):
+    return tuple(x.value for x in outputs), None  # symbolic_zeros=True wraps the primals
+
+
+def _cotangents_onto_mesh_bwd(shardings, explicit, _, cotangents):
+    # An unused output's cotangent stays symbolic (None): the kernels tell a missing lse cotangent
+    # from a zero one (fused backward kernels take none).
+    return (tuple(None if isinstance(ct, SymbolicZero) else _onto_mesh(ct, sharding, explicit)
+                  for ct, sharding in zip(cotangents, shardings)),)
+
+
+_cotangents_onto_mesh.defvjp(_cotangents_onto_mesh_fwd, _cotangents_onto_mesh_bwd, symbolic_zeros=True)
+
+
 def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag",
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
@@ -65,6 +87,15 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
     sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
     sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``.
+
+    Cotangents are placed on the mesh the way the inputs are: a pullback (``jax.vjp``'s returned
+    function) may be given a cotangent of any sharding JAX lets through — sharded like the output,
+    freshly made with ``jnp`` outside ``jax.set_mesh``, committed to one device — and it is resharded
+    to the output's sharding (o: ``x_spec``, lse: ``lse_spec`` of ``partition_specs(mesh)``) before
+    shard_map's backward, which needs exactly that. On an Explicit mesh inside ``jax.set_mesh`` a
+    cotangent's type includes its sharding, and JAX's own pullback refuses one typed with another
+    sharding (e.g. ``jnp.ones`` there is replicated), naming the expected type
+    ("expected float32[2@data,32@ring,4,16]"): give it ``jax.reshard(ct, o.sharding)``.
 
     ``deterministic``: refuse block kernels that are not run-to-run deterministic (default: whether
     XLA_FLAGS has ``--xla_gpu_deterministic_ops=true``). XLA reads its flags when its backend
@@ -91,5 +122,9 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     # The kernels' custom_vjp keeps an unused lse cotangent symbolic (fused backward kernels take
     # none); JAX implements that for shard_map under a trace only, so an eager call is jitted.
     traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v))
-    return (sharded if traced else jax.jit(sharded))(
+    outputs = (sharded if traced else jax.jit(sharded))(
         *(_onto_mesh(x, NamedSharding(mesh, x_spec), explicit) for x in (q, k, v)))
+    specs = (x_spec, lse_spec) if return_lse else (x_spec,)
+    outputs = _cotangents_onto_mesh(tuple(outputs) if return_lse else (outputs,),
+                                    tuple(NamedSharding(mesh, s) for s in specs), explicit)
+    return outputs if return_lse else outputs[0]
