@@ -76,14 +76,16 @@ VERIFIED = [("jax", b) for b in ("reference", "cudnn", "fa3")] + [("torch", b) f
 @pytest.mark.parametrize("mask", ["full", "causal", "strict"])
 @pytest.mark.parametrize("framework,backend", VERIFIED, ids=lambda x: x)
 def test_block_backend_matches_float64_truth_at_4096_tokens(framework, backend, mask, dtype, seed):
-    """GQA 8/2, d 128, 4096 × 4096 (and for full masks the zigzag ring's 2048 × 4096 and
+    """MHA/GQA/MQA at d 128 and GQA at d 64, 4096 × 4096 (and for full masks the zigzag ring's 2048 × 4096 and
     4096 × 2048) through ``fwd`` then ``bwd``: every tensor within the policy of the truth."""
     if framework == "jax" and not jax_on_gpu():
         pytest.skip("JAX has no GPU here (run with JAX_PLATFORMS=cuda)")
     from parity.probes import kernels
 
-    cases = [c for c in kernels.cases(4096, {framework: (backend,)}, [dtype], [128])
-             if c.mask == mask and (c.heads, c.kv_heads) == (8, 2)]
+    # MHA / GQA / MQA at d 128, and GQA at d 64: every head layout and both head dims, without the
+    # full product (each new shape costs a compilation).
+    cases = [c for c in kernels.cases(4096, {framework: (backend,)}, [dtype], [64, 128])
+             if c.mask == mask and (c.head_dim == 128 or (c.heads, c.kv_heads) == (8, 2))]
     results = kernels.verify(cases, seed, print)
     skipped = [r.status for r in results if r.status.startswith("skipped")]
     if backend == "fa3" and skipped and all("flash_attn3_jax" in s for s in skipped):
