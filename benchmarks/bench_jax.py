@@ -19,13 +19,14 @@ import traceback
 # Set before JAX starts: overlap collectives with compute (the latency-hiding scheduler).
 os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .common import MeshSpec, Problem, Row, finish, shared_arguments
-from .overlap import probe_rows, jax_variant  # noqa: E402
+from .overlap import jax_variant, probe_rows
 
 
 def _time(fn, args, iters: int, warmup: int) -> list[float]:
@@ -118,7 +119,8 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     rows = []
     for fwd_only in fwd_modes:
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
-                  extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads, **({"variant": variant} if variant else {}),
+                  extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
+                         **({"variant": variant} if variant else {}),
                          **({"controllers": jax.process_count()} if jax.process_count() > 1 else {})})
 
         def attention(q, k, v, backend=backend):

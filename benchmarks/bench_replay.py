@@ -263,9 +263,9 @@ def main(argv=None) -> list[Row]:
     a = build_parser().parse_args(argv)
     if a.smoke:
         a.seq, a.heads, a.kv_heads, a.head_dim, a.iters, a.warmup = 256, 4, 2, 16, 2, 1
-    from parity.core.devices import configure_jax_devices
-
     import torch
+
+    from parity.core.devices import configure_jax_devices
 
     devices = "gpu" if torch.cuda.is_available() else "cpu"
     configure_jax_devices(devices)

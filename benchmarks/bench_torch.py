@@ -129,7 +129,8 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     rows = []
     for fwd_only in fwd_modes:
         row = Row("torch_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
-                  extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads, **({"variant": variant} if variant else {})})
+                  extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
+                         **({"variant": variant} if variant else {})})
 
         def make_step():
             n = spec.devices
@@ -150,8 +151,8 @@ def context_parallel_rows(problem: Problem, iters: int, warmup: int, load_balanc
     """torch's context parallelism (experimental API): SDPA under ``context_parallel`` with the
     cuDNN backend; the buffers are sharded in place on entry ([b, h, s, d], sequence dim 2)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental import _attention as cp_attention
+    from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     n = dist.get_world_size()

@@ -37,12 +37,12 @@ def _versions() -> dict:
     for name in ("jax", "torch", "flash_attn3_jax", "yunchang"):
         try:
             out[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001
+        except (ImportError, AttributeError):
             out[name] = "not installed"
     try:
         out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True, timeout=30).stdout.strip().replace("\n", "; ")
-    except Exception:  # noqa: BLE001
+    except (OSError, subprocess.SubprocessError):
         out["gpu"] = "unknown"
     return out
 

@@ -17,7 +17,8 @@ from functools import partial
 
 import jax
 from jax.custom_derivatives import SymbolicZero
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from .block import get_backend

@@ -26,8 +26,8 @@ compiles for unless told otherwise); to force a kernel, name it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp

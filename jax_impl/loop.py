@@ -7,8 +7,8 @@ Shapes (per device): q, o, dq [b, t, h, d]; k, v, dk, dv [b, t, hk, d]; lse [b, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

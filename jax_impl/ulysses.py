@@ -15,8 +15,8 @@ accuracy (dv 4.4× the unsharded error in a fuzzed MQA case).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -14,9 +14,9 @@ from functools import partial
 
 from .allgather import allgather_attention
 from .axes import RING, ULYSSES
+from .comm import axis_size
 from .double_ring import double_ring_attention
 from .ring import ring_attention
-from .comm import axis_size
 from .ulysses import ulysses_attention
 from .validation import dtype_name, validate_local
 

@@ -13,8 +13,8 @@ from parity.core.devices import configure_jax_devices
 
 configure_jax_devices("cpu")  # before JAX is imported anywhere (and at LLVM optimization level 0: see there)
 
-import numpy as np  # noqa: E402 — after the XLA flags above
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 try:
     import jax

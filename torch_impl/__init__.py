@@ -1,9 +1,9 @@
 """ringbridge's torch implementation: the jax_impl algorithms, step for step, in torch.distributed."""
 
+from . import kernels  # noqa: F401  (registers the built-in block backends)
+from .allgather import allgather_attention
 from .api import sequence_parallel_attention
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
-from .allgather import allgather_attention
-from . import kernels  # noqa: F401  (registers the built-in block backends)
 from .block import BlockBackend, get_backend, register_backend, resolve_backend
 from .comm import Comm
 from .config import AttentionConfig

@@ -25,10 +25,11 @@ from .block import get_backend
 from .comm import check_ranks_agree
 from .config import default_check_ranks, default_deterministic
 from .double_ring import double_ring_attention
+from .layouts import LAYOUTS
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
-from .layouts import LAYOUTS
 from .validation import DTYPES, KV_EXCHANGES, Decomposition, dtype_name, validate
+
 
 def _code(value, known: tuple) -> int:
     return known.index(value) if value in known else -1

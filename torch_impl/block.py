@@ -22,8 +22,8 @@ answer as a name, for reports and benchmark rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 

@@ -46,7 +46,7 @@ class RingShift:
         self._reqs: list = []
 
     @classmethod
-    def diagonal(cls, outer_group, inner_group) -> "RingShift":
+    def diagonal(cls, outer_group, inner_group) -> RingShift:
         """(o, i) -> (o+1, i+1) mod the group sizes: where a double-ring shard goes after the last
         inner step of a round. The peer is in neither
         group; its global rank follows from ranks being affine in mesh coordinates (true of

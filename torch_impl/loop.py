@@ -7,7 +7,7 @@ Shapes (per rank): q, o, dq [b, t, h, d]; k, v, dk, dv [b, t, hk, d]; lse [b, h,
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -45,7 +45,7 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
         if mask.kind is MaskKind.STRICT:
             dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK,
                                    scale)
-            rows = lambda first, last: [(0, 0), (first, last), (0, 0), (0, 0)]  # noqa: E731
+            rows = lambda first, last: [(0, 0), (first, last), (0, 0), (0, 0)]
             return jnp.pad(dq_r, rows(1, 0)), jnp.pad(dk_r, rows(0, 1)), jnp.pad(dv_r, rows(0, 1))
         dtype = q.dtype
         grads = bwd_op(do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask.kind is MaskKind.CAUSAL,

@@ -65,7 +65,7 @@ class Traffic:
     def __eq__(self, other) -> bool:
         return isinstance(other, Traffic) and self.rows() == other.rows()
 
-    def diff(self, other: "Traffic", names=("model", "measured")) -> str:
+    def diff(self, other: Traffic, names=("model", "measured")) -> str:
         """Per-collective differences, one line each ('' when equal)."""
         lines = []
         for key in sorted(set(self.rows()) | set(other.rows())):

@@ -34,7 +34,7 @@ def _group_size(group) -> int:
 
 def _sized(op: str, args):
     """(kind, group size, bytes) of one dispatcher collective, None for ops that move nothing."""
-    n = lambda i: _group_size(args[i])  # noqa: E731
+    n = lambda i: _group_size(args[i])
     if op in ("c10d.send",):  # tensors, pg, dst, tag
         return "p2p", n(1), sum(_nbytes(t) for t in args[0])
     if op == "c10d._allgather_base_":  # output, input, pg

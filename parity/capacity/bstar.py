@@ -43,7 +43,7 @@ class Hardware:
     bandwidth: dict
 
     @classmethod
-    def load(cls, name_or_path: str) -> "Hardware":
+    def load(cls, name_or_path: str) -> Hardware:
         path = Path(name_or_path)
         if not path.exists():
             path = PROFILES / f"{name_or_path}.json"
@@ -51,7 +51,7 @@ class Hardware:
         return cls(data["name"], float(data["flops"]), {k: float(v) for k, v in data["bandwidth"].items()})
 
     @classmethod
-    def simple(cls, name: str, flops: float, bandwidth: float) -> "Hardware":
+    def simple(cls, name: str, flops: float, bandwidth: float) -> Hardware:
         return cls(name, flops, {k: bandwidth for k in ("p2p", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")})
 
 

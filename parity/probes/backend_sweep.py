@@ -84,7 +84,7 @@ def unavailable(framework: str, backend: str, case: Case) -> str | None:
         return None
     try:
         kernels = block.get_backend(backend)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 — any refusal is the reason this backend is skipped
         return f"{backend}: {err}"
     if not kernels.available():
         return f"{backend} is not available in this process (package or device missing)"

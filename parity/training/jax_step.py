@@ -195,7 +195,7 @@ class Step:
     # ---- host side ---------------------------------------------------------------------
     def arguments(self, inputs: TrainInputs):
         """(weights, master, opt_state, x, y) as sharded global arrays."""
-        put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))  # noqa: E731
+        put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
         master = {f"block_{i}": {"w1": jnp.asarray(inputs.w1[i]), "w2": jnp.asarray(inputs.w2[i])}
                   for i in range(self.case.blocks)}
         opt_state = self.opt.init(master)
@@ -226,7 +226,7 @@ def run_step(case: TrainCase, inputs: TrainInputs) -> dict[str, np.ndarray]:
     _, grads_fn, step_fn = step.programs(opt_state)
     loss, g, dx = grads_fn(weights, x, y)
     _, _, _, new_master, _ = step_fn(weights, master, opt_state, x, y)
-    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     g = jax.tree.map(f64, g)
     return {"loss": np.sum(f64(loss)), "dx": f64(dx), "dw1": _stack(g, "w1"), "dw2": _stack(g, "w2"),
             "new_w1": _stack(new_master, "w1"), "new_w2": _stack(new_master, "w2")}

@@ -80,7 +80,7 @@ def make_train_inputs(case: TrainCase) -> TrainInputs:
     """float32 values (exactly representable in both frameworks), fixed by the case's seed."""
     rng = np.random.default_rng(case.seed)
     t, d, f, n = case.tokens, case.d_model, case.d_ff, case.blocks
-    as32 = lambda a: a.astype(np.float32)  # noqa: E731
+    as32 = lambda a: a.astype(np.float32)
     return TrainInputs(x=as32(rng.standard_normal((t, d))), y=as32(rng.standard_normal((t, d))),
                        w1=as32(rng.standard_normal((n, d, f)) / np.sqrt(d)),
                        w2=as32(rng.standard_normal((n, f, d)) / np.sqrt(f)))

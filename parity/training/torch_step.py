@@ -144,7 +144,7 @@ def step_task(case: TrainCase, inputs: TrainInputs, device_type: str) -> dict:
     out = {"coords": (rig.xi, rig.mesh.get_local_rank("tp")), "loss": float(loss), "dx": x.grad.detach().double().cpu().numpy(),
            "traffic": tracer.traffic.rows()}
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # 2-D gathers warn
-    full = lambda ts: [_full(t).detach().double().cpu().numpy() for t in ts]  # noqa: E731
+    full = lambda ts: [_full(t).detach().double().cpu().numpy() for t in ts]
     master = rig.master
     if case.strategy == "zero1":
         grads, master = _gather_rows(grads, rig.fsdp_group), _gather_rows(master, rig.fsdp_group)

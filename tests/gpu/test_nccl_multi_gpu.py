@@ -9,11 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gpu_tasks import needs_gpus  # noqa: E402
+from gpu_tasks import needs_gpus
 
 pytestmark = [needs_gpus(4)]
 
-from gpu_tasks import bf16_case_task  # noqa: E402
+from gpu_tasks import bf16_case_task
 
 SEQ, HEADS, KV_HEADS, HEAD_DIM = 16384, 8, 2, 128
 MESHES = {

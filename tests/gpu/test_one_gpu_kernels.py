@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gpu_tasks import jax_on_gpu, needs_gpus  # noqa: E402
+from gpu_tasks import jax_on_gpu, needs_gpus
 
 pytestmark = [needs_gpus(1)]
 

@@ -9,12 +9,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from gpu_tasks import jax_on_gpu, needs_gpus  # noqa: E402
-from helpers import assert_passed, jax_runner, torch_runner  # noqa: E402
-from parity.core.cases import Case  # noqa: E402
-from parity.core.inputs import make_inputs  # noqa: E402
-from parity.runners.pipeline import check_case  # noqa: E402
-from parity.runners.torch_truth import case_truth  # noqa: E402
+from gpu_tasks import jax_on_gpu, needs_gpus
+from helpers import assert_passed, jax_runner, torch_runner
+from parity.core.cases import Case
+from parity.core.inputs import make_inputs
+from parity.runners.pipeline import check_case
+from parity.runners.torch_truth import case_truth
 
 pytestmark = [needs_gpus(1)]
 

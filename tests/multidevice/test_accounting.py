@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("jax")
 
-from dataclasses import replace  # noqa: E402
+from dataclasses import replace
 
-from parity.accounting.model import attention_traffic  # noqa: E402
-from parity.checks.traffic import ATTENTION_CONFIGS  # noqa: E402
-from parity.core.cases import Case  # noqa: E402
-from parity.runners import jax_runner, torch_runner  # noqa: E402
+from parity.accounting.model import attention_traffic
+from parity.checks.traffic import ATTENTION_CONFIGS
+from parity.core.cases import Case
+from parity.runners import jax_runner, torch_runner
 
 CONFIGS = ATTENTION_CONFIGS  # shared with `python -m parity accounting`
 

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
+import jax.numpy as jnp
+from jax.sharding import AxisType
 
-import jax_impl  # noqa: E402
-from parity import reference  # noqa: E402
+import jax_impl
+from parity import reference
 
 B, T, H, HK, D = 2, 32, 4, 2, 16
 LAYOUT = "zigzag"

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("jax")
 
-from helpers import jax_runner, torch_runner  # noqa: E402
-from parity.core.cases import Case  # noqa: E402
-from parity.core.inputs import make_inputs  # noqa: E402
+from helpers import jax_runner, torch_runner
+from parity.core.cases import Case
+from parity.core.inputs import make_inputs
 
 CASES = [Case(ring=4, dtype="bfloat16", kv_heads=2), Case(ring=2, ulysses=2, layout="stripe"),
          Case(ring=4, kv_exchange="allgather", layout="contiguous"), Case(ulysses=4, kv_heads=1, causal=False)]

@@ -13,9 +13,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from parity.runners.torch_world import TaskError, World  # noqa: E402
-
-import torch_tasks  # noqa: E402
+import torch_tasks
+from parity.runners.torch_world import TaskError, World
 
 TIMEOUT_S = 5.0
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax_impl  # noqa: E402
-from parity.core import reference  # noqa: E402
+import jax_impl
+from parity.core import reference
 
 B, T, H, HK, D = 2, 32, 4, 2, 16
 

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("jax")
 
-from helpers import assert_passed, jax_runner, matrix_params  # noqa: E402
-from parity.core.cases import Case  # noqa: E402
-from parity.runners.pipeline import check_case  # noqa: E402
+from helpers import assert_passed, jax_runner, matrix_params
+from parity.core.cases import Case
+from parity.runners.pipeline import check_case
 
 
 def _check(case: Case, seed: int) -> None:

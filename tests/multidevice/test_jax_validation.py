@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
+import jax.numpy as jnp
+from jax.sharding import AxisType
 
-import jax_impl  # noqa: E402
+import jax_impl
 
 
 def _mesh(shape, names):
@@ -38,12 +38,14 @@ CASES = [
     ("seq differs", RING4, _x(), _x(t=16), _x(t=16), {}, ValueError, "agree in batch, seq and head_dim"),
     ("head_dim differs", RING4, _x(), _x(d=8), _x(d=8), {}, ValueError, "agree in batch, seq and head_dim"),
     ("heads % kv_heads", RING4, _x(h=6), _x(h=4), _x(h=4), {}, ValueError, "heads % kv_heads must be 0, got heads=6, kv_heads=4"),
-    ("heads % ulysses", ((4,), ("ulysses",)), _x(h=6), _x(h=6), _x(h=6), {}, ValueError, "heads % 'ulysses' mesh size must be 0, got heads=6, ulysses=4"),
+    ("heads % ulysses", ((4,), ("ulysses",)), _x(h=6), _x(h=6), _x(h=6), {}, ValueError,
+     "heads % 'ulysses' mesh size must be 0, got heads=6, ulysses=4"),
     ("kv_heads vs ulysses", ((4,), ("ulysses",)), _x(h=12), _x(h=6), _x(h=6), {}, ValueError, "kv_heads=6, ulysses=4"),
     ("zigzag seq % 2RU", ((2, 2), ("ring", "ulysses")), _x(t=36), _x(t=36, h=2), _x(t=36, h=2), {"layout": "zigzag"},
      ValueError, "seq_len % 8 must be 0 for layout 'zigzag' with ring=2, ulysses=2, got seq_len=36"),
     ("stripe seq % RU", RING4, _x(t=30), _x(t=30), _x(t=30), {"layout": "stripe"}, ValueError, "seq_len % 4 must be 0"),
-    ("batch % data", ((2, 2), ("data", "ring")), _x(b=3), _x(b=3), _x(b=3), {}, ValueError, "batch % 'data' mesh size must be 0, got batch=3, data=2"),
+    ("batch % data", ((2, 2), ("data", "ring")), _x(b=3), _x(b=3), _x(b=3), {}, ValueError,
+     "batch % 'data' mesh size must be 0, got batch=3, data=2"),
     ("unknown axis", ((2, 2), ("ring", "tensor")), _x(), _x(), _x(), {}, ValueError, "unknown mesh axis names ['tensor']"),
     ("unknown layout", RING4, _x(), _x(), _x(), {"layout": "spiral"}, ValueError, "layout must be one of"),
     ("unknown kv_exchange", RING4, _x(), _x(), _x(), {"kv_exchange": "gossip"}, ValueError, "kv_exchange must be one of"),

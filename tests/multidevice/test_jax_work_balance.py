@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
+import jax.numpy as jnp
+from jax import lax
 
-import jax_impl  # noqa: E402
-from jax_impl.block import BlockBackend, get_backend, register_backend  # noqa: E402
-from jax_impl.schedule import CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask  # noqa: E402
+import jax_impl
+from jax_impl.block import BlockBackend, get_backend, register_backend
+from jax_impl.schedule import CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask
 
 CALLS: list = []
 

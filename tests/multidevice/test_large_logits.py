@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("jax")
 
-from helpers import assert_passed, jax_runner, torch_runner  # noqa: E402
-from parity.core.cases import Case  # noqa: E402
-from parity.core.inputs import make_inputs, oracle, round_to_dtype  # noqa: E402
-from parity.runners.pipeline import check_case  # noqa: E402
+from helpers import assert_passed, jax_runner, torch_runner
+from parity.core.cases import Case
+from parity.core.inputs import make_inputs, oracle, round_to_dtype
+from parity.runners.pipeline import check_case
 
 CASES = [Case(ring=4, causal=True), Case(ring=2, ulysses=2, dtype="bfloat16", kv_heads=2),
          Case(ring=4, kv_exchange="allgather", layout="stripe", dtype="bfloat16")]

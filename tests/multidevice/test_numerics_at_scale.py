@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("jax")
 
-from helpers import jax_runner, torch_runner  # noqa: E402
-from parity.probes import scaling  # noqa: E402
+from helpers import jax_runner, torch_runner
+from parity.probes import scaling
 
 
 def _assert_within_policy(points):

@@ -11,12 +11,12 @@ import pytest
 
 pytest.importorskip("jax")
 
-from helpers import jax_runner  # noqa: E402
-from parity import cli  # noqa: E402
-from parity.core.cases import Case  # noqa: E402
-from parity.runners.base import Unavailable  # noqa: E402
-from parity.runners.jax_runner import JaxRunner  # noqa: E402
-from parity.runners.pipeline import run_case_everywhere  # noqa: E402
+from helpers import jax_runner
+from parity import cli
+from parity.core.cases import Case
+from parity.runners.base import Unavailable
+from parity.runners.jax_runner import JaxRunner
+from parity.runners.pipeline import run_case_everywhere
 
 
 def test_cli_runs_both_frameworks_and_writes_reports(tmp_path, jax_devices, worlds, capsys):

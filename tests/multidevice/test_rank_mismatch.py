@@ -16,16 +16,17 @@ import pytest
 
 pytest.importorskip("torch")
 
-from parity.runners.torch_world import TaskError, World  # noqa: E402
-
-import torch_tasks  # noqa: E402
+import torch_tasks
+from parity.runners.torch_world import TaskError, World
 
 RING4 = (("ring", 4),)
 USP = (("ring", 2), ("ulysses", 2))
 MISMATCHES = [
     ("one rank's seq", RING4, {2: {"q_seq": 4}}, "q shape: from (1, 4, 4, 8) to (1, 8, 4, 8)"),
-    ("one rank's dtype", USP, {3: {"dtype": "bfloat16"}}, "dtypes (index in ('float32', 'bfloat16', 'float16')): from (0, 0, 0) to (1, 1, 1)"),
-    ("one rank's causal flag", USP, {0: {"causal": False}}, "causal, layout, kv_exchange, return_lse: from (0, 0, 0, 0) to (1, 0, 0, 0)"),
+    ("one rank's dtype", USP, {3: {"dtype": "bfloat16"}},
+     "dtypes (index in ('float32', 'bfloat16', 'float16')): from (0, 0, 0) to (1, 1, 1)"),
+    ("one rank's causal flag", USP, {0: {"causal": False}},
+     "causal, layout, kv_exchange, return_lse: from (0, 0, 0, 0) to (1, 0, 0, 0)"),
 ]
 
 

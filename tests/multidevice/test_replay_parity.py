@@ -12,11 +12,11 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("torch")
 
-from helpers import assert_passed, jax_runner, torch_runner  # noqa: E402
-from parity.core.cases import Case  # noqa: E402
-from parity.core.inputs import make_inputs, oracle  # noqa: E402
-from parity.runners.jax_runner import JaxRunner  # noqa: E402
-from parity.runners.pipeline import check_case, cross_check  # noqa: E402
+from helpers import assert_passed, jax_runner, torch_runner
+from parity.core.cases import Case
+from parity.core.inputs import make_inputs, oracle
+from parity.runners.jax_runner import JaxRunner
+from parity.runners.pipeline import check_case, cross_check
 
 CASES = [
     Case(ring=2, ulysses=2, layout="stripe", causal=True, dtype="bfloat16"),

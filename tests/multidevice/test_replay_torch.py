@@ -10,11 +10,11 @@ import pytest
 jax = pytest.importorskip("jax")
 torch = pytest.importorskip("torch")
 
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
 
-from jax_impl import replay as jax_replay  # noqa: E402
-from torch_impl import replay as torch_replay  # noqa: E402
-from torch_impl.layouts import LAYOUTS, layout_permutation  # noqa: E402
+from jax_impl import replay as jax_replay
+from torch_impl import replay as torch_replay
+from torch_impl.layouts import LAYOUTS, layout_permutation
 
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 RTOL = 1e-5  # two frameworks' float32 einsums: the float32 policy's bound, relative L2

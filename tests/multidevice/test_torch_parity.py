@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from helpers import assert_passed, jax_runner, matrix_params, torch_runner  # noqa: E402
-from parity.core.cases import Case  # noqa: E402
-from parity.core.inputs import make_inputs, oracle  # noqa: E402
-from parity.runners.pipeline import check_case, cross_check  # noqa: E402
-from parity.runners.torch_runner import TorchRunner  # noqa: E402
+from helpers import assert_passed, jax_runner, matrix_params, torch_runner
+from parity.core.cases import Case
+from parity.core.inputs import make_inputs, oracle
+from parity.runners.pipeline import check_case, cross_check
+from parity.runners.torch_runner import TorchRunner
 
 
 @pytest.mark.parametrize("case", matrix_params())

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from torch_tasks import bad_input_task  # noqa: E402
+from torch_tasks import bad_input_task
 
 RING4 = (("ring", 4),)
 F32 = ("float32",) * 3
@@ -17,7 +17,8 @@ CASES = [
     ("rank-3 q", RING4, (8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32, {}, "ValueError", "q must be rank-4"),
     ("mixed dtypes", RING4, (1, 8, 8, 16),) * 1 + ((1, 8, 8, 16), (1, 8, 8, 16), ("float32", "bfloat16", "float32"), {},
                                                   "TypeError", "share one dtype"),
-    ("integer dtype", RING4, (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), ("int32",) * 3, {}, "TypeError", "dtype must be one of"),
+    ("integer dtype", RING4, (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), ("int32",) * 3, {}, "TypeError",
+     "dtype must be one of"),
     ("heads % kv_heads", RING4, (1, 8, 6, 16), (1, 8, 4, 16), (1, 8, 4, 16), F32, {}, "ValueError",
      "heads % kv_heads must be 0, got heads=6, kv_heads=4"),
     ("heads % ulysses", (("ulysses", 4),), (1, 8, 6, 16), (1, 8, 6, 16), (1, 8, 6, 16), F32, {}, "ValueError",

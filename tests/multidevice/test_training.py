@@ -14,11 +14,11 @@ pytest.importorskip("jax")
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
-from parity.checks.traffic import TRAINING_CONFIGS  # noqa: E402
-from parity.core.numerics import check_tensor  # noqa: E402
-from parity.training import jax_step as train_jax  # noqa: E402
-from parity.training.reference import TrainCase, make_train_inputs, reference_step  # noqa: E402
-from parity.training.traffic_model import ffn_step_traffic  # noqa: E402
+from parity.checks.traffic import TRAINING_CONFIGS
+from parity.core.numerics import check_tensor
+from parity.training import jax_step as train_jax
+from parity.training.reference import TrainCase, make_train_inputs, reference_step
+from parity.training.traffic_model import ffn_step_traffic
 
 KEYS = ("loss", "dx", "dw1", "dw2", "new_w1", "new_w2")
 LOW_PRECISION_KEYS = ("loss", "dx", "dw1", "dw2")  # Adam's first step is ≈ lr·sign(g): a bf16

@@ -21,15 +21,15 @@ import pytest
 
 pytest.importorskip("jax")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from helpers import FULL, assert_passed, jax_runner, torch_runner  # noqa: E402
-from jax_impl.layouts import seq_multiple  # noqa: E402
-from parity.core.cases import KV_EXCHANGES, LAYOUTS, Case  # noqa: E402
-from parity.core.inputs import make_inputs, oracle  # noqa: E402
-from parity.core.mesh import MeshShape  # noqa: E402
-from parity.runners.pipeline import check_case  # noqa: E402
+from helpers import FULL, assert_passed, jax_runner, torch_runner
+from jax_impl.layouts import seq_multiple
+from parity.core.cases import KV_EXCHANGES, LAYOUTS, Case
+from parity.core.inputs import make_inputs, oracle
+from parity.core.mesh import MeshShape
+from parity.runners.pipeline import check_case
 
 EXAMPLES = int(os.environ.get("RINGBRIDGE_FUZZ_EXAMPLES", 1000 if FULL else 200))
 # (data, ring, ulysses, ring_outer): every factorization of 1–8 devices; ring_outer > 1 lays the

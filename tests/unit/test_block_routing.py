@@ -14,14 +14,14 @@ import pytest
 jax = pytest.importorskip("jax")
 torch = pytest.importorskip("torch")
 
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
 
-import jax_impl.block as jblock  # noqa: E402
-import torch_impl.block as tblock  # noqa: E402
-from jax_impl.kernels import fa3  # noqa: E402
-from jax_impl.kernels.fused import fused_backend  # noqa: E402
-from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd  # noqa: E402
-from jax_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask  # noqa: E402
+import jax_impl.block as jblock
+import torch_impl.block as tblock
+from jax_impl.kernels import fa3
+from jax_impl.kernels.fused import fused_backend
+from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+from jax_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask
 
 MASKS = ("full", "causal", "strict")
 

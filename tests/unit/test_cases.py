@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import itertools
 
-from parity.core.cases import HEAD_DIMS, HEAD_LAYOUTS, KV_EXCHANGES, LAYOUTS, MATRIX_DTYPES, MESHES, full_matrix, pairwise_matrix
+from parity.core.cases import (
+    HEAD_DIMS,
+    HEAD_LAYOUTS,
+    KV_EXCHANGES,
+    LAYOUTS,
+    MATRIX_DTYPES,
+    MESHES,
+    full_matrix,
+    pairwise_matrix,
+)
 
 
 def _factors(case):

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
 
-from jax_impl import layout_permutation, merge_partials  # noqa: E402
-from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd  # noqa: E402
-from jax_impl.layouts import LAYOUTS  # noqa: E402
-from jax_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, Part, step_plan  # noqa: E402
-from parity.core import reference  # noqa: E402
+from jax_impl import layout_permutation, merge_partials
+from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+from jax_impl.layouts import LAYOUTS
+from jax_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, Part, step_plan
+from parity.core import reference
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

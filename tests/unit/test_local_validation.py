@@ -47,7 +47,8 @@ def test_jax_entry_points_refuse_bad_local_shards(jax_devices):
     """Inside shard_map, at trace time: no collective is ever emitted for a refused call."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import jax_impl
 

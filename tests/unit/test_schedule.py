@@ -35,7 +35,7 @@ DOUBLE = [(o, i) for o in range(1, 5) for i in range(1, 5)]
 
 
 def _schedules(layout: str, causal: bool):
-    for outer, inner in RINGS:
+    for _outer, inner in RINGS:
         yield S.ring_schedule(layout, causal, inner)
         yield S.allgather_schedule(layout, causal, inner)
     for outer, inner in DOUBLE:

@@ -8,11 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity.core import reference  # noqa: E402
-from torch_impl import layout_permutation, merge_partials  # noqa: E402
-from torch_impl.block import get_backend  # noqa: E402
-from torch_impl.layouts import LAYOUTS  # noqa: E402
-from torch_impl.schedule import BLOCK_MASKS, FULL_MASK, STRICT_MASK  # noqa: E402
+from parity.core import reference
+from torch_impl import layout_permutation, merge_partials
+from torch_impl.block import get_backend
+from torch_impl.layouts import LAYOUTS
+from torch_impl.schedule import BLOCK_MASKS, FULL_MASK, STRICT_MASK
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -63,9 +63,9 @@ def _aux_outputs(op, device, dtype, d: int):
 def _aten_ops(name: str):
     ops = torch.ops.aten
     if name == "aten_cpu":
-        fwd = lambda q, k, v, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu(  # noqa: E731
+        fwd = lambda q, k, v, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)[:2]
-        bwd = lambda do, q, k, v, o, lse, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu_backward(  # noqa: E731
+        bwd = lambda do, q, k, v, o, lse, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, o, lse, 0.0, causal, scale=scale)
         return fwd, bwd
     if name == "aten_flash":
