@@ -1,6 +1,6 @@
 """``sequence_parallel_attention`` on global arrays: validate, shard, pick the algorithm.
 
-The mesh's axis names choose the algorithm (DESIGN.md): ``"ring"`` -> ring attention,
+The mesh's axis names choose the algorithm (docs/contract.md): ``"ring"`` -> ring attention,
 ``"ulysses"`` -> Ulysses, both -> USP, ``"ring_outer"`` + ``"ring_inner"`` -> the double ring
 (with ``"ulysses"``: double-ring USP), ``"data"`` shards the batch. Inputs are global arrays in
 layout order with any sharding; they are resharded to

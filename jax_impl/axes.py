@@ -1,4 +1,4 @@
-"""Mesh axis names (DESIGN.md): the mesh's axis names choose the algorithm."""
+"""Mesh axis names (docs/contract.md): the mesh's axis names choose the algorithm."""
 
 DATA = "data"  # shards the batch
 RING = "ring"  # K/V travel around this axis

@@ -70,7 +70,7 @@ def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: flo
     lines = ["# ringbridge parity report", "",
              (f"seed {seed}, devices {devices}: {summary['passed']} passed, {summary['failed']} failed, "
              f"{summary['skipped']} skipped in {seconds:.0f} s. Errors: float32 relative, low precision max-abs "
-             "(DESIGN.md); x = JAX vs torch; mode: mesh = the real collectives, replay = every virtual device's "
+             "(docs/contract.md); x = JAX vs torch; mode: mesh = the real collectives, replay = every virtual device's "
              "work run in turn on one device (too few devices for the mesh)."), "", head, "|---" * (3 + len(TENSORS)) + "|"]
     for r in results:
         j, t = r.sides.get("jax"), r.sides.get("torch")

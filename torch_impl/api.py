@@ -1,6 +1,6 @@
 """``sequence_parallel_attention`` on this rank's local shards and a ``DeviceMesh``.
 
-The mesh's ``mesh_dim_names`` choose the algorithm (DESIGN.md): ``"ring"`` -> ring attention,
+The mesh's ``mesh_dim_names`` choose the algorithm (docs/contract.md): ``"ring"`` -> ring attention,
 ``"ulysses"`` -> Ulysses, both -> USP, ``"ring_outer"`` + ``"ring_inner"`` -> the double ring
 (with ``"ulysses"``: double-ring USP), ``"data"`` shards the batch. The rank at ring coordinate
 r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*U + u (layout

@@ -1,4 +1,4 @@
-"""Plain dense attention in the inputs' own dtype: the low-precision *control* of DESIGN.md's
+"""Plain dense attention in the inputs' own dtype: the low-precision *control* of the contract's (docs/contract.md)
 numerics policy (what "attention run in the same dtype" means), differentiated by autograd.
 
 Deliberately naive: scores, softmax and the weighted sum are each rounded to the input dtype, as a

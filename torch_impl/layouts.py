@@ -23,7 +23,7 @@ def seq_multiple(layout: str, ring_size: int, ulysses_size: int = 1) -> int:
 
 
 def layout_permutation(seq_len: int, layout: str, ring_size: int, ulysses_size: int = 1) -> np.ndarray:
-    """Original token index at each layout position (DESIGN.md). Apply as ``x[:, perm]``."""
+    """Original token index at each layout position (docs/contract.md). Apply as ``x[:, perm]``."""
     multiple = seq_multiple(layout, ring_size, ulysses_size)
     if ring_size < 1 or ulysses_size < 1:
         raise ValueError(f"ring_size and ulysses_size must be >= 1, got {ring_size}, {ulysses_size}")

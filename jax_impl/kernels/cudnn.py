@@ -6,7 +6,7 @@ needs the *global* o and lse (after every block was merged), and JAX's public
 forward asks the private wrapper for its residual (the lse) and the backward binds cuDNN's
 backward primitive directly with the o and lse it is given. Those names are JAX internals that
 can change in any release: they are used here and nowhere else, imported at the first call, and
-checked on a GPU by ``tests/gpu/test_kernels_one_gpu.py``.
+checked on a GPU by ``tests/gpu/test_one_gpu_kernels.py``.
 
     cudnn_attention_fwd(q, k, v, causal, scale)               -> (o, lse)
     cudnn_attention_bwd(do, q, k, v, o, lse, causal, scale)   -> (dq, dk, dv)

@@ -95,7 +95,7 @@ def flash_mha_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, determinis
     if version != VERIFIED_VERSION:
         raise RuntimeError(f"fa3's mended backward binds {PACKAGE} {VERIFIED_VERSION}'s FFI target 'flash_mha_bwd' "
                            f"(a private interface); installed: {version}. Re-verify it on a GPU "
-                           "(tests/gpu/test_kernels_one_gpu.py) before changing VERIFIED_VERSION.")
+                           "(tests/gpu/test_one_gpu_kernels.py) before changing VERIFIED_VERSION.")
     import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
 
     b, t, h, d = q.shape

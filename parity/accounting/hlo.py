@@ -2,7 +2,7 @@
 
 Reads every computation, multiplies what a ``while`` body does by the loop's
 ``known_trip_count``, follows ``call`` / async wrappers, and sizes each collective by the shapes
-printed in the instruction (outputs; operand sizes derived from them), using DESIGN.md's
+printed in the instruction (outputs; operand sizes derived from them), using the contract's (docs/contract.md)
 definition of bytes. Only ``*-start`` of an async pair counts; ``*-done`` does not.
 """
 

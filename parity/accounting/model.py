@@ -1,5 +1,5 @@
 """The analytical communication model: what each device puts on the wire, per pass and per
-collective kind, as DESIGN.md defines "bytes":
+collective kind, as docs/contract.md defines "bytes":
 
     p2p / ppermute: the buffer sent          all-to-all:     (n-1)/n of the buffer
     all-gather:     (n-1)/n of the output    reduce-scatter: (n-1)/n of the input

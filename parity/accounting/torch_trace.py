@@ -1,5 +1,5 @@
 """A tracer for torch.distributed: records, per pass, every collective this rank issues — kind,
-calls and bytes on the wire by DESIGN.md's definition — into a ``Traffic``.
+calls and bytes on the wire by the contract's (docs/contract.md) definition — into a ``Traffic``.
 
 torch's own CommDebugMode counts calls, not bytes. This tracer sees collectives where every API
 ends up — the dispatcher ops of c10d (``all_gather_into_tensor``/``all_gather_single``,

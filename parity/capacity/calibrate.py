@@ -1,5 +1,5 @@
 """``python -m parity calibrate``: measure this machine's hardware profile — C (bf16 matmul FLOP/s
-on one device) and W (bytes per second per device, by DESIGN.md's definition of bytes, for p2p,
+on one device) and W (bytes per second per device, by the contract's (docs/contract.md) definition of bytes, for p2p,
 all-to-all, all-gather, reduce-scatter, all-reduce over all devices: NCCL on GPUs, gloo on CPU)
 — and write it as a JSON profile that ``python -m parity bstar --hardware FILE`` reads
 (``parity.capacity.bstar.Hardware.load``).
@@ -114,7 +114,7 @@ def profile_task(sizes: Sizes, device_type: str) -> dict:
             w.wait()
 
     nbytes = buf.numel() * buf.element_size()
-    runs = {  # kind -> (call, bytes per device by DESIGN.md)
+    runs = {  # kind -> (call, bytes per device by docs/contract.md)
         "p2p": (p2p, nbytes),
         "all-to-all": (lambda: dist.all_to_all_single(out_a2a, buf), Fraction(nbytes * (n - 1), n)),
         "all-gather": (lambda: dist.all_gather_into_tensor(gathered, buf), nbytes * (n - 1)),

@@ -22,7 +22,7 @@ DEVICES: tuple[str, ...] = get_args(Device)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_DEVICES: Device = "cpu"  # the one default of every command's --devices
 
-# Mesh axis names (DESIGN.md) in canonical order: ulysses fastest-varying, so a Ulysses group is
+# Mesh axis names (docs/contract.md) in canonical order: ulysses fastest-varying, so a Ulysses group is
 # consecutive ranks. The double ring replaces "ring" by ring_outer x ring_inner.
 AXES = ("data", "ring", "ring_outer", "ring_inner", "ulysses")
 AXIS_ABBREVIATIONS = {"data": "d", "ring": "r", "ring_outer": "ro", "ring_inner": "ri", "ulysses": "u"}

@@ -1,4 +1,4 @@
-"""DESIGN.md's numerics policy, stated in one place.
+"""the contract's (docs/contract.md) numerics policy, stated in one place.
 
 - float32 inputs: relative error ‖x − ref‖ / ‖ref‖ ≤ ``FLOAT32_RTOL`` for o, lse, dq, dk, dv.
 - bfloat16 / float16 inputs (the flash-attention criterion): max |x − ref| ≤

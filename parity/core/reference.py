@@ -2,7 +2,7 @@
 
 Everything in ringbridge is checked against this module, so it is written for obviousness, not
 speed: one dense score matrix, one mask built from *original* token positions, and the textbook
-softmax-attention backward. Shapes (DESIGN.md letters):
+softmax-attention backward. Shapes (docs/contract.md letters):
 
     q: [b, t, h, d]    k, v: [b, s, hk, d]    o: [b, t, h, d]    lse: [b, h, t]
 
@@ -95,7 +95,7 @@ def attention_backward(fwd: Forward, q, k, v, do, dlse=None, *, scale: float | N
 
 
 def layout_permutation(seq_len: int, layout: str, ring_size: int, ulysses_size: int = 1) -> np.ndarray:
-    """Oracle for DESIGN.md's layouts: entry i is the original token index at layout position i.
+    """Oracle for the contract's (docs/contract.md) layouts: entry i is the original token index at layout position i.
 
     Written token by token from the definitions (deliberately not the vectorised form the
     implementations use), so that the two can disagree.

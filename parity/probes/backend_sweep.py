@@ -13,7 +13,7 @@ case's dtype, computed once per case. JAX vs torch: the ``auto`` pair and the ``
 on the same low-precision inputs.
 
 Per row the report names, besides pass / fail, the resolved kernel of each mask kind
-(``resolve_backend``), the worst error ratio to the dense same-dtype control (DESIGN.md's metric:
+(``resolve_backend``), the worst error ratio to the dense same-dtype control (the contract's (docs/contract.md) metric:
 max |x − truth| / max |control − truth|; the policy allows ``LOWP_FACTOR`` plus a floor) and the
 worst relative L2 error next to the control's.
 """
@@ -218,7 +218,7 @@ def sweep_markdown(rows: list[SweepRow], crosses: list[tuple[Case, str, Side]]) 
     from ..core.numerics import LOWP_FACTOR
 
     lines = ["## Every block backend on GPU-sized cases", "",
-             (f"Ratio: max |x − truth| / max |dense same-dtype control − truth| (DESIGN.md; the policy allows "
+             (f"Ratio: max |x − truth| / max |dense same-dtype control − truth| (docs/contract.md; the policy allows "
               f"{LOWP_FACTOR:g} plus a quarter-ulp floor); rel L2: ‖x − truth‖ / ‖truth‖ (the control's beside it). "
               "Truth: float64 on the same rounded inputs. mode: mesh or replay (every virtual device's work on "
               "one device)."), "",

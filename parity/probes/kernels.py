@@ -14,7 +14,7 @@ rectangular full blocks of a zigzag ring, t/2 × t and t × t/2). A ringbridge b
 (dq, dk, dv)`` with the block's own o and lse. A peer runs its public attention function forward
 and its framework's autodiff backward for the cotangent ``do`` (lse only where its API returns
 it). Each tensor is compared with a float64 truth on the same rounded inputs (dense attention,
-autograd), under DESIGN.md's low-precision policy: max |x − truth| ≤ LOWP_FACTOR × max |control −
+autograd), under the contract's (docs/contract.md) low-precision policy: max |x − truth| ≤ LOWP_FACTOR × max |control −
 truth| + LOWP_ABS_FLOOR × max |truth|, where the control is plain dense attention in the same dtype
 by the same framework. A subject that raises (not installed, a mask its API has no form for) is
 reported as skipped with the reason, never passed.
@@ -96,7 +96,7 @@ class Case:
 
 @dataclass
 class TensorResult:
-    """One tensor of one case, in DESIGN.md's metric and in relative L2."""
+    """One tensor of one case, in the contract's (docs/contract.md) metric and in relative L2."""
 
     max_abs: float
     tolerance: float
@@ -226,7 +226,7 @@ def to_torch(x: jax.Array) -> torch.Tensor:
 
 
 def check(got: torch.Tensor, ref: torch.Tensor, control: torch.Tensor, dtype: str) -> TensorResult:
-    """DESIGN.md's low-precision metric; -inf entries of the truth (empty rows) must match exactly."""
+    """the contract's (docs/contract.md) low-precision metric; -inf entries of the truth (empty rows) must match exactly."""
     got, ref, control = (t.to(torch.float64).reshape(ref.shape) for t in (got, ref, control))
     empty = torch.isneginf(ref)
 
@@ -589,7 +589,7 @@ def markdown(env: dict, args: dict, summary: list[dict], results: list[CaseResul
               f"(CUDA {env['torch_cuda']}, cuDNN {env['torch_cudnn']}), flash_attn3_jax {env['flash_attn3_jax']}, "
               f"tokamax {env['tokamax']}."),
              f"Command: `python -m parity peers {args['argv']}` (seed {args['seed']}).", "",
-             "## Verification (block interface, float64 truth, DESIGN.md's low-precision metric)", "",
+             "## Verification (block interface, float64 truth, the contract's (docs/contract.md) low-precision metric)", "",
              ("Ratio = max |x − truth| / max |dense same-dtype control − truth| (the policy allows "
               f"{LOWP_FACTOR:g} plus a floor of {LOWP_ABS_FLOOR['bfloat16']:g}·max|truth| (bf16) / "
               f"{LOWP_ABS_FLOOR['float16']:g}·max|truth| (fp16)); worst over o, lse, dq, dk, dv and every case of the "

@@ -3,7 +3,7 @@ FSDP+TP and ZeRO-1 — the training-parallelism half of the accounting model, an
 calculator is built on.
 
 The model: L blocks of ``x + W2·gelu(W1·x)``, W1: [D, F], W2: [F, D]; a step sees B tokens.
-Communication dtypes (DESIGN.md / the issue): bf16 weights, activations and gradients on the
+Communication dtypes (the contract): bf16 weights, activations and gradients on the
 wire (``comm_bytes``), fp32 master weights and optimizer state (never communicated).
 
 Per device and block, with N devices on mesh ("fsdp" = X, "tp" = Y):

@@ -33,7 +33,7 @@ def bf16_case_task(seq: int, heads: int, kv_heads: int, head_dim: int, mesh_axes
     """One bf16 causal case at long context: every rank builds the same global inputs, runs its
     shard through torch_impl, and compares its shard with a float32 single-GPU reference (SDPA on
     the same bf16-rounded values, autograd) and the bf16 single-GPU control (SDPA in bf16).
-    Returns per-tensor (max error, tolerance) under DESIGN.md's low-precision policy."""
+    Returns per-tensor (max error, tolerance) under the contract's (docs/contract.md) low-precision policy."""
     import torch
     import torch.nn.functional as F
 

@@ -1,5 +1,5 @@
 """GPU: torch_impl over NCCL on 4 GPUs at 16k tokens, bf16, causal, against a float32
-single-GPU reference, with the bf16 single-GPU SDPA as the low-precision control (DESIGN.md's
+single-GPU reference, with the bf16 single-GPU SDPA as the low-precision control (the contract's (docs/contract.md)
 policy: max error ≤ 2 × the control's + a quarter-ulp floor). Skipped with "needs 4 GPUs" on fewer;
 the same strategies' per-device work on one GPU is tests/gpu/test_one_gpu_replay.py."""
 

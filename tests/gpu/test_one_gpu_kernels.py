@@ -1,6 +1,6 @@
 """One GPU: every block backend of both frameworks through the block interface the strategies call
 — forward and the backward with the given lse — for every mask kind (full, causal, strict) against
-the portable kernel and a float64 truth (``parity.probes.kernels``, DESIGN.md's low-precision
+the portable kernel and a float64 truth (``parity.probes.kernels``, the contract's (docs/contract.md) low-precision
 policy), at 4096-token blocks. A backend not installed here is skipped with its reason."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 import jax_impl
-from parity import reference
+from parity.core import reference
 
 B, T, H, HK, D = 2, 32, 4, 2, 16
 LAYOUT = "zigzag"
@@ -91,9 +91,10 @@ def _refused_by_jax(axis_type, inside, kind) -> bool:
     return axis_type == AxisType.Explicit and inside and kind == "fresh"
 
 
-@AXIS_TYPES
-@SET_MESH
-@pytest.mark.parametrize("kind", ["like_output", "fresh", "one_device"])
+@pytest.mark.parametrize("axis_type,inside,kind", [
+    *((t, i, k) for t in (AxisType.Explicit, AxisType.Auto) for i in (True, False) for k in ("fresh", "one_device")),
+    (AxisType.Explicit, False, "like_output"),  # the control: the one kind that worked before the fix
+], ids=lambda p: getattr(p, "name", str(p)).lower())
 def test_vjp_with_any_cotangent(axis_type, inside, kind, seed, jax_devices):
     """``jax.vjp``'s pullback, called eagerly, with a cotangent sharded like the output, fresh, or on
     one device: the dense gradient, or JAX's own type error where JAX's typing refuses it."""
@@ -113,7 +114,7 @@ def test_vjp_with_any_cotangent(axis_type, inside, kind, seed, jax_devices):
 
 @AXIS_TYPES
 @SET_MESH
-@pytest.mark.parametrize("kind", ["like_output", "fresh"])
+@pytest.mark.parametrize("kind", ["fresh"])  # sharded like the output: test_vjp_with_any_cotangent's control
 def test_vjp_with_lse_under_jit(axis_type, inside, kind, seed, jax_devices):
     """``return_lse=True`` under ``jax.jit``: the pullback traced with cotangents for o and lse
     passed as jit arguments (sharded like the outputs, or fresh) gives the dense gradient of both."""
@@ -140,7 +141,7 @@ def test_vjp_with_lse_under_jit(axis_type, inside, kind, seed, jax_devices):
 
 @AXIS_TYPES
 @SET_MESH
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("jit", [True], ids=["jit"])  # eager: test_vjp_with_any_cotangent
 def test_grad_of_a_loss_weighted_by_a_fresh_array(axis_type, inside, jit, seed, jax_devices):
     """``jax.grad`` of sum(o * w) with a freshly made weight w (its cotangent for o is w): the
     dense gradient, eager and jitted, with ``return_lse=True`` and lse unused (its cotangent is a

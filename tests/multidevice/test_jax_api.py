@@ -33,7 +33,7 @@ def _inputs(seed, layout="zigzag", ring=2, ulysses=2):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_auto_and_explicit_meshes_eager_and_jitted(axis_type, jit, seed, jax_devices):
     """Same answer (and a gradient) whichever axis types the mesh has and whether or not the call
-    is jitted; the output comes back sharded over the mesh as DESIGN.md says."""
+    is jitted; the output comes back sharded over the mesh as docs/contract.md says."""
     mesh = jax.make_mesh((2, 2, 2), ("data", "ring", "ulysses"), axis_types=(axis_type,) * 3)
     (q, k, v), want = _inputs(seed)
     fn = partial(jax_impl.sequence_parallel_attention, mesh=mesh, causal=True, layout="zigzag")

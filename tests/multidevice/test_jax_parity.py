@@ -1,4 +1,4 @@
-"""jax_impl on 8 simulated CPU devices against the float64 oracle (DESIGN.md policy).
+"""jax_impl on 8 simulated CPU devices against the float64 oracle (docs/contract.md policy).
 
 What is reduced, and why: the issue's matrix is the cross product of layout × causal × mesh
 (ring 1/2/4/8, ulysses 2/4/8, ring×ulysses 2×2, 2×4, 4×2, double ring 2×2 and 2×2×U2) ×

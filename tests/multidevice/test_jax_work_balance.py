@@ -1,7 +1,7 @@
 """Tier 2 — causal work balance, measured: a counting block backend records every kernel call
 (device, block shape, mask) at run time, so the test sees what really executed, not the plan.
 
-Claims checked (DESIGN.md): a fully masked block is never computed; zigzag computes half-size
+Claims checked (docs/contract.md): a fully masked block is never computed; zigzag computes half-size
 blocks on every off-diagonal step, so every device does the same work; stripe excludes the
 diagonal; contiguous device r computes r+1 blocks."""
 

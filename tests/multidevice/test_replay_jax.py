@@ -17,7 +17,7 @@ import jax_impl
 from jax_impl.layouts import LAYOUTS, layout_permutation
 from jax_impl.replay import Strategy, replay_attention, replay_attention_grads
 
-FLOAT32_RTOL = 1e-5  # DESIGN.md's float32 policy: relative L2 error per tensor
+FLOAT32_RTOL = 1e-5  # the contract's (docs/contract.md) float32 policy: relative L2 error per tensor
 REAL_RTOL = 1e-6  # replay vs the real run: same kernels, merges and sums; compiled vs eager
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 

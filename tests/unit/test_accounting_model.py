@@ -45,7 +45,7 @@ ENTRY %main (a: f32[4,8], b: bf16[2,8]) -> f32[16,8] {
 
 
 def test_hlo_counter_on_a_handwritten_program():
-    """Each collective form sized by DESIGN.md's rule; async done not counted; a while body
+    """Each collective form sized by the contract's (docs/contract.md) rule; async done not counted; a while body
     counted trip-count times (3 collective-permutes of 128 B); a combined (tuple) all-reduce is
     one call per buffer, and so is a combined collective-permute (K and V in one instruction, as
     XLA:GPU emits); a group of one device moves nothing; async starts sized by their outputs;

@@ -1,4 +1,4 @@
-"""Tier 1 — the framework-free modules jax_impl and torch_impl each carry (DESIGN.md forbids them
+"""Tier 1 — the framework-free modules jax_impl and torch_impl each carry (docs/contract.md forbids them
 importing each other) are the same code, so the two implementations cannot drift apart in their
 layouts, step plans, axis names or input validation."""
 

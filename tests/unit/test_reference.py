@@ -69,7 +69,7 @@ def test_oracle_causal_in_layout_order_equals_permuted_original(seed):
     ],
 )
 def test_layout_oracle_hand_examples(layout, ring, expected):
-    """DESIGN.md's definitions worked by hand on 8 tokens."""
+    """the contract's (docs/contract.md) definitions worked by hand on 8 tokens."""
     assert reference.layout_permutation(8, layout, ring).tolist() == expected
 
 

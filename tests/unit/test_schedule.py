@@ -44,7 +44,7 @@ def _schedules(layout: str, causal: bool):
 
 def _original_positions(layout: str, ring: int, shard: int) -> np.ndarray:
     """[ring, shard]: the original token at each local index of each ring shard, from the layouts'
-    definitions (DESIGN.md), written here independently of ``layouts.py``."""
+    definitions (docs/contract.md), written here independently of ``layouts.py``."""
     n = ring * shard
     if layout == "contiguous":
         return np.arange(n).reshape(ring, shard)

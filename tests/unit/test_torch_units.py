@@ -94,7 +94,7 @@ def test_deterministic_mode_refuses_the_backend_measured_nondeterministic():
 
 def test_in_place_merge_follows_the_merge_formula():
     """merge_partials_into (the ring forward's in-place merge of a bf16 partial into a float32
-    accumulator; merge_partials is built on it) computes DESIGN.md's stable merge, checked in
+    accumulator; merge_partials is built on it) computes the contract's (docs/contract.md) stable merge, checked in
     float64 by hand, empty partials (lse_b = -inf) included."""
     from torch_impl.merge import merge_partials_into
 

@@ -7,7 +7,7 @@
 Why the underscore aten ops (torch internals): the ring's block backward needs the *global* o and
 lse, and the public ``F.scaled_dot_product_attention`` returns no lse and differentiates only with
 its own. The ops' argument lists can change between torch releases: they are used here and
-nowhere else, and checked on a GPU by ``tests/gpu/test_kernels_one_gpu.py``.
+nowhere else, and checked on a GPU by ``tests/gpu/test_one_gpu_kernels.py``.
 
 The ops take [b, h, t, d], equal head counts and no lse cotangent; the adapters expand GQA heads
 (and sum their gradients back in float32), send a backward with ``dlse`` to the portable kernel,
