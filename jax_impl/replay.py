@@ -68,19 +68,6 @@ class Strategy:
     def devices(self) -> int:
         return self.ring * self.ulysses
 
-    @property
-    def name(self) -> str:
-        """e.g. ring4, allgather4, dring2x2, ulysses4, usp2x2, usp-allgather2x2, dring-usp2x2x2."""
-        exchange = "allgather" if self.kv_exchange == "allgather" else "ring"
-        if self.outer > 1:
-            rings = f"{self.outer}x{self.ring // self.outer}"
-            return f"dring-usp{rings}x{self.ulysses}" if self.ulysses > 1 else f"dring{rings}"
-        if self.ulysses == 1:
-            return f"{exchange}{self.ring}"
-        if self.ring == 1:
-            return f"ulysses{self.ulysses}"
-        return f"usp{'-allgather' if exchange == 'allgather' else ''}{self.ring}x{self.ulysses}"
-
     def mesh_sizes(self) -> dict[str, int]:
         """The api's mesh axes for this strategy (what ``validation.validate`` checks)."""
         sizes = {RING_OUTER: self.outer, RING_INNER: self.ring // self.outer} if self.outer > 1 else {RING: self.ring}

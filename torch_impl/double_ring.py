@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import DKVTrail, KVWalk, add_grads, attention_with_vjp, grad_block, merge_block
+from .loop import attention_with_vjp, walk_backward, walk_forward
 from .schedule import double_ring_schedule
 from .validation import dtype_name, validate_local
 
@@ -50,33 +50,12 @@ def _schedule(groups, config: AttentionConfig):
 
 
 def _forward(q, k, v, groups, config: AttentionConfig):
-    backend, schedule = config.backend(), _schedule(groups, config)
-    k, v = k.contiguous(), v.contiguous()  # they are sent as they are
-    for visit, kv in KVWalk(schedule, config.comm, groups, (k, v)):
-        if visit.step.local:  # round 0, step 0: own K/V
-            o, lse = backend.fwd(q, *kv, visit.block.mask, config.scale)
-            o = o.float() if schedule.size > 1 else o  # the float32 accumulator (kernels may return the input dtype)
-        else:
-            merge_block(backend, config.scale, q, visit.block, kv, (o, lse))
-    return o, lse, None
+    """(o, lse, kv_first): see ``loop.walk_forward``."""
+    return walk_forward(q, k, v, groups, config, _schedule(groups, config))
 
 
-def _backward(q, k, v, o, lse, _, do, dlse, groups, config: AttentionConfig):
-    backend, schedule = config.backend(), _schedule(groups, config)
-    saved = (q, o, lse, do, dlse)
-    for visit, kv in KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous())):
-        if visit.step.local:
-            dq, dk, dv = backend.bwd(do, q, *kv, o, lse, visit.block.mask, config.scale, dlse)
-            if schedule.size == 1:
-                return dq, dk, dv
-            dq = dq.float()  # the float32 accumulators (kernels may return bf16)
-            trail = DKVTrail(config.comm, groups, dk.float(), dv.float())
-        else:
-            grads = grad_block(backend, config.scale, saved, visit.block, kv)
-            add_grads(visit.block, grads, dq, trail.current())  # once the shard's dK/dV have arrived
-        trail.send(visit.step.dkv_hop)  # inner hop, or diagonal after a round's last step
-    dk, dv = trail.current()  # after R hops, this shard's own
-    return dq, dk, dv
+def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig):
+    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config))
 
 
 _double_ring = attention_with_vjp(_forward, _backward)

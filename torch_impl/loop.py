@@ -161,6 +161,43 @@ def add_grads(block: Block | None, grads, dq, dkv) -> None:
     _part(dkv[1], block.kv_part, 1).add_(dv_b)
 
 
+def walk_forward(q, k, v, groups, config: AttentionConfig, schedule: Schedule):
+    """One rank's forward over ``schedule`` (ring or double ring): its own block, then every
+    visiting K/V merged by LSE into a float32 accumulator. Returns (o, lse, kv_first), kv_first
+    the K/V received for step 1 when the schedule's backward reuses them (else None)."""
+    backend = config.backend()
+    k, v = k.contiguous(), v.contiguous()  # they are sent as they are
+    walk = KVWalk(schedule, config.comm, groups, (k, v), keep_first=schedule.backward_reuses_first_kv)
+    for visit, kv in walk:
+        if visit.step.local:  # own K/V, never empty
+            o, lse = backend.fwd(q, *kv, visit.block.mask, config.scale)
+            o = o.float() if schedule.size > 1 else o  # the float32 accumulator (kernels may return the input dtype)
+        else:
+            merge_block(backend, config.scale, q, visit.block, kv, (o, lse))
+    return o, lse, walk.first
+
+
+def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, schedule: Schedule):
+    """One rank's backward over ``schedule``: K/V travel again (from ``kv_first`` when the
+    forward kept it), the visited shard's float32 dK/dV follow it one hop behind (the step's
+    ``dkv_hop``: ring, inner, or diagonal after a double-ring round), dq stays local."""
+    backend = config.backend()
+    saved = (q, o, lse, do, dlse)
+    for visit, kv in KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous()), first=kv_first):
+        if visit.step.local:
+            dq, dk, dv = backend.bwd(do, q, *kv, o, lse, visit.block.mask, config.scale, dlse)
+            if schedule.size == 1:
+                return dq, dk, dv
+            dq = dq.float()  # the float32 accumulators (kernels may return bf16)
+            trail = DKVTrail(config.comm, groups, dk.float(), dv.float())
+        else:
+            grads = grad_block(backend, config.scale, saved, visit.block, kv)
+            add_grads(visit.block, grads, dq, trail.current())  # once the shard's dK/dV have arrived
+        trail.send(visit.step.dkv_hop)  # dK/dV of the shard just visited move on with it
+    dk, dv = trail.current()  # after R hops, this shard's own
+    return dq, dk, dv
+
+
 class _Attention(torch.autograd.Function):
     """Autograd for a (forward, backward) pair; see :func:`attention_with_vjp`."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import DKVTrail, KVWalk, add_grads, attention_with_vjp, grad_block, merge_block
+from .loop import attention_with_vjp, walk_backward, walk_forward
 from .schedule import ring_schedule
 from .validation import dtype_name, validate_local
 
@@ -43,36 +43,12 @@ def _schedule(groups, config: AttentionConfig):
 
 
 def _forward(q, k, v, groups, config: AttentionConfig):
-    """Returns (o, lse, kv_first): kv_first, the K/V received for step 1, is kept for the
-    backward, which then starts at step 1 without re-sending it (R-2 K/V hops, not R-1)."""
-    backend, schedule = config.backend(), _schedule(groups, config)
-    k, v = k.contiguous(), v.contiguous()  # they are sent as they are
-    walk = KVWalk(schedule, config.comm, groups, (k, v), keep_first=schedule.backward_reuses_first_kv)
-    for visit, kv in walk:
-        if visit.step.local:  # own K/V, never empty
-            o, lse = backend.fwd(q, *kv, visit.block.mask, config.scale)
-            o = o.float() if schedule.size > 1 else o  # the float32 accumulator (kernels may return the input dtype)
-        else:
-            merge_block(backend, config.scale, q, visit.block, kv, (o, lse))
-    return o, lse, walk.first
+    """(o, lse, kv_first): see ``loop.walk_forward``."""
+    return walk_forward(q, k, v, groups, config, _schedule(groups, config))
 
 
 def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig):
-    backend, schedule = config.backend(), _schedule(groups, config)
-    saved = (q, o, lse, do, dlse)
-    for visit, kv in KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous()), first=kv_first):
-        if visit.step.local:
-            dq, dk, dv = backend.bwd(do, q, *kv, o, lse, visit.block.mask, config.scale, dlse)
-            if schedule.size == 1:
-                return dq, dk, dv
-            dq = dq.float()  # the float32 accumulators (kernels may return bf16)
-            trail = DKVTrail(config.comm, groups, dk.float(), dv.float())
-        else:
-            grads = grad_block(backend, config.scale, saved, visit.block, kv)
-            add_grads(visit.block, grads, dq, trail.current())  # once the shard's dK/dV have arrived
-        trail.send(visit.step.dkv_hop)  # dK/dV of the shard just visited move on with it
-    dk, dv = trail.current()  # after R hops, this shard's own
-    return dq, dk, dv
+    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config))
 
 
 _ring = attention_with_vjp(_forward, _backward)
