@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl.kernels.fa3 import flash_mha_bwd
+from jax_impl.kernels.fa3 import flash_mha_bwd, flash_mha_fwd
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -65,9 +65,7 @@ def library_grads(q, k, v, do, scale, causal):
 
 def mended_grads(q, k, v, do, scale, causal, deterministic=False):
     """The library's forward, then its backward kernel with correctly sized workspaces."""
-    from flash_attn3_jax.flash import _flash_mha_fwd
-
-    o, lse = _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))
+    o, lse = flash_mha_fwd(q, k, v, causal, scale)
     return flash_mha_bwd(do, q, k, v, o, lse, causal, scale, deterministic=deterministic)
 
 

@@ -26,7 +26,9 @@ from parity.core import reference
 B, T, H, HK, D = 2, 32, 4, 2, 16
 LAYOUT = "zigzag"
 RING, ULYSSES = 4, 1
-AXIS_TYPES = pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+# Auto meshes leave a cotangent to shard_map, which reshards it itself: test_vjp_with_any_cotangent
+# covers one; the jit and grad tests run on Explicit meshes, where the API reshards.
+EXPLICIT_ONLY = pytest.mark.parametrize("axis_type", [AxisType.Explicit], ids=["explicit"])
 SET_MESH = pytest.mark.parametrize("inside", [True, False], ids=["in_set_mesh", "no_set_mesh"])
 # JAX's own refusal names the expected type, sharded axes marked with '@' (e.g. float32[2@data,...]).
 JAX_TYPE_ERROR = r"expected float32\[[^\]]*@"
@@ -92,7 +94,8 @@ def _refused_by_jax(axis_type, inside, kind) -> bool:
 
 
 @pytest.mark.parametrize("axis_type,inside,kind", [
-    *((t, i, k) for t in (AxisType.Explicit, AxisType.Auto) for i in (True, False) for k in ("fresh", "one_device")),
+    *((AxisType.Explicit, i, k) for i in (True, False) for k in ("fresh", "one_device")),
+    (AxisType.Auto, False, "one_device"),  # Auto meshes failed on a one-device cotangent too
     (AxisType.Explicit, False, "like_output"),  # the control: the one kind that worked before the fix
 ], ids=lambda p: getattr(p, "name", str(p)).lower())
 def test_vjp_with_any_cotangent(axis_type, inside, kind, seed, jax_devices):
@@ -112,7 +115,7 @@ def test_vjp_with_any_cotangent(axis_type, inside, kind, seed, jax_devices):
     _assert_gradients(got, _truth(qkv, do))
 
 
-@AXIS_TYPES
+@EXPLICIT_ONLY
 @SET_MESH
 @pytest.mark.parametrize("kind", ["fresh"])  # sharded like the output: test_vjp_with_any_cotangent's control
 def test_vjp_with_lse_under_jit(axis_type, inside, kind, seed, jax_devices):
@@ -139,7 +142,7 @@ def test_vjp_with_lse_under_jit(axis_type, inside, kind, seed, jax_devices):
     _assert_gradients(got, _truth(qkv, do, dlse))
 
 
-@AXIS_TYPES
+@EXPLICIT_ONLY
 @SET_MESH
 @pytest.mark.parametrize("jit", [True], ids=["jit"])  # eager: test_vjp_with_any_cotangent
 def test_grad_of_a_loss_weighted_by_a_fresh_array(axis_type, inside, jit, seed, jax_devices):
