@@ -32,7 +32,7 @@ from jax import lax
 from .axes import RING_INNER, RING_OUTER
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import attention_with_vjp, grad_block, merge_block, ring_index, visit_block, walk
+from .loop import attention_with_vjp, grad_block, ring_index, visit_block, walk, walk_forward
 from .schedule import double_ring_schedule
 from .validation import dtype_name, validate_local
 
@@ -68,16 +68,8 @@ def _from_bits(bits, like):
 
 
 def _forward(q, k, v, axes, config: AttentionConfig):
-    backend, schedule, me = config.backend(), _schedule(axes, config), ring_index(axes)
-
-    def visit(step, j, s, kv, state):
-        if step.local:  # round 0, step 0: own K/V
-            return backend.fwd(q, *kv, schedule.plan.local.mask, config.scale)
-        return visit_block(schedule, me, j, s, lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st),
-                           state)
-
-    o, lse = walk(schedule, (k, v), None, visit, comm=config.comm, axes=axes)
-    return o, lse, None
+    """(o, lse, None): see ``loop.walk_forward`` (the double ring keeps no K/V for its backward)."""
+    return walk_forward(q, k, v, axes, config, _schedule(axes, config))
 
 
 def _backward(q, k, v, o, lse, _, do, dlse, axes, config: AttentionConfig):

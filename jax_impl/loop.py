@@ -131,6 +131,25 @@ def grad_block(backend, scale, saved, block: Block, kv, state):
     return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
 
 
+def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule):
+    """One device's forward over ``schedule`` (ring or double ring): its own block, then every
+    visiting K/V merged by LSE. Returns (o, lse, kv_first): kv_first, the K/V of step 1 (in
+    flight while step 0 computes), is kept for the backward when the schedule's backward reuses
+    it (the single ring: R-2 backward K/V hops, not R-1), else None."""
+    backend, me = config.backend(), ring_index(axes)
+    kv_first = (config.comm.shift((k, v), schedule.steps[0].kv_hop, axes)
+                if schedule.backward_reuses_first_kv else None)
+
+    def visit(step, j, s, kv, state):
+        if step.local:  # own K/V, never empty
+            return backend.fwd(q, *kv, schedule.plan.local.mask, config.scale)
+        return visit_block(schedule, me, j, s, lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st),
+                           state)
+
+    o, lse = walk(schedule, (k, v), None, visit, comm=config.comm, axes=axes, kv_first=kv_first)
+    return o, lse, kv_first
+
+
 def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
     """A differentiable ``(q, k, v, axes, config: AttentionConfig) -> (o, lse)`` from
     ``forward(q, k, v, axes, config) -> (o, lse, extra)`` and ``backward(q, k, v, o, lse, extra,

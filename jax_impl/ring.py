@@ -18,8 +18,8 @@ from __future__ import annotations
 from .axes import RING
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import attention_with_vjp, grad_block, merge_block, ring_index, visit_block, walk
-from .schedule import Hop, ring_schedule
+from .loop import attention_with_vjp, grad_block, ring_index, visit_block, walk, walk_forward
+from .schedule import ring_schedule
 from .validation import dtype_name, validate_local
 
 
@@ -44,20 +44,8 @@ def _schedule(axis_name, config: AttentionConfig):
 
 
 def _forward(q, k, v, axis_name, config: AttentionConfig):
-    """Returns (o, lse, kv_first): kv_first, the K/V received for step 1, is kept for the
-    backward, which then starts at step 1 without re-sending it (R-2 K/V hops, not R-1)."""
-    backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
-    # The K/V of step 1, in flight while step 0 computes, kept for the backward.
-    kv_first = config.comm.shift((k, v), Hop.RING, axis_name) if schedule.size > 1 else None
-
-    def visit(step, j, s, kv, state):
-        if step.local:  # own K/V, never empty
-            return backend.fwd(q, *kv, schedule.plan.local.mask, config.scale)
-        return visit_block(schedule, me, j, s, lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st),
-                           state)
-
-    o, lse = walk(schedule, (k, v), None, visit, comm=config.comm, axes=axis_name, kv_first=kv_first)
-    return o, lse, kv_first
+    """(o, lse, kv_first): see ``loop.walk_forward``."""
+    return walk_forward(q, k, v, axis_name, config, _schedule(axis_name, config))
 
 
 def _backward(q, k, v, o, lse, kv_first, do, dlse, axis_name, config: AttentionConfig):

@@ -44,10 +44,11 @@ def test_mirrors_have_the_same_files_and_public_names():
         # merge_partials_into is the in-place merge (XLA reuses buffers by itself). Walking the
         # schedule: JAX's walk (scans, traced steps) and visit_block (the per-device lax.cond) are
         # torch's KVWalk / DKVTrail (start/wait, reused buffers, concrete visits) and add_grads
-        # (in-place accumulation; JAX's grad_block returns the sums). torch's walk_forward /
-        # walk_backward are the ring's and the double ring's one body (JAX's double ring sends
-        # its backward's K/V as raw bits, so each JAX variant keeps its own).
+        # (in-place accumulation; JAX's grad_block returns the sums). walk_forward is the ring's
+        # and the double ring's one forward in both; torch's walk_backward is their one backward
+        # too (JAX's double ring sends its backward's K/V as raw bits, so each JAX variant keeps
+        # its own backward).
         jax_only = {"partition_specs", "ring_shift", "diagonal_shift", "walk", "visit_block"}
         torch_only = {"global_shape", "RingShift", "check_ranks_agree", "merge_partials_into", "KVWalk", "DKVTrail",
-                      "add_grads", "walk_forward", "walk_backward"}
+                      "add_grads", "walk_backward"}
         assert jax_names - jax_only == torch_names - torch_only, name
