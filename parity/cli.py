@@ -142,6 +142,8 @@ def run_report(args, parser) -> int:
     mismatches, verdicts, sweep = 0, [], None
     try:
         results = [run_case_everywhere(c, runners, seed, args.devices) for c in track(cases, description="cases")]
+        # written now and again at the end, so that a run cut short (a device-time limit) keeps its cases
+        _write_reports(args.out, results, seed, time.time() - start, args.devices)
         if args.backend_sweep == "on" or (args.backend_sweep == "auto" and args.devices == "gpu"):
             from .probes.backend_sweep import SWEEP_BACKENDS, run_sweep, sweep_cases
 
