@@ -15,11 +15,23 @@ visible, in the block's *local* indices (query row i, key column j):
     kind FULL:   every pair                 kind CAUSAL: j <= i          kind STRICT: j < i
 
 It is a frozen, hashable dataclass (a compile-time constant of the schedule, never an array), so
-kernels and routing can branch on it. Masks still to come join it as fields, each restricting
-``kind``'s pairs further: document masks (a flag that the kernel also compares the query's and
-key's segment ids, which travel beside q and k/v as arrays sliced like them) and window masks
-(``left``/``right`` extents on the pairs' *original* positions, given per block by the layout's
-position offsets). A block backend says which masks it takes (``BlockBackend.supports``).
+kernels and routing can branch on it. Each further field restricts ``kind``'s pairs:
+
+    documents=True: also segment_ids[query] == segment_ids[key] (packed documents; the ids are
+                    arrays the kernel is given beside q and k/v, sliced like them)
+
+Window masks (``left``/``right`` extents on the pairs' *original* positions) are to join the same
+way. A block backend says which masks it takes (``BlockBackend.supports``).
+
+**Packed documents.** Whether a block holds any visible pair then depends on the data, so the
+loops decide per block at run time, from the smallest and largest id of its query rows and of
+its key columns (per batch row): :func:`document_work` says SKIP (no id range of the queries
+meets the keys': no pair shares a document, nothing is computed, forward or backward), PLAIN
+(queries and keys of every batch row lie in one and the same document: the block's static mask
+alone, so a fused kernel without document support runs it) or DOCUMENTS (the document mask).
+The test is exact when each document is one run of ids that grow along the original order and
+each part is contiguous in original order (the zigzag / contiguous parts are); otherwise it is
+conservative — it may compute a block whose pairs turn out all masked, never skip a visible one.
 
 **Step plan.** :func:`step_plan` says which part of the local queries meets which part of a
 visiting K/V shard under which mask: one block for the device's own shard (``local``), one for a
@@ -70,9 +82,11 @@ class BlockMask:
     """Which (query, key) pairs of one block are visible (see the module docstring).
 
     ``kind``: the base pattern; a string ("full", "causal", "strict") is accepted and converted.
-    CAUSAL and STRICT need a square block."""
+    CAUSAL and STRICT need a square block. ``documents``: the kernel also compares the query's and
+    the key's segment ids (given beside the block as ``segments = (q_ids [b, t], kv_ids [b, s])``)."""
 
     kind: MaskKind = MaskKind.FULL
+    documents: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kind, MaskKind):
@@ -84,10 +98,21 @@ class BlockMask:
     @property
     def is_full(self) -> bool:
         """Every pair of the block is visible (kernels need no mask at all)."""
-        return self.kind is MaskKind.FULL
+        return self.kind is MaskKind.FULL and not self.documents
 
-    def visible(self, i: int, j: int) -> bool:
-        """Whether local query row ``i`` sees local key column ``j`` (the definition kernels implement)."""
+    def with_documents(self) -> BlockMask:
+        """This mask restricted to pairs within one document."""
+        return BlockMask(self.kind, documents=True)
+
+    def plain(self) -> BlockMask:
+        """This mask without its document restriction (the block's static pattern alone)."""
+        return BlockMask(self.kind)
+
+    def visible(self, i: int, j: int, q_segment=None, kv_segment=None) -> bool:
+        """Whether local query row ``i`` sees local key column ``j`` (the definition kernels
+        implement); with ``documents``, ``q_segment`` and ``kv_segment`` are their ids."""
+        if self.documents and q_segment != kv_segment:
+            return False
         if self.kind is MaskKind.FULL:
             return True
         return j <= i if self.kind is MaskKind.CAUSAL else j < i
@@ -96,7 +121,35 @@ class BlockMask:
 FULL_MASK = BlockMask(MaskKind.FULL)
 CAUSAL_MASK = BlockMask(MaskKind.CAUSAL)
 STRICT_MASK = BlockMask(MaskKind.STRICT)
-BLOCK_MASKS = (FULL_MASK, CAUSAL_MASK, STRICT_MASK)  # every mask a schedule produces today
+BLOCK_MASKS = (FULL_MASK, CAUSAL_MASK, STRICT_MASK)  # every static mask a schedule produces
+DOCUMENT_MASKS = tuple(m.with_documents() for m in BLOCK_MASKS)  # the same with segment_ids
+
+
+class DocumentWork(Enum):
+    """What a block of a packed-document call computes, decided at run time (:func:`document_work`)."""
+
+    SKIP = 0  # no (query, key) pair can share a document: nothing computed, forward or backward
+    PLAIN = 1  # every batch row's queries and keys lie in one and the same document: static mask only
+    DOCUMENTS = 2  # the static mask and the document mask
+
+
+def document_flags(q_lo, q_hi, kv_lo, kv_hi):
+    """``(shared, one_document)`` of one block from its id ranges: ``q_lo``/``q_hi`` the smallest
+    and largest segment id of each batch row's queries ([b] arrays), ``kv_lo``/``kv_hi`` the
+    keys'. shared: some batch row's ranges meet (a visible pair is possible). one_document: in
+    every batch row all queries and keys carry one and the same id. Written with ``<= == &`` and
+    ``.any()``/``.all()`` only, so NumPy, JAX (traced) and torch arrays all work."""
+    shared = ((q_lo <= kv_hi) & (kv_lo <= q_hi)).any()
+    one_document = ((q_lo == q_hi) & (kv_lo == kv_hi) & (q_lo == kv_lo)).all()
+    return shared, one_document
+
+
+def document_work(q_lo, q_hi, kv_lo, kv_hi) -> DocumentWork:
+    """:class:`DocumentWork` of one block from concrete id ranges (see :func:`document_flags`)."""
+    shared, one_document = document_flags(q_lo, q_hi, kv_lo, kv_hi)
+    if not bool(shared):
+        return DocumentWork.SKIP
+    return DocumentWork.PLAIN if bool(one_document) else DocumentWork.DOCUMENTS
 
 
 # ---- the step plan ------------------------------------------------------------------------------

@@ -82,6 +82,21 @@ def _check_qkv(q_shape, k_shape, v_shape, dtypes, *, what: str, kv_may_be_float3
         raise ValueError(f"heads % kv_heads must be 0, got heads={h}, kv_heads={hk}")
 
 
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
+
+
+def check_segment_ids(ids_shape, ids_dtype: str | None, q_shape, *, what: str = "") -> None:
+    """``segment_ids`` (packed documents) of shape [b, t] and integer dtype, q being [b, t, h, d]
+    (``what``: "local " where the shapes are one device's shards). ``ids_dtype`` None: no ids."""
+    if ids_dtype is None:
+        return
+    if ids_dtype not in INT_DTYPES:
+        raise TypeError(f"segment_ids must have an integer dtype (one of {INT_DTYPES}), got {ids_dtype}")
+    if tuple(ids_shape) != tuple(q_shape[:2]):
+        raise ValueError(f"{what}segment_ids must be [batch, seq] = {tuple(q_shape[:2])} like q's first two "
+                         f"dimensions, got shape {tuple(ids_shape)}")
+
+
 def _check_options(layout: str | None, kv_exchange: str | None, scale) -> None:
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

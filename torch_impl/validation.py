@@ -1,8 +1,7 @@
 """Input checks for ``sequence_parallel_attention``, run on shapes alone, before any collective.
 
 Every constraint raises ``ValueError`` (or ``TypeError`` for dtypes) naming the constraint and the
-offending numbers. Shapes here are *global*: [batch, seq, heads, head_dim] (torch callers pass
-local shards; ``api.py`` multiplies them out first).
+offending numbers. Shapes here are *global*: [batch, seq, heads, head_dim].
 """
 
 from __future__ import annotations
@@ -81,6 +80,21 @@ def _check_qkv(q_shape, k_shape, v_shape, dtypes, *, what: str, kv_may_be_float3
                          f"k {tuple(k_shape)}")
     if hk < 1 or h % hk:
         raise ValueError(f"heads % kv_heads must be 0, got heads={h}, kv_heads={hk}")
+
+
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
+
+
+def check_segment_ids(ids_shape, ids_dtype: str | None, q_shape, *, what: str = "") -> None:
+    """``segment_ids`` (packed documents) of shape [b, t] and integer dtype, q being [b, t, h, d]
+    (``what``: "local " where the shapes are one device's shards). ``ids_dtype`` None: no ids."""
+    if ids_dtype is None:
+        return
+    if ids_dtype not in INT_DTYPES:
+        raise TypeError(f"segment_ids must have an integer dtype (one of {INT_DTYPES}), got {ids_dtype}")
+    if tuple(ids_shape) != tuple(q_shape[:2]):
+        raise ValueError(f"{what}segment_ids must be [batch, seq] = {tuple(q_shape[:2])} like q's first two "
+                         f"dimensions, got shape {tuple(ids_shape)}")
 
 
 def _check_options(layout: str | None, kv_exchange: str | None, scale) -> None:
