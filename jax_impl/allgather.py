@@ -22,23 +22,37 @@ from jax import lax
 from .axes import RING
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import attention_with_vjp, grad_block, merge_block, ring_index, visit_block, walk
+from .loop import (
+    attention_with_vjp,
+    gather_ids,
+    grad_block,
+    local_backward,
+    local_forward,
+    merge_block,
+    ring_index,
+    visit_block,
+    visit_segments,
+    walk,
+)
 from .schedule import allgather_schedule
-from .validation import dtype_name, validate_local
+from .validation import check_segment_ids, dtype_name, ids_signature, validate_local
 
 F32 = jnp.float32
 
 
 def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
-                        scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
+                        scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
+                        segment_ids=None):
     """All-gather-KV attention over mesh axis ``axis_name`` (``None``: one device). Call inside
-    ``shard_map``; inputs are this device's ring shard in layout order. Returns ``(o, lse)``."""
+    ``shard_map``; inputs are this device's ring shard in layout order, ``segment_ids`` its ids
+    [b, t/R] or None. Returns ``(o, lse)``."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
+    check_segment_ids(*ids_signature(segment_ids), q.shape, what="local ")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic)
     config.backend()  # an unknown or refused kernel fails here
-    return _allgather(q, k, v, axis_name, config)
+    return _allgather(q, k, v, segment_ids, axis_name, config)
 
 
 def _shard(x_all, src, t: int):
@@ -50,29 +64,32 @@ def _schedule(axis_name, config: AttentionConfig):
     return allgather_schedule(config.layout, config.causal, axis_size(axis_name))
 
 
-def _forward(q, k, v, axis_name, config: AttentionConfig):
+def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
     t = k.shape[1]
     kv_all = tuple(config.comm.gather(x, axis_name) for x in (k, v)) if schedule.size > 1 else None
+    ids_all = gather_ids(ids, axis_name, config.comm)
 
     def visit(step, j, s, _, state):
+        segments = visit_segments(schedule, ids_all, me, j, s, t)
         if step.local:  # own K/V
-            return backend.fwd(q, k, v, schedule.plan.local.mask, config.scale)
+            return local_forward(backend, config.scale, q, (k, v), schedule.plan.local.mask, segments)
         kv = tuple(_shard(x, schedule.source(me, j, s), t) for x in kv_all)
-        return visit_block(schedule, me, j, s, lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st),
-                           state)
+        return visit_block(schedule, me, j, s,
+                           lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, segments), state)
 
     o, lse = walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
-    return o, lse, kv_all
+    return o, lse, (kv_all, ids_all)
 
 
-def _backward(q, k, v, o, lse, kv_all, do, dlse, axis_name, config: AttentionConfig):
+def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
-    t, saved = k.shape[1], (q, o, lse, do, dlse)
+    (kv_all, ids_all), t, saved = extra, k.shape[1], (q, o, lse, do, dlse)
 
     def visit(step, j, s, _, state):
+        segments = visit_segments(schedule, ids_all, me, j, s, t)
         if step.local:
-            dq, dk, dv = backend.bwd(do, q, k, v, o, lse, schedule.plan.local.mask, config.scale, dlse)
+            dq, dk, dv = local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, segments)
             if schedule.size == 1:
                 return dq, dk, dv
             return (dq, *(lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, F32), g.astype(F32), me * t, axis=1)
@@ -83,7 +100,7 @@ def _backward(q, k, v, o, lse, kv_all, do, dlse, axis_name, config: AttentionCon
         def on_block(blk, st):
             dq, dk_all, dv_all = st
             dq, dk_s, dv_s = grad_block(backend, config.scale, saved, blk, kv,
-                                        (dq, _shard(dk_all, src, t), _shard(dv_all, src, t)))
+                                        (dq, _shard(dk_all, src, t), _shard(dv_all, src, t)), segments)
             return (dq, lax.dynamic_update_slice_in_dim(dk_all, dk_s, src * t, axis=1),
                     lax.dynamic_update_slice_in_dim(dv_all, dv_s, src * t, axis=1))
 

@@ -6,6 +6,7 @@ The mesh's axis names choose the algorithm (docs/contract.md): ``"ring"`` -> rin
 layout order with any sharding; they are resharded to
 
     q, k, v, o: P("data", ("ring", "ulysses"), None, None)     lse: P("data", None, ("ring", "ulysses"))
+    segment_ids: P("data", ("ring", "ulysses"))
 
 (``("ring_outer", "ring_inner", "ulysses")`` for the double ring) so the device at ring
 coordinate r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*U + u.
@@ -26,7 +27,7 @@ from .config import default_check_ranks, default_deterministic
 from .double_ring import DOUBLE_RING, double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
-from .validation import Decomposition, dtype_name, validate
+from .validation import Decomposition, check_segment_ids, dtype_name, ids_signature, validate
 
 
 def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
@@ -50,6 +51,11 @@ def partition_specs(mesh) -> tuple[P, P]:
     batch = DATA if DATA in names else None
     seq = tuple(a for a in (RING, RING_OUTER, RING_INNER, ULYSSES) if a in names) or None
     return P(batch, seq, None, None), P(batch, None, seq)
+
+
+def ids_spec(x_spec: P) -> P:
+    """The spec of segment ids [b, t]: q's batch and sequence axes."""
+    return P(*x_spec[:2])
 
 
 def _onto_mesh(x, sharding: NamedSharding, explicit: bool):
@@ -84,10 +90,16 @@ _cotangents_onto_mesh.defvjp(_cotangents_onto_mesh_fwd, _cotangents_onto_mesh_bw
 def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag",
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
-                                deterministic: bool | None = None, check_ranks: bool | None = None):
+                                deterministic: bool | None = None, check_ranks: bool | None = None,
+                                segment_ids=None):
     """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
     sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
     sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``.
+
+    ``segment_ids``: packed documents, an integer [b, t] array in layout order (like q's first
+    two dimensions, any sharding: it is placed as the sequence is) or None. Query i sees key j
+    only if ``segment_ids[i] == segment_ids[j]`` (and, causal, j's original position <= i's). The
+    ids take no gradient. Blocks whose queries and keys share no document are skipped.
 
     Cotangents are placed on the mesh the way the inputs are: a pullback (``jax.vjp``'s returned
     function) may be given a cotangent of any sharding JAX lets through — sharded like the output,
@@ -110,21 +122,27 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     decomposition: Decomposition = validate(
         q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), dict(mesh.shape),
         layout=layout, kv_exchange=kv_exchange, scale=scale)
+    check_segment_ids(*ids_signature(segment_ids), q.shape)
     x_spec, lse_spec = partition_specs(mesh)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
                              deterministic=deterministic)
-    if not return_lse:
-        attention, per_device = per_device, (lambda q, k, v: attention(q, k, v)[0])
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec,) * 3,
+    def attention(q, k, v, *ids):
+        o, lse = per_device(q, k, v, segment_ids=ids[0] if ids else None)
+        return (o, lse) if return_lse else o
+
+    inputs, specs_in = (q, k, v), (x_spec,) * 3
+    if segment_ids is not None:
+        inputs, specs_in = (*inputs, segment_ids), (*specs_in, ids_spec(x_spec))
+    sharded = jax.shard_map(attention, mesh=mesh, in_specs=specs_in,
                             out_specs=(x_spec, lse_spec) if return_lse else x_spec,
                             check_vma=get_backend(block_backend, deterministic=deterministic).typed_for_shard_map)
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     # The kernels' custom_vjp keeps an unused lse cotangent symbolic (fused backward kernels take
     # none); JAX implements that for shard_map under a trace only, so an eager call is jitted.
-    traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v))
+    traced = any(isinstance(x, jax.core.Tracer) for x in inputs)
     outputs = (sharded if traced else jax.jit(sharded))(
-        *(_onto_mesh(x, NamedSharding(mesh, x_spec), explicit) for x in (q, k, v)))
+        *(_onto_mesh(x, NamedSharding(mesh, spec), explicit) for x, spec in zip(inputs, specs_in)))
     specs = (x_spec, lse_spec) if return_lse else (x_spec,)
     outputs = _cotangents_onto_mesh(tuple(outputs) if return_lse else (outputs,),
                                     tuple(NamedSharding(mesh, s) for s in specs), explicit)

@@ -1,10 +1,12 @@
 """The local block kernel's interface, the registry of backends, and ``"auto"``: the routing table.
 
-    block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32
-    block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  all float32
+    block_fwd(q, k, v, mask, scale, segments=None)                   -> (o, lse)      o: [b, t, h, d] f32
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments=None) -> (dq, dk, dv)  all float32
 
 q, do, o: [b, t, h, d]; k, v: [b, s, hk, d]; lse, dlse: [b, h, t] float32. ``mask`` is a
-:class:`schedule.BlockMask` (full / causal / strict today). ``block_bwd`` takes the *global* ``o``
+:class:`schedule.BlockMask` (full / causal / strict, each optionally with documents);
+``segments = (q_ids [b, t], kv_ids [b, s])`` is given exactly when ``mask.documents`` (the loops
+pass it as a keyword, and only then). ``block_bwd`` takes the *global* ``o``
 and ``lse`` (after every block was merged), which is what makes per-block gradients sum to the
 true gradient.
 
@@ -151,9 +153,11 @@ def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: 
         _check_named(name, deterministic)
         return name
     dtype, kind = _dtype_name(dtype), _mask_kind(mask)
+    mask = mask if isinstance(mask, BlockMask) else BlockMask(kind)
     for route in AUTO_ROUTES:
         backend = _BACKENDS.get(route.backend)
-        if backend is not None and route.matches(device_kind, dtype, kind, bool(deterministic)) and backend.available():
+        if (backend is not None and route.matches(device_kind, dtype, kind, bool(deterministic))
+                and backend.supports(mask, dtype) and backend.available()):
             return route.backend
     raise ValueError(f"no block backend for {device_kind} {dtype} {kind.value} blocks (deterministic={deterministic})")
 
@@ -179,11 +183,11 @@ def routing_backend(deterministic: bool = False) -> BlockBackend:
         return _BACKENDS[resolve_backend("auto", device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
                                          deterministic=deterministic)]
 
-    def fwd(q, k, v, mask, scale):
-        return pick(q, mask).fwd(q, k, v, mask, scale)
+    def fwd(q, k, v, mask, scale, **segments):
+        return pick(q, mask).fwd(q, k, v, mask, scale, **segments)
 
-    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None):
-        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse)
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, **segments):
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **segments)
 
     typed = all(_BACKENDS[n].typed_for_shard_map for n in _reachable(deterministic))
     return BlockBackend("auto", fwd, bwd, typed_for_shard_map=typed)

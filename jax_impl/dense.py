@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 
-def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None):
-    """q: [b, t, h, d], k, v: [b, s, hk, d] in original token order -> (o [b, t, h, d], lse [b, h, t])."""
+def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None, segment_ids=None):
+    """q: [b, t, h, d], k, v: [b, s, hk, d] in original token order -> (o [b, t, h, d], lse [b, h, t]).
+    ``segment_ids`` [b, t] (self-attention, original order): a query sees only keys of its id."""
     b, t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
     group = h // k.shape[2]
@@ -20,6 +21,9 @@ def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     scores = (jnp.einsum("bthd,bshd->bhts", q, k) * jnp.asarray(scale, q.dtype)).astype(q.dtype)
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool)), scores, -jnp.inf)
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [b, t, s]
+        scores = jnp.where(same[:, None], scores, -jnp.inf)
     lse = jax.nn.logsumexp(scores.astype(jnp.float32), axis=-1)
     probs = jnp.exp(scores.astype(jnp.float32) - lse[..., None]).astype(q.dtype)
     return jnp.einsum("bhts,bshd->bthd", probs, v), lse

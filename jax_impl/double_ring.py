@@ -32,27 +32,39 @@ from jax import lax
 from .axes import RING_INNER, RING_OUTER
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import attention_with_vjp, grad_block, ring_index, visit_block, walk, walk_forward
+from .loop import (
+    attention_with_vjp,
+    gather_ids,
+    grad_block,
+    local_backward,
+    ring_index,
+    visit_block,
+    visit_segments,
+    walk,
+    walk_forward,
+)
 from .schedule import double_ring_schedule
-from .validation import dtype_name, validate_local
+from .validation import check_segment_ids, dtype_name, ids_signature, validate_local
 
 DOUBLE_RING = (RING_OUTER, RING_INNER)
 
 
 def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, causal: bool = False,
                           layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                          deterministic: bool | None = None):
+                          deterministic: bool | None = None, segment_ids=None):
     """Double ring attention over the mesh axes ``axis_name = (outer, inner)``. Call inside
     ``shard_map``; inputs are this device's shard of the combined ring (index o·I + i) in
-    layout order. Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]."""
+    layout order, ``segment_ids`` its ids [b, t/R] or None. Returns ``(o, lse)``: o like q, lse
+    float32 [b, h, t/R]."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
+    check_segment_ids(*ids_signature(segment_ids), q.shape, what="local ")
     if len(tuple(axis_name)) != 2:
         raise ValueError(f"the double ring needs axis_name = (outer, inner), got {axis_name!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic)
     config.backend()  # an unknown or refused kernel fails here
-    return _double_ring(q, k, v, tuple(axis_name), config)
+    return _double_ring(q, k, v, segment_ids, tuple(axis_name), config)
 
 
 def _schedule(axes, config: AttentionConfig):
@@ -67,21 +79,24 @@ def _from_bits(bits, like):
     return lax.bitcast_convert_type(bits, like.dtype)
 
 
-def _forward(q, k, v, axes, config: AttentionConfig):
-    """(o, lse, None): see ``loop.walk_forward`` (the double ring keeps no K/V for its backward)."""
-    return walk_forward(q, k, v, axes, config, _schedule(axes, config))
+def _forward(q, k, v, ids, axes, config: AttentionConfig):
+    """(o, lse, ids_all): see ``loop.walk_forward`` (the double ring keeps no K/V for its backward)."""
+    ids_all = gather_ids(ids, axes, config.comm)
+    o, lse, _ = walk_forward(q, k, v, axes, config, _schedule(axes, config), ids_all)
+    return o, lse, ids_all
 
 
-def _backward(q, k, v, o, lse, _, do, dlse, axes, config: AttentionConfig):
+def _backward(q, k, v, o, lse, ids_all, do, dlse, axes, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axes, config), ring_index(axes)
-    saved = (q, o, lse, do, dlse)
+    saved, t = (q, o, lse, do, dlse), k.shape[1]
 
     def visit(step, j, s, kv_bits, state):
+        segments = visit_segments(schedule, ids_all, me, j, s, t)
         if step.local:
-            return backend.bwd(do, q, k, v, o, lse, schedule.plan.local.mask, config.scale, dlse)
+            return local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, segments)
         kv = tuple(_from_bits(x, like) for x, like in zip(kv_bits, (k, v)))
-        return visit_block(schedule, me, j, s, lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st),
-                           state)
+        return visit_block(schedule, me, j, s,
+                           lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, segments), state)
 
     def send_dkv(step, state):  # the visited shard's dK/dV follow it to its next holder
         if step.dkv_hop is None:

@@ -20,7 +20,7 @@ shard's total is summed in the order the real accumulator meets them (ring and d
 step order, as it travels; all-gather: in device order, its reduce-scatter) and cast as the real
 code casts (Ulysses-replicated heads: summed over replicas in float32, then cast).
 
-    q: [b, T, h, d], k, v: [b, T, hk, d] (layout order)  ->  o [b, T, h, d], lse [b, h, T]
+    q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order)  ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
     device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
 
@@ -37,9 +37,9 @@ import jax.numpy as jnp
 
 from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
 from .config import AttentionConfig
-from .loop import grad_block, merge_block
+from .loop import grad_block, local_backward, local_forward, merge_block
 from .schedule import Exchange, Schedule, device_visits, make_schedule
-from .validation import KV_EXCHANGES, dtype_name, validate
+from .validation import KV_EXCHANGES, check_segment_ids, dtype_name, ids_signature, validate
 
 F32 = jnp.float32
 
@@ -107,10 +107,20 @@ def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2)
     return x[tuple(index)]
 
 
+def _segments(ids, r: int, source: int, size: int):
+    """(ring shard r's ids, ring shard ``source``'s) of global ids [b, T], or None: what the
+    real loops slice from their gathered ids."""
+    if ids is None:
+        return None
+    ids = ids.astype(jnp.int32)
+    return _shard(ids, r, size), _shard(ids, source, size)
+
+
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
-                   scale: float | None = None, block_backend: str = "auto", deterministic: bool = False):
-    """Virtual device ``device``'s forward on the global q, k, v: its (o, lse), o in q's dtype
-    (shapes in the module docstring)."""
+                   scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
+                   segment_ids=None):
+    """Virtual device ``device``'s forward on the global q, k, v (and segment ids): its (o, lse),
+    o in q's dtype (shapes in the module docstring)."""
     config = _config(q, causal, layout, scale, block_backend, deterministic)
     backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
     r, u = divmod(device, strategy.ulysses)
@@ -119,16 +129,17 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     o = lse = None
     for visit in device_visits(schedule, r):
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
+        segments = _segments(segment_ids, r, visit.source, strategy.ring)
         if visit.step.local:
-            o, lse = backend.fwd(q_d, *kv, visit.block.mask, config.scale)
+            o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, segments)
         elif visit.block is not None:
-            o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse))
+            o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), segments)
     return o.astype(q.dtype), lse
 
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                     layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                    deterministic: bool = False):
+                    deterministic: bool = False, segment_ids=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32})."""
     config = _config(q, causal, layout, scale, block_backend, deterministic)
@@ -141,13 +152,13 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     dq, contributions = None, {}
     for visit in device_visits(schedule, r):
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
+        segments = _segments(segment_ids, r, visit.source, strategy.ring)
         if visit.step.local:
-            q_d, o_d, _, do_d, _ = saved
-            dq, dk, dv = backend.bwd(do_d, q_d, *kv, o_d, lse_d, visit.block.mask, config.scale, dlse_d)
+            dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, segments)
             dq, contributions[visit.source] = dq.astype(F32), (dk.astype(F32), dv.astype(F32))
         elif visit.block is not None:
             zeros = jnp.zeros(kv[0].shape, F32)
-            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros))
+            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros), segments)
             contributions[visit.source] = (dk, dv)
     return dq.astype(q.dtype), contributions
 
@@ -162,18 +173,20 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     return sorted(positions, key=steps.__getitem__)  # the accumulator travels with the K/V
 
 
-def _check(q, k, v, strategy: Strategy, layout: str, scale) -> None:
+def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
+    check_segment_ids(*ids_signature(segment_ids), q.shape)
 
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
-                     scale: float | None = None, block_backend: str = "auto", deterministic: bool = False):
-    """(o, lse) of ``strategy`` on global q, k, v in layout order, every virtual device's
-    forward run in turn on the inputs' device (module docstring)."""
-    _check(q, k, v, strategy, layout, scale)
+                     scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
+                     segment_ids=None):
+    """(o, lse) of ``strategy`` on global q, k, v (and segment ids) in layout order, every
+    virtual device's forward run in turn on the inputs' device (module docstring)."""
+    _check(q, k, v, strategy, layout, scale, segment_ids)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic)
+              deterministic=deterministic, segment_ids=segment_ids)
     outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
     rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
     o = jnp.concatenate([jnp.concatenate([o_d for o_d, _ in row], axis=2) for row in rows], axis=1)
@@ -183,13 +196,13 @@ def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layou
 
 def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                            layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                           deterministic: bool = False):
+                           deterministic: bool = False, segment_ids=None):
     """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
     the forward's global o and lse; every virtual device's backward run in turn, dK/dV summed as
     the real exchange sums them. dq like q, dk and dv like k."""
-    _check(q, k, v, strategy, layout, scale)
+    _check(q, k, v, strategy, layout, scale, segment_ids)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic)
+              deterministic=deterministic, segment_ids=segment_ids)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u][0] for u in range(n_uly)], axis=2)

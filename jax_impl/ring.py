@@ -18,45 +18,62 @@ from __future__ import annotations
 from .axes import RING
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import attention_with_vjp, grad_block, ring_index, visit_block, walk, walk_forward
+from .loop import (
+    attention_with_vjp,
+    gather_ids,
+    grad_block,
+    local_backward,
+    ring_index,
+    visit_block,
+    visit_segments,
+    walk,
+    walk_forward,
+)
 from .schedule import ring_schedule
-from .validation import dtype_name, validate_local
+from .validation import check_segment_ids, dtype_name, ids_signature, validate_local
 
 
 def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
-                   scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
+                   scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
+                   segment_ids=None):
     """Ring attention over mesh axis ``axis_name`` (``None``: one device, plain attention).
 
     Call inside ``shard_map``; inputs are this device's ring shard in layout order (shapes in the
-    module docstring; k/v may be float32 where q is not). Returns ``(o, lse)``: o like q, lse
-    float32 [b, h, t/R]. ``deterministic``: see ``config.default_deterministic``.
+    module docstring; k/v may be float32 where q is not). ``segment_ids``: this device's ids
+    [b, t/R] (packed documents: a query sees only keys of its own id) or None. Returns
+    ``(o, lse)``: o like q, lse float32 [b, h, t/R]. ``deterministic``: see
+    ``config.default_deterministic``.
     """
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
+    check_segment_ids(*ids_signature(segment_ids), q.shape, what="local ")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic)
     config.backend()  # an unknown or refused kernel fails here
-    return _ring(q, k, v, axis_name, config)
+    return _ring(q, k, v, segment_ids, axis_name, config)
 
 
 def _schedule(axis_name, config: AttentionConfig):
     return ring_schedule(config.layout, config.causal, axis_size(axis_name))
 
 
-def _forward(q, k, v, axis_name, config: AttentionConfig):
-    """(o, lse, kv_first): see ``loop.walk_forward``."""
-    return walk_forward(q, k, v, axis_name, config, _schedule(axis_name, config))
+def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
+    """(o, lse, (kv_first, ids_all)): see ``loop.walk_forward`` and ``loop.gather_ids``."""
+    ids_all = gather_ids(ids, axis_name, config.comm)
+    o, lse, kv_first = walk_forward(q, k, v, axis_name, config, _schedule(axis_name, config), ids_all)
+    return o, lse, (kv_first, ids_all)
 
 
-def _backward(q, k, v, o, lse, kv_first, do, dlse, axis_name, config: AttentionConfig):
+def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
-    saved = (q, o, lse, do, dlse)
+    (kv_first, ids_all), saved, t = extra, (q, o, lse, do, dlse), k.shape[1]
 
     def visit(step, j, s, kv, state):
+        segments = visit_segments(schedule, ids_all, me, j, s, t)
         if step.local:
-            return backend.bwd(do, q, *kv, o, lse, schedule.plan.local.mask, config.scale, dlse)
-        return visit_block(schedule, me, j, s, lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st),
-                           state)
+            return local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask, segments)
+        return visit_block(schedule, me, j, s,
+                           lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, segments), state)
 
     def send_dkv(step, state):  # dK/dV of the shard just visited move on with it; R hops bring them home
         if step.dkv_hop is None:

@@ -85,6 +85,13 @@ def _check_qkv(q_shape, k_shape, v_shape, dtypes, *, what: str, kv_may_be_float3
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
 
 
+def ids_signature(segment_ids) -> tuple:
+    """(shape, dtype name) of ``segment_ids`` for :func:`check_segment_ids`; ((), None) for None."""
+    if segment_ids is None:
+        return (), None
+    return tuple(segment_ids.shape), dtype_name(segment_ids.dtype)
+
+
 def check_segment_ids(ids_shape, ids_dtype: str | None, q_shape, *, what: str = "") -> None:
     """``segment_ids`` (packed documents) of shape [b, t] and integer dtype, q being [b, t, h, d]
     (``what``: "local " where the shapes are one device's shards). ``ids_dtype`` None: no ids."""

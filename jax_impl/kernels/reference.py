@@ -2,7 +2,8 @@
 full precision, any device, any dtype. The default on CPU and for float32, and the fallback of
 the fused kernels' backward when a caller passes an lse cotangent.
 
-Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32.
+Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32; with a
+document mask, ``segments = (q_ids [b, t], kv_ids [b, s])``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,22 @@ F32 = jnp.float32
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
-def mask_matrix(mask: BlockMask, t: int, s: int):
-    """[t, s] bool of visible (query, key) pairs in local indices, or None for FULL."""
-    if mask.is_full:
-        return None
-    if t != s:
-        raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
-    offset = 0 if mask.kind is MaskKind.CAUSAL else -1
-    return jnp.tril(jnp.ones((t, s), dtype=bool), k=offset)
+def mask_matrix(mask: BlockMask, t: int, s: int, segments=None):
+    """Visible (query, key) pairs in local indices, broadcastable to scores [b, hk, g, t, s]:
+    [t, s] bool, [b, 1, 1, t, s] with documents, or None when every pair is visible."""
+    if mask.documents != (segments is not None):
+        raise ValueError(f"segments must be given exactly when the mask has documents (mask {mask}, "
+                         f"segments {'given' if segments is not None else 'None'})")
+    visible = None
+    if mask.kind is not MaskKind.FULL:
+        if t != s:
+            raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
+        visible = jnp.tril(jnp.ones((t, s), dtype=bool), k=0 if mask.kind is MaskKind.CAUSAL else -1)
+    if segments is not None:
+        q_ids, kv_ids = segments
+        same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]  # [b, 1, 1, t, s]
+        visible = same if visible is None else same & visible[None, None, None]
+    return visible
 
 
 def _scores(q, k, scale):
@@ -37,12 +46,13 @@ def _scores(q, k, scale):
     return s * jnp.asarray(scale, F32)
 
 
-def reference_block_fwd(q, k, v, mask: BlockMask, scale: float):
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None):
     """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
-    strict mask on row 0), which the LSE merge treats as an empty partial."""
+    strict mask on row 0, a query whose document has no key in the block), which the LSE merge
+    treats as an empty partial."""
     b, t, h, d = q.shape
     s = _scores(q, k, scale)
-    visible = mask_matrix(mask, t, k.shape[1])
+    visible = mask_matrix(mask, t, k.shape[1], segments)
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
     row_max = jnp.max(s, axis=-1, keepdims=True)
@@ -56,7 +66,7 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float):
     return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
 
 
-def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
+def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None):
     """Portable backward with the global ``o`` and ``lse``:
     dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
     b, t, h, d = q.shape
@@ -65,7 +75,7 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
     s = _scores(q, k, scale)
     lse_g = lse.reshape(b, hk, g, t)[..., None]
     p = jnp.exp(s - lse_g)
-    visible = mask_matrix(mask, t, k.shape[1])
+    visible = mask_matrix(mask, t, k.shape[1], segments)
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
     do_g = do.astype(F32).reshape(b, t, hk, g, d)
