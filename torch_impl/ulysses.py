@@ -54,12 +54,12 @@ def gather_kv_heads(x, group, ulysses_size: int):
 
 
 def _segment_ids_to_heads(segment_ids, group):
-    """Segment ids into the head split's sequence: [b, t/U] -> [b, t] (member u's tokens at
+    """Segment ids into the head split's sequence: [b, t/U] -> int32 [b, t] (member u's tokens at
     u·t/U, the order ``seq_to_heads`` concatenates q in); ``None`` stays ``None``."""
     if segment_ids is None or group is None:
         return segment_ids
-    b, t = segment_ids.shape
-    return gather_shards(segment_ids, group).movedim(0, 1).reshape(b, -1)  # [U, b, t/U] -> [b, U·t/U]
+    ids = segment_ids.to(torch.int32)  # as the ring gathers them (4 bytes a token, whatever the caller's dtype)
+    return gather_shards(ids, group).movedim(0, 1).reshape(ids.shape[0], -1)  # [U, b, t/U] -> [b, U·t/U]
 
 
 def ulysses_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = False, scale: float | None = None,

@@ -138,6 +138,18 @@ def test_packed_documents_match_dense_truth(name, axes, exchange, layout, causal
     assert_close_to(got, truth(x, causal), f"{name} (seed {seed})")
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "int16"])
+def test_narrow_integer_ids(dtype, seed, worlds):
+    """Ids in any accepted integer dtype are compared as int32 (USP: gathered over Ulysses, then the ring)."""
+    x = make_inputs(seed, 2, 2)
+    perm = torch_impl.layout_permutation(T, "zigzag", 2, 2)
+    x_layout = to_layout(x, perm)
+    x_layout["segment_ids"] = x_layout["segment_ids"].to(getattr(torch, dtype))
+    axes = (("ring", 2), ("ulysses", 2))
+    got = from_layout(stitch(run_world(worlds, axes, "ring", "zigzag", True, x_layout), 1), perm)
+    assert_close_to(got, truth(x, True), dtype)
+
+
 def test_without_ids_nothing_changes(seed, worlds):
     """segment_ids=None is today's attention (the packed path is not taken by accident): the
     result equals dense attention without ids, which differs from the packed truth."""
@@ -267,6 +279,15 @@ def test_valid_segment_ids_reach_the_tripwire(worlds):
     """The tripwire works: valid ids get past validation to the first collective (the ids' gather)."""
     results = worlds(4).run(bad_segment_ids_task, (("ring", 4),), (1, 8, 4, 8), (1, 8), "int32", "cpu", True)
     assert all(kind == "AssertionError" and "collective was reached" in text for kind, text in results), results
+
+
+def test_the_rank_check_compares_segment_ids(worlds):
+    """check_ranks=True: a rank without ids among ranks with ids gets the same ValueError on
+    every rank, naming the ids' shape, before any attention collective."""
+    results = worlds(4).run(bad_segment_ids_task, (("ring", 4),), (1, 8, 4, 8), (1, 8), "int32", "cpu", True, (1,))
+    assert len(set(results)) == 1, f"ranks disagree: {results}"
+    kind, text = results[0]
+    assert kind == "ValueError" and "segment_ids shape: from () to (1, 8)" in text, results[0]
 
 
 # ---- the one-device replay ---------------------------------------------------------------------

@@ -179,10 +179,12 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dic
             **{n: a.detach() for n, a in out.items()}}
 
 
-def bad_segment_ids_task(mesh_axes, q_shape, ids_shape, ids_dtype: str, ids_device: str, check_ranks: bool = False):
+def bad_segment_ids_task(mesh_axes, q_shape, ids_shape, ids_dtype: str, ids_device: str, check_ranks: bool = False,
+                         no_ids_on: tuple = ()):
     """sequence_parallel_attention on valid float32 q = k = v of ``q_shape`` with segment_ids of
-    ``ids_shape`` / ``ids_dtype`` on ``ids_device`` (e.g. "meta"), every attention collective
-    booby-trapped (the rank check's all-reduce is left alone). Returns (error type, message)."""
+    ``ids_shape`` / ``ids_dtype`` on ``ids_device`` (e.g. "meta") — none on the ranks in
+    ``no_ids_on`` — every attention collective booby-trapped (the rank check's all-reduce is
+    left alone). Returns (error type, message)."""
     import torch
     import torch.distributed as dist
 
@@ -202,6 +204,7 @@ def bad_segment_ids_task(mesh_axes, q_shape, ids_shape, ids_dtype: str, ids_devi
             setattr(dist, n, tripwire)
         q = torch.ones(q_shape)
         ids = torch.zeros(ids_shape, dtype=getattr(torch, ids_dtype), device=ids_device)
+        ids = None if dist.get_rank() in no_ids_on else ids
         torch_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, segment_ids=ids, check_ranks=check_ranks)
     except (ValueError, TypeError, AssertionError) as err:
         return type(err).__name__, str(err)
