@@ -4,7 +4,8 @@ visiting order as ring attention (:func:`schedule.allgather_schedule`).
 
 Per rank of a ring process group of size R, rank r holds ring shard r:
 
-    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    ->    o: [b, t/R, h, d], lse: [b, h, t/R]
+    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    segment_ids: [b, t/R] or None
+                                                  ->    o: [b, t/R, h, d], lse: [b, h, t/R]
 
 Forward: one all-gather of K and of V (issued asynchronously, so it runs while the rank's own
 block computes), then the blocks of the step plan against each shard in turn (step i visits
@@ -19,23 +20,27 @@ import torch
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .loop import add_grads, attention_with_vjp, grad_block, merge_block, ring_index
+from .loop import add_grads, attend_block, attention_with_vjp, grad_block, merge_block, ring_index
 from .schedule import allgather_schedule, device_visits
-from .validation import dtype_name, validate_local
+from .validation import check_segment_ids, dtype_name, validate_local
 
 F32 = torch.float32
 
 
-def allgather_attention(q, k, v, group=None, *, causal: bool = False, layout: str = "zigzag",
+def allgather_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = False, layout: str = "zigzag",
                         scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """All-gather-KV attention over process group ``group`` (``None``: one rank). Inputs are this
-    rank's ring shard in layout order. Returns ``(o, lse)``; differentiable through autograd."""
+    rank's ring shard in layout order; ``segment_ids`` (packed documents) this rank's local shard
+    of the ids, [b, t/R] (see ``ring_attention``: gathered once, blocks without a shared
+    document skipped). Returns ``(o, lse)``; differentiable through autograd."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
+    check_segment_ids(None if segment_ids is None else segment_ids.shape,
+                      None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic)
     config.backend()  # an unknown or refused kernel fails here, before any collective
-    return _allgather(q, k, v, (None, group), config)
+    return _allgather(q, k, v, (None, group), config, segment_ids)
 
 
 def _visits(groups, config: AttentionConfig):
@@ -43,37 +48,45 @@ def _visits(groups, config: AttentionConfig):
     return schedule, device_visits(schedule, ring_index(groups))
 
 
-def _forward(q, k, v, groups, config: AttentionConfig):
-    backend, (schedule, visits) = config.backend(), _visits(groups, config)
+def _segments(ids_all, me: int, src: int):
+    """(q_ids, kv_ids) of the visit of shard ``src`` (None without packed documents)."""
+    return None if ids_all is None else (ids_all[me], ids_all[src])
+
+
+def _forward(q, k, v, groups, config: AttentionConfig, ids_all):
+    backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
     if schedule.size > 1:
         (k_all, k_work), (v_all, v_work) = (config.comm.gather(x, groups[1], async_op=True) for x in (k, v))
     for visit in visits:
+        segments = _segments(ids_all, me, visit.source)
         if visit.step.local:  # own K/V, while K/V gather
-            o, lse = backend.fwd(q, k, v, visit.block.mask, config.scale)
+            o, lse = attend_block(backend, config.scale, q, visit.block, (k, v), segments)
             if schedule.size == 1:
                 return o, lse, None
             o = o.float()  # the float32 accumulator (kernels may return the input dtype)
             k_work.wait()
             v_work.wait()
         else:
-            merge_block(backend, config.scale, q, visit.block, (k_all[visit.source], v_all[visit.source]), (o, lse))
+            merge_block(backend, config.scale, q, visit.block, (k_all[visit.source], v_all[visit.source]), (o, lse),
+                        segments)
     return o, lse, (k_all, v_all)
 
 
-def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig):
-    backend, (schedule, visits) = config.backend(), _visits(groups, config)
+def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig, ids_all):
+    backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
     saved = (q, o, lse, do, dlse)
     for visit in visits:
         src = visit.source
+        segments = _segments(ids_all, me, src)
         if visit.step.local:
-            dq, dk, dv = backend.bwd(do, q, k, v, o, lse, visit.block.mask, config.scale, dlse)
+            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, (k, v), segments)
             if schedule.size == 1:
                 return dq, dk, dv
             dq = dq.float()  # the float32 accumulator (kernels may return bf16)
             dk_all, dv_all = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv_all)
             dk_all[src], dv_all[src] = dk, dv
         else:
-            grads = grad_block(backend, config.scale, saved, visit.block, (kv_all[0][src], kv_all[1][src]))
+            grads = grad_block(backend, config.scale, saved, visit.block, (kv_all[0][src], kv_all[1][src]), segments)
             add_grads(visit.block, grads, dq, (dk_all[src], dv_all[src]))
     return dq, config.comm.scatter(dk_all, groups[1]), config.comm.scatter(dv_all, groups[1])
 

@@ -6,7 +6,11 @@ The mesh's ``mesh_dim_names`` choose the algorithm (docs/contract.md): ``"ring"`
 r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*U + u (layout
 order) of its batch shard:
 
-    q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   ->   o like q, lse: [b/D, h, t/(R·U)]
+    q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   segment_ids: [b/D, t/(R·U)] or None
+                                                            ->   o like q, lse: [b/D, h, t/(R·U)]
+
+``segment_ids`` (packed documents) are this rank's local shard of the integer ids, in the same
+layout order and split as q (the JAX API takes global ids instead).
 
 Validation runs on shapes alone, identically on every rank, before any collective. Ranks that
 pass *different* local shapes, dtypes or options are caught only with ``check_ranks=True`` (by
@@ -28,22 +32,34 @@ from .double_ring import double_ring_attention
 from .layouts import LAYOUTS
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
-from .validation import DTYPES, KV_EXCHANGES, Decomposition, dtype_name, validate
+from .validation import DTYPES, INT_DTYPES, KV_EXCHANGES, Decomposition, check_segment_ids, dtype_name, validate
 
 
 def _code(value, known: tuple) -> int:
     return known.index(value) if value in known else -1
 
 
-def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse) -> dict:
+def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segment_ids=None) -> dict:
     """What every rank must agree on, as small ints (names by their index in validation's and the
-    layouts' tuples, scale by its float64 bit pattern)."""
+    layouts' tuples, scale by its float64 bit pattern; no segment_ids: shape (), dtype -1)."""
     dtypes = tuple(_code(dtype_name(x.dtype), DTYPES) for x in (q, k, v))
     scale_bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
     options = (int(bool(causal)), _code(layout, LAYOUTS), _code(kv_exchange, KV_EXCHANGES), int(bool(return_lse)))
+    ids_shape = () if segment_ids is None else tuple(segment_ids.shape)
+    ids_dtype = -1 if segment_ids is None else _code(dtype_name(segment_ids.dtype), INT_DTYPES)
     return {"q shape": tuple(q.shape), "k shape": tuple(k.shape), "v shape": tuple(v.shape),
             f"dtypes (index in {DTYPES})": dtypes, "causal, layout, kv_exchange, return_lse": options,
-            "scale (float64 bits)": (scale_bits,)}
+            "scale (float64 bits)": (scale_bits,), "segment_ids shape": ids_shape,
+            f"segment_ids dtype (index in {INT_DTYPES})": (ids_dtype,)}
+
+
+def _check_segment_ids(segment_ids, q) -> None:
+    """This rank's ids against its q (local shapes), on q's device."""
+    if segment_ids is None:
+        return
+    check_segment_ids(segment_ids.shape, dtype_name(segment_ids.dtype), q.shape, what="local ")
+    if segment_ids.device != q.device:
+        raise ValueError(f"segment_ids must be on q's device {q.device}, got {segment_ids.device}")
 
 
 def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
@@ -76,9 +92,15 @@ def global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
 def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag",
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
-                                deterministic: bool | None = None, check_ranks: bool | None = None):
+                                deterministic: bool | None = None, check_ranks: bool | None = None,
+                                segment_ids=None):
     """Attention of this rank's ``q`` shard against ``k, v`` shards (layout order), sequence-
     parallel over ``mesh`` (a ``DeviceMesh``). Returns o (and lse if ``return_lse``).
+
+    ``segment_ids``: packed documents — this rank's local shard of the integer ids, [b/D, t/(R·U)]
+    like q's first two dimensions, layout order, on q's device (no gradient): query i sees key j
+    only if their ids are equal (and, causal, j <= i by original position). Blocks whose queries
+    and keys share no document are skipped, forward and backward.
 
     ``deterministic``: refuse block kernels that are not run-to-run deterministic (default:
     ``torch.are_deterministic_algorithms_enabled()``). ``check_ranks``: compare every rank's local
@@ -87,15 +109,16 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     deterministic = default_deterministic(deterministic)
     if default_check_ranks(check_ranks):
         check_ranks_agree(_signature(q, k, v, causal=causal, layout=layout, scale=scale, kv_exchange=kv_exchange,
-                                     return_lse=return_lse), mesh)
+                                     return_lse=return_lse, segment_ids=segment_ids), mesh)
     names = mesh.mesh_dim_names or ()
     sizes = {name: mesh.size(i) for i, name in enumerate(names)}
     decomposition: Decomposition = validate(
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
+    _check_segment_ids(segment_ids, q)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails before any collective
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
                              deterministic=deterministic)
-    o, lse = per_device(q, k, v)
+    o, lse = per_device(q, k, v, segment_ids=segment_ids)
     return (o, lse) if return_lse else o

@@ -1,12 +1,15 @@
 """The local block kernel's interface, the registry of backends, and ``"auto"``: the routing table.
 
-    block_fwd(q, k, v, mask, scale)                   -> (o, lse)      o: [b, t, h, d] f32 or input dtype
-    block_bwd(do, q, k, v, o, lse, mask, scale, dlse) -> (dq, dk, dv)  float32 or the input dtype
+    block_fwd(q, k, v, mask, scale, segments=None)                   -> (o, lse)      o: f32 or input dtype
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None) -> (dq, dk, dv)  f32 or input dtype
 
 q, do, o: [b, t, h, d]; k, v: [b, s, hk, d]; lse, dlse: [b, h, t] float32. ``mask`` is a
-:class:`schedule.BlockMask` (full / causal / strict today). ``block_bwd`` takes the *global* ``o``
-and ``lse``; kernels may return the input dtype, and every caller accumulates into float32
-buffers (``Tensor.add_`` promotes in place).
+:class:`schedule.BlockMask` (full / causal / strict, each optionally restricted to packed
+documents). ``segments = (q_ids [b, t], kv_ids [b, s])`` (int32 segment ids of the block's
+queries and keys) is given if and only if ``mask.documents``: the loops pass it by keyword, and
+only then, so a backend that never receives a document mask may omit the parameter.
+``block_bwd`` takes the *global* ``o`` and ``lse``; kernels may return the input dtype, and every
+caller accumulates into float32 buffers (``Tensor.add_`` promotes in place).
 
 **Backends** live in ``kernels/``, one module per kernel family, each registering itself here
 (``torch_impl/kernels/__init__.py`` imports them): ``reference`` (portable einsum, float32, any
@@ -16,8 +19,9 @@ while the algorithm files mirror each other.
 
 **"auto"** is a routing backend: every block call resolves (device kind of the inputs, dtype,
 block mask, deterministic) to a concrete backend through :data:`AUTO_ROUTES` — the first row that
-matches and whose backend is registered and available. :func:`resolve_backend` gives the same
-answer as a name, for reports and benchmark rows.
+matches and whose backend is registered, available and ``supports`` the block's mask and dtype
+(so document-masked blocks go to the portable kernel until a fused document kernel is
+registered). :func:`resolve_backend` gives the same answer as a name, for reports and benchmark rows.
 """
 
 from __future__ import annotations
@@ -112,8 +116,8 @@ def _dtype_name(dtype) -> str:
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
-def _mask_kind(mask) -> MaskKind:
-    return mask.kind if isinstance(mask, BlockMask) else MaskKind(mask)
+def _block_mask(mask) -> BlockMask:
+    return mask if isinstance(mask, BlockMask) else BlockMask(MaskKind(mask))
 
 
 def _check_named(name: str, deterministic: bool) -> None:
@@ -133,16 +137,18 @@ def _check_named(name: str, deterministic: bool) -> None:
 def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: bool = False) -> str:
     """The concrete backend that runs a block of ``dtype`` under ``mask`` (a BlockMask, MaskKind
     or its value) on ``device_kind`` when ``name`` is asked for: ``name`` itself (checked), or for
-    ``"auto"`` the backend of the first matching row of :data:`AUTO_ROUTES` that is available."""
+    ``"auto"`` the backend of the first matching row of :data:`AUTO_ROUTES` that is available and
+    supports the mask in that dtype."""
     if name != "auto":
         _check_named(name, deterministic)
         return name
-    dtype, kind = _dtype_name(dtype), _mask_kind(mask)
+    dtype, mask = _dtype_name(dtype), _block_mask(mask)
     for route in AUTO_ROUTES:
         backend = _BACKENDS.get(route.backend)
-        if backend is not None and route.matches(device_kind, dtype, kind, bool(deterministic)) and backend.available():
+        if (backend is not None and route.matches(device_kind, dtype, mask.kind, bool(deterministic))
+                and backend.available() and backend.supports(mask, dtype)):
             return route.backend
-    raise ValueError(f"no block backend for {device_kind} {dtype} {kind.value} blocks (deterministic={deterministic})")
+    raise ValueError(f"no block backend for {device_kind} {dtype} {mask} blocks (deterministic={deterministic})")
 
 
 def _process_device_kinds() -> set[str]:
@@ -165,11 +171,13 @@ def routing_backend(deterministic: bool = False) -> BlockBackend:
         return _BACKENDS[resolve_backend("auto", device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
                                          deterministic=deterministic)]
 
-    def fwd(q, k, v, mask, scale):
-        return pick(q, mask).fwd(q, k, v, mask, scale)
+    def fwd(q, k, v, mask, scale, segments=None):
+        documents = {} if segments is None else {"segments": segments}  # only document blocks carry ids
+        return pick(q, mask).fwd(q, k, v, mask, scale, **documents)
 
-    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None):
-        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse)
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None):
+        documents = {} if segments is None else {"segments": segments}
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **documents)
 
     return BlockBackend("auto", fwd, bwd)
 

@@ -3,6 +3,14 @@
 merge and backward gradients, and the autograd Function that joins a forward and a backward.
 
 Shapes (per rank): q, o, dq [b, t, h, d]; k, v, dk, dv [b, t, hk, d]; lse [b, h, t] float32.
+
+**Packed documents.** With ``segment_ids`` (this rank's [b, t]), the forward all-gathers every
+ring shard's ids once (:func:`gather_segment_ids`: ``ids_all`` int32 [R, b, t], shard r at index
+r) and keeps them on the autograd context for the backward; no ids travel with the K/V. Each
+block then asks :func:`block_work` what to compute — SKIP (no pair shares a document: no kernel
+call, forward or backward), PLAIN (the static mask: a fused kernel may run it) or DOCUMENTS (the
+document mask, ``segments`` given to the kernel) — a Python branch on one small device-to-host
+copy per block. The local step is never skipped (every query sees itself).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import torch.distributed as dist
 from .comm import Comm, RingShift
 from .config import AttentionConfig
 from .merge import merge_partials_into
-from .schedule import Block, Hop, Part, Schedule, device_visits
+from .schedule import Block, BlockMask, DocumentWork, Hop, Part, Schedule, device_visits, document_flags
 
 
 def ring_index(groups) -> int:
@@ -129,26 +137,85 @@ def _part(x, which: Part, dim: int):
     return x if which is Part.ALL else x.narrow(dim, lo, hi - lo)
 
 
-def merge_block(backend, scale, q, block: Block | None, kv, state) -> None:
-    """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)`` in place."""
-    if block is None:
-        return
-    (k_cur, v_cur), (o, lse) = kv, state
-    o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
-                             _part(v_cur, block.kv_part, 1), block.mask, scale)
-    merge_partials_into(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
-
-
-def grad_block(backend, scale, saved, block: Block | None, kv):
-    """(dq, dk, dv) of one block against the visiting ``kv`` (None for a skipped block);
-    ``saved = (q, o, lse, do, dlse)`` of this rank."""
-    if block is None:
+def gather_segment_ids(segment_ids, groups, comm: Comm):
+    """Every ring shard's segment ids, int32 [R, b, t] (shard r = o·I + i at index r), from this
+    rank's [b, t]: one all-gather over the inner group, then one over the outer (``None`` groups
+    are skipped). ``None`` in, ``None`` out."""
+    if segment_ids is None:
         return None
+    ids = segment_ids.to(torch.int32).contiguous()
+    b, t = ids.shape
+    ids_all = ids.unsqueeze(0)
+    for group in (groups[1], groups[0]):  # inner, then outer: index o·I + i
+        if group is not None:
+            ids_all = comm.gather(ids_all, group).reshape(-1, b, t)
+    return ids_all
+
+
+def block_work(block: Block, q_ids, kv_ids) -> DocumentWork:
+    """What ``block`` computes, given the whole shards' ids: ``q_ids`` of this rank's queries
+    [b, t], ``kv_ids`` of the visiting K/V [b, t]. The smallest and largest id of the block's
+    query part and of its key part, per batch row, go to ``schedule.document_flags``; one
+    device-to-host copy brings both flags home."""
+    q_lo, q_hi = torch.aminmax(_part(q_ids, block.q_part, 1), dim=1)
+    kv_lo, kv_hi = torch.aminmax(_part(kv_ids, block.kv_part, 1), dim=1)
+    shared, one_document = torch.stack(document_flags(q_lo, q_hi, kv_lo, kv_hi)).tolist()
+    if not shared:
+        return DocumentWork.SKIP
+    return DocumentWork.PLAIN if one_document else DocumentWork.DOCUMENTS
+
+
+def _kernel_mask(block: Block, segments) -> tuple[BlockMask, dict] | None:
+    """(mask, keyword arguments) of ``block``'s kernel call — ``segments = (q_ids, kv_ids)`` of
+    the whole shards, or None without packed documents — or None where :func:`block_work` says
+    SKIP. The kernel receives ``segments`` (its parts) only with a document mask."""
+    if segments is None:
+        return block.mask, {}
+    work = block_work(block, *segments)
+    if work is DocumentWork.SKIP:
+        return None
+    if work is DocumentWork.PLAIN:
+        return block.mask, {}
+    q_ids, kv_ids = segments
+    return block.mask.with_documents(), {"segments": (_part(q_ids, block.q_part, 1), _part(kv_ids, block.kv_part, 1))}
+
+
+def attend_block(backend, scale, q, block: Block, kv, segments=None):
+    """(o_b, lse_b) of ``q[block.q_part]`` attending to ``kv[block.kv_part]``, or None when the
+    block holds no pair of one document (``segments``: see :func:`_kernel_mask`). The local block
+    (own K/V, ``q_ids`` = ``kv_ids``) is never None: equal id ranges always meet."""
+    call = _kernel_mask(block, segments)
+    if call is None:
+        return None
+    mask, documents = call
+    k_cur, v_cur = kv
+    return backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1), _part(v_cur, block.kv_part, 1),
+                       mask, scale, **documents)
+
+
+def merge_block(backend, scale, q, block: Block | None, kv, state, segments=None) -> None:
+    """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)`` in
+    place (nothing for a masked or document-skipped block)."""
+    partial = None if block is None else attend_block(backend, scale, q, block, kv, segments)
+    if partial is None:
+        return
+    o, lse = state
+    merge_partials_into(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), *partial)
+
+
+def grad_block(backend, scale, saved, block: Block | None, kv, segments=None):
+    """(dq, dk, dv) of one block against the visiting ``kv`` (None for a masked or
+    document-skipped block); ``saved = (q, o, lse, do, dlse)`` of this rank; ``segments``: the
+    whole shards' (q_ids, kv_ids), or None."""
+    call = None if block is None else _kernel_mask(block, segments)
+    if call is None:
+        return None
+    mask, documents = call
     (q, o, lse, do, dlse), (k_cur, v_cur) = saved, kv
     qp, kp = block.q_part, block.kv_part
     return backend.bwd(_part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
-                       _part(o, qp, 1), _part(lse, qp, 2), block.mask, scale,
-                       None if dlse is None else _part(dlse, qp, 2))
+                       _part(o, qp, 1), _part(lse, qp, 2), mask, scale,
+                       None if dlse is None else _part(dlse, qp, 2), **documents)
 
 
 def add_grads(block: Block | None, grads, dq, dkv) -> None:
@@ -161,37 +228,48 @@ def add_grads(block: Block | None, grads, dq, dkv) -> None:
     _part(dkv[1], block.kv_part, 1).add_(dv_b)
 
 
-def walk_forward(q, k, v, groups, config: AttentionConfig, schedule: Schedule):
+def _visit_segments(ids_all, device: int, source: int):
+    """(q_ids, kv_ids) of a visit — this rank's shard and the visited one — from the gathered
+    ``ids_all`` [R, b, t] (None without packed documents)."""
+    return None if ids_all is None else (ids_all[device], ids_all[source])
+
+
+def walk_forward(q, k, v, groups, config: AttentionConfig, schedule: Schedule, ids_all=None):
     """One rank's forward over ``schedule`` (ring or double ring): its own block, then every
     visiting K/V merged by LSE into a float32 accumulator. Returns (o, lse, kv_first), kv_first
-    the K/V received for step 1 when the schedule's backward reuses them (else None)."""
-    backend = config.backend()
+    the K/V received for step 1 when the schedule's backward reuses them (else None).
+    ``ids_all``: every shard's segment ids [R, b, t] (:func:`gather_segment_ids`) or None."""
+    backend, me = config.backend(), ring_index(groups)
     k, v = k.contiguous(), v.contiguous()  # they are sent as they are
     walk = KVWalk(schedule, config.comm, groups, (k, v), keep_first=schedule.backward_reuses_first_kv)
     for visit, kv in walk:
+        segments = _visit_segments(ids_all, me, visit.source)
         if visit.step.local:  # own K/V, never empty
-            o, lse = backend.fwd(q, *kv, visit.block.mask, config.scale)
+            o, lse = attend_block(backend, config.scale, q, visit.block, kv, segments)
             o = o.float() if schedule.size > 1 else o  # the float32 accumulator (kernels may return the input dtype)
         else:
-            merge_block(backend, config.scale, q, visit.block, kv, (o, lse))
+            merge_block(backend, config.scale, q, visit.block, kv, (o, lse), segments)
     return o, lse, walk.first
 
 
-def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, schedule: Schedule):
+def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, schedule: Schedule,
+                  ids_all=None):
     """One rank's backward over ``schedule``: K/V travel again (from ``kv_first`` when the
     forward kept it), the visited shard's float32 dK/dV follow it one hop behind (the step's
-    ``dkv_hop``: ring, inner, or diagonal after a double-ring round), dq stays local."""
-    backend = config.backend()
+    ``dkv_hop``: ring, inner, or diagonal after a double-ring round), dq stays local; blocks the
+    forward skipped for packed documents (``ids_all``, kept by the forward) are skipped again."""
+    backend, me = config.backend(), ring_index(groups)
     saved = (q, o, lse, do, dlse)
     for visit, kv in KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous()), first=kv_first):
+        segments = _visit_segments(ids_all, me, visit.source)
         if visit.step.local:
-            dq, dk, dv = backend.bwd(do, q, *kv, o, lse, visit.block.mask, config.scale, dlse)
+            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, segments)
             if schedule.size == 1:
                 return dq, dk, dv
             dq = dq.float()  # the float32 accumulators (kernels may return bf16)
             trail = DKVTrail(config.comm, groups, dk.float(), dv.float())
         else:
-            grads = grad_block(backend, config.scale, saved, visit.block, kv)
+            grads = grad_block(backend, config.scale, saved, visit.block, kv, segments)
             add_grads(visit.block, grads, dq, trail.current())  # once the shard's dK/dV have arrived
         trail.send(visit.step.dkv_hop)  # dK/dV of the shard just visited move on with it
     dk, dv = trail.current()  # after R hops, this shard's own
@@ -202,7 +280,7 @@ class _Attention(torch.autograd.Function):
     """Autograd for a (forward, backward) pair; see :func:`attention_with_vjp`."""
 
     @staticmethod
-    def forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig):
+    def forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig, segment_ids):
         # An unused output's gradient arrives as None rather than zeros, so the kernels know
         # there is no lse cotangent without inspecting a tensor (a device sync on GPUs).
         ctx.set_materialize_grads(False)
@@ -210,10 +288,11 @@ class _Attention(torch.autograd.Function):
         # they are computed and sent in q's dtype; only the gradients keep the caller's dtype.
         ctx.kv_dtype = k.dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-        o, lse, extra = forward(q, k, v, groups, config)
+        ids_all = gather_segment_ids(segment_ids, groups, config.comm)  # once, for both passes
+        o, lse, extra = forward(q, k, v, groups, config, ids_all)
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, *(extra or ()))
-        ctx.groups, ctx.config, ctx.backward_fn = groups, config, backward
+        ctx.groups, ctx.config, ctx.backward_fn, ctx.ids_all = groups, config, backward, ids_all
         return o, lse
 
     @staticmethod
@@ -221,13 +300,16 @@ class _Attention(torch.autograd.Function):
         q, k, v, o, lse, *extra = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, ctx.groups, ctx.config)
-        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
+        dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, ctx.groups, ctx.config,
+                                     ctx.ids_all)
+        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None
 
 
 def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
-    """A differentiable ``(q, k, v, groups, config: AttentionConfig) -> (o, lse)`` from
-    ``forward(q, k, v, groups, config) -> (o, lse, extra)`` and ``backward(q, k, v, o, lse, extra,
-    do, dlse, groups, config) -> (dq, dk, dv)``: ``extra`` (K/V the forward received) is saved for
-    the backward."""
-    return lambda q, k, v, groups, config: _Attention.apply(forward, backward, q, k, v, groups, config)
+    """A differentiable ``(q, k, v, groups, config: AttentionConfig, segment_ids=None) -> (o, lse)``
+    from ``forward(q, k, v, groups, config, ids_all) -> (o, lse, extra)`` and ``backward(q, k, v,
+    o, lse, extra, do, dlse, groups, config, ids_all) -> (dq, dk, dv)``: ``extra`` (K/V the forward
+    received) is saved for the backward; ``segment_ids`` (this rank's [b, t], no gradient) are
+    all-gathered once into ``ids_all`` [R, b, t] (:func:`gather_segment_ids`), kept for the backward."""
+    return lambda q, k, v, groups, config, segment_ids=None: _Attention.apply(forward, backward, q, k, v, groups,
+                                                                             config, segment_ids)

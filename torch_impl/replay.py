@@ -6,9 +6,13 @@ float32 accumulators of the real loops, walking :func:`schedule.device_visits` o
 :class:`schedule.Schedule` the real loops walk; only the communication is replaced, by indexing
 into the resident global tensors. dK/dV contributions are summed in the order the real exchange
 sums them (ring and double ring: step order; all-gather: device order) and cast as the real code
-casts them.
+casts them. Packed documents (``segment_ids``, GLOBAL ids like the global q, unlike the real
+torch entry points' local shards): each virtual device reads its ring shard's ids and the visited
+shard's, and the same ``loop`` functions decide per block to skip it, run it plain or with the
+document mask — so a skipped block contributes nothing here, as in the real loops.
 
-    q: [b, T, h, d], k, v: [b, T, hk, d] (layout order)  ->  o [b, T, h, d], lse [b, h, T]
+    q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order)
+                                                         ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
     device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
 """
@@ -21,9 +25,9 @@ import torch
 
 from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
 from .config import AttentionConfig
-from .loop import add_grads, grad_block, merge_block
+from .loop import add_grads, attend_block, grad_block, merge_block
 from .schedule import Exchange, Schedule, device_visits, make_schedule
-from .validation import KV_EXCHANGES, dtype_name, validate
+from .validation import KV_EXCHANGES, check_segment_ids, dtype_name, validate
 
 F32 = torch.float32
 
@@ -91,9 +95,20 @@ def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2)
     return x[tuple(index)]
 
 
+def _segments(segment_ids, r: int, source: int, size: int):
+    """(q_ids, kv_ids) int32 of ring shard ``r`` meeting shard ``source``, from the global
+    [b, T] ids (None: no packed documents)."""
+    if segment_ids is None:
+        return None
+    ids = segment_ids.to(torch.int32)  # as the real loops gather them
+    return _shard(ids, r, size), _shard(ids, source, size)
+
+
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
-                   scale: float | None = None, block_backend: str = "auto", deterministic: bool = False):
-    """Virtual device ``device``'s forward on the global q, k, v: its (o, lse), o in q's dtype."""
+                   scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
+                   segment_ids=None):
+    """Virtual device ``device``'s forward on the global q, k, v (and global ``segment_ids``
+    [b, T] or None): its (o, lse), o in q's dtype."""
     config = _config(q, causal, layout, scale, block_backend, deterministic)
     backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
     r, u = divmod(device, strategy.ulysses)
@@ -102,19 +117,21 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     with torch.no_grad():
         for visit in device_visits(schedule, r):
             kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
+            segments = _segments(segment_ids, r, visit.source, strategy.ring)
             if visit.step.local:
-                o, lse = backend.fwd(q_d, *kv, visit.block.mask, config.scale)
+                o, lse = attend_block(backend, config.scale, q_d, visit.block, kv, segments)
                 o = o.float() if schedule.size > 1 else o  # the float32 accumulator
             else:
-                merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse))
+                merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), segments)
     return o.to(q.dtype), lse
 
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                     layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                    deterministic: bool = False):
+                    deterministic: bool = False, segment_ids=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
-    and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32})."""
+    and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}) —
+    shards it computed no block against (masked, or skipped for packed documents) have none."""
     config = _config(q, causal, layout, scale, block_backend, deterministic)
     backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
     r, u = divmod(device, strategy.ulysses)
@@ -126,12 +143,14 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     with torch.no_grad():
         for visit in device_visits(schedule, r):
             kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
+            segments = _segments(segment_ids, r, visit.source, strategy.ring)
+            grads = grad_block(backend, config.scale, saved, visit.block, kv, segments)
             if visit.step.local:
-                dq, dk, dv = backend.bwd(do_d, q_d, *kv, o_d, lse_d, visit.block.mask, config.scale, dlse_d)
+                dq, dk, dv = grads
                 dq, contributions[visit.source] = dq.float(), (dk.float(), dv.float())
-            elif visit.block is not None:
+            elif grads is not None:
                 dkv = tuple(torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv)
-                add_grads(visit.block, grad_block(backend, config.scale, saved, visit.block, kv), dq, dkv)
+                add_grads(visit.block, grads, dq, dkv)
                 contributions[visit.source] = dkv
     return dq.to(q.dtype), contributions
 
@@ -146,18 +165,22 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     return sorted(positions, key=steps.__getitem__)  # the accumulator travels with the K/V
 
 
-def _check(q, k, v, strategy: Strategy, layout: str, scale) -> None:
+def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
+    check_segment_ids(None if segment_ids is None else segment_ids.shape,
+                      None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape)
 
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
-                     scale: float | None = None, block_backend: str = "auto", deterministic: bool = False):
-    """(o, lse) of ``strategy`` on global q, k, v in layout order, every virtual device's
-    forward run in turn on the inputs' device."""
-    _check(q, k, v, strategy, layout, scale)
+                     scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
+                     segment_ids=None):
+    """(o, lse) of ``strategy`` on global q, k, v in layout order (``segment_ids``: packed
+    documents, the global [b, T] ids in layout order, or None), every virtual device's forward
+    run in turn on the inputs' device."""
+    _check(q, k, v, strategy, layout, scale, segment_ids)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic)
+              deterministic=deterministic, segment_ids=segment_ids)
     outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
     rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
     o = torch.cat([torch.cat([o_d for o_d, _ in row], dim=2) for row in rows], dim=1)
@@ -167,12 +190,13 @@ def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layou
 
 def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                            layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                           deterministic: bool = False):
+                           deterministic: bool = False, segment_ids=None):
     """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
-    the forward's global o and lse; dK/dV summed as the real exchange sums them."""
-    _check(q, k, v, strategy, layout, scale)
+    the forward's global o and lse (and the global ``segment_ids`` [b, T] of the forward, or
+    None); dK/dV summed as the real exchange sums them."""
+    _check(q, k, v, strategy, layout, scale, segment_ids)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic)
+              deterministic=deterministic, segment_ids=segment_ids)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = torch.cat([torch.cat([outs[r * n_uly + u][0] for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)

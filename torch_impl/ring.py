@@ -2,7 +2,8 @@
 
 Per rank of a ring process group of size R, rank r holds ring shard r:
 
-    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    ->    o: [b, t/R, h, d], lse: [b, h, t/R]
+    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    segment_ids: [b, t/R] or None
+                                                  ->    o: [b, t/R, h, d], lse: [b, h, t/R]
 
 It walks :func:`schedule.ring_schedule`, step for step as jax_impl does. Forward: K/V rotate R-1
 times with batched isend/irecv to the next rank; each hop is started before the block that uses
@@ -18,37 +19,42 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
 from .schedule import ring_schedule
-from .validation import dtype_name, validate_local
+from .validation import check_segment_ids, dtype_name, validate_local
 
 
-def ring_attention(q, k, v, group=None, *, causal: bool = False, layout: str = "zigzag",
+def ring_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """Ring attention over process group ``group`` (``None``: one rank, plain attention).
 
     Inputs are this rank's ring shard in layout order (shapes in the module docstring; k/v may be
-    float32 where q is not). Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R].
-    Differentiable through torch.autograd (o and lse). ``deterministic``: see
-    ``config.default_deterministic``.
+    float32 where q is not). ``segment_ids``: packed documents, this rank's local shard of the
+    integer ids, [b, t/R] in layout order (compared as int32; no gradient): query i sees key j
+    only if their ids are equal. They are all-gathered once over the ring (not sent with the
+    K/V), and a block whose queries and keys share no document is skipped, forward and backward.
+    Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]. Differentiable through
+    torch.autograd (o and lse). ``deterministic``: see ``config.default_deterministic``.
     """
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
+    check_segment_ids(None if segment_ids is None else segment_ids.shape,
+                      None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic)
     config.backend()  # an unknown or refused kernel fails here, before any collective
-    return _ring(q, k, v, (None, group), config)
+    return _ring(q, k, v, (None, group), config, segment_ids)
 
 
 def _schedule(groups, config: AttentionConfig):
     return ring_schedule(config.layout, config.causal, axis_size(groups[1]))
 
 
-def _forward(q, k, v, groups, config: AttentionConfig):
+def _forward(q, k, v, groups, config: AttentionConfig, ids_all):
     """(o, lse, kv_first): see ``loop.walk_forward``."""
-    return walk_forward(q, k, v, groups, config, _schedule(groups, config))
+    return walk_forward(q, k, v, groups, config, _schedule(groups, config), ids_all)
 
 
-def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig):
-    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config))
+def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, ids_all):
+    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config), ids_all)
 
 
 _ring = attention_with_vjp(_forward, _backward)

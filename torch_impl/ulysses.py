@@ -3,6 +3,7 @@
 Per rank of a Ulysses process group of size U:
 
     q: [b, t/U, h, d] --all-to-all--> [b, t, h/U, d] --attend--> o --all-to-all--> [b, t/U, h, d]
+    segment_ids: [b, t/U] --all-gather--> [b, t] (member order, as the all-to-all concatenates)
 
 When kv_heads < U, each KV head is replicated U // kv_heads times first, so that every rank
 receives exactly the KV head its query heads read. Gradients flow through the all-to-alls
@@ -21,10 +22,10 @@ from functools import partial
 import torch
 
 from .block import get_backend
-from .comm import axis_size, heads_to_seq, seq_to_heads
+from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads
 from .config import default_deterministic
 from .ring import ring_attention
-from .validation import dtype_name, validate_local
+from .validation import check_segment_ids, dtype_name, validate_local
 
 
 class _ReplicatedToHeads(torch.autograd.Function):
@@ -52,24 +53,38 @@ def gather_kv_heads(x, group, ulysses_size: int):
     return _ReplicatedToHeads.apply(x, group, ulysses_size // kv_heads)
 
 
-def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: float | None = None,
+def _segment_ids_to_heads(segment_ids, group):
+    """Segment ids into the head split's sequence: [b, t/U] -> int32 [b, t] (member u's tokens at
+    u·t/U, the order ``seq_to_heads`` concatenates q in); ``None`` stays ``None``."""
+    if segment_ids is None or group is None:
+        return segment_ids
+    ids = segment_ids.to(torch.int32)  # as the ring gathers them (4 bytes a token, whatever the caller's dtype)
+    return gather_shards(ids, group).movedim(0, 1).reshape(ids.shape[0], -1)  # [U, b, t/U] -> [b, U·t/U]
+
+
+def ulysses_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = False, scale: float | None = None,
                       block_backend: str = "auto", attend: Callable | None = None,
                       return_lse: bool = True, deterministic: bool | None = None):
-    """Ulysses attention over process group ``group``. ``attend(q, k, v, *, causal, scale,
-    block_backend, deterministic)`` computes attention on the gathered sequence (default: one
-    rank's attention; USP passes ring attention over the ring group). Returns ``(o, lse)``: o like
-    q, lse [b, h, t/U] float32 (``None`` when ``return_lse`` is False: its all-to-all is skipped).
+    """Ulysses attention over process group ``group``. ``attend(q, k, v, *, segment_ids, causal,
+    scale, block_backend, deterministic)`` computes attention on the gathered sequence (default:
+    one rank's attention; USP passes ring attention over the ring group). ``segment_ids``: packed
+    documents, this rank's local shard of the integer ids [b, t/U] (layout order; no gradient),
+    all-gathered over ``group`` and handed to ``attend``. Returns ``(o, lse)``: o like q, lse
+    [b, h, t/U] float32 (``None`` when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(group)
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=None,
                    scale=scale, ulysses=n)
+    check_segment_ids(None if segment_ids is None else segment_ids.shape,
+                      None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
     deterministic = default_deterministic(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     attend = attend or partial(ring_attention, group=None, layout="contiguous")
     q_h = seq_to_heads(q, group)  # [b, t, h/U, d]
     k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
-    o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend,
+    ids = _segment_ids_to_heads(segment_ids, group)  # [b, t] or None
+    o_h, lse_h = attend(q_h, k_h, v_h, segment_ids=ids, causal=causal, scale=scale, block_backend=block_backend,
                         deterministic=deterministic)
     if not return_lse:  # skip the LSE all-to-all nobody reads (XLA drops it in JAX too)
         return heads_to_seq(o_h, group), None

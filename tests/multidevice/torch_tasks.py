@@ -124,3 +124,91 @@ def recorded_transfers_task() -> dict:
         o.sum().backward()
         out[name] = {"forward": forward, "backward": seen[len(forward):]}
     return out
+
+
+def _sequence_block(coords: dict, sizes: dict) -> int:
+    """The layout-order sequence block r·U + u this rank holds (r = o·I + i on a double ring)."""
+    ring = coords.get("ring", coords.get("ring_outer", 0) * sizes.get("ring_inner", 1) + coords.get("ring_inner", 0))
+    return ring * sizes.get("ulysses", 1) + coords.get("ulysses", 0)
+
+
+def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dict:
+    """Packed documents on every rank: ``x`` holds the GLOBAL layout-order tensors (q, k, v, do
+    [b, T, ., d], dlse [b, h, T], segment_ids [b, T]); each rank takes its local shard (batch
+    block of "data", sequence block r·U + u), runs sequence_parallel_attention with its local
+    ids (return_lse=True) and the backward with (do, dlse). Returns its coordinates and shards,
+    and with ``count`` the block-kernel calls it made, each as (pass, document mask?, query
+    rows, key columns), through a counting backend over the reference kernels."""
+    import torch
+
+    import torch_impl
+    from parity.runners.torch_runner import make_mesh
+    from torch_impl.block import BlockBackend, get_backend, register_backend
+
+    mesh = make_mesh("cpu", tuple(mesh_axes))
+    sizes = dict(mesh_axes)
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    block, data = _sequence_block(coords, sizes), coords.get("data", 0)
+    blocks = sizes.get("ring", sizes.get("ring_outer", 1) * sizes.get("ring_inner", 1)) * sizes.get("ulysses", 1)
+    b, t = x["q"].shape[0] // sizes.get("data", 1), x["q"].shape[1] // blocks
+
+    def local(a, seq_dim=1, grad=False):
+        a = a[data * b:(data + 1) * b].narrow(seq_dim, block * t, t).contiguous()
+        return a.clone().requires_grad_(grad)
+
+    calls: list = []
+    if count:
+        reference = get_backend("reference")
+
+        def fwd(q, k, v, mask, scale, segments=None):
+            calls.append(("fwd", mask.documents, q.shape[1], k.shape[1]))
+            return reference.fwd(q, k, v, mask, scale, segments)
+
+        def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None):
+            calls.append(("bwd", mask.documents, q.shape[1], k.shape[1]))
+            return reference.bwd(do, q, k, v, o, lse, mask, scale, dlse, segments)
+
+        register_backend(BlockBackend("counting", fwd, bwd))
+        kwargs = kwargs | {"block_backend": "counting"}
+    q, k, v = (local(x[n], grad=True) for n in ("q", "k", "v"))
+    ids = None if x.get("segment_ids") is None else local(x["segment_ids"])
+    o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids, **kwargs)
+    torch.autograd.backward((o, lse), (local(x["do"]), local(x["dlse"], seq_dim=2)))
+    out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return {"coords": coords, "block": block, "data": data, "calls": calls,
+            **{n: a.detach() for n, a in out.items()}}
+
+
+def bad_segment_ids_task(mesh_axes, q_shape, ids_shape, ids_dtype: str, ids_device: str, check_ranks: bool = False,
+                         no_ids_on: tuple = ()):
+    """sequence_parallel_attention on valid float32 q = k = v of ``q_shape`` with segment_ids of
+    ``ids_shape`` / ``ids_dtype`` on ``ids_device`` (e.g. "meta") — none on the ranks in
+    ``no_ids_on`` — every attention collective booby-trapped (the rank check's all-reduce is
+    left alone). Returns (error type, message)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from parity.runners.torch_runner import make_mesh
+
+    mesh = make_mesh("cpu", tuple(mesh_axes))
+    names = [n for n in ("batch_isend_irecv", "all_to_all_single", "all_gather_single", "all_gather_into_tensor",
+                         "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def tripwire(*a, **k):
+        raise AssertionError("a collective was reached: validation must come first")
+
+    try:
+        for n in names:
+            setattr(dist, n, tripwire)
+        q = torch.ones(q_shape)
+        ids = torch.zeros(ids_shape, dtype=getattr(torch, ids_dtype), device=ids_device)
+        ids = None if dist.get_rank() in no_ids_on else ids
+        torch_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, segment_ids=ids, check_ranks=check_ranks)
+    except (ValueError, TypeError, AssertionError) as err:
+        return type(err).__name__, str(err)
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return None, "no error"

@@ -1,8 +1,11 @@
 """The portable block kernels (backend ``"reference"``): einsum with float32 accumulation, any
-device, any dtype. The default on CPU and for float32, and the fallback of the aten adapters'
-backward when a caller passes an lse cotangent.
+device, any dtype. The default on CPU and for float32, the fallback of the aten adapters'
+backward when a caller passes an lse cotangent, and the kernel of every document-masked block
+(packed documents: no fused document kernel is registered yet).
 
-Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32.
+Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32; with a document
+mask, ``segments = (q_ids [b, t], kv_ids [b, s])`` integer ids (query i sees key j only if their
+ids are equal, on top of the static mask).
 """
 
 from __future__ import annotations
@@ -15,14 +18,27 @@ from ..schedule import BlockMask, MaskKind
 F32 = torch.float32
 
 
-def mask_matrix(mask: BlockMask, t: int, s: int, device):
-    """[t, s] bool of visible (query, key) pairs in local indices, or None for FULL."""
-    if mask.is_full:
-        return None
-    if t != s:
-        raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
-    offset = 0 if mask.kind is MaskKind.CAUSAL else -1
-    return torch.ones((t, s), dtype=torch.bool, device=device).tril(offset)
+def mask_matrix(mask: BlockMask, t: int, s: int, device, segments=None):
+    """The visible (query, key) pairs in local indices, broadcastable against the scores
+    [b, hk, g, t, s]: None when every pair is (FULL), the static pattern [t, s], or with
+    ``mask.documents`` the static pattern & (q_ids[:, :, None] == kv_ids[:, None, :]) as
+    [b, 1, 1, t, s] (the same for every head)."""
+    visible = None
+    if mask.kind is not MaskKind.FULL:
+        if t != s:
+            raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
+        offset = 0 if mask.kind is MaskKind.CAUSAL else -1
+        visible = torch.ones((t, s), dtype=torch.bool, device=device).tril(offset)
+    if mask.documents:
+        if segments is None:
+            raise ValueError("a document mask needs segments = (q_ids [b, t], kv_ids [b, s])")
+        q_ids, kv_ids = segments
+        if q_ids.shape[1] != t or kv_ids.shape[1] != s:
+            raise ValueError(f"segments must be [b, {t}] and [b, {s}] like the block, got {tuple(q_ids.shape)} "
+                             f"and {tuple(kv_ids.shape)}")
+        same = q_ids[:, :, None] == kv_ids[:, None, :]  # [b, t, s]
+        visible = (same if visible is None else same & visible)[:, None, None]
+    return visible
 
 
 def _scores(q, k, scale):
@@ -33,12 +49,13 @@ def _scores(q, k, scale):
     return torch.einsum("btkgd,bskd->bkgts", qg, k.float()) * scale
 
 
-def reference_block_fwd(q, k, v, mask: BlockMask, scale: float):
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None):
     """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
-    strict mask on row 0), which the LSE merge treats as an empty partial."""
+    strict mask on row 0, or no key of its document in the block), which the LSE merge treats
+    as an empty partial."""
     b, t, h, d = q.shape
     s = _scores(q, k, scale)
-    visible = mask_matrix(mask, t, k.shape[1], q.device)
+    visible = mask_matrix(mask, t, k.shape[1], q.device, segments)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     row_max = s.amax(dim=-1, keepdim=True)
@@ -52,15 +69,16 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float):
     return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
 
 
-def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None):
+def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None):
     """Portable backward with the global ``o`` and ``lse``:
-    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO.
+    Masked pairs have P = 0, so a row with no visible key contributes nothing."""
     b, t, h, d = q.shape
     hk = k.shape[2]
     g = h // hk
     s = _scores(q, k, scale)
     p = torch.exp(s - lse.float().reshape(b, hk, g, t, 1))
-    visible = mask_matrix(mask, t, k.shape[1], q.device)
+    visible = mask_matrix(mask, t, k.shape[1], q.device, segments)
     if visible is not None:
         p = p.masked_fill(~visible, 0.0)
     do_g = do.float().reshape(b, t, hk, g, d)
