@@ -24,7 +24,7 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
     attention_with_vjp,
-    gather_ids,
+    gather_segment_ids,
     grad_block,
     local_backward,
     local_forward,
@@ -68,7 +68,7 @@ def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
     t = k.shape[1]
     kv_all = tuple(config.comm.gather(x, axis_name) for x in (k, v)) if schedule.size > 1 else None
-    ids_all = gather_ids(ids, axis_name, config.comm)
+    ids_all = gather_segment_ids(ids, axis_name, config.comm)
 
     def visit(step, j, s, _, state):
         segments = visit_segments(schedule, ids_all, me, j, s, t)

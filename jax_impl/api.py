@@ -53,7 +53,7 @@ def partition_specs(mesh) -> tuple[P, P]:
     return P(batch, seq, None, None), P(batch, None, seq)
 
 
-def ids_spec(x_spec: P) -> P:
+def _ids_spec(x_spec: P) -> P:
     """The spec of segment ids [b, t]: q's batch and sequence axes."""
     return P(*x_spec[:2])
 
@@ -133,7 +133,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
 
     inputs, specs_in = (q, k, v), (x_spec,) * 3
     if segment_ids is not None:
-        inputs, specs_in = (*inputs, segment_ids), (*specs_in, ids_spec(x_spec))
+        inputs, specs_in = (*inputs, segment_ids), (*specs_in, _ids_spec(x_spec))
     sharded = jax.shard_map(attention, mesh=mesh, in_specs=specs_in,
                             out_specs=(x_spec, lse_spec) if return_lse else x_spec,
                             check_vma=get_backend(block_backend, deterministic=deterministic).typed_for_shard_map)

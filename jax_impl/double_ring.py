@@ -34,7 +34,7 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
     attention_with_vjp,
-    gather_ids,
+    gather_segment_ids,
     grad_block,
     local_backward,
     ring_index,
@@ -81,7 +81,7 @@ def _from_bits(bits, like):
 
 def _forward(q, k, v, ids, axes, config: AttentionConfig):
     """(o, lse, ids_all): see ``loop.walk_forward`` (the double ring keeps no K/V for its backward)."""
-    ids_all = gather_ids(ids, axes, config.comm)
+    ids_all = gather_segment_ids(ids, axes, config.comm)
     o, lse, _ = walk_forward(q, k, v, axes, config, _schedule(axes, config), ids_all)
     return o, lse, ids_all
 

@@ -8,7 +8,7 @@ Packed documents: ``segments = (q_ids [b, t], kv_ids [b, t])`` — the segment i
 device's queries and of the visiting K/V shard — or ``None``. Every block then runs under the
 run-time decision of :func:`schedule.document_flags` (one ``lax.switch`` on a traced index, so
 nothing recompiles per batch): skipped, its static mask alone, or the document mask too. The
-ids of every ring shard are all-gathered once per call (:func:`gather_ids`), not sent with K/V.
+ids of every ring shard are all-gathered once per call (:func:`gather_segment_ids`), not sent with K/V.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _add_part(acc, update, which: Part, axis: int):
     return lax.dynamic_update_slice_in_dim(acc, _part(acc, which, axis) + update, lo, axis=axis)
 
 
-def gather_ids(ids, axes, comm: Comm):
+def gather_segment_ids(ids, axes, comm: Comm):
     """Every ring shard's segment ids, [b, t] -> [b, R·t] (shard r at rows r·t, r = o·I + i on a
     double ring), by one all-gather of the int32 ids; ``None`` stays ``None``."""
     if ids is None:
@@ -214,7 +214,7 @@ def visit_segments(schedule: Schedule, ids_all, device, j, s, t: int):
 
 def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids_all=None):
     """One device's forward over ``schedule`` (ring or double ring): its own block, then every
-    visiting K/V merged by LSE. ``ids_all``: every shard's segment ids (:func:`gather_ids`) or
+    visiting K/V merged by LSE. ``ids_all``: every shard's segment ids (:func:`gather_segment_ids`) or
     None. Returns (o, lse, kv_first): kv_first, the K/V of step 1 (in flight while step 0
     computes), is kept for the backward when the schedule's backward reuses it (the single ring:
     R-2 backward K/V hops, not R-1), else None."""

@@ -20,7 +20,7 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
     attention_with_vjp,
-    gather_ids,
+    gather_segment_ids,
     grad_block,
     local_backward,
     ring_index,
@@ -58,8 +58,8 @@ def _schedule(axis_name, config: AttentionConfig):
 
 
 def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
-    """(o, lse, (kv_first, ids_all)): see ``loop.walk_forward`` and ``loop.gather_ids``."""
-    ids_all = gather_ids(ids, axis_name, config.comm)
+    """(o, lse, (kv_first, ids_all)): see ``loop.walk_forward`` and ``loop.gather_segment_ids``."""
+    ids_all = gather_segment_ids(ids, axis_name, config.comm)
     o, lse, kv_first = walk_forward(q, k, v, axis_name, config, _schedule(axis_name, config), ids_all)
     return o, lse, (kv_first, ids_all)
 

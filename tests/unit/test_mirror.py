@@ -51,7 +51,12 @@ def test_mirrors_have_the_same_files_and_public_names():
         jax_only = {"partition_specs", "ring_shift", "diagonal_shift", "walk", "visit_block"}
         torch_only = {"global_shape", "RingShift", "check_ranks_agree", "merge_partials_into", "KVWalk", "DKVTrail",
                       "add_grads", "walk_backward"}
-        # Issue 25 (packed documents), built in torch (branch torch25) while JAX's is built beside it
-        # (jax25): torch's loop helpers, to be matched by name or listed with a reason when both merge.
-        torch_only |= {"gather_segment_ids", "block_work", "attend_block"}
+        # Packed documents: both gather the ids once (gather_segment_ids) and decide per block with
+        # schedule.document_flags. JAX decides inside the traced program — under_documents (one
+        # lax.switch: skip / static mask / document mask), local_forward / local_backward (the own
+        # block's two-way switch), shard_ids / visit_segments (slices of the gathered [b, R·t]);
+        # torch decides in Python — block_work (the DocumentWork of a concrete block) and
+        # attend_block (a block's (o, lse), or None when skipped).
+        jax_only |= {"under_documents", "local_forward", "local_backward", "shard_ids", "visit_segments"}
+        torch_only |= {"block_work", "attend_block"}
         assert jax_names - jax_only == torch_names - torch_only, name
