@@ -111,12 +111,17 @@ def _add_part(acc, update, which: Part, axis: int):
 
 
 def gather_segment_ids(ids, axes, comm: Comm):
-    """Every ring shard's segment ids, [b, t] -> [b, R·t] (shard r at rows r·t, r = o·I + i on a
-    double ring), by one all-gather of the int32 ids; ``None`` stays ``None``."""
+    """Every ring shard's segment ids, [b, t] -> [b, R·t] (shard r at rows r·t), by all-gathers
+    of the int32 ids: one over a ring axis; on a double ring one over the inner axis, then one
+    over the outer (r = o·I + i), as torch_impl gathers over its two groups. ``None`` stays ``None``."""
     if ids is None:
         return None
     ids = ids.astype(jnp.int32)
-    return ids if axes is None else comm.gather(ids, axes)
+    if axes is None:
+        return ids
+    for axis in (axes[1], axes[0]) if isinstance(axes, tuple) else (axes,):
+        ids = comm.gather(ids, axis)
+    return ids
 
 
 def shard_ids(ids_all, src, t: int):
