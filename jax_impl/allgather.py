@@ -35,7 +35,7 @@ from .loop import (
     walk,
 )
 from .schedule import allgather_schedule
-from .validation import check_segment_ids, dtype_name, ids_signature, validate_local
+from .validation import check_segment_ids, dtype_name, shape_and_dtype, validate_local
 
 F32 = jnp.float32
 
@@ -48,7 +48,7 @@ def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool =
     [b, t/R] or None. Returns ``(o, lse)``."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
-    check_segment_ids(*ids_signature(segment_ids), q.shape, what="local ")
+    check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic)
     config.backend()  # an unknown or refused kernel fails here

@@ -27,7 +27,7 @@ from .config import default_check_ranks, default_deterministic
 from .double_ring import DOUBLE_RING, double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
-from .validation import Decomposition, check_segment_ids, dtype_name, ids_signature, validate
+from .validation import Decomposition, check_segment_ids, dtype_name, shape_and_dtype, validate
 
 
 def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
@@ -122,7 +122,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     decomposition: Decomposition = validate(
         q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), dict(mesh.shape),
         layout=layout, kv_exchange=kv_exchange, scale=scale)
-    check_segment_ids(*ids_signature(segment_ids), q.shape)
+    check_segment_ids(*shape_and_dtype(segment_ids), q.shape)
     x_spec, lse_spec = partition_specs(mesh)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,

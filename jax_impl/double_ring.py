@@ -44,7 +44,7 @@ from .loop import (
     walk_forward,
 )
 from .schedule import double_ring_schedule
-from .validation import check_segment_ids, dtype_name, ids_signature, validate_local
+from .validation import check_segment_ids, dtype_name, shape_and_dtype, validate_local
 
 DOUBLE_RING = (RING_OUTER, RING_INNER)
 
@@ -58,7 +58,7 @@ def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, 
     float32 [b, h, t/R]."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
-    check_segment_ids(*ids_signature(segment_ids), q.shape, what="local ")
+    check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
     if len(tuple(axis_name)) != 2:
         raise ValueError(f"the double ring needs axis_name = (outer, inner), got {axis_name!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,

@@ -39,7 +39,7 @@ from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
 from .config import AttentionConfig
 from .loop import grad_block, local_backward, local_forward, merge_block
 from .schedule import Exchange, Schedule, device_visits, make_schedule
-from .validation import KV_EXCHANGES, check_segment_ids, dtype_name, ids_signature, validate
+from .validation import KV_EXCHANGES, check_segment_ids, dtype_name, shape_and_dtype, validate
 
 F32 = jnp.float32
 
@@ -176,7 +176,7 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
 def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
-    check_segment_ids(*ids_signature(segment_ids), q.shape)
+    check_segment_ids(*shape_and_dtype(segment_ids), q.shape)
 
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",

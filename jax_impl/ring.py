@@ -30,7 +30,7 @@ from .loop import (
     walk_forward,
 )
 from .schedule import ring_schedule
-from .validation import check_segment_ids, dtype_name, ids_signature, validate_local
+from .validation import check_segment_ids, dtype_name, shape_and_dtype, validate_local
 
 
 def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
@@ -46,7 +46,7 @@ def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = Fals
     """
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
-    check_segment_ids(*ids_signature(segment_ids), q.shape, what="local ")
+    check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic)
     config.backend()  # an unknown or refused kernel fails here

@@ -26,7 +26,7 @@ from .block import get_backend
 from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads
 from .config import default_deterministic
 from .ring import ring_attention
-from .validation import check_segment_ids, dtype_name, ids_signature, validate_local
+from .validation import check_segment_ids, dtype_name, shape_and_dtype, validate_local
 
 
 def _replicate_to_heads(x, axis_name: str, reps: int):
@@ -75,7 +75,7 @@ def ulysses_attention(q, k, v, axis_name: str = ULYSSES, *, causal: bool = False
     n = axis_size(axis_name)
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=None,
                    scale=scale, ulysses=n)
-    check_segment_ids(*ids_signature(segment_ids), q.shape, what="local ")
+    check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
     deterministic = default_deterministic(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

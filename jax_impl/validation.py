@@ -85,11 +85,11 @@ def _check_qkv(q_shape, k_shape, v_shape, dtypes, *, what: str, kv_may_be_float3
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
 
 
-def ids_signature(segment_ids) -> tuple:
-    """(shape, dtype name) of ``segment_ids`` for :func:`check_segment_ids`; ((), None) for None."""
-    if segment_ids is None:
+def shape_and_dtype(array) -> tuple:
+    """(shape, dtype name) of an optional array (segment ids, sinks) for the checks; ((), None) for None."""
+    if array is None:
         return (), None
-    return tuple(segment_ids.shape), dtype_name(segment_ids.dtype)
+    return tuple(array.shape), dtype_name(array.dtype)
 
 
 def check_segment_ids(ids_shape, ids_dtype: str | None, q_shape, *, what: str = "") -> None:
@@ -102,6 +102,33 @@ def check_segment_ids(ids_shape, ids_dtype: str | None, q_shape, *, what: str = 
     if tuple(ids_shape) != tuple(q_shape[:2]):
         raise ValueError(f"{what}segment_ids must be [batch, seq] = {tuple(q_shape[:2])} like q's first two "
                          f"dimensions, got shape {tuple(ids_shape)}")
+
+
+def check_window(window) -> tuple[int, int] | None:
+    """``window`` as ``(left, right)``: None, a non-negative int w (= (w, w)) or a pair of them."""
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, int) and not isinstance(window, bool) else window
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+        raise TypeError(f"window must be None, an int or a (left, right) pair of ints, got {window!r}")
+    if min(pair) < 0:
+        raise ValueError(f"window extents must be >= 0, got {tuple(pair)}")
+    return int(pair[0]), int(pair[1])
+
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def check_sinks(sinks_shape, sinks_dtype: str | None, heads: int) -> None:
+    """``sinks`` (attention-sink logits): one float per query head, [heads]. ``sinks_dtype``
+    None: no sinks."""
+    if sinks_dtype is None:
+        return
+    if sinks_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"sinks must have a floating dtype (one of {FLOAT_DTYPES}), got {sinks_dtype}")
+    if tuple(sinks_shape) != (heads,):
+        raise ValueError(f"sinks must be [heads] = ({heads},), one logit per query head, got shape {tuple(sinks_shape)}")
 
 
 def _check_options(layout: str | None, kv_exchange: str | None, scale) -> None:

@@ -17,11 +17,14 @@ visible, in the block's *local* indices (query row i, key column j):
 It is a frozen, hashable dataclass (a compile-time constant of the schedule, never an array), so
 kernels and routing can branch on it. Each further field restricts ``kind``'s pairs:
 
-    documents=True: also segment_ids[query] == segment_ids[key] (packed documents; the ids are
-                    arrays the kernel is given beside q and k/v, sliced like them)
+    documents=True:        also segment_ids[query] == segment_ids[key] (packed documents; the
+                           kernel is given the ids as ``segments = (q_ids [b, t], kv_ids [b, s])``)
+    window=(left, right):  also q_pos - left <= kv_pos <= q_pos + right on ORIGINAL positions
+                           (the kernel is given ``positions = (q_pos [t], kv_pos [s])``, int32)
 
-Window masks (``left``/``right`` extents on the pairs' *original* positions) are to join the same
-way. A block backend says which masks it takes (``BlockBackend.supports``).
+A block backend says which masks it takes (``BlockBackend.supports``). A window is decided per
+block from the positions' ranges (:func:`window_flags`): a block out of reach is skipped, a block
+the window covers entirely runs without it.
 
 **Packed documents.** Whether a block holds any visible pair then depends on the data, so the
 loops decide per block at run time, from the smallest and largest id of its query rows and of
@@ -87,6 +90,7 @@ class BlockMask:
 
     kind: MaskKind = MaskKind.FULL
     documents: bool = False
+    window: tuple[int, int] | None = None
 
     def __post_init__(self):
         if not isinstance(self.kind, MaskKind):
@@ -98,20 +102,27 @@ class BlockMask:
     @property
     def is_full(self) -> bool:
         """Every pair of the block is visible (kernels need no mask at all)."""
-        return self.kind is MaskKind.FULL and not self.documents
+        return self.kind is MaskKind.FULL and not self.documents and self.window is None
 
     def with_documents(self) -> BlockMask:
         """This mask restricted to pairs within one document."""
-        return BlockMask(self.kind, documents=True)
+        return BlockMask(self.kind, documents=True, window=self.window)
+
+    def with_window(self, window: tuple[int, int] | None) -> BlockMask:
+        """This mask restricted to the window ``(left, right)`` (None: no window)."""
+        return BlockMask(self.kind, documents=self.documents, window=window)
 
     def plain(self) -> BlockMask:
-        """This mask without its document restriction (the block's static pattern alone)."""
+        """The block's static pattern alone (no documents, no window)."""
         return BlockMask(self.kind)
 
-    def visible(self, i: int, j: int, q_segment=None, kv_segment=None) -> bool:
+    def visible(self, i: int, j: int, q_segment=None, kv_segment=None, q_pos=None, kv_pos=None) -> bool:
         """Whether local query row ``i`` sees local key column ``j`` (the definition kernels
-        implement); with ``documents``, ``q_segment`` and ``kv_segment`` are their ids."""
+        implement); with ``documents``, ``q_segment`` and ``kv_segment`` are their ids; with a
+        ``window``, ``q_pos`` and ``kv_pos`` their original positions."""
         if self.documents and q_segment != kv_segment:
+            return False
+        if self.window is not None and not q_pos - self.window[0] <= kv_pos <= q_pos + self.window[1]:
             return False
         if self.kind is MaskKind.FULL:
             return True
@@ -142,6 +153,17 @@ def document_flags(q_lo, q_hi, kv_lo, kv_hi):
     shared = ((q_lo <= kv_hi) & (kv_lo <= q_hi)).any()
     one_document = ((q_lo == q_hi) & (kv_lo == kv_hi) & (q_lo == kv_lo)).all()
     return shared, one_document
+
+
+def window_flags(q_lo: int, q_hi: int, kv_lo: int, kv_hi: int, left: int, right: int) -> tuple[bool, bool]:
+    """``(reachable, covered)`` of a block under the window ``(left, right)``, from the smallest
+    and largest original position of its queries and of its keys: reachable — some pair may lie
+    inside the window (else the block is skipped); covered — every pair does (the block runs
+    without the window). Exact for parts contiguous in original order (contiguous, zigzag),
+    conservative (never skips a visible pair) for stripe. Plain comparisons: ints or traced ints."""
+    reachable = (kv_hi >= q_lo - left) & (kv_lo <= q_hi + right)
+    covered = (kv_lo >= q_hi - left) & (kv_hi <= q_lo + right)
+    return reachable, covered
 
 
 def document_work(q_lo, q_hi, kv_lo, kv_hi) -> DocumentWork:
