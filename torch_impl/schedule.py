@@ -51,6 +51,9 @@ meets the K/V of shard :meth:`Schedule.source` = ((o - j) mod O)·I + (i - s) mo
   step the visited shard's float32 dK/dV accumulator follows it by a ``RING`` hop — R hops, the
   last one brings it home. The backward starts again from the K/V the forward received for
   step 1 (``backward_reuses_first_kv``), so it sends R-2 K/V hops, not R-1.
+- truncated single ring (``reach`` = a < R-1: a sliding window that reaches only a shards back,
+  :func:`window_reach`): one round of a+1 steps, a K/V hops; the dK/dV accumulator follows its
+  shard for a hops and then goes home by one ``RETURN`` hop (r -> r-a) — a+1 hops in all.
 - all-gather KV (``Exchange.ALLGATHER``): the same visiting order over one all-gather of K/V; no
   hops; the dK/dV of every shard come home by one reduce-scatter after the last step.
 - double ring (``Exchange.DOUBLE_RING``; O x I): O rounds of I steps. At a round's start its
@@ -262,11 +265,15 @@ class Hop(Enum):
     INNER = "inner"  # (o, i) -> (o, i+1 mod I)
     OUTER = "outer"  # (o, i) -> (o+1 mod O, i)
     DIAGONAL = "diagonal"  # (o, i) -> (o+1 mod O, i+1 mod I)
+    RETURN = "return"  # r -> r - back mod R (a truncated ring's dK/dV home; ``back``: its reach)
 
-    def destination(self, device: int, outer: int, inner: int) -> int:
-        """The device that receives ``device``'s buffer, on an ``outer`` x ``inner`` ring."""
+    def destination(self, device: int, outer: int, inner: int, back: int = 0) -> int:
+        """The device that receives ``device``'s buffer, on an ``outer`` x ``inner`` ring
+        (``back``: the distance of a ``RETURN`` hop, :attr:`Schedule.reach`)."""
         if self is Hop.RING:
             return (device + 1) % (outer * inner)
+        if self is Hop.RETURN:
+            return (device - back) % (outer * inner)
         o, i = divmod(device, inner)
         d_o, d_i = int(self in (Hop.OUTER, Hop.DIAGONAL)), int(self in (Hop.INNER, Hop.DIAGONAL))
         return (o + d_o) % outer * inner + (i + d_i) % inner
@@ -331,6 +338,7 @@ class Schedule:
     outer: int
     inner: int
     rounds: tuple[Round, ...]
+    reach: int | None = None  # a truncated single ring: steps 0..reach only (module docstring)
 
     @property
     def size(self) -> int:
@@ -339,14 +347,18 @@ class Schedule:
 
     @property
     def steps(self) -> tuple[Step, ...]:
-        """Every step of every round, in order (R of them)."""
+        """Every step of every round, in order (R of them; reach + 1 on a truncated ring)."""
         return tuple(step for rnd in self.rounds for step in rnd.steps)
 
     @property
     def backward_reuses_first_kv(self) -> bool:
         """The single ring's backward starts from the K/V its forward received for step 1 (kept),
         so its first K/V hop is not sent again. (The double ring keeps nothing: see its module.)"""
-        return self.exchange is Exchange.RING and self.size > 1
+        return self.exchange is Exchange.RING and len(self.steps) > 1
+
+    def destination(self, hop: Hop, device: int) -> int:
+        """Where ``device``'s buffer goes by ``hop`` on this schedule's ring."""
+        return hop.destination(device, self.outer, self.inner, back=self.reach or 0)
 
     def source(self, device, round, inner):
         """The shard whose K/V ``device`` meets at (``round``, ``inner``): ints or traced ints."""
@@ -365,13 +377,35 @@ class Schedule:
         return self.plan.from_earlier if earlier else self.plan.from_later
 
 
-def make_schedule(exchange: Exchange, layout: str, causal: bool, outer: int, inner: int) -> Schedule:
-    """The schedule of ``exchange`` on ``outer`` x ``inner`` devices (see the module docstring)."""
+def window_reach(layout: str, causal: bool, window: tuple[int, int] | None, shard_len: int, size: int) -> int | None:
+    """How many ring steps past its own shard any device needs under ``window`` — the reach a
+    of a truncated ring — or None when the whole ring is needed. Built where it pays and is
+    simple: the contiguous layout with nothing visible ahead (causal, or ``right`` = 0), where
+    device r needs shards r-a .. r only, a = ceil(left / shard_len). Zigzag and stripe spread
+    every shard over the sequence (each needs almost every other), and a window reaching ahead
+    would need the ring to turn both ways."""
+    if window is None or layout != "contiguous" or not (causal or window[1] == 0):
+        return None
+    reach = -(-window[0] // shard_len)
+    return reach if reach < size - 1 else None
+
+
+def make_schedule(exchange: Exchange, layout: str, causal: bool, outer: int, inner: int,
+                  reach: int | None = None) -> Schedule:
+    """The schedule of ``exchange`` on ``outer`` x ``inner`` devices (see the module docstring);
+    ``reach``: truncate a single ring after step ``reach`` (:func:`window_reach`)."""
     exchange = Exchange(exchange)
     if outer < 1 or inner < 1:
         raise ValueError(f"ring sizes must be >= 1, got {outer} x {inner}")
     if exchange is not Exchange.DOUBLE_RING and outer != 1:
         raise ValueError(f"a {exchange.value} schedule has one ring (outer = 1), got outer={outer}")
+    if reach is not None:
+        if exchange is not Exchange.RING or not 0 <= reach < inner - 1:
+            raise ValueError(f"only a single ring is truncated, to 0 <= reach < R-1; got {exchange.value} with "
+                             f"reach={reach}, R={outer * inner}")
+        steps = [Step(0, s, Hop.RING if s < reach else None, Hop.RING if s < reach else Hop.RETURN if reach else None)
+                 for s in range(reach + 1)]
+        return Schedule(exchange, step_plan(layout, causal), 1, inner, (Round(0, None, tuple(steps)),), reach)
     if exchange is Exchange.ALLGATHER:
         kv_hop = dkv_hop = last_dkv_hop = outer_hop = None
     elif exchange is Exchange.RING:
@@ -389,9 +423,9 @@ def make_schedule(exchange: Exchange, layout: str, causal: bool, outer: int, inn
     return Schedule(exchange, step_plan(layout, causal), outer, inner, rounds)
 
 
-def ring_schedule(layout: str, causal: bool, size: int) -> Schedule:
-    """The single ring of ``size`` devices."""
-    return make_schedule(Exchange.RING, layout, causal, 1, size)
+def ring_schedule(layout: str, causal: bool, size: int, reach: int | None = None) -> Schedule:
+    """The single ring of ``size`` devices (truncated after step ``reach`` when given)."""
+    return make_schedule(Exchange.RING, layout, causal, 1, size, reach)
 
 
 def allgather_schedule(layout: str, causal: bool, size: int) -> Schedule:

@@ -34,6 +34,13 @@ RINGS = [(1, r) for r in range(1, 9)]  # single ring / all-gather: outer = 1
 DOUBLE = [(o, i) for o in range(1, 5) for i in range(1, 5)]
 
 
+def _truncated(layout: str, causal: bool):
+    """Every truncated single ring (reach 0 .. R-2) of the sizes tested."""
+    for _outer, inner in RINGS:
+        for reach in range(inner - 1):
+            yield S.ring_schedule(layout, causal, inner, reach)
+
+
 def _schedules(layout: str, causal: bool):
     for _outer, inner in RINGS:
         yield S.ring_schedule(layout, causal, inner)
@@ -85,6 +92,41 @@ def test_every_visible_pair_is_visited_exactly_once(layout, causal):
         assert np.array_equal(got, want), (schedule.exchange, schedule.outer, schedule.inner)
 
 
+@pytest.mark.parametrize("right_zero", [False, True])
+def test_a_truncated_ring_visits_every_pair_of_its_window_once(right_zero):
+    """Contiguous layout, a window reaching a shards back (causal, or non-causal with right = 0):
+    the ring of reach a (``window_reach``) visits every (query, key) pair inside the window
+    exactly once, and nothing reaches a pair outside it that the full ring would not."""
+    causal = not right_zero
+    for _outer, ring in RINGS:
+        n = ring * SHARD
+        i, j = np.indices((n, n))
+        for left in range(0, n):
+            window = (left, 0)
+            reach = S.window_reach("contiguous", causal, window, SHARD, ring)
+            if reach is None:
+                assert ring == 1 or -(-left // SHARD) >= ring - 1
+                continue
+            schedule = S.ring_schedule("contiguous", causal, ring, reach)
+            assert len(schedule.steps) == reach + 1
+            got = _pair_counts(schedule, "contiguous")
+            inside = (j <= i) & (j >= i - left)
+            assert (got[inside] == 1).all(), (ring, left)
+            assert (got <= 1).all()
+
+
+def test_window_reach_only_where_it_is_built():
+    assert S.window_reach("zigzag", True, (4, 0), 8, 4) is None
+    assert S.window_reach("stripe", True, (4, 0), 8, 4) is None
+    assert S.window_reach("contiguous", False, (4, 4), 8, 4) is None  # would need both directions
+    assert S.window_reach("contiguous", True, None, 8, 4) is None
+    assert S.window_reach("contiguous", True, (8, 0), 8, 4) == 1
+    assert S.window_reach("contiguous", True, (9, 0), 8, 4) == 2
+    assert S.window_reach("contiguous", True, (17, 0), 8, 4) is None  # reach 3 = R-1: the whole ring
+    with pytest.raises(ValueError, match="truncated"):
+        S.ring_schedule("contiguous", True, 4, 3)
+
+
 @pytest.mark.parametrize("layout", S.LAYOUTS)
 def test_every_device_meets_every_shard_once_own_first(layout):
     for schedule in _schedules(layout, causal=True):
@@ -98,14 +140,14 @@ def test_every_device_meets_every_shard_once_own_first(layout):
 def test_kv_hops_deliver_what_the_next_step_visits():
     """A step's ``kv_hop`` takes the K/V in hand to the device whose next step visits them; a
     round's ``kv_hop`` takes the round's first K/V to where they start the next round."""
-    for schedule in _schedules("zigzag", True):
+    for schedule in [*_schedules("zigzag", True), *_truncated("contiguous", True)]:
         n_out, n_in = schedule.outer, schedule.inner
         for device in range(schedule.size):
             for rnd in schedule.rounds:
                 for step in rnd.steps:
                     here = schedule.source(device, step.round, step.inner)
                     if step.kv_hop is not None:
-                        there = step.kv_hop.destination(device, n_out, n_in)
+                        there = schedule.destination(step.kv_hop, device)
                         assert schedule.source(there, step.round, step.inner + 1) == here
                 if rnd.kv_hop is not None:
                     there = rnd.kv_hop.destination(device, n_out, n_in)
@@ -114,8 +156,9 @@ def test_kv_hops_deliver_what_the_next_step_visits():
 
 def test_dkv_hops_follow_their_shard_and_end_at_home():
     """After every step the visited shard's dK/dV go by ``dkv_hop`` to the device that visits that
-    shard next; the last hop brings them to the shard's own device (ring and double ring)."""
-    for schedule in _schedules("stripe", True):
+    shard next; the last hop brings them to the shard's own device (ring and double ring; a
+    truncated ring's last hop is the RETURN shift)."""
+    for schedule in [*_schedules("stripe", True), *_truncated("contiguous", True)]:
         if schedule.exchange is S.Exchange.ALLGATHER or schedule.size == 1:
             assert all(step.dkv_hop is None for step in schedule.steps)
             continue
@@ -123,7 +166,10 @@ def test_dkv_hops_follow_their_shard_and_end_at_home():
         for device in range(schedule.size):
             for x, step in enumerate(steps):
                 shard = schedule.source(device, step.round, step.inner)
-                there = step.dkv_hop.destination(device, schedule.outer, schedule.inner)
+                if step.dkv_hop is None:  # reach 0: one step, nothing travels
+                    assert len(steps) == 1
+                    continue
+                there = schedule.destination(step.dkv_hop, device)
                 if x + 1 < len(steps):
                     nxt = steps[x + 1]
                     assert schedule.source(there, nxt.round, nxt.inner) == shard
