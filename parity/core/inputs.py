@@ -2,7 +2,10 @@
 
 Inputs are drawn in *original* token order, fresh for every seed, never zeros, and rounded to the
 case's dtype so that every framework and the float64 oracle see the very same numbers. Frameworks
-receive them permuted into layout order and return results that are permuted back.
+receive them permuted into layout order and return results that are permuted back. A case with
+packed documents (``case.documents`` other than "none") also draws segment ids
+(``parity.core.documents``), after the tensors, so its q, k, v, do, dlse are those of the same
+case without documents.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 
 from . import reference
 from .cases import Case
+from .documents import draw_segment_ids
 
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 
@@ -33,13 +37,15 @@ def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Inputs:
-    """q, k, v and the cotangents (do for o, dlse for lse), float64 in original order."""
+    """q, k, v and the cotangents (do for o, dlse for lse), float64 in original order, and the
+    packed documents' ids (None: the case has none)."""
 
     q: np.ndarray  # [b, t, h, d]
     k: np.ndarray  # [b, t, hk, d]
     v: np.ndarray  # [b, t, hk, d]
     do: np.ndarray  # [b, t, h, d]
     dlse: np.ndarray  # [b, h, t] (float32 values: lse is float32 in every dtype)
+    segment_ids: np.ndarray | None = None  # [b, t] int32, or None
 
 
 def make_inputs(case: Case, seed: int) -> Inputs:
@@ -48,12 +54,12 @@ def make_inputs(case: Case, seed: int) -> Inputs:
     q, do = (round_to_dtype(rng.standard_normal((b, t, h, d)), case.dtype) for _ in range(2))
     k, v = (round_to_dtype(rng.standard_normal((b, t, hk, d)), case.dtype) for _ in range(2))
     dlse = round_to_dtype(rng.standard_normal((b, h, t)), "float32")
-    return Inputs(q=q, k=k, v=v, do=do, dlse=dlse)
+    return Inputs(q=q, k=k, v=v, do=do, dlse=dlse, segment_ids=draw_segment_ids(case.documents, b, t, rng))
 
 
 def oracle(case: Case, x: Inputs) -> dict[str, np.ndarray]:
     """The float64 answer: o, lse, dq, dk, dv in original order."""
-    fwd = reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale)
+    fwd = reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale, segment_ids=x.segment_ids)
     dq, dk, dv = reference.attention_backward(fwd, x.q, x.k, x.v, x.do, x.dlse, scale=case.scale)
     return {"o": fwd.o, "lse": fwd.lse, "dq": dq, "dk": dk, "dv": dv}
 
@@ -63,8 +69,10 @@ def permutation(case: Case) -> np.ndarray:
 
 
 def to_layout(x: Inputs, perm: np.ndarray) -> Inputs:
-    """Permute every tensor's sequence axis into layout order."""
-    return Inputs(q=x.q[:, perm], k=x.k[:, perm], v=x.v[:, perm], do=x.do[:, perm], dlse=x.dlse[:, :, perm])
+    """Permute every tensor's (and the segment ids') sequence axis into layout order."""
+    ids = None if x.segment_ids is None else x.segment_ids[:, perm]
+    return Inputs(q=x.q[:, perm], k=x.k[:, perm], v=x.v[:, perm], do=x.do[:, perm], dlse=x.dlse[:, :, perm],
+                  segment_ids=ids)
 
 
 def from_layout(tensors: dict[str, np.ndarray], perm: np.ndarray) -> dict[str, np.ndarray]:

@@ -5,6 +5,10 @@ speed: one dense score matrix, one mask built from *original* token positions, a
 softmax-attention backward. Shapes (docs/contract.md letters):
 
     q: [b, t, h, d]    k, v: [b, s, hk, d]    o: [b, t, h, d]    lse: [b, h, t]
+    segment_ids: [b, t] ints (packed documents; kv_segment_ids: [b, s], default segment_ids)
+
+Query i reads key j only if (causal) j's original position <= i's and (packed documents) their
+segment ids are equal.
 
 Query head ``h`` reads KV head ``h // (heads // kv_heads)`` (MHA, GQA and MQA alike).
 """
@@ -35,27 +39,49 @@ def _expand_kv(x: np.ndarray, heads: int) -> np.ndarray:
     return np.repeat(x, heads // kv_heads, axis=2)
 
 
-def _mask(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool) -> np.ndarray:
-    """[t, s] bool: True where query at original position q_pos[t] may read key k_pos[s]."""
-    if not causal:
-        return np.ones((len(q_pos), len(k_pos)), dtype=bool)
-    return k_pos[None, :] <= q_pos[:, None]
+def visible(q_pos, k_pos, causal: bool, q_ids=None, k_ids=None) -> np.ndarray:
+    """[b or 1, t, s] bool: True where the query at original position q_pos[t] may read the key at
+    k_pos[s] — causally (when ``causal``) and, given ids ([b, t] and [b, s]), within one document."""
+    q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
+    mask = np.ones((1, len(q_pos), len(k_pos)), dtype=bool)
+    if causal:
+        mask = mask & (k_pos[None, None, :] <= q_pos[None, :, None])
+    if q_ids is not None:
+        mask = mask & (np.asarray(q_ids)[:, :, None] == np.asarray(k_ids)[:, None, :])
+    return mask
+
+
+def _check_ids(q_ids, k_ids, b: int, t: int, s: int):
+    if q_ids is None:
+        if k_ids is not None:
+            raise ValueError("kv_segment_ids needs segment_ids (the queries' ids) too")
+        return None, None
+    q_ids = np.asarray(q_ids)
+    k_ids = q_ids if k_ids is None else np.asarray(k_ids)
+    for name, ids, n in (("segment_ids", q_ids, t), ("kv_segment_ids", k_ids, s)):
+        if ids.shape != (b, n) or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{name} must be integers of shape {(b, n)}, got {ids.dtype} {ids.shape}")
+    return q_ids, k_ids
 
 
 def attention_forward(
-    q, k, v, *, causal: bool = False, scale: float | None = None, q_pos=None, k_pos=None
+    q, k, v, *, causal: bool = False, scale: float | None = None, q_pos=None, k_pos=None, segment_ids=None,
+    kv_segment_ids=None,
 ) -> Forward:
     """Dense attention in float64. ``q_pos``/``k_pos`` are original token positions (default:
-    0..t-1), so inputs in any layout order are masked by where tokens really are."""
+    0..t-1), so inputs in any layout order are masked by where tokens really are. ``segment_ids``
+    [b, t] / ``kv_segment_ids`` [b, s] (default: ``segment_ids``, self-attention): packed
+    documents, in the same order as q / k."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, t, h, d = q.shape
     s = k.shape[1]
     scale = d**-0.5 if scale is None else float(scale)
     q_pos = np.arange(t) if q_pos is None else np.asarray(q_pos)
     k_pos = np.arange(s) if k_pos is None else np.asarray(k_pos)
+    q_ids, k_ids = _check_ids(segment_ids, kv_segment_ids, b, t, s)
     ke, ve = _expand_kv(k, h), _expand_kv(v, h)
     scores = np.einsum("bthd,bshd->bhts", q, ke) * scale
-    mask = _mask(q_pos, k_pos, causal)
+    mask = visible(q_pos, k_pos, causal, q_ids, k_ids)[:, None]  # [b or 1, 1, t, s]
     scores = np.where(mask, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     if not np.all(np.isfinite(row_max)):

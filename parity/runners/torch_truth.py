@@ -7,7 +7,7 @@ backward with the lse cotangent — in float64, one query head at a time (memory
 float64 matrix and its temporaries). A row with no visible key (the first row of a strict block)
 gets o = 0, lse = −inf and no gradient, as the block kernels define it.
 
-    q, do: [b, t, h, d]; k, v: [b, s, hk, d]; dlse: [b, h, t] or None; visible: [t, s] bool or None
+    q, do: [b, t, h, d]; k, v: [b, s, hk, d]; dlse: [b, h, t] or None; visible: [t, s] or [b, t, s] bool or None
     -> {"o": [b, t, h, d], "lse": [b, h, t], "dq", "dk", "dv"} float64 tensors on the inputs' device
 """
 
@@ -35,16 +35,16 @@ def dense_truth(q, k, v, do, dlse=None, *, visible=None, scale: float | None = N
     group = h // hk
     out = {"o": torch.zeros_like(q), "lse": torch.empty(b, h, t, dtype=f64, device=q.device),
            "dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v)}
-    empty = None if visible is None else ~visible.any(-1)  # [t]
+    empty = None if visible is None else ~visible.any(-1)  # [t] or [b, t]
     for head in range(h):
         kh, vh, qh, doh = k[:, :, head // group], v[:, :, head // group], q[:, :, head], do[:, :, head]
         scores = torch.einsum("btd,bsd->bts", qh, kh) * scale
         if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty[:, None], 0.0)
+            scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty[..., None], 0.0)
         lse = torch.logsumexp(scores, dim=-1)  # [b, t]
         p = torch.exp(scores - lse[..., None])
         if visible is not None:
-            p = p.masked_fill(~visible, 0.0).masked_fill(empty[:, None], 0.0)
+            p = p.masked_fill(~visible, 0.0).masked_fill(empty[..., None], 0.0)
             lse = lse.masked_fill(empty, float("-inf"))
         o = torch.einsum("bts,bsd->btd", p, vh)
         delta = (doh * o).sum(-1) - (0.0 if dlse is None else dlse[:, head].to(f64))  # [b, t]
@@ -58,11 +58,16 @@ def dense_truth(q, k, v, do, dlse=None, *, visible=None, scale: float | None = N
 
 
 def case_truth(case: Case, x: Inputs, device: str) -> dict[str, np.ndarray]:
-    """The oracle's answer for a parity case (inputs in original order, causal by position),
-    computed by :func:`dense_truth` on ``device``; float64 NumPy arrays like ``inputs.oracle``."""
+    """The oracle's answer for a parity case (inputs in original order, causal by position, packed
+    documents by their ids), computed by :func:`dense_truth` on ``device``; float64 NumPy arrays
+    like ``inputs.oracle``."""
     import torch
 
     q, k, v, do, dlse = (torch.tensor(a, dtype=torch.float64, device=device) for a in (x.q, x.k, x.v, x.do, x.dlse))
     visible = torch.ones(case.seq, case.seq, dtype=torch.bool, device=device).tril() if case.causal else None
+    if x.segment_ids is not None:
+        ids = torch.tensor(x.segment_ids, device=device)
+        same = ids[:, :, None] == ids[:, None, :]  # [b, t, s]
+        visible = same if visible is None else same & visible
     out = dense_truth(q, k, v, do, dlse, visible=visible, scale=case.scale)
     return {n: t.cpu().numpy() for n, t in out.items()}

@@ -5,14 +5,18 @@ from __future__ import annotations
 import itertools
 
 from parity.core.cases import (
+    DOCUMENT_PATTERNS,
     HEAD_DIMS,
     HEAD_LAYOUTS,
     KV_EXCHANGES,
     LAYOUTS,
     MATRIX_DTYPES,
     MESHES,
+    RING_SCHEDULES,
+    document_cases,
     full_matrix,
     pairwise_matrix,
+    strategy_name,
 )
 
 
@@ -32,7 +36,7 @@ def test_pairwise_matrix_covers_every_pair_and_every_mesh_triple():
     so those pairs do not exist."""
     values = {"layout": LAYOUTS, "causal": (False, True), "mesh": MESHES, "heads": tuple(HEAD_LAYOUTS),
               "head_dim": HEAD_DIMS, "dtype": MATRIX_DTYPES, "kv_exchange": KV_EXCHANGES}
-    chosen = [_factors(c) for c in pairwise_matrix()]
+    chosen = [_factors(c) for c in pairwise_matrix() if c.documents == "none"]
     for a, b in itertools.combinations(values, 2):
         seen = {(c[a], c[b]) for c in chosen}
         possible = {(x, y) for x, y in itertools.product(values[a], values[b])
@@ -43,4 +47,35 @@ def test_pairwise_matrix_covers_every_pair_and_every_mesh_triple():
     assert {c["mesh"] for c in chosen if len(c["mesh"]) == 3} == {(4, 1, 2), (4, 2, 2)}  # double ring 2x2, 2x2 x u2
     assert {(c["layout"], c["causal"], c["mesh"]) for c in chosen} == set(
         itertools.product(LAYOUTS, (False, True), MESHES))
-    assert len(full_matrix()) == 1944 and len({c.name for c in full_matrix()}) == 1944
+    plain = [c for c in full_matrix() if c.documents == "none"]
+    assert len(plain) == 1944 and len({c.name for c in plain}) == 1944
+
+
+def test_full_matrix_runs_every_document_pattern_with_everything():
+    """The cross product times the five document values; the default matrix is a subset of it."""
+    full = full_matrix()
+    assert len(full) == 5 * 1944 and len({c.name for c in full}) == len(full)
+    for pattern in DOCUMENT_PATTERNS:
+        assert {tuple(_factors(c).values()) for c in full if c.documents == pattern} == {
+            tuple(_factors(c).values()) for c in full if c.documents == "none"}
+    assert {c.name for c in pairwise_matrix()} <= {c.name for c in full}
+
+
+def test_document_cases_meet_every_pattern_layout_causal_and_strategy():
+    """At most 16 cases (the default run's budget); the coverage document_cases promises."""
+    docs = document_cases()
+    assert 12 <= len(docs) <= 16 and all(c.documents != "none" and c.batch == 2 for c in docs)
+    assert [c.name for c in pairwise_matrix()][-len(docs):] == [c.name for c in docs]
+    seen = {(c.documents, f, v) for c in docs for f, v in _factors(c).items()}
+    for pattern in DOCUMENT_PATTERNS:
+        for factor, values in (("layout", LAYOUTS), ("causal", (False, True)), ("dtype", MATRIX_DTYPES),
+                               ("heads", tuple(HEAD_LAYOUTS))):
+            assert {(pattern, factor, v) for v in values} <= seen, (pattern, factor)
+        assert any(c.documents == pattern and c.causal and c.ring >= 4 and strategy_name(c) in RING_SCHEDULES
+                   for c in docs), pattern
+    loops = [c for c in docs if strategy_name(c) in RING_SCHEDULES]
+    assert {(strategy_name(c), c.layout) for c in loops} == set(itertools.product(RING_SCHEDULES, LAYOUTS))
+    assert {(c.layout, c.causal) for c in loops} == set(itertools.product(LAYOUTS, (False, True)))
+    assert {strategy_name(c) for c in docs if c.causal} == {
+        "ring", "ring-agkv", "ulysses", "usp", "usp-agkv", "double_ring", "double_ring_usp"}
+    assert {c.ring for c in docs if strategy_name(c) == "ring" and c.causal} == {1, 2, 4, 8}
