@@ -1,5 +1,6 @@
 """What a framework runner is (``Runner``), what stands in for one that cannot run
-(``Unavailable``), and how the harness gets either (``load_runner``)."""
+(``Unavailable``), how the harness gets either (``load_runner``), and how every runner passes a
+case's packed documents (``document_keywords``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ class Runner(Protocol):
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
         """Dense attention in the case's dtype on one device (the low-precision control)."""
+
+
+def document_keywords(segment_ids) -> dict:
+    """The keyword a framework call takes for packed documents: ``{"segment_ids": ids}``, or
+    nothing at all for a case without documents (so those calls are exactly what they were)."""
+    return {} if segment_ids is None else {"segment_ids": segment_ids}
 
 
 @dataclass(frozen=True)

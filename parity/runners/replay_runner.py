@@ -6,7 +6,9 @@ ONE device, the communication replaced by indexing into the resident global arra
 ``check_case`` uses a replay runner when a case needs more devices than are present (one GPU:
 every multi-device case), so the same inputs, oracle and policy judge it; its verdict says
 ``mode="replay"``. Results are o, lse, dq, dk, dv as float64 NumPy arrays in original token order,
-like every ``Runner``'s. jax, torch and the implementations are imported inside the methods.
+like every ``Runner``'s. A case with packed documents passes the global segment ids in layout order
+(``segment_ids=``; nothing at all without). jax, torch and the implementations are imported inside
+the methods.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from ..core.cases import Case
 from ..core.inputs import Inputs, from_layout, permutation, to_layout
 from ..core.names import Device
+from .base import document_keywords
 
 __all__ = ["JaxReplayRunner", "TorchReplayRunner", "strategy_of"]
 
@@ -54,15 +57,17 @@ class JaxReplayRunner:
         kw = _keywords(case, strategy_of(case, replay), self.block_backend)
 
         @jax.jit
-        def forward_backward(q, k, v, do, dlse):
-            o, lse = replay.replay_attention(q, k, v, **kw)
-            return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw))
+        def forward_backward(q, k, v, do, dlse, *ids):  # ids: the segment ids, an argument (not a constant)
+            kw_ids = kw | document_keywords(ids[0] if ids else None)
+            o, lse = replay.replay_attention(q, k, v, **kw_ids)
+            return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw_ids))
 
         perm = permutation(case)
         y = to_layout(x, perm)
         dtype = jnp.dtype(case.dtype)
         cast = [jnp.asarray(np.asarray(a, np.float32).astype(dtype)) for a in (y.q, y.k, y.v, y.do)]
-        out = forward_backward(*cast, jnp.asarray(y.dlse, jnp.float32))
+        ids = () if y.segment_ids is None else (jnp.asarray(y.segment_ids, jnp.int32),)
+        out = forward_backward(*cast, jnp.asarray(y.dlse, jnp.float32), *ids)
         got = {n: np.asarray(t).astype(np.float64) for n, t in zip(("o", "lse", "dq", "dk", "dv"), out)}
         return from_layout(got, perm)
 
@@ -109,6 +114,8 @@ class TorchReplayRunner:
         y = to_layout(x, perm)
         q, k, v, do = self._tensors(case, (y.q, y.k, y.v, y.do))
         dlse = torch.tensor(np.asarray(y.dlse, np.float32), device=q.device)
+        if y.segment_ids is not None:
+            kw |= document_keywords(torch.tensor(y.segment_ids, device=q.device))
         with torch.no_grad():
             o, lse = replay.replay_attention(q, k, v, **kw)
             dq, dk, dv = replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw)
@@ -116,14 +123,16 @@ class TorchReplayRunner:
         return from_layout({n: t.detach().double().cpu().numpy() for n, t in out.items()}, perm)
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
-        """Dense attention in the case's dtype on the replay's device (the low-precision control)."""
+        """Dense attention in the case's dtype on the replay's device (the low-precision control; with
+        the case's documents: dense ids in original order)."""
         import torch
 
         import torch_impl
 
         q, k, v, do = self._tensors(case, (x.q, x.k, x.v, x.do))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale)
+        ids = None if x.segment_ids is None else torch.tensor(x.segment_ids, device=q.device)
+        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale, **document_keywords(ids))
         torch.autograd.backward((o, lse), (do, torch.tensor(np.asarray(x.dlse, np.float32), device=q.device)))
         out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
         return {n: t.detach().double().cpu().numpy() for n, t in out.items()}

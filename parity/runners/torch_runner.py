@@ -15,6 +15,7 @@ import numpy as np
 from ..core.cases import Case
 from ..core.inputs import TENSORS, Inputs, from_layout, permutation, to_layout
 from ..core.names import Device
+from .base import document_keywords
 from .torch_world import get_world, make_mesh
 
 __all__ = ["TorchRunner", "RUNNER", "make_mesh", "rank_task", "traffic_task", "measure_attention_traffic",
@@ -42,7 +43,9 @@ def _device(device_type: str):
 
 
 def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> dict:
-    """Runs on every rank: forward + backward of this rank's shard; returns its shards."""
+    """Runs on every rank: forward + backward of this rank's shard (with this rank's shard of the
+    segment ids, [b/D, t/(R·U)] int32 in layout order, when the case has packed documents);
+    returns its shards."""
     import torch
 
     import torch_impl
@@ -56,9 +59,10 @@ def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> di
         return t.requires_grad_(grad)
 
     q, k, v = (local(a, grad=True) for a in (x.q, x.k, x.v))
+    ids = None if x.segment_ids is None else torch.tensor(_shard(x.segment_ids, case, coords, 1), device=device)
     o, lse = torch_impl.sequence_parallel_attention(
         q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
-        return_lse=True, block_backend=block_backend)
+        return_lse=True, block_backend=block_backend, **document_keywords(ids))
     torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return {"coords": coords, **{n: t.detach().float().cpu().numpy() for n, t in out.items()}}
@@ -116,14 +120,16 @@ class TorchRunner:
         return TorchReplayRunner(self.block_backend, devices)
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
-        """Dense attention in the case's own dtype, in this process: the low-precision control."""
+        """Dense attention in the case's own dtype, in this process: the low-precision control (with
+        the case's documents: dense ids in original order)."""
         import torch
 
         import torch_impl
 
         dtype = getattr(torch, case.dtype)
         q, k, v = (torch.tensor(a, dtype=torch.float32).to(dtype).requires_grad_() for a in (x.q, x.k, x.v))
-        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale)
+        ids = None if x.segment_ids is None else torch.tensor(x.segment_ids)
+        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale, **document_keywords(ids))
         torch.autograd.backward((o, lse), (torch.tensor(x.do, dtype=torch.float32).to(dtype),
                                            torch.tensor(x.dlse, dtype=torch.float32)))
         out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
@@ -134,8 +140,9 @@ RUNNER = TorchRunner()
 
 
 def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
-    """Runs on every rank: forward and backward of random shards under the comm tracer;
-    returns this rank's traffic rows."""
+    """Runs on every rank: forward and backward of random shards (and, with packed documents, local
+    segment ids of one document: the ids' values change no byte) under the comm tracer; returns
+    this rank's traffic rows."""
     import torch
 
     import torch_impl
@@ -148,10 +155,11 @@ def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
     dtype, device = getattr(torch, case.dtype), _device(device_type)
     q = torch.randn(b, t, case.heads, case.head_dim, device=device).to(dtype).requires_grad_()
     k, v = (torch.randn(b, t, case.kv_heads, case.head_dim, device=device).to(dtype).requires_grad_() for _ in range(2))
+    ids = None if case.documents == "none" else torch.zeros(b, t, dtype=torch.int32, device=device)
     with CommTracer() as tracer:
         out = torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=case.causal, layout=case.layout,
                                                      kv_exchange=case.kv_exchange, scale=case.scale,
-                                                     return_lse=return_lse)
+                                                     return_lse=return_lse, **document_keywords(ids))
         outputs = out if return_lse else (out,)
         with tracer.phase("bwd"):
             torch.autograd.backward(outputs, [torch.randn_like(x) for x in outputs])
