@@ -1,8 +1,10 @@
 """Property-based parity: hypothesis draws random *valid* configurations (mesh
 factorization of 1–8 devices over data × ring × Ulysses, the double ring ring_outer × ring_inner
 included; batch, seq, heads, kv_heads, head_dim, layout, causal, dtype — float32, bfloat16,
-float16 — scale, kv_exchange) and both frameworks must agree with the float64 oracle under the
-numerics policy.
+float16 — scale, kv_exchange, and packed documents: about half the examples carry segment ids of a
+pattern drawn by ``document_patterns``, the ids themselves drawn from the seed by
+parity.core.documents) and both frameworks must agree with the float64 oracle under the numerics
+policy.
 
 Why: the all-pairs matrix covers every pair of hand-picked values; users pass shapes nobody
 picked. ``RINGBRIDGE_FUZZ_EXAMPLES`` sets the number of examples: 150 in the default run (about 2.8
@@ -26,7 +28,7 @@ from hypothesis import strategies as st
 
 from helpers import FULL, assert_passed, jax_runner, torch_runner
 from jax_impl.layouts import seq_multiple
-from parity.core.cases import KV_EXCHANGES, LAYOUTS, Case
+from parity.core.cases import DOCUMENT_PATTERNS, KV_EXCHANGES, LAYOUTS, Case
 from parity.core.inputs import make_inputs, oracle
 from parity.core.mesh import MeshShape
 from parity.runners.pipeline import check_case
@@ -38,6 +40,12 @@ MESHES = [(d, r, u, 1) for d in (1, 2) for r in (1, 2, 4, 8) for u in (1, 2, 4, 
 MESHES += [(d, r, u, o) for d in (1, 2) for r in (4, 8) for u in (1, 2) for o in (2, 4)
            if d * r * u <= 8 and r // o >= 2]
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def document_patterns():
+    """No packed documents, or one of the patterns (a long-tailed mix, one document, singletons,
+    interleaved runs), half and half."""
+    return st.one_of(st.just("none"), st.sampled_from(DOCUMENT_PATTERNS))
 
 
 @st.composite
@@ -54,7 +62,8 @@ def cases(draw) -> Case:
                 seq=seq, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from((8, 16, 24))), layout=layout,
                 causal=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES)),
                 scale=draw(st.sampled_from((None, 0.5, 0.05))),
-                kv_exchange=draw(st.sampled_from(KV_EXCHANGES)) if single_ring else "ring")
+                kv_exchange=draw(st.sampled_from(KV_EXCHANGES)) if single_ring else "ring",
+                documents=draw(document_patterns()))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True, database=None,
@@ -62,6 +71,10 @@ def cases(draw) -> Case:
 @given(case=cases())
 @example(case=Case(ring=8, layout="stripe", causal=True, kv_heads=1, seq=8))  # smallest stripe ring-8 shard: one token
 @example(case=Case(ring=8, ring_outer=4, layout="zigzag", causal=True, kv_heads=1, seq=16, dtype="float16"))
+# Packed documents at one token per device: every block's id range is one token's.
+@example(case=Case(ring=8, layout="stripe", causal=True, kv_heads=1, seq=8, batch=2, documents="mix"))
+@example(case=Case(ring=2, ulysses=4, layout="zigzag", causal=True, kv_heads=2, seq=16, dtype="bfloat16",
+                   documents="interleaved"))
 # Found by the 1000-example run (--seed 1591065429): MQA replicated over U = 2, one token per device;
 # torch's dv missed the policy (5.1e-2 > 4.9e-2, 4.4x the unsharded error) while Ulysses summed the
 # replicas' gradients after rounding them to bf16; now float32 end to end, it errs 1.15e-2.
@@ -75,7 +88,12 @@ def test_random_valid_configurations_match_the_oracle(case, seed, jax_devices, w
 
 
 def test_the_strategy_reaches_every_mesh_family():
-    """The fuzz draws meshes of every algorithm (guards the strategy against silently narrowing)."""
+    """The fuzz draws meshes of every algorithm and every document pattern (guards the strategy
+    against silently narrowing)."""
     strategies = {MeshShape(data=d, ring=r, ulysses=u, ring_outer=o).algorithm for d, r, u, o in MESHES}
     assert strategies == {"local", "ring", "ulysses", "usp", "double_ring", "double_ring_usp"}  # local: data only
     assert {d * r * u for d, r, u, _ in MESHES} == {1, 2, 4, 8}
+    for pattern in ("none", *DOCUMENT_PATTERNS):
+        found = hypothesis.find(cases(), lambda c, p=pattern: c.documents == p and c.causal,
+                                settings=settings(database=None, derandomize=True))
+        assert found.documents == pattern
