@@ -13,6 +13,8 @@ the subpackages. Commands (``python -m parity <command> -h`` for their options):
     determinism    run-to-run determinism per block kernel (parity.probes.determinism)
     peers          ringbridge's block backends and the single-GPU kernels a user could pick
                    instead, verified against a float64 truth, then timed (parity.probes.kernels)
+    balance        computed work per device over packed documents, per layout and ring size,
+                   from the schedule alone (parity.probes.balance)
 
 Every command that runs code takes ``--devices cpu|gpu`` with the one default ``cpu`` (8 simulated
 JAX devices, gloo worlds). A framework that is not installed is reported as *skipped*, never as
@@ -36,7 +38,7 @@ from .core.names import DEFAULT_DEVICES, DEVICES
 from .runners.base import FRAMEWORKS, Unavailable, load_runner
 from .runners.pipeline import STATUSES, CaseResult, Side, run_case_everywhere
 
-COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "determinism", "peers")
+COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "determinism", "peers", "balance")
 
 
 def select_cases(full: bool, name_filter: str = "") -> list[Case]:
@@ -237,10 +239,27 @@ def _peers(args, parser) -> int:
     return kernels_main(rest, prog="python -m parity peers")
 
 
+def _balance(args, parser) -> int:
+    from .probes.balance import run_balance
+
+    try:
+        return run_balance(_ints(parser, "--tokens", args.tokens), _ints(parser, "--rings", args.rings), args.tile,
+                           args.json)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def _ints(parser, option: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        parser.error(f"{option} must be comma-separated integers, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m parity", description="ringbridge's parity harness: one command per check.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:12]))
+                                     epilog=__doc__.split("\n\n")[1])  # the commands
     sub = parser.add_subparsers(dest="command", metavar="command")
 
     def command(name: str, fn, help: str, devices: bool = True, frameworks: bool = False):
@@ -312,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jax-backends", default="reference,cudnn,fa3")
     p.add_argument("--torch-backends", default="reference,aten_flash,aten_cudnn")
     p.add_argument("--json", default=None)
+
+    p = command("balance", _balance, "computed work per device over packed documents, from the schedule (no kernels)",
+                devices=False)
+    p.add_argument("--tokens", default="65536,131072", help="sequence lengths (comma-separated)")
+    p.add_argument("--rings", default="2,4,8", help="ring sizes (comma-separated)")
+    p.add_argument("--tile", type=int, default=128, help="tile edge of a tile-skipping kernel (count (b))")
+    p.add_argument("--json", default=None, help="write the rows here")
     return parser
 
 

@@ -1,0 +1,247 @@
+"""``python -m parity balance``: the computed work per device of causal ring attention over packed
+documents, from the schedule alone (no kernel runs; NumPy only, the schedule and layouts of
+jax_impl imported when it runs — they are pure Python / NumPy).
+
+For a document mix at realistic length (64k-128k tokens), ring size R and static layout, every
+device walks ``schedule.device_visits(ring_schedule(layout, causal=True, R), device)``; each
+visit's block meets the device's query part and the visiting shard's key part (global ids in
+layout order) and ``schedule.document_work`` decides from their id ranges — SKIP, PLAIN or
+DOCUMENTS — as the implementations do at run time (the device's own shard is never skipped).
+Three counts of the work a device computes:
+
+    (a) block area of the computed (not skipped) blocks, a causal or strict block counting half
+        (what a block kernel without tile skipping computes);
+    (b) tiles of ``tile`` x ``tile`` (default 128 x 128) inside computed blocks that hold at least
+        one visible pair (what a kernel that skips empty tiles computes);
+    (c) visible (query, key) pairs (the mask area: the least any kernel can compute).
+
+Per (tokens, mix, R, layout): max / mean over devices of each, and the busiest device's (a) and
+(b) relative to the UNPACKED causal zigzag's per-device work (one document, same tokens and R),
+so "≤ 1" means packing costs the step nothing over plain causal training.
+
+Communication is not changed by documents: K/V hops are the same; the ids add one all-gather of
+int32 [b, t] per call (``ids_gather_bytes``), kept for the backward.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..core.documents import lengths_to_ids, long_tailed_lengths
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+TILE = 128
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A fixed-seed long-tailed document-length mix: lognormal(log ``median``, ``sigma``) lengths
+    (tokens), plus ``long`` documents of these fractions of the sequence, at random places."""
+
+    name: str
+    median: float
+    sigma: float
+    long: tuple[float, ...] = ()
+    seed: int = 0
+
+    def segment_ids(self, tokens: int) -> np.ndarray:
+        """[tokens] int32 ids in original order, the same for every call."""
+        rng = np.random.default_rng(self.seed)
+        forced = tuple(max(1, int(f * tokens)) for f in self.long)
+        return lengths_to_ids(long_tailed_lengths(rng, tokens, median=self.median, sigma=self.sigma, forced=forced))
+
+
+MIXES = (
+    Mix("short", median=600, sigma=1.0, seed=1),  # many short documents (chat / web text)
+    Mix("heavy-tail", median=1500, sigma=1.8, seed=2),  # a wide spread, some documents of 10k+
+    Mix("few-long", median=400, sigma=1.2, long=(0.25, 0.125, 0.0625), seed=3),  # short ones around 3 long ones
+)
+TOKENS = (65536, 131072)
+RINGS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Balance:
+    """One (tokens, mix, ring, layout): per-device counts and what the table reports."""
+
+    tokens: int
+    mix: str
+    ring: int
+    layout: str
+    documents: int
+    area: list[float]  # (a) per device, in tokens² (query x key entries computed)
+    tiles: list[int]  # (b) per device
+    pairs: list[int]  # (c) per device
+    blocks: dict[str, int]  # computed blocks of each DocumentWork, all devices (SKIP: not computed)
+    area_vs_zigzag: float  # max (a) / the unpacked causal zigzag's per-device (a)
+    tiles_vs_zigzag: float  # max (b) / the unpacked causal zigzag's per-device (b)
+
+    @property
+    def area_imbalance(self) -> float:
+        return imbalance(self.area)
+
+    @property
+    def tile_imbalance(self) -> float:
+        return imbalance(self.tiles)
+
+    @property
+    def pair_imbalance(self) -> float:
+        return imbalance(self.pairs)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"area_max_over_mean": self.area_imbalance, "tiles_max_over_mean": self.tile_imbalance,
+                               "pairs_max_over_mean": self.pair_imbalance}
+
+
+def imbalance(work) -> float:
+    """max / mean over devices (the busiest device sets the step time)."""
+    work = np.asarray(work, dtype=np.float64)
+    return float(work.max() / work.mean())
+
+
+def ids_gather_bytes(batch: int, tokens: int, ring: int, ulysses: int = 1) -> float:
+    """Bytes per device of the ids' all-gathers per call (contract's all-gather bytes: (n-1)/n of
+    the output): over Ulysses to [b, t/R], then over the ring to [b, t], int32."""
+    return 4 * batch * (tokens / ring * (ulysses - 1) / ulysses + tokens * (ring - 1) / ring)
+
+
+def visible_pairs(ids: np.ndarray) -> np.ndarray:
+    """[t] per query (original order): causal keys in its document = its rank among the tokens of
+    its id, counted from 1 (any id pattern, contiguous or not)."""
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    first = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    starts = np.repeat(first, np.diff(np.r_[first, len(ids)]))
+    rank = np.empty(len(ids), dtype=np.int64)
+    rank[order] = np.arange(len(ids)) - starts + 1
+    return rank
+
+
+def visible_tiles(ids: np.ndarray, perm: np.ndarray, tile: int) -> np.ndarray:
+    """[t/tile, t/tile] bool over layout-order tiles: does tile (a, c) hold a visible causal pair?
+
+    Exact for any ids: tile (a, c) does iff some document has a query in a and a key in c whose
+    original position is at most the query's, i.e. the smallest position of the document's keys
+    in c is at most the largest of its queries in a. Per (tile, document) entry its largest and
+    smallest position, then every pair of entries of one document (sum over documents of
+    (tiles it touches)² candidates: 1M for one document of 128k tokens in 128-token tiles)."""
+    tokens = len(ids)
+    layout_ids, positions = ids[perm], perm
+    _, doc = np.unique(layout_ids, return_inverse=True)
+    n_docs = int(doc.max()) + 1
+    key = (np.arange(tokens) // tile) * n_docs + doc
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    starts = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]])
+    entry_tile, entry_doc = np.divmod(sorted_key[starts], n_docs)
+    latest = np.maximum.reduceat(positions[order], starts)
+    earliest = np.minimum.reduceat(positions[order], starts)
+    by_doc = np.argsort(entry_doc, kind="stable")  # entries grouped by document
+    entry_tile, entry_doc, latest, earliest = (a[by_doc] for a in (entry_tile, entry_doc, latest, earliest))
+    per_doc = np.bincount(entry_doc, minlength=n_docs)
+    doc_start = np.cumsum(per_doc) - per_doc
+    partners = per_doc[entry_doc]  # every entry (as the query tile) meets every entry of its document
+    q_entry = np.repeat(np.arange(len(entry_doc)), partners)
+    offset = np.arange(len(q_entry)) - np.repeat(np.cumsum(partners) - partners, partners)
+    k_entry = doc_start[entry_doc[q_entry]] + offset
+    hit = earliest[k_entry] <= latest[q_entry]
+    grid = np.zeros((tokens // tile, tokens // tile), dtype=bool)
+    grid[entry_tile[q_entry[hit]], entry_tile[k_entry[hit]]] = True
+    return grid
+
+
+def device_counts(ids: np.ndarray, layout: str, ring: int, tile: int = TILE) -> dict:
+    """(a) area, (b) tiles and (c) pairs per device and the computed blocks by DocumentWork, for
+    causal ring attention over one sequence of ``ids`` (original order) — module docstring."""
+    from jax_impl.layouts import layout_permutation
+    from jax_impl.schedule import DocumentWork, MaskKind, device_visits, document_work, ring_schedule
+
+    tokens = len(ids)
+    shard = tokens // ring
+    if tokens % (2 * ring) or (shard // 2) % tile:
+        raise ValueError(f"tokens={tokens} must split into 2·R={2 * ring} parts of a multiple of tile={tile}")
+    perm = layout_permutation(tokens, layout, ring)
+    layout_ids = ids[perm]
+    grid = visible_tiles(ids, perm, tile)
+    pairs = visible_pairs(ids)[perm].reshape(ring, shard).sum(axis=1)
+    schedule = ring_schedule(layout, True, ring)
+    area, tiles = np.zeros(ring), np.zeros(ring, dtype=np.int64)
+    blocks = dict.fromkeys((w.name for w in DocumentWork), 0)
+    for device in range(ring):
+        for visit in device_visits(schedule, device):
+            block = visit.block
+            if block is None:  # fully masked by the layout: never computed
+                continue
+            q_lo, q_hi = block.q_part.bounds(shard)
+            k_lo, k_hi = block.kv_part.bounds(shard)
+            q = layout_ids[device * shard + q_lo:device * shard + q_hi]
+            kv = layout_ids[visit.source * shard + k_lo:visit.source * shard + k_hi]
+            work = document_work(*(np.array([f(x)]) for x, f in ((q, np.min), (q, np.max), (kv, np.min), (kv, np.max))))
+            if visit.step.local and work is DocumentWork.SKIP:  # the own shard is never skipped (cannot happen)
+                work = DocumentWork.DOCUMENTS
+            blocks[work.name] += 1
+            if work is DocumentWork.SKIP:
+                continue
+            area[device] += (q_hi - q_lo) * (k_hi - k_lo) * (1.0 if block.mask.kind is MaskKind.FULL else 0.5)
+            rows = slice((device * shard + q_lo) // tile, (device * shard + q_hi) // tile)
+            cols = slice((visit.source * shard + k_lo) // tile, (visit.source * shard + k_hi) // tile)
+            tiles[device] += int(grid[rows, cols].sum())
+    return {"area": area, "tiles": tiles, "pairs": pairs, "blocks": blocks, "visible_tiles": int(grid.sum())}
+
+
+def balance_table(mixes=MIXES, tokens=TOKENS, rings=RINGS, layouts=LAYOUTS, tile: int = TILE) -> list[Balance]:
+    """Every (tokens, mix, ring, layout), with the unpacked causal zigzag as the yardstick."""
+    rows = []
+    for n in tokens:
+        for ring in rings:
+            unpacked = device_counts(np.zeros(n, dtype=np.int32), "zigzag", ring, tile)
+            zz_area, zz_tiles = unpacked["area"].max(), unpacked["tiles"].max()
+            for mix in mixes:
+                ids = mix.segment_ids(n)
+                for layout in layouts:
+                    c = device_counts(ids, layout, ring, tile)
+                    rows.append(Balance(n, mix.name, ring, layout, int(len(np.unique(ids))), c["area"].tolist(),
+                                        c["tiles"].tolist(), c["pairs"].tolist(), c["blocks"],
+                                        float(c["area"].max() / zz_area), float(c["tiles"].max() / zz_tiles)))
+    return rows
+
+
+def print_balance(rows: list[Balance], seconds: float, tile: int = TILE) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"computed work per device, causal ring over packed documents (from the schedule; max/mean "
+                        f"over devices; 'vs zz' = busiest device / unpacked causal zigzag's; tiles {tile}x{tile})")
+    for column in ("tokens", "mix", "docs", "R", "layout", "(a) area max/mean", "(a) vs zz", "(b) tiles max/mean",
+                   "(b) vs zz", "(c) pairs max/mean", "blocks skip/plain/docs"):
+        table.add_column(column, justify="left" if column in ("mix", "layout") else "right")
+    for r in rows:
+        blocks = "/".join(str(r.blocks[k]) for k in ("SKIP", "PLAIN", "DOCUMENTS"))
+        table.add_row(f"{r.tokens // 1024}k", r.mix, str(r.documents), str(r.ring), r.layout,
+                      f"{r.area_imbalance:.2f}", f"{r.area_vs_zigzag:.2f}", f"{r.tile_imbalance:.2f}",
+                      f"{r.tiles_vs_zigzag:.2f}", f"{r.pair_imbalance:.2f}", blocks)
+    console = Console(width=200)
+    console.print(table)
+    console.print(f"{len(rows)} configurations in {seconds:.1f} s. Bytes: K/V hops are unchanged by documents; the ids "
+                  "add one all-gather of int32 [b, t] per call.", highlight=False, markup=False)
+
+
+def run_balance(tokens=TOKENS, rings=RINGS, tile: int = TILE, json_path: str | None = None) -> int:
+    """The CLI command: the table, and the rows as JSON when asked."""
+    start = time.time()
+    rows = balance_table(tokens=tokens, rings=rings, tile=tile)
+    print_balance(rows, time.time() - start, tile)
+    if json_path:
+        payload = {"tile": tile, "mixes": [asdict(m) for m in MIXES], "rows": [r.to_dict() for r in rows]}
+        Path(json_path).write_text(json.dumps(payload, indent=1))
+        print(f"rows written to {json_path}")
+    return 0
+
+
+__all__ = ["MIXES", "TOKENS", "RINGS", "LAYOUTS", "TILE", "Mix", "Balance", "imbalance", "ids_gather_bytes",
+           "visible_pairs", "visible_tiles", "device_counts", "balance_table", "print_balance", "run_balance"]
