@@ -40,6 +40,7 @@ class AttentionConfig(Protocol):
     ulysses: int
     ring_outer: int
     kv_exchange: str
+    documents: str  # packed documents ("none": no segment ids); a config without the attribute has none
 
 
 @dataclass
@@ -96,6 +97,10 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True) -> Traf
     R-1 K/V hops in the backward (it keeps nothing from the forward), plus the same R dK/dV hops.
     All-gather KV (R > 1): forward one all-gather of K and of V (each (R-1)/R of the gathered R
     shards); backward one reduce-scatter of float32 dK and of dV over the R shards.
+    Packed documents (``documents`` other than "none"): the forward all-gathers each device's
+    int32 segment ids [b/D, t/(R·U)] once — over Ulysses (to the ring shard), then over the ring
+    (the double ring: over the inner ring, then the outer) — and the backward reuses them; no ids
+    ride on the K/V hops.
     """
     t = Traffic()
     e = DTYPE_BYTES[case.dtype]
@@ -120,4 +125,15 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True) -> Traf
         kv_hops = ring - 1 if case.ring_outer > 1 else ring - 2
         t.add("bwd", "p2p", 2 * kv_hops * shard * e, calls=2 * kv_hops)
         t.add("bwd", "p2p", 2 * ring * shard * 4, calls=2 * ring)
+    if getattr(case, "documents", "none") != "none":
+        _segment_ids_traffic(t, b * (case.seq // (ring * uly)) * 4, uly, ring // case.ring_outer, case.ring_outer)
     return t
+
+
+def _segment_ids_traffic(t: Traffic, local_bytes: int, *groups: int) -> None:
+    """All-gathers of the ids over each group in turn (Ulysses, then the ring's inner and outer
+    rings; a group of 1 is none): each moves (n-1)/n of an output n times its input."""
+    for n in groups:
+        if n > 1:
+            t.add("fwd", "all-gather", (n - 1) * local_bytes)
+            local_bytes *= n

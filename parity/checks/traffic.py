@@ -32,6 +32,9 @@ ATTENTION_CONFIGS = [
     Case(ring=2, ulysses=2, kv_heads=1, kv_exchange="allgather"),
     Case(ring=4, ring_outer=2), Case(ring=4, ring_outer=2, ulysses=2, kv_heads=2, layout="stripe"),
     Case(ring=8, ring_outer=4, layout="contiguous", kv_heads=1), Case(ring=8, ring_outer=2, causal=False),
+    # packed documents: the segment ids' all-gathers over Ulysses, the ring, the double ring's two rings
+    Case(ring=4, kv_exchange="allgather", documents="interleaved"), Case(ulysses=4, kv_heads=2, documents="one"),
+    Case(ring=4, ring_outer=2, ulysses=2, kv_heads=2, batch=2, documents="mix"),
 ]
 
 TRAINING_CONFIGS = [

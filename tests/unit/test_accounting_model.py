@@ -18,6 +18,18 @@ def test_ring_traffic_formula_by_hand():
     assert t.rows() == {("bwd", "p2p"): (12, 96 * kib), ("fwd", "p2p"): (6, 48 * kib)}
 
 
+def test_segment_ids_gathers_by_hand():
+    """Packed documents add only forward all-gathers of the int32 ids, once per call: USP r2×u2,
+    b 2, 64 tokens: each device's ids are 2·16·4 = 128 B; over Ulysses (u2) 128 B, then over the
+    ring to [2, 64] 256 B. The double ring ro2×ri2 (b 1): 64 B over the inner ring, 128 B outer."""
+    plain, packed = attention_traffic(Case(ring=2, ulysses=2, batch=2)), attention_traffic(
+        Case(ring=2, ulysses=2, batch=2, documents="mix"))
+    assert packed.rows() == plain.rows() | {("fwd", "all-gather"): (2, 384)}
+    double = attention_traffic(Case(ring=4, ring_outer=2, documents="one")).rows()
+    assert double[("fwd", "all-gather")] == (2, 64 + 128)
+    assert ("fwd", "all-gather") not in attention_traffic(Case(ring=1, documents="mix")).rows()
+
+
 HLO = """HloModule m
 
 %body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
