@@ -20,7 +20,8 @@ Per (tokens, mix, R, layout): max / mean over devices of each, and the busiest d
 so "≤ 1" means packing costs the step nothing over plain causal training.
 
 Communication is not changed by documents: K/V hops are the same; the ids add one all-gather of
-int32 [b, t] per call (``ids_gather_bytes``), kept for the backward.
+int32 [b, t] per call (``ids_gather_bytes``, as the accounting model counts them), kept for the
+backward.
 """
 
 from __future__ import annotations
