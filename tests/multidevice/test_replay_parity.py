@@ -22,6 +22,8 @@ CASES = [
     Case(ring=2, ulysses=2, layout="stripe", causal=True, dtype="bfloat16"),
     Case(ring=4, ring_outer=2, layout="contiguous", causal=False, kv_heads=1),
     Case(ring=4, layout="zigzag", causal=False, kv_heads=2, kv_exchange="allgather", dtype="bfloat16"),
+    # packed documents: the replay runners pass the global layout-order ids, the mesh runs their shards
+    Case(ring=4, ulysses=2, layout="stripe", causal=True, kv_heads=2, batch=2, documents="mix"),
 ]
 
 
