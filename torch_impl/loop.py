@@ -242,6 +242,7 @@ class ShardMasks:
 
         def pair(x):
             return None if x is None else (x[device], x[source])
+
         return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions))
 
 
@@ -434,7 +435,9 @@ class _Attention(torch.autograd.Function):
             do = torch.zeros_like(o)
         dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, ctx.groups, ctx.config,
                                      ctx.masks)
-        dsinks = None if sinks is None else sinks_grad(o, lse, do, dlse, sinks).to(sinks.dtype)  # this rank's rows
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[8]:  # this rank's rows' contribution
+            dsinks = sinks_grad(o, lse, do, dlse, sinks).to(sinks.dtype)
         return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, dsinks
 
 
