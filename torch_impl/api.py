@@ -7,7 +7,7 @@ r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*
 order) of its batch shard:
 
     q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   segment_ids: [b/D, t/(R·U)] or None
-                                                            ->   o like q, lse: [b/D, h, t/(R·U)]
+    sinks: [h] or None (the full tensor on every rank)      ->   o like q, lse: [b/D, h, t/(R·U)]
 
 ``segment_ids`` (packed documents) are this rank's local shard of the integer ids, in the same
 layout order and split as q (the JAX API takes global ids instead).
@@ -32,25 +32,52 @@ from .double_ring import double_ring_attention
 from .layouts import LAYOUTS
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
-from .validation import DTYPES, INT_DTYPES, KV_EXCHANGES, Decomposition, check_segment_ids, dtype_name, validate
+from .validation import (
+    DTYPES,
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    KV_EXCHANGES,
+    Decomposition,
+    check_segment_ids,
+    check_sinks,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate,
+)
 
 
 def _code(value, known: tuple) -> int:
     return known.index(value) if value in known else -1
 
 
-def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segment_ids=None) -> dict:
+def _window_code(window) -> tuple[int, int]:
+    """``window`` as (left, right); None -> (-1, -1), anything check_window refuses -> (-2, -2)
+    (every rank then reaches validation, which raises its error)."""
+    try:
+        pair = check_window(window)
+    except (TypeError, ValueError):
+        return (-2, -2)
+    return (-1, -1) if pair is None else pair
+
+
+def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segment_ids=None, window=None,
+               sinks=None) -> dict:
     """What every rank must agree on, as small ints (names by their index in validation's and the
-    layouts' tuples, scale by its float64 bit pattern; no segment_ids: shape (), dtype -1)."""
+    layouts' tuples, scale by its float64 bit pattern; no segment_ids: shape (), dtype -1; window
+    by :func:`_window_code`; no sinks: shape (), dtype -1)."""
     dtypes = tuple(_code(dtype_name(x.dtype), DTYPES) for x in (q, k, v))
     scale_bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
     options = (int(bool(causal)), _code(layout, LAYOUTS), _code(kv_exchange, KV_EXCHANGES), int(bool(return_lse)))
     ids_shape = () if segment_ids is None else tuple(segment_ids.shape)
     ids_dtype = -1 if segment_ids is None else _code(dtype_name(segment_ids.dtype), INT_DTYPES)
+    sinks_shape, sinks_dtype = shape_and_dtype(sinks)
     return {"q shape": tuple(q.shape), "k shape": tuple(k.shape), "v shape": tuple(v.shape),
             f"dtypes (index in {DTYPES})": dtypes, "causal, layout, kv_exchange, return_lse": options,
             "scale (float64 bits)": (scale_bits,), "segment_ids shape": ids_shape,
-            f"segment_ids dtype (index in {INT_DTYPES})": (ids_dtype,)}
+            f"segment_ids dtype (index in {INT_DTYPES})": (ids_dtype,),
+            "window (left, right; -1: none)": _window_code(window), "sinks shape": sinks_shape,
+            f"sinks dtype (index in {FLOAT_DTYPES})": (_code(sinks_dtype, FLOAT_DTYPES),)}
 
 
 def _check_segment_ids(segment_ids, q) -> None:
@@ -60,6 +87,13 @@ def _check_segment_ids(segment_ids, q) -> None:
     check_segment_ids(segment_ids.shape, dtype_name(segment_ids.dtype), q.shape, what="local ")
     if segment_ids.device != q.device:
         raise ValueError(f"segment_ids must be on q's device {q.device}, got {segment_ids.device}")
+
+
+def _check_sinks(sinks, q) -> None:
+    """The sinks: [heads], floating, on q's device."""
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
+    if sinks is not None and sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
 def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
@@ -93,7 +127,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
-                                segment_ids=None):
+                                segment_ids=None, window=None, sinks=None):
     """Attention of this rank's ``q`` shard against ``k, v`` shards (layout order), sequence-
     parallel over ``mesh`` (a ``DeviceMesh``). Returns o (and lse if ``return_lse``).
 
@@ -102,6 +136,17 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     only if their ids are equal (and, causal, j <= i by original position). Blocks whose queries
     and keys share no document are skipped, forward and backward.
 
+    ``window``: sliding window — None, an int w (= (w, w)) or ``(left, right)`` of non-negative
+    ints: query at original position i sees key j only if i - left <= j <= i + right (causal:
+    also j <= i; the meaning of ``jax.nn.dot_product_attention``'s ``local_window_size``).
+    Blocks out of the window's reach are skipped, forward and backward.
+
+    ``sinks``: attention-sink logits (gpt-oss), a float [heads] tensor — the FULL tensor on every
+    rank, on q's device — or None: each row's softmax denominator gains exp(sinks[h]) with no
+    value vector, and the returned lse includes it. ``sinks.grad`` receives THIS rank's
+    contribution (the rows and heads it computed); summing it over the sequence-parallel (and
+    data) ranks — as DDP / FSDP over those dimensions do — gives the full gradient.
+
     ``deterministic``: refuse block kernels that are not run-to-run deterministic (default:
     ``torch.are_deterministic_algorithms_enabled()``). ``check_ranks``: compare every rank's local
     shapes, dtypes and options before any attention collective (default: RINGBRIDGE_CHECK_RANKS=1;
@@ -109,16 +154,19 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     deterministic = default_deterministic(deterministic)
     if default_check_ranks(check_ranks):
         check_ranks_agree(_signature(q, k, v, causal=causal, layout=layout, scale=scale, kv_exchange=kv_exchange,
-                                     return_lse=return_lse, segment_ids=segment_ids), mesh)
+                                     return_lse=return_lse, segment_ids=segment_ids, window=window, sinks=sinks),
+                          mesh)
     names = mesh.mesh_dim_names or ()
     sizes = {name: mesh.size(i) for i, name in enumerate(names)}
     decomposition: Decomposition = validate(
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
     _check_segment_ids(segment_ids, q)
+    window = check_window(window)
+    _check_sinks(sinks, q)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails before any collective
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
                              deterministic=deterministic)
-    o, lse = per_device(q, k, v, segment_ids=segment_ids)
+    o, lse = per_device(q, k, v, segment_ids=segment_ids, window=window, sinks=sinks)
     return (o, lse) if return_lse else o

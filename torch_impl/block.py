@@ -1,13 +1,15 @@
 """The local block kernel's interface, the registry of backends, and ``"auto"``: the routing table.
 
-    block_fwd(q, k, v, mask, scale, segments=None)                   -> (o, lse)      o: f32 or input dtype
-    block_bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None) -> (dq, dk, dv)  f32 or input dtype
+    block_fwd(q, k, v, mask, scale, segments=None, positions=None)                   -> (o, lse)
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None) -> (dq, dk, dv)
 
-q, do, o: [b, t, h, d]; k, v: [b, s, hk, d]; lse, dlse: [b, h, t] float32. ``mask`` is a
-:class:`schedule.BlockMask` (full / causal / strict, each optionally restricted to packed
-documents). ``segments = (q_ids [b, t], kv_ids [b, s])`` (int32 segment ids of the block's
-queries and keys) is given if and only if ``mask.documents``: the loops pass it by keyword, and
-only then, so a backend that never receives a document mask may omit the parameter.
+(o and the gradients in float32 or the input dtype.) q, do, o: [b, t, h, d]; k, v: [b, s, hk, d];
+lse, dlse: [b, h, t] float32. ``mask`` is a :class:`schedule.BlockMask` (full / causal / strict,
+each optionally restricted to packed documents and to a window). ``segments = (q_ids [b, t],
+kv_ids [b, s])`` (int32 segment ids of the block's queries and keys) is given if and only if
+``mask.documents``, ``positions = (q_pos [t], kv_pos [s])`` (int32 original positions) if and
+only if ``mask.window`` is set: the loops pass them by keyword, and only then, so a backend that
+never receives such a mask may omit the parameter.
 ``block_bwd`` takes the *global* ``o`` and ``lse``; kernels may return the input dtype, and every
 caller accumulates into float32 buffers (``Tensor.add_`` promotes in place).
 
@@ -20,8 +22,8 @@ while the algorithm files mirror each other.
 **"auto"** is a routing backend: every block call resolves (device kind of the inputs, dtype,
 block mask, deterministic) to a concrete backend through :data:`AUTO_ROUTES` — the first row that
 matches and whose backend is registered, available and ``supports`` the block's mask and dtype
-(so document-masked blocks go to the portable kernel until a fused document kernel is
-registered). :func:`resolve_backend` gives the same answer as a name, for reports and benchmark rows.
+(so document-masked and windowed blocks go to the portable kernel until a fused kernel for them
+is registered). :func:`resolve_backend` gives the same answer as a name, for reports and benchmark rows.
 """
 
 from __future__ import annotations
@@ -171,13 +173,16 @@ def routing_backend(deterministic: bool = False) -> BlockBackend:
         return _BACKENDS[resolve_backend("auto", device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
                                          deterministic=deterministic)]
 
-    def fwd(q, k, v, mask, scale, segments=None):
-        documents = {} if segments is None else {"segments": segments}  # only document blocks carry ids
-        return pick(q, mask).fwd(q, k, v, mask, scale, **documents)
+    def extras(segments, positions) -> dict:
+        """Only document blocks carry ids, only windowed blocks positions."""
+        given = {"segments": segments, "positions": positions}
+        return {name: x for name, x in given.items() if x is not None}
 
-    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None):
-        documents = {} if segments is None else {"segments": segments}
-        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **documents)
+    def fwd(q, k, v, mask, scale, segments=None, positions=None):
+        return pick(q, mask).fwd(q, k, v, mask, scale, **extras(segments, positions))
+
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None):
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **extras(segments, positions))
 
     return BlockBackend("auto", fwd, bwd)
 

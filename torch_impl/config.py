@@ -16,6 +16,7 @@ import torch
 from .block import BlockBackend, get_backend
 from .comm import Comm, current_comm
 from .schedule import LAYOUTS
+from .validation import check_window
 
 CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
 
@@ -32,6 +33,9 @@ class AttentionConfig:
     block_backend: name of the block kernels (``block.get_backend``).
     deterministic: refuse block kernels that are not run-to-run deterministic.
     comm:          the transfers' hook (``comm.Comm``; the plain one unless a probe installed one).
+    window:        sliding window ``(left, right)`` on original positions, or None (any value
+                   ``validation.check_window`` accepts; stored as the pair): query i sees key j only
+                   if i - left <= j <= i + right.
     """
 
     causal: bool
@@ -40,8 +44,10 @@ class AttentionConfig:
     block_backend: str = "auto"
     deterministic: bool = False
     comm: Comm = Comm()
+    window: tuple[int, int] | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "window", check_window(self.window))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not (isinstance(self.scale, float) and math.isfinite(self.scale) and self.scale > 0):
@@ -71,9 +77,9 @@ def default_check_ranks(check_ranks: bool | None) -> bool:
 
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
-                deterministic: bool | None) -> AttentionConfig:
+                deterministic: bool | None, window=None) -> AttentionConfig:
     """The config of a per-device call on ``q`` (for its head_dim), with the defaults resolved and
     the installed communication hook (``comm.using``)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return AttentionConfig(bool(causal), layout, scale, block_backend, default_deterministic(deterministic),
-                           current_comm())
+                           current_comm(), window)

@@ -5,7 +5,7 @@ shards laid over two process groups, an outer ring (O ranks: across nodes) of in
 Rank (o, i) holds shard r = o·I + i of the combined ring, so every layout and the step plan of
 ring attention apply unchanged; the visiting order is :func:`schedule.double_ring_schedule`:
 
-    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    segment_ids: [b, t/R] or None
+    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    segment_ids: [b, t/R] or None    sinks: [h] or None
                                                   ->    o: [b, t/R, h, d], lse: [b, h, t/R]
 
 Forward, round j = 0..O-1: the K/V that start round j on rank (o, i) are shard
@@ -27,41 +27,45 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
 from .schedule import double_ring_schedule
-from .validation import check_segment_ids, dtype_name, validate_local
+from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
-def double_ring_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = False, layout: str = "zigzag",
+def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None,
+                          causal: bool = False, layout: str = "zigzag",
                           scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """Double ring attention over ``group = (outer_group, inner_group)`` (``None``: one rank).
     Inputs are this rank's shard of the combined ring (index o·I + i) in layout order;
     ``segment_ids`` (packed documents) this rank's local shard of the ids, [b, t/R] (see
     ``ring_attention``; gathered over the inner, then the outer group, so shard o·I + i lands at
-    index o·I + i). Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]. Differentiable
-    through autograd."""
+    index o·I + i); ``window`` and ``sinks`` as in ``ring_attention`` (``sinks.grad``: this
+    rank's contribution). Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R].
+    Differentiable through autograd."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    window = check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
     groups = tuple(group) if group is not None else (None, None)
     if len(groups) != 2:
         raise ValueError(f"the double ring needs group = (outer_group, inner_group), got {group!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic)
+                         deterministic=deterministic, window=window)
     config.backend()  # an unknown or refused kernel fails here, before any collective
-    return _double_ring(q, k, v, groups, config, segment_ids)
+    return _double_ring(q, k, v, groups, config, segment_ids, sinks)
 
 
 def _schedule(groups, config: AttentionConfig):
     return double_ring_schedule(config.layout, config.causal, axis_size(groups[0]), axis_size(groups[1]))
 
 
-def _forward(q, k, v, groups, config: AttentionConfig, ids_all):
+def _forward(q, k, v, groups, config: AttentionConfig, masks):
     """(o, lse, kv_first): see ``loop.walk_forward``."""
-    return walk_forward(q, k, v, groups, config, _schedule(groups, config), ids_all)
+    return walk_forward(q, k, v, groups, config, _schedule(groups, config), masks)
 
 
-def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, ids_all):
-    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config), ids_all)
+def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, masks):
+    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config), masks)
 
 
 _double_ring = attention_with_vjp(_forward, _backward)

@@ -11,19 +11,48 @@ block then asks :func:`block_work` what to compute — SKIP (no pair shares a do
 call, forward or backward), PLAIN (the static mask: a fused kernel may run it) or DOCUMENTS (the
 document mask, ``segments`` given to the kernel) — a Python branch on one small device-to-host
 copy per block. The local step is never skipped (every query sees itself).
+
+**Sliding window.** With ``config.window = (left, right)``, every ring shard's original positions
+are static (``layout_permutation``), so each block's window decision is plain Python on ints
+(``schedule.window_flags`` on the min / max position of its query and key parts): out of reach
+-> skipped, forward and backward, before any document test; covered entirely -> its static mask
+alone; otherwise the window joins the mask and the kernel gets ``positions``. Exact for the
+contiguous and zigzag parts, conservative for stripe. Documents and window are carried together,
+per call, by :class:`ShardMasks` (per visit: :class:`VisitMasks`).
+
+**Sinks.** ``sinks [h]`` (gpt-oss logits: each row's softmax denominator gains exp(sinks[h]),
+no value vector) enter once per row after the last merge, inside the autograd Function
+(:func:`add_sinks`: lse_f = logaddexp(lse, sink), o_f = o·exp(lse − lse_f)). The block backward
+is then given the final o_f and lse_f and needs nothing new — D = rowsum(dO∘O_f) accounts for the
+sink, and fused kernels need no lse cotangent of their own — and the Function's backward returns
+the sinks' gradient over this rank's rows (:func:`sinks_grad`: −Σ_rows P_sink·(D − dlse),
+P_sink = exp(sink − lse_f)).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm import Comm, RingShift
+from .comm import Comm, RingShift, axis_size
 from .config import AttentionConfig
+from .layouts import layout_permutation
 from .merge import merge_partials_into
-from .schedule import Block, BlockMask, DocumentWork, Hop, Part, Schedule, device_visits, document_flags
+from .schedule import (
+    Block,
+    BlockMask,
+    DocumentWork,
+    Hop,
+    Part,
+    Schedule,
+    device_visits,
+    document_flags,
+    window_flags,
+)
 
 
 def ring_index(groups) -> int:
@@ -165,57 +194,140 @@ def block_work(block: Block, q_ids, kv_ids) -> DocumentWork:
     return DocumentWork.PLAIN if one_document else DocumentWork.DOCUMENTS
 
 
-def _kernel_mask(block: Block, segments) -> tuple[BlockMask, dict] | None:
-    """(mask, keyword arguments) of ``block``'s kernel call — ``segments = (q_ids, kv_ids)`` of
-    the whole shards, or None without packed documents — or None where :func:`block_work` says
-    SKIP. The kernel receives ``segments`` (its parts) only with a document mask."""
-    if segments is None:
-        return block.mask, {}
-    work = block_work(block, *segments)
-    if work is DocumentWork.SKIP:
-        return None
-    if work is DocumentWork.PLAIN:
-        return block.mask, {}
-    q_ids, kv_ids = segments
-    return block.mask.with_documents(), {"segments": (_part(q_ids, block.q_part, 1), _part(kv_ids, block.kv_part, 1))}
+@dataclass(frozen=True, eq=False)
+class VisitMasks:
+    """Beyond the schedule's static masks, what decides which (query, key) pairs of one visit —
+    this rank's queries against one visiting shard's keys — are visible.
+
+    segments:         packed documents: (q_ids [b, t], kv_ids [b, t]) int32 of the whole shards, or None.
+    window:           (left, right) on original positions, or None.
+    positions:        with a window, (q_pos [t], kv_pos [t]): the whole shards' original positions as
+                      NumPy ints — static, so a block's window decision costs no device sync.
+    device_positions: the same as int32 tensors on the inputs' device (the windowed kernel's
+                      ``positions``)."""
+
+    segments: tuple | None = None
+    window: tuple[int, int] | None = None
+    positions: tuple | None = None
+    device_positions: tuple | None = None
 
 
-def attend_block(backend, scale, q, block: Block, kv, segments=None):
+@dataclass(frozen=True, eq=False)
+class ShardMasks:
+    """:class:`VisitMasks` of every visit of one call, kept on the autograd context for the
+    backward: ``ids_all`` int32 [R, b, t] (packed documents, shard r at index r, or None),
+    ``window`` (left, right) or None, and with a window every ring shard's original positions
+    (``positions`` NumPy [R, t], ``device_positions`` int32 [R, t] on the inputs' device)."""
+
+    ids_all: torch.Tensor | None
+    window: tuple[int, int] | None
+    positions: np.ndarray | None
+    device_positions: torch.Tensor | None
+
+    @classmethod
+    def build(cls, config: AttentionConfig, ring_size: int, t: int, ids_all, device) -> ShardMasks:
+        """The masks of a call on a ring of ``ring_size`` shards of ``t`` tokens (in
+        ``config.layout``; positions from :func:`ring_positions`)."""
+        positions = device_positions = None
+        if config.window is not None:
+            positions = ring_positions(config.layout, ring_size, t).reshape(ring_size, t)
+            device_positions = torch.from_numpy(positions).to(device)
+        return cls(ids_all, config.window, positions, device_positions)
+
+    def visit(self, device: int, source: int) -> VisitMasks | None:
+        """Ring shard ``device``'s queries meeting shard ``source``'s keys (None without documents
+        and window: the static masks alone, the code path of a call without either)."""
+        if self.ids_all is None and self.window is None:
+            return None
+
+        def pair(x):
+            return None if x is None else (x[device], x[source])
+
+        return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions))
+
+
+def ring_positions(layout: str, size: int, t: int) -> np.ndarray:
+    """The original position of every token of every ring shard, int32 [R·t] in layout order
+    (shard r at r·t): static, so a window's per-block decision needs no communication. Inside USP
+    the ring attention's shard is a whole ring shard (Ulysses splits it contiguously)."""
+    return layout_permutation(size * t, layout, size).astype(np.int32)
+
+
+def _window_reach(block: Block, masks: VisitMasks) -> tuple[bool, bool]:
+    """``schedule.window_flags`` (reachable, covered) of ``block`` from the min / max original
+    position of its query part and of its key part (plain ints: no device sync)."""
+    q_pos, kv_pos = masks.positions
+    q_lo, q_hi = block.q_part.bounds(len(q_pos))
+    kv_lo, kv_hi = block.kv_part.bounds(len(kv_pos))
+    q_part, kv_part = q_pos[q_lo:q_hi], kv_pos[kv_lo:kv_hi]
+    reachable, covered = window_flags(int(q_part.min()), int(q_part.max()), int(kv_part.min()), int(kv_part.max()),
+                                      *masks.window)
+    return bool(reachable), bool(covered)
+
+
+def _kernel_mask(block: Block, masks: VisitMasks | None) -> tuple[BlockMask, dict] | None:
+    """(mask, keyword arguments) of ``block``'s kernel call, or None to skip it: out of the
+    window's reach (decided on static positions first, no sync), or :func:`block_work` says SKIP.
+    The mask is the block's static one, plus the document mask (``segments`` given, their
+    parts) unless one document covers the block, plus the window (``positions`` given) unless
+    every pair lies inside it."""
+    if masks is None:
+        return block.mask, {}
+    mask, extras = block.mask, {}
+    if masks.window is not None:
+        reachable, covered = _window_reach(block, masks)
+        if not reachable:
+            return None
+        if not covered:
+            q_pos, kv_pos = masks.device_positions
+            mask = mask.with_window(masks.window)
+            extras["positions"] = (_part(q_pos, block.q_part, 0), _part(kv_pos, block.kv_part, 0))
+    if masks.segments is not None:
+        work = block_work(block, *masks.segments)
+        if work is DocumentWork.SKIP:
+            return None
+        if work is DocumentWork.DOCUMENTS:
+            q_ids, kv_ids = masks.segments
+            mask = mask.with_documents()
+            extras["segments"] = (_part(q_ids, block.q_part, 1), _part(kv_ids, block.kv_part, 1))
+    return mask, extras
+
+
+def attend_block(backend, scale, q, block: Block, kv, masks: VisitMasks | None = None):
     """(o_b, lse_b) of ``q[block.q_part]`` attending to ``kv[block.kv_part]``, or None when the
-    block holds no pair of one document (``segments``: see :func:`_kernel_mask`). The local block
-    (own K/V, ``q_ids`` = ``kv_ids``) is never None: equal id ranges always meet."""
-    call = _kernel_mask(block, segments)
+    block is skipped (out of the window, or no pair of one document: see :func:`_kernel_mask`).
+    The local block (own K/V: equal positions and ids) is never None."""
+    call = _kernel_mask(block, masks)
     if call is None:
         return None
-    mask, documents = call
+    mask, extras = call
     k_cur, v_cur = kv
     return backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1), _part(v_cur, block.kv_part, 1),
-                       mask, scale, **documents)
+                       mask, scale, **extras)
 
 
-def merge_block(backend, scale, q, block: Block | None, kv, state, segments=None) -> None:
+def merge_block(backend, scale, q, block: Block | None, kv, state, masks: VisitMasks | None = None) -> None:
     """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)`` in
-    place (nothing for a masked or document-skipped block)."""
-    partial = None if block is None else attend_block(backend, scale, q, block, kv, segments)
+    place (nothing for a masked or skipped block)."""
+    partial = None if block is None else attend_block(backend, scale, q, block, kv, masks)
     if partial is None:
         return
     o, lse = state
     merge_partials_into(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), *partial)
 
 
-def grad_block(backend, scale, saved, block: Block | None, kv, segments=None):
-    """(dq, dk, dv) of one block against the visiting ``kv`` (None for a masked or
-    document-skipped block); ``saved = (q, o, lse, do, dlse)`` of this rank; ``segments``: the
-    whole shards' (q_ids, kv_ids), or None."""
-    call = None if block is None else _kernel_mask(block, segments)
+def grad_block(backend, scale, saved, block: Block | None, kv, masks: VisitMasks | None = None):
+    """(dq, dk, dv) of one block against the visiting ``kv`` (None for a masked or skipped
+    block); ``saved = (q, o, lse, do, dlse)`` of this rank (o and lse final: sinks merged in)."""
+    call = None if block is None else _kernel_mask(block, masks)
     if call is None:
         return None
-    mask, documents = call
+    mask, extras = call
     (q, o, lse, do, dlse), (k_cur, v_cur) = saved, kv
     qp, kp = block.q_part, block.kv_part
     return backend.bwd(_part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
                        _part(o, qp, 1), _part(lse, qp, 2), mask, scale,
-                       None if dlse is None else _part(dlse, qp, 2), **documents)
+                       None if dlse is None else _part(dlse, qp, 2), **extras)
 
 
 def add_grads(block: Block | None, grads, dq, dkv) -> None:
@@ -228,48 +340,65 @@ def add_grads(block: Block | None, grads, dq, dkv) -> None:
     _part(dkv[1], block.kv_part, 1).add_(dv_b)
 
 
-def _visit_segments(ids_all, device: int, source: int):
-    """(q_ids, kv_ids) of a visit — this rank's shard and the visited one — from the gathered
-    ``ids_all`` [R, b, t] (None without packed documents)."""
-    return None if ids_all is None else (ids_all[device], ids_all[source])
+def add_sinks(o, lse, sinks):
+    """The attention sinks entered once per row after every block merged: o [b, t, h, d],
+    lse [b, h, t], sinks [h] -> (o_f, lse_f) float32 with lse_f = logaddexp(lse, sinks[h]) and
+    o_f = o·exp(lse - lse_f) (a row that saw no key: o_f = 0, lse_f = its sink). ``sinks`` None:
+    (o, lse) unchanged."""
+    if sinks is None:
+        return o, lse
+    sink = sinks.float()[None, :, None]  # [1, h, 1]
+    lse_f = torch.logaddexp(lse.float(), sink)
+    return o.float() * torch.exp(lse.float() - lse_f).transpose(1, 2).unsqueeze(-1), lse_f
 
 
-def walk_forward(q, k, v, groups, config: AttentionConfig, schedule: Schedule, ids_all=None):
+def sinks_grad(o, lse, do, dlse, sinks):
+    """The sinks' gradient from the rows given (this rank's): -Σ over (b, t) of P_sink·(D - dlse),
+    with the FINAL o [b, t, h, d] and lse [b, h, t] (sinks merged in), P_sink = exp(sinks[h] -
+    lse), D = rowsum(dO∘O) (``dlse`` None: lse unused). [h] float32."""
+    p_sink = torch.exp(sinks.float()[None, :, None] - lse.float())  # [b, h, t]
+    delta = torch.einsum("bthd,bthd->bht", do.float(), o.float())
+    if dlse is not None:
+        delta = delta - dlse.float()
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
+def walk_forward(q, k, v, groups, config: AttentionConfig, schedule: Schedule, masks: ShardMasks):
     """One rank's forward over ``schedule`` (ring or double ring): its own block, then every
     visiting K/V merged by LSE into a float32 accumulator. Returns (o, lse, kv_first), kv_first
     the K/V received for step 1 when the schedule's backward reuses them (else None).
-    ``ids_all``: every shard's segment ids [R, b, t] (:func:`gather_segment_ids`) or None."""
+    ``masks``: packed documents and window of the call (:class:`ShardMasks`)."""
     backend, me = config.backend(), ring_index(groups)
     k, v = k.contiguous(), v.contiguous()  # they are sent as they are
     walk = KVWalk(schedule, config.comm, groups, (k, v), keep_first=schedule.backward_reuses_first_kv)
     for visit, kv in walk:
-        segments = _visit_segments(ids_all, me, visit.source)
+        visit_masks = masks.visit(me, visit.source)
         if visit.step.local:  # own K/V, never empty
-            o, lse = attend_block(backend, config.scale, q, visit.block, kv, segments)
+            o, lse = attend_block(backend, config.scale, q, visit.block, kv, visit_masks)
             o = o.float() if schedule.size > 1 else o  # the float32 accumulator (kernels may return the input dtype)
         else:
-            merge_block(backend, config.scale, q, visit.block, kv, (o, lse), segments)
+            merge_block(backend, config.scale, q, visit.block, kv, (o, lse), visit_masks)
     return o, lse, walk.first
 
 
 def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, schedule: Schedule,
-                  ids_all=None):
+                  masks: ShardMasks):
     """One rank's backward over ``schedule``: K/V travel again (from ``kv_first`` when the
     forward kept it), the visited shard's float32 dK/dV follow it one hop behind (the step's
     ``dkv_hop``: ring, inner, or diagonal after a double-ring round), dq stays local; blocks the
-    forward skipped for packed documents (``ids_all``, kept by the forward) are skipped again."""
+    forward skipped (``masks``, kept by the forward) are skipped again."""
     backend, me = config.backend(), ring_index(groups)
     saved = (q, o, lse, do, dlse)
     for visit, kv in KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous()), first=kv_first):
-        segments = _visit_segments(ids_all, me, visit.source)
+        visit_masks = masks.visit(me, visit.source)
         if visit.step.local:
-            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, segments)
+            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, visit_masks)
             if schedule.size == 1:
                 return dq, dk, dv
             dq = dq.float()  # the float32 accumulators (kernels may return bf16)
             trail = DKVTrail(config.comm, groups, dk.float(), dv.float())
         else:
-            grads = grad_block(backend, config.scale, saved, visit.block, kv, segments)
+            grads = grad_block(backend, config.scale, saved, visit.block, kv, visit_masks)
             add_grads(visit.block, grads, dq, trail.current())  # once the shard's dK/dV have arrived
         trail.send(visit.step.dkv_hop)  # dK/dV of the shard just visited move on with it
     dk, dv = trail.current()  # after R hops, this shard's own
@@ -280,7 +409,7 @@ class _Attention(torch.autograd.Function):
     """Autograd for a (forward, backward) pair; see :func:`attention_with_vjp`."""
 
     @staticmethod
-    def forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig, segment_ids):
+    def forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig, segment_ids, sinks):
         # An unused output's gradient arrives as None rather than zeros, so the kernels know
         # there is no lse cotangent without inspecting a tensor (a device sync on GPUs).
         ctx.set_materialize_grads(False)
@@ -289,27 +418,38 @@ class _Attention(torch.autograd.Function):
         ctx.kv_dtype = k.dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
         ids_all = gather_segment_ids(segment_ids, groups, config.comm)  # once, for both passes
-        o, lse, extra = forward(q, k, v, groups, config, ids_all)
+        masks = ShardMasks.build(config, axis_size(groups[0]) * axis_size(groups[1]), q.shape[1], ids_all, q.device)
+        o, lse, extra = forward(q, k, v, groups, config, masks)
+        o, lse = add_sinks(o, lse, sinks)  # once per row, after the last block: the backward sees the final o, lse
         o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse, *(extra or ()))
-        ctx.groups, ctx.config, ctx.backward_fn, ctx.ids_all = groups, config, backward, ids_all
+        ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)), *(extra or ()))
+        ctx.groups, ctx.config, ctx.backward_fn, ctx.masks = groups, config, backward, masks
+        ctx.has_sinks = sinks is not None
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, *extra = ctx.saved_tensors
+        q, k, v, o, lse, *rest = ctx.saved_tensors
+        sinks, extra = (rest[0], rest[1:]) if ctx.has_sinks else (None, rest)
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, ctx.groups, ctx.config,
-                                     ctx.ids_all)
-        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None
+                                     ctx.masks)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[8]:  # this rank's rows' contribution
+            dsinks = sinks_grad(o, lse, do, dlse, sinks).to(sinks.dtype)
+        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, dsinks
 
 
 def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
-    """A differentiable ``(q, k, v, groups, config: AttentionConfig, segment_ids=None) -> (o, lse)``
-    from ``forward(q, k, v, groups, config, ids_all) -> (o, lse, extra)`` and ``backward(q, k, v,
-    o, lse, extra, do, dlse, groups, config, ids_all) -> (dq, dk, dv)``: ``extra`` (K/V the forward
-    received) is saved for the backward; ``segment_ids`` (this rank's [b, t], no gradient) are
-    all-gathered once into ``ids_all`` [R, b, t] (:func:`gather_segment_ids`), kept for the backward."""
-    return lambda q, k, v, groups, config, segment_ids=None: _Attention.apply(forward, backward, q, k, v, groups,
-                                                                             config, segment_ids)
+    """A differentiable ``(q, k, v, groups, config: AttentionConfig, segment_ids=None, sinks=None)
+    -> (o, lse)`` from ``forward(q, k, v, groups, config, masks) -> (o, lse, extra)`` and
+    ``backward(q, k, v, o, lse, extra, do, dlse, groups, config, masks) -> (dq, dk, dv)``:
+    ``extra`` (K/V the forward received) is saved for the backward; ``segment_ids`` (this rank's
+    [b, t], no gradient) are all-gathered once (:func:`gather_segment_ids`) and, with
+    ``config.window``'s shard positions, make the call's :class:`ShardMasks`, kept for the
+    backward. ``sinks`` ([h] logits of this rank's heads, or None) are merged into the forward's
+    final (o, lse) (:func:`add_sinks`); their gradient is this rank's rows' contribution
+    (:func:`sinks_grad`), which the caller's autograd sums into ``sinks.grad``."""
+    return lambda q, k, v, groups, config, segment_ids=None, sinks=None: _Attention.apply(
+        forward, backward, q, k, v, groups, config, segment_ids, sinks)

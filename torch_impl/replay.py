@@ -9,12 +9,18 @@ sums them (ring and double ring: step order; all-gather: device order) and cast 
 casts them. Packed documents (``segment_ids``, GLOBAL ids like the global q, unlike the real
 torch entry points' local shards): each virtual device reads its ring shard's ids and the visited
 shard's, and the same ``loop`` functions decide per block to skip it, run it plain or with the
-document mask — so a skipped block contributes nothing here, as in the real loops.
+document mask — so a skipped block contributes nothing here, as in the real loops. A ``window``
+builds the same per-call :class:`loop.ShardMasks` (every shard's original positions) the real
+loops build, so the same blocks are skipped or windowed. ``sinks`` ([h], the full tensor) are
+merged into each virtual device's final (o, lse) of its head block, as the real autograd
+Function does; the backward then also returns dsinks, the SUM of every virtual device's
+contribution (what summing ``sinks.grad`` over a world's ranks gives).
 
-    q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order)
+    q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order), sinks [h] or None
                                                          ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
     device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
+                       and with sinks, + (dsinks [h/U] float32: this device's contribution, its heads)
 """
 
 from __future__ import annotations
@@ -25,9 +31,17 @@ import torch
 
 from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
 from .config import AttentionConfig
-from .loop import add_grads, attend_block, grad_block, merge_block
+from .loop import ShardMasks, add_grads, add_sinks, attend_block, grad_block, merge_block, sinks_grad
 from .schedule import Exchange, Schedule, device_visits, make_schedule
-from .validation import KV_EXCHANGES, check_segment_ids, dtype_name, validate
+from .validation import (
+    KV_EXCHANGES,
+    check_segment_ids,
+    check_sinks,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate,
+)
 
 F32 = torch.float32
 
@@ -79,9 +93,9 @@ class Strategy:
         return q_heads, slice(head, head + 1), True
 
 
-def _config(q, causal, layout, scale, block_backend, deterministic) -> AttentionConfig:
+def _config(q, causal, layout, scale, block_backend, deterministic, window) -> AttentionConfig:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return AttentionConfig(bool(causal), layout, scale, block_backend, bool(deterministic))
+    return AttentionConfig(bool(causal), layout, scale, block_backend, bool(deterministic), window=window)
 
 
 def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
@@ -95,45 +109,50 @@ def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2)
     return x[tuple(index)]
 
 
-def _segments(segment_ids, r: int, source: int, size: int):
-    """(q_ids, kv_ids) int32 of ring shard ``r`` meeting shard ``source``, from the global
-    [b, T] ids (None: no packed documents)."""
-    if segment_ids is None:
-        return None
-    ids = segment_ids.to(torch.int32)  # as the real loops gather them
-    return _shard(ids, r, size), _shard(ids, source, size)
+def _masks(config: AttentionConfig, segment_ids, ring: int, seq: int, device) -> ShardMasks:
+    """The call's :class:`loop.ShardMasks` from the GLOBAL [b, T] ids (int32 and split into ring
+    shards [R, b, T/R], as the real loops gather them) and ``config.window``."""
+    ids_all = None
+    if segment_ids is not None:
+        ids = segment_ids.to(torch.int32)
+        ids_all = ids.reshape(ids.shape[0], ring, seq // ring).movedim(1, 0)
+    return ShardMasks.build(config, ring, seq // ring, ids_all, device)
 
 
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                   segment_ids=None):
+                   segment_ids=None, window=None, sinks=None):
     """Virtual device ``device``'s forward on the global q, k, v (and global ``segment_ids``
-    [b, T] or None): its (o, lse), o in q's dtype."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic)
+    [b, T] or None, ``window``, the full ``sinks`` [h] or None): its (o, lse), o in q's dtype."""
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window)
     backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
+    masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     q_d = _shard(q, r, strategy.ring, q_heads)
     with torch.no_grad():
         for visit in device_visits(schedule, r):
             kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
-            segments = _segments(segment_ids, r, visit.source, strategy.ring)
+            visit_masks = masks.visit(r, visit.source)
             if visit.step.local:
-                o, lse = attend_block(backend, config.scale, q_d, visit.block, kv, segments)
+                o, lse = attend_block(backend, config.scale, q_d, visit.block, kv, visit_masks)
                 o = o.float() if schedule.size > 1 else o  # the float32 accumulator
             else:
-                merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), segments)
+                merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), visit_masks)
+        o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])  # once per row, after the last block
     return o.to(q.dtype), lse
 
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                     layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                    deterministic: bool = False, segment_ids=None):
+                    deterministic: bool = False, segment_ids=None, window=None, sinks=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}) —
-    shards it computed no block against (masked, or skipped for packed documents) have none."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic)
+    shards it computed no block against (masked, or skipped for documents or the window) have
+    none — and with ``sinks``, third, this device's dsinks [h/U] float32 (its heads, its rows)."""
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window)
     backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
+    masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     q_d, o_d, do_d = (_shard(x, r, strategy.ring, q_heads) for x in (q, o, do))
@@ -143,8 +162,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     with torch.no_grad():
         for visit in device_visits(schedule, r):
             kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
-            segments = _segments(segment_ids, r, visit.source, strategy.ring)
-            grads = grad_block(backend, config.scale, saved, visit.block, kv, segments)
+            grads = grad_block(backend, config.scale, saved, visit.block, kv, masks.visit(r, visit.source))
             if visit.step.local:
                 dq, dk, dv = grads
                 dq, contributions[visit.source] = dq.float(), (dk.float(), dv.float())
@@ -152,6 +170,8 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                 dkv = tuple(torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv)
                 add_grads(visit.block, grads, dq, dkv)
                 contributions[visit.source] = dkv
+        if sinks is not None:
+            return dq.to(q.dtype), contributions, sinks_grad(o_d, lse_d, do_d, dlse_d, sinks[q_heads])
     return dq.to(q.dtype), contributions
 
 
@@ -165,22 +185,24 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     return sorted(positions, key=steps.__getitem__)  # the accumulator travels with the K/V
 
 
-def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids) -> None:
+def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape)
+    check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
 
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                      scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                     segment_ids=None):
+                     segment_ids=None, window=None, sinks=None):
     """(o, lse) of ``strategy`` on global q, k, v in layout order (``segment_ids``: packed
-    documents, the global [b, T] ids in layout order, or None), every virtual device's forward
-    run in turn on the inputs' device."""
-    _check(q, k, v, strategy, layout, scale, segment_ids)
+    documents, the global [b, T] ids in layout order, or None; ``window``; ``sinks`` [h] or
+    None), every virtual device's forward run in turn on the inputs' device."""
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks)
     outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
     rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
     o = torch.cat([torch.cat([o_d for o_d, _ in row], dim=2) for row in rows], dim=1)
@@ -190,13 +212,15 @@ def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layou
 
 def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                            layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                           deterministic: bool = False, segment_ids=None):
+                           deterministic: bool = False, segment_ids=None, window=None, sinks=None):
     """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
-    the forward's global o and lse (and the global ``segment_ids`` [b, T] of the forward, or
-    None); dK/dV summed as the real exchange sums them."""
-    _check(q, k, v, strategy, layout, scale, segment_ids)
+    the forward's global o and lse (and the forward's global ``segment_ids`` [b, T], ``window``
+    and ``sinks``); dK/dV summed as the real exchange sums them. With ``sinks``: (dq, dk, dv,
+    dsinks), dsinks [h] in sinks' dtype the sum of every virtual device's contribution (device
+    order) — the full gradient, what summing each rank's ``sinks.grad`` over a world gives."""
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = torch.cat([torch.cat([outs[r * n_uly + u][0] for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)
@@ -222,4 +246,9 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
             b, t, n, d = full.shape
             full = full.reshape(b, t, k.shape[2], n // k.shape[2], d).sum(3).to(k.dtype)
         grads.append(full)
-    return dq, grads[0], grads[1]
+    if sinks is None:
+        return dq, grads[0], grads[1]
+    dsinks = torch.zeros(sinks.shape, dtype=F32, device=sinks.device)
+    for d, out in enumerate(outs):
+        dsinks[strategy.head_groups(q.shape[2], k.shape[2], d % n_uly)[0]] += out[2]
+    return dq, grads[0], grads[1], dsinks.to(sinks.dtype)

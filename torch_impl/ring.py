@@ -2,7 +2,7 @@
 
 Per rank of a ring process group of size R, rank r holds ring shard r:
 
-    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    segment_ids: [b, t/R] or None
+    q: [b, t/R, h, d]    k, v: [b, t/R, hk, d]    segment_ids: [b, t/R] or None    sinks: [h] or None
                                                   ->    o: [b, t/R, h, d], lse: [b, h, t/R]
 
 It walks :func:`schedule.ring_schedule`, step for step as jax_impl does. Forward: K/V rotate R-1
@@ -19,10 +19,11 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
 from .schedule import ring_schedule
-from .validation import check_segment_ids, dtype_name, validate_local
+from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
-def ring_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = False, layout: str = "zigzag",
+def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None,
+                   causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """Ring attention over process group ``group`` (``None``: one rank, plain attention).
 
@@ -31,30 +32,41 @@ def ring_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = Fals
     integer ids, [b, t/R] in layout order (compared as int32; no gradient): query i sees key j
     only if their ids are equal. They are all-gathered once over the ring (not sent with the
     K/V), and a block whose queries and keys share no document is skipped, forward and backward.
+    ``window``: sliding window — None, an int w (= (w, w)) or ``(left, right)`` of non-negative
+    ints: query at original position i sees key j only if i - left <= j <= i + right (causal:
+    also j <= i). A block out of the window's reach is skipped, forward and backward.
+    ``sinks``: attention-sink logits, the FULL float [h] tensor on every rank (or None): each
+    row's softmax denominator gains exp(sinks[h]), with no value vector; lse includes it. Its
+    ``.grad`` receives THIS rank's contribution (the rows it holds): summing it over the
+    sequence-parallel ranks (and data ranks), as DDP / FSDP over those dimensions do, gives the
+    full gradient.
     Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]. Differentiable through
-    torch.autograd (o and lse). ``deterministic``: see ``config.default_deterministic``.
+    torch.autograd (o and lse; q, k, v and sinks). ``deterministic``: see
+    ``config.default_deterministic``.
     """
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    window = check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic)
+                         deterministic=deterministic, window=window)
     config.backend()  # an unknown or refused kernel fails here, before any collective
-    return _ring(q, k, v, (None, group), config, segment_ids)
+    return _ring(q, k, v, (None, group), config, segment_ids, sinks)
 
 
 def _schedule(groups, config: AttentionConfig):
     return ring_schedule(config.layout, config.causal, axis_size(groups[1]))
 
 
-def _forward(q, k, v, groups, config: AttentionConfig, ids_all):
+def _forward(q, k, v, groups, config: AttentionConfig, masks):
     """(o, lse, kv_first): see ``loop.walk_forward``."""
-    return walk_forward(q, k, v, groups, config, _schedule(groups, config), ids_all)
+    return walk_forward(q, k, v, groups, config, _schedule(groups, config), masks)
 
 
-def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, ids_all):
-    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config), ids_all)
+def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, masks):
+    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config), masks)
 
 
 _ring = attention_with_vjp(_forward, _backward)

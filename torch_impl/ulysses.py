@@ -4,6 +4,7 @@ Per rank of a Ulysses process group of size U:
 
     q: [b, t/U, h, d] --all-to-all--> [b, t, h/U, d] --attend--> o --all-to-all--> [b, t/U, h, d]
     segment_ids: [b, t/U] --all-gather--> [b, t] (member order, as the all-to-all concatenates)
+    sinks: [h] (the full tensor on every rank) --slice--> [h/U] (rank u's head block)
 
 When kv_heads < U, each KV head is replicated U // kv_heads times first, so that every rank
 receives exactly the KV head its query heads read. Gradients flow through the all-to-alls
@@ -20,12 +21,13 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from .block import get_backend
 from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads
 from .config import default_deterministic
 from .ring import ring_attention
-from .validation import check_segment_ids, dtype_name, validate_local
+from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
 class _ReplicatedToHeads(torch.autograd.Function):
@@ -62,21 +64,38 @@ def _segment_ids_to_heads(segment_ids, group):
     return gather_shards(ids, group).movedim(0, 1).reshape(ids.shape[0], -1)  # [U, b, t/U] -> [b, U·t/U]
 
 
-def ulysses_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = False, scale: float | None = None,
-                      block_backend: str = "auto", attend: Callable | None = None,
+def _sinks_of_head_block(sinks, group, n: int):
+    """The sinks of the query heads this rank attends over after ``seq_to_heads``: [h] -> [h/U]
+    (head block u, u this rank's index in ``group``); a slice, so autograd brings its gradient
+    back into the caller's [h] tensor (zeros for the other head blocks)."""
+    if sinks is None or group is None:
+        return sinks
+    per = sinks.shape[0] // n
+    u = dist.get_group_rank(group, dist.get_rank())
+    return sinks[u * per:(u + 1) * per]
+
+
+def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, causal: bool = False,
+                      scale: float | None = None, block_backend: str = "auto", attend: Callable | None = None,
                       return_lse: bool = True, deterministic: bool | None = None):
-    """Ulysses attention over process group ``group``. ``attend(q, k, v, *, segment_ids, causal,
-    scale, block_backend, deterministic)`` computes attention on the gathered sequence (default:
-    one rank's attention; USP passes ring attention over the ring group). ``segment_ids``: packed
-    documents, this rank's local shard of the integer ids [b, t/U] (layout order; no gradient),
-    all-gathered over ``group`` and handed to ``attend``. Returns ``(o, lse)``: o like q, lse
-    [b, h, t/U] float32 (``None`` when ``return_lse`` is False: its all-to-all is skipped).
+    """Ulysses attention over process group ``group``. ``attend(q, k, v, *, segment_ids, window,
+    sinks, causal, scale, block_backend, deterministic)`` computes attention on the gathered
+    sequence (default: one rank's attention; USP passes ring attention over the ring group).
+    ``segment_ids``: packed documents, this rank's local shard of the integer ids [b, t/U]
+    (layout order; no gradient), all-gathered over ``group`` and handed to ``attend``.
+    ``window``: see ``ring_attention`` (positions are the gathered sequence's). ``sinks``: the
+    full [h] logits on every rank; ``attend`` gets this rank's head block [h/U], and
+    ``sinks.grad`` receives this rank's contribution (its heads, its rows; summed over ranks it
+    is the full gradient). Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32 (``None``
+    when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(group)
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=None,
                    scale=scale, ulysses=n)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    window = check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
     deterministic = default_deterministic(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -84,8 +103,8 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, causal: bool = F
     q_h = seq_to_heads(q, group)  # [b, t, h/U, d]
     k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
     ids = _segment_ids_to_heads(segment_ids, group)  # [b, t] or None
-    o_h, lse_h = attend(q_h, k_h, v_h, segment_ids=ids, causal=causal, scale=scale, block_backend=block_backend,
-                        deterministic=deterministic)
+    o_h, lse_h = attend(q_h, k_h, v_h, segment_ids=ids, window=window, sinks=_sinks_of_head_block(sinks, group, n),
+                        causal=causal, scale=scale, block_backend=block_backend, deterministic=deterministic)
     if not return_lse:  # skip the LSE all-to-all nobody reads (XLA drops it in JAX too)
         return heads_to_seq(o_h, group), None
     # lse_h: [b, h/U, t] -> [b, h, t/U]: split the sequence, gather the heads.

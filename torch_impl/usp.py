@@ -6,6 +6,7 @@ ring group r gathers ring shard r (for h/U heads); ring attention then runs acro
 with the chosen layout; the inverse all-to-all restores the sequence split.
 
     q: [b, t/(R·U), h, d]  segment_ids: [b, t/(R·U)] or None  ->  o: [b, t/(R·U), h, d], lse: [b, h, t/(R·U)]
+    window: static, as for the ring; sinks: [h] on every rank, sliced to the rank's head block by Ulysses
 
 Packed documents: this rank's ids are all-gathered over the Ulysses group (ring shard r's ids)
 and then, inside the ring attention, over the ring group(s).
@@ -20,26 +21,31 @@ from .comm import axis_size
 from .double_ring import double_ring_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .validation import check_segment_ids, dtype_name, validate_local
+from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 # kv_exchange -> the per-rank attention over the ring group (same signature, same layouts)
 KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
 
 
-def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=None, causal: bool = False,
-                  layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                  return_lse: bool = True, kv_exchange: str = "ring", deterministic: bool | None = None):
+def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=None, window=None, sinks=None,
+                  causal: bool = False, layout: str = "zigzag", scale: float | None = None,
+                  block_backend: str = "auto", return_lse: bool = True, kv_exchange: str = "ring",
+                  deterministic: bool | None = None):
     """Ulysses over ``ulysses_group`` around ring (or all-gather-KV) attention over ``ring_group``;
     a pair of groups ``(outer, inner)`` is the double ring. ``segment_ids``: packed documents,
-    this rank's local shard of the ids [b, t/(R·U)] (layout order). Returns (o, lse)."""
+    this rank's local shard of the ids [b, t/(R·U)] (layout order). ``window``, ``sinks``: see
+    ``ring_attention`` (sinks: the full [h] on every rank, ``.grad`` this rank's contribution).
+    Returns (o, lse)."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale, ulysses=axis_size(ulysses_group))
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    window = check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
     if kv_exchange not in KV_EXCHANGE:
         raise ValueError(f"kv_exchange must be one of {tuple(KV_EXCHANGE)}, got {kv_exchange!r}")
     attend = double_ring_attention if isinstance(ring_group, tuple) else KV_EXCHANGE[kv_exchange]
     ring = partial(attend, group=ring_group, layout=layout)
-    return ulysses_attention(q, k, v, ulysses_group, segment_ids=segment_ids, causal=causal, scale=scale,
-                             block_backend=block_backend, attend=ring, return_lse=return_lse,
-                             deterministic=deterministic)
+    return ulysses_attention(q, k, v, ulysses_group, segment_ids=segment_ids, window=window, sinks=sinks,
+                             causal=causal, scale=scale, block_backend=block_backend, attend=ring,
+                             return_lse=return_lse, deterministic=deterministic)

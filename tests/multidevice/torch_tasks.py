@@ -133,12 +133,14 @@ def _sequence_block(coords: dict, sizes: dict) -> int:
 
 
 def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dict:
-    """Packed documents on every rank: ``x`` holds the GLOBAL layout-order tensors (q, k, v, do
-    [b, T, ., d], dlse [b, h, T], segment_ids [b, T]); each rank takes its local shard (batch
-    block of "data", sequence block r·U + u), runs sequence_parallel_attention with its local
-    ids (return_lse=True) and the backward with (do, dlse). Returns its coordinates and shards,
-    and with ``count`` the block-kernel calls it made, each as (pass, document mask?, query
-    rows, key columns), through a counting backend over the reference kernels."""
+    """Packed documents (and windows, sinks) on every rank: ``x`` holds the GLOBAL layout-order
+    tensors (q, k, v, do [b, T, ., d], dlse [b, h, T], segment_ids [b, T] or None, optionally
+    sinks [h]); each rank takes its local shard (batch block of "data", sequence block r·U + u),
+    runs sequence_parallel_attention with its local ids and the full sinks (return_lse=True;
+    ``kwargs`` may hold a window) and the backward with (do, dlse). Returns its coordinates and
+    shards (with sinks, its ``sinks.grad`` as "dsinks"), and with ``count`` the block-kernel
+    calls it made, each as (pass, document mask?, query rows, key columns, window mask?),
+    through a counting backend over the reference kernels."""
     import torch
 
     import torch_impl
@@ -160,21 +162,25 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dic
     if count:
         reference = get_backend("reference")
 
-        def fwd(q, k, v, mask, scale, segments=None):
-            calls.append(("fwd", mask.documents, q.shape[1], k.shape[1]))
-            return reference.fwd(q, k, v, mask, scale, segments)
+        def fwd(q, k, v, mask, scale, segments=None, positions=None):
+            calls.append(("fwd", mask.documents, q.shape[1], k.shape[1], mask.window is not None))
+            return reference.fwd(q, k, v, mask, scale, segments, positions)
 
-        def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None):
-            calls.append(("bwd", mask.documents, q.shape[1], k.shape[1]))
-            return reference.bwd(do, q, k, v, o, lse, mask, scale, dlse, segments)
+        def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None):
+            calls.append(("bwd", mask.documents, q.shape[1], k.shape[1], mask.window is not None))
+            return reference.bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
 
         register_backend(BlockBackend("counting", fwd, bwd))
         kwargs = kwargs | {"block_backend": "counting"}
     q, k, v = (local(x[n], grad=True) for n in ("q", "k", "v"))
     ids = None if x.get("segment_ids") is None else local(x["segment_ids"])
-    o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids, **kwargs)
+    sinks = None if x.get("sinks") is None else x["sinks"].clone().requires_grad_()
+    o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids, sinks=sinks,
+                                                    **kwargs)
     torch.autograd.backward((o, lse), (local(x["do"]), local(x["dlse"], seq_dim=2)))
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if sinks is not None:
+        out["dsinks"] = sinks.grad
     return {"coords": coords, "block": block, "data": data, "calls": calls,
             **{n: a.detach() for n, a in out.items()}}
 
@@ -206,6 +212,45 @@ def bad_segment_ids_task(mesh_axes, q_shape, ids_shape, ids_dtype: str, ids_devi
         ids = torch.zeros(ids_shape, dtype=getattr(torch, ids_dtype), device=ids_device)
         ids = None if dist.get_rank() in no_ids_on else ids
         torch_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, segment_ids=ids, check_ranks=check_ranks)
+    except (ValueError, TypeError, AssertionError) as err:
+        return type(err).__name__, str(err)
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return None, "no error"
+
+
+def bad_window_or_sinks_task(mesh_axes, window, sinks_shape, sinks_dtype: str, sinks_device: str,
+                             check_ranks: bool = False, per_rank: dict | None = None):
+    """sequence_parallel_attention on valid float32 q = k = v [1, 8, 4, 8] (causal) with ``window``
+    and sinks of ``sinks_shape`` (None: no sinks) / ``sinks_dtype`` on ``sinks_device``; ranks in
+    ``per_rank`` (rank -> {"window": ..., "sinks_shape": ...}) pass their own instead; every
+    attention collective booby-trapped (the rank check's all-reduce is left alone). Returns
+    (error type, message)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from parity.runners.torch_runner import make_mesh
+
+    mesh = make_mesh("cpu", tuple(mesh_axes))
+    mine = {"window": window, "sinks_shape": sinks_shape} | (per_rank or {}).get(dist.get_rank(), {})
+    names = [n for n in ("batch_isend_irecv", "all_to_all_single", "all_gather_single", "all_gather_into_tensor",
+                         "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def tripwire(*a, **k):
+        raise AssertionError("a collective was reached: validation must come first")
+
+    try:
+        for n in names:
+            setattr(dist, n, tripwire)
+        q = torch.ones(1, 8, 4, 8)
+        sinks = None
+        if mine["sinks_shape"] is not None:
+            sinks = torch.zeros(mine["sinks_shape"], dtype=getattr(torch, sinks_dtype), device=sinks_device)
+        torch_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, window=mine["window"], sinks=sinks,
+                                               check_ranks=check_ranks)
     except (ValueError, TypeError, AssertionError) as err:
         return type(err).__name__, str(err)
     finally:

@@ -59,4 +59,10 @@ def test_mirrors_have_the_same_files_and_public_names():
         # attend_block (a block's (o, lse), or None when skipped).
         jax_only |= {"under_documents", "local_forward", "local_backward", "shard_ids", "visit_segments"}
         torch_only |= {"block_work", "attend_block"}
+        # Windows (and documents) per visit: JAX builds a visit's mask keywords inside the traced
+        # program (visit_masks: a dict; under_masks: one lax.switch over skip / mask variants);
+        # torch carries them as Python objects, per call (ShardMasks, kept on the autograd
+        # context) and per visit (VisitMasks), and decides per block in Python.
+        jax_only |= {"visit_masks", "under_masks"}
+        torch_only |= {"ShardMasks", "VisitMasks"}
         assert jax_names - jax_only == torch_names - torch_only, name

@@ -12,10 +12,11 @@ nowhere else, and checked on a GPU by ``tests/gpu/test_one_gpu_kernels.py``.
 The ops take [b, h, t, d], equal head counts and no lse cotangent; the adapters expand GQA heads
 (and sum their gradients back in float32), send a backward with ``dlse`` to the portable kernel,
 and express the strict mask as a causal block shifted by one row (row 0 sees nothing). The ops
-have no document mask (packed ``segment_ids``): ``supports`` says False for one, so "auto" never
-routes a document block here, and a document block given to these backends anyway (a caller
-named one) runs, forward and backward, on the portable kernel (``kernels/reference.py``) — the
-same documented routing as the ``dlse`` fallback. Each op's
+have no document mask (packed ``segment_ids``) and, as adapted here, no window: ``supports``
+says False for either, so "auto" never routes such a block here, and one given to these backends
+anyway (a caller named one) runs, forward and backward, on the portable kernel
+(``kernels/reference.py``) — the same documented routing as the ``dlse`` fallback. (A block the
+window covers entirely reaches the kernels without it: the loops drop a window no pair needs.) Each op's
 LSE shape and strides (cuDNN ``[b, h, t, 1]``, CPU non-contiguous) are normalised in
 ``_lse_bht`` only. Forward o and MHA gradients come back in the input dtype (a float32 copy of
 each would be a transient the size of two K/V shards); every caller accumulates into float32
@@ -107,9 +108,9 @@ def _make_aten_backend(name: str) -> BlockBackend:
     """Adapt an aten (fwd, bwd) op pair to the block-kernel signatures."""
     op_fwd, op_bwd = _aten_ops(name)
 
-    def fwd(q, k, v, mask: BlockMask, scale: float, segments=None):
-        if mask.documents:  # no document mask in the ops: the portable kernel (module docstring)
-            return reference_block_fwd(q, k, v, mask, scale, segments)
+    def fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
+        if mask.documents or mask.window is not None:  # not in the ops: the portable kernel (module docstring)
+            return reference_block_fwd(q, k, v, mask, scale, segments, positions)
         if mask.kind is MaskKind.STRICT:  # strict lower triangle = causal block of rows 1.. vs keys ..t-1
             o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], CAUSAL_MASK, scale)
             b, _, h, d = q.shape
@@ -120,9 +121,10 @@ def _make_aten_backend(name: str) -> BlockBackend:
         o, lse = op_fwd(q.transpose(1, 2), _expand(k, h), _expand(v, h), mask.kind is MaskKind.CAUSAL, scale)
         return o.transpose(1, 2), _lse_bht(lse, b, h, t)  # o in the input dtype: merged into float32
 
-    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None):
-        if dlse is not None or mask.documents:  # the ops take no lse cotangent (None when lse is unused), no documents
-            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments)
+    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
+        # the ops take no lse cotangent (None when lse is unused), no documents, no window
+        if dlse is not None or mask.documents or mask.window is not None:
+            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
         if mask.kind is MaskKind.STRICT:
             dq, dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (q, k, v))
             dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK,
@@ -140,7 +142,7 @@ def _make_aten_backend(name: str) -> BlockBackend:
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     def supports(mask: BlockMask, dtype: str) -> bool:
-        return not mask.documents and (name == "aten_cpu" or dtype in LOW_PRECISION)
+        return not mask.documents and mask.window is None and (name == "aten_cpu" or dtype in LOW_PRECISION)
 
     return BlockBackend(name, fwd, bwd, supports=supports, available=lambda: _available(name))
 
