@@ -164,10 +164,11 @@ def _concrete(x) -> bool:
 def _window_decision(block: Block, window: tuple[int, int], shard_positions, own_block: bool):
     """The window's part of :func:`under_masks`: (cases, reachable, covered, positions). ``cases``:
     the static set of (reachable, covered) this block can meet — of its one shard pair when both
-    shards are ints, of (r, r) for a device's own block, else of every pair (r, src) of the ring
-    (a superset of the pairs the block is used for) — so that variants no device can take are not
-    compiled. ``reachable``/``covered``: the flags of this pair, looked up in [R, R] constant
-    tables at the (possibly traced) shard indices. ``positions``: (q_pos, kv_pos) of the block's parts."""
+    shards are ints, of (r, r) for a device's own block, else of every pair (r, src != r) of the
+    ring (a superset of the pairs the block is used for: every other shard is visited once) — so
+    that variants no device can take are not compiled. ``reachable``/``covered``: the flags of
+    this pair, looked up in [R, R] constant tables at the (possibly traced) shard indices.
+    ``positions``: (q_pos, kv_pos) of the block's parts."""
     table, q_shard, kv_shard = shard_positions
     size, t = table.shape
     q_tab, kv_tab = (table[:, slice(*part.bounds(t))] for part in (block.q_part, block.kv_part))
@@ -176,7 +177,7 @@ def _window_decision(block: Block, window: tuple[int, int], shard_positions, own
     if _concrete(q_shard) and _concrete(kv_shard):
         pairs = [(int(q_shard), int(kv_shard))]
     else:
-        pairs = [(r, r) for r in range(size)] if own_block else [(r, c) for r in range(size) for c in range(size)]
+        pairs = [(r, c) for r in range(size) for c in range(size) if (r == c) == own_block]
     cases = {(bool(reach[pair]), bool(cover[pair])) for pair in pairs}
     reachable, covered = (jnp.asarray(flags)[q_shard, kv_shard] for flags in (reach, cover))
     positions = (_part(lax.dynamic_index_in_dim(table, q_shard, keepdims=False), block.q_part, 0),
