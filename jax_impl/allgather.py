@@ -31,28 +31,29 @@ from .loop import (
     merge_block,
     ring_index,
     visit_block,
-    visit_segments,
+    visit_masks,
     walk,
 )
 from .schedule import allgather_schedule
-from .validation import check_segment_ids, dtype_name, shape_and_dtype, validate_local
+from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 F32 = jnp.float32
 
 
 def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
                         scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
-                        segment_ids=None):
+                        segment_ids=None, window=None, sinks=None):
     """All-gather-KV attention over mesh axis ``axis_name`` (``None``: one device). Call inside
     ``shard_map``; inputs are this device's ring shard in layout order, ``segment_ids`` its ids
-    [b, t/R] or None. Returns ``(o, lse)``."""
+    [b, t/R] or None; ``window`` and ``sinks`` as in ``ring_attention``. Returns ``(o, lse)``."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic)
+                         deterministic=deterministic, window=check_window(window))
     config.backend()  # an unknown or refused kernel fails here
-    return _allgather(q, k, v, segment_ids, axis_name, config)
+    return _allgather(q, k, v, segment_ids, sinks, axis_name, config)
 
 
 def _shard(x_all, src, t: int):
@@ -71,12 +72,12 @@ def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
     ids_all = gather_segment_ids(ids, axis_name, config.comm)
 
     def visit(step, j, s, _, state):
-        segments = visit_segments(schedule, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
         if step.local:  # own K/V
-            return local_forward(backend, config.scale, q, (k, v), schedule.plan.local.mask, segments)
+            return local_forward(backend, config.scale, q, (k, v), schedule.plan.local.mask, **masks)
         kv = tuple(_shard(x, schedule.source(me, j, s), t) for x in kv_all)
         return visit_block(schedule, me, j, s,
-                           lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, segments), state)
+                           lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, **masks), state)
 
     o, lse = walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
     return o, lse, (kv_all, ids_all)
@@ -87,9 +88,9 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
     (kv_all, ids_all), t, saved = extra, k.shape[1], (q, o, lse, do, dlse)
 
     def visit(step, j, s, _, state):
-        segments = visit_segments(schedule, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
         if step.local:
-            dq, dk, dv = local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, segments)
+            dq, dk, dv = local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, **masks)
             if schedule.size == 1:
                 return dq, dk, dv
             return (dq, *(lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, F32), g.astype(F32), me * t, axis=1)
@@ -100,7 +101,7 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
         def on_block(blk, st):
             dq, dk_all, dv_all = st
             dq, dk_s, dv_s = grad_block(backend, config.scale, saved, blk, kv,
-                                        (dq, _shard(dk_all, src, t), _shard(dv_all, src, t)), segments)
+                                        (dq, _shard(dk_all, src, t), _shard(dv_all, src, t)), **masks)
             return (dq, lax.dynamic_update_slice_in_dim(dk_all, dk_s, src * t, axis=1),
                     lax.dynamic_update_slice_in_dim(dv_all, dv_s, src * t, axis=1))
 

@@ -6,7 +6,7 @@ The mesh's axis names choose the algorithm (docs/contract.md): ``"ring"`` -> rin
 layout order with any sharding; they are resharded to
 
     q, k, v, o: P("data", ("ring", "ulysses"), None, None)     lse: P("data", None, ("ring", "ulysses"))
-    segment_ids: P("data", ("ring", "ulysses"))
+    segment_ids: P("data", ("ring", "ulysses"))                 sinks: P() (replicated)
 
 (``("ring_outer", "ring_inner", "ulysses")`` for the double ring) so the device at ring
 coordinate r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*U + u.
@@ -27,7 +27,15 @@ from .config import default_check_ranks, default_deterministic
 from .double_ring import DOUBLE_RING, double_ring_attention
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
-from .validation import Decomposition, check_segment_ids, dtype_name, shape_and_dtype, validate
+from .validation import (
+    Decomposition,
+    check_segment_ids,
+    check_sinks,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate,
+)
 
 
 def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
@@ -91,7 +99,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
-                                segment_ids=None):
+                                segment_ids=None, window=None, sinks=None):
     """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
     sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
     sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``.
@@ -100,6 +108,16 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     two dimensions, any sharding: it is placed as the sequence is) or None. Query i sees key j
     only if ``segment_ids[i] == segment_ids[j]`` (and, causal, j's original position <= i's). The
     ids take no gradient. Blocks whose queries and keys share no document are skipped.
+
+    ``window``: a sliding window on original positions — None, an int w (= (w, w)) or
+    ``(left, right)`` of non-negative ints: query i sees key j only if i - left <= j <= i + right
+    (with ``causal`` also j <= i), as ``jax.nn.dot_product_attention``'s ``local_window_size``.
+    Combines with ``segment_ids`` (both must hold). Blocks the window does not reach are skipped.
+
+    ``sinks``: attention sinks, a float [h] array of logits (gpt-oss) or None: every row's softmax
+    denominator gains exp(sinks[head]) with no value vector, and the returned lse includes it. It
+    is replicated onto every device and differentiable (``jax.grad`` w.r.t. it sums every
+    device's rows).
 
     Cotangents are placed on the mesh the way the inputs are: a pullback (``jax.vjp``'s returned
     function) may be given a cotangent of any sharding JAX lets through — sharded like the output,
@@ -123,17 +141,21 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), dict(mesh.shape),
         layout=layout, kv_exchange=kv_exchange, scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape)
+    window = check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
     x_spec, lse_spec = partition_specs(mesh)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic)
-    def attention(q, k, v, *ids):
-        o, lse = per_device(q, k, v, segment_ids=ids[0] if ids else None)
+                             deterministic=deterministic, window=window)
+    optional = {name: (x, spec) for name, x, spec in (("segment_ids", segment_ids, _ids_spec(x_spec)),
+                                                     ("sinks", sinks, P())) if x is not None}
+
+    def attention(q, k, v, *given):
+        o, lse = per_device(q, k, v, **dict(zip(optional, given)))
         return (o, lse) if return_lse else o
 
-    inputs, specs_in = (q, k, v), (x_spec,) * 3
-    if segment_ids is not None:
-        inputs, specs_in = (*inputs, segment_ids), (*specs_in, _ids_spec(x_spec))
+    inputs = (q, k, v, *(x for x, _ in optional.values()))
+    specs_in = (x_spec,) * 3 + tuple(spec for _, spec in optional.values())
     sharded = jax.shard_map(attention, mesh=mesh, in_specs=specs_in,
                             out_specs=(x_spec, lse_spec) if return_lse else x_spec,
                             check_vma=get_backend(block_backend, deterministic=deterministic).typed_for_shard_map)

@@ -1,12 +1,14 @@
 """The local block kernel's interface, the registry of backends, and ``"auto"``: the routing table.
 
-    block_fwd(q, k, v, mask, scale, segments=None)                   -> (o, lse)      o: [b, t, h, d] f32
-    block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments=None) -> (dq, dk, dv)  all float32
+    block_fwd(q, k, v, mask, scale, segments=None, positions=None)                   -> (o, lse)
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments=None, positions=None) -> (dq, dk, dv)
 
-q, do, o: [b, t, h, d]; k, v: [b, s, hk, d]; lse, dlse: [b, h, t] float32. ``mask`` is a
-:class:`schedule.BlockMask` (full / causal / strict, each optionally with documents);
-``segments = (q_ids [b, t], kv_ids [b, s])`` is given exactly when ``mask.documents`` (the loops
-pass it as a keyword, and only then). ``block_bwd`` takes the *global* ``o``
+q, do, o: [b, t, h, d]; k, v: [b, s, hk, d]; lse, dlse: [b, h, t] float32; o and the gradients
+float32. ``mask`` is a :class:`schedule.BlockMask` (full / causal / strict, each optionally with
+documents and a window); ``segments = (q_ids [b, t], kv_ids [b, s])`` is given exactly when
+``mask.documents``, ``positions = (q_pos [t], kv_pos [s])`` (int32 original positions) exactly
+when ``mask.window`` is set (the loops pass each as a keyword, and only then: kernels written
+before them need not take it). ``block_bwd`` takes the *global* ``o``
 and ``lse`` (after every block was merged), which is what makes per-block gradients sum to the
 true gradient.
 
@@ -183,11 +185,11 @@ def routing_backend(deterministic: bool = False) -> BlockBackend:
         return _BACKENDS[resolve_backend("auto", device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
                                          deterministic=deterministic)]
 
-    def fwd(q, k, v, mask, scale, **segments):
-        return pick(q, mask).fwd(q, k, v, mask, scale, **segments)
+    def fwd(q, k, v, mask, scale, **mask_arrays):  # segments= / positions=, as the mask needs
+        return pick(q, mask).fwd(q, k, v, mask, scale, **mask_arrays)
 
-    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, **segments):
-        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **segments)
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, **mask_arrays):
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **mask_arrays)
 
     typed = all(_BACKENDS[n].typed_for_shard_map for n in _reachable(deterministic))
     return BlockBackend("auto", fwd, bwd, typed_for_shard_map=typed)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .block import BlockBackend, get_backend
 from .comm import Comm, current_comm
 from .schedule import LAYOUTS
+from .validation import check_window
 
 CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
 
@@ -30,6 +31,8 @@ class AttentionConfig:
     block_backend: name of the block kernels (``block.get_backend``).
     deterministic: refuse block kernels that are not run-to-run deterministic.
     comm:          the transfers' hook (``comm.Comm``; the plain one unless a probe installed one).
+    window:        the sliding window ``(left, right)`` on original positions, or None (an int w
+                   or a list is normalised to the tuple by ``validation.check_window``).
     """
 
     causal: bool
@@ -38,8 +41,10 @@ class AttentionConfig:
     block_backend: str = "auto"
     deterministic: bool = False
     comm: Comm = Comm()
+    window: tuple[int, int] | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "window", check_window(self.window))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not (isinstance(self.scale, float) and math.isfinite(self.scale) and self.scale > 0):
@@ -70,9 +75,9 @@ def default_check_ranks(check_ranks: bool | None) -> bool:
 
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
-                deterministic: bool | None) -> AttentionConfig:
+                deterministic: bool | None, window=None) -> AttentionConfig:
     """The config of a per-device call on ``q`` (for its head_dim), with the defaults resolved and
     the installed communication hook (``comm.using``)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return AttentionConfig(bool(causal), layout, scale, block_backend, default_deterministic(deterministic),
-                           current_comm())
+                           current_comm(), window)

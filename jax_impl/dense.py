@@ -10,10 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .validation import check_window
 
-def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None, segment_ids=None):
+
+def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None, segment_ids=None, window=None,
+                    sinks=None):
     """q: [b, t, h, d], k, v: [b, s, hk, d] in original token order -> (o [b, t, h, d], lse [b, h, t]).
-    ``segment_ids`` [b, t] (self-attention, original order): a query sees only keys of its id."""
+    ``segment_ids`` [b, t] (self-attention, original order): a query sees only keys of its id.
+    ``window`` (None, w or (left, right)): query i sees keys i - left..i + right. ``sinks`` [h]:
+    each row's softmax gains a logit sinks[h] with no value (lse includes it)."""
     b, t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
     group = h // k.shape[2]
@@ -24,6 +29,14 @@ def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [b, t, s]
         scores = jnp.where(same[:, None], scores, -jnp.inf)
-    lse = jax.nn.logsumexp(scores.astype(jnp.float32), axis=-1)
-    probs = jnp.exp(scores.astype(jnp.float32) - lse[..., None]).astype(q.dtype)
+    window = check_window(window)
+    if window is not None:
+        i, j = jnp.arange(t)[:, None], jnp.arange(k.shape[1])[None, :]
+        scores = jnp.where((j >= i - window[0]) & (j <= i + window[1]), scores, -jnp.inf)
+    logits = scores.astype(jnp.float32)
+    if sinks is not None:  # one more column per row, with no value vector
+        sink = jnp.broadcast_to(sinks.astype(q.dtype).astype(jnp.float32)[None, :, None, None], (b, h, t, 1))
+        logits = jnp.concatenate([logits, sink], axis=-1)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - lse[..., None])[..., :k.shape[1]].astype(q.dtype)
     return jnp.einsum("bhts,bshd->bthd", probs, v), lse

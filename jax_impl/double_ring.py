@@ -39,32 +39,33 @@ from .loop import (
     local_backward,
     ring_index,
     visit_block,
-    visit_segments,
+    visit_masks,
     walk,
     walk_forward,
 )
 from .schedule import double_ring_schedule
-from .validation import check_segment_ids, dtype_name, shape_and_dtype, validate_local
+from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 DOUBLE_RING = (RING_OUTER, RING_INNER)
 
 
 def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, causal: bool = False,
                           layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                          deterministic: bool | None = None, segment_ids=None):
+                          deterministic: bool | None = None, segment_ids=None, window=None, sinks=None):
     """Double ring attention over the mesh axes ``axis_name = (outer, inner)``. Call inside
     ``shard_map``; inputs are this device's shard of the combined ring (index o·I + i) in
-    layout order, ``segment_ids`` its ids [b, t/R] or None. Returns ``(o, lse)``: o like q, lse
-    float32 [b, h, t/R]."""
+    layout order, ``segment_ids`` its ids [b, t/R] or None; ``window`` and ``sinks`` as in
+    ``ring_attention``. Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
     if len(tuple(axis_name)) != 2:
         raise ValueError(f"the double ring needs axis_name = (outer, inner), got {axis_name!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic)
+                         deterministic=deterministic, window=check_window(window))
     config.backend()  # an unknown or refused kernel fails here
-    return _double_ring(q, k, v, segment_ids, tuple(axis_name), config)
+    return _double_ring(q, k, v, segment_ids, sinks, tuple(axis_name), config)
 
 
 def _schedule(axes, config: AttentionConfig):
@@ -91,12 +92,12 @@ def _backward(q, k, v, o, lse, ids_all, do, dlse, axes, config: AttentionConfig)
     saved, t = (q, o, lse, do, dlse), k.shape[1]
 
     def visit(step, j, s, kv_bits, state):
-        segments = visit_segments(schedule, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
         if step.local:
-            return local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, segments)
+            return local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, **masks)
         kv = tuple(_from_bits(x, like) for x, like in zip(kv_bits, (k, v)))
         return visit_block(schedule, me, j, s,
-                           lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, segments), state)
+                           lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, **masks), state)
 
     def send_dkv(step, state):  # the visited shard's dK/dV follow it to its next holder
         if step.dkv_hop is None:

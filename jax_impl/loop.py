@@ -4,11 +4,28 @@ gradients, and the ``custom_vjp`` that joins a forward and a backward.
 
 Shapes (per device): q, o, dq [b, t, h, d]; k, v, dk, dv [b, t, hk, d]; lse [b, h, t] float32.
 
-Packed documents: ``segments = (q_ids [b, t], kv_ids [b, t])`` — the segment ids of this
-device's queries and of the visiting K/V shard — or ``None``. Every block then runs under the
-run-time decision of :func:`schedule.document_flags` (one ``lax.switch`` on a traced index, so
-nothing recompiles per batch): skipped, its static mask alone, or the document mask too. The
-ids of every ring shard are all-gathered once per call (:func:`gather_segment_ids`), not sent with K/V.
+Run-time block masks (keyword arguments of the block functions, made per visit by
+:func:`visit_masks`):
+
+- packed documents: ``segments = (q_ids [b, t], kv_ids [b, t])`` — the segment ids of this
+  device's queries and of the visiting K/V shard — or ``None``. The ids of every ring shard are
+  all-gathered once per call (:func:`gather_segment_ids`), not sent with K/V.
+- sliding window: ``window = (left, right)`` (static, from the config) with ``shard_positions =
+  (table [R, t], q_shard, kv_shard)``: the int32 original positions of every ring shard's tokens
+  (:func:`ring_positions`: static, the layout's) and the two shards the block meets (traced or
+  ints). Kernels get ``positions = (q_pos, kv_pos)`` of the block's parts.
+
+Every block runs under one run-time decision (:func:`under_masks`: one ``lax.switch`` on a
+traced index, so nothing recompiles per batch or device) from :func:`schedule.document_flags`
+and :func:`schedule.window_flags`: skipped (no pair shares a document, or the window reaches no
+pair), else its static mask plus the document mask unless one document covers the block, plus
+the window unless it covers the block. The window's flags come from constant [R, R] tables, and
+variants that no shard pair can take are not compiled (a window wider than the sequence costs
+nothing; a block no device's window reaches is not compiled at all).
+
+Attention sinks (``sinks [h]`` float logits) enter once per row after the last merge, inside the
+``custom_vjp`` (:func:`attention_with_vjp`, :func:`add_sinks`); the block backward runs with the
+final (o, lse), and :func:`sinks_grad` is the sinks' cotangent.
 """
 
 from __future__ import annotations
@@ -18,13 +35,17 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from .comm import Comm, axis_size
 from .config import AttentionConfig
+from .layouts import layout_permutation
 from .merge import merge_partials
-from .schedule import Block, BlockMask, Part, Schedule, Step, document_flags, runs
+from .schedule import Block, BlockMask, Part, Schedule, Step, document_flags, runs, window_flags
+
+F32 = jnp.float32
 
 
 def ring_index(axes):
@@ -129,58 +150,113 @@ def shard_ids(ids_all, src, t: int):
     return lax.dynamic_slice_in_dim(ids_all, src * t, t, axis=1)
 
 
-def under_documents(block: Block, segments, run: Callable, state, *, may_skip: bool = True):
-    """``run(mask, block_segments, state)`` under the block's run-time document decision
-    (module docstring): skipped (``state`` returned; only when ``may_skip``: a device's own
-    block always holds each query's own key), ``block.mask`` alone with no ids, or the mask
-    with documents and the ids of the block's parts. ``segments`` None: ``run(block.mask, None,
-    state)``."""
-    if segments is None:
-        return run(block.mask, None, state)
-    q_ids, kv_ids = _part(segments[0], block.q_part, 1), _part(segments[1], block.kv_part, 1)
-    shared, one_document = document_flags(q_ids.min(1), q_ids.max(1), kv_ids.min(1), kv_ids.max(1))
-    branches = [lambda st: run(block.mask, None, st),
-                lambda st: run(block.mask.with_documents(), (q_ids, kv_ids), st)]
-    index = jnp.where(one_document, 0, 1)
-    if may_skip:
-        branches.insert(0, lambda st: st)
-        index = jnp.where(shared, index + 1, 0)
-    return lax.switch(index, branches, state)
+def ring_positions(layout: str, size: int, t: int) -> np.ndarray:
+    """The original position of every token of every ring shard in layout order, int32 [R, t]:
+    static, so a window's per-block decision needs no communication. Inside USP the ring
+    attention's shard is a whole ring shard (Ulysses splits it contiguously)."""
+    return layout_permutation(size * t, layout, size).astype(np.int32).reshape(size, t)
 
 
-def _segments_kw(segments) -> dict:
-    """Keyword arguments of a kernel call: segments only when the block has them (kernels
-    written before documents take none)."""
-    return {} if segments is None else {"segments": segments}
+def _concrete(x) -> bool:
+    return isinstance(x, (int, np.integer))
 
 
-def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None):
+def _window_decision(block: Block, window: tuple[int, int], shard_positions, own_block: bool):
+    """The window's part of :func:`under_masks`: (cases, reachable, covered, positions). ``cases``:
+    the static set of (reachable, covered) this block can meet — of its one shard pair when both
+    shards are ints, of (r, r) for a device's own block, else of every pair (r, src != r) of the
+    ring (a superset of the pairs the block is used for: every other shard is visited once) — so
+    that variants no device can take are not compiled. ``reachable``/``covered``: the flags of
+    this pair, looked up in [R, R] constant tables at the (possibly traced) shard indices.
+    ``positions``: (q_pos, kv_pos) of the block's parts."""
+    table, q_shard, kv_shard = shard_positions
+    size, t = table.shape
+    q_tab, kv_tab = (table[:, slice(*part.bounds(t))] for part in (block.q_part, block.kv_part))
+    reach, cover = window_flags(q_tab.min(1)[:, None], q_tab.max(1)[:, None], kv_tab.min(1)[None, :],
+                                kv_tab.max(1)[None, :], *window)  # [R, R] bool: query shard x key shard
+    if _concrete(q_shard) and _concrete(kv_shard):
+        pairs = [(int(q_shard), int(kv_shard))]
+    else:
+        pairs = [(r, c) for r in range(size) for c in range(size) if (r == c) == own_block]
+    cases = {(bool(reach[pair]), bool(cover[pair])) for pair in pairs}
+    reachable, covered = (jnp.asarray(flags)[q_shard, kv_shard] for flags in (reach, cover))
+    positions = (_part(lax.dynamic_index_in_dim(table, q_shard, keepdims=False), block.q_part, 0),
+                 _part(lax.dynamic_index_in_dim(table, kv_shard, keepdims=False), block.kv_part, 0))
+    return cases, reachable, covered, positions
+
+
+def under_masks(block: Block, run: Callable, state, *, segments=None, window=None, shard_positions=None,
+                own_block: bool = False):
+    """``run(mask, mask_arrays, state)`` under the block's run-time decision (module docstring):
+    skipped (``state`` returned), else ``mask`` = ``block.mask`` plus documents and/or the window
+    where they do not cover the block, ``mask_arrays`` the kernel's keywords for it
+    (``segments=``, ``positions=``: of the block's parts). ``own_block``: a device's own block
+    (queries and keys of one shard), never skipped: each query sees its own key. One
+    ``lax.switch`` over the variants that can occur (the window's are known statically:
+    :func:`_window_decision`); none when one can. ``segments`` and ``window`` None:
+    ``run(block.mask, {}, state)``."""
+    if segments is None and window is None:
+        return run(block.mask, {}, state)
+    keep, doc_index, doc_options = True, 0, (False,)
+    if segments is not None:
+        q_ids, kv_ids = _part(segments[0], block.q_part, 1), _part(segments[1], block.kv_part, 1)
+        shared, one_document = document_flags(q_ids.min(1), q_ids.max(1), kv_ids.min(1), kv_ids.max(1))
+        keep, doc_index, doc_options = shared, jnp.where(one_document, 0, 1), (False, True)
+    win_index, win_options, skippable = 0, (False,), segments is not None and not own_block
+    if window is not None:
+        cases, reachable, covered, positions = _window_decision(block, window, shard_positions, own_block)
+        win_options = tuple(sorted({not cov for reach, cov in cases if reach}))  # False: covered, no window
+        if not win_options:  # no device can reach this block: nothing to compile
+            return state
+        if len(win_options) == 2:
+            win_index = jnp.where(covered, 0, 1)
+        if any(not reach for reach, _ in cases):
+            keep, skippable = keep & reachable, True
+    variants = []
+    for documents in doc_options:
+        for windowed in win_options:
+            mask, arrays = block.mask, {}
+            if documents:
+                mask, arrays["segments"] = mask.with_documents(), (q_ids, kv_ids)
+            if windowed:
+                mask, arrays["positions"] = mask.with_window(window), positions
+            variants.append(partial(run, mask, arrays))
+    index = doc_index * len(win_options) + win_index
+    if skippable:
+        variants.insert(0, lambda st: st)
+        index = jnp.where(keep, index + 1, 0)
+    return variants[0](state) if len(variants) == 1 else lax.switch(index, variants, state)
+
+
+def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=None, shard_positions=None):
     """(o, lse) of a device's own block (step 0): queries against their own shard's K/V."""
-    def run(m, segs, _):
-        return backend.fwd(q, *kv, m, scale, **_segments_kw(segs))
+    def run(m, arrays, _):
+        return backend.fwd(q, *kv, m, scale, **arrays)
 
-    return under_documents(Block(Part.ALL, Part.ALL, mask), segments, run, None, may_skip=False)
+    return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
+                       shard_positions=shard_positions, own_block=True)
 
 
-def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None):
+def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, window=None, shard_positions=None):
     """(dq, dk, dv) of a device's own block; ``saved = (q, o, lse, do, dlse)``."""
     q, o, lse, do, dlse = saved
 
-    def run(m, segs, _):
-        return backend.bwd(do, q, *kv, o, lse, m, scale, dlse, **_segments_kw(segs))
+    def run(m, arrays, _):
+        return backend.bwd(do, q, *kv, o, lse, m, scale, dlse, **arrays)
 
-    return under_documents(Block(Part.ALL, Part.ALL, mask), segments, run, None, may_skip=False)
+    return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
+                       shard_positions=shard_positions, own_block=True)
 
 
-def merge_block(backend, scale, q, block: Block, kv, state, segments=None):
+def merge_block(backend, scale, q, block: Block, kv, state, segments=None, window=None, shard_positions=None):
     """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)``
-    (``segments``: see the module docstring)."""
+    (``segments``, ``window``, ``shard_positions``: see the module docstring)."""
     k_cur, v_cur = kv
 
-    def run(mask, segs, state):
+    def run(mask, arrays, state):
         o, lse = state
         o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
-                                 _part(v_cur, block.kv_part, 1), mask, scale, **_segments_kw(segs))
+                                 _part(v_cur, block.kv_part, 1), mask, scale, **arrays)
         o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
         lo, _ = block.q_part.bounds(q.shape[1])
         if block.q_part is Part.ALL:
@@ -188,33 +264,63 @@ def merge_block(backend, scale, q, block: Block, kv, state, segments=None):
         return (lax.dynamic_update_slice_in_dim(o, o_p, lo, axis=1),
                 lax.dynamic_update_slice_in_dim(lse, lse_p, lo, axis=2))
 
-    return under_documents(block, segments, run, state)
+    return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions)
 
 
-def grad_block(backend, scale, saved, block: Block, kv, state, segments=None):
+def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, window=None, shard_positions=None):
     """Add one block's gradients to ``state = (dq, dk_acc, dv_acc)`` (dk/dv of the visiting
     ``kv``); ``saved = (q, o, lse, do, dlse)`` of this device."""
     q, o, lse, do, dlse = saved
     k_cur, v_cur = kv
     qp, kp = block.q_part, block.kv_part
 
-    def run(mask, segs, state):
+    def run(mask, arrays, state):
         dq, dk_acc, dv_acc = state
         dq_b, dk_b, dv_b = backend.bwd(
             _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
-            _part(o, qp, 1), _part(lse, qp, 2), mask, scale, None if dlse is None else _part(dlse, qp, 2),
-            **_segments_kw(segs))
+            _part(o, qp, 1), _part(lse, qp, 2), mask, scale, None if dlse is None else _part(dlse, qp, 2), **arrays)
         return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
 
-    return under_documents(block, segments, run, state)
+    return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions)
 
 
-def visit_segments(schedule: Schedule, ids_all, device, j, s, t: int):
-    """``segments`` of ``device``'s visit (j, s): (its own ids, the visited shard's), from the
-    gathered ids [b, R·t] (``None``: no documents)."""
-    if ids_all is None:
-        return None
-    return shard_ids(ids_all, device, t), shard_ids(ids_all, schedule.source(device, j, s), t)
+def visit_masks(schedule: Schedule, config: AttentionConfig, ids_all, device, j, s, t: int) -> dict:
+    """The run-time mask keywords of ``device``'s visit (j, s) for the block functions (ints or
+    traced): ``segments`` (its own ids, the visited shard's) from the ids of every ring shard
+    [b, R·t] (``None``: no documents), and with ``config.window`` the window and
+    ``shard_positions`` = (:func:`ring_positions` [R, t], device, visited shard)."""
+    masks = {}
+    source = schedule.source(device, j, s)
+    if ids_all is not None:
+        masks["segments"] = shard_ids(ids_all, device, t), shard_ids(ids_all, source, t)
+    if config.window is not None:
+        masks["window"] = config.window
+        masks["shard_positions"] = ring_positions(config.layout, schedule.size, t), device, source
+    return masks
+
+
+def add_sinks(o, lse, sinks):
+    """The attention sinks entered once per row after every block merged: o [b, t, h, d],
+    lse [b, h, t], sinks [h] -> (o_f, lse_f) float32 with lse_f = logaddexp(lse, sinks[h]) and
+    o_f = o·exp(lse - lse_f) (a row that saw no key: o_f = 0, lse_f = its sink). ``sinks`` None:
+    (o, lse) unchanged."""
+    if sinks is None:
+        return o, lse
+    sink = sinks.astype(F32)[None, :, None]  # [1, h, 1]
+    lse_f = jnp.logaddexp(lse.astype(F32), sink)
+    return o.astype(F32) * jnp.swapaxes(jnp.exp(lse - lse_f), 1, 2)[..., None], lse_f
+
+
+def sinks_grad(o, lse, do, dlse, sinks):
+    """The sinks' cotangent from this device's rows: -Σ over (b, t) of P_sink·(D - dlse), with the
+    final o [b, t, h, d] and lse [b, h, t], P_sink = exp(sinks[h] - lse), D = rowsum(dO∘O)
+    (``dlse`` None: lse unused). [h] float32."""
+    p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse)  # [b, h, t]
+    delta = jnp.swapaxes(jnp.einsum("bthd,bthd->bth", do.astype(F32), o.astype(F32),
+                                    precision=lax.Precision.HIGHEST), 1, 2)  # [b, h, t]
+    if dlse is not None:
+        delta = delta - dlse.astype(F32)
+    return -jnp.sum(p_sink * delta, axis=(0, 2))
 
 
 def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids_all=None):
@@ -228,49 +334,71 @@ def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids
                 if schedule.backward_reuses_first_kv else None)
 
     def visit(step, j, s, kv, state):
-        segments = visit_segments(schedule, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
         if step.local:  # own K/V, never empty
-            return local_forward(backend, config.scale, q, kv, schedule.plan.local.mask, segments)
+            return local_forward(backend, config.scale, q, kv, schedule.plan.local.mask, **masks)
         return visit_block(schedule, me, j, s,
-                           lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, segments), state)
+                           lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, **masks), state)
 
     o, lse = walk(schedule, (k, v), None, visit, comm=config.comm, axes=axes, kv_first=kv_first)
     return o, lse, kv_first
 
 
+def varying_like(x, like):
+    """``x`` typed as varying over every mesh axis ``like`` varies over (inside a ``shard_map``
+    with ``check_vma``): a replicated input such as the sinks then gets a per-device cotangent
+    from the ``custom_vjp``, and shard_map's transpose sums it over those axes. Outside
+    shard_map, or without ``check_vma``, nothing to do (shard_map then sums unmapped inputs'
+    cotangents itself: checked in tests/multidevice/test_jax_windows.py)."""
+    missing = jax.typeof(like).manual_axis_type.varying - jax.typeof(x).manual_axis_type.varying
+    return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
 def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
-    """A differentiable ``(q, k, v, ids, axes, config: AttentionConfig) -> (o, lse)`` from
+    """A differentiable ``(q, k, v, ids, sinks, axes, config: AttentionConfig) -> (o, lse)`` from
     ``forward(q, k, v, ids, axes, config) -> (o, lse, extra)`` and ``backward(q, k, v, o, lse,
     extra, do, dlse, axes, config) -> (dq, dk, dv)``; ``extra`` (K/V the forward received, the
     gathered segment ids) is saved for the backward. ``ids``: this device's segment ids [b, t] or
-    None — an ordinary argument (a traced array cannot be static) with no cotangent. ``axes``
-    and ``config`` are static (never arrays)."""
+    None — an ordinary argument (a traced array cannot be static) with no cotangent. ``sinks``:
+    [h] float logits or None, entered after ``forward`` (:func:`add_sinks`), so ``backward`` gets
+    the final o and lse; their cotangent is :func:`sinks_grad` over this device's rows (summed
+    over the devices by shard_map's transpose of a replicated input). ``axes`` and ``config`` are
+    static (never arrays)."""
 
-    @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-    def attention(q, k, v, ids, axes, config: AttentionConfig):
-        o, lse, _ = forward(q, k.astype(q.dtype), v.astype(q.dtype), ids, axes, config)
-        return o.astype(q.dtype), lse
+    def forward_with_sinks(q, k, v, ids, sinks, axes, config):
+        o, lse, extra = forward(q, k, v, ids, axes, config)
+        o, lse = add_sinks(o, lse, sinks)
+        return o.astype(q.dtype), lse, extra
 
-    def attention_fwd(q, k, v, ids, axes, config):
+    @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+    def attention(q, k, v, ids, sinks, axes, config: AttentionConfig):
+        o, lse, _ = forward_with_sinks(q, k.astype(q.dtype), v.astype(q.dtype), ids, sinks, axes, config)
+        return o, lse
+
+    def attention_fwd(q, k, v, ids, sinks, axes, config):
         q, k, v = (x.value for x in (q, k, v))  # symbolic_zeros=True wraps the primals
-        ids = None if ids is None else ids.value
+        ids, sinks = (None if x is None else x.value for x in (ids, sinks))
         # K/V may come in float32 (Ulysses' replicated heads, so that their dK/dV leave in float32):
         # they are computed and sent in q's dtype; only the gradients keep the caller's dtype.
         kv_dtype_of = jnp.zeros((0,), k.dtype)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-        o, lse, extra = forward(q, k, v, ids, axes, config)
-        o = o.astype(q.dtype)
-        return (o, lse), (q, k, v, o, lse, extra, kv_dtype_of)
+        o, lse, extra = forward_with_sinks(q, k, v, ids, sinks, axes, config)
+        return (o, lse), (q, k, v, o, lse, extra, kv_dtype_of, sinks)
 
     def attention_bwd(axes, config, residuals, cotangents):
-        q, k, v, o, lse, extra, kv_dtype_of = residuals
+        q, k, v, o, lse, extra, kv_dtype_of, sinks = residuals
         do, dlse = cotangents
         # An unused output's cotangent stays symbolic: dlse arrives as None (as in torch_impl),
         # so the block kernels know there is none — fused kernels take no lse cotangent.
         do = jnp.zeros_like(o) if isinstance(do, SymbolicZero) else do
         dlse = None if isinstance(dlse, SymbolicZero) else dlse
         dq, dk, dv = backward(q, k, v, o, lse, extra, do, dlse, axes, config)
-        return dq.astype(q.dtype), dk.astype(kv_dtype_of.dtype), dv.astype(kv_dtype_of.dtype), None
+        dsinks = None if sinks is None else sinks_grad(o, lse, do, dlse, sinks).astype(sinks.dtype)
+        return dq.astype(q.dtype), dk.astype(kv_dtype_of.dtype), dv.astype(kv_dtype_of.dtype), None, dsinks
 
     attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
-    return attention
+
+    def attention_of_shards(q, k, v, ids, sinks, axes, config: AttentionConfig):
+        return attention(q, k, v, ids, None if sinks is None else varying_like(sinks, q), axes, config)
+
+    return attention_of_shards

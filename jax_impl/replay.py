@@ -20,9 +20,17 @@ shard's total is summed in the order the real accumulator meets them (ring and d
 step order, as it travels; all-gather: in device order, its reduce-scatter) and cast as the real
 code casts (Ulysses-replicated heads: summed over replicas in float32, then cast).
 
-    q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order)  ->  o [b, T, h, d], lse [b, h, T]
+    q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order),
+    window None | w | (left, right), sinks [h] or None  ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
     device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
+                       and, with sinks, a third item: dsinks [h/U] f32 of its rows and heads
+    replay_attention_grads -> (dq, dk, dv), and with sinks (dq, dk, dv, dsinks [h] like sinks)
+
+Windows: each visit's block decision (skip / with or without the window) is taken by the same
+``loop`` functions from the same static positions (``loop.visit_masks``). Sinks enter after a
+device's last merge (``loop.add_sinks``), and its share of their gradient is ``loop.sinks_grad``
+over its rows; the replay sums the shares in device order (the mesh: shard_map's transpose).
 
 :func:`device_forward` / :func:`device_backward` are one device's work alone (jit them with the
 device static to time it); :func:`replay_attention` / :func:`replay_attention_grads` run all of
@@ -37,9 +45,17 @@ import jax.numpy as jnp
 
 from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
 from .config import AttentionConfig
-from .loop import grad_block, local_backward, local_forward, merge_block
+from .loop import add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
 from .schedule import Exchange, Schedule, device_visits, make_schedule
-from .validation import KV_EXCHANGES, check_segment_ids, dtype_name, shape_and_dtype, validate
+from .validation import (
+    KV_EXCHANGES,
+    check_segment_ids,
+    check_sinks,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate,
+)
 
 F32 = jnp.float32
 
@@ -91,9 +107,9 @@ class Strategy:
         return q_heads, slice(head, head + 1), True
 
 
-def _config(q, causal, layout, scale, block_backend, deterministic) -> AttentionConfig:
+def _config(q, causal, layout, scale, block_backend, deterministic, window) -> AttentionConfig:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return AttentionConfig(bool(causal), layout, scale, block_backend, bool(deterministic))
+    return AttentionConfig(bool(causal), layout, scale, block_backend, bool(deterministic), window=window)
 
 
 def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
@@ -107,21 +123,20 @@ def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2)
     return x[tuple(index)]
 
 
-def _segments(ids, r: int, source: int, size: int):
-    """(ring shard r's ids, ring shard ``source``'s) of global ids [b, T], or None: what the
-    real loops slice from their gathered ids."""
-    if ids is None:
-        return None
-    ids = ids.astype(jnp.int32)
-    return _shard(ids, r, size), _shard(ids, source, size)
+def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq: int) -> dict:
+    """The run-time mask keywords of device r's ``visit``: the real loops' ``loop.visit_masks``,
+    given the global ids [b, T] (layout order: what the real loops gather) or None."""
+    ids = None if ids is None else ids.astype(jnp.int32)
+    return visit_masks(schedule, config, ids, r, visit.step.round, visit.step.inner, seq // schedule.size)
 
 
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                   segment_ids=None):
-    """Virtual device ``device``'s forward on the global q, k, v (and segment ids): its (o, lse),
-    o in q's dtype (shapes in the module docstring)."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic)
+                   segment_ids=None, window=None, sinks=None):
+    """Virtual device ``device``'s forward on the global q, k, v (and segment ids, window, sinks
+    [h]): its (o, lse), o in q's dtype, lse with the sinks of its heads (shapes in the module
+    docstring)."""
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window)
     backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
@@ -129,20 +144,22 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     o = lse = None
     for visit in device_visits(schedule, r):
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-        segments = _segments(segment_ids, r, visit.source, strategy.ring)
+        masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1])
         if visit.step.local:
-            o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, segments)
+            o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, **masks)
         elif visit.block is not None:
-            o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), segments)
+            o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), **masks)
+    o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])
     return o.astype(q.dtype), lse
 
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                     layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                    deterministic: bool = False, segment_ids=None):
+                    deterministic: bool = False, segment_ids=None, window=None, sinks=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
-    and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32})."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic)
+    and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}), and
+    with ``sinks`` a third item, its rows' share of dsinks for its heads ([h/U] float32)."""
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window)
     backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
@@ -152,15 +169,17 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     dq, contributions = None, {}
     for visit in device_visits(schedule, r):
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-        segments = _segments(segment_ids, r, visit.source, strategy.ring)
+        masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1])
         if visit.step.local:
-            dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, segments)
+            dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, **masks)
             dq, contributions[visit.source] = dq.astype(F32), (dk.astype(F32), dv.astype(F32))
         elif visit.block is not None:
             zeros = jnp.zeros(kv[0].shape, F32)
-            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros), segments)
+            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros), **masks)
             contributions[visit.source] = (dk, dv)
-    return dq.astype(q.dtype), contributions
+    if sinks is None:
+        return dq.astype(q.dtype), contributions
+    return dq.astype(q.dtype), contributions, sinks_grad(mine[1], lse_d, mine[2], dlse_d, sinks[q_heads])
 
 
 def _summation_order(schedule: Schedule, source: int) -> list[int]:
@@ -173,20 +192,22 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     return sorted(positions, key=steps.__getitem__)  # the accumulator travels with the K/V
 
 
-def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids) -> None:
+def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape)
+    check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
 
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                      scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                     segment_ids=None):
-    """(o, lse) of ``strategy`` on global q, k, v (and segment ids) in layout order, every
-    virtual device's forward run in turn on the inputs' device (module docstring)."""
-    _check(q, k, v, strategy, layout, scale, segment_ids)
+                     segment_ids=None, window=None, sinks=None):
+    """(o, lse) of ``strategy`` on global q, k, v (and segment ids, window, sinks) in layout
+    order, every virtual device's forward run in turn on the inputs' device (module docstring)."""
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks)
     outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
     rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
     o = jnp.concatenate([jnp.concatenate([o_d for o_d, _ in row], axis=2) for row in rows], axis=1)
@@ -196,13 +217,14 @@ def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layou
 
 def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                            layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                           deterministic: bool = False, segment_ids=None):
+                           deterministic: bool = False, segment_ids=None, window=None, sinks=None):
     """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
     the forward's global o and lse; every virtual device's backward run in turn, dK/dV summed as
-    the real exchange sums them. dq like q, dk and dv like k."""
-    _check(q, k, v, strategy, layout, scale, segment_ids)
+    the real exchange sums them. dq like q, dk and dv like k. With ``sinks`` [h]: (dq, dk, dv,
+    dsinks), dsinks [h] like sinks — every device's share of its heads, summed in device order."""
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u][0] for u in range(n_uly)], axis=2)
@@ -229,4 +251,9 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
             b, t, n, d = full.shape
             full = full.reshape(b, t, k.shape[2], n // k.shape[2], d).sum(3).astype(k.dtype)
         grads.append(full)
-    return dq, grads[0], grads[1]
+    if sinks is None:
+        return dq, grads[0], grads[1]
+    dsinks = jnp.zeros(sinks.shape, F32)
+    for d in range(strategy.devices):
+        dsinks = dsinks.at[strategy.head_groups(q.shape[2], k.shape[2], d % n_uly)[0]].add(outs[d][2])
+    return dq, grads[0], grads[1], dsinks.astype(sinks.dtype)

@@ -25,32 +25,35 @@ from .loop import (
     local_backward,
     ring_index,
     visit_block,
-    visit_segments,
+    visit_masks,
     walk,
     walk_forward,
 )
 from .schedule import ring_schedule
-from .validation import check_segment_ids, dtype_name, shape_and_dtype, validate_local
+from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
 def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
-                   segment_ids=None):
+                   segment_ids=None, window=None, sinks=None):
     """Ring attention over mesh axis ``axis_name`` (``None``: one device, plain attention).
 
     Call inside ``shard_map``; inputs are this device's ring shard in layout order (shapes in the
     module docstring; k/v may be float32 where q is not). ``segment_ids``: this device's ids
-    [b, t/R] (packed documents: a query sees only keys of its own id) or None. Returns
-    ``(o, lse)``: o like q, lse float32 [b, h, t/R]. ``deterministic``: see
-    ``config.default_deterministic``.
+    [b, t/R] (packed documents: a query sees only keys of its own id) or None. ``window``: None,
+    w or ``(left, right)``: query at original position i sees keys i - left..i + right.
+    ``sinks``: [h] float logits (the same on every device) or None: each row's softmax
+    denominator gains exp(sinks[h]); differentiable. Returns ``(o, lse)``: o like q, lse float32
+    [b, h, t/R] (with the sink). ``deterministic``: see ``config.default_deterministic``.
     """
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic)
+                         deterministic=deterministic, window=check_window(window))
     config.backend()  # an unknown or refused kernel fails here
-    return _ring(q, k, v, segment_ids, axis_name, config)
+    return _ring(q, k, v, segment_ids, sinks, axis_name, config)
 
 
 def _schedule(axis_name, config: AttentionConfig):
@@ -69,11 +72,11 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
     (kv_first, ids_all), saved, t = extra, (q, o, lse, do, dlse), k.shape[1]
 
     def visit(step, j, s, kv, state):
-        segments = visit_segments(schedule, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
         if step.local:
-            return local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask, segments)
+            return local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask, **masks)
         return visit_block(schedule, me, j, s,
-                           lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, segments), state)
+                           lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, **masks), state)
 
     def send_dkv(step, state):  # dK/dV of the shard just visited move on with it; R hops bring them home
         if step.dkv_hop is None:

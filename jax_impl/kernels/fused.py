@@ -10,9 +10,11 @@ q, do, o: [b, t, h, d]; k, v: [b, s, hk, d] (bf16 / fp16); lse: [b, h, t] float3
 The adapter expresses a STRICT block (j < i, stripe's later shards) as the causal block of rows
 1.. against keys ..t-1 (row 0 sees nothing: o = 0, lse = -inf; key t-1 is seen by no row), returns
 float32, and sends a backward with an lse cotangent (only when the caller uses lse) to the
-portable kernel, as torch_impl's aten adapters do. The op pairs take no segment ids: a
-document-masked block is not ``supports``-ed (so ``"auto"`` never routes one here), and one
-given anyway — the caller named this backend — runs on the portable kernel, never unmasked.
+portable kernel, as torch_impl's aten adapters do. The op pairs take no segment ids and no
+window: a document- or window-masked block is not ``supports``-ed (so ``"auto"`` never routes
+one here), and one given anyway — the caller named this backend — runs on the portable kernel,
+never unmasked. (A window that covers a whole block is dropped from its mask by the loops, so
+such blocks still reach the fused kernel.)
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
                   available: Callable[[], bool] = lambda: True) -> BlockBackend:
     """A block backend on the fused op pair ``fwd_op`` / ``bwd_op`` (module docstring)."""
 
-    def fwd(q, k, v, mask: BlockMask, scale: float, segments=None):
-        if mask.documents:
-            return reference_block_fwd(q, k, v, mask, scale, segments)
+    def fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
+        if mask.documents or mask.window is not None:
+            return reference_block_fwd(q, k, v, mask, scale, segments, positions)
         if mask.kind is MaskKind.STRICT:
             o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], CAUSAL_MASK, scale)
             b, _, h, d = q.shape
@@ -43,9 +45,9 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
         o, lse = fwd_op(q, k, v, mask.kind is MaskKind.CAUSAL, scale)
         return o.astype(F32), lse.astype(F32)
 
-    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None):
-        if dlse is not None or mask.documents:
-            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments)
+    def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
+        if dlse is not None or mask.documents or mask.window is not None:
+            return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
         if mask.kind is MaskKind.STRICT:
             dq_r, dk_r, dv_r = bwd(do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[..., 1:], CAUSAL_MASK,
                                    scale)
@@ -57,5 +59,5 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
         return tuple(g.astype(F32) for g in grads)
 
     return BlockBackend(name, fwd, bwd, typed_for_shard_map=typed_for_shard_map,
-                        supports=lambda mask, dtype: dtype in LOW_PRECISION and not mask.documents,
+                        supports=lambda mask, dtype: dtype in LOW_PRECISION and not mask.documents and mask.window is None,
                         available=available)

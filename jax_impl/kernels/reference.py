@@ -3,7 +3,8 @@ full precision, any device, any dtype. The default on CPU and for float32, and t
 the fused kernels' backward when a caller passes an lse cotangent.
 
 Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32; with a
-document mask, ``segments = (q_ids [b, t], kv_ids [b, s])``.
+document mask, ``segments = (q_ids [b, t], kv_ids [b, s])``; with a window,
+``positions = (q_pos [t], kv_pos [s])`` (int32 original token positions).
 """
 
 from __future__ import annotations
@@ -19,17 +20,25 @@ F32 = jnp.float32
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
-def mask_matrix(mask: BlockMask, t: int, s: int, segments=None):
+def mask_matrix(mask: BlockMask, t: int, s: int, segments=None, positions=None):
     """Visible (query, key) pairs in local indices, broadcastable to scores [b, hk, g, t, s]:
     [t, s] bool, [b, 1, 1, t, s] with documents, or None when every pair is visible."""
     if mask.documents != (segments is not None):
         raise ValueError(f"segments must be given exactly when the mask has documents (mask {mask}, "
                          f"segments {'given' if segments is not None else 'None'})")
+    if (mask.window is not None) != (positions is not None):
+        raise ValueError(f"positions must be given exactly when the mask has a window (mask {mask}, "
+                         f"positions {'given' if positions is not None else 'None'})")
     visible = None
     if mask.kind is not MaskKind.FULL:
         if t != s:
             raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
         visible = jnp.tril(jnp.ones((t, s), dtype=bool), k=0 if mask.kind is MaskKind.CAUSAL else -1)
+    if positions is not None:
+        (left, right), (q_pos, kv_pos) = mask.window, positions
+        q_pos, kv_pos = q_pos[:, None], kv_pos[None, :]
+        near = (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)  # [t, s]
+        visible = near if visible is None else visible & near
     if segments is not None:
         q_ids, kv_ids = segments
         same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]  # [b, 1, 1, t, s]
@@ -46,13 +55,13 @@ def _scores(q, k, scale):
     return s * jnp.asarray(scale, F32)
 
 
-def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None):
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
     """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
-    strict mask on row 0, a query whose document has no key in the block), which the LSE merge
-    treats as an empty partial."""
+    strict mask on row 0, a query whose document or window has no key in the block), which the
+    LSE merge treats as an empty partial."""
     b, t, h, d = q.shape
     s = _scores(q, k, scale)
-    visible = mask_matrix(mask, t, k.shape[1], segments)
+    visible = mask_matrix(mask, t, k.shape[1], segments, positions)
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
     row_max = jnp.max(s, axis=-1, keepdims=True)
@@ -66,7 +75,8 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None):
     return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
 
 
-def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None):
+def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
+                        positions=None):
     """Portable backward with the global ``o`` and ``lse``:
     dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
     b, t, h, d = q.shape
@@ -75,7 +85,7 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
     s = _scores(q, k, scale)
     lse_g = lse.reshape(b, hk, g, t)[..., None]
     p = jnp.exp(s - lse_g)
-    visible = mask_matrix(mask, t, k.shape[1], segments)
+    visible = mask_matrix(mask, t, k.shape[1], segments, positions)
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
     do_g = do.astype(F32).reshape(b, t, hk, g, d)

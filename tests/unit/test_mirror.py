@@ -52,17 +52,19 @@ def test_mirrors_have_the_same_files_and_public_names():
         torch_only = {"global_shape", "RingShift", "check_ranks_agree", "merge_partials_into", "KVWalk", "DKVTrail",
                       "add_grads", "walk_backward"}
         # Packed documents: both gather the ids once (gather_segment_ids) and decide per block with
-        # schedule.document_flags. JAX decides inside the traced program — under_documents (one
-        # lax.switch: skip / static mask / document mask), local_forward / local_backward (the own
-        # block's two-way switch), shard_ids / visit_segments (slices of the gathered [b, R·t]);
-        # torch decides in Python — block_work (the DocumentWork of a concrete block) and
-        # attend_block (a block's (o, lse), or None when skipped).
-        jax_only |= {"under_documents", "local_forward", "local_backward", "shard_ids", "visit_segments"}
+        # schedule.document_flags. JAX decides inside the traced program — under_masks (one
+        # lax.switch: skip / static mask / + documents / + window), local_forward / local_backward (the own
+        # block's switch), shard_ids / visit_masks (slices of the gathered [b, R·t] and the
+        # traced shard pair); torch decides in Python — block_work (the DocumentWork of a concrete
+        # block) and attend_block (a block's (o, lse), or None when skipped).
+        jax_only |= {"under_masks", "local_forward", "local_backward", "shard_ids", "visit_masks"}
         torch_only |= {"block_work", "attend_block"}
         # Windows (and documents) per visit: JAX builds a visit's mask keywords inside the traced
         # program (visit_masks: a dict; under_masks: one lax.switch over skip / mask variants);
         # torch carries them as Python objects, per call (ShardMasks, kept on the autograd
-        # context) and per visit (VisitMasks), and decides per block in Python.
-        jax_only |= {"visit_masks", "under_masks"}
+        # context) and per visit (VisitMasks), and decides per block in Python. Both share
+        # ring_positions, add_sinks and sinks_grad; varying_like types JAX's replicated sinks like q
+        # for shard_map's check_vma (torch has no such types).
+        jax_only |= {"varying_like"}
         torch_only |= {"ShardMasks", "VisitMasks"}
         assert jax_names - jax_only == torch_names - torch_only, name
