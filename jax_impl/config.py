@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .block import BlockBackend, get_backend
 from .comm import Comm, current_comm
-from .schedule import LAYOUTS
+from .schedule import LAYOUTS, kernel_window
 from .validation import check_window
 
 CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
@@ -32,7 +32,8 @@ class AttentionConfig:
     deterministic: refuse block kernels that are not run-to-run deterministic.
     comm:          the transfers' hook (``comm.Comm``; the plain one unless a probe installed one).
     window:        the sliding window ``(left, right)`` on original positions, or None (an int w
-                   or a list is normalised to the tuple by ``validation.check_window``).
+                   or a list is normalised to the pair by ``validation.check_window``); stored as
+                   the kernels apply it (``schedule.kernel_window``: causal makes right unbounded).
     """
 
     causal: bool
@@ -44,7 +45,7 @@ class AttentionConfig:
     window: tuple[int, int] | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "window", check_window(self.window))
+        object.__setattr__(self, "window", kernel_window(check_window(self.window), self.causal))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not (isinstance(self.scale, float) and math.isfinite(self.scale) and self.scale > 0):

@@ -377,6 +377,19 @@ class Schedule:
         return self.plan.from_earlier if earlier else self.plan.from_later
 
 
+UNBOUNDED = 2**30  # a window extent no position difference reaches (positions are int32)
+
+
+def kernel_window(window: tuple[int, int] | None, causal: bool) -> tuple[int, int] | None:
+    """The window as the loops and kernels apply it. Under ``causal`` no visible key comes after
+    its query, so the right extent changes nothing and is made unbounded: a block whose pairs the
+    left extent covers (the diagonal block of a wide window) then runs without the window — on a
+    fused kernel — instead of under a window mask that masks nothing more."""
+    if window is None or not causal:
+        return window
+    return window[0], UNBOUNDED
+
+
 def window_reach(layout: str, causal: bool, window: tuple[int, int] | None, shard_len: int, size: int) -> int | None:
     """How many ring steps past its own shard any device needs under ``window`` — the reach a
     of a truncated ring — or None when the whole ring is needed. Built where it pays and is

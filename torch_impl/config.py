@@ -15,7 +15,7 @@ import torch
 
 from .block import BlockBackend, get_backend
 from .comm import Comm, current_comm
-from .schedule import LAYOUTS
+from .schedule import LAYOUTS, kernel_window
 from .validation import check_window
 
 CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
@@ -33,9 +33,9 @@ class AttentionConfig:
     block_backend: name of the block kernels (``block.get_backend``).
     deterministic: refuse block kernels that are not run-to-run deterministic.
     comm:          the transfers' hook (``comm.Comm``; the plain one unless a probe installed one).
-    window:        sliding window ``(left, right)`` on original positions, or None (any value
-                   ``validation.check_window`` accepts; stored as the pair): query i sees key j only
-                   if i - left <= j <= i + right.
+    window:        the sliding window ``(left, right)`` on original positions, or None (an int w
+                   or a list is normalised to the pair by ``validation.check_window``); stored as
+                   the kernels apply it (``schedule.kernel_window``: causal makes right unbounded).
     """
 
     causal: bool
@@ -47,7 +47,7 @@ class AttentionConfig:
     window: tuple[int, int] | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "window", check_window(self.window))
+        object.__setattr__(self, "window", kernel_window(check_window(self.window), self.causal))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not (isinstance(self.scale, float) and math.isfinite(self.scale) and self.scale > 0):

@@ -66,6 +66,8 @@ def _interleaved(rng: np.random.Generator, seq: int) -> np.ndarray:
     """Runs whose ids come from a pool of about half as many ids as runs (see the module docstring):
     run 2 reuses run 0's id when there are three runs or more, and adjacent runs differ."""
     runs = long_tailed_lengths(rng, seq, median=max(seq / 10, 1.0), sigma=0.8)
+    if len(runs) < 3 <= seq:  # a long draw can leave one or two runs: then no id could come back
+        runs = np.array([seq // 3, seq // 3, seq - 2 * (seq // 3)], dtype=np.int64)
     pool = rng.choice(1000, size=max(2, len(runs) // 2), replace=False)  # arbitrary, unsorted values
     run_ids = rng.integers(0, len(pool), size=len(runs))
     for k in range(1, len(runs)):

@@ -22,7 +22,7 @@ from jax_impl.block import BlockBackend, get_backend, register_backend
 from jax_impl.comm import Comm, using
 from jax_impl.config import AttentionConfig
 from jax_impl.layouts import layout_permutation
-from jax_impl.schedule import device_visits, ring_schedule
+from jax_impl.schedule import UNBOUNDED, device_visits, ring_schedule
 
 SEQ, HEADS, KV_HEADS, DIM = 64, 4, 2, 8
 NAMES = ("o", "lse", "dq", "dk", "dv", "dsinks")
@@ -215,6 +215,8 @@ def _expected_blocks(layout: str, causal: bool, window: tuple[int, int], ids, ri
     inside the window."""
     perm = layout_permutation(SEQ, layout, ring)
     shard, (left, right) = SEQ // ring, window
+    if causal:  # no visible key is after its query: the right extent masks nothing (kernel_window)
+        right = UNBOUNDED
     out = defaultdict(list)
     for r in range(ring):
         for visit in device_visits(ring_schedule(layout, causal, ring), r):
@@ -349,8 +351,10 @@ def test_per_device_entry_points_and_replay_check_window_and_sinks(bad, error, m
 
 def test_config_normalises_the_window():
     """An int w is (w, w); a list becomes a hashable tuple (the config keys compilations)."""
-    assert AttentionConfig(True, "zigzag", 0.5, window=3).window == (3, 3)
-    assert AttentionConfig(True, "zigzag", 0.5, window=[2, 0]).window == (2, 0)
+    assert AttentionConfig(False, "zigzag", 0.5, window=3).window == (3, 3)
+    assert AttentionConfig(False, "zigzag", 0.5, window=[2, 0]).window == (2, 0)
+    # causal: no visible key is after its query, so the right extent is stored unbounded
+    assert AttentionConfig(True, "zigzag", 0.5, window=[2, 0]).window == (2, UNBOUNDED)
     hash(AttentionConfig(True, "zigzag", 0.5, window=[2, 0]))
     with pytest.raises(ValueError, match=">= 0"):
         AttentionConfig(True, "zigzag", 0.5, window=(-1, 0))

@@ -20,7 +20,16 @@ torch = pytest.importorskip("torch")
 import torch_impl
 from torch_impl import replay
 from torch_impl.block import BlockBackend, get_backend, register_backend
-from torch_impl.schedule import DocumentWork, Exchange, device_visits, document_work, make_schedule, window_flags
+from torch_impl.schedule import (
+    DocumentWork,
+    Exchange,
+    MaskKind,
+    device_visits,
+    document_work,
+    kernel_window,
+    make_schedule,
+    window_flags,
+)
 from torch_impl.validation import check_window
 from torch_tasks import bad_window_or_sinks_task, documents_task
 
@@ -185,7 +194,8 @@ def expected_calls(schedule, layout, window, ids_layout=None, seq: int = T) -> d
     columns, window mask?): the documented decision — ``window_flags`` on the parts' position
     ranges and ``document_work`` on their id ranges."""
     ring = schedule.size
-    shard, (left, right) = seq // ring, check_window(window)
+    causal = schedule.plan.local.mask.kind is not MaskKind.FULL
+    shard, (left, right) = seq // ring, kernel_window(check_window(window), causal)
     perm = torch_impl.layout_permutation(seq, layout, ring)
     out = {}
     for r in range(ring):
@@ -229,8 +239,8 @@ def brute_force_calls(schedule, layout, window, seq: int = T) -> dict[int, list]
             q_pos, kv_pos, static = block_pairs(visit, r, shard, perm)
             offset = kv_pos[None, :] - q_pos[:, None]
             inside = (offset >= -left) & (offset <= right)
-            if (static & inside).any() or visit.step.local:
-                calls.append((False, len(q_pos), len(kv_pos), not inside.all()))
+            if (static & inside).any() or visit.step.local:  # windowed iff it drops a visible pair
+                calls.append((False, len(q_pos), len(kv_pos), not (inside | ~static).all()))
         out[r] = calls
     return out
 

@@ -22,7 +22,7 @@ from torch_impl import replay
 from torch_impl.block import get_backend
 from torch_impl.config import AttentionConfig
 from torch_impl.loop import VisitMasks, add_sinks, attend_block, ring_positions, sinks_grad
-from torch_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, Block, BlockMask, Part
+from torch_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, UNBOUNDED, Block, BlockMask, Part
 
 F64 = torch.float64
 
@@ -257,8 +257,10 @@ def test_dense_attention_is_attention_written_row_by_row(causal, window, seed):
 # ---- configuration and the per-device entry points ---------------------------------------------
 
 def test_attention_config_normalises_and_checks_the_window():
-    assert AttentionConfig(True, "zigzag", 1.0, window=3).window == (3, 3)
-    assert AttentionConfig(True, "zigzag", 1.0, window=[2, 0]).window == (2, 0)
+    assert AttentionConfig(False, "zigzag", 1.0, window=3).window == (3, 3)
+    assert AttentionConfig(False, "zigzag", 1.0, window=[2, 0]).window == (2, 0)
+    # causal: no visible key is after its query, so the right extent is stored unbounded
+    assert AttentionConfig(True, "zigzag", 1.0, window=[2, 0]).window == (2, UNBOUNDED)
     assert AttentionConfig(True, "zigzag", 1.0).window is None
     hash(AttentionConfig(True, "zigzag", 1.0, window=[2, 0]))  # static: a hashable config
     with pytest.raises(ValueError, match="window extents must be >= 0"):
