@@ -113,14 +113,10 @@ def assert_within_policy(got: dict, truth: dict, dtype: str, control: dict | Non
 
 
 def ids_with_gaps(b: int, n: int, gen) -> torch.Tensor:
-    """Packed ids in runs of 1-7, values from a small set so a value recurs in runs apart."""
-    rows = []
-    for _ in range(b):
-        row = []
-        while len(row) < n:
-            row += [int(torch.randint(0, 4, (1,), generator=gen))] * int(torch.randint(1, 8, (1,), generator=gen))
-        rows.append(row[:n])
-    return torch.tensor(rows, dtype=torch.int32)
+    """Packed ids [b, n] in runs of 1-7, values from a small set so a value recurs in runs apart."""
+    values = torch.randint(0, 4, (b, n), generator=gen)
+    lengths = torch.randint(1, 8, (b, n), generator=gen)
+    return torch.stack([torch.repeat_interleave(values[r], lengths[r])[:n] for r in range(b)]).int()
 
 
 def make_block(mask: BlockMask, heads: int, kv_heads: int, gen, t: int = 24, s: int | None = None, d: int = 16):
@@ -195,12 +191,18 @@ def test_flex_block_matches_float64_truth_and_the_portable_kernel(case, seed):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("mask", [FULL_MASK, STRICT_MASK, BlockMask("causal", documents=True, window=(5, 0)),
-                                  BlockMask("full", documents=True)], ids=str)
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2)], ids=["gqa"])
-def test_flex_block_bfloat16_within_policy(mask, heads, kv_heads, seed):
-    """bf16 inputs: every tensor within the low-precision policy (2 × the same-dtype dense
-    control's error + a quarter-ulp floor) of the float64 truth on the same rounded inputs."""
+BF16_CASES = [(FULL_MASK, "operator"), (BlockMask("causal", documents=True, window=(5, 0)), "operator"),
+              (BlockMask("causal", documents=True, window=(5, 0)), "recompute"), (BlockMask("full", documents=True), "operator")]
+
+
+@pytest.mark.parametrize("mask,route", BF16_CASES, ids=[f"{m.kind.value}{'-documents' if m.documents else ''}"
+                                                        f"{'-window' if m.window else ''}-{r}" for m, r in BF16_CASES])
+def test_flex_block_bfloat16_within_policy(mask, route, monkeypatch, seed):
+    """bf16 inputs, GQA: every tensor within the low-precision policy (2 × the same-dtype dense
+    control's error + a quarter-ulp floor) of the float64 truth on the same rounded inputs, by
+    either backward route."""
+    monkeypatch.setitem(flex.BACKWARD_ROUTES, "cpu", route)
+    heads, kv_heads = 4, 2
     gen = torch.Generator().manual_seed(seed)
     q, k, v, do, dlse, extra = make_block(mask, heads, kv_heads, gen, 48)
     q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
@@ -216,17 +218,24 @@ def test_flex_block_bfloat16_within_policy(mask, heads, kv_heads, seed):
 
 # ---- the backward with a GLOBAL o / lse --------------------------------------------------------------
 
-@pytest.mark.parametrize("first,documents,window,heads,kv_heads", [
-    (FULL_MASK, False, None, 4, 4), (FULL_MASK, True, (9, 2), 4, 2),
-    (STRICT_MASK, True, None, 4, 4), (STRICT_MASK, False, (9, 2), 4, 1),
-], ids=["full-mha", "full-documents-window-gqa", "strict-documents-mha", "strict-window-mqa"])
+MERGED = [(FULL_MASK, False, None, 4, 4, "operator"), (FULL_MASK, True, (9, 2), 4, 2, "operator"),
+          (STRICT_MASK, True, None, 4, 4, "operator"), (STRICT_MASK, False, (9, 2), 4, 1, "operator"),
+          (FULL_MASK, True, (9, 2), 4, 2, "recompute"), (STRICT_MASK, False, (9, 2), 4, 1, "recompute")]
+
+
+@pytest.mark.parametrize("first,documents,window,heads,kv_heads,route", MERGED, ids=[
+    f"{m.kind.value}{'-documents' if d else ''}{'-window' if w else ''}-{({4: 'mha', 2: 'gqa', 1: 'mqa'})[hk]}-{r}"
+    for m, d, w, _, hk, r in MERGED])
 def test_per_block_gradients_with_the_merged_o_lse_sum_to_the_true_gradient(first, documents, window, heads,
-                                                                           kv_heads, seed):
+                                                                           kv_heads, route, monkeypatch, seed):
     """Two blocks of one query shard — keys A under ``first`` (full: an earlier shard; strict: a
     stripe's later shard) and keys B under causal (the own shard) — merged with merge_partials into
     the global (o, lse); each block's backward given that GLOBAL o / lse (and the global lse's
     cotangent) yields gradients whose sum (dq) and concatenation (dk, dv) equal the float64
-    gradients of attention over A ∪ B."""
+    gradients of attention over A ∪ B — by either backward route (module docstring: (a) torch's
+    backward operator given the global o / lse, (b) the block's forward recomputed and
+    differentiated with rescaled cotangents)."""
+    monkeypatch.setitem(flex.BACKWARD_ROUTES, "cpu", route)
     gen = torch.Generator().manual_seed(seed)
     t, d, scale = 32, 16, 0.3
     q, do = (torch.randn(2, t, heads, d, generator=gen) for _ in range(2))
@@ -352,6 +361,10 @@ def test_the_compiled_path_traces_once_per_variant_and_not_per_data(monkeypatch,
     eagerly on CPU): fullgraph tracing succeeds, new ids / positions / values reuse the graph (one
     forward and one backward graph per static variant and shape), and the results equal the
     uncompiled ones."""
+    if not flex.operator_backward_compiles():
+        pytest.skip(f"torch {torch.__version__}'s dynamo cannot trace the flex backward operator alone: "
+                    "compiled, the recompute route runs, and its compiled forward needs CUDA")
+    monkeypatch.setattr(flex, "BACKWARD_ROUTES", {})
     graphs = []
 
     def counting(gm, example_inputs):
@@ -367,6 +380,7 @@ def test_the_compiled_path_traces_once_per_variant_and_not_per_data(monkeypatch,
         eager.append(((q, k, v, do, dlse, extra), (o, lse, *flex.flex_block_bwd(do, q, k, v, o, lse, mask, 0.3, dlse,
                                                                                 **extra))))
     monkeypatch.setitem(flex.COMPILE_BACKENDS, "cpu", counting)
+    assert flex.backward_route("cpu") == "operator"
     for (q, k, v, do, dlse, extra), want in eager:
         o, lse = flex.flex_block_fwd(q, k, v, mask, 0.3, **extra)
         got = (o, lse, *flex.flex_block_bwd(do, q, k, v, o, lse, mask, 0.3, dlse, **extra))

@@ -17,43 +17,55 @@ window q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right) plus a FlexAttention ``
 bounds, the smallest and largest id and position of each tile's rows and columns (the same tests
 as ``schedule.document_flags`` / ``window_flags``) — never from a [t, s] mask: empty (skipped),
 full (the kernel skips ``mask_mod``) or partial (``mask_mod`` decides each pair). Empty and full
-are sound for any ids and positions; for data that is not one sorted run per document the test
-may call a tile partial that is in fact empty, which costs time, never correctness. Static masks
+are sound for any ids and positions, and exact when each document is a run of consecutive ids
+along the original order and positions are contiguous (zigzag, contiguous); otherwise a tile may
+be called partial that is in fact empty, which costs time, never correctness. Static masks
 (no documents, no window) are cached per shape; the others cost a few [b, t / TILE, s / TILE]
 tensor ops per call, with no host synchronisation.
 
-**The backward with the global o and lse** (route (a) of issue 25's "Fast kernels" item). The
-public ``flex_attention`` differentiates only with its own o and lse. Its backward is the
-higher-order operator ``torch.ops.higher_order.flex_attention_backward(q, k, v, out, logsumexp,
-grad_out, grad_logsumexp, score_mod, joint_graph, block_mask, scale, kernel_options, (), ())``
-(torch/_higher_order_ops/flex_attention.py), which takes out and logsumexp as arguments: we call
-it with the global ones. Its conventions, read from torch's source and checked by the tests:
-logsumexp is in base 2 (lse / ln 2) and grad_logsumexp is the cotangent of that base-2 value
-(dlse · ln 2); with ``joint_graph=None`` the joint graph of the score_mod (the identity here) is
-derived, eagerly by the operator and under torch.compile by dynamo. The kernels use ``out`` only
-through delta = rowsum(dO ∘ O) − dlse (dS = P ∘ (dP − delta)), so we pass out = 0 and fold the
-float32 rowsum of the global o into the lse cotangent: grad_logsumexp = (dlse − rowsum(dO ∘ O)) ·
-ln 2. The global o thus never rounds to the input dtype, and a given ``dlse`` is taken as is (no
-fallback to the portable kernel is needed). The operator is private: its argument list can
-change between torch releases; it is used here only, and checked on a GPU by
-``tests/gpu/test_one_gpu_kernels.py``.
+**The backward with the global o and lse.** The public ``flex_attention`` differentiates only
+with its own o and lse; a block's gradient needs the global ones. Two routes (issue 25, "Fast
+kernels"), chosen once per device type by :func:`backward_route` (or set in :data:`BACKWARD_ROUTES`,
+e.g. to time one against the other):
 
-Why not route (b) — the autograd of the public op with rescaled cotangents (do_b = w·do, dlse_b
-= w·(rowsum(do ∘ o_b) − rowsum(do ∘ o) + dlse), w = exp(lse_b − lse)): it recomputes the block's
-forward inside the backward, and torch's public op has no backward on CPU at all.
+(a) ``"operator"`` — preferred: torch's flex backward higher-order operator,
+``torch.ops.higher_order.flex_attention_backward(q, k, v, out, logsumexp, grad_out,
+grad_logsumexp, score_mod, joint_graph, block_mask, scale, kernel_options, (), ())``
+(torch/_higher_order_ops/flex_attention.py), takes out and logsumexp as arguments: we give it
+the global ones. Its conventions (torch's source; checked by the tests): logsumexp in base 2
+(lse / ln 2), grad_logsumexp the cotangent of that (dlse · ln 2); ``joint_graph=None`` lets the
+operator (eager) or dynamo (compiled) derive the identity score_mod's joint graph. The kernels
+read ``out`` only through delta = rowsum(dO ∘ O) − dlse (dS = P ∘ (dP − delta)), so we pass
+out = 0 and grad_logsumexp = (dlse − rowsum(dO ∘ O)) · ln 2 with the rowsum of the float32
+global o: o is never rounded to the input dtype, and a given dlse is taken as is. Eagerly it runs
+on any torch; compiled it needs a dynamo that traces the operator called on its own (torch 2.13
+does; torch 2.11, on the GPU machines in 2026-11, does not: "Missing Dynamo support for
+FlexAttentionBackward HOP argument").
+
+(b) ``"recompute"`` — where (a) does not compile: the block's forward is run again with autograd
+(o_b, lse_b) and differentiated with rescaled cotangents. With w = exp(lse_b − lse) (0 where
+lse_b = −inf), P = w·P_b, and the block's share of the global gradient is dS = P ∘ (dP − D +
+dlse), D = rowsum(dO ∘ O). The autograd of (o_b, lse_b) with cotangents (do_b, dlse_b) gives
+dS_b = P_b ∘ (do_b Vᵀ − rowsum(do_b ∘ o_b) + dlse_b) and dV = P_bᵀ do_b; so do_b = w·dO and
+dlse_b = rowsum(do_b ∘ o_b) − w·(D − dlse) give dS_b = w·P_b ∘ (dP − D + dlse) = dS and
+dV = Pᵀ dO (the tests check it equals (a) and the truth). It costs one more block forward. On
+CUDA the forward is the compiled public op; elsewhere (the public op has no CPU backward) the
+forward operator under autograd, eagerly.
+
+The operators are private: their argument lists can change between torch releases; they are
+used here only, and checked on a GPU by ``tests/gpu/test_one_gpu_kernels.py``.
 
 **Compilation.** FlexAttention is only fast compiled. On device types listed in
-:data:`COMPILE_BACKENDS` (CUDA: inductor's Triton kernels, ``BACKEND="TRITON"`` for both passes:
-the FLASH backend takes no lse cotangent) the forward and backward run through ``torch.compile(
-fullgraph=True, dynamic=False)``, one compiled callable per static variant (pass, mask kind,
-documents, window, dtype) built once per process. Ids, positions and tiles are tensors (the
-mask_mod's captured tensors and the BlockMask's are graph inputs), so new data never recompiles;
-a new block shape compiles once. Dynamo keeps its compiled entries and its recompile limit (8)
-per code object, and the variants of a run (up to 3 kinds × documents × window × block shapes)
-exceed 8, so each variant's function is a copy with its own code object (:func:`_own_code`).
-Elsewhere (CPU) the same functions run eagerly: torch's unfused math path, which materialises
-the [b, h, t, s] scores — correct, for tests only ("reference" is the CPU kernel), and where
-``BlockMask`` tiles are not used (:func:`tile_visibility` is tested on its own).
+:data:`COMPILE_BACKENDS` (CUDA: inductor's Triton kernels, ``BACKEND="TRITON"``: the FLASH
+backend takes no lse cotangent) the passes run through ``torch.compile(fullgraph=True,
+dynamic=False)``, one compiled callable per static variant (function, mask kind, documents,
+window, dtype) built once per process. Ids, positions and tiles are tensors (the mask_mod's
+captured tensors and the BlockMask's are graph inputs), so new data never recompiles; a new block
+shape compiles once. Dynamo keeps compiled entries, and its recompile limit (8), per code object,
+and a run's variants × block shapes exceed 8: each variant runs a copy of the function with a
+code object of its own (:func:`_own_code`). Elsewhere (CPU) the functions run eagerly on torch's
+unfused math path, which materialises the [b, h, t, s] scores and ignores the tiles — correct,
+for tests only ("reference" is the CPU kernel); :func:`tile_visibility` is tested on its own.
 
 Not in ``"auto"``'s routing table: selectable by name (``block_backend="flex"``) until the lead
 has measured it on a GPU.
@@ -71,7 +83,6 @@ import torch
 from ..block import LOW_PRECISION, BlockBackend, register_backend
 from ..schedule import BlockMask, MaskKind
 
-F32 = torch.float32
 LN2 = math.log(2.0)
 TILE = 128  # FlexAttention's default sparse block size (query rows × key columns per tile)
 # torch.compile backend per device type; a device type not listed runs the flex functions eagerly.
@@ -84,15 +95,16 @@ _BACKWARD_OPTIONS = {"BACKEND": "TRITON", "PRESCALE_QK": False, "ROWS_GUARANTEED
 
 
 def _flex():
-    """torch's FlexAttention pieces (None where this torch has none)."""
+    """torch's FlexAttention pieces: (public module, forward operator, backward operator), or
+    None where this torch has none."""
     try:
-        from torch._higher_order_ops.flex_attention import flex_attention_backward
+        from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
         from torch.nn.attention import flex_attention as api
     except ImportError:
         return None
     if not all(hasattr(api, n) for n in ("flex_attention", "BlockMask", "AuxRequest", "and_masks", "noop_mask")):
         return None
-    return api, flex_attention_backward
+    return api, flex_attention, flex_attention_backward
 
 
 _PIECES = _flex()  # resolved once: the compiled functions read it as a global
@@ -137,7 +149,7 @@ def _positions(positions, device):
 def mask_mod_for(mask: BlockMask, segments=None, positions=None):
     """The FlexAttention ``mask_mod(b, h, i, j) -> bool`` of ``mask`` (local indices; ``segments``
     and ``positions`` as device int32 tensors, given when ``mask`` has documents / a window)."""
-    api, _ = _PIECES
+    api = _PIECES[0]
     conditions = {MaskKind.CAUSAL: [_causal], MaskKind.STRICT: [_strict]}.get(mask.kind, [])
     if mask.documents:
         q_ids, kv_ids = segments
@@ -225,7 +237,7 @@ def block_mask_for(mask: BlockMask, t: int, s: int, device, segments=None, posit
 
 
 def _build(mask, t, s, device, segments, positions):
-    api, _ = _PIECES
+    api = _PIECES[0]
     some, every = tile_visibility(mask, t, s, device, segments, positions)
     return api.BlockMask.from_kv_blocks(*_ordered(some & ~every), *_ordered(every), BLOCK_SIZE=TILE,
                                         mask_mod=mask_mod_for(mask, segments, positions), seq_lengths=(t, s))
@@ -243,25 +255,47 @@ def _score_identity(score, b, h, i, j):
 
 
 def _forward(q, k, v, block_mask, scale):
-    """q: [b, t, h, d], k, v: [b, s, hk, d] -> (o [b, t, h, d] input dtype, lse [b, h, t] float32, natural log)."""
-    api, _ = _PIECES
+    """q: [b, t, h, d], k, v: [b, s, hk, d] -> (o [b, t, h, d] input dtype, lse [b, h, t] float32,
+    natural log), through the public op (differentiable where torch has its backward: not on CPU)."""
+    api = _PIECES[0]
     o, aux = api.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
                                 scale=scale, enable_gqa=q.shape[2] != k.shape[2],
                                 return_aux=api.AuxRequest(lse=True), kernel_options=_TRITON)
     return o.transpose(1, 2), aux.lse
 
 
+def _operator_forward(q, k, v, block_mask, scale):
+    """:func:`_forward` through the forward operator itself, differentiable on any device (the
+    public op refuses CPU inputs that require grad): the recompute route's eager forward."""
+    out = _PIECES[1](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _score_identity,
+                     block_mask.as_tuple(), scale, dict(_BACKWARD_OPTIONS))
+    return out[0].transpose(1, 2), out[1] * LN2  # the operator's lse is in base 2
+
+
 def _backward(do, q, k, v, o, lse, dlse, block_mask, scale):
-    """dq [b, t, h, d], dk, dv [b, s, hk, d] (input dtype) for the global o, lse and the lse
-    cotangent dlse (zeros when lse is unused), through torch's flex backward operator (module docstring)."""
-    _, flex_attention_backward = _PIECES
+    """Route (a): dq [b, t, h, d], dk, dv [b, s, hk, d] (input dtype) for the global o, lse and
+    the lse cotangent dlse (zeros when lse is unused), through torch's flex backward operator."""
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2)  # [b, h, t] float32: rowsum(dO ∘ O), global O
     grad_out = do.to(q.dtype).transpose(1, 2)
-    dq, dk, dv, _ = flex_attention_backward(
+    dq, dk, dv, _ = _PIECES[2](
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), torch.zeros_like(grad_out), lse.float() / LN2,
         grad_out, (dlse.float() - delta) * LN2, _score_identity, None, block_mask.as_tuple(), scale,
         dict(_BACKWARD_OPTIONS), (), ())
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _recompute_backward(do, q, k, v, o, lse, dlse, block_mask, scale, forward):
+    """Route (b): the same gradients as :func:`_backward`, from the autograd of ``forward``'s
+    (o_b, lse_b) with the cotangents of the module docstring."""
+    with torch.enable_grad():
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        o_b, lse_b = forward(q, k, v, block_mask, scale)
+        with torch.no_grad():
+            w = torch.where(torch.isneginf(lse_b), 0.0, torch.exp(lse_b - lse))  # [b, h, t]; 0 for empty rows
+            do_b = (do.float() * w.transpose(1, 2)[..., None]).to(o_b.dtype)
+            delta = (do.float() * o.float()).sum(-1).transpose(1, 2)
+            dlse_b = (do_b.float() * o_b.float()).sum(-1).transpose(1, 2) - w * (delta - dlse)
+        return torch.autograd.grad((o_b, lse_b), (q, k, v), (do_b, dlse_b))
 
 
 def _own_code(fn, tag: str):
@@ -288,10 +322,37 @@ def _runner(fn, mask: BlockMask, dtype, device):
     return _COMPILED[key]
 
 
+# device type -> "operator" (route (a)) or "recompute" (route (b)); unset: chosen by backward_route.
+BACKWARD_ROUTES: dict[str, str] = {}
+
+
+def operator_backward_compiles() -> bool:
+    """Whether this torch's dynamo traces the flex backward operator called on its own (route (a)
+    compiled): one tiny CPU trace, run eagerly. False where dynamo reports the operator unsupported."""
+    from torch._dynamo.exc import Unsupported
+
+    x = torch.zeros(1, 4, 1, 8)
+    lse = torch.zeros(1, 1, 4)
+    probe = torch.compile(_own_code(_backward, "probe"), backend="eager", fullgraph=True)
+    try:
+        probe(x, x, x, x, x, lse, lse, block_mask_for(BlockMask(MaskKind.CAUSAL), 4, 4, "cpu"), 1.0)
+    except Unsupported:
+        return False
+    return True
+
+
+def backward_route(device_type: str) -> str:
+    """The backward route for inputs on ``device_type`` (:data:`BACKWARD_ROUTES`, else chosen once:
+    "operator" when the passes run eagerly there or the operator compiles, else "recompute")."""
+    if device_type not in BACKWARD_ROUTES:
+        eager = COMPILE_BACKENDS.get(device_type) is None
+        BACKWARD_ROUTES[device_type] = "operator" if eager or operator_backward_compiles() else "recompute"
+    return BACKWARD_ROUTES[device_type]
+
+
 def flex_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
     """The block forward (module docstring): (o [b, t, h, d] input dtype, lse [b, h, t] float32)."""
-    b, t = q.shape[:2]
-    s = k.shape[1]
+    t, s = q.shape[1], k.shape[1]
     _check_block(mask, t, s, segments, positions)
     block_mask = block_mask_for(mask, t, s, q.device, segments, positions)
     run = _runner(_forward, mask, q.dtype, q.device)
@@ -300,14 +361,18 @@ def flex_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positi
 
 def flex_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
     """The block backward with the global ``o`` and ``lse`` (and ``dlse``, their lse cotangent,
-    or None): (dq [b, t, h, d], dk, dv [b, s, hk, d]) in the input dtype."""
+    or None): (dq [b, t, h, d], dk, dv [b, s, hk, d]) in the input dtype, by :func:`backward_route`."""
     t, s = q.shape[1], k.shape[1]
     _check_block(mask, t, s, segments, positions)
     block_mask = block_mask_for(mask, t, s, q.device, segments, positions)
     lse = lse.float().contiguous()
     dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()  # one compiled variant
-    run = _runner(_backward, mask, q.dtype, q.device)
-    return run(do.detach(), q.detach(), k.detach(), v.detach(), o.detach(), lse, dlse, block_mask, float(scale))
+    args = (do.detach(), q.detach(), k.detach(), v.detach(), o.detach(), lse, dlse, block_mask, float(scale))
+    if backward_route(q.device.type) == "operator":
+        return _runner(_backward, mask, q.dtype, q.device)(*args)
+    compiled = COMPILE_BACKENDS.get(q.device.type) is not None
+    forward = _runner(_forward, mask, q.dtype, q.device) if compiled else _operator_forward
+    return _recompute_backward(*args, forward)
 
 
 def supports(mask: BlockMask, dtype: str) -> bool:
