@@ -150,8 +150,8 @@ def mask_mod_for(mask: BlockMask, segments=None, positions=None):
     """The FlexAttention ``mask_mod(b, h, i, j) -> bool`` of ``mask`` (local indices; ``segments``
     and ``positions`` as device int32 tensors, given when ``mask`` has documents / a window).
     The tensors are captured by closure, which dynamo lifts into graph inputs (new data, same
-    graph); bound as default arguments instead, a compiled flex reused the first call's tensors
-    (seen with torch 2.11 on an H100: wrong o and lse for the second block)."""
+    graph); bound as default arguments of a mask_mod defined in a loop instead, the compiled op
+    gave wrong o and lse for the second of two blocks (torch 2.11, H100; not root-caused)."""
     api = _PIECES[0]
     conditions = {MaskKind.CAUSAL: [_causal], MaskKind.STRICT: [_strict]}.get(mask.kind, [])
     if mask.documents:
