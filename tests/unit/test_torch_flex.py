@@ -2,9 +2,10 @@
 CPU: forward and backward for every static mask kind, with packed documents and with a window on
 original positions, against a float64 masked computation and the portable kernel (float32, and
 bf16 within the numerics policy); the backward given a GLOBAL o / lse merged from two blocks
-(per-block gradients sum to the true gradient, lse cotangent included); GQA / MQA; the tile
-classification behind the kernel's block sparsity (which CPU's unfused math path does not use:
-it is checked here on its own, against the pairs and against torch's create_block_mask); the
+(per-block gradients sum to the true gradient, lse cotangent included) by both backward routes
+(torch's backward operator; the recomputed forward with rescaled cotangents); GQA / MQA; the tile
+classification behind the kernel's block sparsity (which CPU's unfused math path does not use: it
+is checked here on its own, against the pairs and against torch's create_block_mask); the
 compiled path traced by dynamo (a counting backend) without recompiling on new data."""
 
 from __future__ import annotations
