@@ -164,8 +164,8 @@ HEAD_LAYOUTS = ((4, 4), (4, 2), (4, 1))  # MHA, GQA, MQA: one per variant, in tu
 def test_flex_block_matches_float64_truth_and_the_portable_kernel(case, seed):
     """float32: o, lse (fwd) and dq, dk, dv (bwd with its own o / lse and an lse cotangent) within
     1e-5 relative of the float64 masked attention; rows with no visible key o = 0, lse = -inf,
-    dq = 0; without a window also equal (to float32 rounding) to the reference kernel. MHA, GQA
-    and MQA in turn over the variants."""
+    dq = 0; also equal (to float32 rounding) to the reference kernel. MHA, GQA and MQA in turn
+    over the variants."""
     mask, (heads, kv_heads) = variants()[case].values[0], HEAD_LAYOUTS[case % 3]
     gen = torch.Generator().manual_seed(seed)
     s = 24 if mask.kind is not MaskKind.FULL else 17  # a full block may be rectangular (zigzag halves)
@@ -184,12 +184,11 @@ def test_flex_block_matches_float64_truth_and_the_portable_kernel(case, seed):
         assert empty.any(), "the case must hold rows with no visible key"
     assert torch.all(o[empty] == 0) and torch.all(dq[empty] == 0)
     assert torch.all(lse.transpose(1, 2)[empty] == float("-inf"))
-    if mask.window is None:
-        ref = get_backend("reference")
-        o_r, lse_r = ref.fwd(q, k, v, mask, scale, **extra)
-        want = (o_r, lse_r, *ref.bwd(do, q, k, v, o_r, lse_r, mask, scale, dlse, **extra))
-        for name, g, w in zip(NAMES, got.values(), want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+    ref = get_backend("reference")
+    o_r, lse_r = ref.fwd(q, k, v, mask, scale, **extra)
+    want = (o_r, lse_r, *ref.bwd(do, q, k, v, o_r, lse_r, mask, scale, dlse, **extra))
+    for name, g, w in zip(NAMES, got.values(), want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
 
 
 BF16_CASES = [(FULL_MASK, "operator"), (BlockMask("causal", documents=True, window=(5, 0)), "operator"),
