@@ -217,14 +217,15 @@ def test_gpu_flex_block_matches_float64_truth_and_portable_kernel(kind, document
     truth = _flex_dense(q, k, v, visible, scale, do, dlse, torch.float64)
     control = _flex_dense(q, k, v, visible, scale, do, dlse, torch.bfloat16)
     _flex_check(got, truth, control, str(mask))
-    ref = get_backend("reference")
+    ref = get_backend("reference")  # the portable kernel on the same bf16 inputs: relative L2 within bf16 rounding
     o_r, lse_r = ref.fwd(q, k, v, mask, scale, **extra)
-    torch.testing.assert_close(o.float(), o_r, atol=2e-2, rtol=2e-2)
     fin = torch.isfinite(lse_r)
     assert torch.equal(torch.isfinite(lse), fin)
     torch.testing.assert_close(lse[fin], lse_r[fin], atol=2e-3, rtol=1e-3)
-    for g_f, g_r in zip(grads, ref.bwd(do, q, k, v, o, lse, mask, scale, dlse, **extra)):
-        torch.testing.assert_close(g_f.float(), g_r, atol=5e-2, rtol=5e-2)
+    for name, g_f, g_r in zip(("o", "dq", "dk", "dv"), (o, *grads),
+                              (o_r, *ref.bwd(do, q, k, v, o, lse, mask, scale, dlse, **extra))):
+        rel = (torch.linalg.vector_norm(g_f.float() - g_r) / torch.linalg.vector_norm(g_r)).item()
+        assert rel <= 2e-2, f"{mask} {name}: relative L2 {rel:.2e} from the portable kernel"
 
 
 @pytest.mark.parametrize("route", ["operator", "recompute"])
