@@ -240,10 +240,14 @@ def test_gpu_flex_backward_with_merged_global_o_lse(route, monkeypatch, seed):
     flex = _flex_route(route, monkeypatch)
     t = 4096
     full = BlockMask("full", documents=True, window=(3000, 0))
-    q, k, v, do, dlse, extra = _flex_case(full, seed, t=t, s=2 * t)  # keys: the earlier shard, then the own one
-    (q_ids, ids), (q_pos, pos) = extra["segments"], extra["positions"]
+    q, k_a, v_a, do, dlse, extra = _flex_case(full, seed, t=t, s=t)  # queries: tokens t..2t-1; keys A: 0..t-1
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    k_b, v_b = (torch.randn(k_a.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))  # keys B: own tokens
+    k, v = torch.cat([k_a, k_b], dim=1), torch.cat([v_a, v_b], dim=1)
+    (q_ids, a_ids), (q_pos, a_pos) = extra["segments"], extra["positions"]
     blocks = [(full, slice(0, t)), (BlockMask("causal", documents=True, window=(3000, 0)), slice(t, 2 * t))]
-    kw = [{"segments": (q_ids, ids[:, keys]), "positions": (q_pos, pos[keys])} for _, keys in blocks]
+    kw = [{"segments": (q_ids, a_ids), "positions": (q_pos, a_pos)},
+          {"segments": (q_ids, q_ids), "positions": (q_pos, q_pos)}]
     scale = q.shape[-1] ** -0.5
     parts = [flex.fwd(q, k[:, keys], v[:, keys], m, scale, **e) for (m, keys), e in zip(blocks, kw)]
     o, lse = merge_partials(*parts[1], *parts[0])
