@@ -93,3 +93,172 @@ def test_block_backend_matches_float64_truth_at_4096_tokens(framework, backend, 
     bad = [(r.case.tq, r.case.tk, r.status, {n: (t.max_abs, t.tolerance) for n, t in r.tensors.items() if not t.ok})
            for r in results if r.status != "pass"]
     assert not bad, bad
+
+
+# ---- "flex": torch FlexAttention with every block mask inside the kernel (compiled) -----------------
+
+def _flex_case(mask, seed: int, t: int = 4096, s: int | None = None, heads: int = 8, kv_heads: int = 2, d: int = 128):
+    """bf16 q, k, v, do [1, ., ., d] (CUDA), an lse cotangent, and the block's ids / positions:
+    queries are the last t tokens of one original sequence of t + s tokens, keys its first s (a
+    causal / strict block: the queries' own tokens); documents are runs of 1-1500 tokens of
+    consecutive ids, so blocks hold whole, cut and absent documents (rows with no key)."""
+    s = t if s is None else s
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, do = (torch.randn(1, t, heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, s, kv_heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    dlse = torch.randn(1, heads, t, device="cuda", generator=gen)
+    n = t + s
+    lengths = torch.randint(1, 1500, (n,), device="cuda", generator=gen)
+    ids = torch.repeat_interleave(torch.arange(n, device="cuda"), lengths)[:n][None].int()
+    pos = torch.arange(n, device="cuda", dtype=torch.int32)
+    queries = slice(n - t, n)
+    keys = slice(0, s) if mask.kind.value == "full" else queries
+    extra = {}
+    if mask.documents:
+        extra["segments"] = (ids[:, queries], ids[:, keys])
+    if mask.window is not None:
+        extra["positions"] = (pos[queries], pos[keys])
+    return q, k, v, do, dlse, extra
+
+
+def _flex_visible(mask, t: int, s: int, extra: dict):
+    """[1, t, s] bool: the pairs ``mask`` admits (schedule.BlockMask.visible, vectorised)."""
+    i, j = torch.arange(t, device="cuda")[:, None], torch.arange(s, device="cuda")[None, :]
+    vis = {"full": torch.ones(t, s, dtype=torch.bool, device="cuda"), "causal": j <= i, "strict": j < i}[mask.kind.value]
+    vis = vis[None]
+    if mask.documents:
+        q_ids, kv_ids = extra["segments"]
+        vis = vis & (q_ids[:, :, None] == kv_ids[:, None, :])
+    if mask.window is not None:
+        (q_pos, kv_pos), (left, right) = extra["positions"], mask.window
+        vis = vis & ((kv_pos[None, :] >= q_pos[:, None] - left) & (kv_pos[None, :] <= q_pos[:, None] + right))[None]
+    return vis
+
+
+def _flex_dense(q, k, v, visible, scale, do, dlse, dtype):
+    """Attention under ``visible`` in ``dtype`` (float64: truth; bf16: the policy's control) and
+    its gradients for (do, dlse); rows with no visible key: o = 0, lse = -inf, no gradient."""
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    scores = (torch.einsum("bthd,bshd->bhts", q, kk) * scale).to(dtype)
+    vis = visible[:, None]
+    has_key = vis.any(-1)
+    wide = scores.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    wide = wide.masked_fill(~vis, float("-inf")).masked_fill(~has_key[..., None], 0.0)
+    lse = torch.logsumexp(wide, dim=-1)
+    p = (torch.exp(wide - lse[..., None]) * vis).to(dtype)
+    o = torch.einsum("bhts,bshd->bthd", p, vv)
+    torch.autograd.backward((o, lse.masked_fill(~has_key, 0.0)), (do.to(dtype), dlse.to(lse.dtype) * has_key))
+    return {n: x.detach() for n, x in zip(("o", "lse", "dq", "dk", "dv"),
+                                           (o, lse.masked_fill(~has_key, float("-inf")), q.grad, k.grad, v.grad))}
+
+
+def _flex_check(got: dict, truth: dict, control: dict, label: str) -> None:
+    """Every tensor within the low-precision policy of the truth (-inf lse rows: the same rows)."""
+    from parity.core.numerics import check_tensor
+
+    bad = []
+    for name, g in got.items():
+        g, w, c = g.double(), truth[name], control[name].double()
+        if name == "lse":
+            empty = torch.isinf(w)
+            assert torch.equal(torch.isinf(g) & (g < 0), empty), f"{label} lse: -inf rows differ"
+            g, w, c = (x.masked_fill(empty, 0.0) for x in (g, w, c))
+        check = check_tensor(name, g.cpu().numpy(), w.cpu().numpy(), "bfloat16", c.cpu().numpy())
+        print(label, check)
+        if not check.ok:
+            bad.append(str(check))
+    assert not bad, f"{label}: {bad}"
+
+
+FLEX_MASKS = [("full", False, None, 4096), ("causal", False, None, None), ("strict", False, None, None),
+              ("causal", True, None, None), ("full", True, None, 2048), ("strict", True, None, None),
+              ("causal", True, (1000, 0), None), ("full", False, (3000, 500), 4096)]
+
+
+def _flex_route(route: str, monkeypatch):
+    """Pin the flex backward route on CUDA ("operator" skipped where this torch's dynamo cannot
+    trace torch's flex backward operator alone: torch 2.11 cannot, 2.13 can)."""
+    from torch_impl.block import get_backend
+    from torch_impl.kernels import flex
+
+    if not get_backend("flex").available():
+        pytest.skip("torch has no FlexAttention backward operator or no Triton")
+    if route == "operator" and not flex.operator_backward_compiles():
+        pytest.skip(f"torch {torch.__version__}'s dynamo cannot trace the flex backward operator alone")
+    monkeypatch.setitem(flex.BACKWARD_ROUTES, "cuda", route)
+    return get_backend("flex")
+
+
+@pytest.mark.parametrize("route", ["operator", "recompute"])
+@pytest.mark.parametrize("kind,documents,window,s", FLEX_MASKS,
+                         ids=[f"{k}{'-documents' if d else ''}{'-window' if w else ''}-{s or 4096}" for k, d, w, s in
+                              FLEX_MASKS])
+def test_gpu_flex_block_matches_float64_truth_and_portable_kernel(kind, documents, window, s, route, monkeypatch,
+                                                                  seed):
+    """One GPU, bf16, 4096 queries, GQA 8/2, d 128, the compiled FlexAttention kernels (block
+    mask from tile summaries; each backward route of torch_impl/kernels/flex.py): o, lse (fwd)
+    and dq, dk, dv (bwd with the block's own o / lse and an lse cotangent) within the
+    low-precision policy of a float64 truth, and close to the portable kernel."""
+    from torch_impl.block import get_backend
+    from torch_impl.schedule import BlockMask
+
+    mask = BlockMask(kind, documents=documents, window=window)
+    flex = _flex_route(route, monkeypatch)
+    q, k, v, do, dlse, extra = _flex_case(mask, seed, s=s)
+    scale = q.shape[-1] ** -0.5
+    o, lse = flex.fwd(q, k, v, mask, scale, **extra)
+    grads = flex.bwd(do, q, k, v, o, lse, mask, scale, dlse, **extra)
+    got = dict(zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads)))
+    visible = _flex_visible(mask, q.shape[1], k.shape[1], extra)
+    if documents:
+        assert (~visible.any(-1)).any() or kind != "full", "the documents must leave rows without a key"
+    truth = _flex_dense(q, k, v, visible, scale, do, dlse, torch.float64)
+    control = _flex_dense(q, k, v, visible, scale, do, dlse, torch.bfloat16)
+    _flex_check(got, truth, control, str(mask))
+    ref = get_backend("reference")  # the portable kernel on the same bf16 inputs: relative L2 within bf16 rounding
+    o_r, lse_r = ref.fwd(q, k, v, mask, scale, **extra)
+    fin = torch.isfinite(lse_r)
+    assert torch.equal(torch.isfinite(lse), fin)
+    torch.testing.assert_close(lse[fin], lse_r[fin], atol=2e-3, rtol=1e-3)
+    for name, g_f, g_r in zip(("o", "dq", "dk", "dv"), (o, *grads),
+                              (o_r, *ref.bwd(do, q, k, v, o, lse, mask, scale, dlse, **extra))):
+        rel = (torch.linalg.vector_norm(g_f.float() - g_r) / torch.linalg.vector_norm(g_r)).item()
+        assert rel <= 2e-2, f"{mask} {name}: relative L2 {rel:.2e} from the portable kernel"
+
+
+@pytest.mark.parametrize("route", ["operator", "recompute"])
+def test_gpu_flex_backward_with_merged_global_o_lse(route, monkeypatch, seed):
+    """One GPU, bf16: a query shard's own block (causal) and an earlier shard's (full), both with
+    documents and a window, merged with merge_partials into the global (o, lse); each block's
+    backward given that global o / lse sums (dq) and concatenates (dk, dv) to gradients within
+    the policy of the float64 gradients of attention over both shards, by each backward route."""
+    from torch_impl import merge_partials
+    from torch_impl.schedule import BlockMask
+
+    flex = _flex_route(route, monkeypatch)
+    t = 4096
+    full = BlockMask("full", documents=True, window=(3000, 0))
+    q, k_a, v_a, do, dlse, extra = _flex_case(full, seed, t=t, s=t)  # queries: tokens t..2t-1; keys A: 0..t-1
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    k_b, v_b = (torch.randn(k_a.shape, device="cuda", generator=gen).bfloat16() for _ in range(2))  # keys B: own tokens
+    k, v = torch.cat([k_a, k_b], dim=1), torch.cat([v_a, v_b], dim=1)
+    (q_ids, a_ids), (q_pos, a_pos) = extra["segments"], extra["positions"]
+    blocks = [(full, slice(0, t)), (BlockMask("causal", documents=True, window=(3000, 0)), slice(t, 2 * t))]
+    kw = [{"segments": (q_ids, a_ids), "positions": (q_pos, a_pos)},
+          {"segments": (q_ids, q_ids), "positions": (q_pos, q_pos)}]
+    scale = q.shape[-1] ** -0.5
+    parts = [flex.fwd(q, k[:, keys], v[:, keys], m, scale, **e) for (m, keys), e in zip(blocks, kw)]
+    o, lse = merge_partials(*parts[1], *parts[0])
+    dq = torch.zeros(q.shape, device="cuda")
+    dk, dv = torch.zeros(k.shape, device="cuda"), torch.zeros(v.shape, device="cuda")
+    for (m, keys), e in zip(blocks, kw):
+        g = flex.bwd(do, q, k[:, keys], v[:, keys], o, lse, m, scale, dlse, **e)
+        dq += g[0]
+        dk[:, keys] += g[1]
+        dv[:, keys] += g[2]
+    visible = torch.cat([_flex_visible(m, t, t, e) for (m, _), e in zip(blocks, kw)], dim=-1)
+    truth = _flex_dense(q, k, v, visible, scale, do, dlse, torch.float64)
+    control = _flex_dense(q, k, v, visible, scale, do, dlse, torch.bfloat16)
+    _flex_check({"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, truth, control, "merged")
