@@ -27,11 +27,11 @@ def axis_size(axis_name: str | None) -> int:
     return 1 if axis_name is None else int(lax.axis_size(axis_name))
 
 
-def ring_shift(tree, axis_name: str):
-    """Send every array in ``tree`` to the next device of the ring (r -> r+1 mod n), receive
-    from the previous one. One collective-permute per array."""
+def ring_shift(tree, axis_name: str, offset: int = 1):
+    """Send every array in ``tree`` ``offset`` devices further on the ring (r -> r+offset mod n;
+    1: the next device), receive from r-offset. One collective-permute per array."""
     n = axis_size(axis_name)
-    perm = [(j, (j + 1) % n) for j in range(n)]
+    perm = [(j, (j + offset) % n) for j in range(n)]
     return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
@@ -70,10 +70,13 @@ class Comm:
     Hashable by identity; subclasses override any method and call ``super()`` to send for real.
     ``axes`` is the attention's ring axis name, or ``(outer, inner)`` for the double ring."""
 
-    def shift(self, tree, hop: Hop, axes):
-        """Every array of ``tree`` one ``hop`` further (one collective-permute per array)."""
+    def shift(self, tree, hop: Hop, axes, back: int = 0):
+        """Every array of ``tree`` one ``hop`` further (one collective-permute per array);
+        ``back``: the distance of a ``RETURN`` hop (a truncated ring's reach)."""
         if hop is Hop.RING:
             return ring_shift(tree, axes)
+        if hop is Hop.RETURN:
+            return ring_shift(tree, axes, -back)
         if hop is Hop.DIAGONAL:
             return diagonal_shift(tree, axes)
         return ring_shift(tree, axes[0] if hop is Hop.OUTER else axes[1])

@@ -43,7 +43,7 @@ from .comm import Comm, axis_size
 from .config import AttentionConfig
 from .layouts import layout_permutation
 from .merge import merge_partials
-from .schedule import Block, BlockMask, Part, Schedule, Step, document_flags, runs, window_flags
+from .schedule import Block, BlockMask, Hop, Part, Schedule, Step, document_flags, runs, window_flags
 
 F32 = jnp.float32
 
@@ -79,7 +79,7 @@ def walk(schedule: Schedule, kv, state, visit: Callable, *, comm: Comm, axes, af
     once, so the program's size does not grow with the ring's."""
 
     def shift(hop, tree):
-        return comm.shift(tree, hop, axes)
+        return comm.shift(tree, hop, axes, **return_distance(schedule, hop))
 
     def one_step(step: Step, j, kv, state, s):
         if step.local and kv_first is not None:
@@ -101,6 +101,12 @@ def walk(schedule: Schedule, kv, state, visit: Callable, *, comm: Comm, axes, af
     for rnd, positions in runs(schedule.rounds):
         kv, state = _repeat(partial(one_round, rnd), (kv, state), positions)
     return state
+
+
+def return_distance(schedule: Schedule, hop) -> dict:
+    """``{"back": reach}`` for a truncated ring's ``RETURN`` hop, else ``{}`` — the keyword
+    ``Comm.shift`` takes only for that hop (so hooks written for the other hops keep working)."""
+    return {"back": schedule.reach} if hop is Hop.RETURN else {}
 
 
 def visit_block(schedule: Schedule, device, j, s, on_block: Callable, state):

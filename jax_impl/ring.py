@@ -23,13 +23,14 @@ from .loop import (
     gather_segment_ids,
     grad_block,
     local_backward,
+    return_distance,
     ring_index,
     visit_block,
     visit_masks,
     walk,
     walk_forward,
 )
-from .schedule import ring_schedule
+from .schedule import ring_schedule, window_reach
 from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
@@ -56,19 +57,23 @@ def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = Fals
     return _ring(q, k, v, segment_ids, sinks, axis_name, config)
 
 
-def _schedule(axis_name, config: AttentionConfig):
-    return ring_schedule(config.layout, config.causal, axis_size(axis_name))
+def _schedule(axis_name, config: AttentionConfig, shard_len: int):
+    """The ring's schedule: truncated to the shards a window reaches where that is built
+    (``schedule.window_reach``: the contiguous layout under a causal or right-0 window)."""
+    size = axis_size(axis_name)
+    return ring_schedule(config.layout, config.causal, size,
+                         window_reach(config.layout, config.causal, config.window, shard_len, size))
 
 
 def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
     """(o, lse, (kv_first, ids_all)): see ``loop.walk_forward`` and ``loop.gather_segment_ids``."""
     ids_all = gather_segment_ids(ids, axis_name, config.comm)
-    o, lse, kv_first = walk_forward(q, k, v, axis_name, config, _schedule(axis_name, config), ids_all)
+    o, lse, kv_first = walk_forward(q, k, v, axis_name, config, _schedule(axis_name, config, k.shape[1]), ids_all)
     return o, lse, (kv_first, ids_all)
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
-    backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
+    backend, schedule, me = config.backend(), _schedule(axis_name, config, k.shape[1]), ring_index(axis_name)
     (kv_first, ids_all), saved, t = extra, (q, o, lse, do, dlse), k.shape[1]
 
     def visit(step, j, s, kv, state):
@@ -82,7 +87,8 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
         if step.dkv_hop is None:
             return state
         dq, dk_acc, dv_acc = state
-        return (dq, *config.comm.shift((dk_acc, dv_acc), step.dkv_hop, axis_name))
+        return (dq, *config.comm.shift((dk_acc, dv_acc), step.dkv_hop, axis_name,
+                                       **return_distance(schedule, step.dkv_hop)))
 
     return walk(schedule, (k, v), None, visit, comm=config.comm, axes=axis_name, after_step=send_dkv,
                 kv_first=kv_first)

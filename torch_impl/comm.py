@@ -46,6 +46,13 @@ class RingShift:
         self._reqs: list = []
 
     @classmethod
+    def offset(cls, group, offset: int) -> RingShift:
+        """r -> r+offset mod n on ``group`` (receiving from r-offset): a truncated ring's dK/dV home."""
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_group_rank(group, dist.get_rank())
+        return cls(group, peers=(ranks[(me + offset) % len(ranks)], ranks[(me - offset) % len(ranks)]))
+
+    @classmethod
     def diagonal(cls, outer_group, inner_group) -> RingShift:
         """(o, i) -> (o+1, i+1) mod the group sizes: where a double-ring shard goes after the last
         inner step of a round. The peer is in neither
@@ -175,11 +182,14 @@ class Comm:
     Hashable by identity; subclasses override any method and call ``super()`` to send for real.
     ``groups`` is ``(outer_group, inner_group)``; the single ring passes ``(None, group)``."""
 
-    def shift(self, hop: Hop, groups) -> RingShift:
-        """A transfer object (``start(tensors, into)``, ``wait()``) for ``hop`` on ``groups``."""
+    def shift(self, hop: Hop, groups, back: int = 0) -> RingShift:
+        """A transfer object (``start(tensors, into)``, ``wait()``) for ``hop`` on ``groups``;
+        ``back``: the distance of a ``RETURN`` hop (a truncated ring's reach)."""
         outer, inner = groups
         if hop in (Hop.RING, Hop.INNER):
             return RingShift(inner)
+        if hop is Hop.RETURN:
+            return RingShift.offset(inner, -back)
         if hop is Hop.OUTER:
             return RingShift(outer)
         if axis_size(outer) == 1:  # a diagonal step on a 1 x I (or O x 1) ring is a plain one

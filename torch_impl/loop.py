@@ -70,6 +70,12 @@ def _buffer(x):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def return_distance(schedule: Schedule, hop) -> dict:
+    """``{"back": reach}`` for a truncated ring's ``RETURN`` hop, else ``{}`` — the keyword
+    ``Comm.shift`` takes only for that hop (so hooks written for the other hops keep working)."""
+    return {"back": schedule.reach} if hop is Hop.RETURN else {}
+
+
 class KVWalk:
     """This rank's K/V along ``schedule``: ``for visit, kv in KVWalk(...)`` gives every step's
     :class:`schedule.Visit` with the K/V of its source shard, the transfer of the K/V the next step
@@ -96,7 +102,7 @@ class KVWalk:
                 pool.append(tuple(_buffer(x) for x in kv))
             into, self._sent[hop] = pool[n % 2], n + 1
         if hop not in self._shifts:
-            self._shifts[hop] = self.comm.shift(hop, self.groups)
+            self._shifts[hop] = self.comm.shift(hop, self.groups, **return_distance(self.schedule, hop))
         self._shifts[hop].start(kv, into)
         return into
 
@@ -134,8 +140,8 @@ class DKVTrail:
     next holder (:meth:`send`); :meth:`current` waits until those of the shard now in hand have
     arrived. After the last step's hop they are this rank's own."""
 
-    def __init__(self, comm: Comm, groups, dk, dv):
-        self.comm, self.groups = comm, groups
+    def __init__(self, comm: Comm, groups, dk, dv, schedule: Schedule):
+        self.comm, self.groups, self.schedule = comm, groups, schedule
         self._acc, self._spare = [dk.contiguous(), dv.contiguous()], None
         self._shifts: dict[Hop, RingShift] = {}
         self._in_flight: RingShift | None = None
@@ -152,7 +158,7 @@ class DKVTrail:
         if hop is None:
             return
         if hop not in self._shifts:
-            self._shifts[hop] = self.comm.shift(hop, self.groups)
+            self._shifts[hop] = self.comm.shift(hop, self.groups, **return_distance(self.schedule, hop))
         if self._spare is None:
             self._spare = [_buffer(x) for x in self._acc]
         self._shifts[hop].start(self._acc, self._spare)
@@ -396,7 +402,7 @@ def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: Attention
             if schedule.size == 1:
                 return dq, dk, dv
             dq = dq.float()  # the float32 accumulators (kernels may return bf16)
-            trail = DKVTrail(config.comm, groups, dk.float(), dv.float())
+            trail = DKVTrail(config.comm, groups, dk.float(), dv.float(), schedule)
         else:
             grads = grad_block(backend, config.scale, saved, visit.block, kv, visit_masks)
             add_grads(visit.block, grads, dq, trail.current())  # once the shard's dK/dV have arrived

@@ -32,7 +32,7 @@ import torch
 from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
 from .config import AttentionConfig
 from .loop import ShardMasks, add_grads, add_sinks, attend_block, grad_block, merge_block, sinks_grad
-from .schedule import Exchange, Schedule, device_visits, make_schedule
+from .schedule import Exchange, Schedule, device_visits, kernel_window, make_schedule, window_reach
 from .validation import (
     KV_EXCHANGES,
     check_segment_ids,
@@ -75,12 +75,16 @@ class Strategy:
         sizes = {RING_OUTER: self.outer, RING_INNER: self.ring // self.outer} if self.outer > 1 else {RING: self.ring}
         return {**sizes, ULYSSES: self.ulysses}
 
-    def schedule(self, layout: str, causal: bool) -> Schedule:
+    def schedule(self, layout: str, causal: bool, window: tuple[int, int] | None = None,
+                 shard_len: int = 0) -> Schedule:
         """The schedule the real loops of this strategy walk (Ulysses alone: one rank's)."""
         if self.outer > 1:
             return make_schedule(Exchange.DOUBLE_RING, layout, causal, self.outer, self.ring // self.outer)
-        exchange = Exchange.ALLGATHER if self.kv_exchange == "allgather" else Exchange.RING
-        return make_schedule(exchange, layout, causal, 1, self.ring)
+        if self.kv_exchange == "allgather":
+            return make_schedule(Exchange.ALLGATHER, layout, causal, 1, self.ring)
+        # a window the ring truncates for (kernel_window's form; shard_len = T / R tokens)
+        return make_schedule(Exchange.RING, layout, causal, 1, self.ring,
+                             window_reach(layout, causal, window, shard_len, self.ring))
 
     def head_groups(self, heads: int, kv_heads: int, u: int) -> tuple[slice, slice, bool]:
         """(query heads, KV heads, replicated) of Ulysses coordinate ``u``: with kv_heads < U each
@@ -125,7 +129,8 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     """Virtual device ``device``'s forward on the global q, k, v (and global ``segment_ids``
     [b, T] or None, ``window``, the full ``sinks`` [h] or None): its (o, lse), o in q's dtype."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window)
-    backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
+    backend = config.backend()
+    schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
@@ -151,7 +156,8 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     shards it computed no block against (masked, or skipped for documents or the window) have
     none — and with ``sinks``, third, this device's dsinks [h/U] float32 (its heads, its rows)."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window)
-    backend, schedule = config.backend(), strategy.schedule(config.layout, config.causal)
+    backend = config.backend()
+    schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
@@ -180,9 +186,8 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     positions = range(schedule.size)
     if schedule.exchange is Exchange.ALLGATHER:  # one reduce-scatter over the ranks
         return list(positions)
-    steps = {r: next(n for n, visit in enumerate(device_visits(schedule, r)) if visit.source == source)
-             for r in positions}
-    return sorted(positions, key=steps.__getitem__)  # the accumulator travels with the K/V
+    steps = {r: n for r in positions for n, visit in enumerate(device_visits(schedule, r)) if visit.source == source}
+    return sorted(steps, key=steps.__getitem__)  # the accumulator travels with the K/V (a truncated ring: a+1 devices)
 
 
 def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks) -> None:
@@ -224,7 +229,8 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = torch.cat([torch.cat([outs[r * n_uly + u][0] for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)
-    schedule = strategy.schedule(layout, causal)
+    schedule = strategy.schedule(layout, causal, kernel_window(check_window(window), causal),
+                                 q.shape[1] // strategy.ring)
     replicated = strategy.head_groups(q.shape[2], k.shape[2], 0)[2]
     grads = []
     for which in (0, 1):  # dk, dv

@@ -18,7 +18,7 @@ from __future__ import annotations
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
-from .schedule import ring_schedule
+from .schedule import ring_schedule, window_reach
 from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
@@ -56,17 +56,22 @@ def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=
     return _ring(q, k, v, (None, group), config, segment_ids, sinks)
 
 
-def _schedule(groups, config: AttentionConfig):
-    return ring_schedule(config.layout, config.causal, axis_size(groups[1]))
+def _schedule(groups, config: AttentionConfig, shard_len: int):
+    """The ring's schedule: truncated to the shards a window reaches where that is built
+    (``schedule.window_reach``: the contiguous layout under a causal or right-0 window)."""
+    size = axis_size(groups[1])
+    return ring_schedule(config.layout, config.causal, size,
+                         window_reach(config.layout, config.causal, config.window, shard_len, size))
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks):
     """(o, lse, kv_first): see ``loop.walk_forward``."""
-    return walk_forward(q, k, v, groups, config, _schedule(groups, config), masks)
+    return walk_forward(q, k, v, groups, config, _schedule(groups, config, k.shape[1]), masks)
 
 
 def _backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: AttentionConfig, masks):
-    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config), masks)
+    return walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config, _schedule(groups, config, k.shape[1]),
+                         masks)
 
 
 _ring = attention_with_vjp(_forward, _backward)
