@@ -63,10 +63,31 @@ class ReplaySpec:
 
 STRATEGIES = {s.name: s for s in (
     ReplaySpec("zigzag-r2", ring=2), ReplaySpec("zigzag-r4", ring=4), ReplaySpec("zigzag-r8", ring=8),
-    ReplaySpec("stripe-r4", ring=4, layout="stripe"), ReplaySpec("contiguous-r4", ring=4, layout="contiguous"),
+    ReplaySpec("stripe-r4", ring=4, layout="stripe"), ReplaySpec("stripe-r8", ring=8, layout="stripe"),
+    ReplaySpec("contiguous-r2", ring=2, layout="contiguous"), ReplaySpec("contiguous-r4", ring=4, layout="contiguous"),
+    ReplaySpec("contiguous-r8", ring=8, layout="contiguous"),
     ReplaySpec("allgather-r4", ring=4, kv_exchange="allgather"), ReplaySpec("double-ring-2x2", ring=4, outer=2),
     ReplaySpec("ulysses-u4", ulysses=4), ReplaySpec("usp-r2xu2", ring=2, ulysses=2),
 )}
+
+
+def _mask_keywords(problem: Problem, spec: ReplaySpec, to_array) -> dict:
+    """The replay's keywords for the problem's masks: ``segment_ids`` in the spec's layout order
+    (through ``to_array``, the framework's array constructor) and ``window`` — only when set."""
+    kw = {}
+    ids = problem.segment_ids()
+    if ids is not None:
+        from parity.core.reference import layout_permutation
+
+        kw["segment_ids"] = to_array(ids[:, layout_permutation(problem.seq, spec.layout, spec.ring, spec.ulysses)])
+    if problem.window is not None:
+        kw["window"] = problem.window
+    return kw
+
+
+# The default grid (the rows of the committed 2026-11-23 report); the others are for masked runs.
+DEFAULT_STRATEGIES = ("zigzag-r2", "zigzag-r4", "zigzag-r8", "stripe-r4", "contiguous-r4", "allgather-r4",
+                      "double-ring-2x2", "ulysses-u4", "usp-r2xu2")
 
 
 def _median(times: list[float]) -> tuple[float, float]:
@@ -83,7 +104,8 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
     from jax_impl import replay
 
     strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, outer=spec.outer, kv_exchange=spec.kv_exchange)
-    kw = {"strategy": strategy, "causal": problem.causal, "layout": spec.layout, "block_backend": backend}
+    kw = {"strategy": strategy, "causal": problem.causal, "layout": spec.layout, "block_backend": backend,
+          **_mask_keywords(problem, spec, jnp.asarray)}
     keys = jax.random.split(jax.random.key(0), 4)
     dt = jnp.dtype(problem.dtype)
     b, s, d = problem.batch, problem.seq, problem.head_dim
@@ -117,7 +139,8 @@ def _torch_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_ti
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, outer=spec.outer, kv_exchange=spec.kv_exchange)
-    kw = {"strategy": strategy, "causal": problem.causal, "layout": spec.layout, "block_backend": backend}
+    kw = {"strategy": strategy, "causal": problem.causal, "layout": spec.layout, "block_backend": backend,
+          **_mask_keywords(problem, spec, lambda a: torch.as_tensor(a, device=device_type))}
     gen = torch.Generator(device=device_type).manual_seed(0)
     dt = getattr(torch, problem.dtype)
     b, s, d = problem.batch, problem.seq, problem.head_dim
@@ -168,7 +191,8 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
 
     case = reduced_case(spec.shape(), spec.layout, problem)
     extra = {"block_backend": backend, "strategy_name": spec.name, "heads": problem.heads,
-             "kv_heads": problem.kv_heads, "resolved": resolved_backends(framework, backend, case, devices)}
+             "kv_heads": problem.kv_heads, "resolved": resolved_backends(framework, backend, case, devices),
+             "documents": problem.documents, "window": problem.window, "verified_as": case.name}
     try:
         verdict = verify_path(framework, case, backend, devices, replay=True, seed=seed)
     except Exception as err:  # noqa: BLE001 — a path that cannot be checked is not verified
@@ -246,7 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--full", action="store_true", help="non-causal (default: causal)")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated of {sorted(STRATEGIES)}")
+    ap.add_argument("--documents", default="none",
+                    help="packed documents: a parity.core.documents pattern drawn at seed 0 (e.g. mix); TFLOP/s "
+                         "count the mask area")
+    ap.add_argument("--window", type=int, default=None, help="sliding window left extent (right 0)")
+    ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                    help=f"comma-separated of {sorted(STRATEGIES)} (default: {','.join(DEFAULT_STRATEGIES)})")
     ap.add_argument("--frameworks", default="jax,torch")
     ap.add_argument("--backend", default="auto", help="block backend of both frameworks (default: auto)")
     ap.add_argument("--replay-devices", choices=("ends", "all"), default="ends",
@@ -270,7 +299,7 @@ def main(argv=None) -> list[Row]:
     devices = "gpu" if torch.cuda.is_available() else "cpu"
     configure_jax_devices(devices)
     problem = Problem(seq=a.seq, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
-                      causal=not a.full)
+                      causal=not a.full, documents=a.documents, window=None if a.window is None else (a.window, 0))
     specs = [STRATEGIES[n] for n in a.strategies.split(",") if n]
     frameworks = [f for f in a.frameworks.split(",") if f]
     if a.dry_run:

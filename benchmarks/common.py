@@ -21,11 +21,48 @@ class Problem:
     head_dim: int = 128
     causal: bool = True
     dtype: str = "bfloat16"
+    documents: str = "none"  # packed documents: a parity.core.documents pattern drawn at seed 0 ("mix")
+    window: tuple[int, int] | None = None  # sliding window (left, right) on original positions
+
+    def segment_ids(self):
+        """[batch, seq] int32 ids in original order (``None`` without documents): the pattern of
+        ``parity.core.documents`` drawn from seed 0, so every run times the same mix."""
+        if self.documents == "none":
+            return None
+        import numpy as np
+
+        from parity.core.documents import draw_segment_ids
+
+        return draw_segment_ids(self.documents, self.batch, self.seq, np.random.default_rng(0))
+
+    def visible_pairs(self) -> float:
+        """(query, key) pairs the mask lets through, summed over the batch: s²/2 causal, s² not,
+        counted exactly (NumPy, O(s)) with documents (runs of one id) and windows."""
+        if self.documents == "none" and self.window is None:
+            return self.batch * self.seq**2 / (2 if self.causal else 1)
+        import numpy as np
+
+        i = np.arange(self.seq)
+        left, right = self.window if self.window is not None else (self.seq, self.seq)
+        right = 0 if self.causal else right
+        ids = self.segment_ids()
+        total = 0
+        for row in ids if ids is not None else [np.zeros(self.seq, np.int64)]:
+            starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])  # each id run (a document)
+            if len(starts) != len(np.unique(row)):
+                raise ValueError("visible_pairs counts documents as runs of one id: the pattern reuses ids")
+            ends = np.r_[starts[1:], self.seq]
+            run = np.repeat(np.arange(len(starts)), ends - starts)
+            lo = np.maximum(starts[run], i - left)
+            hi = np.minimum(ends[run] - 1, i + right)
+            total += int(np.maximum(hi - lo + 1, 0).sum())
+        return total * (self.batch if ids is None else 1)
 
     def flops(self, fwd_only: bool) -> float:
-        """4·b·h·s²·d (halved when causal) forward; ×3.5 for forward+backward (the backward is
-        2.5× the forward: five matmuls to two) — the FlashAttention papers' convention."""
-        fwd = 4 * self.batch * self.heads * self.seq**2 * self.head_dim / (2 if self.causal else 1)
+        """4·d·h·(visible pairs) forward — 4·b·h·s²·d/2 when causal, the FlashAttention papers'
+        convention, and counted on the mask area with documents or windows; ×3.5 for forward +
+        backward (the backward is 2.5× the forward: five matmuls to two)."""
+        fwd = 4 * self.heads * self.head_dim * self.visible_pairs()
         return fwd if fwd_only else 3.5 * fwd
 
     def min_bytes_per_device(self, devices: int, fwd_only: bool) -> int:

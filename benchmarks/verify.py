@@ -21,14 +21,20 @@ OURS = {"jax_impl": "jax", "jax_impl_mc": "jax", "torch_impl": "torch",
 
 def reduced_case(shape, layout: str, problem: Problem):
     """The parity ``Case`` of a row's path: the mesh ``shape`` (a ``parity.core.mesh.MeshShape``),
-    at ``REDUCED_SEQ`` tokens with 8 query heads (kv heads in the problem's ratio, at least 1)."""
+    at ``REDUCED_SEQ`` tokens with 8 query heads (kv heads in the problem's ratio, at least 1), the
+    problem's document pattern and its window scaled to the reduced length."""
     from parity.core.cases import Case
 
     heads = 8
     kv_heads = max(1, heads * problem.kv_heads // problem.heads)
+    masks = {}
+    if getattr(problem, "documents", "none") != "none":
+        masks["documents"] = problem.documents
+    if getattr(problem, "window", None) is not None:  # the same reach in shards: the same skipped and truncated steps
+        masks["window"] = tuple(max(1, round(w * REDUCED_SEQ / problem.seq)) if w else 0 for w in problem.window)
     return Case(ring=shape.ring, ulysses=shape.ulysses, ring_outer=shape.ring_outer, kv_exchange=shape.kv_exchange,
                 seq=REDUCED_SEQ, heads=heads, kv_heads=kv_heads, head_dim=problem.head_dim, layout=layout,
-                causal=problem.causal, dtype=problem.dtype)
+                causal=problem.causal, dtype=problem.dtype, **masks)
 
 
 def verify_path(framework: str, case, backend: str, devices: str = "gpu", replay: bool = False,
