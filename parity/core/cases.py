@@ -52,6 +52,8 @@ class Case:
     kv_exchange: KvExchange = "ring"
     ring_outer: int = 1
     documents: Documents = "none"  # packed documents' segment ids (parity.core.documents); "none": no ids
+    window: tuple[int, int] | None = None  # sliding window (left, right) on original positions; None: none
+    sinks: bool = False  # attention sinks: [heads] logits drawn from the seed (parity.core.inputs)
 
     def __post_init__(self):
         for field in ("batch", "seq", "heads", "kv_heads", "head_dim"):
@@ -63,6 +65,12 @@ class Case:
         check_choice("documents", self.documents, DOCUMENTS)
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        if not isinstance(self.sinks, bool):
+            raise TypeError(f"sinks must be a bool, got {self.sinks!r}")
+        if self.window is not None and not (
+                isinstance(self.window, tuple) and len(self.window) == 2
+                and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.window)):
+            raise ValueError(f"window must be None or a (left, right) tuple of non-negative ints, got {self.window!r}")
         if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
                                            and self.scale > 0):
             raise ValueError(f"scale must be a finite positive number or None, got {self.scale!r}")
@@ -104,8 +112,10 @@ class Case:
         heads = f"h{self.heads}kv{self.kv_heads}"
         scale = "" if self.scale is None else f"-s{self.scale:g}"
         documents = "" if self.documents == "none" else f"-docs-{self.documents}"
+        window = "" if self.window is None else f"-win{self.window[0]}x{self.window[1]}"
+        sinks = "-sinks" if self.sinks else ""
         return (f"{self.mesh.name}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
-                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}")
+                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}{window}{sinks}")
 
     def to_dict(self) -> dict:
         return asdict(self) | {"name": self.name, "strategy": self.strategy}

@@ -1,10 +1,12 @@
 """the contract's (docs/contract.md) numerics policy, stated in one place.
 
-- float32 inputs: relative error ‖x − ref‖ / ‖ref‖ ≤ ``FLOAT32_RTOL`` for o, lse, dq, dk, dv.
+- float32 inputs: relative error ‖x − ref‖ / ‖ref‖ ≤ ``FLOAT32_RTOL`` for o, lse, dq, dk, dv (and
+  dsinks [h] for a case with attention sinks).
 - bfloat16 / float16 inputs (the flash-attention criterion): max |x − ref| ≤
   ``LOWP_FACTOR`` × max |control − ref| + ``LOWP_ABS_FLOOR[dtype]`` × max |ref|, where *control*
   is plain dense attention run in the same dtype by the same framework, and *ref* is the float64
-  oracle on the very same (already rounded) inputs.
+  oracle on the very same (already rounded) inputs. dsinks' control is the dense control's own
+  dsinks (jax.grad / autograd through it).
 
 The floor is relative to the tensor's scale so that one number serves o (≈1), lse (≈log s) and
 gradients (whose size grows with seq_len); it is a quarter of a bf16 ulp (2⁻¹⁰) and a quarter of an
