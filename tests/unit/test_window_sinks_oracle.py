@@ -167,7 +167,7 @@ def test_inputs_with_sinks_add_sinks_and_nothing_else(seed):
     perm = permutation(sunk)
     np.testing.assert_array_equal(to_layout(y, perm).sinks, y.sinks)
     assert case_tensors(plain) == TENSORS and case_tensors(sunk) == ALL_TENSORS
-    want = oracle(sunk, y)
+    want = {n: t for n, t in oracle(sunk, y).items() if n in ALL_TENSORS}  # less the flash ideal (bf16)
     assert set(want) == set(ALL_TENSORS) and want["dsinks"].shape == (8,)
     assert not np.allclose(oracle(plain, x)["lse"], want["lse"])
     # from_layout leaves dsinks (no sequence axis) alone and restores the rest
@@ -188,6 +188,36 @@ def test_torch_float64_truth_applies_window_and_sinks(case, seed):
 
     x = make_inputs(case, seed)
     want, got = oracle(case, x), case_truth(case, x, "cpu")
-    assert set(got) == set(want)
-    for name in want:
+    assert set(got) == set(case_tensors(case))
+    for name in got:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_flash_ideal_reads_the_rounded_o_and_widens_only_where_it_is_further_than_the_control(seed):
+    """The flash ideal (parity.core.inputs.flash_ideal) is the oracle with o rounded to the dtype
+    before the backward: where every row sees one key and no sink (window (0, 0)), o is a value
+    row (exact in bf16) and the ideal gradients are the oracle's rounded; with sinks o is not, and
+    the ideal's dq, dk move off by more than their own rounding. The policy's tolerance is
+    2 × max(control, ideal) + floor, and a reference without the ideal judges by the control."""
+    from parity.core.inputs import IDEAL, flash_ideal, round_to_dtype
+    from parity.core.numerics import LOWP_FACTOR, check_tensor
+
+    alone = Case(seq=8, heads=2, kv_heads=2, head_dim=4, dtype="bfloat16", window=(0, 0), causal=False)
+    x = make_inputs(alone, seed)
+    want, ideal = oracle(alone, x), flash_ideal(alone, x)
+    assert set(ideal) == set(TENSORS) and {IDEAL + n for n in TENSORS} <= set(want)
+    for name in ("o", "dq", "dk", "dv"):
+        np.testing.assert_array_equal(ideal[name], round_to_dtype(want[name], "bfloat16"), err_msg=name)
+    sunk = Case(seq=8, heads=2, kv_heads=2, head_dim=4, dtype="bfloat16", window=(0, 0), causal=False, sinks=True)
+    x = make_inputs(sunk, seed)
+    want, ideal = oracle(sunk, x), flash_ideal(sunk, x)
+    assert set(ideal) == set(ALL_TENSORS)
+    off = np.abs(ideal["dk"] - want["dk"]) - np.abs(round_to_dtype(want["dk"], "bfloat16") - want["dk"])
+    assert off.max() > 0  # D read from the rounded o moves dk beyond its own rounding
+    ref = want["dk"]
+    control = round_to_dtype(ref, "bfloat16")  # a control at the dk's own rounding
+    plain, widened = check_tensor("dk", ref, ref, "bfloat16", control), check_tensor("dk", ref, ref, "bfloat16", control,
+                                                                                    ideal["dk"])
+    assert widened.ideal_error == np.abs(ideal["dk"] - ref).max() and plain.ideal_error is None
+    assert widened.tolerance == LOWP_FACTOR * max(widened.control_error, widened.ideal_error) + widened.floor
+    assert widened.tolerance >= plain.tolerance
