@@ -33,7 +33,7 @@ import numpy as np
 
 from .core.cases import Case, full_matrix, pairwise_matrix
 from .core.devices import configure_jax_devices
-from .core.inputs import TENSORS
+from .core.inputs import ALL_TENSORS
 from .core.names import DEFAULT_DEVICES, DEVICES
 from .runners.base import FRAMEWORKS, Unavailable, load_runner
 from .runners.pipeline import STATUSES, CaseResult, Side, run_case_everywhere
@@ -68,15 +68,16 @@ def _write_reports(out: Path, results: list[CaseResult], seed: int, seconds: flo
                                     "jax_vs_torch": [{"case": c.name, "backend": b, "status": s.status,
                                                       "errors": s.errors, "detail": s.detail} for c, b, s in crosses]}
     (out / "report.json").write_text(json.dumps(payload, indent=1))
-    head = "| case | mode | status | " + " | ".join(f"{t} jax / torch / x" for t in TENSORS) + " |"
+    head = "| case | mode | status | " + " | ".join(f"{t} jax / torch / x" for t in ALL_TENSORS) + " |"
     lines = ["# ringbridge parity report", "",
              (f"seed {seed}, devices {devices}: {summary['passed']} passed, {summary['failed']} failed, "
              f"{summary['skipped']} skipped in {seconds:.0f} s. Errors: float32 relative, low precision max-abs "
              "(docs/contract.md); x = JAX vs torch; mode: mesh = the real collectives, replay = every virtual device's "
-             "work run in turn on one device (too few devices for the mesh)."), "", head, "|---" * (3 + len(TENSORS)) + "|"]
+             "work run in turn on one device (too few devices for the mesh); dsinks only for cases with attention sinks."),
+             "", head, "|---" * (3 + len(ALL_TENSORS)) + "|"]
     for r in results:
         j, t = r.sides.get("jax"), r.sides.get("torch")
-        cells = " | ".join(f"{_fmt(j, n)} / {_fmt(t, n)} / {_fmt(r.cross, n)}" for n in TENSORS)
+        cells = " | ".join(f"{_fmt(j, n)} / {_fmt(t, n)} / {_fmt(r.cross, n)}" for n in ALL_TENSORS)
         lines.append(f"| {r.case.name} | {r.mode} | {r.status} | {cells} |")
     problems = [(r.case.name, f, s) for r in results for f, s in [*r.sides.items(), ("jax-vs-torch", r.cross)]
                 if s is not None and s.status != "passed"]
@@ -98,13 +99,13 @@ def _print_table(results: list[CaseResult]) -> None:
     table.add_column("case", no_wrap=True)
     table.add_column("mode")
     table.add_column("status")
-    for t in TENSORS:
+    for t in ALL_TENSORS:
         table.add_column(t, no_wrap=True)
     style = {"passed": "green", "failed": "bold red", "skipped": "yellow"}
     for r in results:
         j, t = r.sides.get("jax"), r.sides.get("torch")
         table.add_row(r.case.name, r.mode, f"[{style[r.status]}]{r.status}[/]",
-                      *(f"{_fmt(j, n)} / {_fmt(t, n)}" for n in TENSORS))
+                      *(f"{_fmt(j, n)} / {_fmt(t, n)}" for n in ALL_TENSORS))
     console = Console(width=220)
     console.print(table)
     for r in results:

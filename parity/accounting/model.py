@@ -22,7 +22,9 @@ from ..core.names import DTYPE_BYTES
 
 PASSES = ("fwd", "bwd", "step")  # step: the optimizer step (ZeRO-1 parameter all-gather)
 KINDS = ("p2p", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")
-__all__ = ["PASSES", "KINDS", "DTYPE_BYTES", "Traffic", "AttentionConfig", "a2a_bytes", "attention_traffic"]
+FRAMEWORKS = ("jax", "torch")  # the model differs per framework only for attention sinks
+__all__ = ["PASSES", "KINDS", "DTYPE_BYTES", "FRAMEWORKS", "Traffic", "AttentionConfig", "a2a_bytes",
+           "allreduce_bytes", "attention_traffic"]
 
 
 class AttentionConfig(Protocol):
@@ -41,6 +43,8 @@ class AttentionConfig(Protocol):
     ring_outer: int
     kv_exchange: str
     documents: str  # packed documents ("none": no segment ids); a config without the attribute has none
+    window: tuple[int, int] | None  # sliding window; moves nothing different (yet: no hop truncation)
+    sinks: bool  # attention sinks, float32 [heads] (JAX: their cotangent is all-reduced); default False
 
 
 @dataclass
@@ -84,7 +88,11 @@ def a2a_bytes(buffer: int, n: int) -> Fraction:
     return Fraction(buffer * (n - 1), n)
 
 
-def attention_traffic(case: AttentionConfig, *, return_lse: bool = True) -> Traffic:
+def allreduce_bytes(buffer: int, n: int) -> Fraction:
+    return Fraction(2 * buffer * (n - 1), n)
+
+
+def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framework: str | None = None) -> Traffic:
     """Per-device traffic of ``sequence_parallel_attention`` for ``case`` (forward, and the
     backward of a loss that uses o and, when returned, lse).
 
@@ -101,7 +109,16 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True) -> Traf
     int32 segment ids [b/D, t/(R·U)] once — over Ulysses (to the ring shard), then over the ring
     (the double ring: over the inner ring, then the outer) — and the backward reuses them; no ids
     ride on the K/V hops.
+    A sliding window (``window``) changes nothing yet: every K/V hop still happens (blocks out of
+    reach are skipped, not their transfer).
+    Attention sinks (``sinks``, float32 [h], replicated) differ per ``framework`` (required with
+    sinks): torch moves nothing for them (``sinks.grad`` is each rank's contribution); JAX's
+    shard_map transposes the replicated input into all-reductions of its cotangent in the
+    backward (``_sinks_traffic``).
     """
+    if getattr(case, "sinks", False) and framework not in FRAMEWORKS:
+        raise ValueError(f"attention sinks move different bytes per framework: framework must be one of {FRAMEWORKS}, "
+                         f"got {framework!r}")
     t = Traffic()
     e = DTYPE_BYTES[case.dtype]
     b, ring, uly = case.batch // case.data, case.ring, case.ulysses
@@ -127,7 +144,22 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True) -> Traf
         t.add("bwd", "p2p", 2 * ring * shard * 4, calls=2 * ring)
     if getattr(case, "documents", "none") != "none":
         _segment_ids_traffic(t, b * (case.seq // (ring * uly)) * 4, uly, ring // case.ring_outer, case.ring_outer)
+    if getattr(case, "sinks", False) and framework == "jax":
+        _sinks_traffic(t, case.heads * 4, case.data * ring, uly)
     return t
+
+
+def _sinks_traffic(t: Traffic, sinks_bytes: int, others: int, uly: int) -> None:
+    """JAX's backward all-reduces the sinks' float32 cotangent, as compiled with a typed
+    (check_vma) shard_map — what every CPU backend is: under Ulysses, the inner attention's
+    cotangent of its h/U heads over the ``others`` = data × ring devices that share them, then the
+    full [h] over Ulysses; without Ulysses, [h] over the data × ring devices (none on one device).
+    (An untyped backend, fa3 on a GPU, sums [h] once over every device instead.)"""
+    if uly > 1 and others > 1:
+        t.add("bwd", "all-reduce", allreduce_bytes(sinks_bytes // uly, others))
+    n = uly if uly > 1 else others
+    if n > 1:
+        t.add("bwd", "all-reduce", allreduce_bytes(sinks_bytes, n))
 
 
 def _segment_ids_traffic(t: Traffic, local_bytes: int, *groups: int) -> None:

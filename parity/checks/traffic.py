@@ -6,7 +6,10 @@ ZeRO-1. The same check closes the main ``python -m parity`` run.
 Every configuration is three-way: model == JAX HLO == torch trace, exactly. On XLA:CPU, bf16
 collectives are widened to float32 by the compiler (its CPU collectives have no bf16 path), so
 the JAX side of a low-precision configuration is compared with the model at 4 bytes per element
-there — a backend fact, pinned by its own test; GPUs move what the model says.
+there — a backend fact, pinned by its own test; GPUs move what the model says. With attention
+sinks the model itself differs per framework (JAX all-reduces their cotangent, torch moves
+nothing for them: ``attention_traffic(..., framework=)``), so each framework is compared with its
+own (``Verdict.expected``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 
-from ..accounting.model import DTYPE_BYTES, Traffic, attention_traffic
+from ..accounting.model import DTYPE_BYTES, FRAMEWORKS, Traffic, attention_traffic
 from ..core.cases import Case
 from ..core.names import Device
 from ..training.reference import TrainCase, make_train_inputs
@@ -35,6 +38,13 @@ ATTENTION_CONFIGS = [
     # packed documents: the segment ids' all-gathers over Ulysses, the ring, the double ring's two rings
     Case(ring=4, kv_exchange="allgather", documents="interleaved"), Case(ulysses=4, kv_heads=2, documents="one"),
     Case(ring=4, ring_outer=2, ulysses=2, kv_heads=2, batch=2, documents="mix"),
+    # sliding windows (zigzag and stripe: every K/V hop still happens) and attention sinks (JAX all-reduces their
+    # cotangent: over the ring (and data) devices, under Ulysses its heads' part first, then [h] over Ulysses)
+    Case(ring=4, layout="zigzag", window=(5, 2)), Case(ring=8, layout="stripe", kv_heads=2, causal=False, window=(20, 9)),
+    Case(ring=4, layout="zigzag", kv_exchange="allgather", window=(20, 9), sinks=True),
+    Case(ring=4, ring_outer=2, ulysses=2, kv_heads=2, layout="stripe", window=(5, 2), sinks=True),
+    Case(ring=4, layout="contiguous", kv_heads=2, sinks=True), Case(ulysses=4, kv_heads=2, sinks=True),
+    Case(ring=2, ulysses=2, data=2, batch=4, kv_heads=2, sinks=True),
 ]
 
 TRAINING_CONFIGS = [
@@ -48,14 +58,18 @@ TRAINING_CONFIGS = [
 
 def _attention_path(case: Case) -> tuple:
     """The branch of ``attention_traffic`` a configuration exercises: algorithm, KV exchange,
-    whether Ulysses replicates KV heads (float32 dK/dV back through the all-to-all), data axis."""
+    whether Ulysses replicates KV heads (float32 dK/dV back through the all-to-all), data axis;
+    for a configuration with sinks, only which all-reductions their JAX cotangent takes (under
+    Ulysses or not, other devices sharing its heads or not): the rest is a path without sinks."""
+    if case.sinks:
+        return "sinks", case.ulysses > 1, case.data * case.ring > 1
     return case.strategy, case.kv_exchange, case.ulysses > 1 and case.kv_heads < case.ulysses, case.data > 1
 
 
 def one_per_path(attention: list[Case], training: list[TrainCase]) -> tuple[list[Case], list[TrainCase]]:
     """The first configuration of every distinct model path (attention: ``_attention_path``;
     training: the strategy). The main ``python -m parity`` run closes with these — every branch
-    of both models, three-way, in about half the time of the whole list (18 of its 38
+    of both models, three-way, in about half the time of the whole list (21 of its 48
     configurations); ``python -m parity accounting`` and the tests check every configuration."""
     def first(items, key):
         seen = {}
@@ -71,9 +85,10 @@ class Verdict:
     """One configuration: the model and each framework's measurement (None: not run)."""
 
     name: str
-    model: Traffic
+    model: Traffic  # JAX's (the one shown in the table)
     measured: dict[str, Traffic | str] = field(default_factory=dict)  # str: the error that stopped it
     widened: Traffic | None = None  # what XLA:CPU moves for a low-precision config (see above)
+    models: dict[str, Traffic] = field(default_factory=dict)  # a framework's own model where they differ (sinks)
 
     def problems(self) -> list[str]:
         out = []
@@ -85,7 +100,9 @@ class Verdict:
         return out
 
     def expected(self, framework: str) -> Traffic:
-        return self.widened if framework == "jax" and self.widened is not None else self.model
+        if framework == "jax" and self.widened is not None:
+            return self.widened
+        return self.models.get(framework, self.model)
 
 
 def _jax_widens(dtype: str, devices: str) -> bool:
@@ -113,9 +130,9 @@ def check_attention(case: Case, frameworks, devices: Device = "cpu", return_lse:
             measured[framework] = _last_line()
     widened = None
     if _jax_widens(case.dtype, devices):
-        widened = attention_traffic(replace(case, dtype="float32"), return_lse=return_lse)
-    return Verdict(case.name + ("" if return_lse else "-o-only"), attention_traffic(case, return_lse=return_lse),
-                   measured, widened)
+        widened = attention_traffic(replace(case, dtype="float32"), return_lse=return_lse, framework="jax")
+    models = {f: attention_traffic(case, return_lse=return_lse, framework=f) for f in FRAMEWORKS}
+    return Verdict(case.name + ("" if return_lse else "-o-only"), models["jax"], measured, widened, models)
 
 
 def check_training(case: TrainCase, frameworks, devices: Device = "cpu") -> Verdict:

@@ -7,11 +7,15 @@ while still meeting every mesh shape with every layout, head layout, head_dim an
 
 Packed documents (``Case.documents``, default "none": no segment ids) are one more factor: the
 cross product runs every pattern with everything; the default matrix adds a few cases
-(``document_cases``) so that the patterns meet every layout, causal mode and strategy.
+(``document_cases``) so that the patterns meet every layout, causal mode and strategy. Sliding
+windows (``Case.window``, one of ``WINDOWS``) and attention sinks (``Case.sinks``) are two more:
+the cross product runs them with everything (documents included), the default matrix adds
+``window_cases``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass
@@ -27,8 +31,15 @@ HEAD_LAYOUTS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # name -> (heads, 
 HEAD_DIMS = (16, 40, 64)
 MATRIX_DTYPES = ("float32", "bfloat16")  # float16 is drawn by the property tier (tests/property)
 __all__ = ["Case", "MESHES", "HEAD_LAYOUTS", "HEAD_DIMS", "MATRIX_DTYPES", "LAYOUTS", "KV_EXCHANGES",
-           "DOCUMENTS", "DOCUMENT_PATTERNS", "ring_position", "full_matrix", "pairwise_matrix", "document_cases",
-           "strategy_name"]
+           "DOCUMENTS", "DOCUMENT_PATTERNS", "WINDOWS", "ring_position", "full_matrix", "pairwise_matrix",
+           "document_cases", "window_cases", "strategy_name"]
+# Sliding windows (left, right) at the matrix's 64 tokens (shards of 64/R tokens, zigzag halves of
+# 32/R): SMALL fits inside one shard up to R = 4 (inside a zigzag half up to R = 2) and reaches the
+# next at R = 8; WIDE spans two or three shards at R = 4 and R = 8 (one at R = 2); BEYOND is wider
+# than the sequence on both sides (every block in reach and covered: the window's no-op path).
+# Asymmetric, so that a left/right swap is visible in a non-causal case.
+SMALL_WINDOW, WIDE_WINDOW, BEYOND_WINDOW = (5, 2), (20, 9), (100, 70)
+WINDOWS = (None, SMALL_WINDOW, WIDE_WINDOW, BEYOND_WINDOW)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,8 @@ class Case:
     kv_exchange: KvExchange = "ring"
     ring_outer: int = 1
     documents: Documents = "none"  # packed documents' segment ids (parity.core.documents); "none": no ids
+    window: tuple[int, int] | None = None  # sliding window (left, right) on original positions; None: none
+    sinks: bool = False  # attention sinks: [heads] logits drawn from the seed (parity.core.inputs)
 
     def __post_init__(self):
         for field in ("batch", "seq", "heads", "kv_heads", "head_dim"):
@@ -63,6 +76,12 @@ class Case:
         check_choice("documents", self.documents, DOCUMENTS)
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        if not isinstance(self.sinks, bool):
+            raise TypeError(f"sinks must be a bool, got {self.sinks!r}")
+        if self.window is not None and not (
+                isinstance(self.window, tuple) and len(self.window) == 2
+                and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.window)):
+            raise ValueError(f"window must be None or a (left, right) tuple of non-negative ints, got {self.window!r}")
         if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
                                            and self.scale > 0):
             raise ValueError(f"scale must be a finite positive number or None, got {self.scale!r}")
@@ -104,8 +123,10 @@ class Case:
         heads = f"h{self.heads}kv{self.kv_heads}"
         scale = "" if self.scale is None else f"-s{self.scale:g}"
         documents = "" if self.documents == "none" else f"-docs-{self.documents}"
+        window = "" if self.window is None else f"-win{self.window[0]}x{self.window[1]}"
+        sinks = "-sinks" if self.sinks else ""
         return (f"{self.mesh.name}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
-                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}")
+                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}{window}{sinks}")
 
     def to_dict(self) -> dict:
         return asdict(self) | {"name": self.name, "strategy": self.strategy}
@@ -131,7 +152,8 @@ def _make(values: dict) -> Case:
     return Case(ring=ring, ulysses=ulysses, heads=heads, kv_heads=kv_heads, head_dim=values["head_dim"],
                 layout=values["layout"], causal=values["causal"], dtype=values["dtype"],
                 kv_exchange=values["kv_exchange"], ring_outer=outer[0] if outer else 1, documents=documents,
-                batch=1 if documents == "none" else DOCUMENT_BATCH)
+                batch=1 if documents == "none" else DOCUMENT_BATCH, window=values.get("window"),
+                sinks=values.get("sinks", False))
 
 
 def _combos(factors: dict) -> list[dict]:
@@ -153,14 +175,17 @@ def _cover(combos: list[dict], features, required: set, chosen: list[dict]) -> l
 
 
 def full_matrix() -> list[Case]:
-    """Every meaningful combination of the factors, for every document pattern: 1944 cases
-    without packed documents (first) and 1944 for each of the four patterns, 9720 in all."""
-    return [_make(c | {"documents": documents}) for documents in DOCUMENTS for c in _combos(_factors())]
+    """Every meaningful combination of the factors, for every window (none first), sinks off and
+    on, and every document pattern: 1944 cases without documents, window or sinks (first), then
+    1944 for each of the other 39 (window, sinks, documents) triples, 77760 in all."""
+    return [_make(c | {"window": window, "sinks": sinks, "documents": documents})
+            for window in WINDOWS for sinks in (False, True) for documents in DOCUMENTS for c in _combos(_factors())]
 
 
 def pairwise_matrix() -> list[Case]:
     """Every (layout, causal, mesh) triple once, every pair of factor values at least once, then
-    the packed-document cases (``document_cases``)."""
+    the packed-document cases (``document_cases``) and the window and sink cases
+    (``window_cases``)."""
     f = _factors()
     names = list(f)
     combos = _combos(f)
@@ -176,7 +201,7 @@ def pairwise_matrix() -> list[Case]:
         best = max(options, key=lambda c: len(pairs(c) & uncovered))
         chosen.append(best)
         uncovered -= pairs(best)
-    return [_make(c) for c in _cover(combos, pairs, uncovered, chosen)] + document_cases()
+    return [_make(c) for c in _cover(combos, pairs, uncovered, chosen)] + document_cases() + window_cases()
 
 
 # ---- packed documents in the default matrix ------------------------------------------------------
@@ -223,3 +248,74 @@ def document_cases() -> list[Case]:
     combos = _combos(_factors() | {"documents": DOCUMENT_PATTERNS})
     required = set().union(*(_document_features(c) for c in combos))
     return [_make(c) for c in _cover(combos, _document_features, required, [])]
+
+
+# ---- sliding windows and attention sinks in the default matrix -----------------------------------
+
+def _window_features(c: dict) -> set:
+    strategy, window = strategy_name(c), c["window"]
+    out = set()
+    if c["sinks"]:
+        out |= {("sinks", "window", window is not None), ("sinks", "strategy", strategy),
+                ("sinks", "causal", c["causal"]), ("sinks", "dtype", c["dtype"]), ("sinks", "heads", c["heads"]),
+                ("sinks", "documents", c["documents"] != "none")}
+    if window is None:
+        return out
+    out |= {("window", window, "causal", c["causal"]), ("window", window, "layout", c["layout"]),
+            ("window", "strategy", strategy), ("window", "layout", c["layout"], "causal", c["causal"]),
+            ("window", "dtype", c["dtype"]), ("window", "sinks", c["sinks"]),
+            ("window", "documents", c["documents"] != "none")}
+    if strategy in RING_SCHEDULES:  # the K/V loops that skip, window or cover each block
+        out |= {("window", "strategy", strategy, "layout", c["layout"]),
+                ("window", "strategy", strategy, "causal", c["causal"])}
+        if c["layout"] == "contiguous" and c["causal"]:  # where a window truncates the ring's hops (issue 26)
+            out.add(("window", "strategy", strategy, "contiguous causal"))
+        if c["mesh"][0] >= 4:  # shards of 16 tokens or fewer: SMALL inside or next door, WIDE across two
+            out.add(("window", window, "long ring"))
+        if c["mesh"][0] == 8 and window == WIDE_WINDOW:  # shards of 8 tokens: WIDE reaches three shards back
+            out.add(("window", window, "ring of 8"))
+    return out
+
+
+def window_cases() -> list[Case]:
+    """The window and sink cases of the default matrix (14: a cover of these features): each
+    window (small, wide, beyond the sequence) runs causal and not, in every layout, and on a K/V
+    ring of R >= 4 (small inside a shard or next door, wide across two shards; wide across three
+    at R = 8); every strategy (ring, all-gather KV, Ulysses, USP, USP with all-gather KV, double
+    ring, double-ring USP) meets a window, and the strategies whose K/V loop decides per block
+    (ring, all-gather KV, double ring) meet it in every layout, causal and not, and causally in
+    the contiguous layout (where a window truncates the ring); every (layout, causal) pair has a
+    window; windows run with and without sinks, with packed documents, float32 and bf16. Sinks run
+    in every strategy, with and without a window, with and without documents, causal and not,
+    float32 and bf16 (dsinks against the dense control's), MHA, GQA and MQA. Documents are drawn
+    only as "mix" here (every pattern meets windows and sinks in the cross product). No case runs
+    on one device (no block loop)."""
+    return [_make(c) for c in _window_cover()]
+
+
+@functools.cache
+def _window_cover() -> tuple[dict, ...]:
+    """A greedy cover of ``_window_features`` (ties: fewer devices, then more features), then
+    pairs of chosen cases merged into one combination wherever one covers what only those two
+    did (greedy alone needs 15). Cached: about a second."""
+    combos = [c | {"window": w, "sinks": s, "documents": d}
+              for c in _combos(_factors()) for w in WINDOWS for s in (False, True) for d in ("none", "mix")
+              if (w is not None or s) and c["mesh"] != (1, 1)]
+    features = [frozenset(_window_features(c)) for c in combos]
+    devices = [math.prod(c["mesh"]) for c in combos]
+    uncovered, chosen = set().union(*features), []
+    while uncovered:
+        best = max(range(len(combos)), key=lambda i: (len(features[i] & uncovered), -devices[i], len(features[i])))
+        chosen.append(best)
+        uncovered -= features[best]
+    merged = True
+    while merged:
+        merged = False
+        for a, b in itertools.combinations(chosen, 2):
+            need = (features[a] | features[b]) - set().union(*(features[j] for j in chosen if j not in (a, b)))
+            options = [i for i in range(len(combos)) if need <= features[i]]
+            if options:
+                chosen = [j for j in chosen if j not in (a, b)] + [min(options, key=lambda i: devices[i])]
+                merged = True
+                break
+    return tuple(combos[i] for i in chosen)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from .cases import Case
-from .inputs import TENSORS
+from .inputs import IDEAL, case_tensors
 from .numerics import TensorCheck, check_tensor
 
 
 def compare(case: Case, got: dict, ref: dict, control: dict | None = None) -> list[TensorCheck]:
-    """One ``TensorCheck`` per tensor (o, lse, dq, dk, dv). ``control`` is the same framework's
-    dense attention in the case's dtype, needed for low-precision cases."""
-    return [check_tensor(n, got[n], ref[n], case.dtype, None if control is None else control[n])
-            for n in TENSORS]
+    """One ``TensorCheck`` per tensor (o, lse, dq, dk, dv, and dsinks for a case with sinks).
+    ``control`` is the same framework's dense attention in the case's dtype, needed for
+    low-precision cases; the flash ideal comes with the NumPy oracle's answer (``IDEAL`` + name;
+    a reference without it, e.g. the GPU truth, judges by the control alone)."""
+    return [check_tensor(n, got[n], ref[n], case.dtype, None if control is None else control[n], ref.get(IDEAL + n))
+            for n in case_tensors(case)]
 
 
 def compare_frameworks(case: Case, jax_checks: list[TensorCheck], torch_checks: list[TensorCheck],

@@ -5,12 +5,19 @@ case's dtype so that every framework and the float64 oracle see the very same nu
 receive them permuted into layout order and return results that are permuted back. A case with
 packed documents (``case.documents`` other than "none") also draws segment ids
 (``parity.core.documents``), after the tensors, so its q, k, v, do, dlse are those of the same
-case without documents.
+case without documents; a case with attention sinks (``case.sinks``) draws their [heads] logits
+after everything else, so its other inputs are those of the same case without sinks. A window
+(``case.window``) draws nothing: it is a property of the case.
+
+The oracle's tensors are ``TENSORS`` and, for a case with sinks, ``SINK_TENSORS`` (dsinks [h]:
+no sequence axis, the full gradient over every row): ``case_tensors(case)`` names them. For a
+low-precision case the oracle's answer also holds ``"ideal <tensor>"``: what an exact flash-style
+kernel returns from these inputs (``flash_ideal``), the numerics policy's second control.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -19,6 +26,14 @@ from .cases import Case
 from .documents import draw_segment_ids
 
 TENSORS = ("o", "lse", "dq", "dk", "dv")
+SINK_TENSORS = ("dsinks",)  # compared only for cases with sinks
+ALL_TENSORS = TENSORS + SINK_TENSORS
+IDEAL = "ideal "  # prefix of the oracle's flash-ideal entries (low precision): "ideal dk"
+
+
+def case_tensors(case: Case) -> tuple[str, ...]:
+    """The tensors a case's run returns and is compared on: o, lse, dq, dk, dv (and dsinks)."""
+    return ALL_TENSORS if case.sinks else TENSORS
 
 
 def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -37,8 +52,8 @@ def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Inputs:
-    """q, k, v and the cotangents (do for o, dlse for lse), float64 in original order, and the
-    packed documents' ids (None: the case has none)."""
+    """q, k, v and the cotangents (do for o, dlse for lse), float64 in original order, the
+    packed documents' ids and the attention sinks' logits (None: the case has none)."""
 
     q: np.ndarray  # [b, t, h, d]
     k: np.ndarray  # [b, t, hk, d]
@@ -46,22 +61,52 @@ class Inputs:
     do: np.ndarray  # [b, t, h, d]
     dlse: np.ndarray  # [b, h, t] (float32 values: lse is float32 in every dtype)
     segment_ids: np.ndarray | None = None  # [b, t] int32, or None
+    sinks: np.ndarray | None = None  # [h] (values of the case's dtype; passed in float32), or None
 
 
 def make_inputs(case: Case, seed: int) -> Inputs:
+    """The case's inputs from ``seed``: q, k, v, do, dlse, then the segment ids (documents), then
+    the sinks (standard normal [h], rounded to the case's dtype as q is: the dense control of
+    jax_impl casts the sinks to q's dtype, so every side sees the same numbers)."""
     rng = np.random.default_rng(seed)
     b, t, h, hk, d = case.batch, case.seq, case.heads, case.kv_heads, case.head_dim
     q, do = (round_to_dtype(rng.standard_normal((b, t, h, d)), case.dtype) for _ in range(2))
     k, v = (round_to_dtype(rng.standard_normal((b, t, hk, d)), case.dtype) for _ in range(2))
     dlse = round_to_dtype(rng.standard_normal((b, h, t)), "float32")
-    return Inputs(q=q, k=k, v=v, do=do, dlse=dlse, segment_ids=draw_segment_ids(case.documents, b, t, rng))
+    ids = draw_segment_ids(case.documents, b, t, rng)
+    sinks = round_to_dtype(rng.standard_normal(h), case.dtype) if case.sinks else None
+    return Inputs(q=q, k=k, v=v, do=do, dlse=dlse, segment_ids=ids, sinks=sinks)
 
 
 def oracle(case: Case, x: Inputs) -> dict[str, np.ndarray]:
-    """The float64 answer: o, lse, dq, dk, dv in original order."""
-    fwd = reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale, segment_ids=x.segment_ids)
+    """The float64 answer in original order: o, lse, dq, dk, dv (and dsinks with sinks); for a
+    low-precision case also the flash ideal of each (``IDEAL`` + name, see ``flash_ideal``)."""
+    fwd = reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale, segment_ids=x.segment_ids,
+                                      window=case.window, sinks=x.sinks)
+    out = _backward(case, x, fwd)
+    if case.dtype != "float32":
+        out |= {IDEAL + n: t for n, t in flash_ideal(case, x, fwd).items()}
+    return out
+
+
+def _backward(case: Case, x: Inputs, fwd: reference.Forward) -> dict[str, np.ndarray]:
     dq, dk, dv = reference.attention_backward(fwd, x.q, x.k, x.v, x.do, x.dlse, scale=case.scale)
-    return {"o": fwd.o, "lse": fwd.lse, "dq": dq, "dk": dk, "dv": dv}
+    out = {"o": fwd.o, "lse": fwd.lse, "dq": dq, "dk": dk, "dv": dv}
+    return out | ({"dsinks": reference.sinks_backward(fwd, x.do, x.dlse)} if x.sinks is not None else {})
+
+
+def flash_ideal(case: Case, x: Inputs, fwd: reference.Forward | None = None) -> dict[str, np.ndarray]:
+    """What an exact flash-style kernel returns from these inputs, in float64: o rounded to the
+    case's dtype and lse to float32 (what it returns), and the backward computed exactly from the
+    ROUNDED o — a flash backward's D = rowsum(dO∘O) reads the o its forward returned, as
+    FlashAttention's does — its dq, dk, dv rounded to the case's dtype, dsinks to float32. No
+    implementation of that algorithm can be closer to the oracle; on rows that see one or two keys
+    (small windows, sinks) the dense control can be several times closer (parity.core.numerics)."""
+    if fwd is None:
+        fwd = reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale,
+                                          segment_ids=x.segment_ids, window=case.window, sinks=x.sinks)
+    out = _backward(case, x, replace(fwd, o=round_to_dtype(fwd.o, case.dtype)))
+    return {n: round_to_dtype(t, "float32" if n in ("lse", *SINK_TENSORS) else case.dtype) for n, t in out.items()}
 
 
 def permutation(case: Case) -> np.ndarray:
@@ -69,13 +114,18 @@ def permutation(case: Case) -> np.ndarray:
 
 
 def to_layout(x: Inputs, perm: np.ndarray) -> Inputs:
-    """Permute every tensor's (and the segment ids') sequence axis into layout order."""
+    """Permute every tensor's (and the segment ids') sequence axis into layout order (the sinks
+    have none)."""
     ids = None if x.segment_ids is None else x.segment_ids[:, perm]
     return Inputs(q=x.q[:, perm], k=x.k[:, perm], v=x.v[:, perm], do=x.do[:, perm], dlse=x.dlse[:, :, perm],
-                  segment_ids=ids)
+                  segment_ids=ids, sinks=x.sinks)
 
 
 def from_layout(tensors: dict[str, np.ndarray], perm: np.ndarray) -> dict[str, np.ndarray]:
-    """Undo ``to_layout`` on results (lse's sequence axis is the last one)."""
+    """Undo ``to_layout`` on results (lse's sequence axis is the last one; dsinks has none)."""
     inverse = np.argsort(perm)
-    return {n: (t[:, :, inverse] if n == "lse" else t[:, inverse]) for n, t in tensors.items()}
+
+    def back(name, t):
+        return t if name in SINK_TENSORS else t[:, :, inverse] if name == "lse" else t[:, inverse]
+
+    return {n: back(n, t) for n, t in tensors.items()}

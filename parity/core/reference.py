@@ -6,9 +6,12 @@ softmax-attention backward. Shapes (docs/contract.md letters):
 
     q: [b, t, h, d]    k, v: [b, s, hk, d]    o: [b, t, h, d]    lse: [b, h, t]
     segment_ids: [b, t] ints (packed documents; kv_segment_ids: [b, s], default segment_ids)
+    window: (left, right) non-negative ints or None      sinks: [h] logits or None
 
-Query i reads key j only if (causal) j's original position <= i's and (packed documents) their
-segment ids are equal.
+Query i reads key j only if (causal) j's original position <= i's, (packed documents) their
+segment ids are equal and (sliding window) i - left <= j <= i + right, positions original.
+Attention sinks (gpt-oss) add exp(sinks[h]) to every row's softmax denominator, with no value
+vector: lse includes the sink, the probabilities of the keys sum to less than one.
 
 Query head ``h`` reads KV head ``h // (heads // kv_heads)`` (MHA, GQA and MQA alike).
 """
@@ -27,8 +30,9 @@ class Forward:
     """What the oracle's forward keeps for the backward (all float64)."""
 
     o: np.ndarray  # [b, t, h, d]
-    lse: np.ndarray  # [b, h, t]
+    lse: np.ndarray  # [b, h, t] (with sinks: including the sink)
     probs: np.ndarray  # [b, h, t, s]
+    sink_probs: np.ndarray | None = None  # [b, h, t]: P_sink = exp(sinks[h] - lse), None without sinks
 
 
 def _expand_kv(x: np.ndarray, heads: int) -> np.ndarray:
@@ -39,16 +43,28 @@ def _expand_kv(x: np.ndarray, heads: int) -> np.ndarray:
     return np.repeat(x, heads // kv_heads, axis=2)
 
 
-def visible(q_pos, k_pos, causal: bool, q_ids=None, k_ids=None) -> np.ndarray:
+def visible(q_pos, k_pos, causal: bool, q_ids=None, k_ids=None, window: tuple[int, int] | None = None) -> np.ndarray:
     """[b or 1, t, s] bool: True where the query at original position q_pos[t] may read the key at
-    k_pos[s] — causally (when ``causal``) and, given ids ([b, t] and [b, s]), within one document."""
+    k_pos[s] — causally (when ``causal``), given ids ([b, t] and [b, s]) within one document, and
+    given a window (left, right) within q_pos - left <= k_pos <= q_pos + right."""
     q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
     mask = np.ones((1, len(q_pos), len(k_pos)), dtype=bool)
     if causal:
         mask = mask & (k_pos[None, None, :] <= q_pos[None, :, None])
+    if window is not None:
+        left, right = _check_window(window)
+        offset = k_pos[None, None, :] - q_pos[None, :, None]  # key minus query position
+        mask = mask & (offset >= -left) & (offset <= right)
     if q_ids is not None:
         mask = mask & (np.asarray(q_ids)[:, :, None] == np.asarray(k_ids)[:, None, :])
     return mask
+
+
+def _check_window(window) -> tuple[int, int]:
+    if not (isinstance(window, tuple) and len(window) == 2
+            and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window)):
+        raise ValueError(f"window must be a (left, right) tuple of non-negative ints, got {window!r}")
+    return int(window[0]), int(window[1])
 
 
 def _check_ids(q_ids, k_ids, b: int, t: int, s: int):
@@ -66,12 +82,13 @@ def _check_ids(q_ids, k_ids, b: int, t: int, s: int):
 
 def attention_forward(
     q, k, v, *, causal: bool = False, scale: float | None = None, q_pos=None, k_pos=None, segment_ids=None,
-    kv_segment_ids=None,
+    kv_segment_ids=None, window: tuple[int, int] | None = None, sinks=None,
 ) -> Forward:
     """Dense attention in float64. ``q_pos``/``k_pos`` are original token positions (default:
     0..t-1), so inputs in any layout order are masked by where tokens really are. ``segment_ids``
     [b, t] / ``kv_segment_ids`` [b, s] (default: ``segment_ids``, self-attention): packed
-    documents, in the same order as q / k."""
+    documents, in the same order as q / k. ``window`` (left, right): the sliding window on those
+    positions. ``sinks`` [h]: each row's denominator gains exp(sinks[h]) (lse includes it)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, t, h, d = q.shape
     s = k.shape[1]
@@ -81,17 +98,24 @@ def attention_forward(
     q_ids, k_ids = _check_ids(segment_ids, kv_segment_ids, b, t, s)
     ke, ve = _expand_kv(k, h), _expand_kv(v, h)
     scores = np.einsum("bthd,bshd->bhts", q, ke) * scale
-    mask = visible(q_pos, k_pos, causal, q_ids, k_ids)[:, None]  # [b or 1, 1, t, s]
+    mask = visible(q_pos, k_pos, causal, q_ids, k_ids, window)[:, None]  # [b or 1, 1, t, s]
     scores = np.where(mask, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     if not np.all(np.isfinite(row_max)):
         raise ValueError("a query row has no visible key; the oracle needs at least one per row")
+    sink = None
+    if sinks is not None:
+        sinks = np.asarray(sinks, dtype=np.float64)
+        if sinks.shape != (h,):
+            raise ValueError(f"sinks must be [heads] = ({h},), got shape {sinks.shape}")
+        sink = np.broadcast_to(sinks[None, :, None, None], (b, h, t, 1))
+        row_max = np.maximum(row_max, sink)
     unnorm = np.exp(scores - row_max)
-    denom = unnorm.sum(axis=-1, keepdims=True)
+    denom = unnorm.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - row_max))
     probs = unnorm / denom
     lse = (row_max + np.log(denom))[..., 0]
     o = np.einsum("bhts,bshd->bthd", probs, ve)
-    return Forward(o=o, lse=lse, probs=probs)
+    return Forward(o=o, lse=lse, probs=probs, sink_probs=None if sink is None else np.exp(sink[..., 0] - lse))
 
 
 def attention_backward(fwd: Forward, q, k, v, do, dlse=None, *, scale: float | None = None):
@@ -118,6 +142,18 @@ def attention_backward(fwd: Forward, q, k, v, do, dlse=None, *, scale: float | N
     dk = dk_e.reshape(b, -1, kv_heads, group, d).sum(axis=3)
     dv = dv_e.reshape(b, -1, kv_heads, group, d).sum(axis=3)
     return dq, dk, dv
+
+
+def sinks_backward(fwd: Forward, do, dlse=None) -> np.ndarray:
+    """dsinks [h] float64 of a forward with sinks: the sink is one more logit per row with no value
+    vector, so its dS is P_sink·(0 − (D − dlse)), D = rowsum(dO ∘ O), summed over the rows (b, t)."""
+    if fwd.sink_probs is None:
+        raise ValueError("the forward had no sinks")
+    do = np.asarray(do, dtype=np.float64)
+    b, h, t = fwd.lse.shape
+    dlse = np.zeros((b, h, t)) if dlse is None else np.asarray(dlse, dtype=np.float64)
+    delta = np.einsum("bthd,bthd->bht", do, fwd.o) - dlse
+    return -(fwd.sink_probs * delta).sum(axis=(0, 2))
 
 
 def layout_permutation(seq_len: int, layout: str, ring_size: int, ulysses_size: int = 1) -> np.ndarray:

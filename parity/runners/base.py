@@ -1,6 +1,6 @@
 """What a framework runner is (``Runner``), what stands in for one that cannot run
 (``Unavailable``), how the harness gets either (``load_runner``), and how every runner passes a
-case's packed documents (``document_keywords``)."""
+case's packed documents, window and sinks (``option_keywords``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ FRAMEWORKS: tuple[str, ...] = get_args(Framework)
 @runtime_checkable
 class Runner(Protocol):
     """One framework's way of running a parity case. Results are o, lse, dq, dk, dv as float64
-    NumPy arrays in original token order."""
+    NumPy arrays in original token order, and for a case with sinks dsinks [h] (the full
+    gradient: every device's rows)."""
 
     def device_count(self, devices: Device = "cpu") -> int:
         """How many devices a case may use on ``devices``."""
@@ -33,10 +34,11 @@ class Runner(Protocol):
         """Dense attention in the case's dtype on one device (the low-precision control)."""
 
 
-def document_keywords(segment_ids) -> dict:
-    """The keyword a framework call takes for packed documents: ``{"segment_ids": ids}``, or
-    nothing at all for a case without documents (so those calls are exactly what they were)."""
-    return {} if segment_ids is None else {"segment_ids": segment_ids}
+def option_keywords(*, segment_ids=None, window=None, sinks=None) -> dict:
+    """The keywords a framework call takes for packed documents, a sliding window and attention
+    sinks — only those that are set (not None), so a call without them is exactly what it was."""
+    given = {"segment_ids": segment_ids, "window": window, "sinks": sinks}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 @dataclass(frozen=True)

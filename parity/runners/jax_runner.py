@@ -8,7 +8,7 @@ import numpy as np
 from ..core.cases import Case
 from ..core.inputs import Inputs, from_layout, permutation, to_layout
 from ..core.names import Device
-from .base import document_keywords
+from .base import option_keywords
 
 __all__ = ["JaxRunner", "RUNNER", "make_mesh", "measure_attention_traffic"]
 
@@ -32,32 +32,37 @@ def _as(x, dtype):
     return jnp.asarray(np.asarray(x, np.float32).astype(jnp.dtype(dtype)))
 
 
-def _segment_ids(x: Inputs) -> tuple:
-    """The inputs' segment ids as a JAX int32 array, in a tuple: ``fn``'s extra argument (none
-    without packed documents)."""
+def _options(x: Inputs) -> tuple:
+    """The inputs' segment ids (JAX int32) and sinks (JAX float32), each None when the case has
+    none: ``forward_backward``'s last two arguments."""
     import jax.numpy as jnp
 
-    return () if x.segment_ids is None else (jnp.asarray(x.segment_ids, jnp.int32),)
+    ids = None if x.segment_ids is None else jnp.asarray(x.segment_ids, jnp.int32)
+    return ids, None if x.sinks is None else jnp.asarray(np.asarray(x.sinks, np.float32))
 
 
 def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
-    """Forward and backward of ``fn(q, k, v[, segment_ids])`` compiled as one program, as a training
+    """Forward and backward of ``fn(q, k, v, **options)`` compiled as one program, as a training
     step compiles them (and less compile time than two programs: 0.9 s instead of 1.5 s for a USP
-    r4×u2 case on CPU). The ids (when the case has packed documents) are an argument of the
-    program, not a constant folded into it, and get no cotangent."""
+    r4×u2 case on CPU). ``options`` are the case's segment ids and sinks when it has them
+    (``option_keywords``): arguments of the program, not constants folded into it. The ids get no
+    cotangent; the sinks are differentiated like q, k, v (dsinks: ``jax.vjp`` w.r.t. them)."""
     import jax
     import jax.numpy as jnp
 
     dtype = jnp.dtype(case.dtype)
 
     @jax.jit
-    def forward_backward(q, k, v, do, dlse, *ids):
-        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *ids), q, k, v)
+    def forward_backward(q, k, v, do, dlse, ids, sinks):
+        def attention(q, k, v, *sink):
+            return fn(q, k, v, **option_keywords(segment_ids=ids, sinks=sink[0] if sink else None))
+
+        out, vjp = jax.vjp(attention, q, k, v, *(() if sinks is None else (sinks,)))
         return out, vjp((do, dlse))
 
-    (o, lse), (dq, dk, dv) = forward_backward(_as(x.q, dtype), _as(x.k, dtype), _as(x.v, dtype),
-                                              _as(x.do, dtype), _as(x.dlse, jnp.float32), *_segment_ids(x))
-    out = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    (o, lse), grads = forward_backward(_as(x.q, dtype), _as(x.k, dtype), _as(x.v, dtype), _as(x.do, dtype),
+                                       _as(x.dlse, jnp.float32), *_options(x))
+    out = {"o": o, "lse": lse} | dict(zip(("dq", "dk", "dv", "dsinks"), grads))
     return {n: np.asarray(t).astype(np.float64) for n, t in out.items()}
 
 
@@ -81,11 +86,11 @@ class JaxRunner:
         mesh = make_mesh(case)
         perm = permutation(case)
 
-        def fn(q, k, v, segment_ids=None):  # global ids in layout order, sharded like q by the API
+        def fn(q, k, v, **options):  # global ids in layout order (sharded like q by the API), sinks [h]
             return jax_impl.sequence_parallel_attention(
                 q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale,
                 kv_exchange=case.kv_exchange, return_lse=True, block_backend=self.block_backend,
-                **document_keywords(segment_ids))
+                **options, **option_keywords(window=case.window))
 
         return from_layout(_vjp_results(fn, case, to_layout(x, perm)), perm)
 
@@ -98,12 +103,13 @@ class JaxRunner:
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
         """Dense attention in the case's own dtype on one device: the low-precision control (with
-        the case's documents: dense ids in original order)."""
+        the case's documents: dense ids in original order; its window and sinks, dsinks by
+        jax.vjp through it)."""
         import jax_impl
 
-        def fn(q, k, v, segment_ids=None):
-            return jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale,
-                                            **document_keywords(segment_ids))
+        def fn(q, k, v, **options):
+            return jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale, **options,
+                                            **option_keywords(window=case.window))
 
         return _vjp_results(fn, case, x)
 
@@ -114,7 +120,8 @@ RUNNER = JaxRunner()
 def measure_attention_traffic(case: Case, *, return_lse: bool = True):
     """Per-device collectives of the compiled forward and forward+backward programs (``Traffic``),
     for a loss that uses o and (when returned) lse; with the case's segment ids (int32 [b, t])
-    when it has packed documents."""
+    when it has packed documents, its window, and its sinks (float32 [h], differentiated: the
+    backward has their cotangent)."""
     import jax
     import jax.numpy as jnp
 
@@ -126,20 +133,23 @@ def measure_attention_traffic(case: Case, *, return_lse: bool = True):
     dtype = jnp.dtype(case.dtype)
     q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim), dtype)
     kv = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.head_dim), dtype)
-    ids = () if case.documents == "none" else (jax.ShapeDtypeStruct((case.batch, case.seq), jnp.int32),)
+    ids = None if case.documents == "none" else jax.ShapeDtypeStruct((case.batch, case.seq), jnp.int32)
+    sinks = jax.ShapeDtypeStruct((case.heads,), jnp.float32) if case.sinks else None
 
-    def attention(q, k, v, segment_ids=None):
-        out = jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=case.causal, layout=case.layout,
-                                                   kv_exchange=case.kv_exchange, scale=case.scale,
-                                                   return_lse=return_lse, **document_keywords(segment_ids))
+    def attention(q, k, v, ids, *sink):
+        out = jax_impl.sequence_parallel_attention(
+            q, k, v, mesh, causal=case.causal, layout=case.layout, kv_exchange=case.kv_exchange, scale=case.scale,
+            return_lse=return_lse, **option_keywords(segment_ids=ids, window=case.window, sinks=sink[0] if sink else None))
         return out if return_lse else (out, None)
 
-    def forward_backward(q, k, v, do, dlse, *ids):
+    def forward_backward(q, k, v, do, dlse, ids, sinks):
         # cotangents are inputs and outputs are kept, as in training (else XLA drops the output all-to-alls)
-        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, *ids), q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v, *sink: attention(q, k, v, ids, *sink), q, k, v,
+                           *(() if sinks is None else (sinks,)))
         return out, vjp((do, dlse))
 
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq), jnp.float32) if return_lse else None
-    fwd = jax.jit(attention).lower(q, kv, kv, *ids).compile().as_text()
-    both = jax.jit(forward_backward).lower(q, kv, kv, q, lse, *ids).compile().as_text()
+    sink = () if sinks is None else (sinks,)
+    fwd = jax.jit(attention).lower(q, kv, kv, ids, *sink).compile().as_text()
+    both = jax.jit(forward_backward).lower(q, kv, kv, q, lse, ids, sinks).compile().as_text()
     return split_passes(fwd, both)

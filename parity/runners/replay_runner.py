@@ -7,8 +7,9 @@ ONE device, the communication replaced by indexing into the resident global arra
 every multi-device case), so the same inputs, oracle and policy judge it; its verdict says
 ``mode="replay"``. Results are o, lse, dq, dk, dv as float64 NumPy arrays in original token order,
 like every ``Runner``'s. A case with packed documents passes the global segment ids in layout order
-(``segment_ids=``; nothing at all without). jax, torch and the implementations are imported inside
-the methods.
+(``segment_ids=``; nothing at all without), a case with a window its ``window=``, a case with
+sinks the float32 ``sinks=`` [h] (the replays' grads then end with dsinks, every virtual device's
+share summed). jax, torch and the implementations are imported inside the methods.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from ..core.cases import Case
 from ..core.inputs import Inputs, from_layout, permutation, to_layout
 from ..core.names import Device
-from .base import document_keywords
+from .base import option_keywords
 
 __all__ = ["JaxReplayRunner", "TorchReplayRunner", "strategy_of"]
 
@@ -32,7 +33,10 @@ def strategy_of(case: Case, module):
 
 def _keywords(case: Case, strategy, block_backend: str) -> dict:
     return dict(strategy=strategy, causal=case.causal, layout=case.layout, scale=case.scale,
-                block_backend=block_backend)
+                block_backend=block_backend, **option_keywords(window=case.window))
+
+
+GRADS = ("dq", "dk", "dv", "dsinks")  # what replay_attention_grads returns (dsinks only with sinks)
 
 
 class JaxReplayRunner:
@@ -57,18 +61,19 @@ class JaxReplayRunner:
         kw = _keywords(case, strategy_of(case, replay), self.block_backend)
 
         @jax.jit
-        def forward_backward(q, k, v, do, dlse, *ids):  # ids: the segment ids, an argument (not a constant)
-            kw_ids = kw | document_keywords(ids[0] if ids else None)
-            o, lse = replay.replay_attention(q, k, v, **kw_ids)
-            return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw_ids))
+        def forward_backward(q, k, v, do, dlse, ids, sinks):  # ids, sinks: arguments (not constants), or None
+            kw_options = kw | option_keywords(segment_ids=ids, sinks=sinks)
+            o, lse = replay.replay_attention(q, k, v, **kw_options)
+            return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw_options))
 
         perm = permutation(case)
         y = to_layout(x, perm)
         dtype = jnp.dtype(case.dtype)
         cast = [jnp.asarray(np.asarray(a, np.float32).astype(dtype)) for a in (y.q, y.k, y.v, y.do)]
-        ids = () if y.segment_ids is None else (jnp.asarray(y.segment_ids, jnp.int32),)
-        out = forward_backward(*cast, jnp.asarray(y.dlse, jnp.float32), *ids)
-        got = {n: np.asarray(t).astype(np.float64) for n, t in zip(("o", "lse", "dq", "dk", "dv"), out)}
+        ids = None if y.segment_ids is None else jnp.asarray(y.segment_ids, jnp.int32)
+        sinks = None if y.sinks is None else jnp.asarray(np.asarray(y.sinks, np.float32))
+        out = forward_backward(*cast, jnp.asarray(y.dlse, jnp.float32), ids, sinks)
+        got = {n: np.asarray(t).astype(np.float64) for n, t in zip(("o", "lse", *GRADS), out)}
         return from_layout(got, perm)
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
@@ -114,17 +119,19 @@ class TorchReplayRunner:
         y = to_layout(x, perm)
         q, k, v, do = self._tensors(case, (y.q, y.k, y.v, y.do))
         dlse = torch.tensor(np.asarray(y.dlse, np.float32), device=q.device)
-        if y.segment_ids is not None:
-            kw |= document_keywords(torch.tensor(y.segment_ids, device=q.device))
+        ids = None if y.segment_ids is None else torch.tensor(y.segment_ids, device=q.device)
+        sinks = None if y.sinks is None else torch.tensor(np.asarray(y.sinks, np.float32), device=q.device)
+        kw |= option_keywords(segment_ids=ids, sinks=sinks)
         with torch.no_grad():
             o, lse = replay.replay_attention(q, k, v, **kw)
-            dq, dk, dv = replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw)
-        out = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+            grads = replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw)
+        out = {"o": o, "lse": lse} | dict(zip(GRADS, grads))
         return from_layout({n: t.detach().double().cpu().numpy() for n, t in out.items()}, perm)
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
         """Dense attention in the case's dtype on the replay's device (the low-precision control; with
-        the case's documents: dense ids in original order)."""
+        the case's documents: dense ids in original order; its window and sinks, dsinks by
+        autograd)."""
         import torch
 
         import torch_impl
@@ -132,7 +139,11 @@ class TorchReplayRunner:
         q, k, v, do = self._tensors(case, (x.q, x.k, x.v, x.do))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         ids = None if x.segment_ids is None else torch.tensor(x.segment_ids, device=q.device)
-        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale, **document_keywords(ids))
+        sinks = None if x.sinks is None else torch.tensor(np.asarray(x.sinks, np.float32), device=q.device,
+                                                          requires_grad=True)
+        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale,
+                                            **option_keywords(segment_ids=ids, window=case.window, sinks=sinks))
         torch.autograd.backward((o, lse), (do, torch.tensor(np.asarray(x.dlse, np.float32), device=q.device)))
         out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        out |= {} if sinks is None else {"dsinks": sinks.grad}
         return {n: t.detach().double().cpu().numpy() for n, t in out.items()}

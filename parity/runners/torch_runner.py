@@ -2,7 +2,9 @@
 
 The parent slices nothing: every rank receives the global inputs (layout order, NumPy), takes
 its own shard by its mesh coordinates, runs forward and backward, and returns its shard of the
-results, which the parent stitches back together in original order. torch and torch_impl are
+results, which the parent stitches back together in original order. Attention sinks are the full
+[h] tensor on every rank and each rank's ``sinks.grad`` is its own rows' contribution (the API's
+contract): the parent sums them into the full dsinks. torch and torch_impl are
 imported inside the functions (the workers import them; the parent only for the control).
 """
 
@@ -13,9 +15,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ..core.cases import Case
-from ..core.inputs import TENSORS, Inputs, from_layout, permutation, to_layout
+from ..core.inputs import SINK_TENSORS, Inputs, case_tensors, from_layout, permutation, to_layout
 from ..core.names import Device
-from .base import document_keywords
+from .base import option_keywords
 from .torch_world import get_world, make_mesh
 
 __all__ = ["TorchRunner", "RUNNER", "make_mesh", "rank_task", "traffic_task", "measure_attention_traffic",
@@ -44,8 +46,9 @@ def _device(device_type: str):
 
 def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> dict:
     """Runs on every rank: forward + backward of this rank's shard (with this rank's shard of the
-    segment ids, [b/D, t/(R·U)] int32 in layout order, when the case has packed documents);
-    returns its shards."""
+    segment ids, [b/D, t/(R·U)] int32 in layout order, when the case has packed documents; the
+    case's window; the full float32 sinks [h] when it has sinks); returns its shards and, with
+    sinks, this rank's ``sinks.grad`` as "dsinks"."""
     import torch
 
     import torch_impl
@@ -60,21 +63,29 @@ def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> di
 
     q, k, v = (local(a, grad=True) for a in (x.q, x.k, x.v))
     ids = None if x.segment_ids is None else torch.tensor(_shard(x.segment_ids, case, coords, 1), device=device)
+    sinks = None if x.sinks is None else torch.tensor(x.sinks, dtype=torch.float32, device=device, requires_grad=True)
     o, lse = torch_impl.sequence_parallel_attention(
         q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
-        return_lse=True, block_backend=block_backend, **document_keywords(ids))
+        return_lse=True, block_backend=block_backend,
+        **option_keywords(segment_ids=ids, window=case.window, sinks=sinks))
     torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if sinks is not None:  # this rank's contribution (None: its rows never reached the sinks, impossible)
+        out["dsinks"] = sinks.grad
     return {"coords": coords, **{n: t.detach().float().cpu().numpy() for n, t in out.items()}}
 
 
 def _stitch(case: Case, shards: list[dict]) -> dict[str, np.ndarray]:
-    """Reassemble per-rank shards into global layout-order arrays."""
+    """Reassemble per-rank shards into global layout-order arrays; dsinks, every rank's
+    contribution, summed (in float64, rank order)."""
     def key(s):
         return s["coords"].get("data", 0), case.sequence_block(s["coords"])
 
     out = {}
-    for name in TENSORS:
+    for name in case_tensors(case):
+        if name in SINK_TENSORS:
+            out[name] = np.sum([s[name].astype(np.float64) for s in sorted(shards, key=key)], axis=0)
+            continue
         seq_dim = 2 if name == "lse" else 1
         rows: dict[int, list] = {}
         for s in sorted(shards, key=key):
@@ -121,7 +132,8 @@ class TorchRunner:
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
         """Dense attention in the case's own dtype, in this process: the low-precision control (with
-        the case's documents: dense ids in original order)."""
+        the case's documents: dense ids in original order; its window and sinks, dsinks by
+        autograd)."""
         import torch
 
         import torch_impl
@@ -129,10 +141,13 @@ class TorchRunner:
         dtype = getattr(torch, case.dtype)
         q, k, v = (torch.tensor(a, dtype=torch.float32).to(dtype).requires_grad_() for a in (x.q, x.k, x.v))
         ids = None if x.segment_ids is None else torch.tensor(x.segment_ids)
-        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale, **document_keywords(ids))
+        sinks = None if x.sinks is None else torch.tensor(x.sinks, dtype=torch.float32, requires_grad=True)
+        o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale,
+                                            **option_keywords(segment_ids=ids, window=case.window, sinks=sinks))
         torch.autograd.backward((o, lse), (torch.tensor(x.do, dtype=torch.float32).to(dtype),
                                            torch.tensor(x.dlse, dtype=torch.float32)))
         out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        out |= {} if sinks is None else {"dsinks": sinks.grad}
         return {n: t.detach().double().numpy() for n, t in out.items()}
 
 
@@ -141,8 +156,9 @@ RUNNER = TorchRunner()
 
 def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
     """Runs on every rank: forward and backward of random shards (and, with packed documents, local
-    segment ids of one document: the ids' values change no byte) under the comm tracer; returns
-    this rank's traffic rows."""
+    segment ids of one document: the ids' values change no byte; the case's window; with sinks,
+    random float32 sinks [h] that take a gradient) under the comm tracer; returns this rank's
+    traffic rows."""
     import torch
 
     import torch_impl
@@ -156,10 +172,11 @@ def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
     q = torch.randn(b, t, case.heads, case.head_dim, device=device).to(dtype).requires_grad_()
     k, v = (torch.randn(b, t, case.kv_heads, case.head_dim, device=device).to(dtype).requires_grad_() for _ in range(2))
     ids = None if case.documents == "none" else torch.zeros(b, t, dtype=torch.int32, device=device)
+    sinks = torch.randn(case.heads, device=device).requires_grad_() if case.sinks else None
     with CommTracer() as tracer:
-        out = torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=case.causal, layout=case.layout,
-                                                     kv_exchange=case.kv_exchange, scale=case.scale,
-                                                     return_lse=return_lse, **document_keywords(ids))
+        out = torch_impl.sequence_parallel_attention(
+            q, k, v, mesh, causal=case.causal, layout=case.layout, kv_exchange=case.kv_exchange, scale=case.scale,
+            return_lse=return_lse, **option_keywords(segment_ids=ids, window=case.window, sinks=sinks))
         outputs = out if return_lse else (out,)
         with tracer.phase("bwd"):
             torch.autograd.backward(outputs, [torch.randn_like(x) for x in outputs])

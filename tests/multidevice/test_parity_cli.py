@@ -14,6 +14,7 @@ pytest.importorskip("jax")
 from helpers import jax_runner
 from parity import cli
 from parity.core.cases import Case
+from parity.core.inputs import ALL_TENSORS, TENSORS
 from parity.runners.base import Unavailable
 from parity.runners.jax_runner import JaxRunner
 from parity.runners.pipeline import run_case_everywhere
@@ -28,7 +29,7 @@ def test_cli_runs_both_frameworks_and_writes_reports(tmp_path, jax_devices, worl
     assert report["seed"] == 3 and report["summary"]["passed"] == len(report["results"]) >= 2
     for r in report["results"]:
         assert {s["status"] for s in r["sides"].values()} == {"passed"} and r["jax_vs_torch"]["status"] == "passed"
-        assert set(r["sides"]["torch"]["errors"]) == {"o", "lse", "dq", "dk", "dv"}
+        assert set(r["sides"]["torch"]["errors"]) == set(ALL_TENSORS if r["case"]["sinks"] else TENSORS)
     assert (tmp_path / "report.md").read_text().count("| passed |") == len(report["results"])
     assert "seed 3" in out
 
@@ -68,6 +69,31 @@ def test_harness_catches_local_position_causal_mask_in_torch(worlds):
     assert result.status == "failed" and torch_side.status == "failed" and result.sides["jax"].status == "passed"
     assert "o: error" in torch_side.detail and "dq: error" in torch_side.detail
     assert result.cross.status == "failed"  # and the frameworks disagree with each other
+
+
+def test_harness_catches_a_wrong_sinks_gradient_in_jax(monkeypatch, jax_devices):
+    """Half the sinks' cotangent in the JAX ring fails the case on dsinks alone (the forward and
+    the q, k, v gradients do not depend on it)."""
+    import jax_impl.loop
+
+    real = jax_impl.loop.sinks_grad
+    monkeypatch.setattr(jax_impl.loop, "sinks_grad", lambda *a: 0.5 * real(*a))
+    case = Case(ring=4, layout="contiguous", causal=True, window=(5, 2), sinks=True)
+    side = run_case_everywhere(case, {"jax": jax_runner()}, seed=7, devices="cpu").sides["jax"]
+    assert side.status == "failed" and "dsinks: error" in side.detail, side.detail
+    assert [c.name for c in side.checks if not c.ok] == ["dsinks"]
+
+
+def test_harness_needs_every_ranks_sinks_grad_in_torch(worlds):
+    """torch's sinks.grad is per rank: a harness keeping rank 0's alone fails dsinks (and only
+    dsinks), so the parent's sum over the ranks is what makes the torch side pass."""
+    from parity.runners.torch_runner import RUNNER, TorchRunner
+    from torch_tasks import rank_task_keeping_one_ranks_sinks_grad
+
+    case = Case(ring=2, ulysses=2, layout="stripe", causal=False, window=(20, 9), sinks=True, kv_heads=2)
+    buggy = run_case_everywhere(case, {"torch": TorchRunner(task=rank_task_keeping_one_ranks_sinks_grad)}, 8, "cpu")
+    assert [c.name for c in buggy.sides["torch"].checks if not c.ok] == ["dsinks"], buggy.sides["torch"].detail
+    assert run_case_everywhere(case, {"torch": RUNNER}, 8, "cpu").status == "passed"
 
 
 def test_missing_framework_is_skipped_and_too_few_devices_replay(jax_devices):

@@ -44,6 +44,21 @@ def rank_task_with_local_causal_mask(case, x, device_type, block_backend):
         schedule.step_plan = real
 
 
+def rank_task_keeping_one_ranks_sinks_grad(case, x, device_type, block_backend):
+    """parity.runners.torch_runner.rank_task with a planted harness bug: only rank 0's sinks.grad
+    comes back (the other ranks' contributions are dropped), as if sinks.grad held the full
+    gradient on every rank."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from parity.runners.torch_runner import rank_task
+
+    out = rank_task(case, x, device_type, block_backend)
+    if dist.get_rank() != 0:
+        out["dsinks"] = np.zeros_like(out["dsinks"])
+    return out
+
+
 def rank0_fails_before_a_collective() -> None:
     """Rank 0 raises; every other rank enters an all-reduce that rank 0 never joins."""
     import torch

@@ -3,8 +3,10 @@ factorization of 1–8 devices over data × ring × Ulysses, the double ring rin
 included; batch, seq, heads, kv_heads, head_dim, layout, causal, dtype — float32, bfloat16,
 float16 — scale, kv_exchange, and packed documents: about half the examples carry segment ids of a
 pattern drawn by ``document_patterns``, the ids themselves drawn from the seed by
-parity.core.documents) and both frameworks must agree with the float64 oracle under the numerics
-policy.
+parity.core.documents; a sliding window, about half the time, whose sides are drawn by
+``window_sides`` around the shard size — a query alone, inside a shard, one shard, across several,
+beyond the sequence; attention sinks half the time, their logits drawn from the seed) and both
+frameworks must agree with the float64 oracle under the numerics policy (dsinks included).
 
 Why: the all-pairs matrix covers every pair of hand-picked values; users pass shapes nobody
 picked. ``RINGBRIDGE_FUZZ_EXAMPLES`` sets the number of examples: 150 in the default run (about 2.8
@@ -48,6 +50,22 @@ def document_patterns():
     return st.one_of(st.just("none"), st.sampled_from(DOCUMENT_PATTERNS))
 
 
+def window_sides(seq: int, ring: int):
+    """One side of a window, in tokens, around a ring shard of ``seq // ring`` (zigzag: two halves):
+    0 (the query alone), 1, half a shard, one shard ± 1, two shards + 1, the whole sequence and beyond."""
+    shard = seq // ring
+    return st.sampled_from(sorted({0, 1, shard // 2, max(shard - 1, 0), shard, shard + 1, 2 * shard + 1, seq - 1,
+                                   seq + 5}))
+
+
+@st.composite
+def windows(draw, seq: int, ring: int):
+    """None half the time, else (left, right) with sides from ``window_sides``."""
+    if draw(st.booleans()):
+        return None
+    return draw(window_sides(seq, ring)), draw(window_sides(seq, ring))
+
+
 @st.composite
 def cases(draw) -> Case:
     data, ring, uly, outer = draw(st.sampled_from(MESHES))
@@ -63,7 +81,7 @@ def cases(draw) -> Case:
                 causal=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES)),
                 scale=draw(st.sampled_from((None, 0.5, 0.05))),
                 kv_exchange=draw(st.sampled_from(KV_EXCHANGES)) if single_ring else "ring",
-                documents=draw(document_patterns()))
+                documents=draw(document_patterns()), window=draw(windows(seq, ring)), sinks=draw(st.booleans()))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True, database=None,
@@ -75,11 +93,22 @@ def cases(draw) -> Case:
 @example(case=Case(ring=8, layout="stripe", causal=True, kv_heads=1, seq=8, batch=2, documents="mix"))
 @example(case=Case(ring=2, ulysses=4, layout="zigzag", causal=True, kv_heads=2, seq=16, dtype="bfloat16",
                    documents="interleaved"))
+# Windows and sinks at one token per device: a causal window of one key back (every off-diagonal block
+# but the neighbour's skipped, stripe: every block reachable); each query alone, non-causal, under Ulysses.
+@example(case=Case(ring=8, layout="stripe", causal=True, kv_heads=1, seq=8, window=(1, 0), sinks=True))
+@example(case=Case(ring=4, ulysses=2, layout="zigzag", causal=False, kv_heads=2, seq=16, dtype="bfloat16",
+                   window=(0, 0), sinks=True, batch=2, documents="mix"))
 # Found by the 1000-example run (--seed 1591065429): MQA replicated over U = 2, one token per device;
 # torch's dv missed the policy (5.1e-2 > 4.9e-2, 4.4x the unsharded error) while Ulysses summed the
 # replicas' gradients after rounding them to bf16; now float32 end to end, it errs 1.15e-2.
 @example(case=Case(ring=4, ulysses=2, layout="stripe", causal=True, heads=8, kv_heads=1, head_dim=16, seq=8,
                    dtype="bfloat16", scale=0.05, kv_exchange="allgather"))
+# Found by the first run drawing windows and sinks (--seed 11): both frameworks' dk at exactly the
+# flash ideal's error (2.06e-2), over twice the luckily close JAX control's (5.9e-3): rows of one or
+# two keys plus a sink. Passes since the policy's bound includes the ideal (parity.core.numerics).
+@example(case=Case(ring=2, ulysses=2, data=2, batch=2, seq=8, heads=4, kv_heads=4, head_dim=8, layout="zigzag",
+                   causal=True, dtype="bfloat16", scale=0.5, kv_exchange="allgather", documents="interleaved",
+                   window=(1, 0), sinks=True))
 def test_random_valid_configurations_match_the_oracle(case, seed, jax_devices, worlds):
     x = make_inputs(case, seed=seed ^ zlib.crc32(case.name.encode()))  # the same inputs in every process
     ref = oracle(case, x)
@@ -88,8 +117,8 @@ def test_random_valid_configurations_match_the_oracle(case, seed, jax_devices, w
 
 
 def test_the_strategy_reaches_every_mesh_family():
-    """The fuzz draws meshes of every algorithm and every document pattern (guards the strategy
-    against silently narrowing)."""
+    """The fuzz draws meshes of every algorithm, every document pattern, windows of both kinds of
+    reach and sinks (guards the strategy against silently narrowing)."""
     strategies = {MeshShape(data=d, ring=r, ulysses=u, ring_outer=o).algorithm for d, r, u, o in MESHES}
     assert strategies == {"local", "ring", "ulysses", "usp", "double_ring", "double_ring_usp"}  # local: data only
     assert {d * r * u for d, r, u, _ in MESHES} == {1, 2, 4, 8}
@@ -97,3 +126,13 @@ def test_the_strategy_reaches_every_mesh_family():
         found = hypothesis.find(cases(), lambda c, p=pattern: c.documents == p and c.causal,
                                 settings=settings(database=None, derandomize=True))
         assert found.documents == pattern
+    checks = {"sinks with a window": lambda c: c.sinks and c.window is not None,
+              "sinks alone": lambda c: c.sinks and c.window is None,
+              "a window inside one shard": lambda c: c.window is not None and c.ring >= 2
+              and max(c.window) < c.seq // c.ring,
+              "a window across shards": lambda c: c.window is not None and c.ring >= 4
+              and c.window[0] > c.seq // c.ring,
+              "a window beyond the sequence": lambda c: c.window is not None and min(c.window) >= c.seq}
+    for what, wanted in checks.items():
+        found = hypothesis.find(cases(), wanted, settings=settings(database=None, derandomize=True))
+        assert wanted(found), what

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from parity.accounting.hlo import count_collectives
@@ -28,6 +30,23 @@ def test_segment_ids_gathers_by_hand():
     double = attention_traffic(Case(ring=4, ring_outer=2, documents="one")).rows()
     assert double[("fwd", "all-gather")] == (2, 64 + 128)
     assert ("fwd", "all-gather") not in attention_traffic(Case(ring=1, documents="mix")).rows()
+
+
+def test_sinks_all_reductions_by_hand():
+    """Sinks: 8 heads of float32 = 32 B. JAX's backward all-reduces their cotangent (2(n-1)/n of
+    the buffer): ring 4: 32 B over 4 devices, 48 B; USP d2×r2×u2: the inner attention's 4 heads
+    (16 B) over the 4 data × ring devices, 24 B, then 32 B over Ulysses (2), 32 B; Ulysses 4
+    alone: 32 B over 4, 48 B; one device: nothing. torch: nothing for sinks. A window moves
+    nothing different; sinks without a framework is refused."""
+    for case, calls, nbytes in ((Case(ring=4, sinks=True), 1, 48), (Case(ring=2, ulysses=2, data=2, batch=4, sinks=True), 2, 56),
+                                (Case(ulysses=4, kv_heads=4, sinks=True), 1, 48), (Case(ring=1, sinks=True), 0, 0)):
+        plain = attention_traffic(replace(case, sinks=False))
+        jax, torch = (attention_traffic(case, framework=f) for f in ("jax", "torch"))
+        assert torch == plain
+        assert jax.rows() == plain.rows() | ({("bwd", "all-reduce"): (calls, nbytes)} if calls else {}), case.name
+    assert attention_traffic(Case(ring=4, window=(5, 2), layout="stripe")) == attention_traffic(Case(ring=4, layout="stripe"))
+    with pytest.raises(ValueError, match="framework must be one of"):
+        attention_traffic(Case(ring=4, sinks=True))
 
 
 HLO = """HloModule m

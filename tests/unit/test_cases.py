@@ -13,10 +13,12 @@ from parity.core.cases import (
     MATRIX_DTYPES,
     MESHES,
     RING_SCHEDULES,
+    WINDOWS,
     document_cases,
     full_matrix,
     pairwise_matrix,
     strategy_name,
+    window_cases,
 )
 
 
@@ -36,7 +38,7 @@ def test_pairwise_matrix_covers_every_pair_and_every_mesh_triple():
     so those pairs do not exist."""
     values = {"layout": LAYOUTS, "causal": (False, True), "mesh": MESHES, "heads": tuple(HEAD_LAYOUTS),
               "head_dim": HEAD_DIMS, "dtype": MATRIX_DTYPES, "kv_exchange": KV_EXCHANGES}
-    chosen = [_factors(c) for c in pairwise_matrix() if c.documents == "none"]
+    chosen = [_factors(c) for c in pairwise_matrix() if c.documents == "none" and c.window is None and not c.sinks]
     for a, b in itertools.combinations(values, 2):
         seen = {(c[a], c[b]) for c in chosen}
         possible = {(x, y) for x, y in itertools.product(values[a], values[b])
@@ -47,17 +49,20 @@ def test_pairwise_matrix_covers_every_pair_and_every_mesh_triple():
     assert {c["mesh"] for c in chosen if len(c["mesh"]) == 3} == {(4, 1, 2), (4, 2, 2)}  # double ring 2x2, 2x2 x u2
     assert {(c["layout"], c["causal"], c["mesh"]) for c in chosen} == set(
         itertools.product(LAYOUTS, (False, True), MESHES))
-    plain = [c for c in full_matrix() if c.documents == "none"]
+    plain = [c for c in full_matrix() if c.documents == "none" and c.window is None and not c.sinks]
     assert len(plain) == 1944 and len({c.name for c in plain}) == 1944
 
 
-def test_full_matrix_runs_every_document_pattern_with_everything():
-    """The cross product times the five document values; the default matrix is a subset of it."""
+def test_full_matrix_runs_every_document_pattern_window_and_sinks_with_everything():
+    """The cross product times the five document values, four windows and sinks off / on (the
+    plain 1944 first); the default matrix is a subset of it."""
     full = full_matrix()
-    assert len(full) == 5 * 1944 and len({c.name for c in full}) == len(full)
-    for pattern in DOCUMENT_PATTERNS:
-        assert {tuple(_factors(c).values()) for c in full if c.documents == pattern} == {
-            tuple(_factors(c).values()) for c in full if c.documents == "none"}
+    assert len(full) == 5 * 4 * 2 * 1944 and len({c.name for c in full}) == len(full)
+    assert all(c.documents == "none" and c.window is None and not c.sinks for c in full[:1944])
+    plain = {tuple(_factors(c).values()) for c in full[:1944]}
+    for pattern, window, sinks in itertools.product(("none", *DOCUMENT_PATTERNS), WINDOWS, (False, True)):
+        assert {tuple(_factors(c).values()) for c in full
+                if (c.documents, c.window, c.sinks) == (pattern, window, sinks)} == plain, (pattern, window, sinks)
     assert {c.name for c in pairwise_matrix()} <= {c.name for c in full}
 
 
@@ -65,7 +70,9 @@ def test_document_cases_meet_every_pattern_layout_causal_and_strategy():
     """At most 16 cases (the default run's budget); the coverage document_cases promises."""
     docs = document_cases()
     assert 12 <= len(docs) <= 16 and all(c.documents != "none" and c.batch == 2 for c in docs)
-    assert [c.name for c in pairwise_matrix()][-len(docs):] == [c.name for c in docs]
+    assert all(c.window is None and not c.sinks for c in docs)
+    names = [c.name for c in pairwise_matrix()]
+    assert names[-len(docs) - len(window_cases()):-len(window_cases())] == [c.name for c in docs]
     seen = {(c.documents, f, v) for c in docs for f, v in _factors(c).items()}
     for pattern in DOCUMENT_PATTERNS:
         for factor, values in (("layout", LAYOUTS), ("causal", (False, True)), ("dtype", MATRIX_DTYPES),
@@ -79,3 +86,32 @@ def test_document_cases_meet_every_pattern_layout_causal_and_strategy():
     assert {strategy_name(c) for c in docs if c.causal} == {
         "ring", "ring-agkv", "ulysses", "usp", "usp-agkv", "double_ring", "double_ring_usp"}
     assert {c.ring for c in docs if strategy_name(c) == "ring" and c.causal} == {1, 2, 4, 8}
+
+
+def test_window_cases_meet_every_window_strategy_layout_and_sinks_as_promised():
+    """At most 14 cases, last in the default matrix; the coverage window_cases promises."""
+    wins = window_cases()
+    assert len(wins) <= 14 and all(c.window is not None or c.sinks for c in wins)
+    assert [c.name for c in pairwise_matrix()][-len(wins):] == [c.name for c in wins]
+    assert all(c.devices > 1 for c in wins)
+    windowed = [c for c in wins if c.window is not None]
+    for window in WINDOWS[1:]:
+        mine = [c for c in windowed if c.window == window]
+        assert {c.causal for c in mine} == {False, True} and {c.layout for c in mine} == set(LAYOUTS), window
+        assert any(c.ring >= 4 and strategy_name(c) in RING_SCHEDULES for c in mine), window
+    assert any(c.window == WINDOWS[2] and c.ring == 8 for c in windowed)  # wide: three shards of 8 tokens back
+    assert {strategy_name(c) for c in windowed} == {
+        "ring", "ring-agkv", "ulysses", "usp", "usp-agkv", "double_ring", "double_ring_usp"}
+    loops = [c for c in windowed if strategy_name(c) in RING_SCHEDULES]
+    assert {(strategy_name(c), c.layout) for c in loops} == set(itertools.product(RING_SCHEDULES, LAYOUTS))
+    assert {(strategy_name(c), c.causal) for c in loops} == set(itertools.product(RING_SCHEDULES, (False, True)))
+    assert {strategy_name(c) for c in loops if c.layout == "contiguous" and c.causal} == set(RING_SCHEDULES)
+    assert {(c.layout, c.causal) for c in windowed} == set(itertools.product(LAYOUTS, (False, True)))
+    assert {c.sinks for c in windowed} == {False, True} and any(c.documents != "none" for c in windowed)
+    assert {c.dtype for c in windowed} == set(MATRIX_DTYPES)
+    sunk = [c for c in wins if c.sinks]
+    assert {c.window is None for c in sunk} == {False, True}
+    assert {strategy_name(c) for c in sunk} == {s for s in (strategy_name(c) for c in windowed)}
+    assert {c.causal for c in sunk} == {False, True} and {c.dtype for c in sunk} == set(MATRIX_DTYPES)
+    assert {_factors(c)["heads"] for c in sunk} == set(HEAD_LAYOUTS)
+    assert {c.documents != "none" for c in sunk} == {False, True}
