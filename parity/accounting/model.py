@@ -109,8 +109,11 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framewo
     int32 segment ids [b/D, t/(R·U)] once — over Ulysses (to the ring shard), then over the ring
     (the double ring: over the inner ring, then the outer) — and the backward reuses them; no ids
     ride on the K/V hops.
-    A sliding window (``window``) changes nothing yet: every K/V hop still happens (blocks out of
-    reach are skipped, not their transfer).
+    A sliding window (``window``) truncates the single ring where ``schedule.window_reach`` says
+    (the contiguous layout under a causal or right-0 window reaching a < R-1 shards back):
+    forward a K/V hops, backward a-1, and a+1 hops of float32 dK/dV (a along the ring, one
+    straight home). Everywhere else it moves what the call moves without it (blocks out of reach
+    are skipped, not their transfers).
     Attention sinks (``sinks``, float32 [h], replicated) differ per ``framework`` (required with
     sinks): torch moves nothing for them (``sinks.grad`` is each rank's contribution); JAX's
     shard_map transposes the replicated input into all-reductions of its cotangent in the
@@ -138,15 +141,34 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framewo
         t.add("bwd", "reduce-scatter", 2 * (ring - 1) * shard * 4, calls=2)
     elif ring > 1:
         shard = b * (case.seq // ring) * (kv_heads // uly) * d  # K (or V) elements per ring shard
-        t.add("fwd", "p2p", 2 * (ring - 1) * shard * e, calls=2 * (ring - 1))
-        kv_hops = ring - 1 if case.ring_outer > 1 else ring - 2
-        t.add("bwd", "p2p", 2 * kv_hops * shard * e, calls=2 * kv_hops)
-        t.add("bwd", "p2p", 2 * ring * shard * 4, calls=2 * ring)
+        reach = _window_reach(case)
+        fwd_hops = ring - 1 if reach is None else reach
+        kv_hops = ring - 1 if case.ring_outer > 1 else max(fwd_hops - 1, 0)
+        dkv_hops = ring if reach is None else reach + 1 if reach else 0
+        if fwd_hops:
+            t.add("fwd", "p2p", 2 * fwd_hops * shard * e, calls=2 * fwd_hops)
+        if kv_hops:
+            t.add("bwd", "p2p", 2 * kv_hops * shard * e, calls=2 * kv_hops)
+        if dkv_hops:
+            t.add("bwd", "p2p", 2 * dkv_hops * shard * 4, calls=2 * dkv_hops)
     if getattr(case, "documents", "none") != "none":
         _segment_ids_traffic(t, b * (case.seq // (ring * uly)) * 4, uly, ring // case.ring_outer, case.ring_outer)
     if getattr(case, "sinks", False) and framework == "jax":
         _sinks_traffic(t, case.heads * 4, case.data * ring, uly)
     return t
+
+
+def _window_reach(case) -> int | None:
+    """The truncated single ring's reach for ``case`` (None: the whole ring), by the rule the
+    implementations use (``schedule.window_reach`` on the window as the kernels see it); the
+    schedule module is pure Python, imported here without any framework."""
+    window = getattr(case, "window", None)
+    if window is None or case.ring_outer > 1 or case.kv_exchange != "ring":
+        return None
+    from jax_impl.schedule import kernel_window, window_reach
+
+    return window_reach(case.layout, case.causal, kernel_window(tuple(window), case.causal), case.seq // case.ring,
+                        case.ring)
 
 
 def _sinks_traffic(t: Traffic, sinks_bytes: int, others: int, uly: int) -> None:

@@ -45,6 +45,10 @@ ATTENTION_CONFIGS = [
     Case(ring=4, ring_outer=2, ulysses=2, kv_heads=2, layout="stripe", window=(5, 2), sinks=True),
     Case(ring=4, layout="contiguous", kv_heads=2, sinks=True), Case(ulysses=4, kv_heads=2, sinks=True),
     Case(ring=2, ulysses=2, data=2, batch=4, kv_heads=2, sinks=True),
+    # windows that truncate the ring (contiguous layout, causal or right 0): reach 1, 3, 1 (USP), 1, 0
+    Case(ring=4, layout="contiguous", window=(5, 0)), Case(ring=8, layout="contiguous", kv_heads=2, window=(17, 4)),
+    Case(ring=4, ulysses=2, layout="contiguous", kv_heads=2, window=(10, 0)),
+    Case(ring=4, layout="contiguous", causal=False, window=(6, 0)), Case(ring=4, layout="contiguous", window=(0, 0)),
 ]
 
 TRAINING_CONFIGS = [
@@ -63,6 +67,8 @@ def _attention_path(case: Case) -> tuple:
     Ulysses or not, other devices sharing its heads or not): the rest is a path without sinks."""
     if case.sinks:
         return "sinks", case.ulysses > 1, case.data * case.ring > 1
+    if case.window is not None and case.layout == "contiguous" and case.kv_exchange == "ring" and case.ring_outer == 1:
+        return "truncated ring", case.window[0] == 0  # reach 0: no hop at all
     return case.strategy, case.kv_exchange, case.ulysses > 1 and case.kv_heads < case.ulysses, case.data > 1
 
 
