@@ -16,14 +16,14 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log, record the exit
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name rc=$? seconds=$((SECONDS - start))" | tee -a "$OUT/steps.txt"
 }
-bench() { python -m benchmarks --gpus 1 --iters 3 --warmup 1 --no-kernels "$@"; }
-step flex-gpu-tier 140 python -m pytest tests/gpu/test_one_gpu_kernels.py -k flex -q -rs -p no:cacheprovider
-step packed-flex 160 bench --machine h100-packed-flex --frameworks torch --backend flex --documents mix \
+BENCH=(python -m benchmarks --gpus 1 --iters 3 --warmup 1 --no-kernels)  # timeout runs programs, not shell functions
+[ "${SKIP_TIER:-0}" = 1 ] || step flex-gpu-tier 140 python -m pytest tests/gpu/test_one_gpu_kernels.py -k flex -q -rs -p no:cacheprovider
+step packed-flex 160 "${BENCH[@]}" --machine h100-packed-flex --frameworks torch --backend flex --documents mix \
     --seq 131072 --strategies zigzag-r8,stripe-r8
-step unpacked-auto 50 bench --machine h100-unpacked-auto --frameworks torch --seq 131072 --strategies zigzag-r8
-step window-flex 130 bench --machine h100-window4k-flex --frameworks torch --backend flex --window 4096 \
+step unpacked-auto 50 "${BENCH[@]}" --machine h100-unpacked-auto --frameworks torch --seq 131072 --strategies zigzag-r8
+step window-flex 130 "${BENCH[@]}" --machine h100-window4k-flex --frameworks torch --backend flex --window 4096 \
     --seq 131072 --strategies contiguous-r8,contiguous-r2
-step packed-jax 60 bench --machine h100-packed-jax16k --frameworks jax --documents mix --seq 16384 \
+step packed-jax 60 "${BENCH[@]}" --machine h100-packed-jax16k --frameworks jax --documents mix --seq 16384 \
     --strategies zigzag-r4
-cp benchmarks/results/* "$OUT/results/" 2>/dev/null
+cp benchmarks/results/*2026-11-23-h100-* "$OUT/results/" 2>/dev/null
 cat "$OUT/steps.txt"
