@@ -85,7 +85,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Benchmark — {meta['date']} — {meta['machine']}", "",
              f"Command: `{meta['command']}`  ", f"Versions: {json.dumps(meta['versions'])}  ",
              "Problem: bf16, batch 1, causal, 32 heads (kv heads as listed), head_dim 128; FLOPs = 4·b·h·s²·d/2 "
-             "forward, ×3.5 forward+backward. Efficiency: TFLOP/s/GPU over the best single-GPU ceiling of the "
+             "forward (with --documents or --window: 4·h·d·(visible pairs), the mask area), ×3.5 forward+backward. "
+             "Efficiency: TFLOP/s/GPU over the best single-GPU ceiling of the "
              "same framework in this run. Memory: torch max_memory_allocated; JAX compiled memory analysis "
              "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse (+ grads) and one arriving K/V pair.", "",
              "| framework | strategy | layout | seq_len | ulysses | ring | fwd_only | backend | iters/s | ms/iter "
