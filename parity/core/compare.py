@@ -5,16 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from .cases import Case
-from .inputs import IDEAL, case_tensors
+from .inputs import case_tensors
 from .numerics import TensorCheck, check_tensor
 
 
-def compare(case: Case, got: dict, ref: dict, control: dict | None = None) -> list[TensorCheck]:
+def compare(case: Case, got: dict, ref: dict, control: dict | None = None, ideal: dict | None = None) -> list[TensorCheck]:
     """One ``TensorCheck`` per tensor (o, lse, dq, dk, dv, and dsinks for a case with sinks).
     ``control`` is the same framework's dense attention in the case's dtype, needed for
-    low-precision cases; the flash ideal comes with the NumPy oracle's answer (``IDEAL`` + name;
-    a reference without it, e.g. the GPU truth, judges by the control alone)."""
-    return [check_tensor(n, got[n], ref[n], case.dtype, None if control is None else control[n], ref.get(IDEAL + n))
+    low-precision cases; ``ideal`` (``inputs.flash_ideal``), when given, is the policy's second
+    control (without it the control alone sets the bound)."""
+    return [check_tensor(n, got[n], ref[n], case.dtype, None if control is None else control[n],
+                         None if ideal is None else ideal[n])
             for n in case_tensors(case)]
 
 

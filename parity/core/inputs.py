@@ -10,9 +10,9 @@ after everything else, so its other inputs are those of the same case without si
 (``case.window``) draws nothing: it is a property of the case.
 
 The oracle's tensors are ``TENSORS`` and, for a case with sinks, ``SINK_TENSORS`` (dsinks [h]:
-no sequence axis, the full gradient over every row): ``case_tensors(case)`` names them. For a
-low-precision case the oracle's answer also holds ``"ideal <tensor>"``: what an exact flash-style
-kernel returns from these inputs (``flash_ideal``), the numerics policy's second control.
+no sequence axis, the full gradient over every row): ``case_tensors(case)`` names them.
+``flash_ideal`` is what an exact flash-style kernel returns from the same inputs: the numerics
+policy's second low-precision control (``parity.core.numerics``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from .documents import draw_segment_ids
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 SINK_TENSORS = ("dsinks",)  # compared only for cases with sinks
 ALL_TENSORS = TENSORS + SINK_TENSORS
-IDEAL = "ideal "  # prefix of the oracle's flash-ideal entries (low precision): "ideal dk"
 
 
 def case_tensors(case: Case) -> tuple[str, ...]:
@@ -79,14 +78,13 @@ def make_inputs(case: Case, seed: int) -> Inputs:
 
 
 def oracle(case: Case, x: Inputs) -> dict[str, np.ndarray]:
-    """The float64 answer in original order: o, lse, dq, dk, dv (and dsinks with sinks); for a
-    low-precision case also the flash ideal of each (``IDEAL`` + name, see ``flash_ideal``)."""
-    fwd = reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale, segment_ids=x.segment_ids,
-                                      window=case.window, sinks=x.sinks)
-    out = _backward(case, x, fwd)
-    if case.dtype != "float32":
-        out |= {IDEAL + n: t for n, t in flash_ideal(case, x, fwd).items()}
-    return out
+    """The float64 answer in original order: o, lse, dq, dk, dv (and dsinks with sinks)."""
+    return _backward(case, x, _forward(case, x))
+
+
+def _forward(case: Case, x: Inputs) -> reference.Forward:
+    return reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale, segment_ids=x.segment_ids,
+                                       window=case.window, sinks=x.sinks)
 
 
 def _backward(case: Case, x: Inputs, fwd: reference.Forward) -> dict[str, np.ndarray]:
@@ -95,16 +93,15 @@ def _backward(case: Case, x: Inputs, fwd: reference.Forward) -> dict[str, np.nda
     return out | ({"dsinks": reference.sinks_backward(fwd, x.do, x.dlse)} if x.sinks is not None else {})
 
 
-def flash_ideal(case: Case, x: Inputs, fwd: reference.Forward | None = None) -> dict[str, np.ndarray]:
+def flash_ideal(case: Case, x: Inputs) -> dict[str, np.ndarray]:
     """What an exact flash-style kernel returns from these inputs, in float64: o rounded to the
     case's dtype and lse to float32 (what it returns), and the backward computed exactly from the
     ROUNDED o — a flash backward's D = rowsum(dO∘O) reads the o its forward returned, as
     FlashAttention's does — its dq, dk, dv rounded to the case's dtype, dsinks to float32. No
     implementation of that algorithm can be closer to the oracle; on rows that see one or two keys
-    (small windows, sinks) the dense control can be several times closer (parity.core.numerics)."""
-    if fwd is None:
-        fwd = reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale,
-                                          segment_ids=x.segment_ids, window=case.window, sinks=x.sinks)
+    (small windows, sinks) the dense control can be several times closer (parity.core.numerics).
+    NumPy float64 like ``oracle``, and as costly."""
+    fwd = _forward(case, x)
     out = _backward(case, x, replace(fwd, o=round_to_dtype(fwd.o, case.dtype)))
     return {n: round_to_dtype(t, "float32" if n in ("lse", *SINK_TENSORS) else case.dtype) for n, t in out.items()}
 

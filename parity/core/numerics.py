@@ -5,10 +5,10 @@
 - bfloat16 / float16 inputs (the flash-attention criterion): max |x − ref| ≤
   ``LOWP_FACTOR`` × max(max |control − ref|, max |ideal − ref|) + ``LOWP_ABS_FLOOR[dtype]`` ×
   max |ref|, where *control* is plain dense attention run in the same dtype by the same
-  framework, *ideal* (when the oracle provides it: ``parity.core.inputs.flash_ideal``) is the
-  exact flash-style answer from the same inputs (o rounded to the dtype, the backward's D read
-  from that o, outputs rounded), and *ref* is the float64 oracle on the very same (already
-  rounded) inputs. dsinks' control is the dense control's own dsinks (jax.grad / autograd
+  framework, *ideal* (``parity.core.inputs.flash_ideal``, where the caller computes it with the
+  NumPy oracle, as ``check_case`` does) is the exact flash-style answer from the same inputs (o
+  rounded to the dtype, the backward's D read from that o, outputs rounded), and *ref* is the
+  float64 oracle on the very same (already rounded) inputs. dsinks' control is the dense control's own dsinks (jax.grad / autograd
   through it).
 
 Why the ideal: on rows that see one or two keys (small windows; sinks, whose o is not a key's

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..core.cases import Case
 from ..core.compare import compare, compare_frameworks
-from ..core.inputs import Inputs, make_inputs, oracle
+from ..core.inputs import Inputs, flash_ideal, make_inputs, oracle
 from ..core.names import Device
 from ..core.numerics import TensorCheck
 from .base import FRAMEWORKS, Runner, Unavailable
@@ -80,13 +80,15 @@ def _tail() -> str:
 
 def check_case(case: Case, runner: Runner | Unavailable, *, seed: int | None = None, x: Inputs | None = None,
                ref: dict | None = None, devices: Device = "cpu", control: dict | None = None,
-               started: Callable[[], dict] | None = None) -> Side:
+               started: Callable[[], dict] | None = None, ideal: dict | None = None) -> Side:
     """Run ``case`` with ``runner`` and judge every tensor under the numerics policy.
 
     Inputs are ``x`` or drawn from ``seed``; ``ref`` is the oracle's answer (computed when not
-    given). ``control`` replaces the runner's dense same-dtype control (a low-precision case
-    needs one; float32 does not). ``started``: the result of the runner's ``start_case`` on the
-    same inputs, when the caller started it earlier to overlap it with other work."""
+    given, and then for a low-precision case the flash ideal too: ``ideal``, the policy's second
+    control, which a caller giving ``ref`` gives or not). ``control`` replaces the runner's dense
+    same-dtype control (a low-precision case needs one; float32 does not). ``started``: the result
+    of the runner's ``start_case`` on the same inputs, when the caller started it earlier to
+    overlap it with other work."""
     if isinstance(runner, Unavailable):
         return Side("skipped", detail=runner.reason)
     have = runner.device_count(devices)
@@ -100,11 +102,12 @@ def check_case(case: Case, runner: Runner | Unavailable, *, seed: int | None = N
             raise ValueError("check_case needs inputs x or a seed to draw them from")
         x = make_inputs(case, seed)
     try:
-        ref = oracle(case, x) if ref is None else ref
+        if ref is None:
+            ref, ideal = oracle(case, x), flash_ideal(case, x) if ideal is None and case.dtype != "float32" else ideal
         got = started() if started is not None else runner.run_case(case, x, devices=devices)
         if control is None and case.dtype != "float32":
             control = runner.run_control(case, x)
-        checks = compare(case, got, ref, control)
+        checks = compare(case, got, ref, control, ideal)
     except Exception:  # noqa: BLE001 — a broken case is a failed case; the caller continues
         return Side("failed", detail=_tail(), mode=mode)
     bad = "; ".join(str(c) for c in checks if not c.ok)
@@ -140,8 +143,10 @@ def run_case_everywhere(case: Case, runners: dict[str, Runner | Unavailable], se
     12-14 s this way against 15-16 s one framework after the other."""
     x = make_inputs(case, seed)
     ref = oracle(case, x)
+    ideal = flash_ideal(case, x) if case.dtype != "float32" else None
     started = {f: _start(case, r, x, devices) for f, r in runners.items()}
-    sides = {f: check_case(case, r, x=x, ref=ref, devices=devices, started=started[f]) for f, r in runners.items()}
+    sides = {f: check_case(case, r, x=x, ref=ref, devices=devices, started=started[f], ideal=ideal)
+             for f, r in runners.items()}
     cross = None
     if all(f in sides and sides[f].checks for f in FRAMEWORKS):
         cross = cross_check(case, sides["jax"], sides["torch"])

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from helpers import FULL, assert_passed, jax_runner, torch_runner
 from jax_impl.layouts import seq_multiple
 from parity.core.cases import DOCUMENT_PATTERNS, KV_EXCHANGES, LAYOUTS, Case
-from parity.core.inputs import make_inputs, oracle
+from parity.core.inputs import flash_ideal, make_inputs, oracle
 from parity.core.mesh import MeshShape
 from parity.runners.pipeline import check_case
 
@@ -111,9 +111,9 @@ def cases(draw) -> Case:
                    window=(1, 0), sinks=True))
 def test_random_valid_configurations_match_the_oracle(case, seed, jax_devices, worlds):
     x = make_inputs(case, seed=seed ^ zlib.crc32(case.name.encode()))  # the same inputs in every process
-    ref = oracle(case, x)
+    ref, ideal = oracle(case, x), flash_ideal(case, x) if case.dtype != "float32" else None
     for framework, runner in (("jax", jax_runner()), ("torch", torch_runner())):
-        assert_passed(check_case(case, runner, x=x, ref=ref), case, framework, seed)
+        assert_passed(check_case(case, runner, x=x, ref=ref, ideal=ideal), case, framework, seed)
 
 
 def test_the_strategy_reaches_every_mesh_family():
