@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+_COLLECTIVES = ("batch_isend_irecv", "all_to_all_single", "all_gather_single", "all_gather_into_tensor",
+                "reduce_scatter_single", "reduce_scatter_tensor")
 
-def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
-    """Call sequence_parallel_attention with collectives booby-trapped; return (error type, message)."""
-    import torch
+
+def _error_before_any_collective(call, errors=(ValueError, TypeError, AssertionError)) -> tuple[str | None, str]:
+    """Run ``call()`` with every attention collective booby-trapped (the rank check's all-reduce is
+    left alone): (error type, message) of what it raised, (None, "no error") otherwise."""
     import torch.distributed as dist
 
-    import torch_impl
-    from parity.runners.torch_runner import make_mesh
-
-    mesh = make_mesh("cpu", tuple(mesh_axes))
-    saved = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_to_all_single")}
+    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
 
     def tripwire(*a, **k):
         raise AssertionError("a collective was reached: validation must come first")
@@ -20,14 +19,29 @@ def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
     try:
         for n in saved:
             setattr(dist, n, tripwire)
-        q, k, v = (torch.ones(s, dtype=getattr(torch, d)) for s, d in zip((q_shape, k_shape, v_shape), dtypes))
-        torch_impl.sequence_parallel_attention(q, k, v, mesh, **kwargs)
-    except (ValueError, TypeError, NotImplementedError, AssertionError) as err:
+        call()
+    except errors as err:
         return type(err).__name__, str(err)
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)
     return None, "no error"
+
+
+def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
+    """Call sequence_parallel_attention with collectives booby-trapped; return (error type, message)."""
+    import torch
+
+    import torch_impl
+    from parity.runners.torch_runner import make_mesh
+
+    mesh = make_mesh("cpu", tuple(mesh_axes))
+
+    def call():
+        q, k, v = (torch.ones(s, dtype=getattr(torch, d)) for s, d in zip((q_shape, k_shape, v_shape), dtypes))
+        torch_impl.sequence_parallel_attention(q, k, v, mesh, **kwargs)
+
+    return _error_before_any_collective(call, (ValueError, TypeError, NotImplementedError, AssertionError))
 
 
 def rank_task_with_local_causal_mask(case, x, device_type, block_backend):
@@ -213,26 +227,14 @@ def bad_segment_ids_task(mesh_axes, q_shape, ids_shape, ids_dtype: str, ids_devi
     from parity.runners.torch_runner import make_mesh
 
     mesh = make_mesh("cpu", tuple(mesh_axes))
-    names = [n for n in ("batch_isend_irecv", "all_to_all_single", "all_gather_single", "all_gather_into_tensor",
-                         "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
-    saved = {n: getattr(dist, n) for n in names}
 
-    def tripwire(*a, **k):
-        raise AssertionError("a collective was reached: validation must come first")
-
-    try:
-        for n in names:
-            setattr(dist, n, tripwire)
+    def call():
         q = torch.ones(q_shape)
         ids = torch.zeros(ids_shape, dtype=getattr(torch, ids_dtype), device=ids_device)
         ids = None if dist.get_rank() in no_ids_on else ids
         torch_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, segment_ids=ids, check_ranks=check_ranks)
-    except (ValueError, TypeError, AssertionError) as err:
-        return type(err).__name__, str(err)
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
-    return None, "no error"
+
+    return _error_before_any_collective(call)
 
 
 def bad_window_or_sinks_task(mesh_axes, window, sinks_shape, sinks_dtype: str, sinks_device: str,
@@ -250,25 +252,13 @@ def bad_window_or_sinks_task(mesh_axes, window, sinks_shape, sinks_dtype: str, s
 
     mesh = make_mesh("cpu", tuple(mesh_axes))
     mine = {"window": window, "sinks_shape": sinks_shape} | (per_rank or {}).get(dist.get_rank(), {})
-    names = [n for n in ("batch_isend_irecv", "all_to_all_single", "all_gather_single", "all_gather_into_tensor",
-                         "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
-    saved = {n: getattr(dist, n) for n in names}
 
-    def tripwire(*a, **k):
-        raise AssertionError("a collective was reached: validation must come first")
-
-    try:
-        for n in names:
-            setattr(dist, n, tripwire)
+    def call():
         q = torch.ones(1, 8, 4, 8)
         sinks = None
         if mine["sinks_shape"] is not None:
             sinks = torch.zeros(mine["sinks_shape"], dtype=getattr(torch, sinks_dtype), device=sinks_device)
         torch_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, window=mine["window"], sinks=sinks,
                                                check_ranks=check_ranks)
-    except (ValueError, TypeError, AssertionError) as err:
-        return type(err).__name__, str(err)
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
-    return None, "no error"
+
+    return _error_before_any_collective(call)

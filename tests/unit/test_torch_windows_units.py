@@ -16,39 +16,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_torch_documents_units import masked_truth, static_visible  # one float64 masked truth
+
 import torch_impl
 import torch_impl.block as tblock
 from torch_impl import replay
 from torch_impl.block import get_backend
 from torch_impl.config import AttentionConfig
 from torch_impl.loop import VisitMasks, add_sinks, attend_block, ring_positions, sinks_grad
-from torch_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, UNBOUNDED, Block, BlockMask, Part
+from torch_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, UNBOUNDED, Block, Part
 
 F64 = torch.float64
-
-
-def masked_truth(q, k, v, visible, scale, do, dlse):
-    """float64 attention under ``visible`` [b, t, s] and its gradients for (do, dlse), computed
-    without the kernel: rows with no visible key are o = 0, lse = -inf and get no gradient."""
-    q, k, v = (x.to(F64).requires_grad_() for x in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q, kk) * scale
-    vis = visible[:, None]
-    has_key = vis.any(-1)  # [b, 1, t]
-    scores = scores.masked_fill(~vis, float("-inf")).masked_fill(~has_key[..., None], 0.0)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse[..., None]) * has_key[..., None]
-    o = torch.einsum("bhts,bshd->bthd", p, vv)
-    lse_out = lse.masked_fill(~has_key, float("-inf"))
-    torch.autograd.backward((o, lse.masked_fill(~has_key, 0.0)), (do.to(F64), dlse.to(F64) * has_key))
-    return o.detach(), lse_out.detach(), q.grad, k.grad, v.grad
-
-
-def static_visible(mask: BlockMask, t: int, s: int):
-    if mask.kind.value == "full":
-        return torch.ones((t, s), dtype=torch.bool)
-    return torch.ones((t, s), dtype=torch.bool).tril(0 if mask.kind.value == "causal" else -1)
 
 
 @pytest.mark.parametrize("backend", ["reference", "aten_cpu"])
