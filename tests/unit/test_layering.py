@@ -24,7 +24,7 @@ def test_core_imports_numpy_but_no_framework():
     training model, which core-level callers use) has no framework in sys.modules."""
     modules = ["parity.core." + p.stem for p in (ROOT / "parity" / "core").glob("*.py") if p.stem != "__init__"]
     modules += ["parity.accounting.model", "parity.accounting.hlo", "parity.training.traffic_model",
-                "parity.training.reference", "parity.capacity.bstar"]
+                "parity.training.reference", "parity.training.llama", "parity.capacity.bstar"]
     loaded = _loaded_after_import(", ".join(modules))
     assert "numpy" in loaded  # the probe works
     assert not loaded & set(FRAMEWORKS), loaded & set(FRAMEWORKS)

@@ -1,0 +1,228 @@
+"""The whole-model case (NumPy only): a tiny Llama-style decoder's configuration, its weights from
+one seed, a packed toy corpus generated in-repo, and the batch a sequence-parallel step is fed.
+
+The JAX model (``parity.training.llama_jax``), the torch model (``parity.training.llama_torch``) and
+the float64 non-parallel step (``parity.training.llama_oracle``) all start from these arrays, so
+"the same model" means the same bytes.
+
+Weights are stored in *math* orientation (``y = x @ W``), float32, by canonical name:
+
+    embed            [V, D]                 final_norm       [D]
+    lm_head          [D, V]  (absent when the embeddings are tied: logits = x @ embedᵀ)
+    layers.{i}.attn_norm [D]      layers.{i}.wq [D, H·d]   layers.{i}.wk, wv [D, Hk·d]
+    layers.{i}.wo    [H·d, D]     layers.{i}.sinks [H]     (only with ``sinks``)
+    layers.{i}.mlp_norm  [D]      layers.{i}.w_gate, w_up [D, F]   layers.{i}.w_down [F, D]
+
+Letters: B batch, T tokens (sequence), D d_model, F d_ff, H heads, Hk kv heads, d head_dim, V vocab.
+
+The batch is built in *original* token order and permuted into the layout once, as every real
+data loader must do (docs/contract.md): labels are shifted by one inside each document **before**
+the permutation and the sharding, so a token at a shard's edge keeps the label of its true
+successor, which lives on another device. Loss = Σ cross-entropy over labelled tokens / the number
+of labelled tokens in the *global* batch (all data and sequence shards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.documents import lengths_to_ids, long_tailed_lengths
+from ..core.mesh import MeshShape
+
+IGNORE = -100  # the label of a token with no successor in its document (not counted in the loss)
+BOS = 0  # every document starts with this token
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A tiny Llama-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+    vocab, d_model, layers, heads, kv_heads, head_dim, d_ff: the sizes (heads % kv_heads == 0).
+    rope_theta:  RoPE base; rotation by each token's position *within its document*, rotate-half
+                 convention (as Hugging Face Llama).
+    norm_eps:    RMSNorm epsilon.
+    tie_embeddings: logits = x @ embedᵀ (no lm_head) when True.
+    window:      sliding window (left, right) on original positions in every layer, or None.
+    sinks:       one learned attention-sink logit per head and layer (gpt-oss) when True.
+    """
+
+    vocab: int = 48
+    d_model: int = 32
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 8
+    d_ff: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    window: tuple[int, int] | None = None
+    sinks: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads % kv_heads must be 0, got {self.heads} % {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs: head_dim must be even, got {self.head_dim}")
+        if self.window is not None:
+            object.__setattr__(self, "window", tuple(int(w) for w in self.window))
+
+
+def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape (math orientation), in a fixed order."""
+    c = config
+    shapes = {"embed": (c.vocab, c.d_model)}
+    for i in range(c.layers):
+        p = f"layers.{i}."
+        shapes |= {p + "attn_norm": (c.d_model,), p + "wq": (c.d_model, c.heads * c.head_dim),
+                   p + "wk": (c.d_model, c.kv_heads * c.head_dim), p + "wv": (c.d_model, c.kv_heads * c.head_dim),
+                   p + "wo": (c.heads * c.head_dim, c.d_model)}
+        if c.sinks:
+            shapes[p + "sinks"] = (c.heads,)
+        shapes |= {p + "mlp_norm": (c.d_model,), p + "w_gate": (c.d_model, c.d_ff), p + "w_up": (c.d_model, c.d_ff),
+                   p + "w_down": (c.d_ff, c.d_model)}
+    shapes["final_norm"] = (c.d_model,)
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (c.d_model, c.vocab)
+    return shapes
+
+
+def init_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 weights from ``seed``: matrices N(0, 1/fan_in), the embedding N(0, 1), norms around 1
+    (1 + N(0, 0.1²), so a wrong norm weight shows), sinks N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.endswith("norm"):
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif leaf in ("embed", "sinks"):
+            w = rng.standard_normal(shape)
+        else:
+            w = rng.standard_normal(shape) / np.sqrt(shape[0])
+        weights[name] = w.astype(np.float32)
+    return weights
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """One global batch, [B, T] int32 each, in the order its arrays were built (original or layout).
+
+    tokens:      input token ids.
+    labels:      the next token of the same document, or ``IGNORE``.
+    positions:   each token's position within its document (RoPE's position ids).
+    segment_ids: the document each token belongs to (packed documents).
+    order:       [T] the original token index at each position (identity in original order).
+    """
+
+    tokens: np.ndarray
+    labels: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    order: np.ndarray = field(default=None)
+
+    def __post_init__(self):
+        if self.order is None:
+            object.__setattr__(self, "order", np.arange(self.tokens.shape[1]))
+
+    @property
+    def labelled(self) -> int:
+        """The loss's denominator: tokens with a label, over the whole global batch."""
+        return int((self.labels != IGNORE).sum())
+
+    def permuted(self, perm: np.ndarray) -> TokenBatch:
+        """Every array's sequence dimension reordered by ``perm`` (``x[:, perm]``)."""
+        return TokenBatch(self.tokens[:, perm], self.labels[:, perm], self.positions[:, perm],
+                          self.segment_ids[:, perm], self.order[perm])
+
+
+def packed_corpus(config: LlamaConfig, batch: int, seq: int, seed: int = 0) -> TokenBatch:
+    """A packed toy corpus in original order: each row is documents of long-tailed lengths (median
+    seq/4, so documents cross shard edges), each document BOS then a noisy arithmetic sequence
+    (next = prev + stride mod V, one token in eight random) — learnable, so the loss falls."""
+    rng = np.random.default_rng(seed)
+    tokens, ids = np.zeros((batch, seq), np.int32), np.zeros((batch, seq), np.int32)
+    positions = np.zeros((batch, seq), np.int32)
+    for row in range(batch):
+        lengths = long_tailed_lengths(rng, seq, median=max(seq / 4, 2.0), sigma=0.8)
+        ids[row] = lengths_to_ids(lengths, ids=np.cumsum(rng.integers(1, 4, len(lengths))))
+        start = 0
+        for length in lengths:
+            stride, value = int(rng.integers(1, 4)), int(rng.integers(1, config.vocab))
+            doc = [BOS]
+            for _ in range(length - 1):
+                doc.append(value)
+                value = 1 + (value - 1 + stride) % (config.vocab - 1)
+                if rng.random() < 0.125:
+                    value = int(rng.integers(1, config.vocab))
+            tokens[row, start:start + length] = doc
+            positions[row, start:start + length] = np.arange(length)
+            start += length
+    return TokenBatch(tokens, next_in_document(tokens, ids), positions, ids)
+
+
+def next_in_document(tokens: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+    """Labels in original order: token t+1 where it is in t's document, else ``IGNORE``."""
+    labels = np.full_like(tokens, IGNORE)
+    same = segment_ids[:, 1:] == segment_ids[:, :-1]
+    labels[:, :-1] = np.where(same, tokens[:, 1:], IGNORE)
+    return labels
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A whole-model training run: the model, the mesh it is sequence-parallel over, the data.
+
+    mesh:     the attention mesh (data × ring | ulysses | both | double ring); ``MeshShape``.
+    fsdp:     shard every weight (and its Adam state) over all of the mesh's devices, gathered
+              for use and reduce-scattered after the backward, as torchtitan shards over
+              data × context-parallel ranks; otherwise weights are replicated and gradients
+              all-reduced.
+    layout:   the sequence layout tokens are permuted into (``layout_permutation``).
+    batch, seq: the global batch [B, T]; B % mesh.data == 0, T divisible by the layout's multiple.
+    steps, lr: Adam steps (β 0.9/0.999, ε 1e-8) and learning rate.
+    seed:     the weights' seed; the corpus uses seed + 1.
+    """
+
+    model: LlamaConfig = LlamaConfig()
+    mesh: MeshShape = MeshShape(ring=2)
+    fsdp: bool = True
+    layout: str = "zigzag"
+    batch: int = 2
+    seq: int = 32
+    steps: int = 2
+    lr: float = 1e-2
+    seed: int = 0
+
+    def __post_init__(self):
+        from ..core.names import LAYOUTS, check_choice
+
+        check_choice("layout", self.layout, LAYOUTS)
+        if self.batch % self.mesh.data:
+            raise ValueError(f"batch % data must be 0, got {self.batch} % {self.mesh.data}")
+        if self.fsdp:
+            for name, shape in weight_shapes(self.model).items():
+                if shape[0] % self.mesh.devices:
+                    raise ValueError(f"fsdp shards dim 0 over {self.mesh.devices} devices: {name} {shape}")
+        self.permutation()  # the layout's own divisibility check
+
+    @property
+    def name(self) -> str:
+        shard = "fsdp" if self.fsdp else "replicated"
+        return f"llama-{self.mesh.name}-{self.layout}-{shard}-b{self.batch}t{self.seq}"
+
+    def permutation(self) -> np.ndarray:
+        """[T] original token index at each layout position over the mesh's ring × Ulysses split."""
+        from ..core.reference import layout_permutation
+
+        return layout_permutation(self.seq, self.layout, self.mesh.ring, self.mesh.ulysses)
+
+    def inputs(self) -> tuple[dict[str, np.ndarray], TokenBatch]:
+        """(weights, batch in original order)."""
+        return init_weights(self.model, self.seed), packed_corpus(self.model, self.batch, self.seq, self.seed + 1)
