@@ -226,3 +226,17 @@ class ModelCase:
     def inputs(self) -> tuple[dict[str, np.ndarray], TokenBatch]:
         """(weights, batch in original order)."""
         return init_weights(self.model, self.seed), packed_corpus(self.model, self.batch, self.seq, self.seed + 1)
+
+
+@dataclass
+class TrainResult:
+    """What a whole-model run returns (every framework's ``train``, the float64 oracle's too).
+
+    losses:  the loss of each step, at the weights before that step's update.
+    grads:   the gradients of the first step, by canonical name, math orientation, float64.
+    weights: the weights after the last update, by canonical name, math orientation, float64.
+    """
+
+    losses: list[float]
+    grads: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray]
