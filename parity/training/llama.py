@@ -240,3 +240,33 @@ class TrainResult:
     losses: list[float]
     grads: dict[str, np.ndarray]
     weights: dict[str, np.ndarray]
+
+
+def visible_pairs(segment_ids: np.ndarray, window: tuple[int, int] | None = None) -> int:
+    """(query, key) pairs a causal attention over packed documents computes on one [T] row of
+    ids in original order (each document's own triangle, cut to the window's left extent; a
+    causal window's right extent is 0 in effect), counted per document without a [T, T] mask."""
+    changes = np.flatnonzero(np.diff(segment_ids)) + 1
+    lengths = np.diff(np.concatenate([[0], changes, [len(segment_ids)]]))
+    left = None if window is None else window[0]
+    total = 0
+    for length in lengths.tolist():
+        if left is None or left >= length - 1:
+            total += length * (length + 1) // 2
+        else:  # rows 0..left see i+1 keys, the rest left+1
+            total += (left + 1) * (left + 2) // 2 + (length - left - 1) * (left + 1)
+    return total
+
+
+def step_flops(config: LlamaConfig, batch: TokenBatch) -> dict[str, int]:
+    """FLOPs of one training step of the whole model on ``batch`` (original order), all devices
+    together: matmuls (2 per multiply-add; the backward twice the forward) and attention over the
+    visible pairs only (4·d per pair and head forward, QKᵀ and PV; the backward 2.5× the forward,
+    the 3.5× convention of the benchmarks). Norms, RoPE, softmax and the loss are left out."""
+    c = config
+    per_token = 2 * c.d_model * (c.heads * c.head_dim * 2 + c.kv_heads * c.head_dim * 2 + 3 * c.d_ff)
+    matmul_fwd = batch.tokens.size * (c.layers * per_token + 2 * c.d_model * c.vocab)
+    pairs = sum(visible_pairs(row, c.window) for row in batch.segment_ids)
+    attention_fwd = c.layers * 4 * c.head_dim * c.heads * pairs
+    return {"matmul_fwd": matmul_fwd, "matmul_bwd": 2 * matmul_fwd, "attention_fwd": attention_fwd,
+            "attention_bwd": int(2.5 * attention_fwd)}
