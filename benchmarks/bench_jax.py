@@ -15,6 +15,7 @@ import json
 import os
 import time
 import traceback
+from itertools import product
 
 # Set before JAX starts: overlap collectives with compute (the latency-hiding scheduler).
 os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
@@ -25,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .common import MeshSpec, Problem, Row, finish, shared_arguments
+from .common import MeshSpec, Problem, Row, finish, mesh_layouts, shared_arguments
 from .overlap import jax_variant, probe_rows
 
 
@@ -182,7 +183,8 @@ def main(argv=None) -> None:
     ap = shared_arguments(__doc__.splitlines()[0])
     ap.add_argument("--no-peers", action="store_true", help="skip flash_attn3_jax's ring")
     ap.add_argument("--jax-backends", default="cudnn", help="jax_impl block backends to run (cudnn, fa3, reference)")
-    ap.add_argument("--weak", default="", help="weak scaling: tokens per GPU; ring over 1, 2, 4, 8 GPUs (as many as there are)")
+    ap.add_argument("--weak", default="",
+                    help="weak scaling: tokens per GPU (comma-separated); ring over 1, 2, 4, 8 GPUs (as many as there are)")
     ap.add_argument("--multi-controller", action="store_true",
                     help="one process per GPU under torchrun (jax.distributed.initialize); no ceilings or peers")
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
@@ -196,8 +198,7 @@ def main(argv=None) -> None:
         problem = Problem(seq=seq, **base)
         for name in filter(None, args.meshes.split(",")):
             spec = MeshSpec(name)
-            for backend in args.jax_backends.split(","):
-                layout = args.layout if spec.ring > 1 else "contiguous"
+            for backend, layout in product(args.jax_backends.split(","), mesh_layouts(spec, args.layout)):
                 rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
                 if args.overlap and spec.strategy == "ring":
                     rows += probe_rows(impl_rows, jax_variant, problem, spec, layout, backend, args.iters, args.warmup)
@@ -206,11 +207,10 @@ def main(argv=None) -> None:
         if lead:
             _save(rows, args.out)  # a run cut short keeps what it measured
             print(f"jax seq {seq} done", flush=True)
-    if args.weak:
-        per_gpu = int(args.weak)
+    for per_gpu in (int(t) for t in args.weak.split(",") if t):
         for n in (n for n in (1, 2, 4, 8) if n <= len(jax.devices())):
             spec = MeshSpec(f"ring-r{n}")
-            for row in impl_rows(Problem(seq=per_gpu * n, **base), spec, args.layout if n > 1 else "contiguous",
+            for row in impl_rows(Problem(seq=per_gpu * n, **base), spec, args.layout.split(",")[0] if n > 1 else "contiguous",
                                  args.jax_backends.split(",")[0], args.iters, args.warmup, fwd_modes=(False,)):
                 row.extra["weak_scaling"] = True
                 rows.append(row)

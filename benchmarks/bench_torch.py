@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import os
 import traceback
+from itertools import product
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import MeshSpec, Problem, Row, finish, shared_arguments
+from .common import MeshSpec, Problem, Row, finish, mesh_layouts, shared_arguments
 from .overlap import probe_rows, torch_variant
 
 
@@ -243,8 +244,7 @@ def main(argv=None) -> None:
             spec = MeshSpec(name)
             if spec.devices != n:
                 continue
-            for backend in args.torch_backends.split(","):
-                layout = args.layout if spec.ring > 1 else "contiguous"
+            for backend, layout in product(args.torch_backends.split(","), mesh_layouts(spec, args.layout)):
                 rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
                 if args.overlap and spec.strategy == "ring":
                     rows += probe_rows(impl_rows, torch_variant, problem, spec, layout, backend, args.iters, args.warmup)

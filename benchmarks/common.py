@@ -171,6 +171,12 @@ class MeshSpec:
         return self.shape.ulysses
 
 
+def mesh_layouts(spec: MeshSpec, layouts: str) -> list[str]:
+    """The layouts ``spec`` runs under ``--layout`` (a sequence not split over a ring has one)."""
+    names = [name for name in layouts.split(",") if name]
+    return names if spec.ring > 1 else ["contiguous"]
+
+
 DEFAULT_MESHES = ("ring-r4", "ulysses-u4", "usp-r2xu2", "double_ring-ro2xri2", "ring-agkv-r4")
 
 
@@ -183,7 +189,9 @@ def shared_arguments(description: str):
     ap.add_argument("--seqs", default="32768,131072")
     ap.add_argument("--ceiling-seq", type=int, default=32768, help="single-GPU ceiling tokens (0: skip)")
     ap.add_argument("--meshes", default=",".join(DEFAULT_MESHES), help="parity.core mesh names, comma-separated")
-    ap.add_argument("--layout", default="zigzag")
+    ap.add_argument("--layout", default="zigzag",
+                    help="ring layouts, comma-separated (each ring mesh runs once per layout; Ulysses-only meshes "
+                         "run contiguous once); weak scaling uses the first")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--heads", type=int, default=32)
