@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .common import MeshSpec, Problem, Row, finish, mesh_layouts, shared_arguments
+from .common import MeshSpec, Problem, Row, finish, mask_extra, mesh_layouts, problem_masks, shared_arguments
 from .overlap import jax_variant, probe_rows
 
 
@@ -125,19 +125,26 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
               fwd_modes=(True, False), variant: str = "") -> list[Row]:
     import jax_impl
     from jax_impl.api import partition_specs
+    from jax_impl.layouts import layout_permutation
 
     mesh = _mesh(spec.axes, jax.devices())
     x_spec, _ = partition_specs(mesh)
+    ids = problem.segment_ids()
+    if ids is not None:  # original order -> the layout's, placed like q's first two dimensions
+        ids = jax.device_put(ids[:, layout_permutation(problem.seq, layout, spec.ring, spec.ulysses)],
+                             NamedSharding(mesh, P(*x_spec[:2])))
     rows = []
     for fwd_only in fwd_modes:
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
+                         **mask_extra(problem),
                          **({"variant": variant} if variant else {}),
                          **({"controllers": jax.process_count()} if jax.process_count() > 1 else {})})
 
         def attention(q, k, v, backend=backend):
             return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=layout,
-                                                        kv_exchange=spec.kv_exchange, block_backend=backend)
+                                                        kv_exchange=spec.kv_exchange, block_backend=backend,
+                                                        segment_ids=ids, window=problem.window)
 
         rows.append(_measure(row, problem, attention, NamedSharding(mesh, x_spec), iters, warmup))
     return rows
@@ -192,8 +199,10 @@ def main(argv=None) -> None:
         _init_multi_controller()
         args.ceiling_seq, args.no_peers, args.weak, args.overlap = 0, True, "", False
     lead = jax.process_index() == 0
-    base = dict(heads=args.heads, kv_heads=args.kv_heads)
-    rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup) if args.ceiling_seq else []
+    base = dict(heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args))
+    masked = args.documents != "none" or args.window is not None
+    rows = ceiling_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads), args.iters,
+                        args.warmup) if args.ceiling_seq and not masked else []
     for seq in (int(s) for s in args.seqs.split(",") if s):
         problem = Problem(seq=seq, **base)
         for name in filter(None, args.meshes.split(",")):
@@ -202,7 +211,7 @@ def main(argv=None) -> None:
                 rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
                 if args.overlap and spec.strategy == "ring":
                     rows += probe_rows(impl_rows, jax_variant, problem, spec, layout, backend, args.iters, args.warmup)
-        if not args.no_peers:
+        if not args.no_peers and not masked:
             rows += fa3_ring_rows(problem, len(jax.devices()), args.iters, args.warmup)
         if lead:
             _save(rows, args.out)  # a run cut short keeps what it measured

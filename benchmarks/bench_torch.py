@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import MeshSpec, Problem, Row, finish, mesh_layouts, shared_arguments
+from .common import MeshSpec, Problem, Row, finish, mask_extra, mesh_layouts, problem_masks, shared_arguments
 from .overlap import probe_rows, torch_variant
 
 
@@ -120,6 +120,23 @@ def _local_shape(problem: Problem, devices: int, heads: int):
     return problem.batch, problem.seq // devices, heads, problem.head_dim
 
 
+def _local_segment_ids(problem: Problem, spec: MeshSpec, layout: str, mesh):
+    """This rank's shard of the problem's ids in layout order (None without documents): the
+    sequence block r·U + u of its ring and Ulysses coordinates (torch_impl's contract)."""
+    ids = problem.segment_ids()
+    if ids is None:
+        return None
+    from parity.core.mesh import ring_position
+    from torch_impl.layouts import layout_permutation
+
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    r, _ = ring_position(coords, spec.axes)
+    block = r * spec.ulysses + coords.get("ulysses", 0)
+    t = problem.seq // (spec.ring * spec.ulysses)
+    local = ids[:, layout_permutation(problem.seq, layout, spec.ring, spec.ulysses)][:, block * t:(block + 1) * t]
+    return torch.as_tensor(local, device="cuda")
+
+
 def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int,
               fwd_modes=(True, False), variant: str = "") -> list[Row]:
     from torch.distributed.device_mesh import init_device_mesh
@@ -127,10 +144,12 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     import torch_impl
 
     mesh = init_device_mesh("cuda", tuple(spec.axes.values()), mesh_dim_names=tuple(spec.axes))
+    ids = _local_segment_ids(problem, spec, layout, mesh)
     rows = []
     for fwd_only in fwd_modes:
         row = Row("torch_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
+                         **mask_extra(problem),
                          **({"variant": variant} if variant else {})})
 
         def make_step():
@@ -141,7 +160,8 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
 
             def run(q, k, v):
                 return torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=layout,
-                                                              kv_exchange=spec.kv_exchange, block_backend=backend)
+                                                              kv_exchange=spec.kv_exchange, block_backend=backend,
+                                                              segment_ids=ids, window=problem.window)
             return _train_step(run, q, k, v, do, fwd_only)
 
         rows.append(_measure(row, problem, make_step, iters, warmup))
@@ -234,8 +254,10 @@ def main(argv=None) -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    base = dict(heads=args.heads, kv_heads=args.kv_heads)
-    rows = ceiling_rows(Problem(seq=args.ceiling_seq, **base), args.iters, args.warmup) if args.ceiling_seq else []
+    base = dict(heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args))
+    masked = args.documents != "none" or args.window is not None
+    rows = ceiling_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads), args.iters,
+                        args.warmup) if args.ceiling_seq and not masked else []
     n = dist.get_world_size()
     peers = [p for p in args.peers.split(",") if p]
     for seq in (int(s) for s in args.seqs.split(",") if s):
@@ -248,14 +270,17 @@ def main(argv=None) -> None:
                 rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
                 if args.overlap and spec.strategy == "ring":
                     rows += probe_rows(impl_rows, torch_variant, problem, spec, layout, backend, args.iters, args.warmup)
-        if "cp" in peers:
+        if "cp" in peers and masked:  # no document or window mask through context_parallel's SDPA path
+            rows.append(Row("torch_cp", "ring", "head-tail", problem.seq, n, 1, n, False,
+                            note="not run: context_parallel shards SDPA, which takes no document / window mask here"))
+        elif "cp" in peers:
             try:
                 rows += context_parallel_rows(problem, args.iters, args.warmup, load_balance=True)
             except Exception as err:  # noqa: BLE001 — the experimental API changes between releases
                 traceback.print_exc()
                 note = f"{type(err).__name__}: {err}"
                 rows.append(Row("torch_cp", "ring", "head-tail", problem.seq, n, 1, n, False, note=note))
-        if "yunchang" in peers:
+        if "yunchang" in peers and not masked:
             for u, r in ((n, 1), (2, n // 2), (1, n)):
                 rows += yunchang_rows(problem, u, r, args.iters, args.warmup)
         if _rank() == 0:

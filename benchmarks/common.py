@@ -171,6 +171,16 @@ class MeshSpec:
         return self.shape.ulysses
 
 
+def problem_masks(args) -> dict:
+    """The ``Problem`` keywords of the mask flags (``--documents``, ``--window``)."""
+    return {"documents": args.documents, "window": None if args.window is None else (args.window, 0)}
+
+
+def mask_extra(problem: Problem) -> dict:
+    """What a row records of its problem's masks (``verify_rows`` rebuilds the problem from it)."""
+    return {"documents": problem.documents, "window": problem.window}
+
+
 def mesh_layouts(spec: MeshSpec, layouts: str) -> list[str]:
     """The layouts ``spec`` runs under ``--layout`` (a sequence not split over a ring has one)."""
     names = [name for name in layouts.split(",") if name]
@@ -196,6 +206,10 @@ def shared_arguments(description: str):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--documents", default="none",
+                    help="packed documents: a parity.core.documents pattern drawn at seed 0 (e.g. mix); TFLOP/s count "
+                         "the mask area; no single-GPU ceilings (their kernels take no document mask)")
+    ap.add_argument("--window", type=int, default=None, help="sliding window left extent (right 0)")
     ap.add_argument("--overlap", action="store_true",
                     help="also time ring meshes with compute only / communication only (benchmarks/overlap.py)")
     return ap

@@ -91,9 +91,14 @@ def verify_rows(rows: list[dict], devices: str = "gpu") -> list[dict]:
             if framework is None or not mesh or row.framework.endswith("_replay") or row.extra.get("variant"):
                 out.append(data | {"verified": data.get("verified")})
                 continue
-            problem = Problem(seq=row.seq_len, heads=row.extra.get("heads", 32), kv_heads=row.extra.get("kv_heads", 32))
+            window = row.extra.get("window")
+            problem = Problem(seq=row.seq_len, heads=row.extra.get("heads", 32), kv_heads=row.extra.get("kv_heads", 32),
+                              documents=row.extra.get("documents", "none"),
+                              window=None if window is None else tuple(window))
             backend = row.extra.get("block_backend", "auto")
-            key = (framework, mesh, row.layout, backend, problem.kv_heads * 8 // problem.heads)
+            key = (framework, mesh, row.layout, backend, problem.kv_heads * 8 // problem.heads, problem.documents,
+                   problem.window and tuple(max(1, round(w * REDUCED_SEQ / problem.seq)) if w else 0
+                                            for w in problem.window))
             if key not in verdicts:
                 try:
                     case = reduced_case(MeshSpec(mesh).shape, row.layout, problem)
