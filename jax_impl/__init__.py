@@ -2,7 +2,7 @@
 
 from . import kernels  # noqa: F401  (registers the built-in block backends)
 from .allgather import allgather_attention
-from .api import partition_specs, sequence_parallel_attention
+from .api import local_attention, partition_specs, sequence_parallel_attention
 from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from .block import BlockBackend, get_backend, register_backend, resolve_backend
 from .comm import Comm
@@ -19,6 +19,6 @@ from .usp import usp_attention
 __all__ = [
     "DATA", "LAYOUTS", "RING", "RING_INNER", "RING_OUTER", "ULYSSES", "AttentionConfig", "BlockBackend", "BlockMask",
     "Comm", "Schedule", "allgather_attention", "dense_attention", "device_visits", "double_ring_attention",
-    "get_backend", "layout_permutation", "merge_partials", "partition_specs", "register_backend", "resolve_backend",
-    "ring_attention", "sequence_parallel_attention", "ulysses_attention", "usp_attention",
+    "get_backend", "layout_permutation", "local_attention", "merge_partials", "partition_specs", "register_backend",
+    "resolve_backend", "ring_attention", "sequence_parallel_attention", "ulysses_attention", "usp_attention",
 ]

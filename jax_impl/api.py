@@ -53,6 +53,46 @@ def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: s
     return partial(KV_EXCHANGE[kv_exchange], axis_name=axis, layout=layout, **kw)
 
 
+def _global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
+    """The global [b, t, heads, d] of a per-device shard inside ``shard_map`` over a mesh of these sizes."""
+    b, t, h, d = local_shape
+    seq_split = 1
+    for axis in (RING, RING_OUTER, RING_INNER, ULYSSES):
+        seq_split *= mesh_sizes.get(axis, 1)
+    return (b * mesh_sizes.get(DATA, 1), t * seq_split, h, d)
+
+
+def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag", scale: float | None = None,
+                    kv_exchange: str = "ring", return_lse: bool = False, block_backend: str = "auto",
+                    deterministic: bool | None = None, segment_ids=None, window=None, sinks=None):
+    """``sequence_parallel_attention`` for code already inside ``jax.shard_map`` over ``mesh``: the
+    arguments are THIS device's shards, as torch_impl's entry point takes them —
+
+        q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   segment_ids: [b/D, t/(R·U)] or None
+        sinks: [h] or None (the full array on every device)  ->  o like q (and lse [b/D, h, t/(R·U)])
+
+    — in layout order, device at ring coordinate r and Ulysses coordinate u holding sequence block
+    r·U + u. Validation runs on the global shape the shards imply, at trace time, before any
+    collective. The caller's ``shard_map`` must map every sequence axis of ``mesh`` (and "data");
+    with a block backend that is not typed for ``shard_map`` (``BlockBackend.typed_for_shard_map``)
+    it must also pass ``check_vma=False``."""
+    deterministic = default_deterministic(deterministic)
+    sizes = dict(mesh.shape)
+    decomposition: Decomposition = validate(
+        *(_global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)), sizes,
+        layout=layout, kv_exchange=kv_exchange, scale=scale)
+    check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    window = check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q.shape[2])
+    get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
+    per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
+                             block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
+                             deterministic=deterministic, window=window)
+    given = {name: x for name, x in (("segment_ids", segment_ids), ("sinks", sinks)) if x is not None}
+    o, lse = per_device(q, k, v, **given)
+    return (o, lse) if return_lse else o
+
+
 def partition_specs(mesh) -> tuple[P, P]:
     """(spec of q/k/v/o, spec of lse) for ``mesh``."""
     names = mesh.axis_names

@@ -1,0 +1,120 @@
+"""A drop-in sequence-parallel attention layer (``torch.nn``): q/k/v/o projections, RoPE by each
+token's *original* position, GQA, and ringbridge's attention over a ``DeviceMesh``.
+
+    x: [b, t/(R·U), D]   positions: [b, t/(R·U)] ints   segment_ids: [b, t/(R·U)] or None   ->   [b, t/(R·U), D]
+
+With a mesh every argument is this rank's local shard in layout order (as
+``torch_impl.sequence_parallel_attention`` takes them); the positions are the tokens' original
+positions (a packed document's positions restart at its start), so RoPE — and therefore the model —
+never sees the layout. With ``mesh=None`` the layer is the plain non-parallel layer on the whole
+sequence in original order (``dense_attention``), or runs ``attention`` when one is given.
+The mirror is ``jax_impl/layers.py`` (flax), same names, same parameters, same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .api import sequence_parallel_attention
+from .dense import dense_attention
+from .layouts import LAYOUTS
+from .validation import KV_EXCHANGES, check_window
+
+
+@dataclass(frozen=True)
+class AttentionLayerConfig:
+    """The static shape and options of one attention layer (the same dataclass as jax_impl's).
+
+    d_model:       D, the width of the layer's input and output.
+    heads, kv_heads: H query heads and Hk key/value heads (H % Hk == 0: MHA, GQA, MQA).
+    head_dim:      d (even: RoPE rotates pairs).
+    rope_theta:    the RoPE base (rotate-half convention, as Hugging Face Llama).
+    causal:        mask by original position (j <= i).
+    layout:        the sequence layout of the local shards (``LAYOUTS``).
+    window:        sliding window on original positions: None, w or (left, right).
+    sinks:         one learned attention-sink logit per head (gpt-oss) when True.
+    kv_exchange:   "ring" or "allgather" (how K/V reach the ring devices).
+    block_backend: the block kernels ("auto" routes per block).
+    """
+
+    d_model: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    causal: bool = True
+    layout: str = "zigzag"
+    window: int | tuple[int, int] | None = None
+    sinks: bool = False
+    kv_exchange: str = "ring"
+    block_backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("d_model", "heads", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads % kv_heads must be 0, got {self.heads} % {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs: head_dim must be even, got {self.head_dim}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {self.kv_exchange!r}")
+        object.__setattr__(self, "window", check_window(self.window))
+
+
+def apply_rope(x, positions, theta: float):
+    """x: [b, t, h, d] rotated by ``positions`` [b, t] (rotate-half: pairs (i, i + d/2) turn by
+    position · theta^(-2i/d)); computed in float32 (float64 for float64 x), returned in x's dtype."""
+    d = x.shape[-1]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = theta ** -(torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)
+    angles = positions.to(dtype)[..., None] * inv_freq  # [b, t, d/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [b, t, 1, d]
+    wide = x.to(dtype)
+    rotated = torch.cat([-wide[..., d // 2:], wide[..., : d // 2]], dim=-1)
+    return (wide * angles.cos() + rotated * angles.sin()).to(x.dtype)
+
+
+class SequenceParallelAttention(nn.Module):
+    """Attention with projections ``wq`` [H·d ← D], ``wk``, ``wv`` [Hk·d ← D], ``wo`` [D ← H·d]
+    (``nn.Linear`` without bias: weight = Wᵀ of the math orientation) and, with ``config.sinks``,
+    the parameter ``sinks`` [H].
+
+    mesh:      the attention ``DeviceMesh`` (its dimension names choose the algorithm), or None.
+    attention: with ``mesh=None``, a callable ``(q, k, v, *, causal, segment_ids, window, sinks) -> o``
+               to use instead of the dense path (e.g. a strategy's replay on one GPU)."""
+
+    def __init__(self, config: AttentionLayerConfig, mesh=None, *, attention: Callable | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        c = self.config = config
+        self.mesh, self.attention = mesh, attention
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.wq = nn.Linear(c.d_model, c.heads * c.head_dim, **kw)
+        self.wk = nn.Linear(c.d_model, c.kv_heads * c.head_dim, **kw)
+        self.wv = nn.Linear(c.d_model, c.kv_heads * c.head_dim, **kw)
+        self.wo = nn.Linear(c.heads * c.head_dim, c.d_model, **kw)
+        self.sinks = nn.Parameter(torch.zeros(c.heads, device=device, dtype=dtype)) if c.sinks else None
+
+    def forward(self, x, positions, segment_ids=None):
+        c = self.config
+        b, t, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, t, c.heads, c.head_dim), positions, c.rope_theta)
+        k = apply_rope(self.wk(x).view(b, t, c.kv_heads, c.head_dim), positions, c.rope_theta)
+        v = self.wv(x).view(b, t, c.kv_heads, c.head_dim)
+        options = {"causal": c.causal, "segment_ids": segment_ids, "window": c.window, "sinks": self.sinks}
+        if self.mesh is not None:
+            o = sequence_parallel_attention(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange,
+                                            block_backend=c.block_backend, **options)
+        elif self.attention is not None:
+            o = self.attention(q, k, v, **options)
+        else:
+            o, _ = dense_attention(q, k, v, **options)
+        return self.wo(o.reshape(b, t, c.heads * c.head_dim))
