@@ -45,7 +45,7 @@ GATHERED = "fsdp_gathered_weight"
 # FSDP keeps only the shard between forward and backward and gathers again in the backward: the
 # block is rematerialized, saving every intermediate except the gathered weights (so the TP
 # all-reduce of the forward is not repeated, but the FSDP all-gather is).
-def _remat_policy(prim, *avals, **params) -> bool:
+def fsdp_remat_policy(prim, *avals, **params) -> bool:
     """Saveable: everything but the gathered weights — neither the all_gather's output nor its
     named alias."""
     return prim is not lax.all_gather_p and params.get("name") != GATHERED
@@ -97,7 +97,7 @@ class FFNStack(nn.Module):
     @nn.compact
     def __call__(self, x):
         for i in range(self.blocks):
-            block = nn.remat(FFNBlock, policy=_remat_policy) if self.fsdp_sharded else FFNBlock
+            block = nn.remat(FFNBlock, policy=fsdp_remat_policy) if self.fsdp_sharded else FFNBlock
             x = block(self.w1_shape, self.w2_shape, self.fsdp_sharded, self.tensor_parallel, name=f"block_{i}")(x)
         return x
 
