@@ -81,7 +81,7 @@ def apply_rope(x, positions, theta: float):
     d = x.shape[-1]
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     inv_freq = theta ** -(jnp.arange(0, d, 2, dtype=dtype) / d)
-    angles = positions.astype(dtype)[..., None] * inv_freq  # [b, t, d/2]
+    angles = positions.astype(dtype)[..., None] * inv_freq[None, None, :]  # [b, t, d/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [b, t, 1, d]
     wide = x.astype(dtype)
     rotated = jnp.concatenate([-wide[..., d // 2:], wide[..., : d // 2]], axis=-1)

@@ -39,7 +39,7 @@ def rms_norm(x, weight, eps: float):
     """x · rsqrt(mean(x²) + eps) · weight, in float32 (float64 for float64 x), returned in x's dtype."""
     wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     normed = wide * lax.rsqrt(jnp.mean(jnp.square(wide), axis=-1, keepdims=True) + eps)
-    return (normed * weight).astype(x.dtype)
+    return (normed * weight.reshape((1,) * (x.ndim - 1) + (-1,))).astype(x.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -176,8 +176,10 @@ class _Rig:
             from torch.distributed.fsdp import fully_shard
 
             flat = init_device_mesh(device_type, (case.mesh.devices,), mesh_dim_names=("fsdp",))
+            # children before parents: a parent's unit then holds only its own direct parameters
+            # (the attention layer: its sinks), never a child's
             units = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
-            for unit in units:
+            for unit in reversed(units):
                 fully_shard(unit, mesh=flat)
             fully_shard(model, mesh=flat)
             for module in model.modules():  # each unit reduces its own gradients: sum, not mean
