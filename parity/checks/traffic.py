@@ -20,7 +20,10 @@ from dataclasses import dataclass, field, replace
 
 from ..accounting.model import DTYPE_BYTES, FRAMEWORKS, Traffic, attention_traffic
 from ..core.cases import Case
+from ..core.mesh import MeshShape
 from ..core.names import Device
+from ..training.llama import LlamaConfig, ModelCase
+from ..training.llama_traffic import llama_step_traffic
 from ..training.reference import TrainCase, make_train_inputs
 from ..training.traffic_model import ffn_step_traffic
 
@@ -57,6 +60,17 @@ TRAINING_CONFIGS = [
     TrainCase("tp", tp=2), TrainCase("tp", tp=4, blocks=3),
     TrainCase("fsdp_tp", fsdp=2, tp=2), TrainCase("fsdp_tp", fsdp=2, tp=4), TrainCase("fsdp_tp", fsdp=4, tp=2, blocks=3),
     TrainCase("zero1", fsdp=2), TrainCase("zero1", fsdp=4, blocks=3),
+]
+
+# The whole model's step (parity.training.llama_traffic): attention CP in every layer + FSDP or
+# replicated weights, every strategy, tied embeddings and all-gather KV among them.
+LLAMA_CONFIGS = [
+    ModelCase(LlamaConfig(window=(6, 0)), MeshShape(ring=2)),
+    ModelCase(LlamaConfig(), MeshShape(ulysses=2), fsdp=False),
+    ModelCase(LlamaConfig(), MeshShape(data=2, ring=2, ulysses=2), layout="stripe"),
+    ModelCase(LlamaConfig(tie_embeddings=True, kv_heads=1), MeshShape(ring=4, ring_outer=2), fsdp=False,
+              layout="contiguous"),
+    ModelCase(LlamaConfig(tie_embeddings=True), MeshShape(ring=4, kv_exchange="allgather")),
 ]
 
 
@@ -160,6 +174,26 @@ def check_training(case: TrainCase, frameworks, devices: Device = "cpu") -> Verd
     return Verdict(case.name, ffn_step_traffic(case.model_step()), measured, widened)
 
 
+def check_llama(case: ModelCase, frameworks, devices: Device = "cpu") -> Verdict:
+    """One whole-model training step: each framework against its own model (they differ where
+    their FSDP machinery does: ``parity.training.llama_traffic``)."""
+    measured = {}
+    for framework in frameworks:
+        try:
+            if framework == "jax":
+                from ..training import llama_jax
+
+                measured[framework] = llama_jax.measure_traffic(case)
+            else:
+                from ..training import llama_torch
+
+                measured[framework] = llama_torch.measure_traffic(case, devices=devices)
+        except Exception:  # noqa: BLE001 — reported as that framework's failure
+            measured[framework] = _last_line()
+    models = {f: llama_step_traffic(case, f) for f in FRAMEWORKS}
+    return Verdict(case.name, models["jax"], measured, None, models)
+
+
 def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_limit: int = 8,
             every_config: bool = True) -> list[Verdict]:
     """Every built-in configuration (or, with ``every_config=False``, one per model path: see
@@ -171,9 +205,12 @@ def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_l
 
     attention = [c for c in ATTENTION_CONFIGS if keep(c.name, c.devices)]
     training = [c for c in TRAINING_CONFIGS if keep(c.name, c.devices)]
+    llama = [c for c in LLAMA_CONFIGS if keep(c.name, c.mesh.devices)]
     if not every_config:
         attention, training = one_per_path(attention, training)
-    jobs = [(check_attention, c) for c in attention] + [(check_training, c) for c in training]
+        llama = llama[:1]
+    jobs = ([(check_attention, c) for c in attention] + [(check_training, c) for c in training]
+            + [(check_llama, c) for c in llama])
     return [fn(c, frameworks, devices) for fn, c in track(jobs, description="accounting")]
 
 

@@ -39,7 +39,14 @@ def rms_norm(x, weight, eps: float):
     """x · rsqrt(mean(x²) + eps) · weight, in float32 (float64 for float64 x), returned in x's dtype."""
     wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     normed = wide * lax.rsqrt(jnp.mean(jnp.square(wide), axis=-1, keepdims=True) + eps)
-    return (normed * weight.reshape((1,) * (x.ndim - 1) + (-1,))).astype(x.dtype)
+    return (normed * weight_view(weight.reshape((1,) * (x.ndim - 1) + (-1,)))).astype(x.dtype)
+
+
+def weight_view(w):
+    """A reshaped or transposed weight, named like the gathered weight it views: under FSDP's
+    remat policy it is recomputed from the re-gathered weight, never kept from the forward (which
+    would keep a full copy of a sharded weight alive until the backward)."""
+    return checkpoint_name(w, GATHERED)
 
 
 class DecoderLayer(nn.Module):
@@ -49,6 +56,7 @@ class DecoderLayer(nn.Module):
     per_device: bool
     block_backend: str = "auto"
     attention: object = None
+    kv_exchange: str = "ring"
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -56,7 +64,7 @@ class DecoderLayer(nn.Module):
         ones, init = nn.initializers.ones, nn.initializers.lecun_normal()
         attn_config = AttentionLayerConfig(c.d_model, c.heads, c.kv_heads, c.head_dim, rope_theta=c.rope_theta,
                                            causal=True, layout=self.layout, window=c.window, sinks=c.sinks,
-                                           block_backend=self.block_backend)
+                                           block_backend=self.block_backend, kv_exchange=self.kv_exchange)
         attn_norm = self.param("attn_norm", ones, (c.d_model,))
         h = x + SequenceParallelAttention(attn_config, self.mesh, self.per_device, self.attention, name="attn")(
             rms_norm(x, attn_norm, c.norm_eps), positions, segment_ids)
@@ -79,6 +87,7 @@ class Llama(nn.Module):
     dtype: jnp.dtype = jnp.float32
     block_backend: str = "auto"
     attention: object = None
+    kv_exchange: str = "ring"
 
     @nn.compact
     def __call__(self, tokens, positions, segment_ids):
@@ -87,9 +96,9 @@ class Llama(nn.Module):
         x = embed[tokens].astype(self.dtype)
         for i in range(c.layers):
             x = DecoderLayer(c, self.layout, self.mesh, self.per_device, self.block_backend, self.attention,
-                             name=f"layers_{i}")(x, positions, segment_ids)
+                             self.kv_exchange, name=f"layers_{i}")(x, positions, segment_ids)
         x = rms_norm(x, self.param("final_norm", nn.initializers.ones, (c.d_model,)), c.norm_eps)
-        head = embed.T if c.tie_embeddings else self.param("lm_head", nn.initializers.lecun_normal(),
+        head = weight_view(embed.T) if c.tie_embeddings else self.param("lm_head", nn.initializers.lecun_normal(),
                                                                (c.d_model, c.vocab))
         logits = x @ head.astype(x.dtype)
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
@@ -150,7 +159,9 @@ class Step:
     def __init__(self, case: ModelCase, mesh, *, dtype=jnp.float32, block_backend: str = "auto"):
         self.case, self.mesh = case, mesh
         self.axes = tuple(mesh.axis_names)
-        self.model = Llama(case.model, case.layout, mesh, True, dtype, block_backend)
+        self.dtype = jnp.dtype(dtype)
+        self.model = Llama(case.model, case.layout, mesh, True, dtype, block_backend,
+                           kv_exchange=case.mesh.kv_exchange)
         self.opt = optax.adam(case.lr)
         self.typed = get_backend(block_backend).typed_for_shard_map
         from jax_impl.api import partition_specs
@@ -159,7 +170,9 @@ class Step:
         self.weight_spec = P(self.axes) if case.fsdp else P()
 
     def _gather(self, params):
-        gather = lambda w: checkpoint_name(lax.all_gather(w, self.axes, axis=0, tiled=True), GATHERED)
+        # cast before the gather (as FSDP2's param_dtype): the wire and the model see self.dtype
+        gather = lambda w: checkpoint_name(lax.all_gather(w.astype(self.dtype), self.axes, axis=0, tiled=True),
+                                           GATHERED)
         return jax.tree.map(gather, params) if self.case.fsdp else params
 
     def _local_loss(self, params, tokens, labels, positions, ids):

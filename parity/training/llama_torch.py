@@ -46,11 +46,12 @@ def _modules():
             return (normed * self.weight).to(x.dtype)
 
     class DecoderLayer(nn.Module):
-        def __init__(self, config: LlamaConfig, layout: str, mesh, attention, dtype):
+        def __init__(self, config: LlamaConfig, layout: str, kv_exchange: str, mesh, attention, dtype):
             super().__init__()
             c = config
             attn_config = AttentionLayerConfig(c.d_model, c.heads, c.kv_heads, c.head_dim, rope_theta=c.rope_theta,
-                                               causal=True, layout=layout, window=c.window, sinks=c.sinks)
+                                               causal=True, layout=layout, window=c.window, sinks=c.sinks,
+                                               kv_exchange=kv_exchange)
             self.attn_norm = RMSNorm(c.d_model, c.norm_eps, dtype)
             self.attn = SequenceParallelAttention(attn_config, mesh, attention=attention, dtype=dtype)
             self.mlp_norm = RMSNorm(c.d_model, c.norm_eps, dtype)
@@ -66,12 +67,12 @@ def _modules():
     class Llama(nn.Module):
         """tokens, positions, segment_ids: [b, t] -> logits [b, t, V] (float32 or wider)."""
 
-        def __init__(self, config: LlamaConfig, layout: str = "zigzag", mesh=None, attention=None,
-                     dtype=torch.float32):
+        def __init__(self, config: LlamaConfig, layout: str = "zigzag", kv_exchange: str = "ring", mesh=None,
+                     attention=None, dtype=torch.float32):
             super().__init__()
             c = self.config = config
             self.embed = nn.Embedding(c.vocab, c.d_model, dtype=dtype)
-            self.layers = nn.ModuleList(DecoderLayer(c, layout, mesh, attention, dtype) for _ in range(c.layers))
+            self.layers = nn.ModuleList(DecoderLayer(c, layout, kv_exchange, mesh, attention, dtype) for _ in range(c.layers))
             self.final_norm = RMSNorm(c.d_model, c.norm_eps, dtype)
             self.lm_head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab, bias=False, dtype=dtype)
 
@@ -87,12 +88,12 @@ def _modules():
 
 
 def build_model(config: LlamaConfig, weights: dict[str, np.ndarray] | None = None, *, layout: str = "zigzag",
-                mesh=None, attention=None, dtype=None, device=None):
+                kv_exchange: str = "ring", mesh=None, attention=None, dtype=None, device=None):
     """The model (``mesh=None``: not parallel, whole sequence in original order), with ``weights``
     (canonical names) loaded when given."""
     import torch
 
-    model = _modules()(config, layout, mesh, attention, dtype or torch.float32)
+    model = _modules()(config, layout, kv_exchange, mesh, attention, dtype or torch.float32)
     if weights is not None:
         load_weights(model, weights)
     return model.to(device) if device is not None else model
@@ -170,15 +171,18 @@ class _Rig:
         self.coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
         weights, batch = case.inputs()
         self.batch = local_batch(case, batch.permuted(case.permutation()), self.coords)
-        model = build_model(case.model, weights, layout=case.layout, mesh=self.mesh, device=self.device)
+        model = build_model(case.model, weights, layout=case.layout, kv_exchange=case.mesh.kv_exchange, mesh=self.mesh,
+                            device=self.device)
         self.world = torch.distributed.group.WORLD
         if case.fsdp:
             from torch.distributed.fsdp import fully_shard
 
             flat = init_device_mesh(device_type, (case.mesh.devices,), mesh_dim_names=("fsdp",))
             # children before parents: a parent's unit then holds only its own direct parameters
-            # (the attention layer: its sinks), never a child's
-            units = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+            # (the attention layer: its sinks), never a child's. A tied embedding stays with the root
+            # unit, which holds it gathered from the lookup to the logits.
+            units = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))
+                     and not (case.model.tie_embeddings and m is model.embed)]
             for unit in reversed(units):
                 fully_shard(unit, mesh=flat)
             fully_shard(model, mesh=flat)

@@ -156,3 +156,73 @@ def test_planted_positions_in_layout_order_are_seen(jax_devices):
     layout_index = np.broadcast_to(np.arange(case.seq), p.positions.shape)  # the planted mistake
     wrong = layer.apply(params, x[:, perm], jnp.asarray(layout_index), jnp.asarray(p.segment_ids))
     assert rel(np.asarray(wrong), np.asarray(want)[:, perm]) > 100 * TOL
+
+
+# ---- the whole step's traffic: model == XLA HLO == torch trace; planted regressions fail it -------
+
+def _llama_configs():
+    from parity.checks.traffic import LLAMA_CONFIGS
+
+    return [pytest.param(c, id=c.name) for c in LLAMA_CONFIGS[:2]] + (
+        [pytest.param(c, id=c.name, marks=pytest.mark.slow) for c in LLAMA_CONFIGS[2:]] if FULL else [])
+
+
+@pytest.mark.parametrize("case", _llama_configs())
+def test_step_traffic_model_equals_xla_hlo_and_torch_trace(case, jax_devices, worlds):
+    """Attention CP in every layer + FSDP (or replicated) weights + the loss's count, per pass and
+    kind, bytes and calls: each framework equals its model (``parity.training.llama_traffic``)."""
+    from parity.checks.traffic import check_llama
+
+    verdict = check_llama(case, ("jax", "torch"))
+    assert not verdict.problems(), "\n".join(verdict.problems())
+    assert verdict.model.bytes("fwd") > 0 and verdict.model.bytes("bwd") > 0
+
+
+def test_planted_regressions_fail_the_traffic_audit_or_the_equality(jax_devices, monkeypatch):
+    """Three bugs peers shipped, planted in the JAX step: context parallelism silently off (each
+    device attends to its own shard only), a ring that never moves K/V (every device reuses its own:
+    stale K/V), and FSDP's all-gather on the wrong dimension (reshaped to fit). The first two move
+    fewer bytes than the model and fail the audit; the third gathers the same bytes in the same
+    calls — no byte count can see it — and fails the float64 equality instead."""
+    import jax
+
+    import jax_impl.layers
+    from jax_impl.comm import Comm, using
+    from jax_impl.dense import dense_attention
+    from parity.checks.traffic import LLAMA_CONFIGS
+    from parity.training import llama_jax
+    from parity.training.jax_step import GATHERED
+    from parity.training.llama_traffic import llama_step_traffic
+
+    case = LLAMA_CONFIGS[0]  # ring 2, FSDP
+    model = llama_step_traffic(case, "jax")
+    assert llama_jax.measure_traffic(case) == model
+
+    class StaleKV(Comm):  # the hop never happens: each device keeps the K/V it has
+        def shift(self, tree, hop, axes, back=0):
+            return tree
+
+    with using(StaleKV()):
+        stale = llama_jax.measure_traffic(case)
+    assert stale != model and ("fwd", "p2p") not in stale.rows()
+
+    with monkeypatch.context() as m:
+        m.setattr(jax_impl.layers, "local_attention", lambda q, k, v, mesh, *, causal, segment_ids, window, sinks,
+                  **_: dense_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, sinks=sinks)[0])
+        off = llama_jax.measure_traffic(case)
+    assert off != model and not any(kind == "p2p" for _, kind in off.rows())
+
+    def wrong_dimension(self, params):  # gather the columns' shards, then reshape to the weight's shape
+        def gather(w):
+            if w.ndim != 2:
+                return jax.lax.all_gather(w, self.axes, axis=0, tiled=True)
+            full = jax.lax.all_gather(w, self.axes, axis=1, tiled=True)
+            return jax.ad_checkpoint.checkpoint_name(full.reshape(-1, w.shape[1]), GATHERED)
+        return jax.tree.map(gather, params)
+
+    with monkeypatch.context() as m:
+        m.setattr(llama_jax.Step, "_gather", wrong_dimension)
+        forward = lambda t: {k: v for k, v in t.rows().items() if k[0] == "fwd"}
+        assert forward(llama_jax.measure_traffic(case)) == forward(model)  # the gathers: same bytes, same calls
+        with pytest.raises(AssertionError, match="jax vs float64"):
+            assert_same_run(llama_jax.train(case, steps=1), llama_oracle.train(case, steps=1), "jax vs float64")

@@ -1,0 +1,99 @@
+"""The whole model's communication (NumPy only): one training step of the tiny Llama
+(``parity.training.llama``) — attention context parallelism in every layer, FSDP or replicated
+weights, the loss's count — per device, per pass and kind, as the implementations move it.
+
+Per step, with N = every device of the mesh and e = 4 (float32 weights on the wire):
+- each attention layer: ``attention_traffic`` of its call (K/V hops, all-to-alls, all-gathers),
+  segment ids included (the batch is always packed documents);
+- the loss's denominator: one all-reduce of a float32 count over N devices (forward);
+- FSDP: forward all-gather of every weight ((N-1)/N of it); backward all-gather again and one
+  reduce-scatter of its gradient; replicated: one all-reduce of every gradient (backward).
+The frameworks differ where their machinery differs, each difference measured, not assumed:
+- torch (FSDP2) re-gathers every weight before its unit's backward (a tied embedding lives in
+  the root unit and is gathered once per step); each attention call gathers
+  the segment ids in its forward and reuses them in its backward;
+- JAX (XLA under ``jax.checkpoint``) re-gathers only the layers' matrices — not the embedding
+  (tied or not) and not the norm vectors (XLA keeps the forward's gather of those: measured,
+  jax 0.10, XLA:CPU), and with all-gather KV the remat gathers each layer's K and V again; the layers' identical
+  segment-id gathers are one gather (common-subexpression elimination), and under FSDP the
+  rematerialised backward gathers them once more; a replicated tied embedding's gradient is
+  all-reduced once per use (lookup and logits).
+Attention sinks are not modelled here (refused): their gradient takes a different path under
+each framework's FSDP; ``attention_traffic`` covers them for the attention call alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from fractions import Fraction
+
+from ..accounting.model import FRAMEWORKS, Traffic, allreduce_bytes, attention_traffic
+from ..core.cases import Case
+from .llama import ModelCase, weight_shapes
+
+WIRE_BYTES = 4  # float32 weights and gradients on the wire (the CPU reference step)
+
+
+def attention_case(case: ModelCase) -> Case:
+    """The attention call of one layer as a parity ``Case`` (what ``attention_traffic`` reads)."""
+    c, m = case.model, case.mesh
+    return Case(ring=m.ring, ulysses=m.ulysses, data=m.data, ring_outer=m.ring_outer, kv_exchange=m.kv_exchange,
+                batch=case.batch, seq=case.seq, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                layout=case.layout, causal=True, dtype="float32", documents="mix", window=c.window)
+
+
+def _rebuilt_in_backward(name: str, shape: tuple, case: ModelCase, framework: str) -> bool:
+    """Whether the backward gathers this weight again (FSDP)."""
+    if name == "embed":  # torch: a tied embedding lives in the root unit, gathered once per step
+        return framework == "torch" and not case.model.tie_embeddings
+    return framework == "torch" or len(shape) == 2
+
+
+def llama_step_traffic(case: ModelCase, framework: str) -> Traffic:
+    """Per-device traffic of one training step of ``case`` under ``framework`` (fwd / bwd / step)."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    if case.model.sinks:
+        raise ValueError("attention sinks are not in the whole-step model (their gradient path differs per "
+                         "framework under FSDP); use a configuration without sinks")
+    t, n = Traffic(), case.mesh.devices
+    layer = attention_case(case)
+    with_ids = attention_traffic(layer, return_lse=False)
+    without_ids = attention_traffic(replace(layer, documents="none"), return_lse=False)
+    ids = {kind: entry for (pass_, kind), entry in with_ids.rows().items() if pass_ == "fwd"}
+    for (pass_, kind), (calls, nbytes) in without_ids.rows().items():
+        ids_calls, ids_bytes = ids.get(kind, (0, 0))
+        if pass_ == "fwd" and kind in ids:
+            ids[kind] = (ids_calls - calls, ids_bytes - nbytes)
+    ids = {k: v for k, v in ids.items() if v[0]}
+    per_layer = with_ids if framework == "torch" else without_ids
+    for _ in range(case.model.layers):
+        for (pass_, kind), (calls, nbytes) in per_layer.rows().items():
+            t.add(pass_, kind, nbytes, calls)
+    if framework == "jax":  # the ids once per forward, and once more in the rematerialised backward
+        for kind, (calls, nbytes) in ids.items():
+            for pass_ in ("fwd", "bwd") if case.fsdp else ("fwd",):
+                t.add(pass_, kind, nbytes, calls)
+        if case.fsdp and case.mesh.kv_exchange == "allgather":  # remat gathers K and V again
+            calls, nbytes = without_ids.rows()[("fwd", "all-gather")]
+            t.add("bwd", "all-gather", case.model.layers * nbytes, case.model.layers * calls)
+    if n > 1:
+        t.add("fwd", "all-reduce", allreduce_bytes(4, n))  # the global labelled count
+    ring = Fraction(n - 1, n)
+    for name, shape in weight_shapes(case.model).items():
+        size = WIRE_BYTES
+        for dim in shape:
+            size *= dim
+        if n == 1:
+            continue
+        if case.fsdp:
+            t.add("fwd", "all-gather", ring * size)
+            if _rebuilt_in_backward(name, shape, case, framework):
+                t.add("bwd", "all-gather", ring * size)
+            t.add("bwd", "reduce-scatter", ring * size)
+        else:
+            # XLA transposes each use of a replicated weight into its own all-reduce: a tied
+            # embedding (lookup and logits) has two (measured, jax 0.10); torch sums it first.
+            uses = 2 if framework == "jax" and name == "embed" and case.model.tie_embeddings else 1
+            t.add("bwd", "all-reduce", uses * allreduce_bytes(size, n), calls=uses)
+    return t
