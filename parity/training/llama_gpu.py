@@ -179,6 +179,7 @@ def time_step(config: LlamaConfig, seq: int, backend: str, warmup: int = 2, iter
     torch.cuda.reset_peak_memory_stats()
     step()
     peak = torch.cuda.max_memory_allocated()
+    breakdown = _gpu_time_by_kind(step)
     n = 8192
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     c_matmul = 2 * n**3 / (_median_ms(lambda: a @ b, 3, 10) * 1e-3)
@@ -194,7 +195,35 @@ def time_step(config: LlamaConfig, seq: int, backend: str, warmup: int = 2, iter
     return {"config": asdict(config), "seq": seq, "backend": backend, "step_ms": step_ms, "peak_gib": peak / 2**30,
             "matmul_flops": matmul, "attention_flops": attention, "C_matmul_tflops": c_matmul / 1e12,
             "C_attention_tflops": c_attention / 1e12, "predicted_ms": predicted_ms,
-            "measured_over_predicted": step_ms / predicted_ms, "attention_kernel": name}
+            "measured_over_predicted": step_ms / predicted_ms, "attention_kernel": name,
+            "profile_ms": breakdown,
+            "matmul_tflops_in_step": matmul / (breakdown["matmul"] * 1e-3) / 1e12 if breakdown["matmul"] else None,
+            "attention_tflops_in_step": attention / (breakdown["attention"] * 1e-3) / 1e12
+            if breakdown["attention"] else None}
+
+
+def _gpu_time_by_kind(step) -> dict[str, float]:
+    """GPU kernel time (ms) of one ``step`` under torch.profiler, by kind of kernel name: matmul
+    (GEMM kernels), attention (cuDNN / flash attention kernels), the rest (norms, RoPE, SwiGLU,
+    softmax and cross-entropy of the logits, the replay's merges and casts, Adam) — the part the
+    compute prediction leaves out."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        total = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        name = event.key.lower()
+        if any(k in name for k in ("fmha", "flash", "attention", "cudnn", "sdpa")):
+            kinds["attention"] += total / 1e3
+        elif any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90")):
+            kinds["matmul"] += total / 1e3
+        else:
+            kinds["other"] += total / 1e3
+    return kinds
 
 
 def main(argv=None) -> None:
