@@ -156,8 +156,6 @@ def time_step(config: LlamaConfig, seq: int, backend: str, warmup: int = 2, iter
     """One bf16 training step of ``config`` on ``seq`` tokens, timed, with its compute prediction."""
     import torch
 
-    from parity.probes import kernels
-
     from .llama import IGNORE
     from .llama_torch import build_model, loss_sum
 
@@ -183,12 +181,7 @@ def time_step(config: LlamaConfig, seq: int, backend: str, warmup: int = 2, iter
     n = 8192
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     c_matmul = 2 * n**3 / (_median_ms(lambda: a @ b, 3, 10) * 1e-3)
-    from torch_impl.block import resolve_backend
-
-    name = resolve_backend(backend, device_kind="cuda", dtype="bfloat16", mask="causal")
-    kernel = kernels.time_block("torch", name, kernels.Mask.CAUSAL, seq, config.heads, config.head_dim, "bfloat16", 5, 0)
-    c_attention = kernels.block_flops(seq, config.heads, config.head_dim, kernels.Mask.CAUSAL, True) / (
-        kernel["fwd_bwd_ms"] * 1e-3)
+    name, c_attention = attention_rate(backend, seq, config.heads, config.head_dim)
     flops = step_flops(config, batch)
     matmul, attention = flops["matmul_fwd"] + flops["matmul_bwd"], flops["attention_fwd"] + flops["attention_bwd"]
     predicted_ms = 1e3 * (matmul / c_matmul + attention / c_attention)
@@ -200,6 +193,26 @@ def time_step(config: LlamaConfig, seq: int, backend: str, warmup: int = 2, iter
             "matmul_tflops_in_step": matmul / (breakdown["matmul"] * 1e-3) / 1e12 if breakdown["matmul"] else None,
             "attention_tflops_in_step": attention / (breakdown["attention"] * 1e-3) / 1e12
             if breakdown["attention"] else None}
+
+
+def attention_rate(backend: str, seq: int, heads: int, head_dim: int) -> tuple[str, float]:
+    """(kernel, FLOP/s) of the block kernel ``backend`` resolves to for one causal bf16 block of
+    ``seq`` tokens, forward + backward (4·h·s²·d/2 × 3.5 FLOPs), timed alone."""
+    import torch
+
+    from torch_impl.block import get_backend, resolve_backend
+    from torch_impl.schedule import BlockMask
+
+    name = resolve_backend(backend, device_kind="cuda", dtype="bfloat16", mask="causal")
+    kernel, mask, scale = get_backend(name), BlockMask("causal"), head_dim**-0.5
+    q, k, v, do = (torch.randn(1, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+
+    def block():
+        with torch.no_grad():
+            o, lse = kernel.fwd(q, k, v, mask, scale)
+            kernel.bwd(do, q, k, v, o, lse, mask, scale, None)
+
+    return name, 3.5 * 4 * heads * seq * seq * head_dim / 2 / (_median_ms(block, 2, 5) * 1e-3)
 
 
 def _gpu_time_by_kind(step) -> dict[str, float]:

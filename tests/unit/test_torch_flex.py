@@ -126,8 +126,10 @@ def make_block(mask: BlockMask, heads: int, kv_heads: int, gen, t: int = 24, s: 
     k, v = (torch.randn(2, s, kv_heads, d, generator=gen) for _ in range(2))
     dlse = torch.randn(2, heads, t, generator=gen)
     extra = {}
-    if mask.documents:
-        extra["segments"] = (ids_with_gaps(2, t, gen), ids_with_gaps(2, s, gen))
+    if mask.documents:  # the last query's document has no key here: every seed has a row with no visible key
+        q_ids, kv_ids = ids_with_gaps(2, t, gen), ids_with_gaps(2, s, gen)
+        q_ids[:, -1] = kv_ids.max() + 1
+        extra["segments"] = (q_ids, kv_ids)
     if mask.window is not None:  # original positions out of local order (stripe-like), keys offset
         extra["positions"] = (torch.randperm(t, generator=gen).int() * 3, torch.randperm(s, generator=gen).int() * 3 + 1)
     return q, k, v, do, dlse, extra
