@@ -123,11 +123,18 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
             times.append(1e3 * (time.perf_counter() - start))
         return times
 
+    def temporaries(fn, *args):  # XLA's compiled temporaries (outputs and arguments not counted)
+        try:
+            return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 — not every backend reports it
+            return None
+
     out = {}
     for device in devices_to_time:
         fwd = jax.jit(functools.partial(replay.device_forward, device, **kw))
         bwd = jax.jit(functools.partial(replay.device_backward, device, **kw))
-        out[device] = (clock(fwd, q, k, v), clock(bwd, q, k, v, o, lse, do))
+        out[device] = (clock(fwd, q, k, v), clock(bwd, q, k, v, o, lse, do),
+                       (temporaries(fwd, q, k, v), temporaries(bwd, q, k, v, o, lse, do)))
     return out
 
 
@@ -167,12 +174,26 @@ def _torch_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_ti
                     times.append(1e3 * (time.perf_counter() - start))
         return times
 
+    def temporaries(fn):  # peak allocated during the call beyond what was allocated before it
+        if device_type != "cuda":
+            return None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            result = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del result
+        return int(peak)
+
     with torch.no_grad():
         o, lse = replay.replay_attention(q, k, v, **kw)
     out = {}
     for device in devices_to_time:
-        out[device] = (clock(lambda device=device: replay.device_forward(device, q, k, v, **kw)),
-                       clock(lambda device=device: replay.device_backward(device, q, k, v, o, lse, do, **kw)))
+        run_fwd = lambda device=device: replay.device_forward(device, q, k, v, **kw)
+        run_bwd = lambda device=device: replay.device_backward(device, q, k, v, o, lse, do, **kw)
+        out[device] = (clock(run_fwd), clock(run_bwd), (temporaries(run_fwd), temporaries(run_bwd)))
     return out
 
 
@@ -218,14 +239,36 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
                     spec.ring, f, extra=extra, verified=verdict[0], note=f"{type(err).__name__}: {str(err)[:200]}")
                 for f in (True, False)]
     share = spec.devices
-    for device, (fwd, bwd) in measured.items():
+    for device, (fwd, bwd, temps) in measured.items():
+        bare = _bare_kernels(framework, backend, spec, problem, device, iters, warmup)
         for fwd_only in (True, False):
             r = row(device, fwd_only)
             times = fwd if fwd_only else [a + b for a, b in zip(fwd, bwd)]
             r.ms_per_iter, r.ms_spread = _median(times)
             r.tflops_per_gpu = problem.flops(fwd_only) / share / (r.ms_per_iter * 1e-3) / 1e12
+            temp = temps[0] if fwd_only else (None if None in temps else max(temps))
+            floor = problem.min_bytes_per_device(spec.devices, fwd_only)
+            r.extra = {**r.extra, "temporaries_mb": None if temp is None else temp / 2**20,
+                       "temporaries_vs_floor": None if temp is None else temp / floor}
+            if bare is not None:
+                kernels = bare["kernels_fwd_ms" if fwd_only else "kernels_fwd_bwd_ms"]
+                r.extra = {**r.extra, "kernels_ms": kernels, "replay_efficiency": kernels / r.ms_per_iter,
+                           "block_calls": bare["calls"]}
             rows.append(r)
     return rows
+
+
+def _bare_kernels(framework, backend, spec, problem, device, iters, warmup) -> dict | None:
+    """The device's block calls timed alone (``benchmarks.efficiency``); None for masked problems."""
+    if problem.documents != "none" or problem.window is not None:
+        return None
+    from .efficiency import kernels_ms
+
+    try:
+        return kernels_ms(framework, backend, spec, problem, device, iters, warmup)
+    except Exception:  # noqa: BLE001 — the row keeps its timing; the efficiency is missing, said in the log
+        traceback.print_exc()
+        return None
 
 
 def kernel_rows(problem: Problem, framework: str, backend: str, devices: str, iters: int, seed: int) -> list[Row]:
@@ -280,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", default="auto", help="block backend of both frameworks (default: auto)")
     ap.add_argument("--replay-devices", choices=("ends", "all"), default="ends",
                     help="time virtual devices 0 and R·U-1 (default) or every one")
+    ap.add_argument("--per-device-tokens", default="",
+                    help="comma-separated tokens per virtual device: each strategy runs at seq = tokens × its devices "
+                         "(instead of --seq), e.g. 8192,32768 (issue 28's grid)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-kernels", action="store_true", help="skip the bare-kernel rows")
@@ -298,26 +344,34 @@ def main(argv=None) -> list[Row]:
 
     devices = "gpu" if torch.cuda.is_available() else "cpu"
     configure_jax_devices(devices)
-    problem = Problem(seq=a.seq, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
-                      causal=not a.full, documents=a.documents, window=None if a.window is None else (a.window, 0))
+    masks = dict(documents=a.documents, window=None if a.window is None else (a.window, 0))
+    shape = dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, causal=not a.full)
+    problem = Problem(seq=a.seq, **shape, **masks)
     specs = [STRATEGIES[n] for n in a.strategies.split(",") if n]
     frameworks = [f for f in a.frameworks.split(",") if f]
+    per_device = [int(t) for t in a.per_device_tokens.split(",") if t]
+    # (problem, spec) pairs: one problem for the grid, or seq = tokens × devices per strategy
+    grid = [(Problem(seq=t * spec.devices, **shape, **masks), spec) for t in per_device for spec in specs] \
+        if per_device else [(problem, spec) for spec in specs]
     if a.dry_run:
         from .verify import reduced_case
 
-        for spec in specs:
-            case = reduced_case(spec.shape(), spec.layout, problem)
+        for prob, spec in grid:
+            case = reduced_case(spec.shape(), spec.layout, prob)
             print(f"{spec.name:16s} devices {spec.devices}: time devices {_devices_to_time(spec, a.replay_devices)} "
-                  f"of {problem.seq} tokens; verify {case.name} (replay) for {frameworks} backend {a.backend}")
+                  f"of {prob.seq} tokens; verify {case.name} (replay) for {frameworks} backend {a.backend}")
         return []
+    for prob, spec in grid:
+        print(prob.floor_arithmetic(spec.devices, False), flush=True)
     rows = []
     for framework in frameworks:
         if not a.no_kernels:
             rows += kernel_rows(problem, framework, a.backend, devices, a.iters, 0)
-        for spec in specs:
-            rows += replay_rows(problem, spec, framework, a.backend, devices, a.replay_devices, a.iters, a.warmup)
+        for prob, spec in grid:
+            rows += replay_rows(prob, spec, framework, a.backend, devices, a.replay_devices, a.iters, a.warmup)
             for r in rows[-2:]:
-                print(f"{r.framework} {spec.name} dev {r.extra.get('replay_device')} "
-                      f"{'fwd' if r.fwd_only else 'fwd+bwd'} {r.ms_per_iter} ms verified={r.verified} {r.note[:100]}",
-                      flush=True)
+                print(f"{r.framework} {spec.name} {prob.seq} dev {r.extra.get('replay_device')} "
+                      f"{'fwd' if r.fwd_only else 'fwd+bwd'} {r.ms_per_iter} ms verified={r.verified} "
+                      f"efficiency={r.extra.get('replay_efficiency')} temporaries/floor="
+                      f"{r.extra.get('temporaries_vs_floor')} {r.note[:100]}", flush=True)
     return rows

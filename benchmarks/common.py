@@ -65,18 +65,36 @@ class Problem:
         fwd = 4 * self.heads * self.head_dim * self.visible_pairs()
         return fwd if fwd_only else 3.5 * fwd
 
-    def min_bytes_per_device(self, devices: int, fwd_only: bool) -> int:
-        """The analytic memory floor per device (issue 7) for this device's share of the sequence:
-        q, k, v, o, lse, their gradients, and one more K/V pair — the issue's "two K/V buffers"
-        read as the K/V in hand (the size of k, v) and the one arriving. Counting two pairs
-        beyond k, v instead would make the floor larger and every ×floor ratio smaller."""
+    def floor_terms(self, devices: int, fwd_only: bool) -> list[tuple[str, int]]:
+        """The memory floor per device, term by term (bytes), for this device's share of the
+        sequence (t = seq / devices tokens, every head): what the numerics policy makes resident —
+        q, k, v, o in the dtype and the float32 lse; one arriving K/V pair (the ring's next
+        shard); and for forward + backward dq, dk, dv, do in the dtype plus the float32 dK/dV
+        accumulator and its travelling copy (dK/dV accumulate in float32 and travel with K/V)."""
         t = self.seq // devices
         e = 2 if self.dtype in ("bfloat16", "float16") else 4
-        q = o = self.batch * t * self.heads * self.head_dim * e
+        q = self.batch * t * self.heads * self.head_dim * e
         kv = self.batch * t * self.kv_heads * self.head_dim * e
-        lse = self.batch * self.heads * t * 4
-        tensors = q + 2 * kv + o + lse + 2 * kv  # q, k, v, o, lse + the arriving K/V pair
-        return tensors if fwd_only else tensors + q + 2 * kv + o  # + dq, dk, dv, do
+        kv32 = self.batch * t * self.kv_heads * self.head_dim * 4
+        terms = [("q, o", 2 * q), ("k, v", 2 * kv), ("lse (float32)", self.batch * self.heads * t * 4),
+                 ("arriving K/V pair", 2 * kv)]
+        if not fwd_only:
+            terms += [("dq, do", 2 * q), ("dk, dv", 2 * kv), ("float32 dK/dV accumulator", 2 * kv32),
+                      ("its travelling copy", 2 * kv32)]
+        return terms
+
+    def min_bytes_per_device(self, devices: int, fwd_only: bool) -> int:
+        """The floor of :meth:`floor_terms`, summed (issue 28's definition; results files before
+        2026-11-23 evening used the same without the float32 dK/dV accumulator and its copy)."""
+        return sum(b for _, b in self.floor_terms(devices, fwd_only))
+
+    def floor_arithmetic(self, devices: int, fwd_only: bool) -> str:
+        """The floor's terms and sum, one line each, in MiB."""
+        terms = self.floor_terms(devices, fwd_only)
+        lines = [f"  {name:28s} {b / 2**20:10.1f} MiB" for name, b in terms]
+        return "\n".join([f"memory floor per device ({devices} devices, {'fwd' if fwd_only else 'fwd+bwd'}, "
+                          f"{self.seq // devices} tokens each):", *lines,
+                          f"  {'floor':28s} {sum(b for _, b in terms) / 2**20:10.1f} MiB"])
 
 
 @dataclass

@@ -77,6 +77,17 @@ def _backend_cell(extra: dict) -> str:
     return cell
 
 
+def _replay_note(extra: dict) -> str:
+    """One-GPU replay rows: replay efficiency (Σ bare kernels / the device's replayed time) and the
+    compute-side temporaries over the floor (benchmarks/efficiency.py, bench_replay.py)."""
+    parts = []
+    if extra.get("replay_efficiency") is not None:
+        parts.append(f"replay efficiency {extra['replay_efficiency']:.3f} (kernels {extra['kernels_ms']:.2f} ms)")
+    if extra.get("temporaries_vs_floor") is not None:
+        parts.append(f"temporaries {extra['temporaries_vs_floor']:.2f}× floor")
+    return "; ".join(parts) + ("; " if parts else "")
+
+
 def _fmt(x, spec):
     return "—" if x is None else format(x, spec)
 
@@ -88,7 +99,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "forward (with --documents or --window: 4·h·d·(visible pairs), the mask area), ×3.5 forward+backward. "
              "Efficiency: TFLOP/s/GPU over the best single-GPU ceiling of the "
              "same framework in this run. Memory: torch max_memory_allocated; JAX compiled memory analysis "
-             "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse (+ grads) and one arriving K/V pair.", "",
+             "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse, one arriving K/V pair (+ dq, dk, "
+             "dv, do and the float32 dK/dV accumulator and its travelling copy) — `Problem.floor_terms`.", "",
              "| framework | strategy | layout | seq_len | ulysses | ring | fwd_only | backend | iters/s | ms/iter "
              "| spread ms | peak MB/dev | ×floor | TFLOP/s/GPU | efficiency | verified | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -100,7 +112,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             _fmt(r.get("peak_mb_per_device"), ".0f"), _fmt(r.get("memory_vs_floor"), ".2f"),
             _fmt(r.get("tflops_per_gpu"), ".1f"), _fmt(r.get("efficiency"), ".2f"),
             {True: "yes", False: "**FAILED**", None: "—"}[r.get("verified")],
-            (r.get("note") or "").replace("|", "/")[:120]]) + " |")
+            (_replay_note(r.get("extra", {})) + (r.get("note") or "")).replace("|", "/")[:160]]) + " |")
     return "\n".join(lines) + "\n"
 
 
