@@ -139,7 +139,10 @@ def test_long_tailed_lengths_sum_to_seq_and_keep_the_forced_documents(seed):
     for seq in (3, 17, 1000):
         lengths = long_tailed_lengths(rng, seq, median=seq / 12, forced=(1, 1, seq // 3))
         assert lengths.sum() == seq and lengths.min() >= 1
-    assert sorted(long_tailed_lengths(rng, 4, median=10, forced=(1, 1, 5)).tolist()) == [1, 1, 2]
+    # a forced length that no longer fits (5 > 4 - 1 - 1) is dropped; the room left (2) is drawn — as
+    # one length 2 or, when a lognormal draw rounds to 1, as two lengths 1 (seed-dependent)
+    got = sorted(long_tailed_lengths(rng, 4, median=10, forced=(1, 1, 5)).tolist())
+    assert got in ([1, 1, 2], [1, 1, 1, 1]), got
 
 
 def test_inputs_with_documents_add_ids_and_nothing_else(seed):
