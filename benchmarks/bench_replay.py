@@ -174,7 +174,10 @@ def _torch_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_ti
                     times.append(1e3 * (time.perf_counter() - start))
         return times
 
-    def temporaries(fn):  # peak allocated during the call beyond what was allocated before it
+    def temporaries(fn):
+        """Peak allocated during the call beyond what was allocated before it, less the call's
+        outputs (as XLA's temp_size excludes them: the replay hands back every visited shard's
+        float32 dK/dV, which the real loop keeps as one travelling pair)."""
         if device_type != "cuda":
             return None
         torch.cuda.synchronize()
@@ -184,8 +187,10 @@ def _torch_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_ti
             result = fn()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
+        outputs = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(result)
+                      if isinstance(t, torch.Tensor))
         del result
-        return int(peak)
+        return int(peak - outputs)
 
     with torch.no_grad():
         o, lse = replay.replay_attention(q, k, v, **kw)
