@@ -211,6 +211,16 @@ def context_parallel_rows(problem: Problem, iters: int, warmup: int, load_balanc
     return rows
 
 
+# yunchang 0.6.4 without the flash-attn package (not installable on the GPU image), read from its
+# kernels/attention.py: every torch attention type's backward raises, and its TORCH_CUDNN (and
+# TORCH_MATH) forward returns lse = 0, so a ring of 2 or more merges its blocks with wrong weights.
+# Such rows are reported, not timed: a fast wrong result is not a throughput.
+YUNCHANG_NO_BACKWARD = ("not timed: yunchang 0.6.4's torch attention types have no backward "
+                        "('Not implemented backward for PyTorch attention types')")
+YUNCHANG_ZERO_LSE = ("not timed: yunchang 0.6.4's TORCH_CUDNN forward returns lse = 0, so its ring merges are wrong "
+                     "(Ulysses alone merges nothing)")
+
+
 def yunchang_rows(problem: Problem, ulysses: int, ring: int, iters: int, warmup: int) -> list[Row]:
     """yunchang's LongContextAttention (USP), zigzag ring, torch's cuDNN SDPA kernel (no
     flash-attn package on the GPU image)."""
@@ -227,6 +237,14 @@ def yunchang_rows(problem: Problem, ulysses: int, ring: int, iters: int, warmup:
             rows.append(row)
             continue
         row.extra["version"] = getattr(yunchang, "__version__", "?")
+        if not fwd_only:
+            row.note = YUNCHANG_NO_BACKWARD
+            rows.append(row)
+            continue
+        if ring > 1:
+            row.note = YUNCHANG_ZERO_LSE
+            rows.append(row)
+            continue
 
         def make_step():
             set_seq_parallel_pg(ulysses, ring, dist.get_rank(), dist.get_world_size())
@@ -281,7 +299,7 @@ def main(argv=None) -> None:
                 note = f"{type(err).__name__}: {err}"
                 rows.append(Row("torch_cp", "ring", "head-tail", problem.seq, n, 1, n, False, note=note))
         if "yunchang" in peers and not masked:
-            for u, r in ((n, 1), (2, n // 2), (1, n)):
+            for u, r in dict.fromkeys(((n, 1), (2, n // 2), (1, n))):  # one row per distinct mesh
                 rows += yunchang_rows(problem, u, r, args.iters, args.warmup)
         if _rank() == 0:
             _save(rows, args.out)  # a run cut short keeps what it measured
