@@ -161,9 +161,8 @@ def local_batch(case: ModelCase, batch: TokenBatch, coords: dict) -> TokenBatch:
 class _Rig:
     """One rank's model, optimizer and inputs."""
 
-    def __init__(self, case: ModelCase, device_type: str, dtype=None):
+    def __init__(self, case: ModelCase, device_type: str):
         import torch
-        from torch.distributed.device_mesh import init_device_mesh
 
         self.case = case
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -173,11 +172,10 @@ class _Rig:
         self.batch = local_batch(case, batch.permuted(case.permutation()), self.coords)
         model = build_model(case.model, weights, layout=case.layout, kv_exchange=case.mesh.kv_exchange, mesh=self.mesh,
                             device=self.device)
-        self.world = torch.distributed.group.WORLD
         if case.fsdp:
             from torch.distributed.fsdp import fully_shard
 
-            flat = init_device_mesh(device_type, (case.mesh.devices,), mesh_dim_names=("fsdp",))
+            flat = make_mesh(device_type, (("fsdp", case.mesh.devices),))  # every rank, built once per process
             # children before parents: a parent's unit then holds only its own direct parameters
             # (the attention layer: its sinks), never a child's. A tied embedding stays with the root
             # unit, which holds it gathered from the lookup to the logits.
