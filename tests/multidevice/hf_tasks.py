@@ -20,15 +20,23 @@ def tiny_model(kind: str, seed: int = 0):
     return LlamaForCausalLM(LlamaConfig(**sizes))
 
 
-def batch(seed: int = 1, b: int = 2, t: int = 32):
-    """(input_ids, position_ids, labels) [b, t] in original order; labels shifted in original order."""
+DOCUMENTS = (11, 5, 16)  # a packed row: three documents (lengths), crossing shard edges
+
+
+def batch(seed: int = 1, b: int = 2, t: int = 32, packed: bool = False):
+    """(input_ids, position_ids, labels, segment_ids) [b, t] in original order; labels shifted in
+    original order, inside each document; positions restart at each document when ``packed``."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 64, (b, t), generator=gen)
+    lengths = DOCUMENTS if packed else (t,)
+    segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).expand(b, t)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(b, t)
     labels = torch.full_like(ids, IGNORE)
-    labels[:, :-1] = ids[:, 1:]
-    return ids, torch.arange(t).expand(b, t), labels
+    same = segments[:, 1:] == segments[:, :-1]
+    labels[:, :-1] = torch.where(same, ids[:, 1:], IGNORE)
+    return ids, positions, labels, segments
 
 
 def loss_sum(logits, labels):
@@ -64,19 +72,21 @@ def sync_grads(model):
             dist.all_reduce(p.grad)
 
 
-def plain_task(kind: str, steps: int):
-    """The same model without sequence parallelism (eager attention, whole sequence)."""
+def plain_task(kind: str, steps: int, packed: bool = False):
+    """The same model without sequence parallelism (eager attention, whole sequence; packed
+    documents through Hugging Face's own packed-sequence mask, read from the restarting positions)."""
     model = tiny_model(kind)
     model.set_attn_implementation("eager")
-    ids, pos, labels = batch()
+    ids, pos, labels, _ = batch(packed=packed)
     count = int((labels != IGNORE).sum())
     losses, grads = train(model, steps, lambda m: loss_sum(m(input_ids=ids, position_ids=pos, use_cache=False).logits,
                                                            labels) / count)
     return [float(x) for x in losses], {n: g.double().numpy() for n, g in grads.items()}
 
 
-def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int):
-    """Runs on every rank: the model on this rank's shard, ringbridge attention over ``axes``."""
+def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int, packed: bool = False):
+    """Runs on every rank: the model on this rank's shard, ringbridge attention over ``axes``
+    (packed documents through the ``segment_ids`` keyword)."""
     import torch
     import torch.distributed as dist
 
@@ -86,12 +96,13 @@ def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int):
     mesh = make_mesh("cpu", axes)
     model = tiny_model(kind)
     model.set_attn_implementation(register(mesh, layout=layout))
-    ids, pos, labels = (local_shard(x, mesh, layout) for x in batch())
+    ids, pos, labels, segments = (local_shard(x, mesh, layout) for x in batch(packed=packed))
     count = torch.tensor([float((labels != IGNORE).sum())])
     dist.all_reduce(count)
+    extra = {"segment_ids": segments.contiguous()} if packed else {}
 
     def run(m):
-        share = loss_sum(m(input_ids=ids, position_ids=pos, use_cache=False).logits, labels) / count[0]
+        share = loss_sum(m(input_ids=ids, position_ids=pos, use_cache=False, **extra).logits, labels) / count[0]
         return share
 
     shares, grads = train(model, steps, run)
@@ -113,7 +124,7 @@ def padding_refused_task(axes: tuple):
     mesh = make_mesh("cpu", axes)
     model = tiny_model("llama")
     model.set_attn_implementation(register(mesh))
-    ids, pos, _ = (local_shard(x, mesh) for x in batch())
+    ids, pos, _, _ = (local_shard(x, mesh) for x in batch())
     mask = torch.ones_like(ids)
     mask[:, :3] = 0
     try:

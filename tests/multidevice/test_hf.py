@@ -20,9 +20,10 @@ import hf_tasks
 TOL = 1e-5
 
 MESHES = [
-    ("llama", (("ring", 2),), "zigzag"),
-    ("llama", (("ring", 2), ("ulysses", 2)), "stripe"),
-    ("mistral", (("ring", 4),), "contiguous"),  # a sliding window of 5 over shards of 8 tokens
+    ("llama", (("ring", 2),), "zigzag", False),
+    ("llama", (("ring", 2), ("ulysses", 2)), "stripe", False),
+    ("mistral", (("ring", 4),), "contiguous", False),  # a sliding window of 5 over shards of 8 tokens
+    ("llama", (("ring", 2),), "zigzag", True),  # packed documents: segment_ids vs HF's packed-sequence mask
 ]
 
 
@@ -30,13 +31,13 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("kind, axes, layout", MESHES, ids=lambda x: str(x))
-def test_hf_model_trains_sequence_parallel_like_the_plain_model(kind, axes, layout, worlds):
+@pytest.mark.parametrize("kind, axes, layout, packed", MESHES, ids=lambda x: str(x))
+def test_hf_model_trains_sequence_parallel_like_the_plain_model(kind, axes, layout, packed, worlds):
     from parity.runners.torch_world import get_world
 
-    ref_losses, ref_grads = hf_tasks.plain_task(kind, 2)
+    ref_losses, ref_grads = hf_tasks.plain_task(kind, 2, packed)
     size = int(np.prod([n for _, n in axes]))
-    results = get_world(size).run(hf_tasks.sequence_parallel_task, kind, axes, layout, 2)
+    results = get_world(size).run(hf_tasks.sequence_parallel_task, kind, axes, layout, 2, packed)
     losses, grads = results[0]
     assert _rel(np.array(losses), np.array(ref_losses)) <= TOL, (losses, ref_losses)
     worst = max(ref_grads, key=lambda n: _rel(grads[n], ref_grads[n]))
