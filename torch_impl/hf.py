@@ -32,6 +32,12 @@ from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from .layouts import layout_permutation
 
 
+def hf_window(sliding_window: int | None) -> tuple[int, int] | None:
+    """ringbridge's ``window`` for Hugging Face's ``sliding_window`` w (query q sees keys
+    q - w < k <= q): ``(w - 1, 0)``; None stays None."""
+    return None if sliding_window is None else (int(sliding_window) - 1, 0)
+
+
 def _no_mask(*args, attention_mask=None, **kwargs):
     """The mask builder of the registered implementation: ringbridge builds its masks from
     ``causal``, ``window`` and ``segment_ids`` itself; a padding mask cannot be honoured."""
@@ -59,7 +65,7 @@ def register(mesh, *, layout: str = "zigzag", name: str = "ringbridge", kv_excha
         sliding = kwargs.get("sliding_window")
         if sliding is not None and not causal:
             raise ValueError("a sliding window is mapped for causal layers only (Hugging Face's overlay is causal)")
-        window = None if sliding is None else (int(sliding) - 1, 0)
+        window = hf_window(sliding)
         o = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh, causal=causal, layout=layout,
             scale=scaling, kv_exchange=kv_exchange, block_backend=block_backend,

@@ -31,7 +31,8 @@ from ..core.mesh import MeshShape
 from ..core.numerics import check_tensor
 from .llama import LlamaConfig, ModelCase, TokenBatch, next_in_document, step_flops
 
-STRATEGIES = {  # name -> (mesh, layout)
+STRATEGIES = {  # name -> (mesh, layout); ring-r1: one device, the path the timed step runs
+    "ring-r1": (MeshShape(ring=1), "contiguous"),
     "zigzag-r2": (MeshShape(ring=2), "zigzag"), "zigzag-r4": (MeshShape(ring=4), "zigzag"),
     "zigzag-r8": (MeshShape(ring=8), "zigzag"), "stripe-r4": (MeshShape(ring=4), "stripe"),
     "contiguous-r4": (MeshShape(ring=4), "contiguous"),

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 from fractions import Fraction
 
-from ..accounting.model import FRAMEWORKS, Traffic, allreduce_bytes, attention_traffic
+from ..accounting.model import FRAMEWORKS, KINDS, Traffic, allreduce_bytes, attention_traffic
 from ..core.cases import Case
 from .llama import ModelCase, weight_shapes
 
@@ -60,12 +60,11 @@ def llama_step_traffic(case: ModelCase, framework: str) -> Traffic:
     layer = attention_case(case)
     with_ids = attention_traffic(layer, return_lse=False)
     without_ids = attention_traffic(replace(layer, documents="none"), return_lse=False)
-    ids = {kind: entry for (pass_, kind), entry in with_ids.rows().items() if pass_ == "fwd"}
-    for (pass_, kind), (calls, nbytes) in without_ids.rows().items():
-        ids_calls, ids_bytes = ids.get(kind, (0, 0))
-        if pass_ == "fwd" and kind in ids:
-            ids[kind] = (ids_calls - calls, ids_bytes - nbytes)
-    ids = {k: v for k, v in ids.items() if v[0]}
+    # the segment ids' gathers: what one attention call's forward moves with them and not without
+    forward = lambda traffic, kind: traffic.rows().get(("fwd", kind), (0, 0))
+    ids = {kind: (forward(with_ids, kind)[0] - forward(without_ids, kind)[0],
+                  forward(with_ids, kind)[1] - forward(without_ids, kind)[1]) for kind in KINDS}
+    ids = {kind: entry for kind, entry in ids.items() if entry[0]}
     per_layer = with_ids if framework == "torch" else without_ids
     for _ in range(case.model.layers):
         for (pass_, kind), (calls, nbytes) in per_layer.rows().items():

@@ -46,18 +46,21 @@ def test_hf_model_trains_sequence_parallel_like_the_plain_model(kind, axes, layo
 
 
 def test_sliding_window_maps_to_left_w_minus_one():
-    """Hugging Face's sliding window of w lets query q see keys q - w < k <= q: ringbridge's
-    window (w - 1, 0). Pinned against transformers' own overlay function, position by position."""
+    """Hugging Face's sliding window of w lets query q see keys q - w < k <= q: torch_impl.hf maps it
+    to ringbridge's window (w - 1, 0). Pinned against transformers' own overlay function, position
+    by position, for the mapping the attention function uses."""
     from transformers.masking_utils import sliding_window_overlay
 
+    from torch_impl.hf import hf_window
     from torch_impl.validation import check_window
 
-    w = 5
-    overlay = sliding_window_overlay(w)
-    left, right = check_window((w - 1, 0))
-    for q in range(12):
-        for k in range(q + 1):  # causal
-            assert bool(overlay(0, 0, q, k)) == (q - left <= k <= q + right), (q, k)
+    assert hf_window(None) is None
+    for w in (1, 2, 5):
+        overlay = sliding_window_overlay(w)
+        left, right = check_window(hf_window(w))
+        for q in range(12):
+            for k in range(q + 1):  # causal
+                assert bool(overlay(0, 0, q, k)) == (q - left <= k <= q + right), (w, q, k)
 
 
 def test_padding_mask_is_refused(worlds):
