@@ -59,7 +59,7 @@ def _device(device_type: str):
     return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
 
 
-def _median_seconds(fn, device_type: str, warmup: int, iters: int, barrier: bool = True) -> float:
+def median_seconds(fn, device_type: str, warmup: int, iters: int, barrier: bool = True) -> float:
     """Median wall time of ``fn`` (synchronized; behind a barrier when running in a world)."""
     import torch
     import torch.distributed as dist
@@ -79,7 +79,7 @@ def _median_seconds(fn, device_type: str, warmup: int, iters: int, barrier: bool
     return statistics.median(times)
 
 
-def _slowest(seconds: float) -> float:
+def slowest(seconds: float) -> float:
     """The slowest rank's time: a collective is done when its last participant is."""
     import torch
     import torch.distributed as dist
@@ -98,8 +98,8 @@ def profile_task(sizes: Sizes, device_type: str) -> dict:
 
     dev, n = _device(device_type), dist.get_world_size()
     a = torch.randn(sizes.matmul, sizes.matmul, device=dev, dtype=torch.bfloat16)
-    t = _median_seconds(lambda: a @ a, device_type, sizes.warmup, sizes.iters, barrier=False)
-    flops = 2 * sizes.matmul**3 / _slowest(t)
+    t = median_seconds(lambda: a @ a, device_type, sizes.warmup, sizes.iters, barrier=False)
+    flops = 2 * sizes.matmul**3 / slowest(t)
 
     elems = sizes.buffer_mib * 2**20 // 2  # bf16
     buf = torch.randn(elems, device=dev, dtype=torch.bfloat16)
@@ -124,7 +124,7 @@ def profile_task(sizes: Sizes, device_type: str) -> dict:
     bandwidth = {}
     for kind in KINDS:
         call, moved = runs[kind]
-        seconds = _slowest(_median_seconds(call, device_type, sizes.warmup, sizes.iters))
+        seconds = slowest(median_seconds(call, device_type, sizes.warmup, sizes.iters))
         bandwidth[kind] = float(moved) / seconds
     return {"flops": flops, "bandwidth": bandwidth, "devices": n}
 
@@ -154,7 +154,7 @@ def attention_task(case: Case, device_type: str, block_backend: str, warmup: int
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=True)
             o.backward(torch.ones_like(o))
 
-        return _median_seconds(run, device_type, warmup, iters, barrier=False), s
+        return median_seconds(run, device_type, warmup, iters, barrier=False), s
     t = case.seq // case.devices
     q = torch.randn(case.batch, t, case.heads, case.head_dim, device=dev, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(case.batch, t, case.kv_heads, case.head_dim, device=dev, dtype=dtype, requires_grad=True)
@@ -167,7 +167,7 @@ def attention_task(case: Case, device_type: str, block_backend: str, warmup: int
                                                    block_backend=block_backend, return_lse=False)
         o.backward(do)
 
-    return _slowest(_median_seconds(run, device_type, warmup, iters)), case.seq
+    return slowest(median_seconds(run, device_type, warmup, iters)), case.seq
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> float:

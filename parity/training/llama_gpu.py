@@ -22,7 +22,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,7 @@ STRATEGIES = {  # name -> (mesh, layout); ring-r1: one device, the path the time
     "usp-r2xu2": (MeshShape(ring=2, ulysses=2), "zigzag"),
 }
 CHECK_MODEL = LlamaConfig(vocab=256, d_model=256, layers=2, heads=4, kv_heads=2, head_dim=64, d_ff=512)
+GPU_MODEL = LlamaConfig(vocab=32000, d_model=2048, layers=4, heads=16, kv_heads=8, head_dim=128, d_ff=5632)  # the timed step's
 
 
 def replay_attention_fn(mesh: MeshShape, layout: str, block_backend: str = "auto"):
@@ -138,17 +139,18 @@ def check(strategies: list[str], seq: int, config: LlamaConfig, backend: str, pa
     return rows
 
 
-def _median_ms(fn, warmup: int, iters: int) -> float:
+def _median_ms(fn, warmup: int, iters: int, device: str = "cuda") -> float:
     import torch
 
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(1e3 * (time.perf_counter() - start))
     return statistics.median(times)
 
@@ -196,24 +198,26 @@ def time_step(config: LlamaConfig, seq: int, backend: str, warmup: int = 2, iter
             if breakdown["attention"] else None}
 
 
-def attention_rate(backend: str, seq: int, heads: int, head_dim: int) -> tuple[str, float]:
-    """(kernel, FLOP/s) of the block kernel ``backend`` resolves to for one causal bf16 block of
-    ``seq`` tokens, forward + backward (4·h·s²·d/2 × 3.5 FLOPs), timed alone."""
+def attention_rate(backend: str, seq: int, heads: int, head_dim: int, device: str = "cuda",
+                   dtype: str = "bfloat16") -> tuple[str, float]:
+    """(kernel, FLOP/s) of the block kernel ``backend`` resolves to for one causal block of
+    ``seq`` tokens in ``dtype`` on ``device`` ("cuda" or "cpu"), forward + backward
+    (4·h·s²·d/2 × 3.5 FLOPs), timed alone."""
     import torch
 
     from torch_impl.block import get_backend, resolve_backend
     from torch_impl.schedule import BlockMask
 
-    name = resolve_backend(backend, device_kind="cuda", dtype="bfloat16", mask="causal")
+    name = resolve_backend(backend, device_kind=device, dtype=dtype, mask="causal")
     kernel, mask, scale = get_backend(name), BlockMask("causal"), head_dim**-0.5
-    q, k, v, do = (torch.randn(1, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = (torch.randn(1, seq, heads, head_dim, device=device, dtype=getattr(torch, dtype)) for _ in range(4))
 
     def block():
         with torch.no_grad():
             o, lse = kernel.fwd(q, k, v, mask, scale)
             kernel.bwd(do, q, k, v, o, lse, mask, scale, None)
 
-    return name, 3.5 * 4 * heads * seq * seq * head_dim / 2 / (_median_ms(block, 2, 5) * 1e-3)
+    return name, 3.5 * 4 * heads * seq * seq * head_dim / 2 / (_median_ms(block, 2, 5, device) * 1e-3)
 
 
 def _gpu_time_by_kind(step) -> dict[str, float]:
@@ -260,8 +264,7 @@ def main(argv=None) -> None:
         (a.out / name).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
         print(f"{sum(r['passed'] for r in rows)} of {len(rows)} strategies passed")
     else:
-        big = replace(CHECK_MODEL, vocab=32000, d_model=2048, layers=4, heads=16, kv_heads=8, head_dim=128, d_ff=5632)
-        row = time_step(big, a.seq or 32768, a.backend)
+        row = time_step(GPU_MODEL, a.seq or 32768, a.backend)
         (a.out / "llama-step-time.json").write_text(json.dumps({"env": env, "row": row}, indent=1))
         print(json.dumps(row, indent=1))
 

@@ -158,20 +158,23 @@ def local_batch(case: ModelCase, batch: TokenBatch, coords: dict) -> TokenBatch:
                       batch.order[block * t:(block + 1) * t])
 
 
-class _Rig:
+class Rig:
     """One rank's model, optimizer and inputs."""
 
-    def __init__(self, case: ModelCase, device_type: str):
+    def __init__(self, case: ModelCase, device_type: str, dtype: str = "float32", batch: TokenBatch | None = None):
+        """``dtype``: the model's (weights, activations, gradients, Adam state); ``batch``: the
+        global batch in original order (default: the case's packed corpus)."""
         import torch
 
         self.case = case
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.mesh = make_mesh(device_type, tuple(case.mesh.axes.items()))
         self.coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
-        weights, batch = case.inputs()
+        weights, corpus = case.inputs()
+        batch = corpus if batch is None else batch
         self.batch = local_batch(case, batch.permuted(case.permutation()), self.coords)
         model = build_model(case.model, weights, layout=case.layout, kv_exchange=case.mesh.kv_exchange, mesh=self.mesh,
-                            device=self.device)
+                            device=self.device, dtype=getattr(torch, dtype))
         if case.fsdp:
             from torch.distributed.fsdp import fully_shard
 
@@ -198,8 +201,9 @@ class _Rig:
         b = self.batch
         return as_tensor(b.tokens), as_tensor(b.labels), as_tensor(b.positions), as_tensor(b.segment_ids)
 
-    def step(self, tracer):
-        """One training step, each pass under ``tracer.phase``; (this rank's loss share, grads by path)."""
+    def step(self, tracer, keep_grads: bool = True):
+        """One training step, each pass under ``tracer.phase``; (this rank's loss share, grads by
+        path — or None without ``keep_grads``, as a timed step runs)."""
         import torch
         import torch.distributed as dist
 
@@ -214,7 +218,7 @@ class _Rig:
             if not self.case.fsdp:
                 for p in self.model.parameters():
                     dist.all_reduce(p.grad)
-        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()} if keep_grads else None
         with tracer.phase("step"):
             self.opt.step()
         return loss.item(), grads
@@ -231,7 +235,7 @@ def train_task(case: ModelCase, steps: int, device_type: str) -> dict:
 
     from ..accounting.torch_trace import CommTracer
 
-    rig = _Rig(case, device_type)
+    rig = Rig(case, device_type)
     losses, first_grads, traffic = [], None, None
     for i in range(steps):
         if i == 0:

@@ -2,7 +2,9 @@
 (``parity.training.llama``) — attention context parallelism in every layer, FSDP or replicated
 weights, the loss's count — per device, per pass and kind, as the implementations move it.
 
-Per step, with N = every device of the mesh and e = 4 (float32 weights on the wire):
+Per step, with N = every device of the mesh and e the wire dtype's bytes (``dtype``: float32 for
+the CPU reference step, 4; bfloat16 for the timed GPU step, whose weights, gradients and
+activations are all bf16, 2):
 - each attention layer: ``attention_traffic`` of its call (K/V hops, all-to-alls, all-gathers),
   segment ids included (the batch is always packed documents);
 - the loss's denominator: one all-reduce of a float32 count over N devices (forward);
@@ -29,17 +31,16 @@ from fractions import Fraction
 
 from ..accounting.model import FRAMEWORKS, KINDS, Traffic, allreduce_bytes, attention_traffic
 from ..core.cases import Case
+from ..core.names import DTYPE_BYTES
 from .llama import ModelCase, weight_shapes
 
-WIRE_BYTES = 4  # float32 weights and gradients on the wire (the CPU reference step)
 
-
-def attention_case(case: ModelCase) -> Case:
+def attention_case(case: ModelCase, dtype: str = "float32") -> Case:
     """The attention call of one layer as a parity ``Case`` (what ``attention_traffic`` reads)."""
     c, m = case.model, case.mesh
     return Case(ring=m.ring, ulysses=m.ulysses, data=m.data, ring_outer=m.ring_outer, kv_exchange=m.kv_exchange,
                 batch=case.batch, seq=case.seq, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                layout=case.layout, causal=True, dtype="float32", documents="mix", window=c.window)
+                layout=case.layout, causal=True, dtype=dtype, documents="mix", window=c.window)
 
 
 def _rebuilt_in_backward(name: str, shape: tuple, case: ModelCase, framework: str) -> bool:
@@ -49,15 +50,16 @@ def _rebuilt_in_backward(name: str, shape: tuple, case: ModelCase, framework: st
     return framework == "torch" or len(shape) == 2
 
 
-def llama_step_traffic(case: ModelCase, framework: str) -> Traffic:
-    """Per-device traffic of one training step of ``case`` under ``framework`` (fwd / bwd / step)."""
+def llama_step_traffic(case: ModelCase, framework: str, dtype: str = "float32") -> Traffic:
+    """Per-device traffic of one training step of ``case`` under ``framework`` (fwd / bwd / step),
+    weights, gradients and activations in ``dtype``."""
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
     if case.model.sinks:
         raise ValueError("attention sinks are not in the whole-step model (their gradient path differs per "
                          "framework under FSDP); use a configuration without sinks")
     t, n = Traffic(), case.mesh.devices
-    layer = attention_case(case)
+    layer = attention_case(case, dtype)
     with_ids = attention_traffic(layer, return_lse=False)
     without_ids = attention_traffic(replace(layer, documents="none"), return_lse=False)
     # the segment ids' gathers: what one attention call's forward moves with them and not without
@@ -80,7 +82,7 @@ def llama_step_traffic(case: ModelCase, framework: str) -> Traffic:
         t.add("fwd", "all-reduce", allreduce_bytes(4, n))  # the global labelled count
     ring = Fraction(n - 1, n)
     for name, shape in weight_shapes(case.model).items():
-        size = WIRE_BYTES
+        size = DTYPE_BYTES[dtype]
         for dim in shape:
             size *= dim
         if n == 1:

@@ -1,0 +1,62 @@
+"""The whole model's timed multi-device run (``python -m parity.capacity.llama_scale``) on a gloo
+world with tiny sizes, and its B* arithmetic.
+
+Why: the multi-GPU run (docs/model.md, "On several GPUs") compares a measured step with the
+accounting model's prediction and sweeps the batch to B*; the command must work before GPU time
+is spent on it, and its prediction must read bytes that equal what the step moves. The times on
+the CPU mean nothing; the traffic equality, the affine model and the B* formula do."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parity.capacity import llama_scale
+from parity.training.llama_traffic import llama_step_traffic
+
+PROFILE = {"flops": 1e12, "bandwidth": {k: 1e9 for k in ("p2p", "all-to-all", "all-gather", "reduce-scatter",
+                                                         "all-reduce")}}
+
+
+def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_trace(worlds, tmp_path):
+    """Every row's whole-step traffic (FSDP gathers and reduce-scatters, the attention's K/V or
+    all-to-alls, the loss count) equals the trace of the step it times; the sweep covers every B;
+    the markdown names the machine. A model in the wrong wire dtype differs from that trace, so
+    the equality can fail."""
+    worlds(2)  # the session's gloo world of 2 (measure uses the same one)
+    run = llama_scale.SMALL_RUN
+    result = llama_scale.measure(run, "cpu", world=2)
+    assert [(r["strategy"], r["seq"], r["batch"]) for r in result["rows"]] == [(s, run.seqs[0], 1)
+                                                                                 for s in run.strategies]
+    for r in result["rows"] + result["bstar"]["sweep"]:
+        assert r["traffic_equal"], r
+        assert r["measured_s"] > 0 and r["t_math_s"] > 0 and r["t_comm_s"] > 0
+    assert [(r["seq"], r["batch"]) for r in result["bstar"]["sweep"]] == [(run.bstar_seq, b) for b in run.batches]
+    case = llama_scale.model_case(run, "zigzag", run.seqs[0], 1, 2)
+    traced = worlds(2).run(llama_scale.timed_step_task, case, "cpu", "float32", 0, 1)[0]["traffic"]
+    assert llama_scale.traffic_equal(llama_step_traffic(case, "torch", "float32").rows(), traced)
+    assert not llama_scale.traffic_equal(llama_step_traffic(case, "torch", "bfloat16").rows(), traced)
+    assert "2x CPU" in llama_scale.markdown(result)
+
+
+def test_the_step_model_is_affine_in_the_batch_and_bstar_balances_it():
+    """T_math = a·B and T_comm = c + y·B hold exactly for B = 1..4 of the GPU-sized model (FSDP
+    bytes fixed, FLOPs and K/V bytes per row); at B* compute equals communication, and beyond
+    it compute exceeds it; "max" reads only the weights' c."""
+    run = llama_scale.ScaleRun(seqs=(8192,))
+    a, c, y = llama_scale.affine_in_batch(run, "zigzag", 8192, 2, PROFILE, 5e11, batches=(1, 2, 3, 4))
+    assert a > y > 0 and c > 0
+    b = llama_scale.critical_batch(a, c, y, "sum")
+    assert math.isclose(a * b, c + y * b, rel_tol=1e-12)
+    assert llama_scale.critical_batch(a, c, y, "max") == pytest.approx(c / a)
+    assert llama_scale.critical_batch(1.0, 1.0, 2.0, "sum") == math.inf  # attention traffic outgrows compute
+    with pytest.raises(ValueError, match="overlap"):
+        llama_scale.critical_batch(a, c, y, "both")
+
+
+def test_bad_strategy_is_refused_by_name():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        llama_scale.strategy_mesh("ring-of-rings", 2)
