@@ -145,11 +145,12 @@ def affine_in_batch(run: ScaleRun, strategy: str, seq: int, world: int, profile:
                     batches=(1, 2, 3)) -> tuple[float, float, float]:
     """(a, c, y) with T_math = a·B and T_comm = c + y·B from B = 1 and 2, after checking the
     model is exactly affine in B at every other B of ``batches`` (ValueError otherwise)."""
-    p = {b: predict(model_case(run, strategy, seq, b, world), run.dtype, profile, c_attention) for b in batches}
+    p = {b: predict(model_case(run, strategy, seq, b, world), run.dtype, profile, c_attention)
+         for b in sorted({1, 2, *batches})}
     a = p[2]["t_math_s"] - p[1]["t_math_s"]
     y = p[2]["t_comm_s"] - p[1]["t_comm_s"]
     c = p[1]["t_comm_s"] - y
-    for b in batches:
+    for b in p:
         if not (math.isclose(p[b]["t_math_s"], a * b, rel_tol=1e-9)
                 and math.isclose(p[b]["t_comm_s"], c + y * b, rel_tol=1e-9)):
             raise ValueError(f"the step's model is not affine in the batch at B={b}: {p[b]}")
@@ -167,7 +168,7 @@ def critical_batch(a: float, c: float, y: float, overlap: str = "sum") -> float:
 
 
 def measure(run: ScaleRun, devices: str, world: int | None = None) -> dict:
-    """Calibrate, time every strategy × T at the first B, then the B* sweep. The result dict."""
+    """Calibrate, time every strategy × T at one row, then the B* sweep. The result dict."""
     import torch
 
     backend, device_type = world_backend(devices)
