@@ -16,8 +16,9 @@ Per strategy and sequence length, on a world of N ranks (every GPU; 2 gloo ranks
   kinds of bytes / W[kind]; ``overlap`` = max(T_math, T_comm), ``serial`` = their sum. C (bf16
   n³ matmul) and W (per collective kind, bytes per device as docs/contract.md counts them) come
   from ``calibrate.profile_task`` on the same world; C_attn is the resolved causal block kernel
-  alone on T/N tokens (``llama_gpu.attention_rate``). Norms, RoPE, SwiGLU's pointwise work, the
-  loss and Adam are not in T_math: the gap they leave is reported, not hidden.
+  alone on T/N tokens (``llama_gpu.attention_rate``, run on the same ranks, rank 0's rate).
+  Norms, RoPE, SwiGLU's pointwise work, the loss and Adam are not in T_math: the gap they leave
+  is reported, not hidden.
 
 B* (``critical_batch``): with B rows of T tokens, FLOPs and the attention's K/V bytes grow with
 B while the FSDP weight bytes do not, so T_math = a·B and T_comm = c + y·B (affine: checked on
@@ -178,8 +179,9 @@ def measure(run: ScaleRun, devices: str, world: int | None = None) -> dict:
     ranks = get_world(world, backend)
     profile = ranks.run(profile_task, run.sizes, device_type)[0]
     c = run.model
-    kernels = {seq: attention_rate(run.block_backend, seq // world, c.heads, c.head_dim, device_type, run.dtype)
-               for seq in (*run.seqs, run.bstar_seq)}
+    # on the ranks, each on its own device, as C was: the parent never holds GPU memory
+    kernels = {seq: ranks.run(attention_rate, run.block_backend, seq // world, c.heads, c.head_dim, device_type,
+                              run.dtype)[0] for seq in (*run.seqs, run.bstar_seq)}
 
     def row(strategy: str, seq: int, batch: int) -> dict:
         case = model_case(run, strategy, seq, batch, world)
