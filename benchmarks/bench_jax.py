@@ -125,7 +125,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
               fwd_modes=(True, False), variant: str = "") -> list[Row]:
     import jax_impl
     from jax_impl.api import partition_specs
-    from jax_impl.layouts import layout_permutation
+    from seqplan.layouts import layout_permutation
 
     mesh = _mesh(spec.axes, jax.devices())
     x_spec, _ = partition_specs(mesh)

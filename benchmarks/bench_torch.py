@@ -127,7 +127,7 @@ def _local_segment_ids(problem: Problem, spec: MeshSpec, layout: str, mesh):
     if ids is None:
         return None
     from parity.core.mesh import ring_position
-    from torch_impl.layouts import layout_permutation
+    from seqplan.layouts import layout_permutation
 
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     r, _ = ring_position(coords, spec.axes)

@@ -30,8 +30,8 @@ class BlockCall:
 
 def device_blocks(spec, problem, device: int) -> Counter:
     """{BlockCall: calls} of virtual ``device`` (ring index device // U) of ``spec``."""
-    from jax_impl.schedule import device_visits
-    from torch_impl.replay import Strategy  # the schedule is the same pure-Python code in both
+    from seqplan.schedule import device_visits
+    from seqplan.strategy import Strategy
 
     if problem.documents != "none" or problem.window is not None:
         raise ValueError("replay efficiency covers unmasked problems only (masked blocks decide at run time)")
@@ -72,7 +72,7 @@ def time_call(framework: str, backend: str, call: BlockCall, problem, iters: int
         import jax.numpy as jnp
 
         from jax_impl.block import device_kind_of, get_backend, resolve_backend
-        from jax_impl.schedule import BlockMask
+        from seqplan.schedule import BlockMask
 
         dt = jnp.dtype(problem.dtype)
         keys = jax.random.split(jax.random.key(0), 4)
@@ -88,8 +88,8 @@ def time_call(framework: str, backend: str, call: BlockCall, problem, iters: int
                 _clock(lambda: jax.block_until_ready(both(q, k, v, do)), sync, iters, warmup))
     import torch
 
+    from seqplan.schedule import BlockMask
     from torch_impl.block import get_backend, resolve_backend
-    from torch_impl.schedule import BlockMask
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dt = getattr(torch, problem.dtype)

@@ -19,7 +19,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .axes import RING
+from seqplan.axes import RING
+from seqplan.schedule import allgather_schedule
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
@@ -34,8 +37,6 @@ from .loop import (
     visit_masks,
     walk,
 )
-from .schedule import allgather_schedule
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 F32 = jnp.float32
 

@@ -21,13 +21,9 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
-from .block import get_backend
-from .config import default_check_ranks, default_deterministic
-from .double_ring import DOUBLE_RING, double_ring_attention
-from .ulysses import ulysses_attention
-from .usp import KV_EXCHANGE, usp_attention
-from .validation import (
+from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from seqplan.config import default_check_ranks
+from seqplan.validation import (
     Decomposition,
     check_segment_ids,
     check_sinks,
@@ -36,6 +32,12 @@ from .validation import (
     shape_and_dtype,
     validate,
 )
+
+from .block import get_backend
+from .config import default_deterministic
+from .double_ring import DOUBLE_RING, double_ring_attention
+from .ulysses import ulysses_attention
+from .usp import KV_EXCHANGE, usp_attention
 
 
 def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: str, **kw):

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .schedule import BlockMask, MaskKind
+from seqplan.routing import ALL_MASKS, LOW_PRECISION, Route, as_block_mask, first_route, reachable
+from seqplan.schedule import BlockMask
 
 F32 = jnp.float32
 
@@ -77,28 +78,6 @@ NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"fa3"})
 
 # ---- "auto": the routing table --------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Route:
-    """One row of :data:`AUTO_ROUTES`: a block whose inputs match every field (``None``: any)
-    runs on ``backend``. ``reason``: the measurement or rule behind the row."""
-
-    backend: str
-    reason: str
-    device_kinds: tuple[str, ...] | None = None  # "cpu", "cuda", ... (:func:`device_kind_of`)
-    dtypes: tuple[str, ...] | None = None
-    masks: tuple[MaskKind, ...] | None = None
-    deterministic: bool | None = None
-
-    def matches(self, device_kind: str, dtype: str, mask: MaskKind, deterministic: bool) -> bool:
-        return ((self.device_kinds is None or device_kind in self.device_kinds)
-                and (self.dtypes is None or dtype in self.dtypes)
-                and (self.masks is None or mask in self.masks)
-                and (self.deterministic is None or deterministic == self.deterministic))
-
-
-LOW_PRECISION = ("bfloat16", "float16")
-ALL_MASKS = tuple(MaskKind)
-
 # First match wins; a row whose backend is not available (fa3 not installed at its verified
 # version) is passed over. Speeds: docs/gpu/kernel-table-2026-11-23-h100.md (H100, bf16, 32k
 # tokens, 32 heads, d 128, fwd+bwd TFLOP/s), each pair verified there against a float64 truth.
@@ -134,10 +113,6 @@ def _dtype_name(dtype) -> str:
     return dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
 
 
-def _mask_kind(mask) -> MaskKind:
-    return mask.kind if isinstance(mask, BlockMask) else MaskKind(mask)
-
-
 def _check_named(name: str, deterministic: bool) -> None:
     if name not in _BACKENDS:
         raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)} and 'auto'")
@@ -154,28 +129,23 @@ def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: 
     if name != "auto":
         _check_named(name, deterministic)
         return name
-    dtype, kind = _dtype_name(dtype), _mask_kind(mask)
-    mask = mask if isinstance(mask, BlockMask) else BlockMask(kind)
-    for route in AUTO_ROUTES:
-        backend = _BACKENDS.get(route.backend)
-        if (backend is not None and route.matches(device_kind, dtype, kind, bool(deterministic))
-                and backend.supports(mask, dtype) and backend.available()):
-            return route.backend
-    raise ValueError(f"no block backend for {device_kind} {dtype} {kind.value} blocks (deterministic={deterministic})")
+    return first_route(AUTO_ROUTES, device_kind=device_kind, dtype=_dtype_name(dtype), mask=as_block_mask(mask),
+                       deterministic=bool(deterministic), can_run=_can_run)
+
+
+def _can_run(name: str, mask: BlockMask, dtype: str) -> bool:
+    backend = _BACKENDS.get(name)
+    return backend is not None and backend.available() and backend.supports(mask, dtype)
 
 
 def _process_device_kinds() -> set[str]:
     return {"cpu", _kind(jax.devices()[0])}
 
 
-def _reachable(deterministic: bool) -> list[str]:
+def _reachable_here(deterministic: bool) -> list[str]:
     """Backends "auto" may route to in this process (rows of its device kinds, available)."""
-    kinds = _process_device_kinds()
-    names = [r.backend for r in AUTO_ROUTES
-             if (r.device_kinds is None or kinds & set(r.device_kinds))
-             and (r.deterministic is None or r.deterministic == deterministic)
-             and r.backend in _BACKENDS and _BACKENDS[r.backend].available()]
-    return list(dict.fromkeys(names))
+    return reachable(AUTO_ROUTES, device_kinds=_process_device_kinds(), deterministic=deterministic,
+                     usable=lambda name: name in _BACKENDS and _BACKENDS[name].available())
 
 
 def routing_backend(deterministic: bool = False) -> BlockBackend:
@@ -191,7 +161,7 @@ def routing_backend(deterministic: bool = False) -> BlockBackend:
     def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, **mask_arrays):
         return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **mask_arrays)
 
-    typed = all(_BACKENDS[n].typed_for_shard_map for n in _reachable(deterministic))
+    typed = all(_BACKENDS[n].typed_for_shard_map for n in _reachable_here(deterministic))
     return BlockBackend("auto", fwd, bwd, typed_for_shard_map=typed)
 
 
@@ -203,7 +173,7 @@ def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBack
     non-deterministic in that mode, and "auto" avoids it. XLA reads its flags when the backend
     starts, so this can only refuse a kernel: it cannot make XLA's own ops deterministic."""
     if name == "auto":
-        reachable = _reachable(bool(deterministic))
+        reachable = _reachable_here(bool(deterministic))
         return _BACKENDS[reachable[0]] if len(reachable) == 1 else routing_backend(bool(deterministic))
     _check_named(name, deterministic)
     return _BACKENDS[name]

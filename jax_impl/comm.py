@@ -19,7 +19,7 @@ import contextlib
 import jax
 from jax import lax
 
-from .schedule import Hop
+from seqplan.schedule import Hop
 
 
 def axis_size(axis_name: str | None) -> int:

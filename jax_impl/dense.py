@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .validation import check_window
+from seqplan.validation import check_window
 
 
 def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None, segment_ids=None, window=None,

@@ -29,7 +29,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .axes import RING_INNER, RING_OUTER
+from seqplan.axes import RING_INNER, RING_OUTER
+from seqplan.schedule import double_ring_schedule
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
@@ -43,8 +46,6 @@ from .loop import (
     walk,
     walk_forward,
 )
-from .schedule import double_ring_schedule
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 DOUBLE_RING = (RING_OUTER, RING_INNER)
 

@@ -39,11 +39,12 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from seqplan.layouts import ring_positions
+from seqplan.schedule import Block, BlockMask, Hop, Part, Schedule, Step, document_flags, runs, window_flags
+
 from .comm import Comm, axis_size
 from .config import AttentionConfig
-from .layouts import layout_permutation
 from .merge import merge_partials
-from .schedule import Block, BlockMask, Hop, Part, Schedule, Step, document_flags, runs, window_flags
 
 F32 = jnp.float32
 
@@ -154,13 +155,6 @@ def gather_segment_ids(ids, axes, comm: Comm):
 def shard_ids(ids_all, src, t: int):
     """Ring shard ``src`` (traced or int) of gathered ids [b, R·t] -> [b, t]."""
     return lax.dynamic_slice_in_dim(ids_all, src * t, t, axis=1)
-
-
-def ring_positions(layout: str, size: int, t: int) -> np.ndarray:
-    """The original position of every token of every ring shard in layout order, int32 [R, t]:
-    static, so a window's per-block decision needs no communication. Inside USP the ring
-    attention's shard is a whole ring shard (Ulysses splits it contiguously)."""
-    return layout_permutation(size * t, layout, size).astype(np.int32).reshape(size, t)
 
 
 def _concrete(x) -> bool:

@@ -39,16 +39,12 @@ them and assemble global outputs in layout order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax.numpy as jnp
 
-from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
-from .config import AttentionConfig
-from .loop import add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
-from .schedule import Exchange, Schedule, device_visits, kernel_window, make_schedule, window_reach
-from .validation import (
-    KV_EXCHANGES,
+from seqplan.config import resolve_scale
+from seqplan.schedule import Exchange, Schedule, device_visits, kernel_window
+from seqplan.strategy import Strategy
+from seqplan.validation import (
     check_segment_ids,
     check_sinks,
     check_window,
@@ -57,63 +53,15 @@ from .validation import (
     validate,
 )
 
+from .config import AttentionConfig
+from .loop import add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
+
 F32 = jnp.float32
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """The mesh a replay stands for. ``ring``: R, devices on the (combined) ring; ``ulysses``: U;
-    ``outer``: O, the double ring's outer ring (1: a single ring; the inner ring is R / O);
-    ``kv_exchange``: "ring" or "allgather" (a single ring only)."""
-
-    ring: int = 1
-    ulysses: int = 1
-    outer: int = 1
-    kv_exchange: str = "ring"
-
-    def __post_init__(self):
-        if min(self.ring, self.ulysses, self.outer) < 1:
-            raise ValueError(f"ring, ulysses and outer must be >= 1, got {self.ring}, {self.ulysses}, {self.outer}")
-        if self.kv_exchange not in KV_EXCHANGES:
-            raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {self.kv_exchange!r}")
-        if self.outer > 1 and (self.ring % self.outer or self.ring // self.outer < 2 or self.kv_exchange != "ring"):
-            raise ValueError(f"a double ring needs ring = outer x inner with inner >= 2 and kv_exchange='ring', got "
-                             f"ring={self.ring}, outer={self.outer}, kv_exchange={self.kv_exchange!r}")
-
-    @property
-    def devices(self) -> int:
-        return self.ring * self.ulysses
-
-    def mesh_sizes(self) -> dict[str, int]:
-        """The api's mesh axes for this strategy (what ``validation.validate`` checks)."""
-        sizes = {RING_OUTER: self.outer, RING_INNER: self.ring // self.outer} if self.outer > 1 else {RING: self.ring}
-        return {**sizes, ULYSSES: self.ulysses}
-
-    def schedule(self, layout: str, causal: bool, window: tuple[int, int] | None = None,
-                 shard_len: int = 0) -> Schedule:
-        """The schedule the real loops of this strategy walk (Ulysses alone: one device's)."""
-        if self.outer > 1:
-            return make_schedule(Exchange.DOUBLE_RING, layout, causal, self.outer, self.ring // self.outer)
-        if self.kv_exchange == "allgather":
-            return make_schedule(Exchange.ALLGATHER, layout, causal, 1, self.ring)
-        # a window the ring truncates for (kernel_window's form; shard_len = T / R tokens)
-        return make_schedule(Exchange.RING, layout, causal, 1, self.ring,
-                             window_reach(layout, causal, window, shard_len, self.ring))
-
-    def head_groups(self, heads: int, kv_heads: int, u: int) -> tuple[slice, slice, bool]:
-        """(query heads, KV heads, replicated) of Ulysses coordinate ``u``: with kv_heads < U each
-        KV head is replicated U / kv_heads times and device u reads replica u of the result."""
-        n = self.ulysses
-        q_heads = slice(u * heads // n, (u + 1) * heads // n)
-        if kv_heads >= n:
-            return q_heads, slice(u * kv_heads // n, (u + 1) * kv_heads // n), False
-        head = u // (n // kv_heads)
-        return q_heads, slice(head, head + 1), True
-
-
 def _config(q, causal, layout, scale, block_backend, deterministic, window) -> AttentionConfig:
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return AttentionConfig(bool(causal), layout, scale, block_backend, bool(deterministic), window=window)
+    return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend, bool(deterministic),
+                           window=window)
 
 
 def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):

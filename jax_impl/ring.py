@@ -15,7 +15,10 @@ and a fully masked block is skipped.
 
 from __future__ import annotations
 
-from .axes import RING
+from seqplan.axes import RING
+from seqplan.schedule import ring_schedule, window_reach
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
@@ -30,8 +33,6 @@ from .loop import (
     walk,
     walk_forward,
 )
-from .schedule import ring_schedule, window_reach
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
 def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",

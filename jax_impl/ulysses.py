@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .axes import ULYSSES
+from seqplan.axes import ULYSSES
+from seqplan.config import resolve_scale
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .block import get_backend
 from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads
 from .config import default_deterministic
 from .ring import ring_attention
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
 def _replicate_to_heads(x, axis_name: str, reps: int):
@@ -85,7 +87,7 @@ def ulysses_attention(q, k, v, axis_name: str = ULYSSES, *, causal: bool = False
     window = check_window(window)
     deterministic = default_deterministic(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(q.shape[-1], scale)
     attend = attend or partial(ring_attention, axis_name=None, layout="contiguous")
     q_h = seq_to_heads(q, axis_name)  # [b, t, h/U, d]
     k_h, v_h = (gather_kv_heads(x, axis_name, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]

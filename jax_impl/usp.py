@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from functools import partial
 
+from seqplan.axes import RING, ULYSSES
+from seqplan.validation import dtype_name, validate_local
+
 from .allgather import allgather_attention
-from .axes import RING, ULYSSES
 from .comm import axis_size
 from .double_ring import double_ring_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .validation import dtype_name, validate_local
 
 # kv_exchange -> the per-device attention over the ring axis (same signature, same layouts)
 KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}

@@ -1,18 +1,19 @@
 """ringbridge's torch implementation: the jax_impl algorithms, step for step, in torch.distributed."""
 
+from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from seqplan.layouts import LAYOUTS, layout_permutation
+from seqplan.schedule import BlockMask, Schedule, device_visits
+
 from . import kernels  # noqa: F401  (registers the built-in block backends)
 from .allgather import allgather_attention
 from .api import sequence_parallel_attention
-from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from .block import BlockBackend, get_backend, register_backend, resolve_backend
 from .comm import Comm
 from .config import AttentionConfig
 from .dense import dense_attention
 from .double_ring import double_ring_attention
-from .layouts import LAYOUTS, layout_permutation
 from .merge import merge_partials
 from .ring import ring_attention
-from .schedule import BlockMask, Schedule, device_visits
 from .ulysses import ulysses_attention
 from .usp import usp_attention
 

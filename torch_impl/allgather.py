@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from seqplan.schedule import allgather_schedule, device_visits
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import ShardMasks, add_grads, attend_block, attention_with_vjp, grad_block, merge_block, ring_index
-from .schedule import allgather_schedule, device_visits
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 F32 = torch.float32
 

@@ -24,15 +24,10 @@ from __future__ import annotations
 import struct
 from functools import partial
 
-from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
-from .block import get_backend
-from .comm import check_ranks_agree
-from .config import default_check_ranks, default_deterministic
-from .double_ring import double_ring_attention
-from .layouts import LAYOUTS
-from .ulysses import ulysses_attention
-from .usp import KV_EXCHANGE, usp_attention
-from .validation import (
+from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from seqplan.config import default_check_ranks
+from seqplan.layouts import LAYOUTS
+from seqplan.validation import (
     DTYPES,
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -45,6 +40,13 @@ from .validation import (
     shape_and_dtype,
     validate,
 )
+
+from .block import get_backend
+from .comm import check_ranks_agree
+from .config import default_deterministic
+from .double_ring import double_ring_attention
+from .ulysses import ulysses_attention
+from .usp import KV_EXCHANGE, usp_attention
 
 
 def _code(value, known: tuple) -> int:

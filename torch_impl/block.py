@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .schedule import BlockMask, MaskKind
+from seqplan.routing import ALL_MASKS, LOW_PRECISION, Route, as_block_mask, first_route, reachable
+from seqplan.schedule import BlockMask
 
 F32 = torch.float32
 
@@ -71,28 +72,6 @@ NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"aten_cudnn"})
 
 # ---- "auto": the routing table --------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Route:
-    """One row of :data:`AUTO_ROUTES`: a block whose inputs match every field (``None``: any)
-    runs on ``backend``. ``reason``: the measurement or rule behind the row."""
-
-    backend: str
-    reason: str
-    device_kinds: tuple[str, ...] | None = None  # "cpu", "cuda", ... (:func:`device_kind_of`)
-    dtypes: tuple[str, ...] | None = None
-    masks: tuple[MaskKind, ...] | None = None
-    deterministic: bool | None = None
-
-    def matches(self, device_kind: str, dtype: str, mask: MaskKind, deterministic: bool) -> bool:
-        return ((self.device_kinds is None or device_kind in self.device_kinds)
-                and (self.dtypes is None or dtype in self.dtypes)
-                and (self.masks is None or mask in self.masks)
-                and (self.deterministic is None or deterministic == self.deterministic))
-
-
-LOW_PRECISION = ("bfloat16", "float16")
-ALL_MASKS = tuple(MaskKind)
-
 # First match wins; a row whose backend is not available is passed over. Speeds:
 # docs/gpu/kernel-table-2026-11-23-h100.md (H100, bf16, 32k tokens, 32 heads, d 128, fwd+bwd
 # TFLOP/s), each pair verified there against a float64 truth.
@@ -118,10 +97,6 @@ def _dtype_name(dtype) -> str:
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
-def _block_mask(mask) -> BlockMask:
-    return mask if isinstance(mask, BlockMask) else BlockMask(MaskKind(mask))
-
-
 def _check_named(name: str, deterministic: bool) -> None:
     if name not in _BACKENDS:
         raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)} and 'auto'")
@@ -144,27 +119,23 @@ def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: 
     if name != "auto":
         _check_named(name, deterministic)
         return name
-    dtype, mask = _dtype_name(dtype), _block_mask(mask)
-    for route in AUTO_ROUTES:
-        backend = _BACKENDS.get(route.backend)
-        if (backend is not None and route.matches(device_kind, dtype, mask.kind, bool(deterministic))
-                and backend.available() and backend.supports(mask, dtype)):
-            return route.backend
-    raise ValueError(f"no block backend for {device_kind} {dtype} {mask} blocks (deterministic={deterministic})")
+    return first_route(AUTO_ROUTES, device_kind=device_kind, dtype=_dtype_name(dtype), mask=as_block_mask(mask),
+                       deterministic=bool(deterministic), can_run=_can_run)
+
+
+def _can_run(name: str, mask: BlockMask, dtype: str) -> bool:
+    backend = _BACKENDS.get(name)
+    return backend is not None and backend.available() and backend.supports(mask, dtype)
 
 
 def _process_device_kinds() -> set[str]:
     return {"cpu"} | ({"cuda"} if torch.cuda.is_available() else set())
 
 
-def _reachable(deterministic: bool) -> list[str]:
+def _reachable_here(deterministic: bool) -> list[str]:
     """Backends "auto" may route to in this process (rows of its device kinds, available)."""
-    kinds = _process_device_kinds()
-    names = [r.backend for r in AUTO_ROUTES
-             if (r.device_kinds is None or kinds & set(r.device_kinds))
-             and (r.deterministic is None or r.deterministic == deterministic)
-             and r.backend in _BACKENDS and _BACKENDS[r.backend].available()]
-    return list(dict.fromkeys(names))
+    return reachable(AUTO_ROUTES, device_kinds=_process_device_kinds(), deterministic=deterministic,
+                     usable=lambda name: name in _BACKENDS and _BACKENDS[name].available())
 
 
 def routing_backend(deterministic: bool = False) -> BlockBackend:
@@ -195,7 +166,7 @@ def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBack
     in that mode — or warns, under ``torch.use_deterministic_algorithms(True, warn_only=True)``, as
     torch's own ops do — and "auto" avoids it."""
     if name == "auto":
-        reachable = _reachable(bool(deterministic))
+        reachable = _reachable_here(bool(deterministic))
         return _BACKENDS[reachable[0]] if len(reachable) == 1 else routing_backend(bool(deterministic))
     _check_named(name, deterministic)
     return _BACKENDS[name]

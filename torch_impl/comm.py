@@ -20,7 +20,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .schedule import Hop
+from seqplan.schedule import Hop
 
 
 def axis_size(group) -> int:

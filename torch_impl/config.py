@@ -1,5 +1,5 @@
 """The static settings of one attention call (:class:`AttentionConfig`), and the environment
-defaults of the API's keyword arguments — read here, at the API boundary, and nowhere else.
+defaults of the API's keyword arguments — read here (and in ``seqplan.config``), at the API boundary, and nowhere else.
 
     RINGBRIDGE_CHECK_RANKS=1                       -> check_ranks=None means True
     torch.use_deterministic_algorithms(True) set   -> deterministic=None means True
@@ -7,18 +7,14 @@ defaults of the API's keyword arguments — read here, at the API boundary, and 
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from seqplan.config import checked_static_fields, resolve_scale
+
 from .block import BlockBackend, get_backend
 from .comm import Comm, current_comm
-from .schedule import LAYOUTS, kernel_window
-from .validation import check_window
-
-CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
 
 
 @dataclass(frozen=True)
@@ -47,11 +43,7 @@ class AttentionConfig:
     window: tuple[int, int] | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "window", kernel_window(check_window(self.window), self.causal))
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if not (isinstance(self.scale, float) and math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"scale must be a finite positive float, got {self.scale!r}")
+        object.__setattr__(self, "window", checked_static_fields(self.causal, self.layout, self.scale, self.window))
         if not isinstance(self.comm, Comm):
             raise TypeError(f"comm must be a Comm, got {type(self.comm).__name__}")
 
@@ -68,18 +60,10 @@ def default_deterministic(deterministic: bool | None) -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
-def default_check_ranks(check_ranks: bool | None) -> bool:
-    """``check_ranks``, or when None whether RINGBRIDGE_CHECK_RANKS=1 (``api.py``: one small
-    all-reduce per mesh dimension comparing every rank's local shapes, dtypes and options)."""
-    if check_ranks is not None:
-        return bool(check_ranks)
-    return os.environ.get(CHECK_RANKS_ENV) == "1"
-
-
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
                 deterministic: bool | None, window=None) -> AttentionConfig:
     """The config of a per-device call on ``q`` (for its head_dim), with the defaults resolved and
     the installed communication hook (``comm.using``)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return AttentionConfig(bool(causal), layout, scale, block_backend, default_deterministic(deterministic),
+    return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend,
+                           default_deterministic(deterministic),
                            current_comm(), window)

@@ -23,11 +23,12 @@ Same schedule as jax_impl, step for step.
 
 from __future__ import annotations
 
+from seqplan.schedule import double_ring_schedule
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
-from .schedule import double_ring_schedule
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
 def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None,

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
+from seqplan.layouts import layout_permutation
+
 from .api import sequence_parallel_attention
-from .axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
-from .layouts import layout_permutation
 
 
 def hf_window(sliding_window: int | None) -> tuple[int, int] | None:

@@ -14,59 +14,14 @@ The mirror is ``jax_impl/layers.py`` (flax), same names, same parameters, same s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from seqplan.config import AttentionLayerConfig
+
 from .api import sequence_parallel_attention
 from .dense import dense_attention
-from .layouts import LAYOUTS
-from .validation import KV_EXCHANGES, check_window
-
-
-@dataclass(frozen=True)
-class AttentionLayerConfig:
-    """The static shape and options of one attention layer (the same dataclass as jax_impl's).
-
-    d_model:       D, the width of the layer's input and output.
-    heads, kv_heads: H query heads and Hk key/value heads (H % Hk == 0: MHA, GQA, MQA).
-    head_dim:      d (even: RoPE rotates pairs).
-    rope_theta:    the RoPE base (rotate-half convention, as Hugging Face Llama).
-    causal:        mask by original position (j <= i).
-    layout:        the sequence layout of the local shards (``LAYOUTS``).
-    window:        sliding window on original positions: None, w or (left, right).
-    sinks:         one learned attention-sink logit per head (gpt-oss) when True.
-    kv_exchange:   "ring" or "allgather" (how K/V reach the ring devices).
-    block_backend: the block kernels ("auto" routes per block).
-    """
-
-    d_model: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    causal: bool = True
-    layout: str = "zigzag"
-    window: int | tuple[int, int] | None = None
-    sinks: bool = False
-    kv_exchange: str = "ring"
-    block_backend: str = "auto"
-
-    def __post_init__(self):
-        for name in ("d_model", "heads", "kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads % kv_heads must be 0, got {self.heads} % {self.kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"RoPE rotates pairs: head_dim must be even, got {self.head_dim}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.kv_exchange not in KV_EXCHANGES:
-            raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {self.kv_exchange!r}")
-        object.__setattr__(self, "window", check_window(self.window))
 
 
 def apply_rope(x, positions, theta: float):

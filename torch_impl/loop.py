@@ -38,11 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm import Comm, RingShift, axis_size
-from .config import AttentionConfig
-from .layouts import layout_permutation
-from .merge import merge_partials_into
-from .schedule import (
+from seqplan.layouts import ring_positions
+from seqplan.schedule import (
     Block,
     BlockMask,
     DocumentWork,
@@ -53,6 +50,10 @@ from .schedule import (
     document_flags,
     window_flags,
 )
+
+from .comm import Comm, RingShift, axis_size
+from .config import AttentionConfig
+from .merge import merge_partials_into
 
 
 def ring_index(groups) -> int:
@@ -236,7 +237,7 @@ class ShardMasks:
         ``config.layout``; positions from :func:`ring_positions`)."""
         positions = device_positions = None
         if config.window is not None:
-            positions = ring_positions(config.layout, ring_size, t).reshape(ring_size, t)
+            positions = ring_positions(config.layout, ring_size, t)
             device_positions = torch.from_numpy(positions).to(device)
         return cls(ids_all, config.window, positions, device_positions)
 
@@ -250,13 +251,6 @@ class ShardMasks:
             return None if x is None else (x[device], x[source])
 
         return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions))
-
-
-def ring_positions(layout: str, size: int, t: int) -> np.ndarray:
-    """The original position of every token of every ring shard, int32 [R·t] in layout order
-    (shard r at r·t): static, so a window's per-block decision needs no communication. Inside USP
-    the ring attention's shard is a whole ring shard (Ulysses splits it contiguously)."""
-    return layout_permutation(size * t, layout, size).astype(np.int32)
 
 
 def _window_reach(block: Block, masks: VisitMasks) -> tuple[bool, bool]:

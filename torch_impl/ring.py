@@ -15,11 +15,12 @@ hop behind, and a final hop brings them home (R hops); dQ stays local.
 
 from __future__ import annotations
 
+from seqplan.schedule import ring_schedule, window_reach
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
-from .schedule import ring_schedule, window_reach
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
 def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None,

@@ -23,11 +23,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from seqplan.config import resolve_scale
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .block import get_backend
 from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads
 from .config import default_deterministic
 from .ring import ring_attention
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 
 class _ReplicatedToHeads(torch.autograd.Function):
@@ -98,7 +100,7 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     deterministic = default_deterministic(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(q.shape[-1], scale)
     attend = attend or partial(ring_attention, group=None, layout="contiguous")
     q_h = seq_to_heads(q, group)  # [b, t, h/U, d]
     k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from functools import partial
 
+from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+
 from .allgather import allgather_attention
 from .comm import axis_size
 from .double_ring import double_ring_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
 
 # kv_exchange -> the per-rank attention over the ring group (same signature, same layouts)
 KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}

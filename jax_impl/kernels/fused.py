@@ -23,8 +23,10 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from ..block import LOW_PRECISION, BlockBackend
-from ..schedule import CAUSAL_MASK, BlockMask, MaskKind
+from seqplan.routing import LOW_PRECISION
+from seqplan.schedule import CAUSAL_MASK, BlockMask, MaskKind
+
+from ..block import BlockBackend
 from .reference import reference_block_bwd, reference_block_fwd
 
 F32 = jnp.float32

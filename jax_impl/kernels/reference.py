@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from seqplan.schedule import BlockMask, MaskKind
+
 from ..block import BlockBackend, register_backend
-from ..schedule import BlockMask, MaskKind
 
 F32 = jnp.float32
 # f32 matmuls at full precision: on GPUs XLA's default may use TF32, which breaks the 1e-5 policy.

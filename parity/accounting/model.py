@@ -165,7 +165,7 @@ def _window_reach(case) -> int | None:
     window = getattr(case, "window", None)
     if window is None or case.ring_outer > 1 or case.kv_exchange != "ring":
         return None
-    from jax_impl.schedule import kernel_window, window_reach
+    from seqplan.schedule import kernel_window, window_reach
 
     return window_reach(case.layout, case.causal, kernel_window(tuple(window), case.causal), case.seq // case.ring,
                         case.ring)

@@ -1,5 +1,5 @@
 """One way to describe and name a sequence-parallel mesh, and the one function that says which
-algorithm a mesh selects (parity cases and benchmarks both use it).
+algorithm a mesh selects (parity cases and benchmarks both use it; the decision itself is seqplan's).
 
 A mesh is named ``<algorithm>[-agkv]-<axes>``, axes abbreviated and joined by ``x`` in canonical
 order: ``ring-r4``, ``ulysses-u4``, ``usp-r2xu2``, ``double_ring-ro2xri2``,
@@ -13,18 +13,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from seqplan.validation import algorithm_of
+
 from .names import AXES, AXIS_ABBREVIATIONS, KV_EXCHANGES, Algorithm, KvExchange, check_choice
 
 
 def algorithm(axes: Iterable[str]) -> Algorithm:
-    """The algorithm a mesh with these axis names runs — the decision jax_impl and torch_impl
-    make in their ``validation`` (a test asserts all three agree on every mesh of the matrix)."""
-    axes = set(axes)
-    if "ring_outer" in axes:
-        return "double_ring_usp" if "ulysses" in axes else "double_ring"
-    if "ring" in axes and "ulysses" in axes:
-        return "usp"
-    return "ring" if "ring" in axes else "ulysses" if "ulysses" in axes else "local"
+    """The algorithm a mesh with these axis names runs — the one decision both implementations'
+    validation makes (``seqplan.validation.algorithm_of``)."""
+    return algorithm_of(set(axes))
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,7 @@ def sweep_cases(seq: int = 8192, heads: int = 8, kv_heads: int = 2, head_dim: in
 
 def mask_kinds(case: Case) -> list[str]:
     """The block mask kinds the case's schedule hands the kernels (full, causal, strict)."""
-    try:  # the two schedule.py are the same code (tests/unit/test_mirror.py); either will do
-        from jax_impl.schedule import step_plan
-    except ImportError:
-        from torch_impl.schedule import step_plan
+    from seqplan.schedule import step_plan
 
     plan = step_plan(case.layout, case.causal)
     blocks = [plan.local] + ([plan.from_earlier, plan.from_later] if case.ring * case.ring_outer > 1 else [])

@@ -159,8 +159,8 @@ def visible_tiles(ids: np.ndarray, perm: np.ndarray, tile: int) -> np.ndarray:
 def device_counts(ids: np.ndarray, layout: str, ring: int, tile: int = TILE) -> dict:
     """(a) area, (b) tiles and (c) pairs per device and the computed blocks by DocumentWork, for
     causal ring attention over one sequence of ``ids`` (original order) — module docstring."""
-    from jax_impl.layouts import layout_permutation
-    from jax_impl.schedule import DocumentWork, MaskKind, device_visits, document_work, ring_schedule
+    from seqplan.layouts import layout_permutation
+    from seqplan.schedule import DocumentWork, MaskKind, device_visits, document_work, ring_schedule
 
     tokens = len(ids)
     shard = tokens // ring

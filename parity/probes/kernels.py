@@ -56,11 +56,10 @@ import numpy as np
 import torch
 
 import jax_impl.block
-import jax_impl.schedule
 import torch_impl.block
-import torch_impl.schedule
-from jax_impl.schedule import MaskKind as Mask
 from parity.core.numerics import LOWP_ABS_FLOOR, LOWP_FACTOR
+from seqplan.schedule import BlockMask
+from seqplan.schedule import MaskKind as Mask
 
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 MASKS = (Mask.FULL, Mask.CAUSAL, Mask.STRICT)
@@ -253,7 +252,7 @@ def get_backend(framework: str, name: str):
 def jax_block_program(backend, mask: Mask, scale: float, backward: bool = True) -> Callable:
     """One jitted program: the block forward, then (optionally) its backward with the block's own
     o and lse, as a training step compiles them."""
-    mask = jax_impl.schedule.BlockMask(mask.value)
+    mask = BlockMask(mask.value)
 
     def program(q, k, v, do):
         o, lse = backend.fwd(q, k, v, mask, scale)
@@ -265,7 +264,7 @@ def jax_block_program(backend, mask: Mask, scale: float, backward: bool = True) 
 
 
 def torch_block_program(backend, mask: Mask, scale: float, backward: bool = True) -> Callable:
-    mask = torch_impl.schedule.BlockMask(mask.value)  # each framework has its own class
+    mask = BlockMask(mask.value)
 
     def program(q, k, v, do):
         with torch.no_grad():

@@ -26,7 +26,7 @@ def factorizations(n: int) -> list[tuple[int, int]]:
 def _area(block) -> float:
     """Score entries a block kernel computes, as a fraction of a full shard × shard block; a
     causal or strict block counts half (flash kernels skip fully masked tiles)."""
-    from jax_impl.schedule import FULL_MASK, Part
+    from seqplan.schedule import FULL_MASK, Part
 
     if block is None:
         return 0.0
@@ -40,7 +40,7 @@ def _area(block) -> float:
 def ring_work(layout: str, ring: int, causal: bool = True) -> list[float]:
     """Attention work of each ring device over all its steps (units: one full shard block),
     from the schedule both frameworks execute (``device_visits``)."""
-    from jax_impl.schedule import device_visits, ring_schedule
+    from seqplan.schedule import device_visits, ring_schedule
 
     schedule = ring_schedule(layout, causal, ring)
     return [sum(_area(visit.block) for visit in device_visits(schedule, r)) for r in range(ring)]

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from seqplan.config import check_positive_ints, check_rope_heads
+
 from ..core.documents import lengths_to_ids, long_tailed_lengths
 from ..core.mesh import MeshShape
 
@@ -62,14 +64,8 @@ class LlamaConfig:
     sinks: bool = False
 
     def __post_init__(self):
-        for name in ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads % kv_heads must be 0, got {self.heads} % {self.kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"RoPE rotates pairs: head_dim must be even, got {self.head_dim}")
+        check_positive_ints(self, ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "d_ff"))
+        check_rope_heads(self.heads, self.kv_heads, self.head_dim)
         if self.window is not None:
             object.__setattr__(self, "window", tuple(int(w) for w in self.window))
 

@@ -205,8 +205,8 @@ def attention_rate(backend: str, seq: int, heads: int, head_dim: int, device: st
     (4·h·s²·d/2 × 3.5 FLOPs), timed alone."""
     import torch
 
+    from seqplan.schedule import BlockMask
     from torch_impl.block import get_backend, resolve_backend
-    from torch_impl.schedule import BlockMask
 
     name = resolve_backend(backend, device_kind=device, dtype=dtype, mask="causal")
     kernel, mask, scale = get_backend(name), BlockMask("causal"), head_dim**-0.5

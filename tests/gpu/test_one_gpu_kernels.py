@@ -18,8 +18,8 @@ pytestmark = [needs_gpus(1)]
 def test_gpu_block_kernel_matches_portable_kernel(backend, mask):
     """One process, one GPU: the CUDA SDPA adapters (GQA expansion, strict mask by row shift,
     LSE shape) agree with the portable kernel on the same bf16 inputs, forward and backward."""
+    from seqplan.schedule import BlockMask as Mask
     from torch_impl.block import get_backend
-    from torch_impl.schedule import BlockMask as Mask
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, t, h, hk, d = 1, 256, 8, 2, 128
@@ -46,7 +46,7 @@ def test_gpu_jax_cudnn_block_kernel_matches_portable_kernel(mask):
     import numpy as np
 
     from jax_impl.block import get_backend
-    from jax_impl.schedule import BlockMask as Mask
+    from seqplan.schedule import BlockMask as Mask
 
     if not jax_on_gpu():
         pytest.skip("JAX has no GPU here (run with JAX_PLATFORMS=cuda)")
@@ -201,8 +201,8 @@ def test_gpu_flex_block_matches_float64_truth_and_portable_kernel(kind, document
     mask from tile summaries; each backward route of torch_impl/kernels/flex.py): o, lse (fwd)
     and dq, dk, dv (bwd with the block's own o / lse and an lse cotangent) within the
     low-precision policy of a float64 truth, and close to the portable kernel."""
+    from seqplan.schedule import BlockMask
     from torch_impl.block import get_backend
-    from torch_impl.schedule import BlockMask
 
     mask = BlockMask(kind, documents=documents, window=window)
     flex = _flex_route(route, monkeypatch)
@@ -234,8 +234,8 @@ def test_gpu_flex_backward_with_merged_global_o_lse(route, monkeypatch, seed):
     documents and a window, merged with merge_partials into the global (o, lse); each block's
     backward given that global o / lse sums (dq) and concatenates (dk, dv) to gradients within
     the policy of the float64 gradients of attention over both shards, by each backward route."""
+    from seqplan.schedule import BlockMask
     from torch_impl import merge_partials
-    from torch_impl.schedule import BlockMask
 
     flex = _flex_route(route, monkeypatch)
     t = 4096

@@ -51,8 +51,8 @@ def test_sliding_window_maps_to_left_w_minus_one():
     by position, for the mapping the attention function uses."""
     from transformers.masking_utils import sliding_window_overlay
 
+    from seqplan.validation import check_window
     from torch_impl.hf import hf_window
-    from torch_impl.validation import check_window
 
     assert hf_window(None) is None
     for w in (1, 2, 5):

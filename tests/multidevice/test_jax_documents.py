@@ -19,8 +19,8 @@ import jax_impl
 from helpers import FULL
 from jax_impl import replay
 from jax_impl.block import BlockBackend, get_backend, register_backend
-from jax_impl.layouts import layout_permutation
-from jax_impl.schedule import device_visits, ring_schedule
+from seqplan.layouts import layout_permutation
+from seqplan.schedule import device_visits, ring_schedule
 
 SEQ, HEADS, KV_HEADS, DIM = 64, 4, 2, 8
 

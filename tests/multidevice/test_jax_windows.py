@@ -21,8 +21,8 @@ from jax_impl import replay
 from jax_impl.block import BlockBackend, get_backend, register_backend
 from jax_impl.comm import Comm, using
 from jax_impl.config import AttentionConfig
-from jax_impl.layouts import layout_permutation
-from jax_impl.schedule import UNBOUNDED, device_visits, ring_schedule
+from seqplan.layouts import layout_permutation
+from seqplan.schedule import UNBOUNDED, device_visits, ring_schedule
 
 SEQ, HEADS, KV_HEADS, DIM = 64, 4, 2, 8
 NAMES = ("o", "lse", "dq", "dk", "dv", "dsinks")

@@ -18,7 +18,7 @@ from jax import lax
 
 import jax_impl
 from jax_impl.block import BlockBackend, get_backend, register_backend
-from jax_impl.schedule import CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask
+from seqplan.schedule import CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask
 
 CALLS: list = []
 

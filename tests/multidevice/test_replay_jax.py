@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 import jax_impl
 from helpers import FULL
-from jax_impl.layouts import LAYOUTS, layout_permutation
 from jax_impl.replay import Strategy, replay_attention, replay_attention_grads
+from seqplan.layouts import LAYOUTS, layout_permutation
 
 FLOAT32_RTOL = 1e-5  # the contract's (docs/contract.md) float32 policy: relative L2 error per tensor
 REAL_RTOL = 1e-6  # replay vs the real run: same kernels, merges and sums; compiled vs eager

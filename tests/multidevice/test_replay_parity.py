@@ -69,7 +69,7 @@ def test_check_case_replays_when_the_mesh_needs_more_devices(seed, jax_devices):
 def test_a_wrong_kernel_fails_the_replay(seed, jax_devices):
     """The replay really runs the kernels: a forward whose full-mask blocks are wrong fails it."""
     import jax_impl.block
-    from jax_impl.schedule import MaskKind
+    from seqplan.schedule import MaskKind
 
     good = jax_impl.block.get_backend("reference")
 

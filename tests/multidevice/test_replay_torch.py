@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 import jax.numpy as jnp
 
 from jax_impl import replay as jax_replay
+from seqplan.layouts import LAYOUTS, layout_permutation
 from torch_impl import replay as torch_replay
-from torch_impl.layouts import LAYOUTS, layout_permutation
 
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 RTOL = 1e-5  # two frameworks' float32 einsums: the float32 policy's bound, relative L2

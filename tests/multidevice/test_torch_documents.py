@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch_impl
+from seqplan.schedule import DocumentWork, Exchange, Part, device_visits, document_work, make_schedule
 from torch_impl import replay
-from torch_impl.schedule import DocumentWork, Exchange, Part, device_visits, document_work, make_schedule
 from torch_tasks import bad_segment_ids_task, documents_task
 
 T, HEADS, HEAD_DIM = 32, 4, 8

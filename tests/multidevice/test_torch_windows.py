@@ -18,9 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch_impl
-from torch_impl import replay
-from torch_impl.block import BlockBackend, get_backend, register_backend
-from torch_impl.schedule import (
+from seqplan.schedule import (
     DocumentWork,
     Exchange,
     MaskKind,
@@ -30,7 +28,9 @@ from torch_impl.schedule import (
     make_schedule,
     window_flags,
 )
-from torch_impl.validation import check_window
+from seqplan.validation import check_window
+from torch_impl import replay
+from torch_impl.block import BlockBackend, get_backend, register_backend
 from torch_tasks import bad_window_or_sinks_task, documents_task
 
 T, HEADS, HEAD_DIM = 32, 4, 8

@@ -47,7 +47,7 @@ def bad_input_task(q_shape, k_shape, v_shape, dtypes, mesh_axes, kwargs):
 def rank_task_with_local_causal_mask(case, x, device_type, block_backend):
     """parity.runners.torch_runner.rank_task with a planted bug: the ring masks causally by *local* layout
     positions (every layout planned as if it were contiguous) instead of original positions."""
-    import torch_impl.schedule as schedule
+    import seqplan.schedule as schedule
     from parity.runners.torch_runner import rank_task
 
     real = schedule.step_plan
@@ -94,7 +94,7 @@ def mismatched_inputs_task(mesh_axes, rank_overrides: dict, check_ranks: bool, d
 
     import torch_impl
     from parity.runners.torch_runner import make_mesh
-    from torch_impl.config import CHECK_RANKS_ENV
+    from seqplan.config import CHECK_RANKS_ENV
 
     mine = {"q_seq": 8, "kv_seq": 8, "dtype": "float32", "causal": True} | rank_overrides.get(dist.get_rank(), {})
     dtype, device = getattr(torch, mine["dtype"]), device_type if device_type == "cpu" else torch.cuda.current_device()

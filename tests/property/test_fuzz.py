@@ -30,11 +30,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import FULL, assert_passed, jax_runner, torch_runner
-from jax_impl.layouts import seq_multiple
 from parity.core.cases import DOCUMENT_PATTERNS, KV_EXCHANGES, LAYOUTS, Case
 from parity.core.inputs import flash_ideal, make_inputs, oracle
 from parity.core.mesh import MeshShape
 from parity.runners.pipeline import check_case
+from seqplan.layouts import seq_multiple
 
 EXAMPLES = int(os.environ.get("RINGBRIDGE_FUZZ_EXAMPLES", 1000 if FULL else 50))
 # (data, ring, ulysses, ring_outer): every factorization of 1–8 devices; ring_outer > 1 lays the

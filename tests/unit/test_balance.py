@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("jax")
 
-from jax_impl.layouts import layout_permutation
-from jax_impl.schedule import DocumentWork, device_visits, document_work, ring_schedule
 from parity.core.documents import draw_segment_ids
 from parity.probes import balance
+from seqplan.layouts import layout_permutation
+from seqplan.schedule import DocumentWork, device_visits, document_work, ring_schedule
 
 TWO_SHARD_DOCUMENTS = np.repeat(np.array([0, 1], dtype=np.int32), 8)  # 16 tokens: 8 of document 0, 8 of 1
 

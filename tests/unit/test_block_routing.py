@@ -21,7 +21,7 @@ import torch_impl.block as tblock
 from jax_impl.kernels import fa3
 from jax_impl.kernels.fused import fused_backend
 from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
-from jax_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask
+from seqplan.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask
 
 MASKS = ("full", "causal", "strict")
 

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 from jax_impl import layout_permutation, merge_partials
 from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
-from jax_impl.layouts import LAYOUTS
-from jax_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, Part, step_plan
 from parity.core import reference
+from seqplan.layouts import LAYOUTS
+from seqplan.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, Part, step_plan
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

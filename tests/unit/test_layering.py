@@ -1,5 +1,6 @@
-"""The harness's layering holds: ``parity.core`` (and everything it imports) loads without any
-framework, and no first-party module imports a private name of another one."""
+"""The layering holds: ``seqplan`` (the framework-free plan both implementations share) and
+``parity.core`` (and everything they import) load without any framework; the implementations
+never import parity, nor each other; and no first-party module imports a private name of another one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,43 @@ def _loaded_after_import(module: str) -> set[str]:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
     return set(out.stdout.split())
+
+
+def test_seqplan_loads_without_any_framework_or_implementation():
+    """The shared plan (layouts, axes, schedule, validation, strategy, routing) is pure Python
+    and NumPy: a fresh interpreter importing every module of it has no framework, no
+    implementation and no parity in sys.modules."""
+    modules = ["seqplan." + p.stem for p in (ROOT / "seqplan").glob("*.py") if p.stem != "__init__"]
+    assert len(modules) >= 4, modules
+    loaded = _loaded_after_import(", ".join(["seqplan", *modules]))
+    assert "seqplan" in loaded and "numpy" in loaded  # the probe works
+    assert not loaded & {*FRAMEWORKS, "parity"}, loaded & {*FRAMEWORKS, "parity"}
+
+
+def _first_party_imports(folder: str) -> set[tuple[str, str]]:
+    """(file, top-level package) of every absolute import in ``folder``."""
+    found = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                     else [])
+            found |= {(str(path.relative_to(ROOT)), n.split(".")[0]) for n in names}
+    return found
+
+
+def test_imports_run_one_way_between_the_packages():
+    """seqplan imports no other first-party package; jax_impl and torch_impl import seqplan but
+    never parity, benchmarks or each other; parity.core may import seqplan (not the implementations)."""
+    forbidden = {"seqplan": {"jax_impl", "torch_impl", "parity", "benchmarks"},
+                 "jax_impl": {"torch_impl", "parity", "benchmarks"},
+                 "torch_impl": {"jax_impl", "parity", "benchmarks"},
+                 "parity/core": {"jax_impl", "torch_impl", "benchmarks"}}
+    bad = [f"{path} imports {package}" for folder, no in forbidden.items()
+           for path, package in _first_party_imports(folder) if package in no]
+    assert not bad, bad
+    for impl in ("jax_impl", "torch_impl"):
+        assert any(package == "seqplan" for _, package in _first_party_imports(impl)), impl
 
 
 def test_core_imports_numpy_but_no_framework():
@@ -41,7 +79,7 @@ def test_runners_and_cli_import_without_frameworks():
 def test_no_first_party_module_imports_a_private_first_party_name():
     """Shared machinery is public (e.g. ``loop.py``, ``schedule.py``, ``torch_world.make_mesh``):
     an underscore name is private to its module, in every first-party package."""
-    first_party = ("parity", "jax_impl", "torch_impl", "benchmarks")
+    first_party = ("seqplan", "parity", "jax_impl", "torch_impl", "benchmarks")
     bad = []
     for path in (p for folder in first_party for p in (ROOT / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

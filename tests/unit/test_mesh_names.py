@@ -1,6 +1,6 @@
-"""One mesh vocabulary: parity.core's names round-trip, its algorithm-by-mesh decision equals
-jax_impl's and torch_impl's for every mesh of the case matrix and the property tier, and the
-vocabulary copies the implementations keep equal parity.core's."""
+"""One mesh vocabulary: parity.core's names round-trip, and the algorithm a case's MeshShape
+names is the one seqplan's validation (which both implementations call) picks for every mesh of
+the case matrix and the property tier."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import dataclasses
 
 import pytest
 
+from parity.core import names
 from parity.core.cases import MESHES, Case, pairwise_matrix
 from parity.core.mesh import MeshShape, algorithm
-from parity.core.names import DTYPES, KV_EXCHANGES, LAYOUTS
+from parity.core.names import KV_EXCHANGES
+from seqplan import axes, schedule, validation
+from seqplan.validation import validate
 
 # (data, ring, ulysses, ring_outer): the matrix's meshes, with and without a data axis
 ALL_MESHES = sorted({(d, m[0], m[1], m[2] if len(m) == 3 else 1) for m in MESHES for d in (1, 2)}
@@ -38,24 +41,19 @@ def test_known_names():
 
 
 @pytest.mark.parametrize("data, ring, ulysses, ring_outer", ALL_MESHES)
-def test_algorithm_matches_both_implementations(data, ring, ulysses, ring_outer):
-    """parity.core.mesh.algorithm == the algorithm jax_impl's and torch_impl's validation
-    choose for the same mesh (through their public validate, on valid shapes)."""
+def test_mesh_names_the_algorithm_validation_picks(data, ring, ulysses, ring_outer):
+    """MeshShape's algorithm (which names cases and benchmark rows) == what seqplan's public
+    validate decides for the same mesh on valid shapes (the decision both implementations run)."""
     mesh = MeshShape(data, ring, ulysses, ring_outer)
     shape = (2 * data, 64, 8, 16)
-    for impl in ("jax_impl", "torch_impl"):
-        validation = pytest.importorskip(f"{impl}.validation")
-        got = validation.validate(shape, shape, shape, ("float32",) * 3, mesh.axes, layout="zigzag",
-                                  kv_exchange="ring", scale=None)
-        assert got.algorithm == mesh.algorithm == algorithm(mesh.axes), (impl, mesh.name)
+    got = validate(shape, shape, shape, ("float32",) * 3, mesh.axes, layout="zigzag", kv_exchange="ring", scale=None)
+    assert got.algorithm == mesh.algorithm == algorithm(mesh.axes), mesh.name
 
 
-def test_implementation_vocabularies_equal_the_core():
-    for impl in ("jax_impl", "torch_impl"):
-        validation = pytest.importorskip(f"{impl}.validation")
-        layouts = pytest.importorskip(f"{impl}.layouts")
-        assert tuple(layouts.LAYOUTS) == LAYOUTS and tuple(validation.DTYPES) == DTYPES
-        assert tuple(validation.KV_EXCHANGES) == KV_EXCHANGES
+def test_the_vocabulary_has_one_definition():
+    """parity.core.names re-exports seqplan's tuples (the same objects), not copies."""
+    assert names.LAYOUTS is schedule.LAYOUTS and names.DTYPES is validation.DTYPES
+    assert names.KV_EXCHANGES is validation.KV_EXCHANGES and names.AXES is axes.CANONICAL_ORDER
 
 
 def test_every_matrix_mesh_is_covered():

@@ -22,8 +22,8 @@ def test_wheel_contains_every_package_and_the_profiles(tmp_path):
     (wheel,) = tmp_path.glob("ringbridge-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     packages = {str(p.parent.relative_to(ROOT)) for p in ROOT.glob("*/**/__init__.py")
-                if p.parts[len(ROOT.parts)] in ("parity", "jax_impl", "torch_impl")}
-    assert {"parity", "parity/core", "parity/runners", "jax_impl", "torch_impl"} <= packages
+                if p.parts[len(ROOT.parts)] in ("seqplan", "parity", "jax_impl", "torch_impl")}
+    assert {"seqplan", "parity", "parity/core", "parity/runners", "jax_impl", "torch_impl"} <= packages
     missing = [p for p in packages if f"{p}/__init__.py" not in names]
     assert not missing, missing
     assert "parity/capacity/profiles/tpu-v5p.json" in names

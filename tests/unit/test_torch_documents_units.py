@@ -13,9 +13,7 @@ torch = pytest.importorskip("torch")
 
 import torch_impl
 import torch_impl.block as tblock
-from torch_impl.block import get_backend
-from torch_impl.loop import block_work
-from torch_impl.schedule import (
+from seqplan.schedule import (
     BLOCK_MASKS,
     CAUSAL_MASK,
     DOCUMENT_MASKS,
@@ -27,6 +25,8 @@ from torch_impl.schedule import (
     Part,
     document_work,
 )
+from torch_impl.block import get_backend
+from torch_impl.loop import block_work
 
 F64 = torch.float64
 

@@ -18,10 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity.core.numerics import check_tensor
+from seqplan.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask, MaskKind
 from torch_impl import merge_partials
 from torch_impl.block import AUTO_ROUTES, get_backend
 from torch_impl.kernels import flex
-from torch_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask, MaskKind
 
 F64 = torch.float64
 NAMES = ("o", "lse", "dq", "dk", "dv")

@@ -9,10 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity.core import reference
+from seqplan.layouts import LAYOUTS
+from seqplan.schedule import BLOCK_MASKS, FULL_MASK, STRICT_MASK
 from torch_impl import layout_permutation, merge_partials
 from torch_impl.block import get_backend
-from torch_impl.layouts import LAYOUTS
-from torch_impl.schedule import BLOCK_MASKS, FULL_MASK, STRICT_MASK
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

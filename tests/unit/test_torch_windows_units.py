@@ -20,11 +20,12 @@ from test_torch_documents_units import masked_truth, static_visible  # one float
 
 import torch_impl
 import torch_impl.block as tblock
+from seqplan.layouts import ring_positions
+from seqplan.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, UNBOUNDED, Block, Part
 from torch_impl import replay
 from torch_impl.block import get_backend
 from torch_impl.config import AttentionConfig
-from torch_impl.loop import VisitMasks, add_sinks, attend_block, ring_positions, sinks_grad
-from torch_impl.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, UNBOUNDED, Block, Part
+from torch_impl.loop import VisitMasks, add_sinks, attend_block, sinks_grad
 
 F64 = torch.float64
 
@@ -172,7 +173,8 @@ def test_the_local_block_is_never_skipped_and_documents_join_the_window():
 def test_ring_positions_are_the_layouts_shards():
     for layout in ("contiguous", "zigzag", "stripe"):
         got = ring_positions(layout, 4, 6)
-        assert got.dtype == np.int32 and got.tolist() == torch_impl.layout_permutation(24, layout, 4).tolist()
+        assert got.shape == (4, 6) and got.dtype == np.int32
+        assert got.reshape(-1).tolist() == torch_impl.layout_permutation(24, layout, 4).tolist()
 
 
 # ---- sinks -------------------------------------------------------------------------------------

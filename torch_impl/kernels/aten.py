@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from ..block import LOW_PRECISION, BlockBackend, register_backend
-from ..schedule import CAUSAL_MASK, BlockMask, MaskKind
+from seqplan.routing import LOW_PRECISION
+from seqplan.schedule import CAUSAL_MASK, BlockMask, MaskKind
+
+from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
 
 F32 = torch.float32

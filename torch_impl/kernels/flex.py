@@ -80,8 +80,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..block import LOW_PRECISION, BlockBackend, register_backend
-from ..schedule import BlockMask, MaskKind
+from seqplan.routing import LOW_PRECISION
+from seqplan.schedule import BlockMask, MaskKind
+
+from ..block import BlockBackend, register_backend
 
 LN2 = math.log(2.0)
 TILE = 128  # FlexAttention's default sparse block size (query rows × key columns per tile)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from seqplan.schedule import BlockMask, MaskKind
+
 from ..block import BlockBackend, register_backend
-from ..schedule import BlockMask, MaskKind
 
 F32 = torch.float32
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from .schedule import LAYOUTS
 
-__all__ = ["LAYOUTS", "layout_permutation", "seq_multiple"]
+__all__ = ["LAYOUTS", "layout_permutation", "ring_positions", "seq_multiple"]
 
 
 def seq_multiple(layout: str, ring_size: int, ulysses_size: int = 1) -> int:
@@ -39,3 +39,10 @@ def layout_permutation(seq_len: int, layout: str, ring_size: int, ulysses_size: 
         return tokens.reshape(seq_len // ring_size, ring_size).T.reshape(-1)
     chunks = tokens.reshape(2 * ring_size, seq_len // (2 * ring_size))
     return np.concatenate([chunks[: ring_size], chunks[ring_size:][::-1]], axis=1).reshape(-1)
+
+
+def ring_positions(layout: str, size: int, t: int) -> np.ndarray:
+    """The original position of every token of every ring shard, int32 [R, t] (row r: shard r in
+    layout order): static, so a window's per-block decision needs no communication. Inside USP
+    the ring attention's shard is a whole ring shard (Ulysses splits it contiguously)."""
+    return layout_permutation(size * t, layout, size).astype(np.int32).reshape(size, t)

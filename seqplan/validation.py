@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from .axes import DATA, KNOWN_AXES, RING, RING_INNER, RING_OUTER, ULYSSES
 from .layouts import LAYOUTS, seq_multiple
 
-DTYPES = ("float32", "bfloat16", "float16")
-KV_EXCHANGES = ("ring", "allgather")
+Dtype = Literal["float32", "bfloat16", "float16"]
+KvExchange = Literal["ring", "allgather"]  # ring hops, or one all-gather of K/V
+Algorithm = Literal["local", "ring", "ulysses", "usp", "double_ring", "double_ring_usp"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+KV_EXCHANGES: tuple[str, ...] = get_args(KvExchange)
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 
 
 @dataclass(frozen=True)
@@ -23,12 +28,13 @@ class Decomposition:
     data: int
     ring: int
     ulysses: int
-    algorithm: str  # "local" | "ring" | "ulysses" | "usp" | "double_ring" | "double_ring_usp"
+    algorithm: Algorithm
     ring_outer: int = 1  # double ring only: ring = ring_outer * ring_inner
     ring_inner: int = 1
 
 
-def _algorithm(axes) -> str:
+def algorithm_of(axes) -> Algorithm:
+    """The algorithm a mesh with these axis names runs (docs/contract.md: the names pick it)."""
     has_ulysses = ULYSSES in axes
     if RING_OUTER in axes:
         return "double_ring_usp" if has_ulysses else "double_ring"
@@ -188,5 +194,5 @@ def validate(q_shape, k_shape, v_shape, dtypes, mesh_sizes: dict, *, layout: str
         raise ValueError(
             f"seq_len % {multiple} must be 0 for layout {layout!r} with {ring_name}={ring}, {ULYSSES}={ulysses}, "
             f"got seq_len={s}")
-    return Decomposition(data=data, ring=ring, ulysses=ulysses, algorithm=_algorithm(mesh_sizes),
+    return Decomposition(data=data, ring=ring, ulysses=ulysses, algorithm=algorithm_of(mesh_sizes),
                          ring_outer=ring_outer, ring_inner=ring_inner)

@@ -69,8 +69,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal, get_args
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
+Layout = Literal["contiguous", "zigzag", "stripe"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
 
 
 # ---- block masks --------------------------------------------------------------------------------

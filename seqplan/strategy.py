@@ -1,0 +1,62 @@
+"""The mesh a one-device replay stands for (:class:`Strategy`): its sizes, the api's mesh axes, the
+schedule its real loops walk and each Ulysses coordinate's head groups — the same in both
+implementations' ``replay.py`` and in the benchmarks that count a device's block calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
+from .schedule import Exchange, Schedule, make_schedule, window_reach
+from .validation import KV_EXCHANGES
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The mesh a replay stands for. ``ring``: R, devices on the (combined) ring; ``ulysses``: U;
+    ``outer``: O, the double ring's outer ring (1: a single ring; the inner ring is R / O);
+    ``kv_exchange``: "ring" or "allgather" (a single ring only)."""
+
+    ring: int = 1
+    ulysses: int = 1
+    outer: int = 1
+    kv_exchange: str = "ring"
+
+    def __post_init__(self):
+        if min(self.ring, self.ulysses, self.outer) < 1:
+            raise ValueError(f"ring, ulysses and outer must be >= 1, got {self.ring}, {self.ulysses}, {self.outer}")
+        if self.kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {self.kv_exchange!r}")
+        if self.outer > 1 and (self.ring % self.outer or self.ring // self.outer < 2 or self.kv_exchange != "ring"):
+            raise ValueError(f"a double ring needs ring = outer x inner with inner >= 2 and kv_exchange='ring', got "
+                             f"ring={self.ring}, outer={self.outer}, kv_exchange={self.kv_exchange!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.ring * self.ulysses
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """The api's mesh axes for this strategy (what ``validation.validate`` checks)."""
+        sizes = {RING_OUTER: self.outer, RING_INNER: self.ring // self.outer} if self.outer > 1 else {RING: self.ring}
+        return {**sizes, ULYSSES: self.ulysses}
+
+    def schedule(self, layout: str, causal: bool, window: tuple[int, int] | None = None,
+                 shard_len: int = 0) -> Schedule:
+        """The schedule the real loops of this strategy walk (Ulysses alone: one device's)."""
+        if self.outer > 1:
+            return make_schedule(Exchange.DOUBLE_RING, layout, causal, self.outer, self.ring // self.outer)
+        if self.kv_exchange == "allgather":
+            return make_schedule(Exchange.ALLGATHER, layout, causal, 1, self.ring)
+        # a window the ring truncates for (kernel_window's form; shard_len = T / R tokens)
+        return make_schedule(Exchange.RING, layout, causal, 1, self.ring,
+                             window_reach(layout, causal, window, shard_len, self.ring))
+
+    def head_groups(self, heads: int, kv_heads: int, u: int) -> tuple[slice, slice, bool]:
+        """(query heads, KV heads, replicated) of Ulysses coordinate ``u``: with kv_heads < U each
+        KV head is replicated U / kv_heads times and device u reads replica u of the result."""
+        n = self.ulysses
+        q_heads = slice(u * heads // n, (u + 1) * heads // n)
+        if kv_heads >= n:
+            return q_heads, slice(u * kv_heads // n, (u + 1) * kv_heads // n), False
+        head = u // (n // kv_heads)
+        return q_heads, slice(head, head + 1), True
