@@ -62,7 +62,8 @@ class ReplaySpec:
 
 
 STRATEGIES = {s.name: s for s in (
-    ReplaySpec("zigzag-r2", ring=2), ReplaySpec("zigzag-r4", ring=4), ReplaySpec("zigzag-r8", ring=8),
+    ReplaySpec("ring-r1", ring=1), ReplaySpec("zigzag-r2", ring=2), ReplaySpec("zigzag-r4", ring=4),
+    ReplaySpec("zigzag-r8", ring=8),
     ReplaySpec("stripe-r4", ring=4, layout="stripe"), ReplaySpec("stripe-r8", ring=8, layout="stripe"),
     ReplaySpec("contiguous-r2", ring=2, layout="contiguous"), ReplaySpec("contiguous-r4", ring=4, layout="contiguous"),
     ReplaySpec("contiguous-r8", ring=8, layout="contiguous"),

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from seqplan.routing import ALL_MASKS, LOW_PRECISION, Route, as_block_mask, first_route, reachable
-from seqplan.schedule import BlockMask
+from seqplan.schedule import BlockMask, MaskKind
 
 F32 = torch.float32
 
@@ -84,7 +84,10 @@ AUTO_ROUTES: tuple[Route, ...] = (
     Route("aten_cudnn", "fastest verified: 577 / 561 / 531 TFLOP/s full / causal / strict vs aten_flash 325 / 325 / "
           "323 (bf16; fp16 verified for d 64 MHA only so far)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=ALL_MASKS, deterministic=False),
-    Route("reference", "any other platform: the portable kernel"),
+    Route("aten_varlen", "document blocks (full, causal diagonal; ids one run per document) on FA2 varlen: "
+          "docs/gpu/masked-2026-11-24-h100.md; its determinism not measured, so not in deterministic mode",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
+    Route("reference", "any other platform, and every block no fused kernel takes: the portable kernel"),
 )
 
 

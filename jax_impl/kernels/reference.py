@@ -2,6 +2,12 @@
 full precision, any device, any dtype. The default on CPU and for float32, and the fallback of
 the fused kernels' backward when a caller passes an lse cotangent.
 
+Blockwise: the keys are walked in chunks of ``c`` (:func:`key_chunk`; a ``lax.scan`` when there is
+more than one) with an online softmax in the forward and the scores recomputed per chunk in the
+backward, so a block's temporaries are O(t · c), never the [t, s] scores: a packed-documents block
+of 16k × 16k tokens fits where its float32 scores (8 GiB at 8 heads) would not. A block small
+enough (t · s ≤ ``SCORE_ELEMENTS``) is one chunk: the plain softmax.
+
 Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32; with a
 document mask, ``segments = (q_ids [b, t], kv_ids [b, s])``; with a window,
 ``positions = (q_pos [t], kv_pos [s])`` (int32 original token positions).
@@ -21,30 +27,63 @@ F32 = jnp.float32
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
-def mask_matrix(mask: BlockMask, t: int, s: int, segments=None, positions=None):
-    """Visible (query, key) pairs in local indices, broadcastable to scores [b, hk, g, t, s]:
-    [t, s] bool, [b, 1, 1, t, s] with documents, or None when every pair is visible."""
+# Scores held at once per (batch, head): t · c float32 (4 MiB). t · s below it: one chunk.
+SCORE_ELEMENTS = 1 << 20
+MIN_KEY_CHUNK = 64
+
+
+def key_chunk(t: int, s: int) -> int:
+    """Keys per chunk for a [t, s] block: all of them when t · s ≤ SCORE_ELEMENTS, else the largest
+    power of two ≤ SCORE_ELEMENTS / t (at least MIN_KEY_CHUNK)."""
+    if t * s <= SCORE_ELEMENTS:
+        return s
+    c = max(MIN_KEY_CHUNK, SCORE_ELEMENTS // max(t, 1))
+    return min(s, 1 << (c.bit_length() - 1))
+
+
+def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions) -> None:
+    """ValueError unless ``segments`` is given exactly with documents, ``positions`` exactly with a
+    window, and a causal / strict block is square."""
     if mask.documents != (segments is not None):
         raise ValueError(f"segments must be given exactly when the mask has documents (mask {mask}, "
                          f"segments {'given' if segments is not None else 'None'})")
     if (mask.window is not None) != (positions is not None):
         raise ValueError(f"positions must be given exactly when the mask has a window (mask {mask}, "
                          f"positions {'given' if positions is not None else 'None'})")
+    if mask.kind is not MaskKind.FULL and t != s:
+        raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
+
+
+def chunk_visible(mask: BlockMask, t: int, s: int, kv_index, q_ids=None, kv_ids=None, q_pos=None, kv_pos=None):
+    """Visible (query, key) pairs of the queries against one chunk of keys ``kv_index`` [c] (their
+    indices in the block; indices ≥ s are padding, never visible), broadcastable to the scores
+    [b, hk, g, t, c]: [t, c] bool, [b, 1, 1, t, c] with documents (``kv_ids`` [b, c], the chunk's),
+    or None when every pair is visible. A window reads ``q_pos`` [t] and the chunk's ``kv_pos`` [c]."""
+    c = kv_index.shape[0]
     visible = None
     if mask.kind is not MaskKind.FULL:
-        if t != s:
-            raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
-        visible = jnp.tril(jnp.ones((t, s), dtype=bool), k=0 if mask.kind is MaskKind.CAUSAL else -1)
-    if positions is not None:
-        (left, right), (q_pos, kv_pos) = mask.window, positions
-        q_pos, kv_pos = q_pos[:, None], kv_pos[None, :]
-        near = (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)  # [t, s]
+        q_index = jnp.arange(t)[:, None]
+        visible = kv_index[None, :] <= q_index if mask.kind is MaskKind.CAUSAL else kv_index[None, :] < q_index
+    elif c * -(-s // c) != s:  # padded keys only exist when c does not divide s
+        visible = jnp.broadcast_to(kv_index[None, :] < s, (t, c))
+    if q_pos is not None:
+        (left, right), qp, kp = mask.window, q_pos[:, None], kv_pos[None, :]
+        near = (kp >= qp - left) & (kp <= qp + right)  # [t, c]
         visible = near if visible is None else visible & near
-    if segments is not None:
-        q_ids, kv_ids = segments
-        same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]  # [b, 1, 1, t, s]
+    if q_ids is not None:
+        same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]  # [b, 1, 1, t, c]
         visible = same if visible is None else same & visible[None, None, None]
     return visible
+
+
+def mask_matrix(mask: BlockMask, t: int, s: int, segments=None, positions=None):
+    """Visible (query, key) pairs of the whole block, broadcastable to scores [b, hk, g, t, s]:
+    [t, s] bool, [b, 1, 1, t, s] with documents, or None when every pair is visible (for tests
+    and small blocks; the kernels below build it chunk by chunk)."""
+    check_mask_arrays(mask, t, s, segments, positions)
+    q_ids, kv_ids = segments if segments is not None else (None, None)
+    q_pos, kv_pos = positions if positions is not None else (None, None)
+    return chunk_visible(mask, t, s, jnp.arange(s), q_ids, kv_ids, q_pos, kv_pos)
 
 
 def _scores(q, k, scale):
@@ -56,49 +95,105 @@ def _scores(q, k, scale):
     return s * jnp.asarray(scale, F32)
 
 
-def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
-    """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
-    strict mask on row 0, a query whose document or window has no key in the block), which the
-    LSE merge treats as an empty partial."""
+def _key_chunks(c: int, k, v, segments, positions):
+    """The keys' side split into n chunks of c (zero-padded to n · c), each leading with n:
+    (kv_index [n, c], k, v [n, b, c, hk, d], kv_ids [n, b, c] or None, kv_pos [n, c] or None)."""
+    s = k.shape[1]
+    n = -(-s // c)
+    pad = n * c - s
+
+    def split(x, axis):
+        x = jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)]) if pad else x
+        x = x.reshape(*x.shape[:axis], n, c, *x.shape[axis + 1:])
+        return jnp.moveaxis(x, axis, 0)
+
+    kv_ids = None if segments is None else split(segments[1], 1)
+    kv_pos = None if positions is None else split(positions[1], 0)
+    return jnp.arange(n * c).reshape(n, c), split(k, 1), split(v, 1), kv_ids, kv_pos
+
+
+def _walk(body, carry, xs):
+    """``lax.scan(body, carry, xs)``, or the body once when there is one chunk (no loop to compile)."""
+    if jax.tree_util.tree_leaves(xs)[0].shape[0] == 1:
+        carry, y = body(carry, jax.tree_util.tree_map(lambda x: x[0], xs))
+        return carry, jax.tree_util.tree_map(lambda x: x[None], y)
+    return jax.lax.scan(body, carry, xs)
+
+
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, *,
+                        chunk: int | None = None):
+    """Portable forward, an online softmax over key chunks (``chunk``: default :func:`key_chunk`).
+    A query row with no visible key gets o = 0 and lse = -inf (stripe's strict mask on row 0, a
+    query whose document or window has no key in the block), which the LSE merge treats as an
+    empty partial."""
     b, t, h, d = q.shape
-    s = _scores(q, k, scale)
-    visible = mask_matrix(mask, t, k.shape[1], segments, positions)
-    if visible is not None:
-        s = jnp.where(visible, s, -jnp.inf)
-    row_max = jnp.max(s, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.exp(s - row_max)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    has_key = denom > 0
-    lse = jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
-    p = p / jnp.where(has_key, denom, 1.0)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(F32), precision=_PRECISION)
-    return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
+    s, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    check_mask_arrays(mask, t, s, segments, positions)
+    q_ids = None if segments is None else segments[0]
+    q_pos = None if positions is None else positions[0]
+    xs = _key_chunks(chunk or key_chunk(t, s), k, v, segments, positions)
+
+    def step(carry, x):
+        m, total, acc = carry  # running max, sum and numerator: [b, hk, g, t], [..], [b, hk, g, t, d]
+        kv_index, k_c, v_c, kv_ids, kv_pos = x
+        sc = _scores(q, k_c, scale)
+        visible = chunk_visible(mask, t, s, kv_index, q_ids, kv_ids, q_pos, kv_pos)
+        if visible is not None:
+            sc = jnp.where(visible, sc, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(sc - m_safe[..., None])
+        rescale = jnp.exp(m - m_safe)  # 0 while m is still -inf
+        total = total * rescale + jnp.sum(p, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, v_c.astype(F32), precision=_PRECISION)
+        return (m_new, total, acc), None
+
+    init = (jnp.full((b, hk, g, t), -jnp.inf, F32), jnp.zeros((b, hk, g, t), F32), jnp.zeros((b, hk, g, t, d), F32))
+    (m, total, acc), _ = _walk(step, init, xs)
+    has_key = total > 0
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    lse = jnp.where(has_key, m_safe + jnp.log(jnp.where(has_key, total, 1.0)), -jnp.inf)
+    o = acc / jnp.where(has_key, total, 1.0)[..., None]
+    return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d), lse.reshape(b, h, t)
 
 
 def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
-                        positions=None):
-    """Portable backward with the global ``o`` and ``lse``:
-    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO."""
+                        positions=None, *, chunk: int | None = None):
+    """Portable backward with the global ``o`` and ``lse``, per key chunk:
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K (summed over chunks),
+    dK = scale·dSᵀ Q, dV = Pᵀ dO (each chunk's own rows)."""
     b, t, h, d = q.shape
-    hk = k.shape[2]
+    s, hk = k.shape[1], k.shape[2]
     g = h // hk
-    s = _scores(q, k, scale)
+    check_mask_arrays(mask, t, s, segments, positions)
+    q_ids = None if segments is None else segments[0]
+    q_pos = None if positions is None else positions[0]
     lse_g = lse.reshape(b, hk, g, t)[..., None]
-    p = jnp.exp(s - lse_g)
-    visible = mask_matrix(mask, t, k.shape[1], segments, positions)
-    if visible is not None:
-        p = jnp.where(visible, p, 0.0)
     do_g = do.astype(F32).reshape(b, t, hk, g, d)
+    q_g = q.astype(F32).reshape(b, t, hk, g, d)
     delta = jnp.einsum("btkgd,btkgd->bkgt", do_g, o.astype(F32).reshape(b, t, hk, g, d), precision=_PRECISION)
     if dlse is not None:
         delta = delta - dlse.astype(F32).reshape(b, hk, g, t)
-    dv = jnp.einsum("bkgts,btkgd->bskd", p, do_g, precision=_PRECISION)
-    dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v.astype(F32), precision=_PRECISION)
-    ds = p * (dp - delta[..., None]) * jnp.asarray(scale, F32)
-    dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(F32), precision=_PRECISION).reshape(b, t, h, d)
-    dk = jnp.einsum("bkgts,btkgd->bskd", ds, q.astype(F32).reshape(b, t, hk, g, d), precision=_PRECISION)
-    return dq, dk, dv
+    c = chunk or key_chunk(t, s)
+    xs = _key_chunks(c, k, v, segments, positions)
+
+    def step(dq, x):
+        kv_index, k_c, v_c, kv_ids, kv_pos = x
+        p = jnp.exp(_scores(q, k_c, scale) - lse_g)
+        visible = chunk_visible(mask, t, s, kv_index, q_ids, kv_ids, q_pos, kv_pos)
+        if visible is not None:
+            p = jnp.where(visible, p, 0.0)
+        dv_c = jnp.einsum("bkgts,btkgd->bskd", p, do_g, precision=_PRECISION)
+        dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v_c.astype(F32), precision=_PRECISION)
+        ds = p * (dp - delta[..., None]) * jnp.asarray(scale, F32)
+        dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, k_c.astype(F32), precision=_PRECISION)
+        dk_c = jnp.einsum("bkgts,btkgd->bskd", ds, q_g, precision=_PRECISION)
+        return dq, (dk_c, dv_c)
+
+    dq, (dk, dv) = _walk(step, jnp.zeros((b, t, hk, g, d), F32), xs)
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, hk, d)[:, :s]  # [n, b, c, hk, d] -> [b, s, hk, d]
+    return dq.reshape(b, t, h, d), unchunk(dk), unchunk(dv)
 
 
 register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd))

@@ -4,12 +4,14 @@ to the block interface of ``block.py`` and registering them there:
 - ``reference``: the portable einsum kernels (float32 accumulation, any device);
 - ``aten``: torch's fused SDPA ops — ``aten_cpu``, ``aten_flash``, ``aten_cudnn`` (binds aten's
   underscore ops, which return the lse the ring needs);
+- ``varlen``: ``aten_varlen``, document-masked blocks on FlashAttention-2's varlen kernels (one
+  problem per document run, from ``seqplan.documents``);
 - ``flex``: torch's FlexAttention, every block mask (documents, windows) applied inside the kernel
   (binds the private flex backward operator, which takes the global o and lse).
 
-Torch internals are confined to ``aten.py`` and ``flex.py``, each saying why. Unlike the algorithm files, this
+Torch internals are confined to ``aten.py``, ``varlen.py`` and ``flex.py``, each saying why. Unlike the algorithm files, this
 folder differs from ``jax_impl/kernels/`` by nature: each framework binds its own kernels (JAX:
 ``reference``, ``fused``, ``cudnn``, ``fa3``).
 """
 
-from . import aten, flex, reference  # noqa: F401  (each registers its backends)
+from . import aten, flex, reference, varlen  # noqa: F401  (each registers its backends)

@@ -1,7 +1,12 @@
 """The portable block kernels (backend ``"reference"``): einsum with float32 accumulation, any
 device, any dtype. The default on CPU and for float32, the fallback of the aten adapters'
-backward when a caller passes an lse cotangent, and the kernel of every document-masked or
-windowed block (no fused document or window kernel is registered yet).
+backward when a caller passes an lse cotangent, and the kernel of a document-masked or windowed
+block that no fused kernel takes.
+
+Blockwise, as jax_impl's: the keys are walked in chunks of ``c`` (:func:`key_chunk`) with an
+online softmax in the forward and the scores recomputed per chunk in the backward, so a block's
+temporaries are O(t · c), never the [t, s] scores. A block with t · s ≤ ``SCORE_ELEMENTS`` is one
+chunk: the plain softmax.
 
 Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32; with a document
 mask, ``segments = (q_ids [b, t], kv_ids [b, s])`` integer ids (query i sees key j only if their
@@ -21,33 +26,39 @@ from ..block import BlockBackend, register_backend
 F32 = torch.float32
 
 
-def _window_matrix(window: tuple[int, int], t: int, s: int, positions):
-    """[t, s]: q_pos - left <= kv_pos <= q_pos + right, from ``positions = (q_pos [t], kv_pos [s])``."""
-    if positions is None:
-        raise ValueError("a windowed mask needs positions = (q_pos [t], kv_pos [s])")
-    q_pos, kv_pos = positions
-    if tuple(q_pos.shape) != (t,) or tuple(kv_pos.shape) != (s,):
-        raise ValueError(f"positions must be [{t}] and [{s}] like the block, got {tuple(q_pos.shape)} and "
-                         f"{tuple(kv_pos.shape)}")
+# Scores held at once per (batch, head): t · c float32 (4 MiB). t · s below it: one chunk.
+SCORE_ELEMENTS = 1 << 20
+MIN_KEY_CHUNK = 64
+
+
+def key_chunk(t: int, s: int) -> int:
+    """Keys per chunk for a [t, s] block: all of them when t · s ≤ SCORE_ELEMENTS, else the largest
+    power of two ≤ SCORE_ELEMENTS / t (at least MIN_KEY_CHUNK)."""
+    if t * s <= SCORE_ELEMENTS:
+        return s
+    c = max(MIN_KEY_CHUNK, SCORE_ELEMENTS // max(t, 1))
+    return min(s, 1 << (c.bit_length() - 1))
+
+
+def _window_matrix(window: tuple[int, int], q_pos, kv_pos):
+    """[t, c]: q_pos - left <= kv_pos <= q_pos + right (original positions)."""
     left, right = window
     offset = kv_pos.long()[None, :] - q_pos.long()[:, None]  # key minus query, original positions
     return (offset >= -left) & (offset <= right)
 
 
-def mask_matrix(mask: BlockMask, t: int, s: int, device, segments=None, positions=None):
-    """The visible (query, key) pairs in local indices, broadcastable against the scores
-    [b, hk, g, t, s]: None when every pair is (FULL), the static pattern [t, s] (with
-    ``mask.window``: & the window on ``positions``), or with ``mask.documents`` that
-    & (q_ids[:, :, None] == kv_ids[:, None, :]) as [b, 1, 1, t, s] (the same for every head)."""
-    visible = None
-    if mask.kind is not MaskKind.FULL:
-        if t != s:
-            raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
-        offset = 0 if mask.kind is MaskKind.CAUSAL else -1
-        visible = torch.ones((t, s), dtype=torch.bool, device=device).tril(offset)
+def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions) -> None:
+    """ValueError unless a causal / strict block is square, a window comes with positions [t], [s]
+    and documents with segments [b, t], [b, s]."""
+    if mask.kind is not MaskKind.FULL and t != s:
+        raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
     if mask.window is not None:
-        inside = _window_matrix(mask.window, t, s, positions).to(device)
-        visible = inside if visible is None else visible & inside
+        if positions is None:
+            raise ValueError("a windowed mask needs positions = (q_pos [t], kv_pos [s])")
+        q_pos, kv_pos = positions
+        if tuple(q_pos.shape) != (t,) or tuple(kv_pos.shape) != (s,):
+            raise ValueError(f"positions must be [{t}] and [{s}] like the block, got {tuple(q_pos.shape)} and "
+                             f"{tuple(kv_pos.shape)}")
     if mask.documents:
         if segments is None:
             raise ValueError("a document mask needs segments = (q_ids [b, t], kv_ids [b, s])")
@@ -55,9 +66,34 @@ def mask_matrix(mask: BlockMask, t: int, s: int, device, segments=None, position
         if q_ids.shape[1] != t or kv_ids.shape[1] != s:
             raise ValueError(f"segments must be [b, {t}] and [b, {s}] like the block, got {tuple(q_ids.shape)} "
                              f"and {tuple(kv_ids.shape)}")
-        same = q_ids[:, :, None] == kv_ids[:, None, :]  # [b, t, s]
+
+
+def chunk_visible(mask: BlockMask, t: int, lo: int, hi: int, device, segments=None, positions=None):
+    """The visible pairs of the queries against keys lo..hi-1 of the block, broadcastable against
+    the scores [b, hk, g, t, hi - lo]: None when every pair is (FULL), the static pattern
+    [t, c] (with ``mask.window``: & the window on ``positions``), or with ``mask.documents`` that
+    & (q_ids[:, :, None] == kv_ids[:, None, lo:hi]) as [b, 1, 1, t, c] (the same for every head)."""
+    visible = None
+    if mask.kind is not MaskKind.FULL:
+        q_index = torch.arange(t, device=device)[:, None]
+        kv_index = torch.arange(lo, hi, device=device)[None, :]
+        visible = kv_index <= q_index if mask.kind is MaskKind.CAUSAL else kv_index < q_index
+    if mask.window is not None:
+        q_pos, kv_pos = positions
+        inside = _window_matrix(mask.window, q_pos, kv_pos[lo:hi]).to(device)
+        visible = inside if visible is None else visible & inside
+    if mask.documents:
+        q_ids, kv_ids = segments
+        same = q_ids[:, :, None] == kv_ids[:, None, lo:hi]  # [b, t, c]
         visible = (same if visible is None else same & visible)[:, None, None]
     return visible
+
+
+def mask_matrix(mask: BlockMask, t: int, s: int, device, segments=None, positions=None):
+    """The visible (query, key) pairs of the whole block (:func:`chunk_visible` of all its keys;
+    for tests and small blocks — the kernels below build it chunk by chunk)."""
+    check_mask_arrays(mask, t, s, segments, positions)
+    return chunk_visible(mask, t, 0, s, device, segments, positions)
 
 
 def _scores(q, k, scale):
@@ -68,49 +104,73 @@ def _scores(q, k, scale):
     return torch.einsum("btkgd,bskd->bkgts", qg, k.float()) * scale
 
 
-def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
-    """Portable forward. A query row with no visible key gets o = 0 and lse = -inf (stripe's
-    strict mask on row 0, no key of its document in the block, or none inside its window),
-    which the LSE merge treats as an empty partial."""
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, *,
+                        chunk: int | None = None):
+    """Portable forward, an online softmax over key chunks (``chunk``: default :func:`key_chunk`).
+    A query row with no visible key gets o = 0 and lse = -inf (stripe's strict mask on row 0, no
+    key of its document in the block, or none inside its window), which the LSE merge treats as
+    an empty partial."""
     b, t, h, d = q.shape
-    s = _scores(q, k, scale)
-    visible = mask_matrix(mask, t, k.shape[1], q.device, segments, positions)
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    row_max = s.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(s - row_max)
-    denom = p.sum(dim=-1, keepdim=True)
-    has_key = denom > 0
-    safe = torch.where(has_key, denom, torch.ones_like(denom))
-    lse = torch.where(has_key, row_max + torch.log(safe), torch.full_like(denom, float("-inf")))
-    o = torch.einsum("bkgts,bskd->btkgd", p / safe, v.float())
-    return o.reshape(b, t, h, d), lse[..., 0].reshape(b, h, t)
+    s, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    check_mask_arrays(mask, t, s, segments, positions)
+    c = chunk or key_chunk(t, s)
+    m = torch.full((b, hk, g, t), float("-inf"), device=q.device)  # running max
+    total = torch.zeros((b, hk, g, t), device=q.device)  # running sum of exp
+    acc = torch.zeros((b, hk, g, t, d), device=q.device)  # running numerator
+    for lo in range(0, s, c):
+        hi = min(s, lo + c)
+        sc = _scores(q, k[:, lo:hi], scale)
+        visible = chunk_visible(mask, t, lo, hi, q.device, segments, positions)
+        if visible is not None:
+            sc.masked_fill_(~visible, float("-inf"))
+        m_new = torch.maximum(m, sc.amax(dim=-1))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = sc.sub_(m_safe.unsqueeze(-1)).exp_()
+        rescale = torch.exp(m - m_safe)  # 0 while m is still -inf
+        total.mul_(rescale).add_(p.sum(dim=-1))
+        acc.mul_(rescale.unsqueeze(-1)).add_(torch.einsum("bkgts,bskd->bkgtd", p, v[:, lo:hi].float()))
+        m = m_new
+    has_key = total > 0
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    safe = torch.where(has_key, total, torch.ones_like(total))
+    lse = torch.where(has_key, m_safe + torch.log(safe), torch.full_like(total, float("-inf")))
+    o = (acc / safe.unsqueeze(-1)).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return o, lse.reshape(b, h, t)
 
 
 def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
-                        positions=None):
-    """Portable backward with the global ``o`` and ``lse``:
-    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K, dK = scale·dSᵀ Q, dV = Pᵀ dO.
+                        positions=None, *, chunk: int | None = None):
+    """Portable backward with the global ``o`` and ``lse``, per key chunk:
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K (summed over chunks),
+    dK = scale·dSᵀ Q, dV = Pᵀ dO (each chunk's own rows).
     Masked pairs have P = 0, so a row with no visible key contributes nothing."""
     b, t, h, d = q.shape
-    hk = k.shape[2]
+    s, hk = k.shape[1], k.shape[2]
     g = h // hk
-    s = _scores(q, k, scale)
-    p = torch.exp(s - lse.float().reshape(b, hk, g, t, 1))
-    visible = mask_matrix(mask, t, k.shape[1], q.device, segments, positions)
-    if visible is not None:
-        p = p.masked_fill(~visible, 0.0)
+    check_mask_arrays(mask, t, s, segments, positions)
+    lse_g = lse.float().reshape(b, hk, g, t, 1)
     do_g = do.float().reshape(b, t, hk, g, d)
+    q_g = q.float().reshape(b, t, hk, g, d)
     delta = torch.einsum("btkgd,btkgd->bkgt", do_g, o.float().reshape(b, t, hk, g, d))
     if dlse is not None:
         delta = delta - dlse.float().reshape(b, hk, g, t)
-    dv = torch.einsum("bkgts,btkgd->bskd", p, do_g)
-    dp = torch.einsum("btkgd,bskd->bkgts", do_g, v.float())
-    ds = p * (dp - delta.unsqueeze(-1)) * scale
-    dq = torch.einsum("bkgts,bskd->btkgd", ds, k.float()).reshape(b, t, h, d)
-    dk = torch.einsum("bkgts,btkgd->bskd", ds, q.float().reshape(b, t, hk, g, d))
-    return dq, dk, dv
+    dq = torch.zeros((b, t, hk, g, d), device=q.device)
+    dk = torch.empty((b, s, hk, d), device=q.device)
+    dv = torch.empty((b, s, hk, d), device=q.device)
+    c = chunk or key_chunk(t, s)
+    for lo in range(0, s, c):
+        hi = min(s, lo + c)
+        k_c, v_c = k[:, lo:hi].float(), v[:, lo:hi].float()
+        p = _scores(q, k_c, scale).sub_(lse_g).exp_()
+        visible = chunk_visible(mask, t, lo, hi, q.device, segments, positions)
+        if visible is not None:
+            p.masked_fill_(~visible, 0.0)
+        dv[:, lo:hi] = torch.einsum("bkgts,btkgd->bskd", p, do_g)
+        ds = torch.einsum("btkgd,bskd->bkgts", do_g, v_c).sub_(delta.unsqueeze(-1)).mul_(p).mul_(scale)
+        dq.add_(torch.einsum("bkgts,bskd->btkgd", ds, k_c))
+        dk[:, lo:hi] = torch.einsum("bkgts,btkgd->bskd", ds, q_g)
+    return dq.reshape(b, t, h, d), dk, dv
 
 
 register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd))

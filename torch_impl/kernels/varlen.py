@@ -1,0 +1,123 @@
+"""Backend ``"aten_varlen"``: document-masked blocks on FlashAttention-2's varlen kernels
+(``aten._flash_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``, CUDA).
+
+A document-masked block whose ids form one run per document (``seqplan.documents``) is a batch of
+independent attention problems; the varlen kernel runs them from cumulative offsets, so a packed
+32k sequence costs its documents' pairs, not the [t, s] scores. Why the underscore aten ops: the
+public ``torch.nn.attention.varlen.varlen_attn`` returns lse only through ``return_aux`` and its
+registered backward uses its own o and lse, while the ring's block backward needs the *global*
+o and lse; the ops' argument lists can change between torch releases, so they are used here and
+nowhere else, and checked on a GPU (``benchmarks``' verified rows, ``tests/gpu``).
+
+What it takes: bf16 / fp16, FULL blocks and CAUSAL diagonal blocks with documents (the kernel's
+causal mask is per run, exact when every run is square — ``document_runs`` checks), GQA natively
+(FA2 groups query heads over K/V heads). What it routes elsewhere, forward and backward alike:
+no documents (``aten_flash``'s job), a window, a strict block, an lse cotangent, or ids that are
+not one run per document (the portable kernel: never guessed). Queries whose document has no key
+in the block get o = 0, lse = -inf and zero gradients, written here, not left to the kernel.
+The run list is computed on the host from the block's ids (one device-to-host copy per block).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqplan.documents import DocumentRuns, document_runs
+from seqplan.routing import LOW_PRECISION
+from seqplan.schedule import BlockMask, MaskKind
+
+from ..block import BlockBackend, register_backend
+from .reference import reference_block_bwd, reference_block_fwd
+
+F32 = torch.float32
+_RNG: dict = {}
+
+
+def _runs(mask: BlockMask, segments) -> DocumentRuns | None:
+    q_ids, kv_ids = segments
+    return document_runs(q_ids.cpu().numpy(), kv_ids.cpu().numpy(), mask.kind is MaskKind.CAUSAL)
+
+
+def _fits(mask: BlockMask, segments, positions, dtype) -> bool:
+    return (segments is not None and positions is None and mask.window is None and mask.kind is not MaskKind.STRICT
+            and dtype in (torch.bfloat16, torch.float16))
+
+
+def _offsets(runs: DocumentRuns, device):
+    cu_q = torch.from_numpy(runs.cu_q).to(device, non_blocking=True)
+    cu_k = torch.from_numpy(runs.cu_k).to(device, non_blocking=True)
+    index = None if runs.kv_index is None else torch.from_numpy(runs.kv_index).to(device, non_blocking=True)
+    empty = None if runs.empty_rows is None else torch.from_numpy(runs.empty_rows).to(device, non_blocking=True)
+    return cu_q, cu_k, index, empty
+
+
+def _packed_kv(x, index):
+    """[b, s, hk, d] -> the keys of the runs, packed [total_k, hk, d] (a view when in order)."""
+    flat = x.reshape(-1, *x.shape[2:])
+    return flat if index is None else flat.index_select(0, index)
+
+
+def _rng_state(device, dtype, d: int):
+    """The (rng_state, unused) pair the backward op expects from its forward: with no dropout it
+    does not depend on the block, so one tiny varlen forward per (device, dtype, head_dim) gives it."""
+    key = (device, dtype, d)
+    if key not in _RNG:
+        x = torch.zeros((1, 1, d), device=device, dtype=dtype)
+        cu = torch.tensor([0, 1], device=device, dtype=torch.int32)
+        out = torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 1, 1, 0.0, False, False)
+        _RNG[key] = (out[2], out[3])
+    return _RNG[key]
+
+
+def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
+    runs = _runs(mask, segments) if _fits(mask, segments, positions, q.dtype) else None
+    if runs is None:
+        return reference_block_fwd(q, k, v, mask, scale, segments, positions)
+    b, t, h, d = q.shape
+    if runs.max_k == 0:  # no query's document has a key here
+        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+                torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
+    cu_q, cu_k, index, empty = _offsets(runs, q.device)
+    o, lse = torch.ops.aten._flash_attention_forward(
+        q.reshape(b * t, h, d), _packed_kv(k, index), _packed_kv(v, index), cu_q, cu_k, runs.max_q, runs.max_k, 0.0,
+        mask.kind is MaskKind.CAUSAL, False, scale=scale)[:2]
+    lse = lse.float()  # [h, b·t]
+    if empty is not None:
+        o = o.masked_fill(empty[:, None, None], 0.0)
+        lse = lse.masked_fill(empty[None, :], float("-inf"))
+    return o.reshape(b, t, h, d), lse.reshape(h, b, t).transpose(0, 1).contiguous()
+
+
+def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
+    runs = _runs(mask, segments) if dlse is None and _fits(mask, segments, positions, q.dtype) else None
+    if runs is None:
+        return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
+    b, t, h, d = q.shape
+    s, hk = k.shape[1], k.shape[2]
+    if runs.max_k == 0:
+        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    cu_q, cu_k, index, empty = _offsets(runs, q.device)
+    dtype = q.dtype
+    lse_packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
+    if empty is not None:  # rows with no key here: any finite lse; their gradients are zeroed below
+        lse_packed = lse_packed.masked_fill(empty[None, :], 0.0)
+    rng, unused = _rng_state(q.device, dtype, d)
+    dq, dk_p, dv_p = torch.ops.aten._flash_attention_backward(
+        do.to(dtype).reshape(b * t, h, d), q.reshape(b * t, h, d), _packed_kv(k, index), _packed_kv(v, index),
+        o.to(dtype).reshape(b * t, h, d), lse_packed, cu_q, cu_k, runs.max_q, runs.max_k, 0.0,
+        mask.kind is MaskKind.CAUSAL, rng, unused, scale=scale)
+    if empty is not None:
+        dq = dq.masked_fill(empty[:, None, None], 0.0)
+    if index is None:
+        return dq.reshape(b, t, h, d), dk_p.reshape(b, s, hk, d), dv_p.reshape(b, s, hk, d)
+    dk = torch.zeros((b * s, hk, d), dtype=F32, device=q.device).index_add_(0, index, dk_p.float())
+    dv = torch.zeros((b * s, hk, d), dtype=F32, device=q.device).index_add_(0, index, dv_p.float())
+    return dq.reshape(b, t, h, d), dk.reshape(b, s, hk, d), dv.reshape(b, s, hk, d)
+
+
+def _supports(mask: BlockMask, dtype: str) -> bool:
+    return mask.documents and mask.window is None and mask.kind is not MaskKind.STRICT and dtype in LOW_PRECISION
+
+
+register_backend(BlockBackend("aten_varlen", varlen_block_fwd, varlen_block_bwd, supports=_supports,
+                              available=torch.cuda.is_available))
