@@ -245,6 +245,10 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
                     spec.ring, f, extra=extra, verified=verdict[0], note=f"{type(err).__name__}: {str(err)[:200]}")
                 for f in (True, False)]
     share = spec.devices
+    from seqplan.layouts import ring_positions
+
+    # each virtual device's queries: ring shard device // U (original positions; TFLOP/s on its own pairs)
+    shard_positions = ring_positions(spec.layout, spec.ring, problem.seq // spec.ring)
     for device, (fwd, bwd, temps) in measured.items():
         bare = _bare_kernels(framework, backend, spec, problem, device, iters, warmup)
         for fwd_only in (True, False):
@@ -252,6 +256,8 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
             times = fwd if fwd_only else [a + b for a, b in zip(fwd, bwd)]
             r.ms_per_iter, r.ms_spread = _median(times)
             r.tflops_per_gpu = problem.flops(fwd_only) / share / (r.ms_per_iter * 1e-3) / 1e12
+            own = problem.own_flops(shard_positions[device // spec.ulysses], 1 / spec.ulysses, fwd_only)
+            r.extra = {**r.extra, "tflops_own_pairs": own / (r.ms_per_iter * 1e-3) / 1e12}
             temp = temps[0] if fwd_only else (None if None in temps else max(temps))
             floor = problem.min_bytes_per_device(spec.devices, fwd_only)
             r.extra = {**r.extra, "temporaries_mb": None if temp is None else temp / 2**20,

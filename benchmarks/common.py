@@ -35,19 +35,17 @@ class Problem:
 
         return draw_segment_ids(self.documents, self.batch, self.seq, np.random.default_rng(0))
 
-    def visible_pairs(self) -> float:
-        """(query, key) pairs the mask lets through, summed over the batch: s²/2 causal, s² not,
-        counted exactly (NumPy, O(s)) with documents (runs of one id) and windows."""
-        if self.documents == "none" and self.window is None:
-            return self.batch * self.seq**2 / (2 if self.causal else 1)
+    def visible_keys(self):
+        """[batch, seq] int64: how many keys each query (by original position) sees under the
+        causal / full mask, the documents (runs of one id) and the window — exact, NumPy, O(s)."""
         import numpy as np
 
         i = np.arange(self.seq)
         left, right = self.window if self.window is not None else (self.seq, self.seq)
         right = 0 if self.causal else right
         ids = self.segment_ids()
-        total = 0
-        for row in ids if ids is not None else [np.zeros(self.seq, np.int64)]:
+        counts = []
+        for row in ids if ids is not None else [np.zeros(self.seq, np.int64)] * self.batch:
             starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])  # each id run (a document)
             if len(starts) != len(np.unique(row)):
                 raise ValueError("visible_pairs counts documents as runs of one id: the pattern reuses ids")
@@ -55,8 +53,21 @@ class Problem:
             run = np.repeat(np.arange(len(starts)), ends - starts)
             lo = np.maximum(starts[run], i - left)
             hi = np.minimum(ends[run] - 1, i + right)
-            total += int(np.maximum(hi - lo + 1, 0).sum())
-        return total * (self.batch if ids is None else 1)
+            counts.append(np.maximum(hi - lo + 1, 0))
+        return np.stack(counts).astype(np.int64)
+
+    def visible_pairs(self) -> float:
+        """(query, key) pairs the mask lets through, summed over the batch: s²/2 causal, s² not,
+        counted exactly (:meth:`visible_keys`) with documents and windows."""
+        if self.documents == "none" and self.window is None:
+            return self.batch * self.seq**2 / (2 if self.causal else 1)
+        return int(self.visible_keys().sum())
+
+    def own_flops(self, positions, heads_share: float, fwd_only: bool) -> float:
+        """The FLOPs of one device's own visible pairs: the pairs whose query is at original
+        ``positions`` (its ring shard), for its share of the heads (1/U under Ulysses)."""
+        fwd = 4 * self.heads * heads_share * self.head_dim * float(self.visible_keys()[:, positions].sum())
+        return fwd if fwd_only else 3.5 * fwd
 
     def flops(self, fwd_only: bool) -> float:
         """4·d·h·(visible pairs) forward — 4·b·h·s²·d/2 when causal, the FlashAttention papers'

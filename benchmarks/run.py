@@ -81,6 +81,8 @@ def _replay_note(extra: dict) -> str:
     """One-GPU replay rows: replay efficiency (Σ bare kernels / the device's replayed time) and the
     compute-side temporaries over the floor (benchmarks/efficiency.py, bench_replay.py)."""
     parts = []
+    if extra.get("tflops_own_pairs") is not None:
+        parts.append(f"{extra['tflops_own_pairs']:.0f} TFLOP/s on its own pairs")
     if extra.get("replay_efficiency") is not None:
         parts.append(f"replay efficiency {extra['replay_efficiency']:.3f} (kernels {extra['kernels_ms']:.2f} ms)")
     if extra.get("temporaries_vs_floor") is not None:

@@ -57,15 +57,22 @@ def mask_kinds(case: Case) -> list[str]:
 
 
 def resolved_backends(framework: str, backend: str, case: Case, devices: Device) -> dict[str, str]:
-    """mask kind -> the concrete kernel ``backend`` runs for it (``resolve_backend``), or why not."""
+    """mask kind -> the concrete kernel ``backend`` runs for it (``resolve_backend``), or why not.
+    With packed documents a block is resolved with its document mask (the blocks that hold
+    documents); a window is decided per block at run time, so its kinds are named "+window"."""
     import importlib
+
+    from seqplan.schedule import BlockMask, MaskKind
 
     block = importlib.import_module(f"{'jax_impl' if framework == 'jax' else 'torch_impl'}.block")
     kind = "cuda" if devices == "gpu" else "cpu"
+    documents = case.documents != "none"
     out = {}
     for mask in mask_kinds(case):
+        name = mask + ("+documents" if documents else "") + ("+window" if case.window is not None else "")
         try:
-            out[mask] = block.resolve_backend(backend, device_kind=kind, dtype=case.dtype, mask=mask)
+            out[name] = block.resolve_backend(backend, device_kind=kind, dtype=case.dtype,
+                                              mask=BlockMask(MaskKind(mask), documents=documents))
         except Exception as err:  # noqa: BLE001 — reported in the row, the run goes on
             out[mask] = f"unresolved: {err}"
     return out
