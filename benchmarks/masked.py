@@ -42,7 +42,7 @@ def _rel(a, b) -> float:
     return float((a[finite] - b[finite]).abs().max() / b[finite].abs().max().clamp_min(1e-30))
 
 
-def block_checks(device: str, heads=32, kv_heads=8, d=128, t=4096) -> list[dict]:
+def block_checks(device: str, heads=32, kv_heads=8, d=128, t=4096, backend="aten_varlen") -> list[dict]:
     """Each case: the backend under test vs the portable kernel (float32) on the same inputs."""
     import torch
 
@@ -52,10 +52,8 @@ def block_checks(device: str, heads=32, kv_heads=8, d=128, t=4096) -> list[dict]
     gen = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, device=device, generator=gen).bfloat16()
     # packed documents over 2t tokens with length-1 documents, one spanning the block edge at t
-    lengths = [1, 2047, 1, 1, 1500, 2000, 500, 1, 2141]
-    lengths[-1] += 2 * t - sum(lengths)
-    ids = torch.from_numpy(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[None]).to(device)
-    ref, fast = get_backend("reference"), get_backend("aten_varlen")
+    ids = torch.from_numpy(np.repeat(np.arange(9, dtype=np.int32), _doc_lengths(t))[None]).to(device)
+    ref, fast = get_backend("reference"), get_backend(backend)
     half_absent = torch.cat([ids[:, :t // 2], ids[:, t // 2:t] + 77777], 1)
     cases = [("causal diagonal, packed (length-1 documents)", MaskKind.CAUSAL, ids[:, :t], ids[:, :t]),
              ("full, later queries vs earlier keys (one document spans the edge)", MaskKind.FULL, ids[:, t:],
@@ -166,6 +164,124 @@ def portable_peak(device: str, t=16384, heads=8, d=64) -> dict:
             "seconds": time.perf_counter() - start}
 
 
+def _doc_lengths(t: int) -> list[int]:
+    """Packed documents over 2t tokens: length-1 documents, one spanning the block edge at t."""
+    lengths = [1, 2047, 1, 1, 1500, 2000, 500, 1, 2141]
+    lengths[-1] += 2 * t - sum(lengths)
+    return lengths
+
+
+def jax_block_checks(heads=32, kv_heads=8, d=128, t=4096, backend="cudnn_varlen") -> list[dict]:
+    """``cudnn_varlen`` (jax_impl/kernels/packed.py) vs the portable kernel, as ``block_checks``."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.block import get_backend
+    from jax_impl.kernels.packed import packed_segments
+
+    ids = jnp.asarray(np.repeat(np.arange(9, dtype=np.int32), _doc_lengths(t))[None])
+    half_absent = jnp.concatenate([ids[:, :t // 2], ids[:, t // 2:t] + 77777], 1)
+    cases = [("causal diagonal, packed (length-1 documents)", MaskKind.CAUSAL, ids[:, :t], ids[:, :t]),
+             ("full, later queries vs earlier keys (one document spans the edge)", MaskKind.FULL, ids[:, t:],
+              ids[:, :t]),
+             ("full, half the query documents absent from the keys", MaskKind.FULL, half_absent, ids[:, :t])]
+    ref, fast = get_backend("reference"), get_backend(backend)
+    scale = d**-0.5
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    rnd = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(jnp.bfloat16)
+    rows = []
+    for name, kind, q_ids, kv_ids in cases:
+        q, do, k, v = rnd(1, t, heads, d), rnd(1, t, heads, d), rnd(1, t, kv_heads, d), rnd(1, t, kv_heads, d)
+        mask, seg = BlockMask(kind, documents=True), (q_ids, kv_ids)
+        o_r, lse_r = jax.jit(lambda q, k, v, m=mask, s=seg: ref.fwd(q, k, v, m, scale, segments=s))(q, k, v)
+        o_f, lse_f = jax.jit(lambda q, k, v, m=mask, s=seg: fast.fwd(q, k, v, m, scale, segments=s))(q, k, v)
+        o = o_r.astype(jnp.bfloat16)
+        g_r = jax.jit(lambda *a, m=mask, s=seg: ref.bwd(*a, m, scale, segments=s))(do, q, k, v, o, lse_r)
+        g_f = jax.jit(lambda *a, m=mask, s=seg: fast.bwd(*a, m, scale, segments=s))(do, q, k, v, o, lse_r)
+        ran_packed = bool(packed_segments(q_ids, kv_ids, kind is MaskKind.CAUSAL)["ok"])
+        rel = lambda a, b: float(np.nanmax(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))[
+            np.isfinite(np.asarray(b))]) / max(1e-30, float(np.abs(np.asarray(b, np.float64)[np.isfinite(
+                np.asarray(b))]).max())))
+        lse_r_np, lse_f_np = np.asarray(lse_r), np.asarray(lse_f)
+        empty = ~np.isfinite(lse_r_np)
+        errors = {"o": rel(o_f, o_r), "lse": float(np.abs(lse_f_np - lse_r_np)[~empty].max()) if (~empty).any() else 0.0,
+                  "dq": rel(g_f[0], g_r[0]), "dk": rel(g_f[1], g_r[1]), "dv": rel(g_f[2], g_r[2])}
+        o_np = np.asarray(o_f, np.float32).transpose(0, 2, 1, 3)
+        empty_ok = bool(np.all(lse_f_np[empty] == -np.inf) and np.all(o_np[empty] == 0))
+        ok = ran_packed and empty_ok and errors["lse"] <= 1e-2 and all(errors[n] <= 2e-2 for n in ("o", "dq", "dk", "dv"))
+        rows.append({"case": name, "mask": kind.value, "ran_packed": ran_packed, "empty_rows": int(empty.sum()),
+                     "empty_rows_exact": empty_ok, "errors": errors, "verified": ok})
+        print(f"jax block check {name}: {errors} packed={ran_packed} empty rows {int(empty.sum())} exact={empty_ok} "
+              f"verified={ok}", flush=True)
+        if not ok and errors["lse"] > 1e-2:  # say where cuDNN's statistics went
+            print("  lse ref [0, 0, :6]", lse_r_np[0, 0, :6], "got", lse_f_np[0, 0, :6], flush=True)
+    return rows
+
+
+def _jax_ms(fn, *args, iters=5, warmup=2) -> float:
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
+
+
+def jax_anchor(seq: int, heads=32, kv_heads=8, d=128) -> dict:
+    """flash_attn3_jax's ``flash_mha_varlen`` (its own custom_vjp; causal, so the library's
+    backward workspaces suffice: 64-row tiles) on the whole sequence's documents, checked at 4096
+    tokens against the portable kernel, then timed."""
+    import jax
+    import jax.numpy as jnp
+    from flash_attn3_jax import flash_mha_varlen
+
+    from benchmarks.common import Problem
+    from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+
+    mask = BlockMask(MaskKind.CAUSAL, documents=True)
+
+    def inputs(t, ids):
+        keys = jax.random.split(jax.random.key(1), 4)
+        q, do = (jax.random.normal(kk, (t, heads, d)).astype(jnp.bfloat16) for kk in keys[:2])
+        k, v = (jax.random.normal(kk, (t, kv_heads, d)).astype(jnp.bfloat16) for kk in keys[2:])
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        cu = jnp.asarray(np.r_[starts, t].astype(np.int32))
+        longest = int(np.diff(np.r_[starts, t]).max())
+        return q, k, v, do, cu, longest
+
+    def programs(cu, longest):
+        fwd = lambda q, k, v: flash_mha_varlen(q, k, v, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                                               softmax_scale=d**-0.5, is_causal=True)
+
+        def step(q, k, v, do):
+            o, pull = jax.vjp(fwd, q, k, v)
+            return o, pull(do)
+
+        return jax.jit(fwd), jax.jit(step)
+
+    small = _ids(4096)[0]
+    q, k, v, do, cu, longest = inputs(4096, small)
+    fwd, step = programs(cu, longest)
+    o, (dq, _, _) = step(q, k, v, do)
+    seg = (jnp.asarray(small[None]), jnp.asarray(small[None]))
+    o_r, lse_r = reference_block_fwd(q[None], k[None], v[None], mask, d**-0.5, segments=seg)
+    dq_r = reference_block_bwd(do[None], q[None], k[None], v[None], o_r.astype(jnp.bfloat16), lse_r, mask, d**-0.5,
+                               segments=seg)[0]
+    rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())
+    errors = {"o": rel(o, o_r[0]), "dq": rel(dq, dq_r[0])}
+    problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
+    q, k, v, do, cu, longest = inputs(seq, problem.segment_ids()[0])
+    fwd, step = programs(cu, longest)
+    fwd_ms, step_ms = _jax_ms(fwd, q, k, v), _jax_ms(step, q, k, v, do)
+    return {"kernel": "flash_attn3_jax flash_mha_varlen (its own vjp)", "seq": seq, "verified_at_4096": errors,
+            "verified": all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
+            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Masked blocks on one GPU — {result['date']}", "", f"Machine: {result['device']}; "
              f"versions: {result['versions']}", "", "## Block checks (aten_varlen vs the portable kernel, float32)", "",
@@ -175,6 +291,20 @@ def markdown(result: dict) -> str:
         e = r["errors"]
         lines.append(f"| {r['case']} | {r['mask']} | {r['empty_rows']} | {r['empty_rows_exact']} | {e['o']:.2e} | "
                      f"{e['lse']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | {e['dv']:.2e} | {r['verified']} |")
+    if result.get("jax_block_checks"):
+        lines += ["", "## JAX block checks (cudnn_varlen vs the portable kernel, float32)", "",
+                  "| case | mask | packed path ran | empty rows | exact empty rows | o | lse (abs) | dq | dk | dv | verified |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["jax_block_checks"]:
+            e = r["errors"]
+            lines.append(f"| {r['case']} | {r['mask']} | {r['ran_packed']} | {r['empty_rows']} | {r['empty_rows_exact']} "
+                         f"| {e['o']:.2e} | {e['lse']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | {e['dv']:.2e} | {r['verified']} |")
+    if "jax_anchor" in result:
+        a = result["jax_anchor"]
+        lines += ["", f"## JAX anchor: {a['kernel']}", "",
+                  f"{a['seq']} tokens, mix ids: fwd {a['fwd_ms']:.2f} ms ({a['tflops_fwd']:.0f} TFLOP/s), fwd+bwd "
+                  f"{a['fwd_bwd_ms']:.2f} ms ({a['tflops_fwd_bwd']:.0f} TFLOP/s); checked at 4096 tokens: "
+                  f"{a['verified_at_4096']} verified={a['verified']}"]
     if "anchor" in result:
         a = result["anchor"]
         lines += ["", "## Anchor: FA2 varlen on the whole sequence's documents", "",
@@ -195,26 +325,35 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU: only the parts that run without CUDA, tiny sizes")
+    ap.add_argument("--parts", default="torch,jax,peak", help="comma-separated of torch, jax, peak")
     a = ap.parse_args(argv)
     import torch
 
     result = {"date": time.strftime("%Y-%m-%d"), "versions": {"torch": torch.__version__},
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if a.smoke or not torch.cuda.is_available():
-        # the CPU has no varlen kernel: check the block-check plumbing on the portable kernel alone
-        from torch_impl.kernels.reference import reference_block_fwd
-
-        ids = torch.from_numpy(_ids(256))
-        q = torch.randn(1, 256, 4, 16)
-        o, lse = reference_block_fwd(q, q[:, :, :2], q[:, :, :2], BlockMask(MaskKind.CAUSAL, documents=True), 0.25,
-                                     segments=(ids, ids), chunk=64)
-        print("smoke: portable kernel ran on mix ids,", tuple(o.shape), "lse finite:", bool(lse.isfinite().all()))
+        # the CPU has no varlen kernel: run every check's code on the portable kernel against itself
+        block_checks("cpu", heads=4, kv_heads=2, d=16, backend="reference")
+        jax_block_checks(heads=4, kv_heads=2, d=16, backend="reference")
         return result
-    result["block_checks"] = block_checks("cuda")
-    result["anchor"] = anchor(a.seq)
-    print("anchor", result["anchor"], flush=True)
-    result["portable_peak"] = portable_peak("cuda")
-    print("portable peak", result["portable_peak"], flush=True)
+    parts = a.parts.split(",")
+    if "torch" in parts:
+        result["block_checks"] = block_checks("cuda")
+        result["anchor"] = anchor(a.seq)
+        print("anchor", result["anchor"], flush=True)
+    if "jax" in parts:
+        import jax
+
+        result["versions"]["jax"] = jax.__version__
+        result["jax_block_checks"] = jax_block_checks()
+        try:
+            result["jax_anchor"] = jax_anchor(a.seq)
+            print("jax anchor", result["jax_anchor"], flush=True)
+        except ImportError as err:  # flash_attn3_jax is optional: say so in the report
+            result["jax_anchor_missing"] = str(err)
+    if "peak" in parts:
+        result["portable_peak"] = portable_peak("cuda")
+        print("portable peak", result["portable_peak"], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "masked.json").write_text(json.dumps(result, indent=1))

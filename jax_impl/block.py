@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from seqplan.routing import ALL_MASKS, LOW_PRECISION, Route, as_block_mask, first_route, reachable
-from seqplan.schedule import BlockMask
+from seqplan.schedule import BlockMask, MaskKind
 
 F32 = jnp.float32
 
@@ -92,7 +92,11 @@ AUTO_ROUTES: tuple[Route, ...] = (
           device_kinds=("cuda",), dtypes=("bfloat16",), masks=ALL_MASKS, deterministic=False),
     Route("cudnn", "verified bf16 and fp16 (fp16 resolves here, not to fa3, until fa3's fp16 is verified)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION),
-    Route("reference", "any other platform: the portable kernel"),
+    Route("cudnn_varlen", "document blocks (full, causal diagonal; one run per document, at most MAX_SEGMENTS per "
+          "row, else the portable kernel by lax.cond) on cuDNN's packed layout: docs/gpu/masked-2026-11-24-h100.md; "
+          "its determinism not measured, so not in deterministic mode",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
+    Route("reference", "any other platform, and every block no fused kernel takes: the portable kernel"),
 )
 
 

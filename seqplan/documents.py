@@ -10,7 +10,8 @@ The runs follow the queries: run i is query run i of the packed [b·t] queries, 
 the same document's key run of the same batch row (zero keys when the document has none in the
 block: its queries see nothing, o = 0 and lse = -inf, which the adapter writes itself rather than
 trust a kernel's convention for empty rows). ``None`` means the block is not expressible as runs
-(an id in two separate runs of a row, or a causal block whose query and key ids differ): the
+(an id in two separate runs of a row's queries, or of its keys when the queries read that
+document; or a causal block whose query and key ids differ): the
 adapter then routes it to the portable kernel — never guesses.
 """
 
@@ -57,12 +58,14 @@ def document_runs(q_ids: np.ndarray, kv_ids: np.ndarray, causal: bool) -> Docume
         return None
     q_lengths, k_lengths, k_index, empty = [], [], [], []
     for row in range(b):
-        q_runs, k_runs = _row_runs(q_ids[row]), _row_runs(kv_ids[row])
-        if q_runs is None or k_runs is None:
+        q_runs = _row_runs(q_ids[row])
+        if q_runs is None:
             return None
-        k_of = {int(i): (int(st), int(n)) for i, st, n in zip(*k_runs)}
         for doc, _, n_q in zip(*q_runs):
-            start, n_k = k_of.get(int(doc), (0, 0))
+            where = np.flatnonzero(kv_ids[row] == doc)
+            start, n_k = (int(where[0]), len(where)) if len(where) else (0, 0)
+            if n_k and where[-1] - start + 1 != n_k:  # a document the queries read, in two key runs
+                return None
             q_lengths.append(int(n_q))
             k_lengths.append(n_k)
             k_index.append(np.arange(row * s + start, row * s + start + n_k))

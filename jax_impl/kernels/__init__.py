@@ -5,13 +5,15 @@ the block interface of ``block.py`` and registering them there:
 - ``fused``: what every fused kernel needs around it (strict mask by a one-row shift, float32
   outputs, the lse-cotangent fallback) — no third-party code;
 - ``cudnn``: XLA's cuDNN fused attention (binds JAX's private cuDNN primitives);
+- ``packed``: ``cudnn_varlen``, document-masked blocks on cuDNN's packed layout (one segment per
+  document run, computed on the device with static shapes);
 - ``fa3``: FlashAttention-3 through flash_attn3_jax 0.2.3 (binds its private forward and its FFI
   backward with corrected workspaces).
 
-Third-party internals are confined to ``cudnn.py`` and ``fa3.py``, each saying why. Optional
+Third-party internals are confined to ``cudnn.py``, ``packed.py`` and ``fa3.py``, each saying why. Optional
 packages are imported at a kernel's first call, never here. Unlike the algorithm files, this
 folder differs from ``torch_impl/kernels/`` by nature: each framework binds its own kernels
-(torch: ``reference`` and ``aten``).
+(torch: ``reference``, ``aten``, ``varlen``, ``flex``).
 """
 
-from . import cudnn, fa3, reference  # noqa: F401  (each registers its backends)
+from . import cudnn, fa3, packed, reference  # noqa: F401  (each registers its backends)

@@ -74,4 +74,69 @@ def test_blocks_that_are_not_runs_are_refused():
     split = np.array([[0, 0, 1, 1, 0, 0]], np.int32)  # document 0 in two runs
     ok = np.array([[0, 0, 1, 1, 2, 2]], np.int32)
     assert document_runs(split, ok, causal=False) is None and document_runs(ok, split, causal=False) is None
+    # a document split among the keys that no query reads does not matter
+    assert document_runs(np.array([[4, 4, 5]], np.int32), split, causal=False) is not None
     assert document_runs(ok, ok[:, ::-1].copy(), causal=True) is None  # causal needs the block's own tokens
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_jax_device_segments_agree_with_the_host_run_list(trial, seed):
+    """jax_impl's traced run list (cuDNN's packed form, kernels/packed.py) describes the same
+    segments as seqplan.documents on the host: the same query runs, each with its document's key
+    run, documents without keys left out (their rows uncovered), and the same refusals."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels.packed import packed_segments
+
+    rng = np.random.default_rng(seed + 100 + trial)
+    b, t = int(rng.integers(1, 3)), int(rng.integers(2, 24))
+    ids = _sorted_ids(rng, b, 2 * t)
+    if trial % 4 == 3:  # a document split in two runs of the queries: refused by both
+        ids[:, t - 1] = ids[:, 0]
+    for q_ids, kv_ids, causal in ((ids[:, :t], ids[:, :t], True), (ids[:, t:], ids[:, :t], False),
+                                  (ids[:, :t], ids[:, t:], False)):
+        host = document_runs(q_ids, kv_ids, causal)
+        seg = packed_segments(jnp.asarray(q_ids), jnp.asarray(kv_ids), causal, m=t)
+        if host is None:
+            assert not bool(seg["ok"])
+            continue
+        assert bool(seg["ok"])
+        q_len = np.asarray(seg["q_seqlen"])
+        kv_len = np.asarray(seg["kv_seqlen"])
+        q_off = np.asarray(seg["q_offsets"])[:, :-1]
+        kv_off = np.asarray(seg["kv_offsets"])[:, :-1]
+        host_q = np.diff(host.cu_q)
+        host_k = np.diff(host.cu_k)
+        kept = host_k > 0  # the host keeps key-less runs (zero keys); the device leaves them out
+        device_q = [(r, o, n) for r in range(b) for o, n in zip(q_off[r], q_len[r]) if n >= 0]
+        assert [n for _, _, n in device_q] == host_q[kept].tolist()
+        assert [n for r in range(b) for n in kv_len[r] if n >= 0] == host_k[kept].tolist()
+        index = np.arange(b * kv_ids.shape[1]) if host.kv_index is None else host.kv_index
+        starts = index[host.cu_k[:-1][kept]] if kept.any() else np.array([], int)
+        assert [r * kv_ids.shape[1] + o for r in range(b) for o, n in zip(kv_off[r], kv_len[r]) if n >= 0] \
+            == starts.tolist()
+        empty = np.zeros(b * t, bool) if host.empty_rows is None else host.empty_rows
+        np.testing.assert_array_equal(~np.asarray(seg["covered_q"]).reshape(-1), empty)
+
+
+def test_jax_packed_statistics_round_trip():
+    """lse [b, h, t] -> cuDNN's per-segment statistics [B·M, N, T] -> lse: every covered row
+    comes back, left-out rows read -inf."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels.packed import lse_from_stats, packed_segments, stats_from_lse
+
+    q_ids = np.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 6, 7, 7]], np.int32)
+    kv_ids = np.array([[0, 1, 1, 3, 3, 3], [5, 6, 6, 6, 7, 9]], np.int32)  # document 2 has no key here
+    seg = packed_segments(jnp.asarray(q_ids), jnp.asarray(kv_ids), False, m=4)
+    lse = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 6)), jnp.float32)
+    stats = stats_from_lse(lse, seg, 2, 3, 6)
+    assert stats.shape == (8, 3, 6)
+    back = np.asarray(lse_from_stats(stats, seg, 2, 3, 6))
+    covered = np.asarray(seg["covered_q"])
+    assert covered.tolist() == [[True] * 5 + [False], [True] * 6]
+    np.testing.assert_array_equal(back[:, :, ~covered[0]][0], -np.inf)
+    np.testing.assert_array_equal(np.where(covered[:, None, :], back, 0), np.where(covered[:, None, :], lse, 0))
+    assert np.asarray(seg["slot"]).tolist() == [[0, 1, -1, -1], [2, 3, 4, -1]]
