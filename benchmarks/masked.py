@@ -177,7 +177,7 @@ def jax_block_checks(heads=32, kv_heads=8, d=128, t=4096, backend="cudnn_varlen"
     import jax.numpy as jnp
 
     from jax_impl.block import get_backend
-    from jax_impl.kernels.packed import packed_segments
+    from jax_impl.kernels.runs import packed_segments
 
     ids = jnp.asarray(np.repeat(np.arange(9, dtype=np.int32), _doc_lengths(t))[None])
     half_absent = jnp.concatenate([ids[:, :t // 2], ids[:, t // 2:t] + 77777], 1)
@@ -211,7 +211,7 @@ def jax_block_checks(heads=32, kv_heads=8, d=128, t=4096, backend="cudnn_varlen"
         ok = ran_packed and empty_ok and errors["lse"] <= 1e-2 and all(errors[n] <= 2e-2 for n in ("o", "dq", "dk", "dv"))
         rows.append({"case": name, "mask": kind.value, "ran_packed": ran_packed, "empty_rows": int(empty.sum()),
                      "empty_rows_exact": empty_ok, "errors": errors, "verified": ok})
-        print(f"jax block check {name}: {errors} packed={ran_packed} empty rows {int(empty.sum())} exact={empty_ok} "
+        print(f"jax block check {backend} {name}: {errors} packed={ran_packed} empty rows {int(empty.sum())} exact={empty_ok} "
               f"verified={ok}", flush=True)
         if not ok and errors["lse"] > 1e-2:  # say where cuDNN's statistics went
             print("  lse ref [0, 0, :6]", lse_r_np[0, 0, :6], "got", lse_f_np[0, 0, :6], flush=True)
@@ -292,12 +292,14 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['case']} | {r['mask']} | {r['empty_rows']} | {r['empty_rows_exact']} | {e['o']:.2e} | "
                      f"{e['lse']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | {e['dv']:.2e} | {r['verified']} |")
     if result.get("jax_block_checks"):
-        lines += ["", "## JAX block checks (cudnn_varlen vs the portable kernel, float32)", "",
-                  "| case | mask | packed path ran | empty rows | exact empty rows | o | lse (abs) | dq | dk | dv | verified |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "## JAX block checks (fa3_varlen, cudnn_varlen vs the portable kernel, float32)", "",
+                  "| backend | case | mask | runs path ran | empty rows | exact empty rows | o | lse (abs) | dq | dk | dv "
+                  "| verified |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["jax_block_checks"]:
             e = r["errors"]
-            lines.append(f"| {r['case']} | {r['mask']} | {r['ran_packed']} | {r['empty_rows']} | {r['empty_rows_exact']} "
+            lines.append(f"| {r['backend']} | {r['case']} | {r['mask']} | {r['ran_packed']} | {r['empty_rows']} "
+                         f"| {r['empty_rows_exact']} "
                          f"| {e['o']:.2e} | {e['lse']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | {e['dv']:.2e} | {r['verified']} |")
     if "jax_anchor" in result:
         a = result["jax_anchor"]
@@ -345,7 +347,8 @@ def main(argv=None) -> dict:
         import jax
 
         result["versions"]["jax"] = jax.__version__
-        result["jax_block_checks"] = jax_block_checks()
+        result["jax_block_checks"] = [{**row, "backend": name} for name in ("fa3_varlen", "cudnn_varlen")
+                                      for row in jax_block_checks(backend=name)]
         try:
             result["jax_anchor"] = jax_anchor(a.seq)
             print("jax anchor", result["jax_anchor"], flush=True)

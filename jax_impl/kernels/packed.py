@@ -4,16 +4,19 @@ attention with per-segment ``q_seqlen`` / ``kv_seqlen`` and ``q_offsets`` / ``kv
 A document-masked block whose ids form one run per document is a batch of independent attention
 problems, one per document (the rule of ``seqplan.documents``, which torch's ``aten_varlen``
 uses on the host). Under ``jit`` the ids are traced, so the run list is computed on the device
-with static shapes (:func:`packed_segments`): at most ``MAX_SEGMENTS`` runs per batch row,
+with static shapes (``runs.packed_segments``): at most ``runs.MAX_RUNS`` runs per batch row,
 padded with -1 (cuDNN's convention, not zero-length runs). Each query run's keys are the same
 document's key run, found by offset — no gather: cuDNN reads every segment at its own offset.
 A query document with no key in the block is left out of the segment list: its rows get o = 0,
 lse = -inf and zero dq, written here; keys of documents no query run reads get zero dk / dv.
 
 When the block is not expressible — an id in two runs of a row, more runs than
-``MAX_SEGMENTS``, or a causal block whose keys are not its queries' own tokens (only a diagonal
+``MAX_RUNS``, or a causal block whose keys are not its queries' own tokens (only a diagonal
 block's runs are square) — the block runs on the portable kernel instead, decided on the device
-by one ``lax.cond``: never guessed, never unmasked. A window, a strict block or an lse cotangent
+by ``runs.dispatch`` (one ``lax.switch``, which also picks the fewest run slots that hold the
+block's runs): never guessed, never unmasked. Measured on H100 (jax 0.11.2): XLA sizes cuDNN's
+packed backward workspace by slots × block length × heads × head_dim (8.3 GB at 64 slots, 4k
+tokens, 32 heads): ``fa3_varlen``, not this backend, is what ``"auto"`` routes to. A window, a strict block or an lse cotangent
 go to the portable kernel too, statically.
 
 Why JAX's private API (``jax._src.cudnn.fused_attention_stablehlo``), as ``cudnn.py``: the ring's
@@ -33,62 +36,15 @@ from seqplan.schedule import BlockMask, MaskKind
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
+from .runs import dispatch, packed_segments
 
 F32 = jnp.float32
-MAX_SEGMENTS = 64  # runs per batch row in one block; more: the portable kernel (lax.cond)
 
 
 def _fa():
     from jax._src.cudnn import fused_attention_stablehlo  # private: see the module docstring
 
     return fused_attention_stablehlo
-
-
-def _row_segments(q_ids, kv_ids, m: int):
-    """One batch row: (q_start, q_len, kv_start, kv_len, included, ok) for up to m query runs.
-    ``included``: a valid run whose document has keys here; ``ok``: the row is expressible."""
-    t, s = q_ids.shape[0], kv_ids.shape[0]
-    first = jnp.concatenate([jnp.ones((1,), bool), q_ids[1:] != q_ids[:-1]])
-    n_runs = first.sum()
-    q_start = jnp.nonzero(first, size=m, fill_value=t)[0]
-    q_end = jnp.concatenate([q_start[1:], jnp.full((1,), t, q_start.dtype)])
-    q_end = jnp.where(jnp.arange(m) == n_runs - 1, t, q_end)
-    valid = jnp.arange(m) < n_runs
-    q_len = jnp.where(valid, q_end - q_start, 0)
-    doc = q_ids[jnp.minimum(q_start, t - 1)]
-    q_count = (q_ids[None, :] == doc[:, None]).sum(1)
-    in_kv = kv_ids[None, :] == doc[:, None]  # [m, s]
-    kv_len = in_kv.sum(1)
-    kv_start = jnp.argmax(in_kv, axis=1)
-    kv_last = s - 1 - jnp.argmax(in_kv[:, ::-1], axis=1)
-    one_run = (q_count == q_len) & ((kv_len == 0) | (kv_last - kv_start + 1 == kv_len))
-    ok = (n_runs <= m) & jnp.all(one_run | ~valid)
-    included = valid & (kv_len > 0)
-    return q_start, q_len, kv_start, kv_len, included, ok
-
-
-def packed_segments(q_ids, kv_ids, causal: bool, m: int = MAX_SEGMENTS):
-    """The block's segments in cuDNN's packed form, traced: a dict of q_seqlen, kv_seqlen
-    [b, m] and q_offsets, kv_offsets [b, m + 1] (int32, -1 padded; left-out runs -1 too),
-    ``slot`` [b, m] (each run's compacted segment index over the batch, or -1), ``q_run`` [b, t]
-    (each query's run), ``covered_q`` [b, t], ``covered_kv`` [b, s] and ``ok`` (scalar bool)."""
-    b, t = q_ids.shape
-    m = min(m, t)
-    q_start, q_len, kv_start, kv_len, included, ok = jax.vmap(lambda a, c: _row_segments(a, c, m))(q_ids, kv_ids)
-    ok = jnp.all(ok)
-    if causal:
-        ok = ok & jnp.all(q_ids == kv_ids) if q_ids.shape == kv_ids.shape else jnp.zeros((), bool)
-    pad = lambda x: jnp.where(included, x, -1).astype(jnp.int32)
-    minus = jnp.full((b, 1), -1, jnp.int32)
-    slot = jnp.where(included, jnp.cumsum(included.reshape(-1)).reshape(b, m) - 1, -1).astype(jnp.int32)
-    first = jnp.concatenate([jnp.ones((b, 1), bool), q_ids[:, 1:] != q_ids[:, :-1]], axis=1)
-    q_run = jnp.cumsum(first, axis=1) - 1  # [b, t]
-    run_included = jnp.take_along_axis(included, jnp.minimum(q_run, m - 1), axis=1) & (q_run < m)
-    docs = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), axis=1)  # [b, m]
-    covered_kv = jnp.any((kv_ids[:, None, :] == docs[:, :, None]) & included[:, :, None], axis=1)
-    return {"q_seqlen": pad(q_len), "kv_seqlen": pad(kv_len), "q_offsets": jnp.concatenate([pad(q_start), minus], 1),
-            "kv_offsets": jnp.concatenate([pad(kv_start), minus], 1), "slot": slot, "q_run": q_run,
-            "q_start": q_start, "covered_q": run_included, "covered_kv": covered_kv, "ok": ok}
 
 
 def _token_slot(seg, t: int):
@@ -158,17 +114,17 @@ def _static_fit(mask: BlockMask, q, segments, positions, dlse=None) -> bool:
 def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
     if not _static_fit(mask, q, segments, positions):
         return reference_block_fwd(q, k, v, mask, scale, segments, positions)
-    seg = packed_segments(*segments, mask.kind is MaskKind.CAUSAL)
-    return jax.lax.cond(seg["ok"], lambda: packed_fwd(q, k, v, mask, scale, seg),
-                        lambda: reference_block_fwd(q, k, v, mask, scale, segments, positions))
+    return dispatch(segments, mask.kind is MaskKind.CAUSAL, lambda seg: packed_fwd(q, k, v, mask, scale, seg),
+                    lambda: reference_block_fwd(q, k, v, mask, scale, segments, positions), form=packed_segments)
 
 
 def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
     if not _static_fit(mask, q, segments, positions, dlse):
         return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
-    seg = packed_segments(*segments, mask.kind is MaskKind.CAUSAL)
-    return jax.lax.cond(seg["ok"], lambda: packed_bwd(do, q, k, v, o, lse, mask, scale, seg),
-                        lambda: reference_block_bwd(do, q, k, v, o, lse, mask, scale, None, segments, positions))
+    return dispatch(segments, mask.kind is MaskKind.CAUSAL,
+                    lambda seg: packed_bwd(do, q, k, v, o, lse, mask, scale, seg),
+                    lambda: reference_block_bwd(do, q, k, v, o, lse, mask, scale, None, segments, positions),
+                    form=packed_segments)
 
 
 def _available() -> bool:

@@ -127,30 +127,36 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
     query whose document or window has no key in the block), which the LSE merge treats as an
     empty partial."""
     b, t, h, d = q.shape
-    s, hk = k.shape[1], k.shape[2]
-    g = h // hk
+    s = k.shape[1]
     check_mask_arrays(mask, t, s, segments, positions)
     q_ids = None if segments is None else segments[0]
     q_pos = None if positions is None else positions[0]
     xs = _key_chunks(chunk or key_chunk(t, s), k, v, segments, positions)
 
-    def step(carry, x):
-        m, total, acc = carry  # running max, sum and numerator: [b, hk, g, t], [..], [b, hk, g, t, d]
+    def chunk_stats(x):
+        """A chunk's masked softmax pieces: its row max m, exp(scores - m) and their row sum."""
         kv_index, k_c, v_c, kv_ids, kv_pos = x
         sc = _scores(q, k_c, scale)
         visible = chunk_visible(mask, t, s, kv_index, q_ids, kv_ids, q_pos, kv_pos)
         if visible is not None:
             sc = jnp.where(visible, sc, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(sc - m_safe[..., None])
-        rescale = jnp.exp(m - m_safe)  # 0 while m is still -inf
-        total = total * rescale + jnp.sum(p, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, v_c.astype(F32), precision=_PRECISION)
-        return (m_new, total, acc), None
+        m = jnp.max(sc, axis=-1)  # [b, hk, g, t]; -inf on a row that sees nothing in this chunk
+        p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+        return m, p, jnp.einsum("bkgts,bskd->bkgtd", p, v_c.astype(F32), precision=_PRECISION)
 
-    init = (jnp.full((b, hk, g, t), -jnp.inf, F32), jnp.zeros((b, hk, g, t), F32), jnp.zeros((b, hk, g, t, d), F32))
-    (m, total, acc), _ = _walk(step, init, xs)
+    def step(carry, x):  # the online softmax: rescale what was summed so far to the new row max
+        m, total, acc = carry  # running max, sum and numerator: [b, hk, g, t], [..], [b, hk, g, t, d]
+        m_c, p, pv = chunk_stats(x)
+        m_new = jnp.maximum(m, m_c)
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        old, new = jnp.exp(m - safe), jnp.exp(jnp.where(jnp.isfinite(m_c), m_c, 0.0) - safe)  # 0 for -inf
+        return (m_new, total * old + jnp.sum(p, axis=-1) * new, acc * old[..., None] + pv * new[..., None]), None
+
+    # the first chunk starts the sums (one chunk — a small block — is the plain softmax, no loop)
+    m, p, acc = chunk_stats(jax.tree_util.tree_map(lambda x: x[0], xs))
+    total = jnp.sum(p, axis=-1)
+    if xs[0].shape[0] > 1:
+        (m, total, acc), _ = jax.lax.scan(step, (m, total, acc), jax.tree_util.tree_map(lambda x: x[1:], xs))
     has_key = total > 0
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = jnp.where(has_key, m_safe + jnp.log(jnp.where(has_key, total, 1.0)), -jnp.inf)

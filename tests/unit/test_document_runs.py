@@ -87,7 +87,7 @@ def test_jax_device_segments_agree_with_the_host_run_list(trial, seed):
     pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from jax_impl.kernels.packed import packed_segments
+    from jax_impl.kernels.runs import packed_segments
 
     rng = np.random.default_rng(seed + 100 + trial)
     b, t = int(rng.integers(1, 3)), int(rng.integers(2, 24))
@@ -126,7 +126,8 @@ def test_jax_packed_statistics_round_trip():
     pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from jax_impl.kernels.packed import lse_from_stats, packed_segments, stats_from_lse
+    from jax_impl.kernels.packed import lse_from_stats, stats_from_lse
+    from jax_impl.kernels.runs import packed_segments
 
     q_ids = np.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 6, 7, 7]], np.int32)
     kv_ids = np.array([[0, 1, 1, 3, 3, 3], [5, 6, 6, 6, 7, 9]], np.int32)  # document 2 has no key here
@@ -140,3 +141,54 @@ def test_jax_packed_statistics_round_trip():
     np.testing.assert_array_equal(back[:, :, ~covered[0]][0], -np.inf)
     np.testing.assert_array_equal(np.where(covered[:, None, :], back, 0), np.where(covered[:, None, :], lse, 0))
     assert np.asarray(seg["slot"]).tolist() == [[0, 1, -1, -1], [2, 3, 4, -1]]
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_jax_varlen_offsets_gather_each_runs_keys(trial, seed):
+    """FlashAttention's form of the traced runs (kernels/runs.py varlen_offsets): the packed keys
+    (gathered by kv_index between cu_k offsets) of run i are exactly the keys of run i's document,
+    and the causal diagonal block needs no gather (cu_k == cu_q)."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels.runs import varlen_offsets
+
+    rng = np.random.default_rng(seed + 200 + trial)
+    b, t = 2, int(rng.integers(4, 20))
+    ids = _sorted_ids(rng, b, 2 * t)
+    diag = varlen_offsets(jnp.asarray(ids[:, :t]), jnp.asarray(ids[:, :t]), True, m=t)
+    assert bool(diag["ok"]) and diag["identity"] and np.array_equal(diag["cu_q"], diag["cu_k"])
+    q_ids, kv_ids = ids[:, t:], ids[:, :t]
+    runs = varlen_offsets(jnp.asarray(q_ids), jnp.asarray(kv_ids), False, m=t)
+    cu_q, cu_k, index = (np.asarray(runs[n]) for n in ("cu_q", "cu_k", "kv_index"))
+    flat_q, flat_kv = q_ids.reshape(-1), np.concatenate([kv_ids.reshape(-1), [-1]])
+    for i in range(len(cu_q) - 1):
+        if cu_q[i] == cu_q[i + 1]:
+            assert cu_k[i] == cu_k[i + 1]  # an unused slot
+            continue
+        doc, row = flat_q[cu_q[i]], cu_q[i] // t
+        got = sorted(index[cu_k[i]:cu_k[i + 1]].tolist())
+        want = [row * t + j for j in np.flatnonzero(kv_ids[row] == doc)]
+        assert got == want and all(flat_kv[j] == doc for j in got)
+    assert np.all(index[cu_k[-1]:] == b * t)  # past the last run: the zero row
+
+
+def test_jax_dispatch_picks_the_fewest_slots_or_the_portable_kernel():
+    """runs.dispatch: the smallest run-slot count that holds the block's runs; the portable
+    branch for a block with a split document or more runs than MAX_RUNS."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    def chosen(ids, causal=True):
+        ids = jnp.asarray(np.asarray(ids, np.int32))
+        return int(runs.dispatch((ids, ids), causal, lambda r: jnp.int32(r["cu_q"].shape[0] - 1),
+                                 lambda: jnp.int32(-1)))
+
+    assert chosen([[0, 0, 1, 1, 2, 2, 2, 2]]) == 4  # 3 runs: the 4-slot kernel, b·m = 4 sequences
+    assert chosen([np.arange(8) // 1]) == 8  # 8 runs in 8 tokens: slots capped at t
+    assert chosen([[0, 0, 1, 1, 0, 0, 2, 2]]) == -1  # document 0 in two runs: portable
+    many = np.repeat(np.arange(runs.MAX_RUNS + 1), 2)[None]
+    assert chosen(many) == -1  # more runs than MAX_RUNS: portable
+    assert chosen(np.repeat(np.arange(10), 2)[None]) == 16

@@ -1,0 +1,127 @@
+"""Backend ``"fa3_varlen"``: document-masked blocks on FlashAttention-3's varlen kernels through
+flash_attn3_jax (Hopper GPUs, bf16 / fp16), forward and a mended backward.
+
+The block's runs come from ``runs.varlen_offsets`` (traced, static shapes: b·m sequences for the
+smallest m of ``runs.RUN_SLOTS`` that holds them, picked by ``runs.dispatch``; unused ones
+zero-length): the queries stay in place (packed [b·t]) and each query run's keys — its
+document's key run — are gathered into consecutive packed keys (no gather on a causal diagonal
+block, whose runs are its own tokens). A query document with no key in the block gets o = 0,
+lse = -inf and zero dq, written here; dK / dV are scattered back to the block's keys. A block
+that is not expressible as runs goes to the portable kernel (the same ``lax.switch``); a window,
+a strict block or an lse cotangent go there statically — never guessed, never unmasked.
+
+**Why the library's internals**, as ``fa3.py``: the ring needs the varlen forward's lse
+(``flash_attn3_jax.varlen_fwd.flash_mha_varlen_fwd`` returns it; the public ``flash_mha_varlen``
+does not) and a backward with the *global* o and lse. The library's varlen forward declares its
+lse ``[nseq, h, max_seqlen_q]`` while the kernel writes ``[h, total_q]`` into the front of that
+buffer (read back by :func:`_lse_tokens`). Its varlen backward sizes the two float32 workspaces
+``[h, round_up(total_q + nseq·128, 128)]``; the kernel's own rounding is
+``round_up(total_q + nseq·m, m)`` for its tile height m (80 for a non-causal block on sm90), which
+that can miss by up to m − 1 rows — the out-of-bounds write ``fa3.py`` documents for the
+non-varlen call. So :func:`varlen_bwd` binds the library's FFI target ``flash_mha_bwd`` itself,
+with workspaces of ``total_q + (nseq + 1)·128`` rows. Both calls need flash_attn3_jax
+== ``fa3.VERIFIED_VERSION`` (``available``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from seqplan.routing import LOW_PRECISION
+from seqplan.schedule import BlockMask, MaskKind
+
+from ..block import BlockBackend, register_backend
+from .fa3 import MAX_TILE_ROWS, verified
+from .reference import reference_block_bwd, reference_block_fwd
+from .runs import dispatch
+
+F32 = jnp.float32
+
+
+def _packed_kv(x, runs):
+    """[b, s, hk, d] -> the runs' keys packed [b·s, hk, d] (zero rows past the last run)."""
+    flat = x.reshape(-1, *x.shape[2:])
+    if runs["identity"]:
+        return flat
+    return jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)])[runs["kv_index"]]
+
+
+def _lse_tokens(lse_buffer, b: int, h: int, t: int):
+    """The varlen forward's lse buffer (``[h, total_q]`` written at its front) -> [b, h, t]."""
+    return lse_buffer.reshape(-1)[: h * b * t].reshape(h, b, t).transpose(1, 0, 2)
+
+
+def varlen_fwd(q, k, v, causal: bool, scale: float, runs):
+    """FA3 varlen forward on an expressible block: (o float32 [b, t, h, d], lse [b, h, t])."""
+    from flash_attn3_jax.varlen_fwd import flash_mha_varlen_fwd  # internal: returns the lse
+
+    b, t, h, d = q.shape
+    o, lse = flash_mha_varlen_fwd(q.reshape(b * t, h, d), _packed_kv(k, runs), _packed_kv(v, runs), runs["cu_q"],
+                                  runs["cu_k"], max_seqlen_q=t, max_seqlen_k=k.shape[1], softmax_scale=scale,
+                                  is_causal=causal)
+    covered = runs["covered_q"]
+    o = jnp.where(covered[:, :, None, None], o.reshape(b, t, h, d).astype(F32), 0.0)
+    return o, jnp.where(covered[:, None, :], _lse_tokens(lse, b, h, t), -jnp.inf)
+
+
+def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs):
+    """FA3 varlen backward through the FFI target with padded workspaces (module docstring)."""
+    import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
+
+    b, t, h, d = q.shape
+    s, hk = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    nseq = runs["cu_q"].shape[0] - 1
+    k_p, v_p = _packed_kv(k, runs), _packed_kv(v, runs)
+    # the forward's lse layout: [h, b·t] at the front of an [nseq, h, t] buffer; rows with no key
+    # here get any finite value (their gradients are zeroed below)
+    lse_t = jnp.where(runs["covered_q"][:, None, :], lse.astype(F32), 0.0).transpose(1, 0, 2).reshape(-1)
+    lse_buffer = jnp.zeros((nseq * h * t,), F32).at[: h * b * t].set(lse_t).reshape(nseq, h, t)
+    rows = b * t + (nseq + 1) * MAX_TILE_ROWS
+    result_types = [jax.ShapeDtypeStruct((b * t, h, d), dtype), jax.ShapeDtypeStruct(k_p.shape, dtype),
+                    jax.ShapeDtypeStruct(v_p.shape, dtype), jax.ShapeDtypeStruct((h, rows), F32),
+                    jax.ShapeDtypeStruct((h, rows), F32)]
+    absent = jnp.zeros((0,), jnp.int32)  # seqused_q / seqused_k
+    dq, dk_p, dv_p, _, _ = jax.ffi.ffi_call(
+        "flash_mha_bwd", result_types, has_side_effect=False, input_layouts=[None] * 10, output_layouts=[None] * 5,
+    )(do.astype(dtype).reshape(b * t, h, d), q.reshape(b * t, h, d), k_p, v_p, o.astype(dtype).reshape(b * t, h, d),
+      lse_buffer, runs["cu_q"], runs["cu_k"], absent, absent,
+      max_seqlen_q_val=t, max_seqlen_q_has_value=True, max_seqlen_k_val=s, max_seqlen_k_has_value=True,
+      softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
+      window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0)
+    dq = jnp.where(runs["covered_q"][:, :, None, None], dq.reshape(b, t, h, d).astype(F32), 0.0)
+    if runs["identity"]:
+        return dq, dk_p.reshape(b, s, hk, d).astype(F32), dv_p.reshape(b, s, hk, d).astype(F32)
+    scatter = lambda g: (jnp.zeros((b * s + 1, hk, d), F32).at[runs["kv_index"]].add(g.astype(F32))[: b * s]
+                         .reshape(b, s, hk, d))
+    return dq, scatter(dk_p), scatter(dv_p)
+
+
+def _static_fit(mask: BlockMask, q, segments, positions, dlse=None) -> bool:
+    return (segments is not None and positions is None and dlse is None and mask.window is None
+            and mask.kind is not MaskKind.STRICT and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0)
+
+
+def fa3_varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
+    if not _static_fit(mask, q, segments, positions):
+        return reference_block_fwd(q, k, v, mask, scale, segments, positions)
+    causal = mask.kind is MaskKind.CAUSAL
+    return dispatch(segments, causal, lambda runs: varlen_fwd(q, k, v, causal, scale, runs),
+                    lambda: reference_block_fwd(q, k, v, mask, scale, segments, positions))
+
+
+def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
+                         positions=None):
+    if not _static_fit(mask, q, segments, positions, dlse):
+        return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
+    causal = mask.kind is MaskKind.CAUSAL
+    return dispatch(segments, causal, lambda runs: varlen_bwd(do, q, k, v, o, lse, causal, scale, runs),
+                    lambda: reference_block_bwd(do, q, k, v, o, lse, mask, scale, None, segments, positions))
+
+
+register_backend(BlockBackend(
+    "fa3_varlen", fa3_varlen_block_fwd, fa3_varlen_block_bwd, typed_for_shard_map=False,
+    supports=lambda mask, dtype: (mask.documents and mask.window is None and mask.kind is not MaskKind.STRICT
+                                  and dtype in LOW_PRECISION),
+    available=verified))

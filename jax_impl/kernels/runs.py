@@ -1,0 +1,124 @@
+"""Per-block document runs computed on the device, with static shapes (the traced counterpart of
+``seqplan.documents``, which torch computes on the host): each query run of a batch row, its
+document's key run, whether the block is expressible as runs, and the forms two kernels take —
+cuDNN's packed segments (:func:`packed_segments`) and FlashAttention's cumulative offsets with a
+gather of the keys (:func:`varlen_offsets`).
+
+:func:`dispatch` is how an adapter uses them: one ``lax.switch`` on the device picks, for the
+block's actual number of runs, the smallest static run-slot count of ``RUN_SLOTS`` that holds them
+(FA3's varlen backward pays for every slot, empty or not: measured 13.7 ms with 64 slots against
+9.0 ms with the 10 real runs of a 32k block, H100), or the portable kernel when the block is not
+expressible (an id in two runs of a row's queries or keys, more runs than ``MAX_RUNS``, a causal
+block whose keys are not its queries' own tokens).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+RUN_SLOTS = (4, 16, 64)  # static run slots per row the kernels are compiled for
+MAX_RUNS = RUN_SLOTS[-1]
+
+
+def _runs_and_distinct(ids):
+    """Per row: (runs of equal ids, distinct ids) — equal exactly when every id is one run."""
+    runs = 1 + jnp.sum(ids[:, 1:] != ids[:, :-1], axis=1)
+    ordered = jnp.sort(ids, axis=1)
+    return runs, 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1)
+
+
+def expressible(q_ids, kv_ids, causal: bool):
+    """(ok, most runs in a row): ``ok`` when every id is one run of each row's queries and keys
+    (stricter than needed on the keys: a split document no query reads also refuses) and, for a
+    causal block, the keys are the queries' own tokens."""
+    q_runs, q_distinct = _runs_and_distinct(q_ids)
+    kv_runs, kv_distinct = _runs_and_distinct(kv_ids)
+    ok = jnp.all(q_runs == q_distinct) & jnp.all(kv_runs == kv_distinct)
+    if causal:
+        ok = ok & jnp.all(q_ids == kv_ids) if q_ids.shape == kv_ids.shape else jnp.zeros((), bool)
+    return ok, jnp.max(q_runs)
+
+
+def dispatch(segments, causal: bool, kernel, portable, slots=RUN_SLOTS, form=None):
+    """``kernel(runs)`` with ``runs = form(q_ids, kv_ids, causal, m)`` for the smallest m of ``slots``
+    that holds the block's runs, or ``portable()`` when none does or the block is not expressible
+    — one ``lax.switch``, decided on the device (``form``: :func:`varlen_offsets` by default)."""
+    form = varlen_offsets if form is None else form
+    q_ids, kv_ids = segments
+    ok, most = expressible(q_ids, kv_ids, causal)
+    t = q_ids.shape[1]
+    sizes = sorted({min(m, t) for m in slots})
+    index = jnp.where(ok, jnp.searchsorted(jnp.asarray(sizes), most), len(sizes))
+    branches = [lambda m=m: kernel(form(q_ids, kv_ids, causal, m)) for m in sizes] + [portable]
+    return jax.lax.switch(jnp.minimum(index, len(sizes)), branches)
+
+
+def row_runs(q_ids, kv_ids, m: int):
+    """One batch row: (q_start, q_len, kv_start, kv_len, included, ok) for up to m query runs.
+    ``included``: a valid run whose document has keys here; ``ok``: the row is expressible."""
+    t, s = q_ids.shape[0], kv_ids.shape[0]
+    first = jnp.concatenate([jnp.ones((1,), bool), q_ids[1:] != q_ids[:-1]])
+    n_runs = first.sum()
+    q_start = jnp.nonzero(first, size=m, fill_value=t)[0]
+    q_end = jnp.concatenate([q_start[1:], jnp.full((1,), t, q_start.dtype)])
+    q_end = jnp.where(jnp.arange(m) == n_runs - 1, t, q_end)
+    valid = jnp.arange(m) < n_runs
+    q_len = jnp.where(valid, q_end - q_start, 0)
+    doc = q_ids[jnp.minimum(q_start, t - 1)]
+    q_count = (q_ids[None, :] == doc[:, None]).sum(1)
+    in_kv = kv_ids[None, :] == doc[:, None]  # [m, s]
+    kv_len = in_kv.sum(1)
+    kv_start = jnp.argmax(in_kv, axis=1)
+    kv_last = s - 1 - jnp.argmax(in_kv[:, ::-1], axis=1)
+    one_run = (q_count == q_len) & ((kv_len == 0) | (kv_last - kv_start + 1 == kv_len))
+    ok = (n_runs <= m) & jnp.all(one_run | ~valid)
+    included = valid & (kv_len > 0)
+    return q_start, q_len, kv_start, kv_len, included, ok
+
+
+def packed_segments(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS):
+    """The block's segments in cuDNN's packed form, traced: a dict of q_seqlen, kv_seqlen
+    [b, m] and q_offsets, kv_offsets [b, m + 1] (int32, -1 padded; left-out runs -1 too),
+    ``slot`` [b, m] (each run's compacted segment index over the batch, or -1), ``q_run`` [b, t]
+    (each query's run), ``covered_q`` [b, t], ``covered_kv`` [b, s] and ``ok`` (scalar bool)."""
+    b, t = q_ids.shape
+    m = min(m, t)
+    q_start, q_len, kv_start, kv_len, included, ok = jax.vmap(lambda a, c: row_runs(a, c, m))(q_ids, kv_ids)
+    ok = jnp.all(ok)
+    if causal:
+        ok = ok & jnp.all(q_ids == kv_ids) if q_ids.shape == kv_ids.shape else jnp.zeros((), bool)
+    pad = lambda x: jnp.where(included, x, -1).astype(jnp.int32)
+    minus = jnp.full((b, 1), -1, jnp.int32)
+    slot = jnp.where(included, jnp.cumsum(included.reshape(-1)).reshape(b, m) - 1, -1).astype(jnp.int32)
+    first = jnp.concatenate([jnp.ones((b, 1), bool), q_ids[:, 1:] != q_ids[:, :-1]], axis=1)
+    q_run = jnp.cumsum(first, axis=1) - 1  # [b, t]
+    run_included = jnp.take_along_axis(included, jnp.minimum(q_run, m - 1), axis=1) & (q_run < m)
+    docs = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), axis=1)  # [b, m]
+    covered_kv = jnp.any((kv_ids[:, None, :] == docs[:, :, None]) & included[:, :, None], axis=1)
+    return {"q_seqlen": pad(q_len), "kv_seqlen": pad(kv_len), "q_offsets": jnp.concatenate([pad(q_start), minus], 1),
+            "kv_offsets": jnp.concatenate([pad(kv_start), minus], 1), "slot": slot, "q_run": q_run,
+            "q_start": q_start, "covered_q": run_included, "covered_kv": covered_kv, "ok": ok}
+
+
+def varlen_offsets(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS):
+    """The block as FlashAttention varlen sees it: b·m sequences (each row's m run slots, unused
+    ones zero-length) over the packed queries [b·t] and the packed keys. Returns a dict of
+    ``cu_q``, ``cu_k`` (int32 [b·m + 1]), ``kv_index`` (int32 [b·s]: which key of the block sits at
+    each packed key position; b·s — a zero row — past the last run), ``identity`` (a causal
+    diagonal block: the packed keys are the block's keys, no gather), ``covered_q``,
+    ``covered_kv`` and ``ok`` as :func:`packed_segments`."""
+    b, t = q_ids.shape
+    s = kv_ids.shape[1]
+    seg = packed_segments(q_ids, kv_ids, causal, m)
+    m = seg["q_start"].shape[1]
+    rows = jnp.arange(b)[:, None]
+    starts = jnp.where(seg["q_start"] < t, rows * t + seg["q_start"], rows * t + t)  # unused slots: the row's end
+    cu_q = jnp.concatenate([starts.reshape(-1), jnp.full((1,), b * t, starts.dtype)]).astype(jnp.int32)
+    kv_len = jnp.where(seg["kv_seqlen"] > 0, seg["kv_seqlen"], 0).reshape(-1)
+    cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kv_len).astype(jnp.int32)])
+    kv_start = (rows * s + jnp.maximum(seg["kv_offsets"][:, :-1], 0)).reshape(-1)
+    p = jnp.arange(b * s)
+    run = jnp.clip(jnp.searchsorted(cu_k, p, side="right") - 1, 0, b * m - 1)
+    kv_index = jnp.where(p < cu_k[-1], kv_start[run] + p - cu_k[run], b * s).astype(jnp.int32)
+    return {**seg, "cu_q": cu_q, "cu_k": cu_k, "kv_index": kv_index, "identity": causal}
