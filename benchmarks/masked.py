@@ -84,6 +84,78 @@ def block_checks(device: str, heads=32, kv_heads=8, d=128, t=4096, backend="aten
     return rows
 
 
+def window_checks(heads=32, kv_heads=8, d=128, t=4096) -> list[dict]:
+    """``aten_window`` vs the portable kernel on windowed blocks: a causal diagonal block, an
+    off-diagonal block the window crosses, one the window reaches only at its corner (the crop
+    leaves most rows empty), and positions that are not contiguous (must take the portable path)."""
+    import torch
+
+    from seqplan.schedule import UNBOUNDED
+    from torch_impl.block import get_backend
+    from torch_impl.kernels.window import block_band
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()
+    ref, fast = get_backend("reference"), get_backend("aten_window")
+    span = lambda start: torch.arange(start, start + t, device="cuda", dtype=torch.int32)
+    cases = [("causal diagonal, window 1000", MaskKind.CAUSAL, (1000, UNBOUNDED), span(0), span(0)),
+             ("full, queries one block after the keys, window 5000", MaskKind.FULL, (5000, UNBOUNDED), span(t), span(0)),
+             ("full, the window reaches the corner only (100)", MaskKind.FULL, (100, UNBOUNDED), span(t), span(0)),
+             ("full, two-sided window (700, 300), keys after the queries", MaskKind.FULL, (700, 300), span(0),
+              span(t // 8)),
+             ("full, positions not contiguous (zigzag-like): portable", MaskKind.FULL, (3000, UNBOUNDED),
+              torch.cat([span(2 * t)[: t // 2], span(6 * t)[: t // 2]]), span(0))]
+    rows = []
+    for name, kind, window, q_pos, kv_pos in cases:
+        q, do = rnd(1, t, heads, d), rnd(1, t, heads, d)
+        k, v = rnd(1, t, kv_heads, d), rnd(1, t, kv_heads, d)
+        mask, scale, pos = BlockMask(kind, window=window), d**-0.5, (q_pos, kv_pos)
+        o_r, lse_r = ref.fwd(q, k, v, mask, scale, positions=pos)
+        o_f, lse_f = fast.fwd(q, k, v, mask, scale, positions=pos)
+        o = o_r.bfloat16()
+        g_r = ref.bwd(do, q, k, v, o, lse_r, mask, scale, positions=pos)
+        g_f = fast.bwd(do, q, k, v, o, lse_r, mask, scale, positions=pos)
+        empty = ~lse_r.isfinite()
+        errors = {"o": _rel(o_f.float(), o_r), "lse": float((lse_f - lse_r)[~empty].abs().max()) if (~empty).any()
+                  else 0.0, "dq": _rel(g_f[0].float(), g_r[0]), "dk": _rel(g_f[1].float(), g_r[1]),
+                  "dv": _rel(g_f[2].float(), g_r[2])}
+        empty_ok = bool((lse_f[empty] == float("-inf")).all() and (o_f.float().transpose(1, 2)[empty] == 0).all())
+        fused = block_band(mask, t, t, pos) != "portable"
+        ok = empty_ok and errors["lse"] <= 1e-2 and all(errors[n] <= 2e-2 for n in ("o", "dq", "dk", "dv"))
+        rows.append({"case": name, "mask": kind.value, "window": list(window), "fused_path": fused,
+                     "empty_rows": int(empty.sum()), "empty_rows_exact": empty_ok, "errors": errors, "verified": ok})
+        print(f"window check {name}: {errors} fused={fused} empty rows {int(empty.sum())} exact={empty_ok} "
+              f"verified={ok}", flush=True)
+    return rows
+
+
+def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -> dict:
+    """FA2's own sliding window (``aten._flash_attention_forward`` / ``_backward``, window
+    (w - 1, 0) — Hugging Face's w) on the whole sequence: torch's fastest fused window kernel."""
+    import torch
+
+    from benchmarks.common import Problem
+    from seqplan.schedule import UNBOUNDED
+    from torch_impl.kernels.window import window_block_bwd, window_block_fwd
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, do = (torch.randn(1, seq, heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, seq, kv_heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    pos = torch.arange(seq, device="cuda", dtype=torch.int32)
+    mask = BlockMask(MaskKind.CAUSAL, window=(window, UNBOUNDED))
+
+    def step():
+        o, lse = window_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos))
+        return window_block_bwd(do, q, k, v, o, lse, mask, d**-0.5, positions=(pos, pos))
+
+    fwd_ms = _cuda_ms(lambda: window_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos)), iters, warmup)
+    step_ms = _cuda_ms(step, iters, warmup)
+    problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
+    return {"kernel": "FA2 sliding window (aten._flash_attention_*, through aten_window on the whole sequence)",
+            "seq": seq, "window": window, "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
+            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+
+
 def _cuda_ms(fn, iters: int, warmup: int) -> float:
     import torch
 
@@ -327,7 +399,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU: only the parts that run without CUDA, tiny sizes")
-    ap.add_argument("--parts", default="torch,jax,peak", help="comma-separated of torch, jax, peak")
+    ap.add_argument("--parts", default="torch,jax,peak", help="comma-separated of torch, jax, peak, window")
     a = ap.parse_args(argv)
     import torch
 
@@ -354,6 +426,10 @@ def main(argv=None) -> dict:
             print("jax anchor", result["jax_anchor"], flush=True)
         except ImportError as err:  # flash_attn3_jax is optional: say so in the report
             result["jax_anchor_missing"] = str(err)
+    if "window" in parts:
+        result["window_checks"] = window_checks()
+        result["window_anchor"] = window_anchor(a.seq)
+        print("window anchor", result["window_anchor"], flush=True)
     if "peak" in parts:
         result["portable_peak"] = portable_peak("cuda")
         print("portable peak", result["portable_peak"], flush=True)

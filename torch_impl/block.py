@@ -87,6 +87,9 @@ AUTO_ROUTES: tuple[Route, ...] = (
     Route("aten_varlen", "document blocks (full, causal diagonal; ids one run per document) on FA2 varlen: "
           "docs/gpu/masked-2026-11-24-h100.md; its determinism not measured, so not in deterministic mode",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
+    Route("aten_window", "windowed blocks (full, causal) whose positions are two contiguous ranges, on FA2's "
+          "sliding window: docs/gpu/masked-2026-11-24-h100.md; determinism not measured, so not in deterministic mode",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
     Route("reference", "any other platform, and every block no fused kernel takes: the portable kernel"),
 )
 

@@ -16,10 +16,18 @@ What maps, and what is refused (a ValueError before any collective, never a sile
 - causal decoders (``module.is_causal``); ``scaling``; GQA;
 - ``sliding_window`` w (Mistral, Gemma, gpt-oss: a key is seen when q - w < k <= q) -> ``window=(w - 1, 0)``;
 - attention sinks (gpt-oss's ``s_aux``) -> ``sinks``;
-- packed documents: pass ``segment_ids=local_shard(ids, ...)`` as a keyword of the model call;
-- refused: attention dropout > 0, a padding ``attention_mask`` with any zero (pack documents
-  instead), a sliding window on a non-causal layer. Train with ``use_cache=False`` (generation is
-  not sequence-parallel).
+- packed documents, from whichever the batch carries (first match): ``segment_ids`` (a keyword
+  of the model call, this rank's shard); ``seq_idx`` (``DataCollatorWithFlattening(return_seq_idx=True)``:
+  this rank's shard, or the global row, which is sharded here); ``cu_seq_lens_q`` (``return_flash_attn_kwargs=True``:
+  offsets of the global, original-order row; ``cu_seq_lens_k`` must equal it); ``position_ids``
+  that restart (the collator's default): a document is a run over which original position minus
+  position id stays constant — Hugging Face's own rule (positions step by one inside a
+  document), computed per token, so it is exact on any layout's shard;
+- refused: attention dropout > 0, ``softcap`` (logit soft-capping, Gemma 2: not supported yet —
+  computing uncapped attention would be a silent wrong answer), a padding ``attention_mask`` with
+  any zero (pack documents instead), a sliding window on a non-causal layer, and any keyword not
+  in :data:`MAPPED` or :data:`HARMLESS`. Train with ``use_cache=False`` (generation is not
+  sequence-parallel).
 This module is torch_impl's only import of transformers; torch_impl itself never imports it.
 """
 
@@ -31,6 +39,20 @@ from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from seqplan.layouts import layout_permutation
 
 from .api import sequence_parallel_attention
+
+# Keywords the attention function reads (see the module docstring).
+MAPPED = ("scaling", "dropout", "sliding_window", "s_aux", "softcap", "segment_ids", "seq_idx", "cu_seq_lens_q",
+          "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids")
+# Keywords that reach the attention interface and change nothing ringbridge computes in training.
+HARMLESS = {
+    "output_attentions": "ringbridge returns no attention weights (None), as every fused implementation does",
+    "use_cache": "read by the model around the attention; a cache that reaches it is refused",
+    "cache_position": "cache bookkeeping; positions that matter arrive as position_ids",
+    "past_key_values": "None in training; a cache is refused (check_keywords)",
+    "position_embeddings": "RoPE is applied to q and k before the attention is called",
+    "is_causal": "the layer's own module.is_causal is what decides",
+    "output_router_logits": "a mixture-of-experts output flag (gpt-oss) that travels with the layer's keywords",
+}
 
 
 def hf_window(sliding_window: int | None) -> tuple[int, int] | None:
@@ -57,6 +79,7 @@ def register(mesh, *, layout: str = "zigzag", name: str = "ringbridge", kv_excha
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """query: [b, h, t, d], key, value: [b, hk, t, d] (local shards) -> ([b, t, h, d], None)."""
+        check_keywords(kwargs)
         if dropout:
             raise ValueError(f"ringbridge attention has no dropout, got dropout={dropout}")
         if attention_mask is not None:
@@ -67,15 +90,76 @@ def register(mesh, *, layout: str = "zigzag", name: str = "ringbridge", kv_excha
         if sliding is not None and not causal:
             raise ValueError("a sliding window is mapped for causal layers only (Hugging Face's overlay is causal)")
         window = hf_window(sliding)
+        segment_ids = packed_segment_ids(kwargs, mesh, layout, query.shape[0], query.shape[2], query.device)
         o = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh, causal=causal, layout=layout,
             scale=scaling, kv_exchange=kv_exchange, block_backend=block_backend,
-            segment_ids=kwargs.get("segment_ids"), window=window, sinks=kwargs.get("s_aux"))
+            segment_ids=segment_ids, window=window, sinks=kwargs.get("s_aux"))
         return o, None
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, _no_mask)
     return name
+
+
+def check_keywords(kwargs: dict) -> None:
+    """ValueError for a keyword ringbridge would otherwise drop silently: not in MAPPED or
+    HARMLESS, a soft-capping value, or a key/value cache."""
+    unknown = sorted(set(kwargs) - set(MAPPED) - set(HARMLESS))
+    if unknown:
+        raise ValueError(f"ringbridge attention got keyword(s) {unknown} that it does not map; they would be ignored. "
+                         "Drop them from the model call, or map them in torch_impl/hf.py (MAPPED / HARMLESS)")
+    softcap = kwargs.get("softcap")
+    if softcap:
+        raise ValueError(f"ringbridge attention does not support logit soft-capping yet (softcap={softcap}, e.g. "
+                         "Gemma 2's attn_logit_softcapping); computing uncapped attention would be wrong. Set the "
+                         "config's attn_logit_softcapping=None only if that is the model you mean to train")
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("ringbridge attention is for training: call the model with use_cache=False (a key/value "
+                         "cache would append past tokens to this rank's shard)")
+
+
+def _mesh_sizes(mesh) -> dict:
+    return {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names or ())}
+
+
+def _sequence_shards(mesh) -> int:
+    sizes = _mesh_sizes(mesh)
+    return sizes.get(RING, 1) * sizes.get(RING_OUTER, 1) * sizes.get(RING_INNER, 1) * sizes.get(ULYSSES, 1)
+
+
+def _original_positions(mesh, layout: str, b: int, t: int, device):
+    """[b, t] int64: the original position of every token of this rank's shard of length t."""
+    row = torch.arange(t * _sequence_shards(mesh), device=device).expand(b * _mesh_sizes(mesh).get(DATA, 1), -1)
+    return local_shard(row, mesh, layout)
+
+
+def packed_segment_ids(kwargs: dict, mesh, layout: str, b: int, t: int, device):
+    """This rank's ``segment_ids`` [b, t] from what the batch carries (module docstring), or None
+    for one document per row."""
+    if kwargs.get("segment_ids") is not None:
+        return kwargs["segment_ids"]
+    seq_idx = kwargs.get("seq_idx")
+    if seq_idx is not None:
+        return seq_idx if seq_idx.shape[1] == t else local_shard(seq_idx, mesh, layout)
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and not torch.equal(cu_k, cu_q):
+            raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: ringbridge maps packed self-attention only "
+                             "(pass segment_ids instead)")
+        total = int(cu_q[-1])
+        if b != 1 or _mesh_sizes(mesh).get(DATA, 1) != 1 or total != t * _sequence_shards(mesh):
+            raise ValueError(f"cu_seq_lens_q describes one flattened row of {total} tokens; this rank holds {b} row(s) "
+                             f"of {t} of a {t * _sequence_shards(mesh)}-token sequence: pass segment_ids for this "
+                             "shard instead")
+        ids = torch.searchsorted(cu_q.to(device)[1:], torch.arange(total, device=device), right=True)
+        return local_shard(ids[None], mesh, layout)
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        start = _original_positions(mesh, layout, b, t, positions.device) - positions.expand(b, -1)
+        return None if bool(torch.all(start == start[:, :1])) else start
+    return None
 
 
 def local_shard(x, mesh, layout: str = "zigzag"):

@@ -72,7 +72,8 @@ def resolved_backends(framework: str, backend: str, case: Case, devices: Device)
         name = mask + ("+documents" if documents else "") + ("+window" if case.window is not None else "")
         try:
             out[name] = block.resolve_backend(backend, device_kind=kind, dtype=case.dtype,
-                                              mask=BlockMask(MaskKind(mask), documents=documents))
+                                              mask=BlockMask(MaskKind(mask), documents=documents,
+                                                             window=case.window))
         except Exception as err:  # noqa: BLE001 — reported in the row, the run goes on
             out[mask] = f"unresolved: {err}"
     return out

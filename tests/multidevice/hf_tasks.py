@@ -7,17 +7,29 @@ from __future__ import annotations
 IGNORE = -100
 
 
-def tiny_model(kind: str, seed: int = 0):
-    """A tiny random LlamaForCausalLM or MistralForCausalLM (sliding window 5), float32, no download."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.0, head_dim=8)
 
-    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.0)
+
+def tiny_config(kind: str, **overrides):
+    """A tiny random config of a model family the keyword census covers (no download)."""
+    import transformers
+
+    make = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+            "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
+            "gpt_oss": transformers.GptOssConfig}[kind]
+    extra = {"mistral": {"sliding_window": 5}, "gpt_oss": {"num_local_experts": 2, "num_experts_per_tok": 1}}
+    return make(**{**SIZES, **extra.get(kind, {}), **overrides})
+
+
+def tiny_model(kind: str, seed: int = 0, overrides: dict | None = None):
+    """A tiny random causal LM of ``kind`` (llama, mistral with sliding window 5, ...), float32."""
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
-    if kind == "mistral":
-        return MistralForCausalLM(MistralConfig(sliding_window=5, **sizes))
-    return LlamaForCausalLM(LlamaConfig(**sizes))
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **(overrides or {})))
 
 
 DOCUMENTS = (11, 5, 16)  # a packed row: three documents (lengths), crossing shard edges
@@ -84,9 +96,11 @@ def plain_task(kind: str, steps: int, packed: bool = False):
     return [float(x) for x in losses], {n: g.double().numpy() for n, g in grads.items()}
 
 
-def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int, packed: bool = False):
+def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int, packed: bool = False,
+                           mode: str = "segment_ids"):
     """Runs on every rank: the model on this rank's shard, ringbridge attention over ``axes``
-    (packed documents through the ``segment_ids`` keyword)."""
+    (packed documents through the ``segment_ids`` keyword, or with ``mode="positions"`` only
+    through the restarting ``position_ids``, as DataCollatorWithFlattening marks them)."""
     import torch
     import torch.distributed as dist
 
@@ -99,7 +113,7 @@ def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int, pack
     ids, pos, labels, segments = (local_shard(x, mesh, layout) for x in batch(packed=packed))
     count = torch.tensor([float((labels != IGNORE).sum())])
     dist.all_reduce(count)
-    extra = {"segment_ids": segments.contiguous()} if packed else {}
+    extra = {"segment_ids": segments.contiguous()} if packed and mode == "segment_ids" else {}
 
     def run(m):
         share = loss_sum(m(input_ids=ids, position_ids=pos, use_cache=False, **extra).logits, labels) / count[0]
@@ -129,6 +143,49 @@ def padding_refused_task(axes: tuple):
     mask[:, :3] = 0
     try:
         model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def segment_ids_task(axes: tuple, layout: str):
+    """Every way a packed batch can reach torch_impl.hf, on this rank's shard: (mode, derived ids,
+    the true ids sharded) — for each mode of DataCollatorWithFlattening and an explicit keyword."""
+    import torch
+
+    from parity.runners.torch_world import make_mesh
+    from torch_impl.hf import local_shard, packed_segment_ids
+
+    mesh = make_mesh("cpu", axes)
+    _, positions, _, segments = batch(b=1, packed=True)
+    t = local_shard(segments, mesh, layout).shape[1]
+    lengths = torch.tensor(DOCUMENTS)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    modes = {"positions": {"position_ids": local_shard(positions, mesh, layout)},
+             "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
+                             "max_length_k": int(lengths.max())},
+             "seq_idx (global)": {"seq_idx": segments},
+             "seq_idx (shard)": {"seq_idx": local_shard(segments, mesh, layout)},
+             "unpacked positions": {"position_ids": local_shard(torch.arange(32)[None], mesh, layout)}}
+    want = local_shard(segments, mesh, layout)
+    out = []
+    for mode, kwargs in modes.items():
+        got = packed_segment_ids(kwargs, mesh, layout, 1, t, torch.device("cpu"))
+        out.append((mode, None if got is None else got.numpy(), want.numpy()))
+    return out
+
+
+def refused_task(kind: str, overrides: dict, call: dict):
+    """The message of the ValueError a model call raises (or "no error")."""
+    from parity.runners.torch_world import make_mesh
+    from torch_impl.hf import local_shard, register
+
+    mesh = make_mesh("cpu", (("ring", 2),))
+    model = tiny_model(kind, overrides=overrides)
+    model.set_attn_implementation(register(mesh))
+    ids, pos, _, _ = (local_shard(x, mesh) for x in batch())
+    try:
+        model(input_ids=ids, position_ids=pos, **{"use_cache": False, **call})
     except ValueError as err:
         return str(err)
     return "no error"

@@ -68,3 +68,74 @@ def test_padding_mask_is_refused(worlds):
 
     messages = get_world(2).run(hf_tasks.padding_refused_task, (("ring", 2),))
     assert all("padding mask" in m for m in messages), messages
+
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gpt_oss")
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_every_keyword_a_model_family_passes_is_mapped_or_known_harmless(kind):
+    """A census, one process: the keywords each family's attention layers pass to an attention
+    implementation (plain and packed calls), recorded from a real forward, are all in
+    torch_impl.hf's MAPPED or HARMLESS — so a transformers release that adds one fails here
+    instead of being dropped silently by ringbridge."""
+    from transformers import AttentionInterface
+
+    from torch_impl.hf import HARMLESS, MAPPED
+
+    seen: set = set()
+
+    def recorder(module, q, k, v, attention_mask, **kwargs):
+        """Records the keywords; the output's values do not matter to a census (no kernel refuses)."""
+        seen.update(kwargs)
+        return torch.zeros_like(q).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("ringbridge-census", recorder)
+    model = hf_tasks.tiny_model(kind)
+    model.set_attn_implementation("ringbridge-census")
+    ids, pos, _, _ = hf_tasks.batch(b=1, packed=True)
+    model(input_ids=ids, position_ids=pos, use_cache=False)
+    model(input_ids=ids, use_cache=False)
+    assert seen, "the census saw no call"
+    assert seen <= set(MAPPED) | set(HARMLESS), seen - set(MAPPED) - set(HARMLESS)
+
+
+@pytest.mark.parametrize("kind, overrides, call, message", [
+    ("gemma2", {"attn_logit_softcapping": 0.05}, {}, "soft-capping"),
+    ("llama", {}, {"some_new_keyword": 1}, "does not map"),
+], ids=["gemma2-softcap", "unknown-keyword"])
+def test_what_cannot_be_mapped_is_refused(kind, overrides, call, message, worlds):
+    from parity.runners.torch_world import get_world
+
+    messages = get_world(2).run(hf_tasks.refused_task, kind, overrides, call)
+    assert all(message in m for m in messages), messages
+
+
+def test_packed_batches_map_to_segment_ids_in_every_collator_mode(worlds):
+    """DataCollatorWithFlattening's three ways of marking packing (restarting position_ids,
+    cu_seq_lens of the global row, seq_idx) and a sharded seq_idx all give each rank's tokens the
+    same documents as the true ids (the same partition; position-derived ids are document starts),
+    on zigzag shards whose local positions jump at the chunk edge; unpacked positions give None."""
+    from parity.runners.torch_world import get_world
+
+    for results in get_world(2).run(hf_tasks.segment_ids_task, (("ring", 2),), "zigzag"):
+        for mode, got, want in results:
+            if mode == "unpacked positions":
+                assert got is None, mode
+                continue
+            same = lambda x: x[0][:, None] == x[0][None, :]
+            assert got is not None and np.array_equal(same(got), same(want)), mode
+
+
+def test_packed_llama_through_restarting_positions_alone_trains_like_the_plain_model(worlds):
+    """No segment_ids keyword: the restarting position_ids are the only mark of packing (the
+    collator's default); the model must still train like the plain model with Hugging Face's
+    packed-sequence mask, to 1e-5."""
+    from parity.runners.torch_world import get_world
+
+    ref_losses, ref_grads = hf_tasks.plain_task("llama", 2, True)
+    losses, grads = get_world(2).run(hf_tasks.sequence_parallel_task, "llama", (("ring", 2),), "zigzag", 2, True,
+                                     "positions")[0]
+    assert _rel(np.array(losses), np.array(ref_losses)) <= TOL, (losses, ref_losses)
+    worst = max(ref_grads, key=lambda n: _rel(grads[n], ref_grads[n]))
+    assert _rel(grads[worst], ref_grads[worst]) <= TOL, (worst, _rel(grads[worst], ref_grads[worst]))

@@ -79,6 +79,21 @@ def test_blocks_that_are_not_runs_are_refused():
     assert document_runs(ok, ok[:, ::-1].copy(), causal=True) is None  # causal needs the block's own tokens
 
 
+_JITTED: dict = {}
+
+
+def _jitted(form, causal: bool, m: int):
+    """``form(q_ids, kv_ids, causal, m)`` jitted once per (form, causal, m) for the whole module
+    (the trials share shapes: one compilation each, not one per trial); the static ``identity``
+    flag is dropped from the traced dict."""
+    import jax
+
+    key = (form.__name__, causal, m)
+    if key not in _JITTED:
+        _JITTED[key] = jax.jit(lambda a, b: {n: x for n, x in form(a, b, causal, m).items() if n != "identity"})
+    return _JITTED[key]
+
+
 @pytest.mark.parametrize("trial", range(6))
 def test_jax_device_segments_agree_with_the_host_run_list(trial, seed):
     """jax_impl's traced run list (cuDNN's packed form, kernels/packed.py) describes the same
@@ -90,14 +105,14 @@ def test_jax_device_segments_agree_with_the_host_run_list(trial, seed):
     from jax_impl.kernels.runs import packed_segments
 
     rng = np.random.default_rng(seed + 100 + trial)
-    b, t = int(rng.integers(1, 3)), int(rng.integers(2, 24))
+    b, t = 2, 16  # one shape for every trial: one compilation (_jitted)
     ids = _sorted_ids(rng, b, 2 * t)
     if trial % 4 == 3:  # a document split in two runs of the queries: refused by both
         ids[:, t - 1] = ids[:, 0]
     for q_ids, kv_ids, causal in ((ids[:, :t], ids[:, :t], True), (ids[:, t:], ids[:, :t], False),
                                   (ids[:, :t], ids[:, t:], False)):
         host = document_runs(q_ids, kv_ids, causal)
-        seg = packed_segments(jnp.asarray(q_ids), jnp.asarray(kv_ids), causal, m=t)
+        seg = _jitted(packed_segments, causal, t)(jnp.asarray(q_ids), jnp.asarray(kv_ids))
         if host is None:
             assert not bool(seg["ok"])
             continue
@@ -154,12 +169,12 @@ def test_jax_varlen_offsets_gather_each_runs_keys(trial, seed):
     from jax_impl.kernels.runs import varlen_offsets
 
     rng = np.random.default_rng(seed + 200 + trial)
-    b, t = 2, int(rng.integers(4, 20))
+    b, t = 2, 16
     ids = _sorted_ids(rng, b, 2 * t)
-    diag = varlen_offsets(jnp.asarray(ids[:, :t]), jnp.asarray(ids[:, :t]), True, m=t)
-    assert bool(diag["ok"]) and diag["identity"] and np.array_equal(diag["cu_q"], diag["cu_k"])
+    diag = _jitted(varlen_offsets, True, t)(jnp.asarray(ids[:, :t]), jnp.asarray(ids[:, :t]))
+    assert bool(diag["ok"]) and np.array_equal(diag["cu_q"], diag["cu_k"])
     q_ids, kv_ids = ids[:, t:], ids[:, :t]
-    runs = varlen_offsets(jnp.asarray(q_ids), jnp.asarray(kv_ids), False, m=t)
+    runs = _jitted(varlen_offsets, False, t)(jnp.asarray(q_ids), jnp.asarray(kv_ids))
     cu_q, cu_k, index = (np.asarray(runs[n]) for n in ("cu_q", "cu_k", "kv_index"))
     flat_q, flat_kv = q_ids.reshape(-1), np.concatenate([kv_ids.reshape(-1), [-1]])
     for i in range(len(cu_q) - 1):

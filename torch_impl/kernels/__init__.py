@@ -6,12 +6,15 @@ to the block interface of ``block.py`` and registering them there:
   underscore ops, which return the lse the ring needs);
 - ``varlen``: ``aten_varlen``, document-masked blocks on FlashAttention-2's varlen kernels (one
   problem per document run, from ``seqplan.documents``);
+- ``window``: ``aten_window``, windowed blocks on FlashAttention-2's sliding window (the block
+  cropped to its band);
 - ``flex``: torch's FlexAttention, every block mask (documents, windows) applied inside the kernel
   (binds the private flex backward operator, which takes the global o and lse).
 
-Torch internals are confined to ``aten.py``, ``varlen.py`` and ``flex.py``, each saying why. Unlike the algorithm files, this
+Torch internals are confined to ``aten.py``, ``varlen.py``, ``window.py`` and ``flex.py``, each
+saying why. Unlike the algorithm files, this
 folder differs from ``jax_impl/kernels/`` by nature: each framework binds its own kernels (JAX:
-``reference``, ``fused``, ``cudnn``, ``fa3``).
+``reference``, ``fused``, ``cudnn``, ``fa3``, ``fa3_varlen``, ``packed``, ``runs``).
 """
 
-from . import aten, flex, reference, varlen  # noqa: F401  (each registers its backends)
+from . import aten, flex, reference, varlen, window  # noqa: F401  (each registers its backends)

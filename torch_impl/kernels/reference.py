@@ -111,25 +111,28 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
     key of its document in the block, or none inside its window), which the LSE merge treats as
     an empty partial."""
     b, t, h, d = q.shape
-    s, hk = k.shape[1], k.shape[2]
-    g = h // hk
+    s = k.shape[1]
     check_mask_arrays(mask, t, s, segments, positions)
     c = chunk or key_chunk(t, s)
-    m = torch.full((b, hk, g, t), float("-inf"), device=q.device)  # running max
-    total = torch.zeros((b, hk, g, t), device=q.device)  # running sum of exp
-    acc = torch.zeros((b, hk, g, t, d), device=q.device)  # running numerator
+    m = total = acc = None  # running max, sum of exp and numerator: [b, hk, g, t], [..], [b, hk, g, t, d]
     for lo in range(0, s, c):
         hi = min(s, lo + c)
         sc = _scores(q, k[:, lo:hi], scale)
         visible = chunk_visible(mask, t, lo, hi, q.device, segments, positions)
         if visible is not None:
             sc.masked_fill_(~visible, float("-inf"))
-        m_new = torch.maximum(m, sc.amax(dim=-1))
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = sc.sub_(m_safe.unsqueeze(-1)).exp_()
-        rescale = torch.exp(m - m_safe)  # 0 while m is still -inf
-        total.mul_(rescale).add_(p.sum(dim=-1))
-        acc.mul_(rescale.unsqueeze(-1)).add_(torch.einsum("bkgts,bskd->bkgtd", p, v[:, lo:hi].float()))
+        m_c = sc.amax(dim=-1)  # -inf on a row that sees nothing in this chunk
+        p = sc.sub_(torch.where(torch.isfinite(m_c), m_c, 0.0).unsqueeze(-1)).exp_()
+        pv = torch.einsum("bkgts,bskd->bkgtd", p, v[:, lo:hi].float())
+        if m is None:  # the first chunk starts the sums (one chunk — a small block — is the plain softmax)
+            m, total, acc = m_c, p.sum(dim=-1), pv
+            continue
+        # the online softmax: rescale both sides to the new row max (exp(-inf - x) = 0)
+        m_new = torch.maximum(m, m_c)
+        safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+        old, new = torch.exp(m - safe), torch.exp(torch.where(torch.isfinite(m_c), m_c, 0.0) - safe)
+        total.mul_(old).add_(p.sum(dim=-1).mul_(new))
+        acc.mul_(old.unsqueeze(-1)).add_(pv.mul_(new.unsqueeze(-1)))
         m = m_new
     has_key = total > 0
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
