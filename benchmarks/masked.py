@@ -290,7 +290,8 @@ def jax_block_checks(heads=32, kv_heads=8, d=128, t=4096, backend="cudnn_varlen"
     return rows
 
 
-def _jax_ms(fn, *args, iters=5, warmup=2) -> float:
+def jax_ms(fn, *args, iters=5, warmup=2) -> float:
+    """Median wall ms of a jitted call (host clock around block_until_ready)."""
     import jax
 
     for _ in range(warmup):
@@ -348,7 +349,7 @@ def jax_anchor(seq: int, heads=32, kv_heads=8, d=128) -> dict:
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
     q, k, v, do, cu, longest = inputs(seq, problem.segment_ids()[0])
     fwd, step = programs(cu, longest)
-    fwd_ms, step_ms = _jax_ms(fwd, q, k, v), _jax_ms(step, q, k, v, do)
+    fwd_ms, step_ms = jax_ms(fwd, q, k, v), jax_ms(step, q, k, v, do)
     return {"kernel": "flash_attn3_jax flash_mha_varlen (its own vjp)", "seq": seq, "verified_at_4096": errors,
             "verified": all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
             "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}

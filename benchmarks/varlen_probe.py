@@ -12,22 +12,14 @@ rounding) before it is timed; a row says ``verified``.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from benchmarks.masked import jax_ms
 
-def _ms(fn, *args, iters=20, warmup=3) -> float:
-    import jax
 
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
+def _ms(fn, *args) -> float:
+    return jax_ms(fn, *args, iters=20, warmup=3)
 
 
 def main(argv=None):

@@ -10,6 +10,7 @@ implementations (``jax_impl``, ``torch_impl``) and by ``parity.core``.
 - ``config``      the static fields' checks, the scale default, the ``check_ranks`` environment default
 - ``routing``     the ``"auto"`` backend's row type and the walk over a routing table
 - ``strategy``    the mesh a one-device replay stands for
+- ``chunks``      how the portable kernels walk a block's keys (bounded scores)
 - ``documents``   a block's document runs for varlen kernels (cumulative offsets, key gather)
 
 Pure Python and NumPy: importing it loads neither jax nor torch (tests/unit/test_layering.py).

@@ -2,7 +2,7 @@
 full precision, any device, any dtype. The default on CPU and for float32, and the fallback of
 the fused kernels' backward when a caller passes an lse cotangent.
 
-Blockwise: the keys are walked in chunks of ``c`` (:func:`key_chunk`; a ``lax.scan`` when there is
+Blockwise: the keys are walked in chunks of ``c`` (``seqplan.chunks.key_chunk``; a ``lax.scan`` when there is
 more than one) with an online softmax in the forward and the scores recomputed per chunk in the
 backward, so a block's temporaries are O(t · c), never the [t, s] scores: a packed-documents block
 of 16k × 16k tokens fits where its float32 scores (8 GiB at 8 heads) would not. A block small
@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from seqplan.chunks import key_chunk
 from seqplan.schedule import BlockMask, MaskKind
 
 from ..block import BlockBackend, register_backend
@@ -25,20 +26,6 @@ from ..block import BlockBackend, register_backend
 F32 = jnp.float32
 # f32 matmuls at full precision: on GPUs XLA's default may use TF32, which breaks the 1e-5 policy.
 _PRECISION = jax.lax.Precision.HIGHEST
-
-
-# Scores held at once per (batch, head): t · c float32 (4 MiB). t · s below it: one chunk.
-SCORE_ELEMENTS = 1 << 20
-MIN_KEY_CHUNK = 64
-
-
-def key_chunk(t: int, s: int) -> int:
-    """Keys per chunk for a [t, s] block: all of them when t · s ≤ SCORE_ELEMENTS, else the largest
-    power of two ≤ SCORE_ELEMENTS / t (at least MIN_KEY_CHUNK)."""
-    if t * s <= SCORE_ELEMENTS:
-        return s
-    c = max(MIN_KEY_CHUNK, SCORE_ELEMENTS // max(t, 1))
-    return min(s, 1 << (c.bit_length() - 1))
 
 
 def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions) -> None:
@@ -122,7 +109,7 @@ def _walk(body, carry, xs):
 
 def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, *,
                         chunk: int | None = None):
-    """Portable forward, an online softmax over key chunks (``chunk``: default :func:`key_chunk`).
+    """Portable forward, an online softmax over key chunks (``chunk``: default ``seqplan.chunks.key_chunk``).
     A query row with no visible key gets o = 0 and lse = -inf (stripe's strict mask on row 0, a
     query whose document or window has no key in the block), which the LSE merge treats as an
     empty partial."""

@@ -62,8 +62,10 @@ def _truth(q, k, v, do, mask: BlockMask, scale, ids, positions):
     return o, lse, dq, dk, dv
 
 
-CASES = [(kind, documents, window, chunk) for kind, documents, window in itertools.product(
-    MaskKind, (False, True), WINDOWS) for chunk in (None, 5)]
+# every mask kind × documents × window, chunked in 5s (padded keys, several chunks); the whole-block
+# path (one chunk) for each mask kind with documents and a window, the rest of it is every other test
+CASES = [(kind, documents, window, 5) for kind, documents, window in itertools.product(MaskKind, (False, True), WINDOWS)]
+CASES += [(kind, True, (2, 4), None) for kind in MaskKind]
 
 
 def _check(got, want, name):
@@ -117,14 +119,12 @@ def test_torch_chunked_kernel_equals_the_whole_block(kind, documents, window, ch
 
 
 def test_key_chunk_bounds_the_scores():
-    from jax_impl.kernels import reference as jax_reference
+    from seqplan import chunks
 
-    torch_reference = pytest.importorskip("torch_impl.kernels.reference")
-    for module in (jax_reference, torch_reference):
-        assert module.key_chunk(1024, 1024) == 1024  # small blocks: one chunk, the plain softmax
-        for t, s in ((16384, 16384), (131072, 131072), (4096, 100000)):
-            c = module.key_chunk(t, s)
-            assert c * t <= max(module.SCORE_ELEMENTS, module.MIN_KEY_CHUNK * t) and c & (c - 1) == 0, (t, s, c)
+    assert chunks.key_chunk(1024, 1024) == 1024  # small blocks: one chunk, the plain softmax
+    for t, s in ((16384, 16384), (131072, 131072), (4096, 100000)):
+        c = chunks.key_chunk(t, s)
+        assert c * t <= max(chunks.SCORE_ELEMENTS, chunks.MIN_KEY_CHUNK * t) and c & (c - 1) == 0, (t, s, c)
 
 
 def test_jax_masked_block_compiles_to_a_sixteenth_of_its_scores():

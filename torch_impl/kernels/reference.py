@@ -3,7 +3,7 @@ device, any dtype. The default on CPU and for float32, the fallback of the aten 
 backward when a caller passes an lse cotangent, and the kernel of a document-masked or windowed
 block that no fused kernel takes.
 
-Blockwise, as jax_impl's: the keys are walked in chunks of ``c`` (:func:`key_chunk`) with an
+Blockwise, as jax_impl's: the keys are walked in chunks of ``c`` (``seqplan.chunks.key_chunk``) with an
 online softmax in the forward and the scores recomputed per chunk in the backward, so a block's
 temporaries are O(t · c), never the [t, s] scores. A block with t · s ≤ ``SCORE_ELEMENTS`` is one
 chunk: the plain softmax.
@@ -19,25 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from seqplan.chunks import key_chunk
 from seqplan.schedule import BlockMask, MaskKind
 
 from ..block import BlockBackend, register_backend
 
 F32 = torch.float32
-
-
-# Scores held at once per (batch, head): t · c float32 (4 MiB). t · s below it: one chunk.
-SCORE_ELEMENTS = 1 << 20
-MIN_KEY_CHUNK = 64
-
-
-def key_chunk(t: int, s: int) -> int:
-    """Keys per chunk for a [t, s] block: all of them when t · s ≤ SCORE_ELEMENTS, else the largest
-    power of two ≤ SCORE_ELEMENTS / t (at least MIN_KEY_CHUNK)."""
-    if t * s <= SCORE_ELEMENTS:
-        return s
-    c = max(MIN_KEY_CHUNK, SCORE_ELEMENTS // max(t, 1))
-    return min(s, 1 << (c.bit_length() - 1))
 
 
 def _window_matrix(window: tuple[int, int], q_pos, kv_pos):
@@ -106,7 +93,7 @@ def _scores(q, k, scale):
 
 def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, *,
                         chunk: int | None = None):
-    """Portable forward, an online softmax over key chunks (``chunk``: default :func:`key_chunk`).
+    """Portable forward, an online softmax over key chunks (``chunk``: default ``seqplan.chunks.key_chunk``).
     A query row with no visible key gets o = 0 and lse = -inf (stripe's strict mask on row 0, no
     key of its document in the block, or none inside its window), which the LSE merge treats as
     an empty partial."""
