@@ -99,12 +99,10 @@ def _key_chunks(c: int, k, v, segments, positions):
     return jnp.arange(n * c).reshape(n, c), split(k, 1), split(v, 1), kv_ids, kv_pos
 
 
-def _walk(body, carry, xs):
-    """``lax.scan(body, carry, xs)``, or the body once when there is one chunk (no loop to compile)."""
-    if jax.tree_util.tree_leaves(xs)[0].shape[0] == 1:
-        carry, y = body(carry, jax.tree_util.tree_map(lambda x: x[0], xs))
-        return carry, jax.tree_util.tree_map(lambda x: x[None], y)
-    return jax.lax.scan(body, carry, xs)
+def _whole(k, v, segments, positions):
+    """The keys' side as one chunk (what :func:`_key_chunks` gives for one chunk, without a split)."""
+    return (jnp.arange(k.shape[1]), k, v, None if segments is None else segments[1],
+            None if positions is None else positions[1])
 
 
 def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, *,
@@ -118,7 +116,7 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
     check_mask_arrays(mask, t, s, segments, positions)
     q_ids = None if segments is None else segments[0]
     q_pos = None if positions is None else positions[0]
-    xs = _key_chunks(chunk or key_chunk(t, s), k, v, segments, positions)
+    c = chunk or key_chunk(t, s)
 
     def chunk_stats(x):
         """A chunk's masked softmax pieces: its row max m, exp(scores - m) and their row sum."""
@@ -139,10 +137,13 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
         old, new = jnp.exp(m - safe), jnp.exp(jnp.where(jnp.isfinite(m_c), m_c, 0.0) - safe)  # 0 for -inf
         return (m_new, total * old + jnp.sum(p, axis=-1) * new, acc * old[..., None] + pv * new[..., None]), None
 
-    # the first chunk starts the sums (one chunk — a small block — is the plain softmax, no loop)
-    m, p, acc = chunk_stats(jax.tree_util.tree_map(lambda x: x[0], xs))
-    total = jnp.sum(p, axis=-1)
-    if xs[0].shape[0] > 1:
+    if c >= s:  # a small block: one chunk, the plain softmax (no split, no loop: the least to compile)
+        m, p, acc = chunk_stats(_whole(k, v, segments, positions))
+        total = jnp.sum(p, axis=-1)
+    else:  # the first chunk starts the sums
+        xs = _key_chunks(c, k, v, segments, positions)
+        m, p, acc = chunk_stats(jax.tree_util.tree_map(lambda x: x[0], xs))
+        total = jnp.sum(p, axis=-1)
         (m, total, acc), _ = jax.lax.scan(step, (m, total, acc), jax.tree_util.tree_map(lambda x: x[1:], xs))
     has_key = total > 0
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -169,8 +170,6 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
     if dlse is not None:
         delta = delta - dlse.astype(F32).reshape(b, hk, g, t)
     c = chunk or key_chunk(t, s)
-    xs = _key_chunks(c, k, v, segments, positions)
-
     def step(dq, x):
         kv_index, k_c, v_c, kv_ids, kv_pos = x
         p = jnp.exp(_scores(q, k_c, scale) - lse_g)
@@ -184,7 +183,10 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
         dk_c = jnp.einsum("bkgts,btkgd->bskd", ds, q_g, precision=_PRECISION)
         return dq, (dk_c, dv_c)
 
-    dq, (dk, dv) = _walk(step, jnp.zeros((b, t, hk, g, d), F32), xs)
+    if c >= s:  # a small block: one chunk, no split, no loop
+        dq, (dk, dv) = step(jnp.zeros((b, t, hk, g, d), F32), _whole(k, v, segments, positions))
+        return dq.reshape(b, t, h, d), dk, dv
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, t, hk, g, d), F32), _key_chunks(c, k, v, segments, positions))
     unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, hk, d)[:, :s]  # [n, b, c, hk, d] -> [b, s, hk, d]
     return dq.reshape(b, t, h, d), unchunk(dk), unchunk(dv)
 
