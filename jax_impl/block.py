@@ -57,6 +57,9 @@ class BlockBackend:
     # available() -> whether the kernels can run in this process (an optional package of the
     # verified version is installed): "auto" routes only to available backends.
     available: Callable[[], bool] = lambda: True
+    # True when the kernels run a windowed block faster given its parts' static position offset
+    # (BlockMask.offset): the loops then compile one variant per distinct offset of a block.
+    window_offsets: bool = False
 
 
 _BACKENDS: dict[str, BlockBackend] = {}
@@ -88,7 +91,8 @@ AUTO_ROUTES: tuple[Route, ...] = (
     Route("cudnn", "XLA's deterministic mode makes cuDNN's backward deterministic; fa3's stays not",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, deterministic=True),
     Route("fa3", "fastest verified in bf16: 632 / 600 / 598 TFLOP/s full / causal / strict vs cuDNN "
-          "573 / 556 / 541 (needs flash_attn3_jax 0.2.3; fp16 not yet verified on a GPU)",
+          "573 / 556 / 541 (needs flash_attn3_jax 0.2.3; fp16 not yet verified on a GPU); windowed blocks whose "
+          "parts are position runs (BlockMask.offset) on FA3's own window, cropped to the band",
           device_kinds=("cuda",), dtypes=("bfloat16",), masks=ALL_MASKS, deterministic=False),
     Route("cudnn", "verified bf16 and fp16 (fp16 resolves here, not to fa3, until fa3's fp16 is verified)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION),
@@ -165,8 +169,10 @@ def routing_backend(deterministic: bool = False) -> BlockBackend:
     def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, **mask_arrays):
         return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **mask_arrays)
 
-    typed = all(_BACKENDS[n].typed_for_shard_map for n in _reachable_here(deterministic))
-    return BlockBackend("auto", fwd, bwd, typed_for_shard_map=typed)
+    names = _reachable_here(deterministic)
+    typed = all(_BACKENDS[n].typed_for_shard_map for n in names)
+    return BlockBackend("auto", fwd, bwd, typed_for_shard_map=typed,
+                        window_offsets=any(_BACKENDS[n].window_offsets for n in names))
 
 
 def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBackend:

@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from seqplan.bands import contiguous_start
 from seqplan.layouts import ring_positions
 from seqplan.schedule import Block, BlockMask, Hop, Part, Schedule, Step, document_flags, runs, window_flags
 
@@ -161,14 +162,22 @@ def _concrete(x) -> bool:
     return isinstance(x, (int, np.integer))
 
 
-def _window_decision(block: Block, window: tuple[int, int], shard_positions, own_block: bool):
-    """The window's part of :func:`under_masks`: (cases, reachable, covered, positions). ``cases``:
-    the static set of (reachable, covered) this block can meet — of its one shard pair when both
-    shards are ints, of (r, r) for a device's own block, else of every pair (r, src != r) of the
-    ring (a superset of the pairs the block is used for: every other shard is visited once) — so
-    that variants no device can take are not compiled. ``reachable``/``covered``: the flags of
-    this pair, looked up in [R, R] constant tables at the (possibly traced) shard indices.
-    ``positions``: (q_pos, kv_pos) of the block's parts."""
+# A windowed block is compiled once per distinct static offset of its parts (BlockMask.offset) up
+# to this many; beyond, one variant without the offset (the portable kernel's positions decide).
+MAX_OFFSET_VARIANTS = 4
+
+
+def _window_decision(block: Block, window: tuple[int, int], shard_positions, own_block: bool, by_offset: bool):
+    """The window's part of :func:`under_masks`: (options, index, reachable, always_reachable,
+    positions). ``options``: the static variants this block can take — None (the window covers
+    it: no window) or ``(offset,)`` (windowed; ``offset`` the parts' static position offset, one
+    option per distinct offset when ``by_offset`` and there are at most MAX_OFFSET_VARIANTS, else
+    None) — of its one shard pair when both shards are ints, of (r, r) for a device's own block,
+    else of every pair (r, src != r) of the ring (a superset of the pairs the block is used for),
+    so that variants no device can take are not compiled. ``index``: this pair's option (looked
+    up in a constant [R, R] table at the possibly traced shard indices); ``reachable``: its
+    flag, ``always_reachable``: whether every considered pair is. ``positions``: (q_pos, kv_pos)
+    of the block's parts."""
     table, q_shard, kv_shard = shard_positions
     size, t = table.shape
     q_tab, kv_tab = (table[:, slice(*part.bounds(t))] for part in (block.q_part, block.kv_part))
@@ -178,23 +187,37 @@ def _window_decision(block: Block, window: tuple[int, int], shard_positions, own
         pairs = [(int(q_shard), int(kv_shard))]
     else:
         pairs = [(r, c) for r in range(size) for c in range(size) if (r == c) == own_block]
-    cases = {(bool(reach[pair]), bool(cover[pair])) for pair in pairs}
-    reachable, covered = (jnp.asarray(flags)[q_shard, kv_shard] for flags in (reach, cover))
+    q0, k0 = [contiguous_start(row) for row in q_tab], [contiguous_start(row) for row in kv_tab]
+
+    def offset(r, c):
+        return None if not by_offset or q0[r] is None or k0[c] is None else q0[r] - k0[c]
+
+    windowed = [pair for pair in pairs if reach[pair] and not cover[pair]]
+    offsets = list(dict.fromkeys(offset(*pair) for pair in windowed))
+    if None in offsets or len(offsets) > MAX_OFFSET_VARIANTS:
+        offsets = [None]
+    options = ([None] if any(reach[pair] and cover[pair] for pair in pairs) else []) + [(o,) for o in offsets if windowed]
+    choice = np.zeros((size, size), np.int32)
+    for r, c in windowed:
+        choice[r, c] = options.index((offset(r, c) if offsets != [None] else None,))
+    index = jnp.asarray(choice)[q_shard, kv_shard] if len(options) > 1 else 0
+    reachable = jnp.asarray(reach)[q_shard, kv_shard]
     positions = (_part(lax.dynamic_index_in_dim(table, q_shard, keepdims=False), block.q_part, 0),
                  _part(lax.dynamic_index_in_dim(table, kv_shard, keepdims=False), block.kv_part, 0))
-    return cases, reachable, covered, positions
+    return options, index, reachable, all(reach[pair] for pair in pairs), positions
 
 
 def under_masks(block: Block, run: Callable, state, *, segments=None, window=None, shard_positions=None,
-                own_block: bool = False):
+                own_block: bool = False, by_offset: bool = False):
     """``run(mask, mask_arrays, state)`` under the block's run-time decision (module docstring):
     skipped (``state`` returned), else ``mask`` = ``block.mask`` plus documents and/or the window
     where they do not cover the block, ``mask_arrays`` the kernel's keywords for it
     (``segments=``, ``positions=``: of the block's parts). ``own_block``: a device's own block
-    (queries and keys of one shard), never skipped: each query sees its own key. One
-    ``lax.switch`` over the variants that can occur (the window's are known statically:
-    :func:`_window_decision`); none when one can. ``segments`` and ``window`` None:
-    ``run(block.mask, {}, state)``."""
+    (queries and keys of one shard), never skipped: each query sees its own key. ``by_offset``:
+    the backend uses a windowed block's static offset (``BlockBackend.window_offsets``), so the
+    windowed variant is split by offset. One ``lax.switch`` over the variants that can occur (the
+    window's are known statically: :func:`_window_decision`); none when one can. ``segments``
+    and ``window`` None: ``run(block.mask, {}, state)``."""
     if segments is None and window is None:
         return run(block.mask, {}, state)
     keep, doc_index, doc_options = True, 0, (False,)
@@ -202,24 +225,22 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
         q_ids, kv_ids = _part(segments[0], block.q_part, 1), _part(segments[1], block.kv_part, 1)
         shared, one_document = document_flags(q_ids.min(1), q_ids.max(1), kv_ids.min(1), kv_ids.max(1))
         keep, doc_index, doc_options = shared, jnp.where(one_document, 0, 1), (False, True)
-    win_index, win_options, skippable = 0, (False,), segments is not None and not own_block
+    win_index, win_options, skippable = 0, (None,), segments is not None and not own_block
     if window is not None:
-        cases, reachable, covered, positions = _window_decision(block, window, shard_positions, own_block)
-        win_options = tuple(sorted({not cov for reach, cov in cases if reach}))  # False: covered, no window
+        win_options, win_index, reachable, always, positions = _window_decision(
+            block, window, shard_positions, own_block, by_offset)
         if not win_options:  # no device can reach this block: nothing to compile
             return state
-        if len(win_options) == 2:
-            win_index = jnp.where(covered, 0, 1)
-        if any(not reach for reach, _ in cases):
+        if not always:
             keep, skippable = keep & reachable, True
     variants = []
     for documents in doc_options:
-        for windowed in win_options:
+        for option in win_options:
             mask, arrays = block.mask, {}
             if documents:
                 mask, arrays["segments"] = mask.with_documents(), (q_ids, kv_ids)
-            if windowed:
-                mask, arrays["positions"] = mask.with_window(window), positions
+            if option is not None:
+                mask, arrays["positions"] = mask.with_window(window, option[0]), positions
             variants.append(partial(run, mask, arrays))
     index = doc_index * len(win_options) + win_index
     if skippable:
@@ -234,7 +255,7 @@ def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=
         return backend.fwd(q, *kv, m, scale, **arrays)
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
-                       shard_positions=shard_positions, own_block=True)
+                       shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets)
 
 
 def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, window=None, shard_positions=None):
@@ -245,7 +266,7 @@ def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, wi
         return backend.bwd(do, q, *kv, o, lse, m, scale, dlse, **arrays)
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
-                       shard_positions=shard_positions, own_block=True)
+                       shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets)
 
 
 def merge_block(backend, scale, q, block: Block, kv, state, segments=None, window=None, shard_positions=None):
@@ -264,7 +285,8 @@ def merge_block(backend, scale, q, block: Block, kv, state, segments=None, windo
         return (lax.dynamic_update_slice_in_dim(o, o_p, lo, axis=1),
                 lax.dynamic_update_slice_in_dim(lse, lse_p, lo, axis=2))
 
-    return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions)
+    return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions,
+                       by_offset=backend.window_offsets)
 
 
 def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, window=None, shard_positions=None):
@@ -281,7 +303,8 @@ def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, wi
             _part(o, qp, 1), _part(lse, qp, 2), mask, scale, None if dlse is None else _part(dlse, qp, 2), **arrays)
         return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
 
-    return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions)
+    return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions,
+                       by_offset=backend.window_offsets)
 
 
 def visit_masks(schedule: Schedule, config: AttentionConfig, ids_all, device, j, s, t: int) -> dict:

@@ -91,11 +91,15 @@ class BlockMask:
 
     ``kind``: the base pattern; a string ("full", "causal", "strict") is accepted and converted.
     CAUSAL and STRICT need a square block. ``documents``: the kernel also compares the query's and
-    the key's segment ids (given beside the block as ``segments = (q_ids [b, t], kv_ids [b, s])``)."""
+    the key's segment ids (given beside the block as ``segments = (q_ids [b, t], kv_ids [b, s])``).
+    ``offset``: with a window, q_pos[0] - kv_pos[0] when the loop knows statically that both parts
+    are contiguous runs of original positions (``seqplan.bands``: the window is then a band a fused
+    kernel's own window runs), else None; it restates what ``positions`` say and changes no pair."""
 
     kind: MaskKind = MaskKind.FULL
     documents: bool = False
     window: tuple[int, int] | None = None
+    offset: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.kind, MaskKind):
@@ -111,11 +115,13 @@ class BlockMask:
 
     def with_documents(self) -> BlockMask:
         """This mask restricted to pairs within one document."""
-        return BlockMask(self.kind, documents=True, window=self.window)
+        return BlockMask(self.kind, documents=True, window=self.window, offset=self.offset)
 
-    def with_window(self, window: tuple[int, int] | None) -> BlockMask:
-        """This mask restricted to the window ``(left, right)`` (None: no window)."""
-        return BlockMask(self.kind, documents=self.documents, window=window)
+    def with_window(self, window: tuple[int, int] | None, offset: int | None = None) -> BlockMask:
+        """This mask restricted to the window ``(left, right)`` (None: no window); ``offset``:
+        the parts' static position offset, when known (class docstring)."""
+        return BlockMask(self.kind, documents=self.documents, window=window,
+                         offset=None if window is None else offset)
 
     def plain(self) -> BlockMask:
         """The block's static pattern alone (no documents, no window)."""

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from seqplan.bands import part_offset
 from seqplan.layouts import ring_positions
 from seqplan.schedule import (
     Block,
@@ -280,7 +281,8 @@ def _kernel_mask(block: Block, masks: VisitMasks | None) -> tuple[BlockMask, dic
             return None
         if not covered:
             q_pos, kv_pos = masks.device_positions
-            mask = mask.with_window(masks.window)
+            host_parts = (x[slice(*p.bounds(len(x)))] for x, p in zip(masks.positions, (block.q_part, block.kv_part)))
+            mask = mask.with_window(masks.window, part_offset(*host_parts))  # static offset: no device sync
             extras["positions"] = (_part(q_pos, block.q_part, 0), _part(kv_pos, block.kv_part, 0))
     if masks.segments is not None:
         work = block_work(block, *masks.segments)

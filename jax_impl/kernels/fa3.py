@@ -26,8 +26,10 @@ backward takes any correct o/lse), with a warning; ``"raise"``: refuse. Never th
 own backward. ``"auto"`` routes to fa3 only at the verified version (``available``).
 fa3's outputs carry no shard_map varying-axes type: ``typed_for_shard_map=False``.
 
-    flash_mha_fwd(q, k, v, causal, scale)             -> (o, lse)
-    flash_mha_bwd(do, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
+    flash_mha_fwd(q, k, v, causal, scale, window=(-1, -1))             -> (o, lse)
+    flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window=(-1, -1)) -> (dq, dk, dv)
+
+``window``: FA3's own sliding window (the fused adapter's band of a windowed block, ``fused.py``).
 
 do, q, o: [b, t, h, d]; k, v: [b, s, hk, d] (one dtype, bf16 or fp16; d a multiple of 8);
 lse: [b, h, t] float32, natural log (as the library's forward returns it).
@@ -79,15 +81,17 @@ def _require_package() -> None:
                            f"{VERIFIED_VERSION})")
 
 
-def flash_mha_fwd(q, k, v, causal: bool, scale: float):
-    """FlashAttention-3's forward: (o in the input dtype, lse [b, h, t] float32)."""
+def flash_mha_fwd(q, k, v, causal: bool, scale: float, window: tuple[int, int] = (-1, -1)):
+    """FlashAttention-3's forward: (o in the input dtype, lse [b, h, t] float32). ``window``: the
+    kernel's own sliding window (left, right), bottom-right aligned, -1 unbounded."""
     _require_package()
     from flash_attn3_jax.flash import _flash_mha_fwd  # internal: the public API returns no lse
 
-    return _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=(-1, -1))[:2]
+    return _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=tuple(window))[:2]
 
 
-def flash_mha_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, deterministic: bool = False):
+def flash_mha_bwd(do, q, k, v, o, lse, causal: bool, scale: float, window: tuple[int, int] = (-1, -1), *,
+                  deterministic: bool = False):
     """FlashAttention-3's backward through flash_attn3_jax's FFI target ``flash_mha_bwd``, with
     workspaces large enough for the kernel's own row rounding (module docstring). Only for
     flash_attn3_jax == :data:`VERIFIED_VERSION`."""
@@ -122,20 +126,23 @@ def flash_mha_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, determinis
     )(do, q, k, v, o, lse.astype(jnp.float32), absent, absent, absent, absent,
       max_seqlen_q_val=t, max_seqlen_q_has_value=True, max_seqlen_k_val=k.shape[1], max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
-      window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=bool(deterministic), sm_margin=0)
+      window_size_left=int(window[0]), window_size_right=int(window[1]), softcap=0.0,
+      deterministic=bool(deterministic), sm_margin=0)
     return dq, dk, dv
 
 
-def fenced_backward(do, q, k, v, o, lse, causal: bool, scale: float):
-    """The fa3 backend's backward: the mended call, or the documented fallback (never the library's)."""
+def fenced_backward(do, q, k, v, o, lse, causal: bool, scale: float, window: tuple[int, int] = (-1, -1)):
+    """The fa3 backend's backward: the mended call, or the documented fallback (never the library's;
+    a windowed block has none: cuDNN's backward here takes no window, so it raises)."""
     if verified():
-        return flash_mha_bwd(do, q, k, v, o, lse, causal, scale)
+        return flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window)
     _require_package()
-    if UNVERIFIED_VERSION_BACKWARD != "cudnn":
-        flash_mha_bwd(do, q, k, v, o, lse, causal, scale)  # raises, naming the versions
+    if UNVERIFIED_VERSION_BACKWARD != "cudnn" or tuple(window) != (-1, -1):
+        flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window)  # raises, naming the versions
     warnings.warn(f"{PACKAGE} {installed_version()} is not the verified {VERIFIED_VERSION}: fa3 blocks' backward "
                   "runs on cuDNN's backward (fa3.UNVERIFIED_VERSION_BACKWARD)", stacklevel=2)
     return cudnn_attention_bwd(do, q, k, v, o, lse, causal, scale)
 
 
-register_backend(fused_backend("fa3", flash_mha_fwd, fenced_backward, typed_for_shard_map=False, available=verified))
+register_backend(fused_backend("fa3", flash_mha_fwd, fenced_backward, typed_for_shard_map=False, available=verified,
+                               windowed=True))

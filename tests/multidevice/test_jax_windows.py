@@ -358,3 +358,60 @@ def test_config_normalises_the_window():
     hash(AttentionConfig(True, "zigzag", 0.5, window=[2, 0]))
     with pytest.raises(ValueError, match=">= 0"):
         AttentionConfig(True, "zigzag", 0.5, window=(-1, 0))
+
+
+# ---- the fused window path: BlockMask.offset and the band adapter, end to end on the CPU ---------
+
+def _fa_window_mask(t: int, s: int, causal: bool, window):
+    """FlashAttention's (bottom-right aligned) window on a [t, s] block as (mask, positions): key
+    j visible to query i when (s - t) - left <= j - i <= (s - t) + right, -1 unbounded."""
+    from seqplan.schedule import CAUSAL_MASK, FULL_MASK
+
+    left, right = window
+    if left < 0 and right < 0:
+        return (CAUSAL_MASK if causal else FULL_MASK), {}
+    bound = lambda x: UNBOUNDED if x < 0 else x
+    positions = (jnp.arange(t, dtype=jnp.int32) + (s - t), jnp.arange(s, dtype=jnp.int32))
+    return FULL_MASK.with_window((bound(left), bound(right))), {"positions": positions}
+
+
+BAND_MASKS: list = []
+
+
+def _band_fwd_op(q, k, v, causal, scale, window=(-1, -1)):
+    mask, arrays = _fa_window_mask(q.shape[1], k.shape[1], causal, window)
+    BAND_MASKS.append(tuple(window))
+    return get_backend("reference").fwd(q, k, v, mask, scale, **arrays)
+
+
+def _band_bwd_op(do, q, k, v, o, lse, causal, scale, window=(-1, -1)):
+    mask, arrays = _fa_window_mask(q.shape[1], k.shape[1], causal, window)
+    return get_backend("reference").bwd(do, q, k, v, o, lse, mask, scale, None, **arrays)
+
+
+def _register_band_backend():
+    from jax_impl.kernels.fused import fused_backend
+
+    register_backend(fused_backend("band_cpu", _band_fwd_op, _band_bwd_op, windowed=True))
+
+
+@pytest.mark.parametrize("mesh_name, layout, causal, window, bands", [
+    ("ring4", "contiguous", True, (20, 0), True),   # hop truncation: the diagonal and one earlier shard
+    ("ring4", "contiguous", True, (5, 0), True),    # inside the shard: the diagonal block only
+    ("ring4", "contiguous", False, (6, 9), True),   # two-sided: bands on both sides of the diagonal
+    ("usp2x2", "contiguous", True, (12, 0), True),
+    # zigzag: every windowed block has a part spanning both chunks of a shard (not one position
+    # run): no band, the portable kernel runs it
+    ("ring4", "zigzag", True, (5, 0), False),
+])
+def test_fused_window_band_matches_float64_truth(mesh_name, layout, causal, window, bands, seed, jax_devices):
+    """A windowed block reaches a fused kernel's own window only as a band with its static offset
+    (the loop's per-offset variants, ``fused.py``'s crop and pad-back): with FlashAttention's
+    window convention emulated on the CPU by the portable kernel, every output and gradient still
+    equals the float64 truth, and band calls were made exactly where the parts are position runs."""
+    _register_band_backend()
+    BAND_MASKS.clear()
+    got, truth = _run(mesh_name, layout, causal, window, False, None, "ring", True, seed=seed,
+                      block_backend="band_cpu")
+    _assert_close(got, truth)
+    assert any(w != (-1, -1) for w in BAND_MASKS) == bands, BAND_MASKS

@@ -127,7 +127,9 @@ def visit(q_pos, kv_pos, window, segments=None) -> VisitMasks:
 def test_attend_block_skips_out_of_reach_and_drops_a_covering_window():
     """Contiguous shards of 4: keys 0-3 against queries 8-11. A window of 4 reaches nothing:
     skipped (no kernel call); of 5, key 3 from query 8: windowed, positions given; of 11, every
-    pair: the static mask alone, no positions. A zigzag-style block reads its PARTS only."""
+    pair: the static mask alone, no positions. The windowed mask carries the parts' offset (8:
+    both parts are position runs), read from the static positions. A zigzag-style block reads
+    its PARTS only."""
     q = torch.randn(1, 4, 2, 8)
     full = Block(Part.ALL, Part.ALL, FULL_MASK)
     rec = Recorder()
@@ -135,7 +137,7 @@ def test_attend_block_skips_out_of_reach_and_drops_a_covering_window():
     assert rec.calls == []
     attend_block(rec, 1.0, q, full, (q, q), visit([8, 9, 10, 11], [0, 1, 2, 3], (5, 0)))
     mask, extras = rec.calls[-1]
-    assert mask == FULL_MASK.with_window((5, 0)) and set(extras) == {"positions"}
+    assert mask == FULL_MASK.with_window((5, 0), offset=8) and set(extras) == {"positions"}
     assert extras["positions"][0].tolist() == [8, 9, 10, 11] and extras["positions"][1].tolist() == [0, 1, 2, 3]
     attend_block(rec, 1.0, q, full, (q, q), visit([8, 9, 10, 11], [0, 1, 2, 3], (11, 0)))
     assert rec.calls[-1] == (FULL_MASK, {})
@@ -144,7 +146,7 @@ def test_attend_block_skips_out_of_reach_and_drops_a_covering_window():
     assert attend_block(rec, 1.0, q, half, (q, q), visit([2, 3, 30, 31], [0, 1, 28, 29], (28, 0))) is None
     attend_block(rec, 1.0, q, half, (q, q), visit([2, 3, 30, 31], [0, 1, 28, 29], (30, 0)))
     mask, extras = rec.calls[-1]
-    assert mask.window == (30, 0) and extras["positions"][0].tolist() == [30, 31]
+    assert mask.window == (30, 0) and mask.offset == 30 and extras["positions"][0].tolist() == [30, 31]
     assert extras["positions"][1].tolist() == [0, 1]
 
 
@@ -156,12 +158,12 @@ def test_the_local_block_is_never_skipped_and_documents_join_the_window():
     local = Block(Part.ALL, Part.ALL, CAUSAL_MASK)
     rec = Recorder()
     o, lse = attend_block(rec, 1.0, q, local, (q, q), visit([4, 5, 6, 7], [4, 5, 6, 7], (0, 0)))
-    assert rec.calls[-1][0] == CAUSAL_MASK.with_window((0, 0)) and torch.isfinite(lse).all()
+    assert rec.calls[-1][0] == CAUSAL_MASK.with_window((0, 0), offset=0) and torch.isfinite(lse).all()
     torch.testing.assert_close(o, q.float())  # each query sees only itself
     ids = torch.tensor([[0, 0, 1, 1]], dtype=torch.int32)
     attend_block(rec, 1.0, q, local, (q, q), visit([4, 5, 6, 7], [4, 5, 6, 7], (2, 0), (ids, ids)))
     mask, extras = rec.calls[-1]
-    assert mask == CAUSAL_MASK.with_window((2, 0)).with_documents() and set(extras) == {"positions", "segments"}
+    assert mask == CAUSAL_MASK.with_window((2, 0), offset=0).with_documents() and set(extras) == {"positions", "segments"}
     apart = torch.tensor([[7, 7, 7, 7]], dtype=torch.int32)
     n = len(rec.calls)
     full = Block(Part.ALL, Part.ALL, FULL_MASK)

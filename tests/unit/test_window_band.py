@@ -1,7 +1,8 @@
-"""Tier 1 — torch_impl's fused window adapter (kernels/window.py) hands FlashAttention-2 a cropped
-block and two window sizes; FA2 reads them as a band aligned to the block's bottom-right corner.
-Why this tier exists: that translation is integer arithmetic a GPU run would only catch as a
-wrong number — here it is proved pair by pair against the window it stands for."""
+"""Tier 1 — the fused window adapters (torch_impl/kernels/window.py on FA2, jax_impl's fa3 on FA3)
+hand the kernel a cropped block and two window sizes (``seqplan.bands``); the kernel reads them as
+a band aligned to the block's bottom-right corner. Why this tier exists: that translation is
+integer arithmetic a GPU run would only catch as a wrong number — here it is proved pair by pair
+against the window it stands for, and the block's band against ``BlockMask.visible``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import itertools
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-
-from torch_impl.kernels.window import band
+from seqplan.bands import band, block_band, part_offset
+from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind
 
 
 def _fa2_visible(t: int, s: int, left: int, right: int) -> np.ndarray:
@@ -39,3 +39,28 @@ def test_band_is_the_window_it_stands_for(t, s):
         got = np.zeros((t, s), bool)
         got[cut.i0:cut.i1, cut.j0:cut.j1] = _fa2_visible(cut.i1 - cut.i0, cut.j1 - cut.j0, cut.left, cut.right)
         np.testing.assert_array_equal(got, want, err_msg=str((t, s, lo, hi, cut)))
+
+
+@pytest.mark.parametrize("kind", [MaskKind.FULL, MaskKind.CAUSAL])
+def test_block_band_is_the_masks_window(kind):
+    """Every (offset, window) of small blocks: the band's pairs are exactly BlockMask.visible's."""
+    t = s = 6
+    for q0, k0, left, right in itertools.product([0, 3, 6, 11], [0, 5, 6], [0, 1, 4, 7], [0, 2, UNBOUNDED]):
+        if kind is MaskKind.CAUSAL and q0 != k0:
+            continue
+        q_pos, kv_pos = np.arange(q0, q0 + t), np.arange(k0, k0 + s)
+        offset = part_offset(q_pos, kv_pos)
+        assert offset == q0 - k0
+        mask = BlockMask(kind, window=(left, right), offset=offset)
+        want = np.array([[mask.visible(i, j, q_pos=q_pos[i], kv_pos=kv_pos[j]) for j in range(s)] for i in range(t)])
+        cut = block_band(mask, t, s, offset)
+        got = np.zeros((t, s), bool)
+        if cut is not None:
+            got[cut.i0:cut.i1, cut.j0:cut.j1] = _fa2_visible(cut.i1 - cut.i0, cut.j1 - cut.j0, cut.left, cut.right)
+        np.testing.assert_array_equal(got, want, err_msg=str((kind, q0, k0, left, right, cut)))
+
+
+def test_part_offset_refuses_parts_that_are_not_runs():
+    assert part_offset(np.array([4, 5, 6]), np.array([0, 1, 2])) == 4
+    assert part_offset(np.array([0, 1, 7]), np.array([0, 1, 2])) is None  # a zigzag shard across its chunks
+    assert part_offset(np.array([0, 2, 4]), np.array([1, 3, 5])) is None  # stripe

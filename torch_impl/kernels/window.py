@@ -2,30 +2,28 @@
 (``aten._flash_attention_forward`` / ``_backward`` with ``window_size_left`` / ``_right``, CUDA).
 
 A windowed block whose queries and keys are each a contiguous range of original positions (every
-block of the contiguous layout; zigzag's half-shard blocks) sees a band of its [t, s] grid: key j
-is visible to query i when lo <= j - i <= hi, with δ = q_pos[0] - kv_pos[0], lo = δ - left,
-hi = δ + right (and hi <= 0 on a causal block). FA2's window is such a band, aligned to the
-bottom-right corner of the grid: j - i in [(s - t) - window_left, (s - t) + window_right]. The
-adapter crops the block to the rows that see a key and the keys some row sees (:func:`band`),
-which makes both window sizes non-negative (FA2's convention; -1 is unbounded), and writes o = 0,
-lse = -inf for the rows left out and zero dK / dV for the keys left out — never a kernel's guess.
+block of the contiguous layout; zigzag's half-shard blocks) sees a band of its [t, s] grid, which
+FA2's own window runs once the block is cropped to it (``seqplan.bands``: the same band JAX's fa3
+adapter uses); the adapter writes o = 0, lse = -inf for the rows left out and zero dK / dV for the
+keys left out — never a kernel's guess.
 
 What it routes to the portable kernel, forward and backward alike: positions that are not two
 contiguous ranges (stripe, a zigzag block spanning both chunks), documents with a window (no
-varlen window here), a strict block, an lse cotangent, float32. The positions are read on the
-host (one device-to-host copy per block). The op's argument lists can change between torch
+varlen window here), a strict block, an lse cotangent, float32. The loops give the parts'
+offset in the mask (``BlockMask.offset``, from their static position tables); a block called
+without it has its positions read on the host (one device-to-host copy). The op's argument lists can change between torch
 releases: used here and in ``aten.py`` / ``varlen.py`` only, and checked on a GPU
 (``benchmarks/masked.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from seqplan import bands
+from seqplan.bands import Band, part_offset
 from seqplan.routing import LOW_PRECISION
-from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind
+from seqplan.schedule import BlockMask, MaskKind
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
@@ -33,50 +31,14 @@ from .reference import reference_block_bwd, reference_block_fwd
 F32 = torch.float32
 
 
-@dataclass(frozen=True)
-class Band:
-    """The cropped block: rows [i0, i1), keys [j0, j1), and FA2's window sizes for it (-1: unbounded)."""
-
-    i0: int
-    i1: int
-    j0: int
-    j1: int
-    left: int
-    right: int
-
-
-def band(t: int, s: int, lo: int, hi: int | None) -> Band | None:
-    """The sub-block of a [t, s] grid that holds the pairs lo <= j - i <= hi (``hi`` None: no
-    upper bound) and FA2's window for it, or None when no pair is visible."""
-    i0 = 0 if hi is None else max(0, -hi)
-    i1 = min(t, s - lo)
-    j0 = max(0, lo)
-    j1 = s if hi is None else min(s, t + hi)
-    if i0 >= i1 or j0 >= j1:
-        return None
-    lo_c, offset = lo - j0 + i0, (j1 - j0) - (i1 - i0)
-    right = -1 if hi is None else hi - j0 + i0 - offset
-    return Band(i0, i1, j0, j1, offset - lo_c, right)
-
-
-def _contiguous_start(x) -> int | None:
-    """x[0] when the positions are x[0], x[0] + 1, ..., else None (host copy)."""
-    values = x.detach().cpu()
-    start = int(values[0])
-    return start if torch.equal(values, torch.arange(start, start + len(values), dtype=values.dtype)) else None
-
-
 def block_band(mask: BlockMask, t: int, s: int, positions) -> Band | None | str:
-    """The block's band, None when it sees nothing, or "portable" when it is not expressible."""
-    q0, k0 = (_contiguous_start(x) for x in positions)
-    if q0 is None or k0 is None:
-        return "portable"
-    left, right = mask.window
-    delta = q0 - k0
-    hi = None if right >= UNBOUNDED else delta + right
-    if mask.kind is MaskKind.CAUSAL:
-        hi = 0 if hi is None else min(hi, 0)
-    return band(t, s, delta - left, hi)
+    """The block's band (``seqplan.bands``), None when it sees nothing, or "portable" when it is
+    not expressible. The offset comes from the mask when the loop knew it statically (no device
+    sync), else from the positions, read on the host."""
+    offset = mask.offset
+    if offset is None:
+        offset = part_offset(*(x.detach().cpu().numpy() for x in positions))
+    return "portable" if offset is None else bands.block_band(mask, t, s, offset)
 
 
 def _fits(mask: BlockMask, q, positions, dlse=None) -> bool:
