@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from seqplan.bands import part_offset
+from seqplan.documents import Segments
 from seqplan.layouts import ring_positions
 from seqplan.schedule import (
     Block,
@@ -169,9 +170,11 @@ class DKVTrail:
 
 
 def _part(x, which: Part, dim: int):
-    """``x[which]`` along ``dim`` (a view)."""
+    """``x[which]`` along ``dim`` (a view; a tensor or a NumPy array)."""
     lo, hi = which.bounds(x.shape[dim])
-    return x if which is Part.ALL else x.narrow(dim, lo, hi - lo)
+    if which is Part.ALL:
+        return x
+    return x[(slice(None),) * dim + (slice(lo, hi),)] if isinstance(x, np.ndarray) else x.narrow(dim, lo, hi - lo)
 
 
 def gather_segment_ids(segment_ids, groups, comm: Comm):
@@ -191,12 +194,17 @@ def gather_segment_ids(segment_ids, groups, comm: Comm):
 
 def block_work(block: Block, q_ids, kv_ids) -> DocumentWork:
     """What ``block`` computes, given the whole shards' ids: ``q_ids`` of this rank's queries
-    [b, t], ``kv_ids`` of the visiting K/V [b, t]. The smallest and largest id of the block's
-    query part and of its key part, per batch row, go to ``schedule.document_flags``; one
-    device-to-host copy brings both flags home."""
-    q_lo, q_hi = torch.aminmax(_part(q_ids, block.q_part, 1), dim=1)
-    kv_lo, kv_hi = torch.aminmax(_part(kv_ids, block.kv_part, 1), dim=1)
-    shared, one_document = torch.stack(document_flags(q_lo, q_hi, kv_lo, kv_hi)).tolist()
+    [b, t], ``kv_ids`` of the visiting K/V [b, t] — NumPy (the loops' host copy: no device sync)
+    or tensors (one device-to-host copy brings both flags home). The smallest and largest id of
+    the block's query part and of its key part, per batch row, go to ``schedule.document_flags``."""
+    q_part, kv_part = _part(q_ids, block.q_part, 1), _part(kv_ids, block.kv_part, 1)
+    if isinstance(q_part, np.ndarray):
+        shared, one_document = (bool(f) for f in document_flags(q_part.min(1), q_part.max(1), kv_part.min(1),
+                                                                   kv_part.max(1)))
+    else:
+        q_lo, q_hi = torch.aminmax(q_part, dim=1)
+        kv_lo, kv_hi = torch.aminmax(kv_part, dim=1)
+        shared, one_document = torch.stack(document_flags(q_lo, q_hi, kv_lo, kv_hi)).tolist()
     if not shared:
         return DocumentWork.SKIP
     return DocumentWork.PLAIN if one_document else DocumentWork.DOCUMENTS
@@ -208,6 +216,7 @@ class VisitMasks:
     this rank's queries against one visiting shard's keys — are visible.
 
     segments:         packed documents: (q_ids [b, t], kv_ids [b, t]) int32 of the whole shards, or None.
+    host_segments:    the same ids as NumPy arrays (copied once per call), or None.
     window:           (left, right) on original positions, or None.
     positions:        with a window, (q_pos [t], kv_pos [t]): the whole shards' original positions as
                       NumPy ints — static, so a block's window decision costs no device sync.
@@ -218,12 +227,14 @@ class VisitMasks:
     window: tuple[int, int] | None = None
     positions: tuple | None = None
     device_positions: tuple | None = None
+    host_segments: tuple | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class ShardMasks:
     """:class:`VisitMasks` of every visit of one call, kept on the autograd context for the
-    backward: ``ids_all`` int32 [R, b, t] (packed documents, shard r at index r, or None),
+    backward: ``ids_all`` int32 [R, b, t] (packed documents, shard r at index r, or None) and its
+    host copy ``ids_host`` (one device-to-host copy per call, so no block decides on a device sync),
     ``window`` (left, right) or None, and with a window every ring shard's original positions
     (``positions`` NumPy [R, t], ``device_positions`` int32 [R, t] on the inputs' device)."""
 
@@ -231,6 +242,7 @@ class ShardMasks:
     window: tuple[int, int] | None
     positions: np.ndarray | None
     device_positions: torch.Tensor | None
+    ids_host: np.ndarray | None = None
 
     @classmethod
     def build(cls, config: AttentionConfig, ring_size: int, t: int, ids_all, device) -> ShardMasks:
@@ -240,7 +252,8 @@ class ShardMasks:
         if config.window is not None:
             positions = ring_positions(config.layout, ring_size, t)
             device_positions = torch.from_numpy(positions).to(device)
-        return cls(ids_all, config.window, positions, device_positions)
+        ids_host = None if ids_all is None else ids_all.cpu().numpy()
+        return cls(ids_all, config.window, positions, device_positions, ids_host)
 
     def visit(self, device: int, source: int) -> VisitMasks | None:
         """Ring shard ``device``'s queries meeting shard ``source``'s keys (None without documents
@@ -251,7 +264,8 @@ class ShardMasks:
         def pair(x):
             return None if x is None else (x[device], x[source])
 
-        return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions))
+        return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions),
+                          pair(self.ids_host))
 
 
 def _window_reach(block: Block, masks: VisitMasks) -> tuple[bool, bool]:
@@ -285,13 +299,16 @@ def _kernel_mask(block: Block, masks: VisitMasks | None) -> tuple[BlockMask, dic
             mask = mask.with_window(masks.window, part_offset(*host_parts))  # static offset: no device sync
             extras["positions"] = (_part(q_pos, block.q_part, 0), _part(kv_pos, block.kv_part, 0))
     if masks.segments is not None:
-        work = block_work(block, *masks.segments)
+        host = masks.host_segments
+        work = block_work(block, *(host if host is not None else masks.segments))
         if work is DocumentWork.SKIP:
             return None
         if work is DocumentWork.DOCUMENTS:
-            q_ids, kv_ids = masks.segments
+            (q_ids, kv_ids), parts = masks.segments, (block.q_part, block.kv_part)
             mask = mask.with_documents()
-            extras["segments"] = (_part(q_ids, block.q_part, 1), _part(kv_ids, block.kv_part, 1))
+            extras["segments"] = Segments(_part(q_ids, parts[0], 1), _part(kv_ids, parts[1], 1),
+                                          None if host is None else (_part(host[0], parts[0], 1),
+                                                                     _part(host[1], parts[1], 1)))
     return mask, extras
 
 

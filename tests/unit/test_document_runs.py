@@ -1,7 +1,7 @@
 """Tier 1 — ``seqplan.documents.document_runs``, the run list a varlen kernel is given, proved
-against the mask it stands for: per-run attention over the packed queries and gathered keys sees
-exactly the (query, key) pairs the document mask (and the causal mask on a diagonal block) allows,
-and blocks it cannot express are refused (None), never approximated."""
+against the mask it stands for: per-run attention over the packed queries and keys (in place: no
+gather) sees exactly the (query, key) pairs the document mask (and the causal mask on a diagonal
+block) allows, and blocks it cannot express are refused (None), never approximated."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from seqplan.documents import document_runs
 def _pairs_from_runs(runs, b: int, t: int, s: int, causal: bool) -> np.ndarray:
     """[b·t, b·s] visible pairs as a varlen kernel computes them from the run list."""
     seen = np.zeros((b * t, b * s), bool)
-    index = np.arange(b * s) if runs.kv_index is None else runs.kv_index
+    assert runs.cu_q[-1] == b * t and runs.cu_k[-1] == b * s  # every query and key in one run, in place
+    index = np.arange(b * s)
     for i in range(len(runs.cu_q) - 1):
         q0, q1, k0, k1 = runs.cu_q[i], runs.cu_q[i + 1], runs.cu_k[i], runs.cu_k[i + 1]
         for a in range(q1 - q0):
@@ -58,16 +59,19 @@ def test_runs_see_exactly_the_masked_pairs(trial, seed):
         np.testing.assert_array_equal(got, _pairs_from_mask(q_ids, kv_ids, causal))
         empty = ~_pairs_from_mask(q_ids, kv_ids, causal).any(1)
         assert (runs.empty_rows is None and not empty.any()) or np.array_equal(runs.empty_rows, empty) or causal
+        unread = ~_pairs_from_mask(q_ids, kv_ids, causal).any(0)
+        assert (runs.unread_keys is None and not unread.any()) or np.array_equal(runs.unread_keys, unread)
 
 
-def test_in_order_keys_need_no_gather_and_missing_documents_are_empty_rows():
+def test_runs_walk_both_sides_in_place_and_mark_what_nobody_sees():
     ids = np.array([[0, 0, 1, 1, 1, 2]], np.int32)
     runs = document_runs(ids, ids, causal=True)
-    assert runs.kv_index is None and runs.empty_rows is None and list(runs.cu_q) == [0, 2, 5, 6] == list(runs.cu_k)
+    assert runs.empty_rows is None and runs.unread_keys is None and list(runs.cu_q) == [0, 2, 5, 6] == list(runs.cu_k)
     later = np.array([[2, 2, 3, 3, 4, 4]], np.int32)
-    runs = document_runs(later, ids, causal=False)
-    assert list(runs.cu_q) == [0, 2, 4, 6] and list(runs.cu_k) == [0, 1, 1, 1]
-    assert runs.kv_index.tolist() == [5] and runs.empty_rows.tolist() == [False, False, True, True, True, True]
+    runs = document_runs(later, ids, causal=False)  # keys of 0 and 1 (one run, no queries), 2 shared, 3 and 4 alone
+    assert list(runs.cu_q) == [0, 0, 2, 6] and list(runs.cu_k) == [0, 5, 6, 6]
+    assert runs.empty_rows.tolist() == [False, False, True, True, True, True]
+    assert runs.unread_keys.tolist() == [True, True, True, True, True, False]
 
 
 def test_blocks_that_are_not_runs_are_refused():
@@ -76,6 +80,8 @@ def test_blocks_that_are_not_runs_are_refused():
     assert document_runs(split, ok, causal=False) is None and document_runs(ok, split, causal=False) is None
     # a document split among the keys that no query reads does not matter
     assert document_runs(np.array([[4, 4, 5]], np.int32), split, causal=False) is not None
+    # shared documents in different orders cannot walk both sides in one pass
+    assert document_runs(np.array([[0, 1]], np.int32), np.array([[1, 0]], np.int32), causal=False) is None
     assert document_runs(ok, ok[:, ::-1].copy(), causal=True) is None  # causal needs the block's own tokens
 
 
@@ -123,12 +129,11 @@ def test_jax_device_segments_agree_with_the_host_run_list(trial, seed):
         kv_off = np.asarray(seg["kv_offsets"])[:, :-1]
         host_q = np.diff(host.cu_q)
         host_k = np.diff(host.cu_k)
-        kept = host_k > 0  # the host keeps key-less runs (zero keys); the device leaves them out
+        kept = (host_k > 0) & (host_q > 0)  # the device's segments: the runs where queries meet keys
         device_q = [(r, o, n) for r in range(b) for o, n in zip(q_off[r], q_len[r]) if n >= 0]
         assert [n for _, _, n in device_q] == host_q[kept].tolist()
         assert [n for r in range(b) for n in kv_len[r] if n >= 0] == host_k[kept].tolist()
-        index = np.arange(b * kv_ids.shape[1]) if host.kv_index is None else host.kv_index
-        starts = index[host.cu_k[:-1][kept]] if kept.any() else np.array([], int)
+        starts = host.cu_k[:-1][kept]
         assert [r * kv_ids.shape[1] + o for r in range(b) for o, n in zip(kv_off[r], kv_len[r]) if n >= 0] \
             == starts.tolist()
         empty = np.zeros(b * t, bool) if host.empty_rows is None else host.empty_rows

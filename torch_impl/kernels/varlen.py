@@ -13,9 +13,13 @@ What it takes: bf16 / fp16, FULL blocks and CAUSAL diagonal blocks with document
 causal mask is per run, exact when every run is square — ``document_runs`` checks), GQA natively
 (FA2 groups query heads over K/V heads). What it routes elsewhere, forward and backward alike:
 no documents (``aten_flash``'s job), a window, a strict block, an lse cotangent, or ids that are
-not one run per document (the portable kernel: never guessed). Queries whose document has no key
-in the block get o = 0, lse = -inf and zero gradients, written here, not left to the kernel.
-The run list is computed on the host from the block's ids (one device-to-host copy per block).
+not expressible as runs (the portable kernel: never guessed). Queries whose document has no key
+in the block get o = 0, lse = -inf and zero gradients, and keys no query reads zero dK / dV —
+written here, not left to the kernel.
+The run list is computed on the host from the block's ids: the loops' host copy when they pass
+one (``seqplan.documents.Segments``: no device sync), else one device-to-host copy. The runs walk
+the block's queries and keys in place (a document only one side holds is a run with none of the
+other), so no key is gathered and no dK / dV scattered.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ _RNG: dict = {}
 
 
 def _runs(mask: BlockMask, segments) -> DocumentRuns | None:
-    q_ids, kv_ids = segments
-    return document_runs(q_ids.cpu().numpy(), kv_ids.cpu().numpy(), mask.kind is MaskKind.CAUSAL)
+    host = getattr(segments, "host", None)  # the loops' host copy (seqplan.documents.Segments): no sync
+    q_ids, kv_ids = host if host is not None else (x.cpu().numpy() for x in segments)
+    return document_runs(q_ids, kv_ids, mask.kind is MaskKind.CAUSAL)
 
 
 def _fits(mask: BlockMask, segments, positions, dtype) -> bool:
@@ -44,17 +49,8 @@ def _fits(mask: BlockMask, segments, positions, dtype) -> bool:
 
 
 def _offsets(runs: DocumentRuns, device):
-    cu_q = torch.from_numpy(runs.cu_q).to(device, non_blocking=True)
-    cu_k = torch.from_numpy(runs.cu_k).to(device, non_blocking=True)
-    index = None if runs.kv_index is None else torch.from_numpy(runs.kv_index).to(device, non_blocking=True)
-    empty = None if runs.empty_rows is None else torch.from_numpy(runs.empty_rows).to(device, non_blocking=True)
-    return cu_q, cu_k, index, empty
-
-
-def _packed_kv(x, index):
-    """[b, s, hk, d] -> the keys of the runs, packed [total_k, hk, d] (a view when in order)."""
-    flat = x.reshape(-1, *x.shape[2:])
-    return flat if index is None else flat.index_select(0, index)
+    to = lambda x: None if x is None else torch.from_numpy(x).to(device, non_blocking=True)
+    return to(runs.cu_q), to(runs.cu_k), to(runs.empty_rows), to(runs.unread_keys)
 
 
 def _rng_state(device, dtype, d: int):
@@ -74,13 +70,14 @@ def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, posi
     if runs is None:
         return reference_block_fwd(q, k, v, mask, scale, segments, positions)
     b, t, h, d = q.shape
-    if runs.max_k == 0:  # no query's document has a key here
+    if runs.max_k == 0 or runs.max_q == 0:  # no query's document has a key here
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
-    cu_q, cu_k, index, empty = _offsets(runs, q.device)
+    cu_q, cu_k, empty, _ = _offsets(runs, q.device)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])
     o, lse = torch.ops.aten._flash_attention_forward(
-        q.reshape(b * t, h, d), _packed_kv(k, index), _packed_kv(v, index), cu_q, cu_k, runs.max_q, runs.max_k, 0.0,
-        mask.kind is MaskKind.CAUSAL, False, scale=scale)[:2]
+        flat(q), flat(k), flat(v), cu_q, cu_k, runs.max_q, runs.max_k, 0.0, mask.kind is MaskKind.CAUSAL, False,
+        scale=scale)[:2]
     lse = lse.float()  # [h, b·t]
     if empty is not None:
         o = o.masked_fill(empty[:, None, None], 0.0)
@@ -93,26 +90,23 @@ def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
     if runs is None:
         return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
     b, t, h, d = q.shape
-    s, hk = k.shape[1], k.shape[2]
-    if runs.max_k == 0:
+    if runs.max_k == 0 or runs.max_q == 0:
         return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    cu_q, cu_k, index, empty = _offsets(runs, q.device)
+    cu_q, cu_k, empty, unread = _offsets(runs, q.device)
     dtype = q.dtype
     lse_packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
     if empty is not None:  # rows with no key here: any finite lse; their gradients are zeroed below
         lse_packed = lse_packed.masked_fill(empty[None, :], 0.0)
     rng, unused = _rng_state(q.device, dtype, d)
-    dq, dk_p, dv_p = torch.ops.aten._flash_attention_backward(
-        do.to(dtype).reshape(b * t, h, d), q.reshape(b * t, h, d), _packed_kv(k, index), _packed_kv(v, index),
-        o.to(dtype).reshape(b * t, h, d), lse_packed, cu_q, cu_k, runs.max_q, runs.max_k, 0.0,
-        mask.kind is MaskKind.CAUSAL, rng, unused, scale=scale)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        flat(do.to(dtype)), flat(q), flat(k), flat(v), flat(o.to(dtype)), lse_packed, cu_q, cu_k, runs.max_q,
+        runs.max_k, 0.0, mask.kind is MaskKind.CAUSAL, rng, unused, scale=scale)
     if empty is not None:
         dq = dq.masked_fill(empty[:, None, None], 0.0)
-    if index is None:
-        return dq.reshape(b, t, h, d), dk_p.reshape(b, s, hk, d), dv_p.reshape(b, s, hk, d)
-    dk = torch.zeros((b * s, hk, d), dtype=F32, device=q.device).index_add_(0, index, dk_p.float())
-    dv = torch.zeros((b * s, hk, d), dtype=F32, device=q.device).index_add_(0, index, dv_p.float())
-    return dq.reshape(b, t, h, d), dk.reshape(b, s, hk, d), dv.reshape(b, s, hk, d)
+    if unread is not None:  # keys no query reads: zero, written here rather than trusted to the kernel
+        dk, dv = (x.masked_fill(unread[:, None, None], 0.0) for x in (dk, dv))
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
 def _supports(mask: BlockMask, dtype: str) -> bool:
