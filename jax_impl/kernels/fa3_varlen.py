@@ -5,8 +5,12 @@ The block's runs come from ``runs.varlen_offsets`` (traced, static shapes: b·m 
 smallest m of ``runs.RUN_SLOTS`` that holds them, picked by ``runs.dispatch``; unused ones
 zero-length): the queries stay in place (packed [b·t]) and each query run's keys — its
 document's key run — are gathered into consecutive packed keys (no gather on a causal diagonal
-block, whose runs are its own tokens). A query document with no key in the block gets o = 0,
-lse = -inf and zero dq, written here; dK / dV are scattered back to the block's keys. A block
+block, whose runs are its own tokens). A FULL block whose keys all precede its queries (every
+off-diagonal block of a causal call: ``runs.boundary_runs``) is three runs a row over its own
+memory instead, no gather. A query document with no key in the block gets o = 0, lse = -inf and
+zero dq, and a key no query reads zero dK / dV, written here; gathered dK / dV are scattered back
+to the block's keys. The backward's ``max_seqlen`` is the smallest of ``runs.length_ladder``
+that bounds the block's longest run (its grid is launched for it). A block
 that is not expressible as runs goes to the portable kernel (the same ``lax.switch``); a window,
 a strict block or an lse cotangent go there statically — never guessed, never unmasked.
 
@@ -87,12 +91,14 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs):
         "flash_mha_bwd", result_types, has_side_effect=False, input_layouts=[None] * 10, output_layouts=[None] * 5,
     )(do.astype(dtype).reshape(b * t, h, d), q.reshape(b * t, h, d), k_p, v_p, o.astype(dtype).reshape(b * t, h, d),
       lse_buffer, runs["cu_q"], runs["cu_k"], absent, absent,
-      max_seqlen_q_val=t, max_seqlen_q_has_value=True, max_seqlen_k_val=s, max_seqlen_k_has_value=True,
+      max_seqlen_q_val=runs.get("max_q", t), max_seqlen_q_has_value=True, max_seqlen_k_val=runs.get("max_k", s),
+      max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
       window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0)
     dq = jnp.where(runs["covered_q"][:, :, None, None], dq.reshape(b, t, h, d).astype(F32), 0.0)
-    if runs["identity"]:
-        return dq, dk_p.reshape(b, s, hk, d).astype(F32), dv_p.reshape(b, s, hk, d).astype(F32)
+    if runs["identity"]:  # keys no query reads: zero, written here rather than trusted to the kernel
+        read = runs["covered_kv"][:, :, None, None]
+        return dq, *(jnp.where(read, g.reshape(b, s, hk, d).astype(F32), 0.0) for g in (dk_p, dv_p))
     scatter = lambda g: (jnp.zeros((b * s + 1, hk, d), F32).at[runs["kv_index"]].add(g.astype(F32))[: b * s]
                          .reshape(b, s, hk, d))
     return dq, scatter(dk_p), scatter(dv_p)
@@ -108,7 +114,7 @@ def fa3_varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, 
         return reference_block_fwd(q, k, v, mask, scale, segments, positions)
     causal = mask.kind is MaskKind.CAUSAL
     return dispatch(segments, causal, lambda runs: varlen_fwd(q, k, v, causal, scale, runs),
-                    lambda: reference_block_fwd(q, k, v, mask, scale, segments, positions))
+                    lambda: reference_block_fwd(q, k, v, mask, scale, segments, positions), boundary=True)
 
 
 def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
@@ -117,7 +123,8 @@ def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dls
         return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
     causal = mask.kind is MaskKind.CAUSAL
     return dispatch(segments, causal, lambda runs: varlen_bwd(do, q, k, v, o, lse, causal, scale, runs),
-                    lambda: reference_block_bwd(do, q, k, v, o, lse, mask, scale, None, segments, positions))
+                    lambda: reference_block_bwd(do, q, k, v, o, lse, mask, scale, None, segments, positions),
+                    boundary=True, lengths=True)
 
 
 register_backend(BlockBackend(

@@ -7,9 +7,12 @@ gather of the keys (:func:`varlen_offsets`).
 :func:`dispatch` is how an adapter uses them: one ``lax.switch`` on the device picks, for the
 block's actual number of runs, the smallest static run-slot count of ``RUN_SLOTS`` that holds them
 (FA3's varlen backward pays for every slot, empty or not: measured 13.7 ms with 64 slots against
-9.0 ms with the 10 real runs of a 32k block, H100), or the portable kernel when the block is not
-expressible (an id in two runs of a row's queries or keys, more runs than ``MAX_RUNS``, a causal
-block whose keys are not its queries' own tokens).
+9.0 ms with the 10 real runs of a 32k block, H100) — and, for a backward, the smallest static
+``max_seqlen`` of :func:`length_ladder` that bounds the longest run — or the portable kernel when
+the block is not expressible (an id in two runs of a row's queries or keys, more runs than
+``MAX_RUNS``, a causal block whose keys are not its queries' own tokens). A FULL block whose keys
+all precede its queries (:func:`boundary_runs`: at most one shared document) takes three runs a
+row over its own memory first: no gather of keys, no scatter of dK / dV.
 """
 
 from __future__ import annotations
@@ -40,18 +43,93 @@ def expressible(q_ids, kv_ids, causal: bool):
     return ok, jnp.max(q_runs)
 
 
-def dispatch(segments, causal: bool, kernel, portable, slots=RUN_SLOTS, form=None):
+def _longest_run(ids):
+    """The longest run of equal ids in any row of ``ids`` [b, t] (traced int)."""
+    b, t = ids.shape
+    first = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    run = jnp.cumsum(first, axis=1) - 1 + jnp.arange(b)[:, None] * t  # a global run index per token
+    return jnp.max(jnp.zeros((b * t,), jnp.int32).at[run.reshape(-1)].add(1))
+
+
+def length_ladder(n: int) -> tuple[int, ...]:
+    """Static run-length bounds a kernel is compiled for (``max_seqlen``): n/16 .. n by doubling,
+    none below 256. FA3's varlen backward launches its grid for ``max_seqlen`` whatever the runs'
+    real lengths (measured on H100: 8.92 ms with max_seqlen = the block's 32k against 7.5 ms for
+    the anchor's exact maximum), so a tighter static bound saves the idle tiles."""
+    return tuple(sorted({max(min(n, 256), n >> shift) for shift in range(5)}))
+
+
+def dispatch(segments, causal: bool, kernel, portable, slots=RUN_SLOTS, form=None, *, boundary: bool = False,
+             lengths: bool = False):
     """``kernel(runs)`` with ``runs = form(q_ids, kv_ids, causal, m)`` for the smallest m of ``slots``
     that holds the block's runs, or ``portable()`` when none does or the block is not expressible
-    — one ``lax.switch``, decided on the device (``form``: :func:`varlen_offsets` by default)."""
+    — one ``lax.switch``, decided on the device (``form``: :func:`varlen_offsets` by default).
+    ``boundary`` (FlashAttention's form, FULL blocks): first try :func:`boundary_runs` — keys that
+    all precede the queries, one document at most shared — three runs a row, no gather.
+    ``lengths``: also pick the smallest of :func:`length_ladder` that bounds the longest run,
+    given to the kernel as ``runs["max_q"]`` / ``runs["max_k"]`` (the backward's grid)."""
     form = varlen_offsets if form is None else form
     q_ids, kv_ids = segments
     ok, most = expressible(q_ids, kv_ids, causal)
-    t = q_ids.shape[1]
+    t, s = q_ids.shape[1], kv_ids.shape[1]
     sizes = sorted({min(m, t) for m in slots})
     index = jnp.where(ok, jnp.searchsorted(jnp.asarray(sizes), most), len(sizes))
-    branches = [lambda m=m: kernel(form(q_ids, kv_ids, causal, m)) for m in sizes] + [portable]
-    return jax.lax.switch(jnp.minimum(index, len(sizes)), branches)
+    ladder = length_ladder(max(t, s)) if lengths else (None,)
+
+    def with_lengths(runs, bound):
+        return runs if bound is None else {**runs, "max_q": min(bound, t), "max_k": min(bound, s)}
+
+    branches = [lambda m=m, bound=bound: kernel(with_lengths(form(q_ids, kv_ids, causal, m), bound))
+                for m in sizes for bound in ladder]
+    if lengths:
+        longest = jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids))
+        index = jnp.where(index < len(sizes), index * len(ladder) + jnp.searchsorted(jnp.asarray(ladder), longest),
+                          len(branches))
+    else:
+        index = jnp.minimum(index, len(sizes))
+    branches.append(portable)
+    if boundary and not causal:
+        edge = boundary_runs(q_ids, kv_ids)
+        index = jnp.where(edge["ok"], 0, index + 1)
+        branches.insert(0, lambda: kernel(edge))
+    return jax.lax.switch(index, branches)
+
+
+def _isin_rows(x, table):
+    """Per row, whether each of ``x`` [b, n] occurs in ``table`` [b, m] (sort + search, not n·m)."""
+    def row(a, c):
+        c = jnp.sort(c)
+        at = jnp.clip(jnp.searchsorted(c, a), 0, c.shape[0] - 1)
+        return c[at] == a
+    return jax.vmap(row)(x, table)
+
+
+def boundary_runs(q_ids, kv_ids):
+    """A FULL block whose keys all precede its queries in original order (every off-diagonal
+    block of a causal call on the contiguous or zigzag layout) shares at most one document: the
+    keys' last run and the queries' first. Then each row is three runs over the block's own
+    memory — (0 queries, the keys before the shared run), (the shared queries, the shared keys),
+    (the other queries, 0 keys) — and no key is gathered. Returns the :func:`varlen_offsets`
+    dict (``identity``: True) with ``ok``: every row has that shape (no other id of the queries
+    among the keys, none of the other keys among the queries)."""
+    b, t = q_ids.shape
+    s = kv_ids.shape[1]
+
+    def run_length(x):  # the leading run's length per row
+        same = x == x[:, :1]
+        return jnp.where(same.all(1), x.shape[1], jnp.argmin(same, axis=1))
+
+    shared = q_ids[:, 0] == kv_ids[:, -1]
+    n_q = jnp.where(shared, run_length(q_ids), 0)
+    n_k = jnp.where(shared, run_length(kv_ids[:, ::-1]), 0)
+    q_after = jnp.arange(t)[None, :] >= n_q[:, None]
+    k_before = jnp.arange(s)[None, :] < (s - n_k)[:, None]
+    ok = jnp.all(~(q_after & _isin_rows(q_ids, kv_ids))) & jnp.all(~(k_before & _isin_rows(kv_ids, q_ids)))
+    q_len = jnp.stack([jnp.zeros_like(n_q), n_q, t - n_q], 1)  # [b, 3]
+    k_len = jnp.stack([s - n_k, n_k, jnp.zeros_like(n_k)], 1)
+    cu = lambda n: jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n.reshape(-1)).astype(jnp.int32)])
+    return {"cu_q": cu(q_len), "cu_k": cu(k_len), "identity": True, "covered_q": ~q_after,
+            "covered_kv": ~k_before, "ok": ok, "kv_index": jnp.arange(b * s, dtype=jnp.int32)}
 
 
 def row_runs(q_ids, kv_ids, m: int):

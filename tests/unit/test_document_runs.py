@@ -212,3 +212,57 @@ def test_jax_dispatch_picks_the_fewest_slots_or_the_portable_kernel():
     many = np.repeat(np.arange(runs.MAX_RUNS + 1), 2)[None]
     assert chosen(many) == -1  # more runs than MAX_RUNS: portable
     assert chosen(np.repeat(np.arange(10), 2)[None]) == 16
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_jax_boundary_runs_see_exactly_the_masked_pairs(trial, seed):
+    """runs.boundary_runs — a FULL block whose keys precede its queries as three runs a row over
+    its own memory — sees exactly the document mask's pairs when it says ``ok``, marks the rows
+    and keys nobody sees, and says ``ok`` whenever the ids are runs in original order (the
+    contiguous / zigzag blocks of a causal call); ids shared out of order are refused."""
+    pytest.importorskip("jax")
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.kernels.runs import boundary_runs
+
+    rng = np.random.default_rng(seed + 300 + trial)
+    b, t = 2, 16
+    ids = _sorted_ids(rng, b, 2 * t)
+    q_ids, kv_ids = ids[:, t:], ids[:, :t]
+    if trial % 3 == 2:  # an id of the later queries reused among the keys: not three runs
+        kv_ids = kv_ids.copy()
+        kv_ids[:, 0] = q_ids[:, -1]
+    runs = jax.jit(lambda a, c: {n: x for n, x in boundary_runs(a, c).items() if n != "identity"})(
+        jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    if trial % 3 == 2:
+        assert not bool(runs["ok"])
+        return
+    assert bool(runs["ok"])
+
+    class Host:  # the varlen form as _pairs_from_runs reads it
+        cu_q, cu_k = np.asarray(runs["cu_q"]), np.asarray(runs["cu_k"])
+
+    want = _pairs_from_mask(q_ids, kv_ids, False)
+    np.testing.assert_array_equal(_pairs_from_runs(Host, b, t, t, False), want)
+    np.testing.assert_array_equal(np.asarray(runs["covered_q"]).reshape(-1), want.any(1))
+    np.testing.assert_array_equal(np.asarray(runs["covered_kv"]).reshape(-1), want.any(0))
+
+
+def test_jax_length_ladder_bounds_the_longest_run():
+    """The backward's static max_seqlen: the smallest bound of the ladder that holds the longest
+    run of either side (a shorter one would drop tiles), picked on the device."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    assert runs.length_ladder(32768) == (2048, 4096, 8192, 16384, 32768)
+    assert runs.length_ladder(1024) == (256, 512, 1024) and runs.length_ladder(16) == (16,)
+    t = 4096
+    for longest in (1, 255, 256, 257, 1500, 4096):
+        ids = np.concatenate([np.zeros(longest), 1 + np.arange(t - longest)]).astype(np.int32)[None]
+        ids = jnp.asarray(ids)
+        got = int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r["max_q"]), lambda: jnp.int32(-1),
+                                slots=(t,), lengths=True))
+        assert got == min(b for b in runs.length_ladder(t) if b >= longest)

@@ -1,0 +1,146 @@
+"""Tier 1 — jax_impl's ``fa3_varlen`` adapter end to end on the CPU, with FlashAttention-3's varlen
+forward and backward emulated from their contract (cumulative offsets, bottom-right causal per
+run, ``max_seqlen`` bounding the tiles a run gets, the backward taking the given o and lse).
+Why this tier exists: the adapter's run lists, its boundary form, its backward's length ladder
+and its empty-row / unread-key handling are traced index arithmetic that only a GPU would
+otherwise run — here every output and gradient is checked against the portable kernel, and an
+emulated kernel that drops tiles past ``max_seqlen`` makes a too-small bound fail loudly."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp
+
+from seqplan.schedule import BlockMask, MaskKind
+
+F32 = jnp.float32
+
+
+def _visible(cu_q, cu_k, total_q: int, total_k: int, causal: bool, max_q: int, max_k: int):
+    """[total_q, total_k] pairs FA3 varlen computes: same run, causal aligned bottom-right, and
+    only positions inside the first max_q queries / max_k keys of a run (tiles past max_seqlen
+    are never launched)."""
+    run_q = jnp.searchsorted(cu_q, jnp.arange(total_q), side="right") - 1
+    run_k = jnp.searchsorted(cu_k, jnp.arange(total_k), side="right") - 1
+    i = jnp.arange(total_q) - cu_q[run_q]
+    j = jnp.arange(total_k) - cu_k[run_k]
+    n_q, n_k = (cu_q[1:] - cu_q[:-1])[run_q], (cu_k[1:] - cu_k[:-1])[run_k]
+    seen = run_q[:, None] == run_k[None, :]
+    if causal:
+        seen &= j[None, :] <= i[:, None] + n_k[None, :] - n_q[:, None]
+    return seen & (i < max_q)[:, None] & (j < max_k)[None, :]
+
+
+def _expand(x, h: int):
+    return jnp.repeat(x, h // x.shape[1], axis=1)
+
+
+def _fake_fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal):
+    t, h, _ = q.shape
+    seen = _visible(cu_q, cu_k, t, k.shape[0], is_causal, max_seqlen_q, max_seqlen_k)
+    s = jnp.einsum("thd,shd->hts", q.astype(F32), _expand(k, h).astype(F32)) * softmax_scale
+    s = jnp.where(seen[None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # [h, t]
+    p = jnp.where(seen[None], jnp.exp(s - lse[..., None]), 0.0)
+    o = jnp.einsum("hts,shd->thd", p, _expand(v, h).astype(F32)).astype(q.dtype)
+    nseq = cu_q.shape[0] - 1
+    buffer = jnp.zeros((nseq * h * max_seqlen_q,), F32).at[: h * t].set(lse.reshape(-1))
+    return o, buffer.reshape(nseq, h, max_seqlen_q)
+
+
+def _fake_ffi_call(name, result_types, **_):
+    assert name == "flash_mha_bwd"
+
+    def call(do, q, k, v, o, lse_buffer, cu_q, cu_k, _a, _b, *, max_seqlen_q_val, max_seqlen_k_val,
+             softmax_scale_val, is_causal, **_attrs):
+        t, h, _ = q.shape
+        hk = k.shape[1]
+        seen = _visible(cu_q, cu_k, t, k.shape[0], is_causal, max_seqlen_q_val, max_seqlen_k_val)
+        lse = lse_buffer.reshape(-1)[: h * t].reshape(h, t)
+        kf, vf = _expand(k, h).astype(F32), _expand(v, h).astype(F32)
+        s = jnp.einsum("thd,shd->hts", q.astype(F32), kf) * softmax_scale_val
+        p = jnp.where(seen[None], jnp.exp(s - lse[..., None]), 0.0)
+        do32 = do.astype(F32)
+        delta = jnp.einsum("thd,thd->ht", do32, o.astype(F32))
+        dv = jnp.einsum("hts,thd->shd", p, do32)
+        ds = p * (jnp.einsum("thd,shd->hts", do32, vf) - delta[..., None]) * softmax_scale_val
+        dq = jnp.einsum("hts,shd->thd", ds, kf)
+        dk = jnp.einsum("hts,thd->shd", ds, q.astype(F32))
+        fold = lambda x: x.reshape(x.shape[0], hk, h // hk, x.shape[-1]).sum(2)
+        outs = (dq.astype(q.dtype), fold(dk).astype(k.dtype), fold(dv).astype(v.dtype))
+        return (*outs, *(jnp.zeros(r.shape, r.dtype) for r in result_types[3:]))
+
+    return call
+
+
+@pytest.fixture
+def emulated_fa3(monkeypatch):
+    """flash_attn3_jax's varlen forward and its FFI backward target, emulated on the CPU."""
+    package = types.ModuleType("flash_attn3_jax")
+    varlen = types.ModuleType("flash_attn3_jax.varlen_fwd")
+    varlen.flash_mha_varlen_fwd = _fake_fwd
+    hlo = types.ModuleType("flash_attn3_jax.flash_hlo")
+    for name, module in (("flash_attn3_jax", package), ("flash_attn3_jax.varlen_fwd", varlen),
+                         ("flash_attn3_jax.flash_hlo", hlo)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(jax.ffi, "ffi_call", _fake_ffi_call)
+    from jax_impl.kernels import fa3_varlen
+
+    return fa3_varlen
+
+
+def _docs(lengths, offset=0):
+    return np.repeat(np.arange(len(lengths)) + offset, lengths).astype(np.int32)
+
+
+T = 64
+IDS = _docs([1, 20, 1, 1, 30, 9, 3, 19, 1, 5, 38])  # 128 tokens: length-1 documents, one spanning 64
+CASES = {
+    # the diagonal block: its own tokens, one run per document (slots, length ladder)
+    "causal diagonal": (MaskKind.CAUSAL, IDS[None, :T], IDS[None, :T]),
+    # later queries against earlier keys, one document across the edge: the boundary form
+    "full, boundary": (MaskKind.FULL, IDS[None, T:], IDS[None, :T]),
+    # keys after the queries (a non-causal call): the gathered slots form
+    "full, keys after": (MaskKind.FULL, IDS[None, :T], IDS[None, T:]),
+    # two batch rows, half the query documents absent from the keys
+    "full, two rows, absent documents": (MaskKind.FULL, np.stack([IDS[:T], IDS[:T] + 500]),
+                                         np.stack([IDS[:T], IDS[T:]])),
+    # 1024 tokens (the ladder's bounds 256 / 512 / 1024): a run of 700 needs the longest bound,
+    # and only runs of at most 256 may take the shortest
+    "causal diagonal, one long run": (MaskKind.CAUSAL, _docs([2, 700, 322])[None], _docs([2, 700, 322])[None]),
+    "causal diagonal, short runs": (MaskKind.CAUSAL, _docs([256, 200, 256, 56, 256])[None],
+                                    _docs([256, 200, 256, 56, 256])[None]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fa3_varlen_adapter_matches_the_portable_kernel(name, emulated_fa3):
+    from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+
+    kind, q_ids, kv_ids = CASES[name]
+    (b, t), h, hk, d = q_ids.shape, 4, 2, 8
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, do = (jax.random.normal(kk, (b, t, h, d), F32) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (b, t, hk, d), F32) for kk in keys[2:])
+    mask, scale = BlockMask(kind, documents=True), d ** -0.5
+    seg = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    o_r, lse_r = reference_block_fwd(q, k, v, mask, scale, seg)
+    # float16 through the adapter (its dtypes), compared in float32 at float16's level
+    q16, k16, v16, do16 = (x.astype(jnp.float16) for x in (q, k, v, do))
+    o_f, lse_f = jax.jit(lambda *a: emulated_fa3.fa3_varlen_block_fwd(*a, mask, scale, segments=seg))(q16, k16, v16)
+    grads_r = reference_block_bwd(do, q, k, v, o_r, lse_r, mask, scale, None, seg)
+    grads_f = jax.jit(lambda *a: emulated_fa3.fa3_varlen_block_bwd(*a, mask, scale, segments=seg))(
+        do16, q16, k16, v16, o_r.astype(jnp.float16), lse_r)
+    empty = ~np.isfinite(np.asarray(lse_r))
+    assert np.array_equal(~np.isfinite(np.asarray(lse_f)), empty)  # o = 0, lse = -inf exactly where nothing is seen
+    assert np.all(np.asarray(o_f).transpose(0, 2, 1, 3)[empty] == 0)
+    np.testing.assert_allclose(np.where(empty, 0, lse_f), np.where(empty, 0, lse_r), atol=5e-3)
+    for got, want in zip((o_f, *grads_f), (o_r, *grads_r)):
+        want = np.asarray(want)
+        assert np.max(np.abs(np.asarray(got) - want)) <= 1e-2 * max(np.max(np.abs(want)), 1.0)
