@@ -90,7 +90,6 @@ def window_checks(heads=32, kv_heads=8, d=128, t=4096) -> list[dict]:
     leaves most rows empty), and positions that are not contiguous (must take the portable path)."""
     import torch
 
-    from seqplan.schedule import UNBOUNDED
     from torch_impl.block import get_backend
     from torch_impl.kernels.window import block_band
 
@@ -98,13 +97,7 @@ def window_checks(heads=32, kv_heads=8, d=128, t=4096) -> list[dict]:
     rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()
     ref, fast = get_backend("reference"), get_backend("aten_window")
     span = lambda start: torch.arange(start, start + t, device="cuda", dtype=torch.int32)
-    cases = [("causal diagonal, window 1000", MaskKind.CAUSAL, (1000, UNBOUNDED), span(0), span(0)),
-             ("full, queries one block after the keys, window 5000", MaskKind.FULL, (5000, UNBOUNDED), span(t), span(0)),
-             ("full, the window reaches the corner only (100)", MaskKind.FULL, (100, UNBOUNDED), span(t), span(0)),
-             ("full, two-sided window (700, 300), keys after the queries", MaskKind.FULL, (700, 300), span(0),
-              span(t // 8)),
-             ("full, positions not contiguous (zigzag-like): portable", MaskKind.FULL, (3000, UNBOUNDED),
-              torch.cat([span(2 * t)[: t // 2], span(6 * t)[: t // 2]]), span(0))]
+    cases = _window_cases(t, span, torch.cat)
     rows = []
     for name, kind, window, q_pos, kv_pos in cases:
         q, do = rnd(1, t, heads, d), rnd(1, t, heads, d)
@@ -271,22 +264,14 @@ def jax_block_checks(heads=32, kv_heads=8, d=128, t=4096, backend="cudnn_varlen"
         g_r = jax.jit(lambda *a, m=mask, s=seg: ref.bwd(*a, m, scale, segments=s))(do, q, k, v, o, lse_r)
         g_f = jax.jit(lambda *a, m=mask, s=seg: fast.bwd(*a, m, scale, segments=s))(do, q, k, v, o, lse_r)
         ran_packed = bool(packed_segments(q_ids, kv_ids, kind is MaskKind.CAUSAL)["ok"])
-        rel = lambda a, b: float(np.nanmax(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))[
-            np.isfinite(np.asarray(b))]) / max(1e-30, float(np.abs(np.asarray(b, np.float64)[np.isfinite(
-                np.asarray(b))]).max())))
-        lse_r_np, lse_f_np = np.asarray(lse_r), np.asarray(lse_f)
-        empty = ~np.isfinite(lse_r_np)
-        errors = {"o": rel(o_f, o_r), "lse": float(np.abs(lse_f_np - lse_r_np)[~empty].max()) if (~empty).any() else 0.0,
-                  "dq": rel(g_f[0], g_r[0]), "dk": rel(g_f[1], g_r[1]), "dv": rel(g_f[2], g_r[2])}
-        o_np = np.asarray(o_f, np.float32).transpose(0, 2, 1, 3)
-        empty_ok = bool(np.all(lse_f_np[empty] == -np.inf) and np.all(o_np[empty] == 0))
-        ok = ran_packed and empty_ok and errors["lse"] <= 1e-2 and all(errors[n] <= 2e-2 for n in ("o", "dq", "dk", "dv"))
-        rows.append({"case": name, "mask": kind.value, "ran_packed": ran_packed, "empty_rows": int(empty.sum()),
-                     "empty_rows_exact": empty_ok, "errors": errors, "verified": ok})
-        print(f"jax block check {backend} {name}: {errors} packed={ran_packed} empty rows {int(empty.sum())} exact={empty_ok} "
-              f"verified={ok}", flush=True)
+        row = _jax_errors(o_r, lse_r, g_r, o_f, lse_f, g_f)
+        ok, errors = ran_packed and row["verified"], row["errors"]
+        rows.append({"case": name, "mask": kind.value, "ran_packed": ran_packed, "empty_rows": row["empty_rows"],
+                     "empty_rows_exact": row["empty_rows_exact"], "errors": errors, "verified": ok})
+        print(f"jax block check {backend} {name}: {errors} packed={ran_packed} empty rows {row['empty_rows']} "
+              f"exact={row['empty_rows_exact']} verified={ok}", flush=True)
         if not ok and errors["lse"] > 1e-2:  # say where cuDNN's statistics went
-            print("  lse ref [0, 0, :6]", lse_r_np[0, 0, :6], "got", lse_f_np[0, 0, :6], flush=True)
+            print("  lse ref [0, 0, :6]", np.asarray(lse_r)[0, 0, :6], "got", np.asarray(lse_f)[0, 0, :6], flush=True)
     return rows
 
 
@@ -355,6 +340,115 @@ def jax_anchor(seq: int, heads=32, kv_heads=8, d=128) -> dict:
             "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
 
 
+def _window_cases(t: int, span, cat):
+    """The windowed blocks both frameworks' checks run: (name, kind, window, q_pos, kv_pos)."""
+    from seqplan.schedule import UNBOUNDED
+
+    return [("causal diagonal, window 1000", MaskKind.CAUSAL, (1000, UNBOUNDED), span(0), span(0)),
+            ("full, queries one block after the keys, window 5000", MaskKind.FULL, (5000, UNBOUNDED), span(t), span(0)),
+            ("full, the window reaches the corner only (100)", MaskKind.FULL, (100, UNBOUNDED), span(t), span(0)),
+            ("full, two-sided window (700, 300), keys after the queries", MaskKind.FULL, (700, 300), span(0),
+             span(t // 8)),
+            ("full, positions not contiguous (zigzag-like): portable", MaskKind.FULL, (3000, UNBOUNDED),
+             cat([span(2 * t)[: t // 2], span(6 * t)[: t // 2]]), span(0))]
+
+
+def jax_window_checks(heads=32, kv_heads=8, d=128, t=4096, backend="fa3") -> list[dict]:
+    """JAX ``fa3`` on windowed blocks (FA3's own window on the band, ``kernels/fused.py``) vs the
+    portable kernel, the same cases as :func:`window_checks`; each mask carries the parts' static
+    offset as the loops give it (None where the positions are not runs: the portable path)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.block import get_backend
+    from jax_impl.kernels.fused import is_band
+    from seqplan.bands import part_offset
+
+    span = lambda start: jnp.arange(start, start + t, dtype=jnp.int32)
+    ref, fast = get_backend("reference"), get_backend(backend)
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    rnd = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(jnp.bfloat16)
+    scale, rows = d**-0.5, []
+    for name, kind, window, q_pos, kv_pos in _window_cases(t, span, jnp.concatenate):
+        q, do, k, v = rnd(1, t, heads, d), rnd(1, t, heads, d), rnd(1, t, kv_heads, d), rnd(1, t, kv_heads, d)
+        mask, pos = BlockMask(kind, window=window, offset=part_offset(np.asarray(q_pos), np.asarray(kv_pos))), (q_pos, kv_pos)
+        o_r, lse_r = jax.jit(lambda q, k, v, m=mask, p=pos: ref.fwd(q, k, v, m, scale, positions=p))(q, k, v)
+        o_f, lse_f = jax.jit(lambda q, k, v, m=mask, p=pos: fast.fwd(q, k, v, m, scale, positions=p))(q, k, v)
+        o = o_r.astype(jnp.bfloat16)
+        g_r = jax.jit(lambda *a, m=mask, p=pos: ref.bwd(*a, m, scale, positions=p))(do, q, k, v, o, lse_r)
+        g_f = jax.jit(lambda *a, m=mask, p=pos: fast.bwd(*a, m, scale, positions=p))(do, q, k, v, o, lse_r)
+        row = _jax_errors(o_r, lse_r, g_r, o_f, lse_f, g_f)
+        row.update({"case": name, "mask": kind.value, "window": list(window), "fused_path": is_band(mask),
+                    "backend": backend})
+        rows.append(row)
+        print(f"jax window check {name}: {row['errors']} fused={row['fused_path']} empty rows {row['empty_rows']} "
+              f"exact={row['empty_rows_exact']} verified={row['verified']}", flush=True)
+    return rows
+
+
+def _jax_errors(o_r, lse_r, g_r, o_f, lse_f, g_f) -> dict:
+    """The block check's errors (max |Δ| / max |truth|; lse: max |Δ|), exact empty rows, verdict."""
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        finite = np.isfinite(b)
+        return float(np.abs(a - b)[finite].max() / max(1e-30, float(np.abs(b[finite]).max())))
+
+    lse_r_np, lse_f_np = np.asarray(lse_r), np.asarray(lse_f)
+    empty = ~np.isfinite(lse_r_np)
+    errors = {"o": rel(o_f, o_r), "lse": float(np.abs(lse_f_np[~empty] - lse_r_np[~empty]).max()) if (~empty).any()
+              else 0.0, "dq": rel(g_f[0], g_r[0]), "dk": rel(g_f[1], g_r[1]), "dv": rel(g_f[2], g_r[2])}
+    o_np = np.asarray(o_f, np.float32).transpose(0, 2, 1, 3)
+    empty_ok = bool(np.all(lse_f_np[empty] == -np.inf) and np.all(o_np[empty] == 0))
+    ok = empty_ok and errors["lse"] <= 1e-2 and all(errors[n] <= 2e-2 for n in ("o", "dq", "dk", "dv"))
+    return {"errors": errors, "empty_rows": int(empty.sum()), "empty_rows_exact": empty_ok, "verified": ok}
+
+
+def jax_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128) -> dict:
+    """flash_attn3_jax's ``flash_mha`` with its own sliding window ``(window, 0)`` and its own vjp
+    on the whole sequence (causal windows: 64-row tiles, the library's workspaces suffice),
+    checked at 4096 tokens with window 1000 against the portable kernel, then timed."""
+    import jax
+    import jax.numpy as jnp
+    from flash_attn3_jax import flash_mha
+
+    from benchmarks.common import Problem
+    from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+    from seqplan.schedule import UNBOUNDED
+
+    def inputs(t):
+        keys = jax.random.split(jax.random.key(4), 4)
+        q, do = (jax.random.normal(kk, (1, t, heads, d)).astype(jnp.bfloat16) for kk in keys[:2])
+        k, v = (jax.random.normal(kk, (1, t, kv_heads, d)).astype(jnp.bfloat16) for kk in keys[2:])
+        return q, k, v, do
+
+    def programs(w):
+        fwd = lambda q, k, v: flash_mha(q, k, v, softmax_scale=d**-0.5, is_causal=True, window_size=(w, 0))
+
+        def step(q, k, v, do):
+            o, pull = jax.vjp(fwd, q, k, v)
+            return o, pull(do)
+
+        return jax.jit(fwd), jax.jit(step)
+
+    q, k, v, do = inputs(4096)
+    _, step = programs(1000)
+    o, (dq, _, _) = step(q, k, v, do)
+    pos = jnp.arange(4096, dtype=jnp.int32)
+    mask = BlockMask(MaskKind.CAUSAL, window=(1000, UNBOUNDED))
+    o_r, lse_r = reference_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos))
+    dq_r = reference_block_bwd(do, q, k, v, o_r.astype(jnp.bfloat16), lse_r, mask, d**-0.5, positions=(pos, pos))[0]
+    rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())
+    errors = {"o": rel(o, o_r), "dq": rel(dq, dq_r)}
+    problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
+    q, k, v, do = inputs(seq)
+    fwd, step = programs(window)
+    fwd_ms, step_ms = jax_ms(fwd, q, k, v), jax_ms(step, q, k, v, do)
+    return {"kernel": f"flash_attn3_jax flash_mha(window_size=({window}, 0)) (its own vjp)", "seq": seq,
+            "window": window, "verified_at_4096": errors, "verified": all(e <= 2e-2 for e in errors.values()),
+            "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms, "tflops_fwd": problem.flops(True) / fwd_ms / 1e9,
+            "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Masked blocks on one GPU — {result['date']}", "", f"Machine: {result['device']}; "
              f"versions: {result['versions']}", "", "## Block checks (aten_varlen vs the portable kernel, float32)", "",
@@ -386,6 +480,24 @@ def markdown(result: dict) -> str:
                   f"{a['seq']} tokens, mix ids: fwd {a['fwd_ms']:.2f} ms ({a['tflops_fwd']:.0f} TFLOP/s), fwd+bwd "
                   f"{a['fwd_bwd_ms']:.2f} ms ({a['tflops_fwd_bwd']:.0f} TFLOP/s); checked at 4096 tokens: "
                   f"{a['verified_at_4096']} verified={a['verified']}"]
+    for key, title in (("window_checks", "torch aten_window"), ("jax_window_checks", "JAX fa3 (FA3's window on the band)")):
+        if result.get(key):
+            lines += ["", f"## Window block checks: {title} vs the portable kernel (float32)", "",
+                      "| case | mask | window | fused path | empty rows | exact | o | lse (abs) | dq | dk | dv | verified |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in result[key]:
+                e = r["errors"]
+                lines.append(f"| {r['case']} | {r['mask']} | {tuple(r['window'])} | {r['fused_path']} | {r['empty_rows']} "
+                             f"| {r['empty_rows_exact']} | {e['o']:.2e} | {e['lse']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} "
+                             f"| {e['dv']:.2e} | {r['verified']} |")
+    for key in ("window_anchor", "jax_window_anchor"):
+        if key in result:
+            a = result[key]
+            lines += ["", f"## Window anchor: {a['kernel']}", "",
+                      f"{a['seq']} tokens: fwd {a['fwd_ms']:.2f} ms ({a['tflops_fwd']:.0f} TFLOP/s), fwd+bwd "
+                      f"{a['fwd_bwd_ms']:.2f} ms ({a['tflops_fwd_bwd']:.0f} TFLOP/s)"
+                      + (f"; checked at 4096 tokens: {a['verified_at_4096']} verified={a['verified']}"
+                         if "verified" in a else "")]
     if "portable_peak" in result:
         p = result["portable_peak"]
         lines += ["", "## Portable kernel memory (one document-masked causal block, fwd + bwd)", "",
@@ -400,7 +512,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU: only the parts that run without CUDA, tiny sizes")
-    ap.add_argument("--parts", default="torch,jax,peak", help="comma-separated of torch, jax, peak, window")
+    ap.add_argument("--parts", default="torch,jax,peak",
+                    help="comma-separated of torch, jax, peak, window, jaxwindow; anchors (the four anchors alone)")
+    ap.add_argument("--window", type=int, default=4096, help="the window anchors' left extent")
     a = ap.parse_args(argv)
     import torch
 
@@ -410,6 +524,7 @@ def main(argv=None) -> dict:
         # the CPU has no varlen kernel: run every check's code on the portable kernel against itself
         block_checks("cpu", heads=4, kv_heads=2, d=16, backend="reference")
         jax_block_checks(heads=4, kv_heads=2, d=16, backend="reference")
+        jax_window_checks(heads=4, kv_heads=2, d=16, t=256, backend="reference")
         return result
     parts = a.parts.split(",")
     if "torch" in parts:
@@ -429,8 +544,26 @@ def main(argv=None) -> dict:
             result["jax_anchor_missing"] = str(err)
     if "window" in parts:
         result["window_checks"] = window_checks()
-        result["window_anchor"] = window_anchor(a.seq)
+        result["window_anchor"] = window_anchor(a.seq, a.window)
         print("window anchor", result["window_anchor"], flush=True)
+    if "jaxwindow" in parts:
+        import jax
+
+        result["versions"]["jax"] = jax.__version__
+        result["jax_window_checks"] = jax_window_checks()
+        result["jax_window_anchor"] = jax_window_anchor(a.seq, a.window)
+        print("jax window anchor", result["jax_window_anchor"], flush=True)
+    if "anchors" in parts:  # the same-run anchors at --seq, without the block checks
+        import jax
+
+        result["versions"]["jax"] = jax.__version__
+        for key, fn in (("anchor", anchor), ("jax_anchor", jax_anchor), ("window_anchor", window_anchor),
+                        ("jax_window_anchor", jax_window_anchor)):
+            try:
+                result[key] = fn(a.seq) if "window" not in key else fn(a.seq, a.window)
+            except Exception as err:  # noqa: BLE001  (one anchor failing, e.g. out of memory, must not lose the others)
+                result[key + "_failed"] = f"{type(err).__name__}: {err}"
+            print(key, result.get(key, result.get(key + "_failed")), flush=True)
     if "peak" in parts:
         result["portable_peak"] = portable_peak("cuda")
         print("portable peak", result["portable_peak"], flush=True)

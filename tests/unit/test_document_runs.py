@@ -257,10 +257,10 @@ def test_jax_length_ladder_bounds_the_longest_run():
 
     from jax_impl.kernels import runs
 
-    assert runs.length_ladder(32768) == (2048, 4096, 8192, 16384, 32768)
-    assert runs.length_ladder(1024) == (256, 512, 1024) and runs.length_ladder(16) == (16,)
+    assert runs.length_ladder(32768) == (4096, 8192, 12288, 16384, 24576, 32768)
+    assert runs.length_ladder(1024) == (256, 384, 512, 768, 1024) and runs.length_ladder(16) == (16,)
     t = 4096
-    for longest in (1, 255, 256, 257, 1500, 4096):
+    for longest in (1, 511, 512, 513, 1500, 2500, 4096):
         ids = np.concatenate([np.zeros(longest), 1 + np.arange(t - longest)]).astype(np.int32)[None]
         ids = jnp.asarray(ids)
         got = int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r["max_q"]), lambda: jnp.int32(-1),
