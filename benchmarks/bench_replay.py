@@ -112,7 +112,16 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
     b, s, d = problem.batch, problem.seq, problem.head_dim
     q, do = (jax.random.normal(k_, (b, s, problem.heads, d), dt) for k_ in keys[:2])
     k, v = (jax.random.normal(k_, (b, s, problem.kv_heads, d), dt) for k_ in keys[2:])
-    o, lse = jax.jit(functools.partial(replay.replay_attention, **kw))(q, k, v)  # the backward's saved o, lse
+    # The segment ids are a jitted argument, as in training (never a compile-time constant: XLA
+    # would fold the run lists and the portable kernel's masks at compile time — minutes at 128k,
+    # and a program that is not the one a training step runs).
+    ids = kw.pop("segment_ids", None)
+
+    def program(fn, device=None):
+        call = fn if device is None else functools.partial(fn, device)
+        return jax.jit(lambda ids, *args: call(*args, segment_ids=ids, **kw))
+
+    o, lse = program(replay.replay_attention)(ids, q, k, v)  # the backward's saved o, lse
 
     def clock(fn, *args):
         for _ in range(warmup):
@@ -132,10 +141,9 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
 
     out = {}
     for device in devices_to_time:
-        fwd = jax.jit(functools.partial(replay.device_forward, device, **kw))
-        bwd = jax.jit(functools.partial(replay.device_backward, device, **kw))
-        out[device] = (clock(fwd, q, k, v), clock(bwd, q, k, v, o, lse, do),
-                       (temporaries(fwd, q, k, v), temporaries(bwd, q, k, v, o, lse, do)))
+        fwd, bwd = program(replay.device_forward, device), program(replay.device_backward, device)
+        out[device] = (clock(fwd, ids, q, k, v), clock(bwd, ids, q, k, v, o, lse, do),
+                       (temporaries(fwd, ids, q, k, v), temporaries(bwd, ids, q, k, v, o, lse, do)))
     return out
 
 

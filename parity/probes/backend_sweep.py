@@ -59,7 +59,9 @@ def mask_kinds(case: Case) -> list[str]:
 def resolved_backends(framework: str, backend: str, case: Case, devices: Device) -> dict[str, str]:
     """mask kind -> the concrete kernel ``backend`` runs for it (``resolve_backend``), or why not.
     With packed documents a block is resolved with its document mask (the blocks that hold
-    documents); a window is decided per block at run time, so its kinds are named "+window"."""
+    documents); a window is decided per block at run time, so its kinds are named "+window", and
+    where a block whose parts are runs of original positions (``BlockMask.offset``) takes another
+    kernel than one whose parts are not, both are named."""
     import importlib
 
     from seqplan.schedule import BlockMask, MaskKind
@@ -71,9 +73,12 @@ def resolved_backends(framework: str, backend: str, case: Case, devices: Device)
     for mask in mask_kinds(case):
         name = mask + ("+documents" if documents else "") + ("+window" if case.window is not None else "")
         try:
-            out[name] = block.resolve_backend(backend, device_kind=kind, dtype=case.dtype,
-                                              mask=BlockMask(MaskKind(mask), documents=documents,
-                                                             window=case.window))
+            resolve = lambda offset, m=mask: block.resolve_backend(
+                backend, device_kind=kind, dtype=case.dtype,
+                mask=BlockMask(MaskKind(m), documents=documents, window=case.window, offset=offset))
+            out[name] = resolve(None)
+            if case.window is not None and resolve(0) != out[name]:  # a block whose parts are position runs
+                out[name] = f"{resolve(0)} (parts that are position runs), else {out[name]}"
         except Exception as err:  # noqa: BLE001 — reported in the row, the run goes on
             out[mask] = f"unresolved: {err}"
     return out
