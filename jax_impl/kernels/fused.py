@@ -14,7 +14,9 @@ portable kernel, as torch_impl's aten adapters do. The op pairs take no segment 
 window: a document- or window-masked block is not ``supports``-ed (so ``"auto"`` never routes
 one here), and one given anyway — the caller named this backend — runs on the portable kernel,
 never unmasked. (A window that covers a whole block is dropped from its mask by the loops, so
-such blocks still reach the fused kernel.)
+such blocks still reach the fused kernel.) No fused op soft-caps logits: ``supports`` refuses
+``softcap``, and the block layer runs a capped block on the portable kernel
+(``block.capped_backend``), never here.
 """
 
 from __future__ import annotations
@@ -61,5 +63,6 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
         return tuple(g.astype(F32) for g in grads)
 
     return BlockBackend(name, fwd, bwd, typed_for_shard_map=typed_for_shard_map,
-                        supports=lambda mask, dtype: dtype in LOW_PRECISION and not mask.documents and mask.window is None,
+                        supports=lambda mask, dtype, softcap=False: (not softcap and dtype in LOW_PRECISION
+                                                                     and not mask.documents and mask.window is None),
                         available=available)

@@ -380,9 +380,9 @@ def flex_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None
     return _recompute_backward(*args, forward)
 
 
-def supports(mask: BlockMask, dtype: str) -> bool:
+def supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
     """Every block mask (kind, documents, window) in float32 and the low-precision dtypes."""
-    return dtype == "float32" or dtype in LOW_PRECISION
+    return not softcap and (dtype == "float32" or dtype in LOW_PRECISION)
 
 
 def available() -> bool:

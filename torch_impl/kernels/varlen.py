@@ -115,7 +115,9 @@ def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
     return dq.reshape(b, t, h, d), dk.reshape(b, s, hk, d), dv.reshape(b, s, hk, d)
 
 
-def _supports(mask: BlockMask, dtype: str) -> bool:
+def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
+    if softcap:  # the FA2 varlen op soft-caps nothing: a capped block runs on the portable kernel (block.capped_backend)
+        return False
     return mask.documents and mask.window is None and mask.kind is not MaskKind.STRICT and dtype in LOW_PRECISION
 
 
