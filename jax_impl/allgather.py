@@ -43,16 +43,16 @@ F32 = jnp.float32
 
 def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
                         scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
-                        segment_ids=None, window=None, sinks=None):
+                        segment_ids=None, window=None, sinks=None, softcap=None):
     """All-gather-KV attention over mesh axis ``axis_name`` (``None``: one device). Call inside
     ``shard_map``; inputs are this device's ring shard in layout order, ``segment_ids`` its ids
-    [b, t/R] or None; ``window`` and ``sinks`` as in ``ring_attention``. Returns ``(o, lse)``."""
+    [b, t/R] or None; ``window``, ``sinks`` and ``softcap`` as in ``ring_attention``. Returns ``(o, lse)``."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=check_window(window))
+                         deterministic=deterministic, window=check_window(window), softcap=softcap)
     config.backend()  # an unknown or refused kernel fails here
     return _allgather(q, k, v, segment_ids, sinks, axis_name, config)
 

@@ -27,6 +27,7 @@ from seqplan.validation import (
     Decomposition,
     check_segment_ids,
     check_sinks,
+    check_softcap,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -66,7 +67,8 @@ def _global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
 
 def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                     kv_exchange: str = "ring", return_lse: bool = False, block_backend: str = "auto",
-                    deterministic: bool | None = None, segment_ids=None, window=None, sinks=None):
+                    deterministic: bool | None = None, segment_ids=None, window=None, sinks=None,
+                    softcap=None):
     """``sequence_parallel_attention`` for code already inside ``jax.shard_map`` over ``mesh``: the
     arguments are THIS device's shards, as torch_impl's entry point takes them —
 
@@ -84,12 +86,12 @@ def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigza
         *(_global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)), sizes,
         layout=layout, kv_exchange=kv_exchange, scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic, window=window)
+                             deterministic=deterministic, window=window, softcap=softcap)
     given = {name: x for name, x in (("segment_ids", segment_ids), ("sinks", sinks)) if x is not None}
     o, lse = per_device(q, k, v, **given)
     return (o, lse) if return_lse else o
@@ -141,7 +143,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
-                                segment_ids=None, window=None, sinks=None):
+                                segment_ids=None, window=None, sinks=None, softcap=None):
     """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
     sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
     sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``.
@@ -160,6 +162,13 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     denominator gains exp(sinks[head]) with no value vector, and the returned lse includes it. It
     is replicated onto every device and differentiable (``jax.grad`` w.r.t. it sums every
     device's rows).
+
+    ``softcap``: logit soft-capping (Gemma 2's ``attn_logit_softcapping``), None or a positive
+    float: every scaled logit x = scale·q·k becomes softcap · tanh(x / softcap) before the
+    softmax, in every block, forward and backward (the sinks are not capped; the lse is that of
+    the capped logits). Blocks run on a kernel that applies it: the portable one (no fused JAX
+    kernel soft-caps; a fused ``block_backend`` named with it runs capped blocks on the portable
+    kernel).
 
     Cotangents are placed on the mesh the way the inputs are: a pullback (``jax.vjp``'s returned
     function) may be given a cotangent of any sharding JAX lets through — sharded like the output,
@@ -183,12 +192,12 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), dict(mesh.shape),
         layout=layout, kv_exchange=kv_exchange, scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape)
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     x_spec, lse_spec = partition_specs(mesh)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic, window=window)
+                             deterministic=deterministic, window=window, softcap=softcap)
     optional = {name: (x, spec) for name, x, spec in (("segment_ids", segment_ids, _ids_spec(x_spec)),
                                                      ("sinks", sinks, P())) if x is not None}
 

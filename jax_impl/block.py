@@ -1,21 +1,27 @@
 """The local block kernel's interface, the registry of backends, and ``"auto"``: the routing table.
 
-    block_fwd(q, k, v, mask, scale, segments=None, positions=None)                   -> (o, lse)
-    block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments=None, positions=None) -> (dq, dk, dv)
+    block_fwd(q, k, v, mask, scale, segments=None, positions=None, softcap=None)                   -> (o, lse)
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments=None, positions=None, softcap=None) -> (dq, dk, dv)
 
 q, do, o: [b, t, h, d]; k, v: [b, s, hk, d]; lse, dlse: [b, h, t] float32; o and the gradients
 float32. ``mask`` is a :class:`schedule.BlockMask` (full / causal / strict, each optionally with
 documents and a window); ``segments = (q_ids [b, t], kv_ids [b, s])`` is given exactly when
 ``mask.documents``, ``positions = (q_pos [t], kv_pos [s])`` (int32 original positions) exactly
 when ``mask.window`` is set (the loops pass each as a keyword, and only then: kernels written
-before them need not take it). ``block_bwd`` takes the *global* ``o``
-and ``lse`` (after every block was merged), which is what makes per-block gradients sum to the
-true gradient.
+before them need not take it). ``softcap`` (a float: every scaled logit x becomes softcap ·
+tanh(x / softcap) before the softmax, Gemma 2's logit soft-capping) is given, by keyword, only
+when the call has one, and only to a backend whose ``supports(mask, dtype, softcap=True)`` says
+its kernels apply it (:func:`capped_backend`, :func:`routing_backend`): a kernel that does not
+know the keyword fails loudly instead of computing uncapped attention. ``block_bwd`` takes the
+*global* ``o`` and ``lse`` (after every block was merged), which is what makes per-block gradients
+sum to the true gradient.
 
 **Backends** live in ``kernels/``, one module per kernel family, each registering itself here
 (``jax_impl/kernels/__init__.py`` imports them; none imports an optional package at module
 level): ``reference`` (portable einsum, float32, any device), ``cudnn`` (XLA's cuDNN fused
-attention), ``fa3`` (FlashAttention-3 through flash_attn3_jax, Hopper). ``kernels/`` is the one
+attention), ``fa3`` (FlashAttention-3 through flash_attn3_jax, Hopper). Only ``reference``
+implements soft-capping (flash_attn3_jax 0.2.3's wheel has no softcap kernels; XLA's cuDNN
+attention takes none). ``kernels/`` is the one
 folder where jax_impl and torch_impl differ by nature — each binds its own framework's kernels —
 while the algorithm files mirror each other.
 
@@ -52,8 +58,10 @@ class BlockBackend:
     # False when the kernels' outputs carry no shard_map "varying axes" type (flash_attn3_jax's
     # primitives): the API then runs shard_map with check_vma=False.
     typed_for_shard_map: bool = True
-    # supports(mask, dtype name) -> whether the kernels compute that block mask in that dtype.
-    supports: Callable[[BlockMask, str], bool] = lambda mask, dtype: True
+    # supports(mask, dtype name, softcap=False) -> whether the kernels compute that block mask in
+    # that dtype (soft-capped, when softcap is True: their fwd / bwd then take softcap=). By
+    # default every mask and dtype, never soft-capping: a backend opts in.
+    supports: Callable[..., bool] = lambda mask, dtype, softcap=False: not softcap
     # available() -> whether the kernels can run in this process (an optional package of the
     # verified version is installed): "auto" routes only to available backends.
     available: Callable[[], bool] = lambda: True
@@ -130,20 +138,33 @@ def _check_named(name: str, deterministic: bool) -> None:
                            "--xla_gpu_deterministic_ops=true): use 'cudnn' (deterministic in that mode) or 'reference'")
 
 
-def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: bool = False) -> str:
+def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: bool = False,
+                    softcap: bool = False) -> str:
     """The concrete backend that runs a block of ``dtype`` under ``mask`` (a BlockMask, MaskKind
     or its value) on ``device_kind`` when ``name`` is asked for: ``name`` itself (checked), or for
-    ``"auto"`` the backend of the first matching row of :data:`AUTO_ROUTES` that is available."""
+    ``"auto"`` the backend of the first matching row of :data:`AUTO_ROUTES` that is available.
+    ``softcap``: the block is soft-capped — a named backend that does not apply soft-capping to
+    it runs it on ``"reference"`` instead (:func:`capped_backend`), and "auto" takes only rows
+    whose backend does."""
     if name != "auto":
         _check_named(name, deterministic)
+        if softcap and not _caps(_BACKENDS[name], mask, dtype):
+            return "reference"
         return name
     return first_route(AUTO_ROUTES, device_kind=device_kind, dtype=_dtype_name(dtype), mask=as_block_mask(mask),
-                       deterministic=bool(deterministic), can_run=_can_run)
+                       deterministic=bool(deterministic), can_run=_can_run, softcap=bool(softcap))
 
 
-def _can_run(name: str, mask: BlockMask, dtype: str) -> bool:
+def _caps(backend: BlockBackend, mask, dtype) -> bool:
+    """Whether ``backend``'s kernels soft-cap a block of ``dtype`` under ``mask``."""
+    return bool(backend.supports(as_block_mask(mask), _dtype_name(dtype), softcap=True))
+
+
+def _can_run(name: str, mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
     backend = _BACKENDS.get(name)
-    return backend is not None and backend.available() and backend.supports(mask, dtype)
+    if backend is None or not backend.available():
+        return False
+    return backend.supports(mask, dtype, softcap=True) if softcap else backend.supports(mask, dtype)
 
 
 def _process_device_kinds() -> set[str]:
@@ -156,18 +177,26 @@ def _reachable_here(deterministic: bool) -> list[str]:
                      usable=lambda name: name in _BACKENDS and _BACKENDS[name].available())
 
 
-def routing_backend(deterministic: bool = False) -> BlockBackend:
-    """The ``"auto"`` backend: each call resolved by :func:`resolve_backend` from its inputs.
+def _softcap_keyword(softcap: float | None) -> dict:
+    """The kernels' ``softcap=`` keyword: given only when the call soft-caps (module docstring)."""
+    return {} if softcap is None else {"softcap": softcap}
+
+
+def routing_backend(deterministic: bool = False, softcap: float | None = None) -> BlockBackend:
+    """The ``"auto"`` backend: each call resolved by :func:`resolve_backend` from its inputs (and,
+    with ``softcap``, only to backends that soft-cap, given ``softcap=``).
     ``typed_for_shard_map`` is False when any backend it may route to in this process is."""
+    capped = _softcap_keyword(softcap)
+
     def pick(q, mask) -> BlockBackend:
         return _BACKENDS[resolve_backend("auto", device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
-                                         deterministic=deterministic)]
+                                         deterministic=deterministic, softcap=softcap is not None)]
 
     def fwd(q, k, v, mask, scale, **mask_arrays):  # segments= / positions=, as the mask needs
-        return pick(q, mask).fwd(q, k, v, mask, scale, **mask_arrays)
+        return pick(q, mask).fwd(q, k, v, mask, scale, **mask_arrays, **capped)
 
     def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, **mask_arrays):
-        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **mask_arrays)
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **mask_arrays, **capped)
 
     names = _reachable_here(deterministic)
     typed = all(_BACKENDS[n].typed_for_shard_map for n in names)
@@ -175,16 +204,42 @@ def routing_backend(deterministic: bool = False) -> BlockBackend:
                         window_offsets=any(_BACKENDS[n].window_offsets for n in names))
 
 
-def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBackend:
+def capped_backend(backend: BlockBackend, softcap: float) -> BlockBackend:
+    """``backend`` with every block soft-capped at ``softcap``: a block runs on ``backend``'s
+    kernels, given ``softcap=``, where its ``supports(mask, dtype, softcap=True)`` says they
+    apply it, and on the portable kernel (``"reference"``) otherwise — as the fused adapters run
+    the masks they cannot compute — never uncapped. (A fused backend named explicitly with a
+    softcap therefore runs every block on the portable kernel: none applies soft-capping.)"""
+    def pick(q, mask) -> BlockBackend:
+        return backend if _caps(backend, mask, q.dtype) else _BACKENDS["reference"]
+
+    def fwd(q, k, v, mask, scale, **mask_arrays):
+        return pick(q, mask).fwd(q, k, v, mask, scale, softcap=softcap, **mask_arrays)
+
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, **mask_arrays):
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, softcap=softcap, **mask_arrays)
+
+    return BlockBackend(backend.name, fwd, bwd, typed_for_shard_map=backend.typed_for_shard_map,
+                        supports=backend.supports, available=backend.available)
+
+
+def get_backend(name: str = "auto", *, deterministic: bool = False, softcap: float | None = None) -> BlockBackend:
     """The backend called ``name``. ``"auto"`` is :func:`routing_backend` — or, when every row this
     process can reach names one backend (a CPU-only process: ``reference``), that backend itself.
     ``deterministic=True`` (the API's ``deterministic`` argument, which defaults to whether
     XLA_FLAGS has ``--xla_gpu_deterministic_ops=true``) refuses a backend measured
     non-deterministic in that mode, and "auto" avoids it. XLA reads its flags when the backend
-    starts, so this can only refuse a kernel: it cannot make XLA's own ops deterministic."""
+    starts, so this can only refuse a kernel: it cannot make XLA's own ops deterministic.
+    ``softcap`` (a float, or None): the kernels soft-cap every block — "auto" routes each block
+    to a backend that applies it, a named backend runs on its own kernels only the blocks it can
+    cap (:func:`capped_backend`)."""
     if name == "auto":
         reachable = _reachable_here(bool(deterministic))
-        return _BACKENDS[reachable[0]] if len(reachable) == 1 else routing_backend(bool(deterministic))
-    _check_named(name, deterministic)
-    return _BACKENDS[name]
+        if len(reachable) > 1:
+            return routing_backend(bool(deterministic), softcap)
+        backend = _BACKENDS[reachable[0]]
+    else:
+        _check_named(name, deterministic)
+        backend = _BACKENDS[name]
+    return backend if softcap is None else capped_backend(backend, softcap)
 

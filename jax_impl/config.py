@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from seqplan.config import checked_static_fields, resolve_scale
+from seqplan.validation import check_softcap
 
 from .block import BlockBackend, get_backend
 from .comm import Comm, current_comm
@@ -31,6 +32,9 @@ class AttentionConfig:
     window:        the sliding window ``(left, right)`` on original positions, or None (an int w
                    or a list is normalised to the pair by ``validation.check_window``); stored as
                    the kernels apply it (``schedule.kernel_window``: causal makes right unbounded).
+    softcap:       logit soft-capping (Gemma 2), a positive float or None: every scaled logit x
+                   becomes softcap · tanh(x / softcap) before the softmax, in every block, forward
+                   and backward (``validation.check_softcap``; ``backend()`` gives kernels that apply it).
     """
 
     causal: bool
@@ -40,15 +44,18 @@ class AttentionConfig:
     deterministic: bool = False
     comm: Comm = Comm()
     window: tuple[int, int] | None = None
+    softcap: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "window", checked_static_fields(self.causal, self.layout, self.scale, self.window))
+        object.__setattr__(self, "softcap", check_softcap(self.softcap))
         if not isinstance(self.comm, Comm):
             raise TypeError(f"comm must be a Comm, got {type(self.comm).__name__}")
 
     def backend(self) -> BlockBackend:
-        """The block kernels (an unknown or refused name raises here)."""
-        return get_backend(self.block_backend, deterministic=self.deterministic)
+        """The block kernels (an unknown or refused name raises here), soft-capping every block
+        when ``softcap`` is set (``block.get_backend``)."""
+        return get_backend(self.block_backend, deterministic=self.deterministic, softcap=self.softcap)
 
 
 def default_deterministic(deterministic: bool | None) -> bool:
@@ -61,9 +68,9 @@ def default_deterministic(deterministic: bool | None) -> bool:
 
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
-                deterministic: bool | None, window=None) -> AttentionConfig:
+                deterministic: bool | None, window=None, softcap=None) -> AttentionConfig:
     """The config of a per-device call on ``q`` (for its head_dim), with the defaults resolved and
     the installed communication hook (``comm.using``)."""
     return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend,
                            default_deterministic(deterministic),
-                           current_comm(), window)
+                           current_comm(), window, softcap)

@@ -14,16 +14,20 @@ from seqplan.validation import check_window
 
 
 def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None, segment_ids=None, window=None,
-                    sinks=None):
+                    sinks=None, softcap=None):
     """q: [b, t, h, d], k, v: [b, s, hk, d] in original token order -> (o [b, t, h, d], lse [b, h, t]).
     ``segment_ids`` [b, t] (self-attention, original order): a query sees only keys of its id.
     ``window`` (None, w or (left, right)): query i sees keys i - left..i + right. ``sinks`` [h]:
-    each row's softmax gains a logit sinks[h] with no value (lse includes it)."""
+    each row's softmax gains a logit sinks[h] with no value (lse includes it). ``softcap``: every
+    scaled logit x becomes softcap · tanh(x / softcap), in the inputs' dtype (the sinks are not capped)."""
     b, t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
     group = h // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     scores = (jnp.einsum("bthd,bshd->bhts", q, k) * jnp.asarray(scale, q.dtype)).astype(q.dtype)
+    if softcap is not None:
+        cap = jnp.asarray(softcap, q.dtype)
+        scores = (cap * jnp.tanh(scores / cap)).astype(q.dtype)
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool)), scores, -jnp.inf)
     if segment_ids is not None:

@@ -52,11 +52,12 @@ DOUBLE_RING = (RING_OUTER, RING_INNER)
 
 def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, causal: bool = False,
                           layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                          deterministic: bool | None = None, segment_ids=None, window=None, sinks=None):
+                          deterministic: bool | None = None, segment_ids=None, window=None, sinks=None,
+                          softcap=None):
     """Double ring attention over the mesh axes ``axis_name = (outer, inner)``. Call inside
     ``shard_map``; inputs are this device's shard of the combined ring (index o·I + i) in
-    layout order, ``segment_ids`` its ids [b, t/R] or None; ``window`` and ``sinks`` as in
-    ``ring_attention``. Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]."""
+    layout order, ``segment_ids`` its ids [b, t/R] or None; ``window``, ``sinks`` and ``softcap``
+    as in ``ring_attention``. Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
@@ -64,7 +65,7 @@ def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, 
     if len(tuple(axis_name)) != 2:
         raise ValueError(f"the double ring needs axis_name = (outer, inner), got {axis_name!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=check_window(window))
+                         deterministic=deterministic, window=check_window(window), softcap=softcap)
     config.backend()  # an unknown or refused kernel fails here
     return _double_ring(q, k, v, segment_ids, sinks, tuple(axis_name), config)
 

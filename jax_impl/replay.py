@@ -21,7 +21,7 @@ step order, as it travels; all-gather: in device order, its reduce-scatter) and 
 code casts (Ulysses-replicated heads: summed over replicas in float32, then cast).
 
     q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order),
-    window None | w | (left, right), sinks [h] or None  ->  o [b, T, h, d], lse [b, h, T]
+    window None | w | (left, right), sinks [h] or None, softcap None | float  ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
     device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
                        and, with sinks, a third item: dsinks [h/U] f32 of its rows and heads
@@ -47,6 +47,7 @@ from seqplan.strategy import Strategy
 from seqplan.validation import (
     check_segment_ids,
     check_sinks,
+    check_softcap,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -59,9 +60,9 @@ from .loop import add_sinks, grad_block, local_backward, local_forward, merge_bl
 F32 = jnp.float32
 
 
-def _config(q, causal, layout, scale, block_backend, deterministic, window) -> AttentionConfig:
+def _config(q, causal, layout, scale, block_backend, deterministic, window, softcap) -> AttentionConfig:
     return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend, bool(deterministic),
-                           window=window)
+                           window=window, softcap=softcap)
 
 
 def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
@@ -84,11 +85,11 @@ def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq:
 
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                   segment_ids=None, window=None, sinks=None):
+                   segment_ids=None, window=None, sinks=None, softcap=None):
     """Virtual device ``device``'s forward on the global q, k, v (and segment ids, window, sinks
-    [h]): its (o, lse), o in q's dtype, lse with the sinks of its heads (shapes in the module
+    [h], softcap): its (o, lse), o in q's dtype, lse with the sinks of its heads (shapes in the module
     docstring)."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic, window)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap)
     backend = config.backend()
     schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
     r, u = divmod(device, strategy.ulysses)
@@ -108,11 +109,11 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                     layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                    deterministic: bool = False, segment_ids=None, window=None, sinks=None):
+                    deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}), and
     with ``sinks`` a third item, its rows' share of dsinks for its heads ([h/U] float32)."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic, window)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap)
     backend = config.backend()
     schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
     r, u = divmod(device, strategy.ulysses)
@@ -145,22 +146,23 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     return sorted(steps, key=steps.__getitem__)  # the accumulator travels with the K/V (a truncated ring: a+1 devices)
 
 
-def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks) -> None:
+def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks, softcap) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape)
     check_window(window)
+    check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
 
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                      scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                     segment_ids=None, window=None, sinks=None):
-    """(o, lse) of ``strategy`` on global q, k, v (and segment ids, window, sinks) in layout
+                     segment_ids=None, window=None, sinks=None, softcap=None):
+    """(o, lse) of ``strategy`` on global q, k, v (and segment ids, window, sinks, softcap) in layout
     order, every virtual device's forward run in turn on the inputs' device (module docstring)."""
-    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks)
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
     outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
     rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
     o = jnp.concatenate([jnp.concatenate([o_d for o_d, _ in row], axis=2) for row in rows], axis=1)
@@ -170,14 +172,15 @@ def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layou
 
 def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                            layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                           deterministic: bool = False, segment_ids=None, window=None, sinks=None):
+                           deterministic: bool = False, segment_ids=None, window=None, sinks=None,
+                           softcap=None):
     """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
     the forward's global o and lse; every virtual device's backward run in turn, dK/dV summed as
     the real exchange sums them. dq like q, dk and dv like k. With ``sinks`` [h]: (dq, dk, dv,
     dsinks), dsinks [h] like sinks — every device's share of its heads, summed in device order."""
-    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks)
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u][0] for u in range(n_uly)], axis=2)

@@ -37,7 +37,7 @@ from .loop import (
 
 def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
-                   segment_ids=None, window=None, sinks=None):
+                   segment_ids=None, window=None, sinks=None, softcap=None):
     """Ring attention over mesh axis ``axis_name`` (``None``: one device, plain attention).
 
     Call inside ``shard_map``; inputs are this device's ring shard in layout order (shapes in the
@@ -45,15 +45,18 @@ def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = Fals
     [b, t/R] (packed documents: a query sees only keys of its own id) or None. ``window``: None,
     w or ``(left, right)``: query at original position i sees keys i - left..i + right.
     ``sinks``: [h] float logits (the same on every device) or None: each row's softmax
-    denominator gains exp(sinks[h]); differentiable. Returns ``(o, lse)``: o like q, lse float32
-    [b, h, t/R] (with the sink). ``deterministic``: see ``config.default_deterministic``.
+    denominator gains exp(sinks[h]); differentiable. ``softcap``: None or a positive float (Gemma
+    2's logit soft-capping): every scaled logit x becomes softcap · tanh(x / softcap) before the
+    softmax, in every block, forward and backward (the sinks are not capped; checked with the
+    config, before any collective). Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]
+    (with the sink). ``deterministic``: see ``config.default_deterministic``.
     """
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=check_window(window))
+                         deterministic=deterministic, window=check_window(window), softcap=softcap)
     config.backend()  # an unknown or refused kernel fails here
     return _ring(q, k, v, segment_ids, sinks, axis_name, config)
 

@@ -1,6 +1,7 @@
 """The ``"auto"`` block backend's routing rules as data: a :class:`Route` row matches a block by
 device kind, dtype, mask kind and determinism, and the first row whose backend can run the block
-wins. Each implementation's ``block.py`` holds its own table (``AUTO_ROUTES``: its framework's
+(its mask, its dtype, and soft-capping when the call has a ``softcap``) wins. Each
+implementation's ``block.py`` holds its own table (``AUTO_ROUTES``: its framework's
 kernels and their measurements) and registry; the row type and the walk over a table are here,
 written once."""
 
@@ -40,13 +41,17 @@ def as_block_mask(mask) -> BlockMask:
 
 
 def first_route(routes: Iterable[Route], *, device_kind: str, dtype: str, mask: BlockMask, deterministic: bool,
-                can_run: Callable[[str, BlockMask, str], bool]) -> str:
-    """The backend of the first row matching the block whose backend ``can_run(name, mask, dtype)``
-    (registered, available, supports that mask in that dtype); ValueError naming the block if none."""
+                can_run: Callable[[str, BlockMask, str, bool], bool], softcap: bool = False) -> str:
+    """The backend of the first row matching the block whose backend ``can_run(name, mask, dtype,
+    softcap)`` (registered, available, supports that mask in that dtype — soft-capped when
+    ``softcap``: a backend's ``supports(mask, dtype, softcap=True)``); ValueError naming the block
+    if none."""
     for route in routes:
-        if route.matches(device_kind, dtype, mask.kind, deterministic) and can_run(route.backend, mask, dtype):
+        if route.matches(device_kind, dtype, mask.kind, deterministic) and can_run(route.backend, mask, dtype,
+                                                                                   softcap):
             return route.backend
-    raise ValueError(f"no block backend for {device_kind} {dtype} {mask} blocks (deterministic={deterministic})")
+    capped = " soft-capped" if softcap else ""
+    raise ValueError(f"no block backend for{capped} {device_kind} {dtype} {mask} blocks (deterministic={deterministic})")
 
 
 def reachable(routes: Iterable[Route], *, device_kinds: set[str], deterministic: bool,

@@ -7,6 +7,7 @@ offending numbers. Shapes here are *global*: [batch, seq, heads, head_dim].
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -121,6 +122,20 @@ def check_window(window) -> tuple[int, int] | None:
     if min(pair) < 0:
         raise ValueError(f"window extents must be >= 0, got {tuple(pair)}")
     return int(pair[0]), int(pair[1])
+
+
+def check_softcap(softcap) -> float | None:
+    """``softcap`` (logit soft-capping, Gemma 2: every scaled logit x becomes softcap · tanh(x /
+    softcap)) as a float: None, or a finite positive real number (TypeError for anything else
+    that is not a real number — a bool, a string, an array; ValueError for zero, a negative
+    number, inf or nan)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be None or a positive float, got {type(softcap).__name__} {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite positive number (the cap on |logit|) or None, got {softcap!r}")
+    return float(softcap)
 
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")

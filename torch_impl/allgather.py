@@ -28,13 +28,13 @@ from .loop import ShardMasks, add_grads, attend_block, attention_with_vjp, grad_
 F32 = torch.float32
 
 
-def allgather_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None,
+def allgather_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
                         causal: bool = False, layout: str = "zigzag",
                         scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """All-gather-KV attention over process group ``group`` (``None``: one rank). Inputs are this
     rank's ring shard in layout order; ``segment_ids`` (packed documents) this rank's local shard
     of the ids, [b, t/R] (see ``ring_attention``: gathered once, blocks without a shared
-    document skipped); ``window`` and ``sinks`` as in ``ring_attention`` (``sinks.grad``: this
+    document skipped); ``window``, ``sinks`` and ``softcap`` as in ``ring_attention`` (``sinks.grad``: this
     rank's contribution). Returns ``(o, lse)``; differentiable through autograd."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
@@ -43,7 +43,7 @@ def allgather_attention(q, k, v, group=None, *, segment_ids=None, window=None, s
     window = check_window(window)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=window)
+                         deterministic=deterministic, window=window, softcap=softcap)
     config.backend()  # an unknown or refused kernel fails here, before any collective
     return _allgather(q, k, v, (None, group), config, segment_ids, sinks)
 

@@ -35,6 +35,7 @@ from seqplan.validation import (
     Decomposition,
     check_segment_ids,
     check_sinks,
+    check_softcap,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -63,13 +64,27 @@ def _window_code(window) -> tuple[int, int]:
     return (-1, -1) if pair is None else pair
 
 
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _softcap_code(softcap) -> int:
+    """``softcap`` by its float64 bit pattern; None -> -1, anything check_softcap refuses -> -2
+    (every rank then reaches validation, which raises its error)."""
+    try:
+        value = check_softcap(softcap)
+    except (TypeError, ValueError):
+        return -2
+    return -1 if value is None else _float_bits(value)
+
+
 def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segment_ids=None, window=None,
-               sinks=None) -> dict:
+               sinks=None, softcap=None) -> dict:
     """What every rank must agree on, as small ints (names by their index in validation's and the
     layouts' tuples, scale by its float64 bit pattern; no segment_ids: shape (), dtype -1; window
-    by :func:`_window_code`; no sinks: shape (), dtype -1)."""
+    by :func:`_window_code`; no sinks: shape (), dtype -1; softcap by :func:`_softcap_code`)."""
     dtypes = tuple(_code(dtype_name(x.dtype), DTYPES) for x in (q, k, v))
-    scale_bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+    scale_bits = -1 if scale is None else _float_bits(scale)
     options = (int(bool(causal)), _code(layout, LAYOUTS), _code(kv_exchange, KV_EXCHANGES), int(bool(return_lse)))
     ids_shape = () if segment_ids is None else tuple(segment_ids.shape)
     ids_dtype = -1 if segment_ids is None else _code(dtype_name(segment_ids.dtype), INT_DTYPES)
@@ -79,7 +94,8 @@ def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segme
             "scale (float64 bits)": (scale_bits,), "segment_ids shape": ids_shape,
             f"segment_ids dtype (index in {INT_DTYPES})": (ids_dtype,),
             "window (left, right; -1: none)": _window_code(window), "sinks shape": sinks_shape,
-            f"sinks dtype (index in {FLOAT_DTYPES})": (_code(sinks_dtype, FLOAT_DTYPES),)}
+            f"sinks dtype (index in {FLOAT_DTYPES})": (_code(sinks_dtype, FLOAT_DTYPES),),
+            "softcap (float64 bits; -1: none)": (_softcap_code(softcap),)}
 
 
 def _check_segment_ids(segment_ids, q) -> None:
@@ -129,7 +145,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
-                                segment_ids=None, window=None, sinks=None):
+                                segment_ids=None, window=None, sinks=None, softcap=None):
     """Attention of this rank's ``q`` shard against ``k, v`` shards (layout order), sequence-
     parallel over ``mesh`` (a ``DeviceMesh``). Returns o (and lse if ``return_lse``).
 
@@ -149,6 +165,13 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     contribution (the rows and heads it computed); summing it over the sequence-parallel (and
     data) ranks — as DDP / FSDP over those dimensions do — gives the full gradient.
 
+    ``softcap``: logit soft-capping (Gemma 2's ``attn_logit_softcapping``), None or a positive
+    float: every scaled logit x = scale·q·k becomes softcap · tanh(x / softcap) before the
+    softmax, in every block, forward and backward (the sinks are not capped; the lse is that of
+    the capped logits). Blocks run on a kernel that applies it: the portable one under "auto",
+    or ``block_backend="flex"`` (a score_mod); an aten backend named with it runs capped blocks on
+    the portable kernel (torch's aten attention ops take no soft-capping).
+
     ``deterministic``: refuse block kernels that are not run-to-run deterministic (default:
     ``torch.are_deterministic_algorithms_enabled()``). ``check_ranks``: compare every rank's local
     shapes, dtypes and options before any attention collective (default: RINGBRIDGE_CHECK_RANKS=1;
@@ -156,7 +179,8 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     deterministic = default_deterministic(deterministic)
     if default_check_ranks(check_ranks):
         check_ranks_agree(_signature(q, k, v, causal=causal, layout=layout, scale=scale, kv_exchange=kv_exchange,
-                                     return_lse=return_lse, segment_ids=segment_ids, window=window, sinks=sinks),
+                                     return_lse=return_lse, segment_ids=segment_ids, window=window, sinks=sinks,
+                                     softcap=softcap),
                           mesh)
     names = mesh.mesh_dim_names or ()
     sizes = {name: mesh.size(i) for i, name in enumerate(names)}
@@ -164,11 +188,11 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
     _check_segment_ids(segment_ids, q)
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     _check_sinks(sinks, q)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails before any collective
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
                              deterministic=deterministic)
-    o, lse = per_device(q, k, v, segment_ids=segment_ids, window=window, sinks=sinks)
+    o, lse = per_device(q, k, v, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
     return (o, lse) if return_lse else o

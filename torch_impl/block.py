@@ -1,7 +1,8 @@
 """The local block kernel's interface, the registry of backends, and ``"auto"``: the routing table.
 
-    block_fwd(q, k, v, mask, scale, segments=None, positions=None)                   -> (o, lse)
-    block_bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None) -> (dq, dk, dv)
+    block_fwd(q, k, v, mask, scale, segments=None, positions=None, softcap=None)                   -> (o, lse)
+    block_bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None, softcap=None)
+                                                                                     -> (dq, dk, dv)
 
 (o and the gradients in float32 or the input dtype.) q, do, o: [b, t, h, d]; k, v: [b, s, hk, d];
 lse, dlse: [b, h, t] float32. ``mask`` is a :class:`schedule.BlockMask` (full / causal / strict,
@@ -9,13 +10,19 @@ each optionally restricted to packed documents and to a window). ``segments = (q
 kv_ids [b, s])`` (int32 segment ids of the block's queries and keys) is given if and only if
 ``mask.documents``, ``positions = (q_pos [t], kv_pos [s])`` (int32 original positions) if and
 only if ``mask.window`` is set: the loops pass them by keyword, and only then, so a backend that
-never receives such a mask may omit the parameter.
+never receives such a mask may omit the parameter. ``softcap`` (a float: every scaled logit x
+becomes softcap · tanh(x / softcap) before the softmax, Gemma 2's logit soft-capping) is given,
+by keyword, only when the call has one, and only to a backend whose ``supports(mask, dtype,
+softcap=True)`` says its kernels apply it (:func:`capped_backend`, :func:`routing_backend`): a
+kernel that does not know the keyword fails loudly instead of computing uncapped attention.
 ``block_bwd`` takes the *global* ``o`` and ``lse``; kernels may return the input dtype, and every
 caller accumulates into float32 buffers (``Tensor.add_`` promotes in place).
 
 **Backends** live in ``kernels/``, one module per kernel family, each registering itself here
 (``torch_impl/kernels/__init__.py`` imports them): ``reference`` (portable einsum, float32, any
-device), ``aten_cpu``, ``aten_flash``, ``aten_cudnn`` (torch's SDPA ops). ``kernels/`` is the one
+device), ``aten_cpu``, ``aten_flash``, ``aten_cudnn`` (torch's SDPA ops). Soft-capping is applied
+by ``reference`` and ``flex`` (a ``score_mod``) only: torch's aten attention ops take none.
+``kernels/`` is the one
 folder where torch_impl and jax_impl differ by nature — each binds its own framework's kernels —
 while the algorithm files mirror each other.
 
@@ -46,8 +53,10 @@ class BlockBackend:
     name: str
     fwd: Callable
     bwd: Callable
-    # supports(mask, dtype name) -> whether the kernels compute that block mask in that dtype.
-    supports: Callable[[BlockMask, str], bool] = lambda mask, dtype: True
+    # supports(mask, dtype name, softcap=False) -> whether the kernels compute that block mask in
+    # that dtype (soft-capped, when softcap is True: their fwd / bwd then take softcap=). By
+    # default every mask and dtype, never soft-capping: a backend opts in.
+    supports: Callable[..., bool] = lambda mask, dtype, softcap=False: not softcap
     # available() -> whether the kernels can run in this process: "auto" routes only to available backends.
     available: Callable[[], bool] = lambda: True
 
@@ -117,21 +126,33 @@ def _check_named(name: str, deterministic: bool) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: bool = False) -> str:
+def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: bool = False,
+                    softcap: bool = False) -> str:
     """The concrete backend that runs a block of ``dtype`` under ``mask`` (a BlockMask, MaskKind
     or its value) on ``device_kind`` when ``name`` is asked for: ``name`` itself (checked), or for
     ``"auto"`` the backend of the first matching row of :data:`AUTO_ROUTES` that is available and
-    supports the mask in that dtype."""
+    supports the mask in that dtype. ``softcap``: the block is soft-capped — a named backend that
+    does not apply soft-capping to it runs it on ``"reference"`` instead (:func:`capped_backend`),
+    and "auto" takes only rows whose backend does."""
     if name != "auto":
         _check_named(name, deterministic)
+        if softcap and not _caps(_BACKENDS[name], mask, dtype):
+            return "reference"
         return name
     return first_route(AUTO_ROUTES, device_kind=device_kind, dtype=_dtype_name(dtype), mask=as_block_mask(mask),
-                       deterministic=bool(deterministic), can_run=_can_run)
+                       deterministic=bool(deterministic), can_run=_can_run, softcap=bool(softcap))
 
 
-def _can_run(name: str, mask: BlockMask, dtype: str) -> bool:
+def _caps(backend: BlockBackend, mask, dtype) -> bool:
+    """Whether ``backend``'s kernels soft-cap a block of ``dtype`` under ``mask``."""
+    return bool(backend.supports(as_block_mask(mask), _dtype_name(dtype), softcap=True))
+
+
+def _can_run(name: str, mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
     backend = _BACKENDS.get(name)
-    return backend is not None and backend.available() and backend.supports(mask, dtype)
+    if backend is None or not backend.available():
+        return False
+    return backend.supports(mask, dtype, softcap=True) if softcap else backend.supports(mask, dtype)
 
 
 def _process_device_kinds() -> set[str]:
@@ -144,35 +165,62 @@ def _reachable_here(deterministic: bool) -> list[str]:
                      usable=lambda name: name in _BACKENDS and _BACKENDS[name].available())
 
 
-def routing_backend(deterministic: bool = False) -> BlockBackend:
-    """The ``"auto"`` backend: each call resolved by :func:`resolve_backend` from its inputs."""
+def _extras(segments, positions, softcap) -> dict:
+    """The kernel keywords a block carries: ids only for document blocks, positions only for
+    windowed ones, ``softcap`` only when the call soft-caps."""
+    given = {"segments": segments, "positions": positions, "softcap": softcap}
+    return {name: x for name, x in given.items() if x is not None}
+
+
+def routing_backend(deterministic: bool = False, softcap: float | None = None) -> BlockBackend:
+    """The ``"auto"`` backend: each call resolved by :func:`resolve_backend` from its inputs (and,
+    with ``softcap``, only to backends that soft-cap, given ``softcap=``)."""
     def pick(q, mask) -> BlockBackend:
         return _BACKENDS[resolve_backend("auto", device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
-                                         deterministic=deterministic)]
-
-    def extras(segments, positions) -> dict:
-        """Only document blocks carry ids, only windowed blocks positions."""
-        given = {"segments": segments, "positions": positions}
-        return {name: x for name, x in given.items() if x is not None}
+                                         deterministic=deterministic, softcap=softcap is not None)]
 
     def fwd(q, k, v, mask, scale, segments=None, positions=None):
-        return pick(q, mask).fwd(q, k, v, mask, scale, **extras(segments, positions))
+        return pick(q, mask).fwd(q, k, v, mask, scale, **_extras(segments, positions, softcap))
 
     def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None):
-        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **extras(segments, positions))
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **_extras(segments, positions, softcap))
 
     return BlockBackend("auto", fwd, bwd)
 
 
-def get_backend(name: str = "auto", *, deterministic: bool = False) -> BlockBackend:
+def capped_backend(backend: BlockBackend, softcap: float) -> BlockBackend:
+    """``backend`` with every block soft-capped at ``softcap``: a block runs on ``backend``'s
+    kernels, given ``softcap=``, where its ``supports(mask, dtype, softcap=True)`` says they
+    apply it, and on the portable kernel (``"reference"``) otherwise — as the aten adapters run
+    the masks they cannot compute — never uncapped. (An aten backend named explicitly with a
+    softcap therefore runs every block on the portable kernel: none applies soft-capping.)"""
+    def pick(q, mask) -> BlockBackend:
+        return backend if _caps(backend, mask, q.dtype) else _BACKENDS["reference"]
+
+    def fwd(q, k, v, mask, scale, segments=None, positions=None):
+        return pick(q, mask).fwd(q, k, v, mask, scale, **_extras(segments, positions, softcap))
+
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None):
+        return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **_extras(segments, positions, softcap))
+
+    return BlockBackend(backend.name, fwd, bwd, supports=backend.supports, available=backend.available)
+
+
+def get_backend(name: str = "auto", *, deterministic: bool = False, softcap: float | None = None) -> BlockBackend:
     """The backend called ``name``. ``"auto"`` is :func:`routing_backend` — or, when every row this
     process can reach names one backend (a CPU-only process: ``reference``), that backend itself.
     ``deterministic=True`` (the API's ``deterministic`` argument, which defaults to
     ``torch.are_deterministic_algorithms_enabled()``) refuses a backend measured non-deterministic
     in that mode — or warns, under ``torch.use_deterministic_algorithms(True, warn_only=True)``, as
-    torch's own ops do — and "auto" avoids it."""
+    torch's own ops do — and "auto" avoids it. ``softcap`` (a float, or None): the kernels
+    soft-cap every block — "auto" routes each block to a backend that applies it, a named backend
+    runs on its own kernels only the blocks it can cap (:func:`capped_backend`)."""
     if name == "auto":
         reachable = _reachable_here(bool(deterministic))
-        return _BACKENDS[reachable[0]] if len(reachable) == 1 else routing_backend(bool(deterministic))
-    _check_named(name, deterministic)
-    return _BACKENDS[name]
+        if len(reachable) > 1:
+            return routing_backend(bool(deterministic), softcap)
+        backend = _BACKENDS[reachable[0]]
+    else:
+        _check_named(name, deterministic)
+        backend = _BACKENDS[name]
+    return backend if softcap is None else capped_backend(backend, softcap)

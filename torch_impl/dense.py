@@ -14,20 +14,23 @@ from seqplan.validation import check_window
 
 
 def dense_attention(q, k, v, *, causal: bool = False, scale: float | None = None, segment_ids=None, window=None,
-                    sinks=None):
+                    sinks=None, softcap=None):
     """q: [b, t, h, d], k, v: [b, s, hk, d] in original token order -> (o [b, t, h, d], lse [b, h, t]).
 
     ``segment_ids``: packed documents, integer [b, t] in original order (self-attention: s = t):
     query i sees key j only if their ids are equal (and, causal, j <= i). ``window``: None, w or
     (left, right): query i sees key j only if i - left <= j <= i + right. ``sinks``: [h] logits
     (or None): each row's denominator gains exp(sinks[h]) with no value vector; lse includes it.
-    The softmax runs in float32, or float64 for float64 inputs."""
+    ``softcap``: every scaled logit x becomes softcap · tanh(x / softcap), in the inputs' dtype
+    (the sinks are not capped). The softmax runs in float32, or float64 for float64 inputs."""
     window = check_window(window)
     b, t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
     group = h // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     visible = None
     if causal:
         visible = torch.ones((t, k.shape[1]), dtype=torch.bool, device=q.device).tril()

@@ -31,14 +31,14 @@ from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
 
 
-def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None,
+def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
                           causal: bool = False, layout: str = "zigzag",
                           scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """Double ring attention over ``group = (outer_group, inner_group)`` (``None``: one rank).
     Inputs are this rank's shard of the combined ring (index o·I + i) in layout order;
     ``segment_ids`` (packed documents) this rank's local shard of the ids, [b, t/R] (see
     ``ring_attention``; gathered over the inner, then the outer group, so shard o·I + i lands at
-    index o·I + i); ``window`` and ``sinks`` as in ``ring_attention`` (``sinks.grad``: this
+    index o·I + i); ``window``, ``sinks`` and ``softcap`` as in ``ring_attention`` (``sinks.grad``: this
     rank's contribution). Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R].
     Differentiable through autograd."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
@@ -51,7 +51,7 @@ def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None,
     if len(groups) != 2:
         raise ValueError(f"the double ring needs group = (outer_group, inner_group), got {group!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=window)
+                         deterministic=deterministic, window=window, softcap=softcap)
     config.backend()  # an unknown or refused kernel fails here, before any collective
     return _double_ring(q, k, v, groups, config, segment_ids, sinks)
 

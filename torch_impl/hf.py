@@ -16,6 +16,9 @@ What maps, and what is refused (a ValueError before any collective, never a sile
 - causal decoders (``module.is_causal``); ``scaling``; GQA;
 - ``sliding_window`` w (Mistral, Gemma, gpt-oss: a key is seen when q - w < k <= q) -> ``window=(w - 1, 0)``;
 - attention sinks (gpt-oss's ``s_aux``) -> ``sinks``;
+- logit soft-capping (``softcap``: Gemma 2's ``attn_logit_softcapping``, which Hugging Face applies
+  to the scaled logits, softcap · tanh(x / softcap), as ringbridge defines it) -> ``softcap``
+  (None: no cap; under ``block_backend="auto"`` capped blocks run on the portable kernel);
 - packed documents, from whichever the batch carries (first match): ``segment_ids`` (a keyword
   of the model call, this rank's shard); ``seq_idx`` (``DataCollatorWithFlattening(return_seq_idx=True)``:
   this rank's shard, or the global row, which is sharded here); ``cu_seq_lens_q`` (``return_flash_attn_kwargs=True``:
@@ -23,11 +26,9 @@ What maps, and what is refused (a ValueError before any collective, never a sile
   that restart (the collator's default): a document is a run over which original position minus
   position id stays constant — Hugging Face's own rule (positions step by one inside a
   document), computed per token, so it is exact on any layout's shard;
-- refused: attention dropout > 0, ``softcap`` (logit soft-capping, Gemma 2: not supported yet —
-  computing uncapped attention would be a silent wrong answer), a padding ``attention_mask`` with
-  any zero (pack documents instead), a sliding window on a non-causal layer, and any keyword not
-  in :data:`MAPPED` or :data:`HARMLESS`. Train with ``use_cache=False`` (generation is not
-  sequence-parallel).
+- refused: attention dropout > 0, a padding ``attention_mask`` with any zero (pack documents
+  instead), a sliding window on a non-causal layer, and any keyword not in :data:`MAPPED` or
+  :data:`HARMLESS`. Train with ``use_cache=False`` (generation is not sequence-parallel).
 This module is torch_impl's only import of transformers; torch_impl itself never imports it.
 """
 
@@ -94,7 +95,7 @@ def register(mesh, *, layout: str = "zigzag", name: str = "ringbridge", kv_excha
         o = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh, causal=causal, layout=layout,
             scale=scaling, kv_exchange=kv_exchange, block_backend=block_backend,
-            segment_ids=segment_ids, window=window, sinks=kwargs.get("s_aux"))
+            segment_ids=segment_ids, window=window, sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"))
         return o, None
 
     AttentionInterface.register(name, attention)
@@ -104,16 +105,11 @@ def register(mesh, *, layout: str = "zigzag", name: str = "ringbridge", kv_excha
 
 def check_keywords(kwargs: dict) -> None:
     """ValueError for a keyword ringbridge would otherwise drop silently: not in MAPPED or
-    HARMLESS, a soft-capping value, or a key/value cache."""
+    HARMLESS, or a key/value cache."""
     unknown = sorted(set(kwargs) - set(MAPPED) - set(HARMLESS))
     if unknown:
         raise ValueError(f"ringbridge attention got keyword(s) {unknown} that it does not map; they would be ignored. "
                          "Drop them from the model call, or map them in torch_impl/hf.py (MAPPED / HARMLESS)")
-    softcap = kwargs.get("softcap")
-    if softcap:
-        raise ValueError(f"ringbridge attention does not support logit soft-capping yet (softcap={softcap}, e.g. "
-                         "Gemma 2's attn_logit_softcapping); computing uncapped attention would be wrong. Set the "
-                         "config's attn_logit_softcapping=None only if that is the model you mean to train")
     if kwargs.get("past_key_values") is not None:
         raise ValueError("ringbridge attention is for training: call the model with use_cache=False (a key/value "
                          "cache would append past tokens to this rank's shard)")

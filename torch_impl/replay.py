@@ -16,7 +16,8 @@ merged into each virtual device's final (o, lse) of its head block, as the real 
 Function does; the backward then also returns dsinks, the SUM of every virtual device's
 contribution (what summing ``sinks.grad`` over a world's ranks gives).
 
-    q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order), sinks [h] or None
+    q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order), sinks [h] or None,
+    softcap None or a float
                                                          ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
     device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
@@ -33,6 +34,7 @@ from seqplan.strategy import Strategy
 from seqplan.validation import (
     check_segment_ids,
     check_sinks,
+    check_softcap,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -45,9 +47,9 @@ from .loop import ShardMasks, add_grads, add_sinks, attend_block, grad_block, me
 F32 = torch.float32
 
 
-def _config(q, causal, layout, scale, block_backend, deterministic, window) -> AttentionConfig:
+def _config(q, causal, layout, scale, block_backend, deterministic, window, softcap) -> AttentionConfig:
     return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend, bool(deterministic),
-                           window=window)
+                           window=window, softcap=softcap)
 
 
 def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
@@ -73,10 +75,10 @@ def _masks(config: AttentionConfig, segment_ids, ring: int, seq: int, device) ->
 
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                   segment_ids=None, window=None, sinks=None):
+                   segment_ids=None, window=None, sinks=None, softcap=None):
     """Virtual device ``device``'s forward on the global q, k, v (and global ``segment_ids``
     [b, T] or None, ``window``, the full ``sinks`` [h] or None): its (o, lse), o in q's dtype."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic, window)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap)
     backend = config.backend()
     schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device)
@@ -98,12 +100,12 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                     layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                    deterministic: bool = False, segment_ids=None, window=None, sinks=None):
+                    deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}) —
     shards it computed no block against (masked, or skipped for documents or the window) have
     none — and with ``sinks``, third, this device's dsinks [h/U] float32 (its heads, its rows)."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic, window)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap)
     backend = config.backend()
     schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device)
@@ -138,24 +140,25 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     return sorted(steps, key=steps.__getitem__)  # the accumulator travels with the K/V (a truncated ring: a+1 devices)
 
 
-def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks) -> None:
+def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks, softcap) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape)
     check_window(window)
+    check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
 
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                      scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                     segment_ids=None, window=None, sinks=None):
+                     segment_ids=None, window=None, sinks=None, softcap=None):
     """(o, lse) of ``strategy`` on global q, k, v in layout order (``segment_ids``: packed
     documents, the global [b, T] ids in layout order, or None; ``window``; ``sinks`` [h] or
-    None), every virtual device's forward run in turn on the inputs' device."""
-    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks)
+    None; ``softcap``), every virtual device's forward run in turn on the inputs' device."""
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
     outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
     rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
     o = torch.cat([torch.cat([o_d for o_d, _ in row], dim=2) for row in rows], dim=1)
@@ -165,15 +168,15 @@ def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layou
 
 def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                            layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                           deterministic: bool = False, segment_ids=None, window=None, sinks=None):
+                           deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None):
     """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
     the forward's global o and lse (and the forward's global ``segment_ids`` [b, T], ``window``
-    and ``sinks``); dK/dV summed as the real exchange sums them. With ``sinks``: (dq, dk, dv,
+    and ``sinks``, ``softcap``); dK/dV summed as the real exchange sums them. With ``sinks``: (dq, dk, dv,
     dsinks), dsinks [h] in sinks' dtype the sum of every virtual device's contribution (device
     order) — the full gradient, what summing each rank's ``sinks.grad`` over a world gives."""
-    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks)
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = torch.cat([torch.cat([outs[r * n_uly + u][0] for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)

@@ -23,7 +23,7 @@ from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
 
 
-def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None,
+def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
                    causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """Ring attention over process group ``group`` (``None``: one rank, plain attention).
@@ -40,7 +40,9 @@ def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=
     row's softmax denominator gains exp(sinks[h]), with no value vector; lse includes it. Its
     ``.grad`` receives THIS rank's contribution (the rows it holds): summing it over the
     sequence-parallel ranks (and data ranks), as DDP / FSDP over those dimensions do, gives the
-    full gradient.
+    full gradient. ``softcap``: None or a positive float (Gemma 2's logit soft-capping): every
+    scaled logit x becomes softcap · tanh(x / softcap) before the softmax, in every block, forward
+    and backward (the sinks are not capped; checked with the config, before any collective).
     Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]. Differentiable through
     torch.autograd (o and lse; q, k, v and sinks). ``deterministic``: see
     ``config.default_deterministic``.
@@ -52,7 +54,7 @@ def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=
     window = check_window(window)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=window)
+                         deterministic=deterministic, window=window, softcap=softcap)
     config.backend()  # an unknown or refused kernel fails here, before any collective
     return _ring(q, k, v, (None, group), config, segment_ids, sinks)
 

@@ -24,7 +24,15 @@ import torch
 import torch.distributed as dist
 
 from seqplan.config import resolve_scale
-from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+from seqplan.validation import (
+    check_segment_ids,
+    check_sinks,
+    check_softcap,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate_local,
+)
 
 from .block import get_backend
 from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads
@@ -77,18 +85,20 @@ def _sinks_of_head_block(sinks, group, n: int):
     return sinks[u * per:(u + 1) * per]
 
 
-def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, causal: bool = False,
+def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
+                      causal: bool = False,
                       scale: float | None = None, block_backend: str = "auto", attend: Callable | None = None,
                       return_lse: bool = True, deterministic: bool | None = None):
     """Ulysses attention over process group ``group``. ``attend(q, k, v, *, segment_ids, window,
-    sinks, causal, scale, block_backend, deterministic)`` computes attention on the gathered
+    sinks, softcap, causal, scale, block_backend, deterministic)`` computes attention on the gathered
     sequence (default: one rank's attention; USP passes ring attention over the ring group).
     ``segment_ids``: packed documents, this rank's local shard of the integer ids [b, t/U]
     (layout order; no gradient), all-gathered over ``group`` and handed to ``attend``.
     ``window``: see ``ring_attention`` (positions are the gathered sequence's). ``sinks``: the
     full [h] logits on every rank; ``attend`` gets this rank's head block [h/U], and
     ``sinks.grad`` receives this rank's contribution (its heads, its rows; summed over ranks it
-    is the full gradient). Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32 (``None``
+    is the full gradient). ``softcap``: as in ``ring_attention`` (checked here, before the
+    all-to-all), passed on to ``attend``. Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32 (``None``
     when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(group)
@@ -96,7 +106,7 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
                    scale=scale, ulysses=n)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     deterministic = default_deterministic(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
@@ -106,6 +116,7 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
     k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
     ids = _segment_ids_to_heads(segment_ids, group)  # [b, t] or None
     o_h, lse_h = attend(q_h, k_h, v_h, segment_ids=ids, window=window, sinks=_sinks_of_head_block(sinks, group, n),
+                        softcap=softcap,
                         causal=causal, scale=scale, block_backend=block_backend, deterministic=deterministic)
     if not return_lse:  # skip the LSE all-to-all nobody reads (XLA drops it in JAX too)
         return heads_to_seq(o_h, group), None

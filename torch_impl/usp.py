@@ -29,13 +29,14 @@ KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
 
 
 def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=None, window=None, sinks=None,
+                  softcap=None,
                   causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                   block_backend: str = "auto", return_lse: bool = True, kv_exchange: str = "ring",
                   deterministic: bool | None = None):
     """Ulysses over ``ulysses_group`` around ring (or all-gather-KV) attention over ``ring_group``;
     a pair of groups ``(outer, inner)`` is the double ring. ``segment_ids``: packed documents,
-    this rank's local shard of the ids [b, t/(R·U)] (layout order). ``window``, ``sinks``: see
-    ``ring_attention`` (sinks: the full [h] on every rank, ``.grad`` this rank's contribution).
+    this rank's local shard of the ids [b, t/(R·U)] (layout order). ``window``, ``sinks``,
+    ``softcap``: see ``ring_attention`` (sinks: the full [h] on every rank, ``.grad`` this rank's contribution).
     Returns (o, lse)."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale, ulysses=axis_size(ulysses_group))
@@ -48,5 +49,6 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
     attend = double_ring_attention if isinstance(ring_group, tuple) else KV_EXCHANGE[kv_exchange]
     ring = partial(attend, group=ring_group, layout=layout)
     return ulysses_attention(q, k, v, ulysses_group, segment_ids=segment_ids, window=window, sinks=sinks,
+                             softcap=softcap,
                              causal=causal, scale=scale, block_backend=block_backend, attend=ring,
                              return_lse=return_lse, deterministic=deterministic)

@@ -129,6 +129,6 @@ def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dls
 
 register_backend(BlockBackend(
     "fa3_varlen", fa3_varlen_block_fwd, fa3_varlen_block_bwd, typed_for_shard_map=False,
-    supports=lambda mask, dtype: (mask.documents and mask.window is None and mask.kind is not MaskKind.STRICT
-                                  and dtype in LOW_PRECISION),
+    supports=lambda mask, dtype, softcap=False: (not softcap and mask.documents and mask.window is None
+                                                 and mask.kind is not MaskKind.STRICT and dtype in LOW_PRECISION),
     available=verified))

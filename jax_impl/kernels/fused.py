@@ -22,6 +22,8 @@ any document mask are not ``supports``-ed (so ``"auto"`` never routes one here),
 anyway — the caller named this backend — runs on the portable kernel, never unmasked. (A window
 that covers a whole block is dropped from its mask by the loops, so such blocks still reach the
 fused kernel unwindowed.)
+No fused op soft-caps logits: ``supports`` refuses ``softcap``, and the block layer runs a capped
+block on the portable kernel (``block.capped_backend``), never here.
 """
 
 from __future__ import annotations
@@ -112,5 +114,6 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
         return tuple(g.astype(F32) for g in grads)
 
     return BlockBackend(name, fwd, bwd, typed_for_shard_map=typed_for_shard_map,
-                        supports=lambda mask, dtype: dtype in LOW_PRECISION and fused_here(mask),
+                        supports=lambda mask, dtype, softcap=False: (not softcap and dtype in LOW_PRECISION
+                                                                     and fused_here(mask)),
                         available=available, window_offsets=windowed)

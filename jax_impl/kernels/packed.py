@@ -136,6 +136,6 @@ def _available() -> bool:
 
 register_backend(BlockBackend(
     "cudnn_varlen", varlen_block_fwd, varlen_block_bwd,
-    supports=lambda mask, dtype: (mask.documents and mask.window is None and mask.kind is not MaskKind.STRICT
-                                  and dtype in LOW_PRECISION),
+    supports=lambda mask, dtype, softcap=False: (not softcap and mask.documents and mask.window is None
+                                                 and mask.kind is not MaskKind.STRICT and dtype in LOW_PRECISION),
     available=_available))

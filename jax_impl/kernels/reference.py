@@ -11,6 +11,12 @@ enough (t · s ≤ ``SCORE_ELEMENTS``) is one chunk: the plain softmax.
 Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32; with a
 document mask, ``segments = (q_ids [b, t], kv_ids [b, s])``; with a window,
 ``positions = (q_pos [t], kv_pos [s])`` (int32 original token positions).
+
+Soft-capping (``softcap``, a float, Gemma 2): every scaled logit x = scale·q·k becomes
+softcap · tanh(x / softcap) before the mask and the softmax, in the forward and in the backward's
+recomputed scores; the backward multiplies dS by the cap's slope 1 − tanh²(x / softcap) before
+the scale. The LSE and its merge are unchanged (capping is per logit). This is the one JAX
+kernel that soft-caps (``supports`` says so; the fused ones do not).
 """
 
 from __future__ import annotations
@@ -82,6 +88,14 @@ def _scores(q, k, scale):
     return s * jnp.asarray(scale, F32)
 
 
+def _capped(scores, softcap):
+    """(softcap · tanh(scores / softcap), its slope 1 − tanh²) — or (scores, None) without a cap."""
+    if softcap is None:
+        return scores, None
+    th = jnp.tanh(scores / jnp.asarray(softcap, F32))
+    return th * jnp.asarray(softcap, F32), 1.0 - th * th
+
+
 def _key_chunks(c: int, k, v, segments, positions):
     """The keys' side split into n chunks of c (zero-padded to n · c), each leading with n:
     (kv_index [n, c], k, v [n, b, c, hk, d], kv_ids [n, b, c] or None, kv_pos [n, c] or None)."""
@@ -105,7 +119,7 @@ def _whole(k, v, segments, positions):
             None if positions is None else positions[1])
 
 
-def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, *,
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None, *,
                         chunk: int | None = None):
     """Portable forward, an online softmax over key chunks (``chunk``: default ``seqplan.chunks.key_chunk``).
     A query row with no visible key gets o = 0 and lse = -inf (stripe's strict mask on row 0, a
@@ -121,7 +135,7 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
     def chunk_stats(x):
         """A chunk's masked softmax pieces: its row max m, exp(scores - m) and their row sum."""
         kv_index, k_c, v_c, kv_ids, kv_pos = x
-        sc = _scores(q, k_c, scale)
+        sc, _ = _capped(_scores(q, k_c, scale), softcap)
         visible = chunk_visible(mask, t, s, kv_index, q_ids, kv_ids, q_pos, kv_pos)
         if visible is not None:
             sc = jnp.where(visible, sc, -jnp.inf)
@@ -153,10 +167,10 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
 
 
 def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
-                        positions=None, *, chunk: int | None = None):
+                        positions=None, softcap=None, *, chunk: int | None = None):
     """Portable backward with the global ``o`` and ``lse``, per key chunk:
-    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K (summed over chunks),
-    dK = scale·dSᵀ Q, dV = Pᵀ dO (each chunk's own rows)."""
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse) (∘ the cap's slope with ``softcap``), dQ = scale·dS K
+    (summed over chunks), dK = scale·dSᵀ Q, dV = Pᵀ dO (each chunk's own rows)."""
     b, t, h, d = q.shape
     s, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -172,13 +186,15 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
     c = chunk or key_chunk(t, s)
     def step(dq, x):
         kv_index, k_c, v_c, kv_ids, kv_pos = x
-        p = jnp.exp(_scores(q, k_c, scale) - lse_g)
+        sc, slope = _capped(_scores(q, k_c, scale), softcap)
+        p = jnp.exp(sc - lse_g)
         visible = chunk_visible(mask, t, s, kv_index, q_ids, kv_ids, q_pos, kv_pos)
         if visible is not None:
             p = jnp.where(visible, p, 0.0)
         dv_c = jnp.einsum("bkgts,btkgd->bskd", p, do_g, precision=_PRECISION)
         dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v_c.astype(F32), precision=_PRECISION)
-        ds = p * (dp - delta[..., None]) * jnp.asarray(scale, F32)
+        ds = p * (dp - delta[..., None])
+        ds = (ds if slope is None else ds * slope) * jnp.asarray(scale, F32)
         dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, k_c.astype(F32), precision=_PRECISION)
         dk_c = jnp.einsum("bkgts,btkgd->bskd", ds, q_g, precision=_PRECISION)
         return dq, (dk_c, dv_c)
@@ -191,4 +207,5 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
     return dq.reshape(b, t, h, d), unchunk(dk), unchunk(dv)
 
 
-register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd))
+register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd,
+                              supports=lambda mask, dtype, softcap=False: True))  # every mask, dtype, softcap

@@ -10,7 +10,9 @@ cross product runs every pattern with everything; the default matrix adds a few 
 (``document_cases``) so that the patterns meet every layout, causal mode and strategy. Sliding
 windows (``Case.window``, one of ``WINDOWS``) and attention sinks (``Case.sinks``) are two more:
 the cross product runs them with everything (documents included), the default matrix adds
-``window_cases``.
+``window_cases``. Logit soft-capping (``Case.softcap``, ``SOFTCAP`` or None) is the last: the
+cross product runs every case capped too, the all-pairs matrix ends with ``softcap_cases`` (every
+strategy meets it; the default report and test tier sample two of them).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ HEAD_DIMS = (16, 40, 64)
 MATRIX_DTYPES = ("float32", "bfloat16")  # float16 is drawn by the property tier (tests/property)
 __all__ = ["Case", "MESHES", "HEAD_LAYOUTS", "HEAD_DIMS", "MATRIX_DTYPES", "LAYOUTS", "KV_EXCHANGES",
            "DOCUMENTS", "DOCUMENT_PATTERNS", "WINDOWS", "ring_position", "full_matrix", "pairwise_matrix",
-           "document_cases", "window_cases", "strategy_name"]
+           "document_cases", "window_cases", "SOFTCAP", "softcap_cases", "strategy_name"]
 # Sliding windows (left, right) at the matrix's 64 tokens (shards of 64/R tokens, zigzag halves of
 # 32/R): SMALL fits inside one shard up to R = 4 (inside a zigzag half up to R = 2) and reaches the
 # next at R = 8; WIDE spans two or three shards at R = 4 and R = 8 (one at R = 2); BEYOND is wider
@@ -40,6 +42,11 @@ __all__ = ["Case", "MESHES", "HEAD_LAYOUTS", "HEAD_DIMS", "MATRIX_DTYPES", "LAYO
 # Asymmetric, so that a left/right swap is visible in a non-causal case.
 SMALL_WINDOW, WIDE_WINDOW, BEYOND_WINDOW = (5, 2), (20, 9), (100, 70)
 WINDOWS = (None, SMALL_WINDOW, WIDE_WINDOW, BEYOND_WINDOW)
+# Logit soft-capping at the matrix's logits (standard normal inputs at the default scale: logits of
+# about unit size): a cap of 1.5 bends most of them (|x| = 1.5 -> 1.14), so an uncapped or
+# miscapped run is far outside the policy; not 1, where softcap·tanh(x/softcap) and
+# tanh(x·softcap)/softcap would agree.
+SOFTCAP = 1.5
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class Case:
     documents: Documents = "none"  # packed documents' segment ids (parity.core.documents); "none": no ids
     window: tuple[int, int] | None = None  # sliding window (left, right) on original positions; None: none
     sinks: bool = False  # attention sinks: [heads] logits drawn from the seed (parity.core.inputs)
+    softcap: float | None = None  # logit soft-capping: softcap·tanh(x/softcap) of every scaled logit; None: none
 
     def __post_init__(self):
         for field in ("batch", "seq", "heads", "kv_heads", "head_dim"):
@@ -82,6 +90,9 @@ class Case:
                 isinstance(self.window, tuple) and len(self.window) == 2
                 and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.window)):
             raise ValueError(f"window must be None or a (left, right) tuple of non-negative ints, got {self.window!r}")
+        if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool)
+                                             and math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap must be None or a finite positive number, got {self.softcap!r}")
         if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
                                            and self.scale > 0):
             raise ValueError(f"scale must be a finite positive number or None, got {self.scale!r}")
@@ -125,8 +136,9 @@ class Case:
         documents = "" if self.documents == "none" else f"-docs-{self.documents}"
         window = "" if self.window is None else f"-win{self.window[0]}x{self.window[1]}"
         sinks = "-sinks" if self.sinks else ""
+        softcap = "" if self.softcap is None else f"-softcap{self.softcap:g}"
         return (f"{self.mesh.name}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
-                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}{window}{sinks}")
+                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}{window}{sinks}{softcap}")
 
     def to_dict(self) -> dict:
         return asdict(self) | {"name": self.name, "strategy": self.strategy}
@@ -153,7 +165,7 @@ def _make(values: dict) -> Case:
                 layout=values["layout"], causal=values["causal"], dtype=values["dtype"],
                 kv_exchange=values["kv_exchange"], ring_outer=outer[0] if outer else 1, documents=documents,
                 batch=1 if documents == "none" else DOCUMENT_BATCH, window=values.get("window"),
-                sinks=values.get("sinks", False))
+                sinks=values.get("sinks", False), softcap=values.get("softcap"))
 
 
 def _combos(factors: dict) -> list[dict]:
@@ -177,15 +189,17 @@ def _cover(combos: list[dict], features, required: set, chosen: list[dict]) -> l
 def full_matrix() -> list[Case]:
     """Every meaningful combination of the factors, for every window (none first), sinks off and
     on, and every document pattern: 1944 cases without documents, window or sinks (first), then
-    1944 for each of the other 39 (window, sinks, documents) triples, 77760 in all."""
-    return [_make(c | {"window": window, "sinks": sinks, "documents": documents})
-            for window in WINDOWS for sinks in (False, True) for documents in DOCUMENTS for c in _combos(_factors())]
+    1944 for each of the other 39 (window, sinks, documents) triples, 77760 in all — and the same
+    77760 soft-capped (``SOFTCAP``) after them: 155520."""
+    return [_make(c | {"window": window, "sinks": sinks, "documents": documents, "softcap": softcap})
+            for softcap in (None, SOFTCAP) for window in WINDOWS for sinks in (False, True) for documents in DOCUMENTS
+            for c in _combos(_factors())]
 
 
 def pairwise_matrix() -> list[Case]:
     """Every (layout, causal, mesh) triple once, every pair of factor values at least once, then
-    the packed-document cases (``document_cases``) and the window and sink cases
-    (``window_cases``)."""
+    the packed-document cases (``document_cases``), the window and sink cases (``window_cases``)
+    and the soft-capping cases (``softcap_cases``)."""
     f = _factors()
     names = list(f)
     combos = _combos(f)
@@ -201,7 +215,8 @@ def pairwise_matrix() -> list[Case]:
         best = max(options, key=lambda c: len(pairs(c) & uncovered))
         chosen.append(best)
         uncovered -= pairs(best)
-    return [_make(c) for c in _cover(combos, pairs, uncovered, chosen)] + document_cases() + window_cases()
+    return ([_make(c) for c in _cover(combos, pairs, uncovered, chosen)] + document_cases() + window_cases()
+            + softcap_cases())
 
 
 # ---- packed documents in the default matrix ------------------------------------------------------
@@ -319,3 +334,44 @@ def _window_cover() -> tuple[dict, ...]:
                 merged = True
                 break
     return tuple(combos[i] for i in chosen)
+
+
+# ---- logit soft-capping in the default matrix ---------------------------------------------------
+
+# The two the default report and test tier sample (parity.cli's _sample_key: the first capped case
+# without and with Ulysses), then a cover of the rest. A: a ring of 4, zigzag halves, causal, GQA,
+# bf16, with a window, sinks (not capped) and packed documents — every run-time mask meets the cap;
+# B: USP 2 x 2, stripe, not causal, MQA replicated over Ulysses, float32 (held to 1e-5).
+_SOFTCAP_SAMPLED = (
+    {"layout": "zigzag", "causal": True, "mesh": (4, 1), "heads": "gqa", "head_dim": 16, "dtype": "bfloat16",
+     "kv_exchange": "ring", "window": SMALL_WINDOW, "sinks": True, "documents": "mix", "softcap": SOFTCAP},
+    {"layout": "stripe", "causal": False, "mesh": (2, 2), "heads": "mqa", "head_dim": 40, "dtype": "float32",
+     "kv_exchange": "ring", "window": None, "sinks": False, "documents": "none", "softcap": SOFTCAP},
+)
+
+
+def _softcap_features(c: dict) -> set:
+    return {("strategy", strategy_name(c)), ("causal", c["causal"]), ("dtype", c["dtype"]), ("layout", c["layout"]),
+            ("heads", c["heads"]), ("window", c["window"] is not None), ("sinks", c["sinks"]),
+            ("documents", c["documents"] != "none")}
+
+
+@functools.cache
+def _softcap_cover() -> tuple[dict, ...]:
+    combos = [c | {"window": w, "sinks": s, "documents": d, "softcap": SOFTCAP}
+              for c in _combos(_factors()) for w in (None, SMALL_WINDOW) for s in (False, True) for d in ("none", "mix")
+              if c["mesh"] != (1, 1)]
+    # ties go to the first: causal, windowed, with sinks, on few devices (the cap meets the most masks)
+    combos.sort(key=lambda c: (not c["causal"], c["window"] is None, not c["sinks"], math.prod(c["mesh"])))
+    required = set().union(*(_softcap_features(c) for c in combos))
+    return tuple(_cover(combos, _softcap_features, required, list(_SOFTCAP_SAMPLED)))
+
+
+def softcap_cases() -> list[Case]:
+    """The soft-capping cases of the all-pairs matrix (last in it): every strategy (ring,
+    all-gather KV, Ulysses, USP, USP with all-gather KV, double ring, double-ring USP) runs capped,
+    causal and not, in every layout, float32 and bf16, MHA, GQA and MQA, with and without a
+    window, sinks and packed documents. The first two (``_SOFTCAP_SAMPLED``) are the ones the
+    default report and test tier run; ``--masks all`` / ``--full`` run them all. No case runs on
+    one device (no block loop)."""
+    return [_make(c) for c in _softcap_cover()]

@@ -7,7 +7,7 @@ packed documents (``case.documents`` other than "none") also draws segment ids
 (``parity.core.documents``), after the tensors, so its q, k, v, do, dlse are those of the same
 case without documents; a case with attention sinks (``case.sinks``) draws their [heads] logits
 after everything else, so its other inputs are those of the same case without sinks. A window
-(``case.window``) draws nothing: it is a property of the case.
+(``case.window``) and a soft-cap (``case.softcap``) draw nothing: they are properties of the case.
 
 The oracle's tensors are ``TENSORS`` and, for a case with sinks, ``SINK_TENSORS`` (dsinks [h]:
 no sequence axis, the full gradient over every row): ``case_tensors(case)`` names them.
@@ -84,7 +84,7 @@ def oracle(case: Case, x: Inputs) -> dict[str, np.ndarray]:
 
 def _forward(case: Case, x: Inputs) -> reference.Forward:
     return reference.attention_forward(x.q, x.k, x.v, causal=case.causal, scale=case.scale, segment_ids=x.segment_ids,
-                                       window=case.window, sinks=x.sinks)
+                                       window=case.window, sinks=x.sinks, softcap=case.softcap)
 
 
 def _backward(case: Case, x: Inputs, fwd: reference.Forward) -> dict[str, np.ndarray]:

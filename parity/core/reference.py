@@ -7,11 +7,14 @@ softmax-attention backward. Shapes (docs/contract.md letters):
     q: [b, t, h, d]    k, v: [b, s, hk, d]    o: [b, t, h, d]    lse: [b, h, t]
     segment_ids: [b, t] ints (packed documents; kv_segment_ids: [b, s], default segment_ids)
     window: (left, right) non-negative ints or None      sinks: [h] logits or None
+    softcap: a positive float or None
 
 Query i reads key j only if (causal) j's original position <= i's, (packed documents) their
 segment ids are equal and (sliding window) i - left <= j <= i + right, positions original.
 Attention sinks (gpt-oss) add exp(sinks[h]) to every row's softmax denominator, with no value
-vector: lse includes the sink, the probabilities of the keys sum to less than one.
+vector: lse includes the sink, the probabilities of the keys sum to less than one. Logit
+soft-capping (Gemma 2) replaces every scaled logit x = scale·q·k by softcap · tanh(x / softcap)
+before the mask and the softmax; the sinks are not capped.
 
 Query head ``h`` reads KV head ``h // (heads // kv_heads)`` (MHA, GQA and MQA alike).
 """
@@ -33,6 +36,7 @@ class Forward:
     lse: np.ndarray  # [b, h, t] (with sinks: including the sink)
     probs: np.ndarray  # [b, h, t, s]
     sink_probs: np.ndarray | None = None  # [b, h, t]: P_sink = exp(sinks[h] - lse), None without sinks
+    cap_slope: np.ndarray | None = None  # [b, h, t, s]: d capped / d logit = 1 - tanh²(x / softcap), None uncapped
 
 
 def _expand_kv(x: np.ndarray, heads: int) -> np.ndarray:
@@ -82,13 +86,14 @@ def _check_ids(q_ids, k_ids, b: int, t: int, s: int):
 
 def attention_forward(
     q, k, v, *, causal: bool = False, scale: float | None = None, q_pos=None, k_pos=None, segment_ids=None,
-    kv_segment_ids=None, window: tuple[int, int] | None = None, sinks=None,
+    kv_segment_ids=None, window: tuple[int, int] | None = None, sinks=None, softcap: float | None = None,
 ) -> Forward:
     """Dense attention in float64. ``q_pos``/``k_pos`` are original token positions (default:
     0..t-1), so inputs in any layout order are masked by where tokens really are. ``segment_ids``
     [b, t] / ``kv_segment_ids`` [b, s] (default: ``segment_ids``, self-attention): packed
     documents, in the same order as q / k. ``window`` (left, right): the sliding window on those
-    positions. ``sinks`` [h]: each row's denominator gains exp(sinks[h]) (lse includes it)."""
+    positions. ``sinks`` [h]: each row's denominator gains exp(sinks[h]) (lse includes it).
+    ``softcap``: every scaled logit x becomes softcap · tanh(x / softcap) (the sinks are not)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, t, h, d = q.shape
     s = k.shape[1]
@@ -98,6 +103,12 @@ def attention_forward(
     q_ids, k_ids = _check_ids(segment_ids, kv_segment_ids, b, t, s)
     ke, ve = _expand_kv(k, h), _expand_kv(v, h)
     scores = np.einsum("bthd,bshd->bhts", q, ke) * scale
+    cap_slope = None
+    if softcap is not None:
+        if not (isinstance(softcap, (int, float)) and np.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a finite positive number or None, got {softcap!r}")
+        tanh = np.tanh(scores / softcap)
+        scores, cap_slope = softcap * tanh, 1.0 - tanh**2
     mask = visible(q_pos, k_pos, causal, q_ids, k_ids, window)[:, None]  # [b or 1, 1, t, s]
     scores = np.where(mask, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
@@ -115,7 +126,8 @@ def attention_forward(
     probs = unnorm / denom
     lse = (row_max + np.log(denom))[..., 0]
     o = np.einsum("bhts,bshd->bthd", probs, ve)
-    return Forward(o=o, lse=lse, probs=probs, sink_probs=None if sink is None else np.exp(sink[..., 0] - lse))
+    return Forward(o=o, lse=lse, probs=probs, sink_probs=None if sink is None else np.exp(sink[..., 0] - lse),
+                   cap_slope=cap_slope)
 
 
 def attention_backward(fwd: Forward, q, k, v, do, dlse=None, *, scale: float | None = None):
@@ -123,6 +135,7 @@ def attention_backward(fwd: Forward, q, k, v, do, dlse=None, *, scale: float | N
 
     With P = softmax(S), S = scale·QKᵀ:  dV = Pᵀ dO,  dP = dO Vᵀ,
     dS = P ∘ (dP − rowsum(dO ∘ O) + dlse)   (d lse / dS = P),  dQ = scale·dS K,  dK = scale·dSᵀ Q.
+    Soft-capped (S = c·tanh(X / c), X = scale·QKᵀ): dX = dS ∘ (1 − tanh²(X / c)) takes dS's place.
     GQA: dK, dV of a KV head sum over the query heads that read it.
     """
     q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
@@ -136,6 +149,8 @@ def attention_backward(fwd: Forward, q, k, v, do, dlse=None, *, scale: float | N
     dp = np.einsum("bthd,bshd->bhts", do, ve)
     delta = np.einsum("bthd,bthd->bht", do, fwd.o) - dlse
     ds = p * (dp - delta[..., None])
+    if fwd.cap_slope is not None:
+        ds = ds * fwd.cap_slope
     dq = np.einsum("bhts,bshd->bthd", ds, ke) * scale
     dk_e = np.einsum("bhts,bthd->bshd", ds, q) * scale
     group = h // kv_heads

@@ -90,7 +90,7 @@ class JaxRunner:
             return jax_impl.sequence_parallel_attention(
                 q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale,
                 kv_exchange=case.kv_exchange, return_lse=True, block_backend=self.block_backend,
-                **options, **option_keywords(window=case.window))
+                **options, **option_keywords(window=case.window, softcap=case.softcap))
 
         return from_layout(_vjp_results(fn, case, to_layout(x, perm)), perm)
 
@@ -109,7 +109,7 @@ class JaxRunner:
 
         def fn(q, k, v, **options):
             return jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale, **options,
-                                            **option_keywords(window=case.window))
+                                            **option_keywords(window=case.window, softcap=case.softcap))
 
         return _vjp_results(fn, case, x)
 
@@ -139,7 +139,8 @@ def measure_attention_traffic(case: Case, *, return_lse: bool = True):
     def attention(q, k, v, ids, *sink):
         out = jax_impl.sequence_parallel_attention(
             q, k, v, mesh, causal=case.causal, layout=case.layout, kv_exchange=case.kv_exchange, scale=case.scale,
-            return_lse=return_lse, **option_keywords(segment_ids=ids, window=case.window, sinks=sink[0] if sink else None))
+            return_lse=return_lse, **option_keywords(segment_ids=ids, window=case.window, sinks=sink[0] if sink else None,
+                                                     softcap=case.softcap))
         return out if return_lse else (out, None)
 
     def forward_backward(q, k, v, do, dlse, ids, sinks):

@@ -33,7 +33,7 @@ def strategy_of(case: Case, module):
 
 def _keywords(case: Case, strategy, block_backend: str) -> dict:
     return dict(strategy=strategy, causal=case.causal, layout=case.layout, scale=case.scale,
-                block_backend=block_backend, **option_keywords(window=case.window))
+                block_backend=block_backend, **option_keywords(window=case.window, softcap=case.softcap))
 
 
 GRADS = ("dq", "dk", "dv", "dsinks")  # what replay_attention_grads returns (dsinks only with sinks)
@@ -142,7 +142,8 @@ class TorchReplayRunner:
         sinks = None if x.sinks is None else torch.tensor(np.asarray(x.sinks, np.float32), device=q.device,
                                                           requires_grad=True)
         o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale,
-                                            **option_keywords(segment_ids=ids, window=case.window, sinks=sinks))
+                                            **option_keywords(segment_ids=ids, window=case.window, sinks=sinks,
+                                                              softcap=case.softcap))
         torch.autograd.backward((o, lse), (do, torch.tensor(np.asarray(x.dlse, np.float32), device=q.device)))
         out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
         out |= {} if sinks is None else {"dsinks": sinks.grad}

@@ -67,7 +67,7 @@ def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> di
     o, lse = torch_impl.sequence_parallel_attention(
         q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
         return_lse=True, block_backend=block_backend,
-        **option_keywords(segment_ids=ids, window=case.window, sinks=sinks))
+        **option_keywords(segment_ids=ids, window=case.window, sinks=sinks, softcap=case.softcap))
     torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if sinks is not None:  # this rank's contribution (None: its rows never reached the sinks, impossible)
@@ -143,7 +143,8 @@ class TorchRunner:
         ids = None if x.segment_ids is None else torch.tensor(x.segment_ids)
         sinks = None if x.sinks is None else torch.tensor(x.sinks, dtype=torch.float32, requires_grad=True)
         o, lse = torch_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale,
-                                            **option_keywords(segment_ids=ids, window=case.window, sinks=sinks))
+                                            **option_keywords(segment_ids=ids, window=case.window, sinks=sinks,
+                                                              softcap=case.softcap))
         torch.autograd.backward((o, lse), (torch.tensor(x.do, dtype=torch.float32).to(dtype),
                                            torch.tensor(x.dlse, dtype=torch.float32)))
         out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
@@ -176,7 +177,8 @@ def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
     with CommTracer() as tracer:
         out = torch_impl.sequence_parallel_attention(
             q, k, v, mesh, causal=case.causal, layout=case.layout, kv_exchange=case.kv_exchange, scale=case.scale,
-            return_lse=return_lse, **option_keywords(segment_ids=ids, window=case.window, sinks=sinks))
+            return_lse=return_lse, **option_keywords(segment_ids=ids, window=case.window, sinks=sinks,
+                                                     softcap=case.softcap))
         outputs = out if return_lse else (out,)
         with tracer.phase("bwd"):
             torch.autograd.backward(outputs, [torch.randn_like(x) for x in outputs])

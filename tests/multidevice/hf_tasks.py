@@ -84,10 +84,11 @@ def sync_grads(model):
             dist.all_reduce(p.grad)
 
 
-def plain_task(kind: str, steps: int, packed: bool = False):
+def plain_task(kind: str, steps: int, packed: bool = False, overrides: dict | None = None):
     """The same model without sequence parallelism (eager attention, whole sequence; packed
-    documents through Hugging Face's own packed-sequence mask, read from the restarting positions)."""
-    model = tiny_model(kind)
+    documents through Hugging Face's own packed-sequence mask, read from the restarting positions;
+    ``overrides``: of the model's config)."""
+    model = tiny_model(kind, overrides=overrides)
     model.set_attn_implementation("eager")
     ids, pos, labels, _ = batch(packed=packed)
     count = int((labels != IGNORE).sum())
@@ -97,10 +98,11 @@ def plain_task(kind: str, steps: int, packed: bool = False):
 
 
 def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int, packed: bool = False,
-                           mode: str = "segment_ids"):
+                           mode: str = "segment_ids", overrides: dict | None = None):
     """Runs on every rank: the model on this rank's shard, ringbridge attention over ``axes``
     (packed documents through the ``segment_ids`` keyword, or with ``mode="positions"`` only
-    through the restarting ``position_ids``, as DataCollatorWithFlattening marks them)."""
+    through the restarting ``position_ids``, as DataCollatorWithFlattening marks them;
+    ``overrides``: of the model's config)."""
     import torch
     import torch.distributed as dist
 
@@ -108,7 +110,7 @@ def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int, pack
     from torch_impl.hf import local_shard, register
 
     mesh = make_mesh("cpu", axes)
-    model = tiny_model(kind)
+    model = tiny_model(kind, overrides=overrides)
     model.set_attn_implementation(register(mesh, layout=layout))
     ids, pos, labels, segments = (local_shard(x, mesh, layout) for x in batch(packed=packed))
     count = torch.tensor([float((labels != IGNORE).sum())])

@@ -96,6 +96,26 @@ def test_harness_needs_every_ranks_sinks_grad_in_torch(worlds):
     assert run_case_everywhere(case, {"torch": RUNNER}, 8, "cpu").status == "passed"
 
 
+def test_harness_catches_soft_capping_dropped_from_the_jax_backward(monkeypatch, jax_devices):
+    """A capped JAX ring whose block backward forgets the cap (the forward capped, the backward's
+    scores and dS uncapped) fails the case on the gradients alone; without the planted bug it
+    passes."""
+    import jax_impl.block
+    import jax_impl.config
+
+    real = jax_impl.block.get_backend
+
+    def backward_uncapped(name, *, deterministic=False, softcap=None):
+        capped, plain = real(name, deterministic=deterministic, softcap=softcap), real(name, deterministic=deterministic)
+        return jax_impl.block.BlockBackend(capped.name, capped.fwd, plain.bwd)
+
+    case = Case(ring=2, layout="zigzag", causal=True, kv_heads=2, softcap=1.5)
+    assert run_case_everywhere(case, {"jax": jax_runner()}, 9, "cpu").status == "passed"
+    monkeypatch.setattr(jax_impl.config, "get_backend", backward_uncapped)
+    side = run_case_everywhere(case, {"jax": jax_runner()}, 9, "cpu").sides["jax"]
+    assert side.status == "failed" and {c.name for c in side.checks if not c.ok} == {"dq", "dk", "dv"}, side.detail
+
+
 def test_missing_framework_is_skipped_and_too_few_devices_replay(jax_devices):
     """An unavailable framework is *skipped*, never passed; a case larger than the machine runs
     through the one-device replay of its strategy and says so (mode ``replay``), against the

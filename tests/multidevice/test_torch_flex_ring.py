@@ -53,3 +53,16 @@ def test_windowed_ring_with_the_flex_backend_matches_dense_truth(layout, causal,
     shards = worlds(2).run(documents_task, (("ring", 2),), windows.to_layout(x, perm), kwargs, False)
     got = windows.from_layout(windows.stitch(shards, 1), perm)
     windows.assert_close_to(got, windows.truth(x, causal, window), f"flex ring2 {layout} w{window} (seed {seed})")
+
+
+def test_softcapped_ring_with_the_flex_backend_matches_the_oracle(seed, worlds):
+    """Soft-capping as a score_mod in every block of a causal zigzag ring with a window, sinks
+    (uncapped) and packed documents, bf16, through the parity pipeline against the float64 oracle."""
+    from helpers import assert_passed
+    from parity.core.cases import Case
+    from parity.runners.pipeline import check_case
+    from parity.runners.torch_runner import TorchRunner
+
+    case = Case(ring=2, layout="zigzag", causal=True, kv_heads=2, dtype="bfloat16", batch=2, documents="mix",
+                window=(6, 0), sinks=True, softcap=1.5)
+    assert_passed(check_case(case, TorchRunner(block_backend="flex"), seed=seed), case, "torch flex", seed)

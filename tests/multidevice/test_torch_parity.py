@@ -51,6 +51,7 @@ def test_aten_cpu_kernel_inside_the_ring(case, seed, worlds):
     Case(ring=2, ulysses=4, layout="stripe", causal=True, kv_heads=1),
     Case(ulysses=8, layout="contiguous", causal=False, kv_heads=2, dtype="bfloat16", head_dim=64),
     Case(ring=4, ulysses=2, layout="contiguous", causal=True, dtype="bfloat16"),
+    Case(ring=4, layout="stripe", causal=True, kv_heads=1, sinks=True, softcap=1.5),  # soft-capped, sinks uncapped
 ], ids=lambda c: c.name)
 def test_jax_and_torch_agree_on_identical_inputs(case, seed, worlds, jax_devices):
     """The same NumPy inputs (layout order) through jax_impl and torch_impl: each within policy

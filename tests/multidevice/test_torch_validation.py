@@ -29,6 +29,10 @@ CASES = [
      "layout must be one of"),
     ("negative scale", RING4, (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32, {"scale": -2.0}, "ValueError",
      "scale must be a finite positive"),
+    ("negative softcap, USP", (("ring", 2), ("ulysses", 2)), (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32,
+     {"softcap": -1.0}, "ValueError", "softcap must be a finite positive"),  # before Ulysses' all-to-all
+    ("bool softcap", RING4, (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32, {"softcap": True}, "TypeError",
+     "softcap must be None or a positive float"),
     ("double ring all-gather", (("ring_outer", 2), ("ring_inner", 2)), (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32,
      {"kv_exchange": "allgather"}, "ValueError", "has no double-ring form"),
     ("unknown block backend, USP", (("ring", 2), ("ulysses", 2)), (1, 8, 8, 16), (1, 8, 8, 16), (1, 8, 8, 16), F32,

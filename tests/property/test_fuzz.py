@@ -5,8 +5,10 @@ float16 — scale, kv_exchange, and packed documents: about half the examples ca
 pattern drawn by ``document_patterns``, the ids themselves drawn from the seed by
 parity.core.documents; a sliding window, about half the time, whose sides are drawn by
 ``window_sides`` around the shard size — a query alone, inside a shard, one shard, across several,
-beyond the sequence; attention sinks half the time, their logits drawn from the seed) and both
-frameworks must agree with the float64 oracle under the numerics policy (dsinks included).
+beyond the sequence; attention sinks half the time, their logits drawn from the seed; logit
+soft-capping about half the time, at a cap drawn by ``softcaps`` — strong, moderate or barely
+bending the logits) and both frameworks must agree with the float64 oracle under the numerics
+policy (dsinks included).
 
 Why: the all-pairs matrix covers every pair of hand-picked values; users pass shapes nobody
 picked. ``RINGBRIDGE_FUZZ_EXAMPLES`` sets the number of examples: 50 in the default run (100 took
@@ -67,6 +69,12 @@ def windows(draw, seq: int, ring: int):
     return draw(window_sides(seq, ring)), draw(window_sides(seq, ring))
 
 
+def softcaps():
+    """No soft-capping half the time, else a cap that bends most logits (0.5), some (2) or almost
+    none (30, Gemma 2's final-logit cap) at the fuzz's logit sizes."""
+    return st.one_of(st.none(), st.sampled_from((0.5, 2.0, 30.0)))
+
+
 @st.composite
 def cases(draw) -> Case:
     data, ring, uly, outer = draw(st.sampled_from(MESHES))
@@ -82,7 +90,8 @@ def cases(draw) -> Case:
                 causal=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES)),
                 scale=draw(st.sampled_from((None, 0.5, 0.05))),
                 kv_exchange=draw(st.sampled_from(KV_EXCHANGES)) if single_ring else "ring",
-                documents=draw(document_patterns()), window=draw(windows(seq, ring)), sinks=draw(st.booleans()))
+                documents=draw(document_patterns()), window=draw(windows(seq, ring)), sinks=draw(st.booleans()),
+                softcap=draw(softcaps()))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True, database=None,
@@ -133,7 +142,9 @@ def test_the_strategy_reaches_every_mesh_family():
               and max(c.window) < c.seq // c.ring,
               "a window across shards": lambda c: c.window is not None and c.ring >= 4
               and c.window[0] > c.seq // c.ring,
-              "a window beyond the sequence": lambda c: c.window is not None and min(c.window) >= c.seq}
+              "a window beyond the sequence": lambda c: c.window is not None and min(c.window) >= c.seq,
+              "a soft-cap with sinks and a window": lambda c: c.softcap is not None and c.sinks and c.window is not None,
+              "a soft-cap in low precision": lambda c: c.softcap is not None and c.dtype != "float32"}
     for what, wanted in checks.items():
         found = hypothesis.find(cases(), wanted, settings=settings(database=None, derandomize=True))
         assert wanted(found), what

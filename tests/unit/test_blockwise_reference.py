@@ -1,6 +1,7 @@
 """Tier 1 — the portable block kernels walk the keys in chunks (an online softmax forward, a
 per-chunk backward) so a masked block never holds its [t, s] scores. Why this tier exists: the
-chunked path must equal the whole-block math for every mask kind × documents × window, with
+chunked path must equal the whole-block math for every mask kind × documents × window (and
+soft-capped logits, forward and backward), with
 chunks that do not divide the block (padded keys) and rows that see no key at all — and a block
 of real length must compile to temporaries far below its float32 scores (issue 35's memory rule)."""
 
@@ -27,11 +28,16 @@ def _inputs(seed: int):
     return q, k, v, do, ids, positions
 
 
-def _truth(q, k, v, do, mask: BlockMask, scale, ids, positions):
-    """float64, the whole [t, s] block at once: (o, lse, dq, dk, dv)."""
+def _truth(q, k, v, do, mask: BlockMask, scale, ids, positions, softcap=None):
+    """float64, the whole [t, s] block at once: (o, lse, dq, dk, dv); with ``softcap`` every
+    scaled logit x is softcap·tanh(x / softcap) and dS gains the slope 1 − tanh²."""
     g = H // HK
     kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     s = np.einsum("bthd,bshd->bhts", q, kk) * scale
+    slope = 1.0
+    if softcap is not None:
+        slope = 1.0 - np.tanh(s / softcap) ** 2
+        s = softcap * np.tanh(s / softcap)
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     visible = np.ones((T, T), bool)
     if mask.kind is MaskKind.CAUSAL:
@@ -55,7 +61,7 @@ def _truth(q, k, v, do, mask: BlockMask, scale, ids, positions):
     o = np.einsum("bhts,bshd->bthd", p, vv)
     dp = np.einsum("bthd,bshd->bhts", do, vv)
     delta = np.einsum("bthd,bthd->bht", do, o)[..., None]
-    ds = p * (dp - delta) * scale
+    ds = p * (dp - delta) * slope * scale
     dq = np.einsum("bhts,bshd->bthd", ds, kk)
     dk = np.einsum("bhts,bthd->bshd", ds, q).reshape(B, T, HK, g, D).sum(3)
     dv = np.einsum("bhts,bthd->bshd", p, do).reshape(B, T, HK, g, D).sum(3)
@@ -66,6 +72,11 @@ def _truth(q, k, v, do, mask: BlockMask, scale, ids, positions):
 # path (one chunk) for each mask kind with documents and a window, the rest of it is every other test
 CASES = [(kind, documents, window, 5) for kind, documents, window in itertools.product(MaskKind, (False, True), WINDOWS)]
 CASES += [(kind, True, (2, 4), None) for kind in MaskKind]
+CASES = [(*c, None) for c in CASES]
+# logit soft-capping (a cap of 0.7 bends most of these logits): every mask kind, chunked and whole,
+# with documents and a window (masked pairs stay masked after the cap)
+CASES += [(kind, True, (2, 4), chunk, 0.7) for kind in MaskKind for chunk in (5, None)]
+CASES += [(MaskKind.FULL, False, None, 5, 3.0)]
 
 
 def _check(got, want, name):
@@ -75,8 +86,8 @@ def _check(got, want, name):
     np.testing.assert_allclose(got[finite], want[finite], rtol=2e-5, atol=2e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("kind, documents, window, chunk", CASES)
-def test_jax_chunked_kernel_equals_the_whole_block(kind, documents, window, chunk, seed):
+@pytest.mark.parametrize("kind, documents, window, chunk, softcap", CASES)
+def test_jax_chunked_kernel_equals_the_whole_block(kind, documents, window, chunk, softcap, seed):
     pytest.importorskip("jax")
     import jax.numpy as jnp
 
@@ -89,16 +100,18 @@ def test_jax_chunked_kernel_equals_the_whole_block(kind, documents, window, chun
         extra["segments"] = (jnp.asarray(ids), jnp.asarray(ids))
     if window is not None:
         extra["positions"] = (jnp.asarray(positions), jnp.asarray(positions))
+    if softcap is not None:
+        extra["softcap"] = softcap
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     o, lse = reference_block_fwd(f32(q), f32(k), f32(v), mask, scale, chunk=chunk, **extra)
     grads = reference_block_bwd(f32(do), f32(q), f32(k), f32(v), o, lse, mask, scale, chunk=chunk, **extra)
     for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads),
-                               _truth(q, k, v, do, mask, scale, ids, positions)):
+                               _truth(q, k, v, do, mask, scale, ids, positions, softcap)):
         _check(got, want, name)
 
 
-@pytest.mark.parametrize("kind, documents, window, chunk", CASES)
-def test_torch_chunked_kernel_equals_the_whole_block(kind, documents, window, chunk, seed):
+@pytest.mark.parametrize("kind, documents, window, chunk, softcap", CASES)
+def test_torch_chunked_kernel_equals_the_whole_block(kind, documents, window, chunk, softcap, seed):
     torch = pytest.importorskip("torch")
 
     from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
@@ -110,11 +123,13 @@ def test_torch_chunked_kernel_equals_the_whole_block(kind, documents, window, ch
         extra["segments"] = (torch.from_numpy(ids), torch.from_numpy(ids))
     if window is not None:
         extra["positions"] = (torch.from_numpy(positions), torch.from_numpy(positions))
+    if softcap is not None:
+        extra["softcap"] = softcap
     f32 = lambda x: torch.from_numpy(x).float()
     o, lse = reference_block_fwd(f32(q), f32(k), f32(v), mask, scale, chunk=chunk, **extra)
     grads = reference_block_bwd(f32(do), f32(q), f32(k), f32(v), o, lse, mask, scale, chunk=chunk, **extra)
     for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads),
-                               _truth(q, k, v, do, mask, scale, ids, positions)):
+                               _truth(q, k, v, do, mask, scale, ids, positions, softcap)):
         _check(got.numpy(), want, name)
 
 

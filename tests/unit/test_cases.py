@@ -13,10 +13,12 @@ from parity.core.cases import (
     MATRIX_DTYPES,
     MESHES,
     RING_SCHEDULES,
+    SOFTCAP,
     WINDOWS,
     document_cases,
     full_matrix,
     pairwise_matrix,
+    softcap_cases,
     strategy_name,
     window_cases,
 )
@@ -38,7 +40,8 @@ def test_pairwise_matrix_covers_every_pair_and_every_mesh_triple():
     so those pairs do not exist."""
     values = {"layout": LAYOUTS, "causal": (False, True), "mesh": MESHES, "heads": tuple(HEAD_LAYOUTS),
               "head_dim": HEAD_DIMS, "dtype": MATRIX_DTYPES, "kv_exchange": KV_EXCHANGES}
-    chosen = [_factors(c) for c in pairwise_matrix() if c.documents == "none" and c.window is None and not c.sinks]
+    chosen = [_factors(c) for c in pairwise_matrix()
+              if c.documents == "none" and c.window is None and not c.sinks and c.softcap is None]
     for a, b in itertools.combinations(values, 2):
         seen = {(c[a], c[b]) for c in chosen}
         possible = {(x, y) for x, y in itertools.product(values[a], values[b])
@@ -48,21 +51,26 @@ def test_pairwise_matrix_covers_every_pair_and_every_mesh_triple():
     assert not any(c["kv_exchange"] == "allgather" and not _has_single_ring(c["mesh"]) for c in chosen)
     assert {c["mesh"] for c in chosen if len(c["mesh"]) == 3} == {(4, 1, 2), (4, 2, 2)}  # double ring 2x2, 2x2 x u2
     assert {(c["layout"], c["causal"], c["mesh"]) for c in chosen} == set(
-        itertools.product(LAYOUTS, (False, True), MESHES))
-    plain = [c for c in full_matrix() if c.documents == "none" and c.window is None and not c.sinks]
-    assert len(plain) == 1944 and len({c.name for c in plain}) == 1944
+        itertools.product(LAYOUTS, (False, True), MESHES))  # the full matrix's 1944: the next test
 
 
-def test_full_matrix_runs_every_document_pattern_window_and_sinks_with_everything():
-    """The cross product times the five document values, four windows and sinks off / on (the
-    plain 1944 first); the default matrix is a subset of it."""
+def test_full_matrix_runs_every_document_pattern_window_sinks_and_softcap_with_everything():
+    """The cross product times the five document values, four windows, sinks off / on and the
+    soft-cap off / on (the plain 1944 first, every uncapped case before the capped ones); the
+    default matrix is a subset of it."""
     full = full_matrix()
-    assert len(full) == 5 * 4 * 2 * 1944 and len({c.name for c in full}) == len(full)
+    assert len(full) == 5 * 4 * 2 * 2 * 1944 and len({c.name for c in full}) == len(full)
     assert all(c.documents == "none" and c.window is None and not c.sinks for c in full[:1944])
+    assert all(c.softcap is None for c in full[:len(full) // 2]) and all(c.softcap == SOFTCAP
+                                                                         for c in full[len(full) // 2:])
     plain = {tuple(_factors(c).values()) for c in full[:1944]}
-    for pattern, window, sinks in itertools.product(("none", *DOCUMENT_PATTERNS), WINDOWS, (False, True)):
-        assert {tuple(_factors(c).values()) for c in full
-                if (c.documents, c.window, c.sinks) == (pattern, window, sinks)} == plain, (pattern, window, sinks)
+    assert len(plain) == 1944
+    groups: dict = {}
+    for c in full:
+        groups.setdefault((c.documents, c.window, c.sinks, c.softcap), set()).add(tuple(_factors(c).values()))
+    for key in itertools.product(("none", *DOCUMENT_PATTERNS), WINDOWS, (False, True), (None, SOFTCAP)):
+        assert groups.pop(key) == plain, key
+    assert not groups
     assert {c.name for c in pairwise_matrix()} <= {c.name for c in full}
 
 
@@ -72,7 +80,8 @@ def test_document_cases_meet_every_pattern_layout_causal_and_strategy():
     assert 12 <= len(docs) <= 16 and all(c.documents != "none" and c.batch == 2 for c in docs)
     assert all(c.window is None and not c.sinks for c in docs)
     names = [c.name for c in pairwise_matrix()]
-    assert names[-len(docs) - len(window_cases()):-len(window_cases())] == [c.name for c in docs]
+    end = len(names) - len(window_cases()) - len(softcap_cases())
+    assert names[end - len(docs):end] == [c.name for c in docs]
     seen = {(c.documents, f, v) for c in docs for f, v in _factors(c).items()}
     for pattern in DOCUMENT_PATTERNS:
         for factor, values in (("layout", LAYOUTS), ("causal", (False, True)), ("dtype", MATRIX_DTYPES),
@@ -89,10 +98,13 @@ def test_document_cases_meet_every_pattern_layout_causal_and_strategy():
 
 
 def test_window_cases_meet_every_window_strategy_layout_and_sinks_as_promised():
-    """At most 14 cases, last in the default matrix; the coverage window_cases promises."""
+    """At most 14 cases, in the default matrix before the soft-capped ones; the coverage
+    window_cases promises."""
     wins = window_cases()
-    assert len(wins) <= 14 and all(c.window is not None or c.sinks for c in wins)
-    assert [c.name for c in pairwise_matrix()][-len(wins):] == [c.name for c in wins]
+    assert len(wins) <= 14 and all((c.window is not None or c.sinks) and c.softcap is None for c in wins)
+    names = [c.name for c in pairwise_matrix()]
+    end = len(names) - len(softcap_cases())
+    assert names[end - len(wins):end] == [c.name for c in wins]
     assert all(c.devices > 1 for c in wins)
     windowed = [c for c in wins if c.window is not None]
     for window in WINDOWS[1:]:
@@ -115,3 +127,27 @@ def test_window_cases_meet_every_window_strategy_layout_and_sinks_as_promised():
     assert {c.causal for c in sunk} == {False, True} and {c.dtype for c in sunk} == set(MATRIX_DTYPES)
     assert {_factors(c)["heads"] for c in sunk} == set(HEAD_LAYOUTS)
     assert {c.documents != "none" for c in sunk} == {False, True}
+
+
+def test_softcap_cases_meet_every_strategy_and_mask_as_promised():
+    """At most 8 cases, last in the default matrix, all capped at SOFTCAP: every strategy, causal
+    and not, every layout, float32 and bf16, MHA / GQA / MQA, with and without a window, sinks and
+    documents; the first two (the default tier's sample) are a ring without Ulysses with every
+    mask in bf16, and a USP in float32."""
+    caps = softcap_cases()
+    assert len(caps) <= 8 and all(c.softcap == SOFTCAP and c.devices > 1 for c in caps)
+    assert [c.name for c in pairwise_matrix()][-len(caps):] == [c.name for c in caps]
+    assert {strategy_name(c) for c in caps} == {
+        "ring", "ring-agkv", "ulysses", "usp", "usp-agkv", "double_ring", "double_ring_usp"}
+    for factor, values in (("causal", (False, True)), ("layout", LAYOUTS), ("dtype", MATRIX_DTYPES),
+                           ("heads", tuple(HEAD_LAYOUTS))):
+        assert {_factors(c)[factor] for c in caps} == set(values), factor
+    for has in (lambda c: c.window is not None, lambda c: c.sinks, lambda c: c.documents != "none"):
+        assert {has(c) for c in caps} == {False, True}
+    first, second = caps[:2]
+    assert first.ulysses == 1 and first.window and first.sinks and first.documents != "none"
+    assert first.dtype == "bfloat16" and second.ulysses > 1 and second.dtype == "float32"
+    from parity.cli import select_cases
+
+    assert [c.name for c in select_cases(False, "softcap")] == [first.name, second.name]
+    assert [c.name for c in select_cases(False, "softcap", masks="all")] == [c.name for c in caps]

@@ -46,6 +46,44 @@ def test_oracle_matches_float64_autograd(heads, kv_heads, causal, layout, seed):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("softcap", [0.7, 4.0])
+def test_oracle_softcap_matches_float64_autograd(softcap, seed):
+    """Soft-capped (every scaled logit x -> softcap·tanh(x / softcap), before the mask), with GQA, a
+    causal window in layout order and sinks that stay uncapped: o, lse, dq, dk, dv and dsinks of
+    the analytic oracle equal torch float64 autograd of that formula; the cap changes every one
+    of them (it is not a no-op at these logits)."""
+    rng = np.random.default_rng(seed)
+    b, t, h, hk, d, scale, window = 2, 24, 4, 2, 8, 0.6, (5, 0)
+    q, do = rng.standard_normal((2, b, t, h, d))
+    k, v = rng.standard_normal((2, b, t, hk, d))
+    dlse, sinks = rng.standard_normal((b, h, t)), rng.standard_normal(h)
+    pos = reference.layout_permutation(t, "zigzag", ring_size=3)
+    kw = dict(causal=True, scale=scale, q_pos=pos, k_pos=pos, window=window, sinks=sinks)
+    fwd = reference.attention_forward(q, k, v, softcap=softcap, **kw)
+    got = [fwd.o, fwd.lse, *reference.attention_backward(fwd, q, k, v, do, dlse, scale=scale),
+           reference.sinks_backward(fwd, do, dlse)]
+
+    tq, tk, tv, ts = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v, sinks))
+    group = h // hk
+    logits = torch.einsum("bthd,bshd->bhts", tq, tk.repeat_interleave(group, 2)) * scale
+    logits = softcap * torch.tanh(logits / softcap)
+    offset = torch.tensor(pos)[None, :] - torch.tensor(pos)[:, None]  # key minus query, original positions
+    logits = logits.masked_fill(~((offset <= 0) & (offset >= -window[0])), float("-inf"))
+    full = torch.cat([logits, ts[None, :, None, None].expand(b, h, t, 1)], dim=-1)  # the sink: uncapped
+    lse = torch.logsumexp(full, dim=-1)
+    o = torch.einsum("bhts,bshd->bthd", torch.softmax(full, dim=-1)[..., :t], tv.repeat_interleave(group, 2))
+    (o * torch.tensor(do)).sum().add((lse * torch.tensor(dlse)).sum()).backward()
+    want = [x.detach().numpy() for x in (o, lse, tq.grad, tk.grad, tv.grad, ts.grad)]
+    plain = reference.attention_forward(q, k, v, **kw)
+    plain = [plain.o, plain.lse, *reference.attention_backward(plain, q, k, v, do, dlse, scale=scale),
+             reference.sinks_backward(plain, do, dlse)]
+    for name, g, w, p in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), got, want, plain):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=name)
+        assert np.abs(g - p).max() > 1e-3 * np.abs(p).max(), name
+    with pytest.raises(ValueError, match="softcap must be"):
+        reference.attention_forward(q, k, v, softcap=0.0)
+
+
 def test_oracle_causal_in_layout_order_equals_permuted_original(seed):
     """Masking by original positions makes the oracle layout-equivariant: attention of permuted
     inputs is the permuted attention of the original ones."""

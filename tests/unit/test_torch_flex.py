@@ -435,6 +435,67 @@ def test_the_compiled_path_traces_once_per_variant_and_not_per_data(monkeypatch,
     assert "flex_attention_backward" in graphs[1].code and "flex_attention_backward" in graphs[3].code
 
 
+# ---- soft-capping: the score_mod ------------------------------------------------------------------
+
+SOFTCAP_BLOCKS = [(CAUSAL_MASK, "operator"), (BlockMask("full", documents=True, window=(7, 4)), "operator"),
+                  (STRICT_MASK, "recompute"), (BlockMask("causal", documents=True, window=(5, 0)), "recompute")]
+
+
+@pytest.mark.parametrize("mask,route", SOFTCAP_BLOCKS, ids=[f"{m.kind.value}{'-documents' if m.documents else ''}"
+                                                           f"{'-window' if m.window else ''}-{r}"
+                                                           for m, r in SOFTCAP_BLOCKS])
+def test_softcapped_blocks_equal_the_portable_kernel_with_a_global_o_lse(mask, route, monkeypatch, seed):
+    """``softcap=`` (the scaled logits capped by a score_mod): forward, and the backward given a
+    GLOBAL o / lse merged from this block and another (and an lse cotangent), equal the portable
+    kernel's capped block (itself checked against float64 in test_blockwise_reference.py) to
+    float32 rounding, by either backward route, GQA; and they differ from the uncapped block."""
+    monkeypatch.setitem(flex.BACKWARD_ROUTES, "cpu", route)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, do, dlse, extra = make_block(mask, 4, 2, gen, 24)
+    other_k, other_v = (torch.randn(2, 24, 2, 16, generator=gen) for _ in range(2))
+    ref, cap = get_backend("reference"), 0.8
+    o, lse = merge_partials(*ref.fwd(q, other_k, other_v, FULL_MASK, 0.3, softcap=cap),  # never empty: first
+                            *ref.fwd(q, k, v, mask, 0.3, softcap=cap, **extra))  # the global o, lse
+    got = (*flex.flex_block_fwd(q, k, v, mask, 0.3, softcap=cap, **extra),
+           *flex.flex_block_bwd(do, q, k, v, o, lse, mask, 0.3, dlse, softcap=cap, **extra))
+    want = (*ref.fwd(q, k, v, mask, 0.3, softcap=cap, **extra),
+            *ref.bwd(do, q, k, v, o, lse, mask, 0.3, dlse, softcap=cap, **extra))
+    for name, g, w in zip(NAMES, got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+    uncapped = flex.flex_block_bwd(do, q, k, v, o, lse, mask, 0.3, dlse, **extra)
+    assert (uncapped[0] - got[2]).abs().max() > 1e-2
+    assert flex.supports(mask, "bfloat16", softcap=True) and get_backend("flex", softcap=cap).name == "flex"
+
+
+def test_the_compiled_path_traces_a_softcapped_variant_of_its_own(monkeypatch, seed):
+    """Compiled (dynamo, a counting backend, run eagerly on CPU): a capped block's forward traces
+    one graph of its own — the cap inside it — reused for new data, with the eager results; its
+    backward takes the recompute route (the compiled forward differentiated), never the backward
+    operator (whose joint graph dynamo cannot derive for the cap). The recompute itself needs
+    CUDA compiled (the public op has no CPU backward): checked eagerly above."""
+    monkeypatch.setitem(flex.BACKWARD_ROUTES, "cpu", "operator")
+    graphs, recomputed = [], []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    gen = torch.Generator().manual_seed(seed)
+    mask = BlockMask("causal", window=(6, 0))
+    blocks = [make_block(mask, 4, 2, gen, 20) for _ in range(2)]
+    eager = [flex.flex_block_fwd(q, k, v, mask, 0.3, softcap=1.3, **extra) for q, k, v, _, _, extra in blocks]
+    monkeypatch.setitem(flex.COMPILE_BACKENDS, "cpu", counting)
+    for (q, k, v, _, _, extra), want in zip(blocks, eager):
+        for name, g, w in zip(NAMES, flex.flex_block_fwd(q, k, v, mask, 0.3, softcap=1.3, **extra), want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=name)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for one capped variant and shape: data must not recompile"
+    assert any("tanh" in getattr(m, "code", "") for m in graphs[0].modules())  # the score_mod's subgraph
+    monkeypatch.setattr(flex, "_recompute_backward", lambda *a: recomputed.append(a[-1]) or (None,) * 3)
+    q, k, v, do, dlse, extra = blocks[0]
+    flex.flex_block_bwd(do, q, k, v, *eager[0], mask, 0.3, dlse, softcap=1.3, **extra)
+    assert len(recomputed) == 1 and len(graphs) == 1  # the compiled forward handed over, no backward graph
+
+
 def test_measured_errors_are_small_not_just_within_tolerance(seed):
     """A float32 causal + documents + window block: every tensor's relative error is far inside
     the 1e-5 policy (the kernel is the same math as the truth, in float32)."""

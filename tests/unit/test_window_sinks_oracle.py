@@ -151,6 +151,11 @@ def test_case_fields_names_and_validation():
             Case(window=bad)
     with pytest.raises(TypeError, match="sinks must be a bool"):
         Case(sinks=1)
+    assert Case(ring=2, sinks=True, softcap=1.5).name == base + "-sinks-softcap1.5"
+    assert Case(ring=2, softcap=30).name == base + "-softcap30"
+    for bad in (0, -1.0, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="softcap must be None or a finite positive"):
+            Case(softcap=bad)
 
 
 def test_inputs_with_sinks_add_sinks_and_nothing_else(seed):
@@ -180,9 +185,11 @@ def test_inputs_with_sinks_add_sinks_and_nothing_else(seed):
     Case(ring=2, batch=2, seq=32, kv_heads=2, window=(5, 3), sinks=True, causal=False),
     Case(ring=2, batch=2, seq=32, kv_heads=1, window=(7, 0), documents="interleaved"),
     Case(ring=4, seq=32, sinks=True, dtype="bfloat16"),
+    Case(ring=2, batch=2, seq=32, kv_heads=2, window=(6, 0), sinks=True, softcap=1.5, documents="mix"),
 ], ids=lambda c: c.name)
 def test_torch_float64_truth_applies_window_and_sinks(case, seed):
-    """The GPU-sized truth (parity.runners.torch_truth) equals the NumPy oracle, dsinks included."""
+    """The GPU-sized truth (parity.runners.torch_truth) equals the NumPy oracle, dsinks included
+    (and soft-capped)."""
     pytest.importorskip("torch")
     from parity.runners.torch_truth import case_truth
 

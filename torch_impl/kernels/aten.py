@@ -20,7 +20,9 @@ window covers entirely reaches the kernels without it: the loops drop a window n
 LSE shape and strides (cuDNN ``[b, h, t, 1]``, CPU non-contiguous) are normalised in
 ``_lse_bht`` only. Forward o and MHA gradients come back in the input dtype (a float32 copy of
 each would be a transient the size of two K/V shards); every caller accumulates into float32
-buffers (``Tensor.add_`` promotes in place).
+buffers (``Tensor.add_`` promotes in place). The ops do not soft-cap logits: ``supports`` refuses
+``softcap``, and the block layer runs a capped block on the portable kernel
+(``block.capped_backend``), never here.
 """
 
 from __future__ import annotations
@@ -143,8 +145,9 @@ def _make_aten_backend(name: str) -> BlockBackend:
         # In the input dtype: callers add them into float32 accumulators in place.
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-    def supports(mask: BlockMask, dtype: str) -> bool:
-        return not mask.documents and mask.window is None and (name == "aten_cpu" or dtype in LOW_PRECISION)
+    def supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
+        return (not softcap and not mask.documents and mask.window is None
+                and (name == "aten_cpu" or dtype in LOW_PRECISION))
 
     return BlockBackend(name, fwd, bwd, supports=supports, available=lambda: _available(name))
 

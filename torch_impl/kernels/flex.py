@@ -1,7 +1,8 @@
 """Backend ``"flex"``: torch's FlexAttention, the block mask applied inside the kernel.
 
-    fwd(q, k, v, mask, scale, segments=None, positions=None)                   -> (o, lse)
-    bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None) -> (dq, dk, dv)
+    fwd(q, k, v, mask, scale, segments=None, positions=None, softcap=None)                   -> (o, lse)
+    bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None, softcap=None)
+                                                                                    -> (dq, dk, dv)
 
 q, do, o: [b, t, h, d]; k, v: [b, s, hk, d] (GQA: h a multiple of hk); lse, dlse: [b, h, t]
 float32 (natural log). ``segments = (q_ids [b, t], kv_ids [b, s])`` with ``mask.documents``,
@@ -9,6 +10,18 @@ float32 (natural log). ``segments = (q_ids [b, t], kv_ids [b, s])`` with ``mask.
 interface of ``block.py``. o and the gradients come back in the input dtype, lse in float32; a
 row with no visible key gets o = 0, lse = -inf (FlexAttention's own convention, checked by the
 tests) and no gradient.
+
+**Soft-capping** (``softcap``, Gemma 2) is a FlexAttention ``score_mod``: FlexAttention scales the
+logits first and hands them to it, so ``softcap · tanh(score / softcap)`` caps the scaled logits,
+as Gemma 2 (and ringbridge's contract) define it. Its gradient (the slope 1 − tanh²) comes from
+the score_mod's joint graph: eagerly, route (a) below is given the joint graph traced here
+(:func:`joint_graph_for`, torch's private ``create_fw_bw_graph``; derived by the operator itself
+it comes out empty), and route (b) gets it from the forward's autograd. Compiled, dynamo (torch
+2.13) neither derives a non-identity score_mod's joint graph for the backward operator called on
+its own nor accepts one as an argument, so there a capped block's backward takes route (b) — the
+public compiled flex_attention with a score_mod, differentiated (one more block forward). One
+score_mod per cap value (:func:`score_mod_for`), so the compiled functions see the same object
+every call.
 
 **The mask inside the kernel.** Every :class:`schedule.BlockMask` becomes a FlexAttention
 ``mask_mod`` (local indices: causal j <= i, strict j < i; documents q_ids[b, i] == kv_ids[b, j];
@@ -259,42 +272,70 @@ def _score_identity(score, b, h, i, j):
     return score
 
 
-def _forward(q, k, v, block_mask, scale):
+@functools.lru_cache(maxsize=16)
+def score_mod_for(softcap: float | None):
+    """The FlexAttention ``score_mod`` of a soft-cap: ``softcap · tanh(score / softcap)`` of the
+    scaled logit, or None (no score_mod: the identity) without one. Cached per value: the same
+    function object for every block of a call (and every call with that cap)."""
+    if softcap is None:
+        return None
+
+    def softcap_mod(score, b, h, i, j):
+        return torch.tanh(score / softcap) * softcap
+
+    return softcap_mod
+
+
+@functools.lru_cache(maxsize=16)
+def joint_graph_for(softcap: float):
+    """The joint graph (score_mod and its gradient) of :func:`score_mod_for`'s cap, traced with
+    grad enabled by torch's own ``create_fw_bw_graph`` (private: see the module docstring). The
+    eager backward operator given ``joint_graph=None`` derives it with grad disabled, and gets a
+    graph whose every gradient is None (torch 2.13, CPU: its vmap then fails); the identity
+    score_mod is unaffected (its gradient is its input)."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+
+    example = (torch.zeros((), requires_grad=True), *(torch.zeros((), dtype=torch.int) for _ in range(4)))
+    with torch.enable_grad():
+        return create_fw_bw_graph(score_mod_for(softcap), example, ())[1]
+
+
+def _forward(q, k, v, block_mask, scale, score_mod=None):
     """q: [b, t, h, d], k, v: [b, s, hk, d] -> (o [b, t, h, d] input dtype, lse [b, h, t] float32,
     natural log), through the public op (differentiable where torch has its backward: not on CPU)."""
     api = _PIECES[0]
-    o, aux = api.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-                                scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    o, aux = api.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
+                                block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
                                 return_aux=api.AuxRequest(lse=True), kernel_options=_TRITON)
     return o.transpose(1, 2), aux.lse
 
 
-def _operator_forward(q, k, v, block_mask, scale):
+def _operator_forward(q, k, v, block_mask, scale, score_mod=None):
     """:func:`_forward` through the forward operator itself, differentiable on any device (the
     public op refuses CPU inputs that require grad): the recompute route's eager forward."""
-    out = _PIECES[1](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _score_identity,
+    out = _PIECES[1](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod or _score_identity,
                      block_mask.as_tuple(), scale, dict(_BACKWARD_OPTIONS))
     return out[0].transpose(1, 2), out[1] * LN2  # the operator's lse is in base 2
 
 
-def _backward(do, q, k, v, o, lse, dlse, block_mask, scale):
+def _backward(do, q, k, v, o, lse, dlse, block_mask, scale, score_mod=None, joint_graph=None):
     """Route (a): dq [b, t, h, d], dk, dv [b, s, hk, d] (input dtype) for the global o, lse and
     the lse cotangent dlse (zeros when lse is unused), through torch's flex backward operator."""
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2)  # [b, h, t] float32: rowsum(dO ∘ O), global O
     grad_out = do.to(q.dtype).transpose(1, 2)
     dq, dk, dv, _ = _PIECES[2](
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), torch.zeros_like(grad_out), lse.float() / LN2,
-        grad_out, (dlse.float() - delta) * LN2, _score_identity, None, block_mask.as_tuple(), scale,
+        grad_out, (dlse.float() - delta) * LN2, score_mod or _score_identity, joint_graph, block_mask.as_tuple(), scale,
         dict(_BACKWARD_OPTIONS), (), ())
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def _recompute_backward(do, q, k, v, o, lse, dlse, block_mask, scale, forward):
+def _recompute_backward(do, q, k, v, o, lse, dlse, block_mask, scale, score_mod, forward):
     """Route (b): the same gradients as :func:`_backward`, from the autograd of ``forward``'s
     (o_b, lse_b) with the cotangents of the module docstring."""
     with torch.enable_grad():
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        o_b, lse_b = forward(q, k, v, block_mask, scale)
+        o_b, lse_b = forward(q, k, v, block_mask, scale, score_mod)
         with torch.no_grad():
             w = torch.where(torch.isneginf(lse_b), 0.0, torch.exp(lse_b - lse))  # [b, h, t]; 0 for empty rows
             do_b = (do.float() * w.transpose(1, 2)[..., None]).to(o_b.dtype)
@@ -313,16 +354,17 @@ def _own_code(fn, tag: str):
 _COMPILED: dict = {}
 
 
-def _runner(fn, mask: BlockMask, dtype, device):
+def _runner(fn, mask: BlockMask, dtype, device, capped: bool = False):
     """``fn`` itself (eager), or on a device type of :data:`COMPILE_BACKENDS` its compiled copy
     for this static variant — built on first use, then reused for the whole process."""
     backend = COMPILE_BACKENDS.get(device.type)
     if backend is None:
         return fn
-    key = (fn.__name__, mask.kind, mask.documents, mask.window is not None, dtype, device.type, backend)
+    key = (fn.__name__, mask.kind, mask.documents, mask.window is not None, dtype, device.type, backend, capped)
     if key not in _COMPILED:
         tag = "_".join([mask.kind.value, "documents" if mask.documents else "plain",
-                        "window" if mask.window is not None else "nowindow", str(dtype).removeprefix("torch.")])
+                        "window" if mask.window is not None else "nowindow", str(dtype).removeprefix("torch.")]
+                       + (["softcap"] if capped else []))
         _COMPILED[key] = torch.compile(_own_code(fn, tag), backend=backend, fullgraph=True, dynamic=False)
     return _COMPILED[key]
 
@@ -355,33 +397,53 @@ def backward_route(device_type: str) -> str:
     return BACKWARD_ROUTES[device_type]
 
 
-def flex_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
-    """The block forward (module docstring): (o [b, t, h, d] input dtype, lse [b, h, t] float32)."""
+def _softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
+            and softcap > 0):
+        raise ValueError(f"softcap must be a finite positive number or None, got {softcap!r}")
+    return float(softcap)
+
+
+def flex_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
+    """The block forward (module docstring): (o [b, t, h, d] input dtype, lse [b, h, t] float32);
+    ``softcap``: the scaled logits capped by :func:`score_mod_for`."""
     t, s = q.shape[1], k.shape[1]
     _check_block(mask, t, s, segments, positions)
+    softcap = _softcap(softcap)
     block_mask = block_mask_for(mask, t, s, q.device, segments, positions)
-    run = _runner(_forward, mask, q.dtype, q.device)
-    return run(q.detach(), k.detach(), v.detach(), block_mask, float(scale))
+    run = _runner(_forward, mask, q.dtype, q.device, capped=softcap is not None)
+    return run(q.detach(), k.detach(), v.detach(), block_mask, float(scale), score_mod_for(softcap))
 
 
-def flex_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
+def flex_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None,
+                   softcap=None):
     """The block backward with the global ``o`` and ``lse`` (and ``dlse``, their lse cotangent,
-    or None): (dq [b, t, h, d], dk, dv [b, s, hk, d]) in the input dtype, by :func:`backward_route`."""
+    or None): (dq [b, t, h, d], dk, dv [b, s, hk, d]) in the input dtype, by :func:`backward_route`
+    (``softcap``: through the cap's score_mod)."""
     t, s = q.shape[1], k.shape[1]
     _check_block(mask, t, s, segments, positions)
+    softcap = _softcap(softcap)
+    capped = softcap is not None
     block_mask = block_mask_for(mask, t, s, q.device, segments, positions)
     lse = lse.float().contiguous()
     dlse = torch.zeros_like(lse) if dlse is None else dlse.float().contiguous()  # one compiled variant
-    args = (do.detach(), q.detach(), k.detach(), v.detach(), o.detach(), lse, dlse, block_mask, float(scale))
-    if backward_route(q.device.type) == "operator":
-        return _runner(_backward, mask, q.dtype, q.device)(*args)
+    args = (do.detach(), q.detach(), k.detach(), v.detach(), o.detach(), lse, dlse, block_mask, float(scale),
+            score_mod_for(softcap))
     compiled = COMPILE_BACKENDS.get(q.device.type) is not None
-    forward = _runner(_forward, mask, q.dtype, q.device) if compiled else _operator_forward
+    # capped and compiled: dynamo neither derives the cap's joint graph for the backward operator
+    # (torch 2.13) nor takes one as an argument — the recompute route (module docstring)
+    if backward_route(q.device.type) == "operator" and not (capped and compiled):
+        joint = joint_graph_for(softcap) if capped else None
+        return _runner(_backward, mask, q.dtype, q.device, capped)(*args, joint)
+    forward = _runner(_forward, mask, q.dtype, q.device, capped) if compiled else _operator_forward
     return _recompute_backward(*args, forward)
 
 
-def supports(mask: BlockMask, dtype: str) -> bool:
-    """Every block mask (kind, documents, window) in float32 and the low-precision dtypes."""
+def supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
+    """Every block mask (kind, documents, window) in float32 and the low-precision dtypes,
+    soft-capped or not."""
     return dtype == "float32" or dtype in LOW_PRECISION
 
 

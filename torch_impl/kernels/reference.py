@@ -13,6 +13,11 @@ mask, ``segments = (q_ids [b, t], kv_ids [b, s])`` integer ids (query i sees key
 ids are equal, on top of the static mask); with a window ``(left, right)``, ``positions =
 (q_pos [t], kv_pos [s])`` integer original positions (query i sees key j only if
 q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right, on top of the rest).
+
+Soft-capping (``softcap``, a float, Gemma 2): every scaled logit x = scale·q·k becomes
+softcap · tanh(x / softcap) before the mask and the softmax, in the forward and in the backward's
+recomputed scores; the backward multiplies dS by the cap's slope 1 − tanh²(x / softcap) before
+the scale. The LSE and its merge are unchanged (capping is per logit).
 """
 
 from __future__ import annotations
@@ -91,7 +96,17 @@ def _scores(q, k, scale):
     return torch.einsum("btkgd,bskd->bkgts", qg, k.float()) * scale
 
 
-def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, *,
+def _capped(scores, softcap):
+    """(softcap · tanh(scores / softcap), its slope 1 − tanh²) in place of ``scores`` — or
+    (scores, None) without a cap."""
+    if softcap is None:
+        return scores, None
+    th = scores.div_(softcap).tanh_()
+    slope = 1.0 - th * th
+    return th.mul_(softcap), slope
+
+
+def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None, *,
                         chunk: int | None = None):
     """Portable forward, an online softmax over key chunks (``chunk``: default ``seqplan.chunks.key_chunk``).
     A query row with no visible key gets o = 0 and lse = -inf (stripe's strict mask on row 0, no
@@ -104,7 +119,7 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
     m = total = acc = None  # running max, sum of exp and numerator: [b, hk, g, t], [..], [b, hk, g, t, d]
     for lo in range(0, s, c):
         hi = min(s, lo + c)
-        sc = _scores(q, k[:, lo:hi], scale)
+        sc, _ = _capped(_scores(q, k[:, lo:hi], scale), softcap)
         visible = chunk_visible(mask, t, lo, hi, q.device, segments, positions)
         if visible is not None:
             sc.masked_fill_(~visible, float("-inf"))
@@ -130,9 +145,9 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
 
 
 def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
-                        positions=None, *, chunk: int | None = None):
+                        positions=None, softcap=None, *, chunk: int | None = None):
     """Portable backward with the global ``o`` and ``lse``, per key chunk:
-    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = scale·dS K (summed over chunks),
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse) (∘ the cap's slope with ``softcap``), dQ = scale·dS K (summed over chunks),
     dK = scale·dSᵀ Q, dV = Pᵀ dO (each chunk's own rows).
     Masked pairs have P = 0, so a row with no visible key contributes nothing."""
     b, t, h, d = q.shape
@@ -152,15 +167,18 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
     for lo in range(0, s, c):
         hi = min(s, lo + c)
         k_c, v_c = k[:, lo:hi].float(), v[:, lo:hi].float()
-        p = _scores(q, k_c, scale).sub_(lse_g).exp_()
+        sc, slope = _capped(_scores(q, k_c, scale), softcap)
+        p = sc.sub_(lse_g).exp_()
         visible = chunk_visible(mask, t, lo, hi, q.device, segments, positions)
         if visible is not None:
             p.masked_fill_(~visible, 0.0)
         dv[:, lo:hi] = torch.einsum("bkgts,btkgd->bskd", p, do_g)
-        ds = torch.einsum("btkgd,bskd->bkgts", do_g, v_c).sub_(delta.unsqueeze(-1)).mul_(p).mul_(scale)
+        ds = torch.einsum("btkgd,bskd->bkgts", do_g, v_c).sub_(delta.unsqueeze(-1)).mul_(p)
+        ds = (ds if slope is None else ds.mul_(slope)).mul_(scale)
         dq.add_(torch.einsum("bkgts,bskd->btkgd", ds, k_c))
         dk[:, lo:hi] = torch.einsum("bkgts,btkgd->bskd", ds, q_g)
     return dq.reshape(b, t, h, d), dk, dv
 
 
-register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd))
+register_backend(BlockBackend("reference", reference_block_fwd, reference_block_bwd,
+                              supports=lambda mask, dtype, softcap=False: True))  # every mask, dtype, softcap

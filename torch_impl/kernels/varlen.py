@@ -109,7 +109,9 @@ def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
-def _supports(mask: BlockMask, dtype: str) -> bool:
+def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
+    if softcap:  # the FA2 varlen op soft-caps nothing: a capped block runs on the portable kernel (block.capped_backend)
+        return False
     return mask.documents and mask.window is None and mask.kind is not MaskKind.STRICT and dtype in LOW_PRECISION
 
 

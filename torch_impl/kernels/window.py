@@ -103,7 +103,9 @@ def window_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
     return dq, dk, dv
 
 
-def _supports(mask: BlockMask, dtype: str) -> bool:
+def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
+    if softcap:  # the FA2 window op soft-caps nothing: a capped block runs on the portable kernel (block.capped_backend)
+        return False
     return mask.window is not None and not mask.documents and mask.kind is not MaskKind.STRICT and dtype in LOW_PRECISION
 
 
