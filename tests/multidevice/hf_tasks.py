@@ -84,13 +84,13 @@ def sync_grads(model):
             dist.all_reduce(p.grad)
 
 
-def plain_task(kind: str, steps: int, packed: bool = False, overrides: dict | None = None):
+def plain_task(kind: str, steps: int, packed: bool = False, overrides: dict | None = None, b: int = 2):
     """The same model without sequence parallelism (eager attention, whole sequence; packed
     documents through Hugging Face's own packed-sequence mask, read from the restarting positions;
-    ``overrides``: of the model's config)."""
+    ``overrides``: of the model's config; ``b`` batch rows)."""
     model = tiny_model(kind, overrides=overrides)
     model.set_attn_implementation("eager")
-    ids, pos, labels, _ = batch(packed=packed)
+    ids, pos, labels, _ = batch(packed=packed, b=b)
     count = int((labels != IGNORE).sum())
     losses, grads = train(model, steps, lambda m: loss_sum(m(input_ids=ids, position_ids=pos, use_cache=False).logits,
                                                            labels) / count)
@@ -98,11 +98,13 @@ def plain_task(kind: str, steps: int, packed: bool = False, overrides: dict | No
 
 
 def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int, packed: bool = False,
-                           mode: str = "segment_ids", overrides: dict | None = None):
+                           mode: str = "segment_ids", overrides: dict | None = None, b: int = 2):
     """Runs on every rank: the model on this rank's shard, ringbridge attention over ``axes``
-    (packed documents through the ``segment_ids`` keyword, or with ``mode="positions"`` only
-    through the restarting ``position_ids``, as DataCollatorWithFlattening marks them;
-    ``overrides``: of the model's config)."""
+    (packed documents through the ``segment_ids`` keyword, or as DataCollatorWithFlattening marks
+    them: ``mode="positions"`` only through the restarting ``position_ids`` (its default),
+    ``"cu_seq_lens"`` with its flash-attention keywords of the global row
+    (``return_flash_attn_kwargs=True``, one row: ``b=1``), ``"seq_idx"`` with the global row's
+    document index (``return_seq_idx=True``); ``overrides``: of the model's config)."""
     import torch
     import torch.distributed as dist
 
@@ -112,10 +114,16 @@ def sequence_parallel_task(kind: str, axes: tuple, layout: str, steps: int, pack
     mesh = make_mesh("cpu", axes)
     model = tiny_model(kind, overrides=overrides)
     model.set_attn_implementation(register(mesh, layout=layout))
-    ids, pos, labels, segments = (local_shard(x, mesh, layout) for x in batch(packed=packed))
+    whole = batch(packed=packed, b=b)
+    ids, pos, labels, segments = (local_shard(x, mesh, layout) for x in whole)
     count = torch.tensor([float((labels != IGNORE).sum())])
     dist.all_reduce(count)
-    extra = {"segment_ids": segments.contiguous()} if packed and mode == "segment_ids" else {}
+    lengths = torch.tensor(DOCUMENTS)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    extra = {"segment_ids": {"segment_ids": segments.contiguous()}, "positions": {},
+             "cu_seq_lens": {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
+                             "max_length_k": int(lengths.max())},
+             "seq_idx": {"seq_idx": whole[3].contiguous()}}[mode] if packed else {}
 
     def run(m):
         share = loss_sum(m(input_ids=ids, position_ids=pos, use_cache=False, **extra).logits, labels) / count[0]

@@ -126,15 +126,18 @@ def test_packed_batches_map_to_segment_ids_in_every_collator_mode(worlds):
             assert got is not None and np.array_equal(same(got), same(want)), mode
 
 
-def test_packed_llama_through_restarting_positions_alone_trains_like_the_plain_model(worlds):
-    """No segment_ids keyword: the restarting position_ids are the only mark of packing (the
-    collator's default); the model must still train like the plain model with Hugging Face's
-    packed-sequence mask, to 1e-5."""
+@pytest.mark.parametrize("mode", ["positions", "cu_seq_lens", "seq_idx"])
+def test_packed_llama_through_each_collator_mode_trains_like_the_plain_model(mode, worlds):
+    """No segment_ids keyword: a packed batch marked only as DataCollatorWithFlattening marks it —
+    restarting position_ids (its default), its flash-attention keywords (cu_seq_lens / max_length
+    of the one global row) or its seq_idx — must train like the plain model with Hugging Face's
+    packed-sequence mask, to 1e-5 (losses of two Adam steps, the first step's weight gradients)."""
     from parity.runners.torch_world import get_world
 
-    ref_losses, ref_grads = hf_tasks.plain_task("llama", 2, True)
+    b = 1 if mode == "cu_seq_lens" else 2  # the collator's offsets describe one flattened row
+    ref_losses, ref_grads = hf_tasks.plain_task("llama", 2, True, b=b)
     losses, grads = get_world(2).run(hf_tasks.sequence_parallel_task, "llama", (("ring", 2),), "zigzag", 2, True,
-                                     "positions")[0]
+                                     mode, None, b)[0]
     assert _rel(np.array(losses), np.array(ref_losses)) <= TOL, (losses, ref_losses)
     worst = max(ref_grads, key=lambda n: _rel(grads[n], ref_grads[n]))
     assert _rel(grads[worst], ref_grads[worst]) <= TOL, (worst, _rel(grads[worst], ref_grads[worst]))
