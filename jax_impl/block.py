@@ -200,8 +200,9 @@ def routing_backend(deterministic: bool = False, softcap: float | None = None) -
 
     names = _reachable_here(deterministic)
     typed = all(_BACKENDS[n].typed_for_shard_map for n in names)
+    # capped blocks all run on the portable kernel: no variant per window offset to compile
     return BlockBackend("auto", fwd, bwd, typed_for_shard_map=typed,
-                        window_offsets=any(_BACKENDS[n].window_offsets for n in names))
+                        window_offsets=softcap is None and any(_BACKENDS[n].window_offsets for n in names))
 
 
 def capped_backend(backend: BlockBackend, softcap: float) -> BlockBackend:
