@@ -26,6 +26,7 @@ from seqplan.validation import check_segment_ids, check_sinks, check_window, dty
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
+    alone_dtype,
     attention_with_vjp,
     gather_segment_ids,
     grad_block,
@@ -75,7 +76,8 @@ def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
     def visit(step, j, s, _, state):
         masks = visit_masks(schedule, config, ids_all, me, j, s, t)
         if step.local:  # own K/V
-            return local_forward(backend, config.scale, q, (k, v), schedule.plan.local.mask, **masks)
+            return local_forward(backend, config.scale, q, (k, v), schedule.plan.local.mask,
+                                 out_dtype=alone_dtype(schedule, q.dtype), **masks)
         kv = tuple(_shard(x, schedule.source(me, j, s), t) for x in kv_all)
         return visit_block(schedule, me, j, s,
                            lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, **masks), state)
@@ -91,7 +93,8 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
     def visit(step, j, s, _, state):
         masks = visit_masks(schedule, config, ids_all, me, j, s, t)
         if step.local:
-            dq, dk, dv = local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, **masks)
+            dq, dk, dv = local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask,
+                                        dq_dtype=alone_dtype(schedule, q.dtype), **masks)
             if schedule.size == 1:
                 return dq, dk, dv
             return (dq, *(lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, F32), g.astype(F32), me * t, axis=1)

@@ -4,7 +4,9 @@
     block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments=None, positions=None, softcap=None) -> (dq, dk, dv)
 
 q, do, o: [b, t, h, d]; k, v: [b, s, hk, d]; lse, dlse: [b, h, t] float32; o and the gradients
-float32. ``mask`` is a :class:`schedule.BlockMask` (full / causal / strict, each optionally with
+float32, or the inputs' dtype where a fused kernel computed them there (never widened by an
+adapter: the loops cast where they merge or accumulate, in float32, and a device's only block
+goes straight to the caller's dtype). ``mask`` is a :class:`schedule.BlockMask` (full / causal / strict, each optionally with
 documents and a window); ``segments = (q_ids [b, t], kv_ids [b, s])`` is given exactly when
 ``mask.documents``, ``positions = (q_pos [t], kv_pos [s])`` (int32 original positions) exactly
 when ``mask.window`` is set (the loops pass each as a keyword, and only then: kernels written

@@ -83,6 +83,11 @@ def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq:
     return visit_masks(schedule, config, ids, r, visit.step.round, visit.step.inner, seq // schedule.size)
 
 
+def _alone_dtype(visits, dtype):
+    """``loop.alone_dtype`` of one device's visits: ``dtype`` when its own block is its only one."""
+    return dtype if all(v.step.local or v.block is None for v in visits) else F32
+
+
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
                    segment_ids=None, window=None, sinks=None, softcap=None):
@@ -96,11 +101,13 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     q_d = _shard(q, r, strategy.ring, q_heads)
     o = lse = None
-    for visit in device_visits(schedule, r):
+    visits = device_visits(schedule, r)
+    o_dtype = _alone_dtype(visits, q.dtype)
+    for visit in visits:
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
         masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1])
         if visit.step.local:
-            o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, **masks)
+            o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, out_dtype=o_dtype, **masks)
         elif visit.block is not None:
             o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), **masks)
     o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])
@@ -122,12 +129,14 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     lse_d, dlse_d = (None if x is None else _shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (mine[0], mine[1], lse_d, mine[2], dlse_d)
     dq, contributions = None, {}
-    for visit in device_visits(schedule, r):
+    visits = device_visits(schedule, r)
+    dq_dtype = _alone_dtype(visits, q.dtype)
+    for visit in visits:
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
         masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1])
         if visit.step.local:
-            dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, **masks)
-            dq, contributions[visit.source] = dq.astype(F32), (dk.astype(F32), dv.astype(F32))
+            dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, dq_dtype=dq_dtype, **masks)
+            contributions[visit.source] = (dk, dv)
         elif visit.block is not None:
             zeros = jnp.zeros(kv[0].shape, F32)
             dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros), **masks)

@@ -22,6 +22,7 @@ from seqplan.validation import check_segment_ids, check_sinks, check_window, dty
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
+    alone_dtype,
     attention_with_vjp,
     gather_segment_ids,
     grad_block,
@@ -83,7 +84,8 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
     def visit(step, j, s, kv, state):
         masks = visit_masks(schedule, config, ids_all, me, j, s, t)
         if step.local:
-            return local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask, **masks)
+            return local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask,
+                                  dq_dtype=alone_dtype(schedule, q.dtype), **masks)
         return visit_block(schedule, me, j, s,
                            lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, **masks), state)
 

@@ -57,7 +57,7 @@ def _lse_tokens(lse_buffer, b: int, h: int, t: int):
 
 
 def varlen_fwd(q, k, v, causal: bool, scale: float, runs):
-    """FA3 varlen forward on an expressible block: (o float32 [b, t, h, d], lse [b, h, t])."""
+    """FA3 varlen forward on an expressible block: (o [b, t, h, d] in q's dtype, lse [b, h, t] float32)."""
     from flash_attn3_jax.varlen_fwd import flash_mha_varlen_fwd  # internal: returns the lse
 
     b, t, h, d = q.shape
@@ -65,7 +65,7 @@ def varlen_fwd(q, k, v, causal: bool, scale: float, runs):
                                   runs["cu_k"], max_seqlen_q=t, max_seqlen_k=k.shape[1], softmax_scale=scale,
                                   is_causal=causal)
     covered = runs["covered_q"]
-    o = jnp.where(covered[:, :, None, None], o.reshape(b, t, h, d).astype(F32), 0.0)
+    o = jnp.where(covered[:, :, None, None], o.reshape(b, t, h, d), 0)
     return o, jnp.where(covered[:, None, :], _lse_tokens(lse, b, h, t), -jnp.inf)
 
 
@@ -95,7 +95,7 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs):
       max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
       window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0)
-    dq = jnp.where(runs["covered_q"][:, :, None, None], dq.reshape(b, t, h, d).astype(F32), 0.0)
+    dq = jnp.where(runs["covered_q"][:, :, None, None], dq.reshape(b, t, h, d), 0)
     if runs["identity"]:  # keys no query reads: zero, written here rather than trusted to the kernel
         read = runs["covered_kv"][:, :, None, None]
         return dq, *(jnp.where(read, g.reshape(b, s, hk, d).astype(F32), 0.0) for g in (dk_p, dv_p))

@@ -10,6 +10,8 @@ window, ``window=(left, right)``: FlashAttention's bottom-right-aligned sizes, -
 q, do, o: [b, t, h, d]; k, v: [b, s, hk, d] (bf16 / fp16); lse: [b, h, t] float32, natural log.
 The adapter expresses a STRICT block (j < i, stripe's later shards) as the causal block of rows
 1.. against keys ..t-1 (row 0 sees nothing: o = 0, lse = -inf; key t-1 is seen by no row), returns
+o and the gradients in the kernel's own dtype (never widened here: the loops cast where they
+merge or accumulate, so a device's only block is not copied to float32 and back) and lse in
 float32, and sends a backward with an lse cotangent (only when the caller uses lse) to the
 portable kernel, as torch_impl's aten adapters do.
 
@@ -67,23 +69,22 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
         b, t, h, d = q.shape
         cut = block_band(mask, t, k.shape[1], mask.offset)
         if cut is None:  # the band misses the block
-            return jnp.zeros(q.shape, F32), jnp.full((b, h, t), -jnp.inf, F32)
+            return jnp.zeros(q.shape, q.dtype), jnp.full((b, h, t), -jnp.inf, F32)
         rows, cols = slice(cut.i0, cut.i1), slice(cut.j0, cut.j1)
         o, lse = fwd_op(q[:, rows], k[:, cols], v[:, cols], False, scale, window=(cut.left, cut.right))
-        return (_pad_rows(o.astype(F32), cut.i0, t - cut.i1, 1),
-                _pad_rows(lse.astype(F32), cut.i0, t - cut.i1, 2, -jnp.inf))
+        return (_pad_rows(o, cut.i0, t - cut.i1, 1), _pad_rows(lse.astype(F32), cut.i0, t - cut.i1, 2, -jnp.inf))
 
     def band_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float):
         t, s = q.shape[1], k.shape[1]
         cut = block_band(mask, t, s, mask.offset)
         if cut is None:
-            return tuple(jnp.zeros(x.shape, F32) for x in (q, k, v))
+            return tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
         rows, cols = slice(cut.i0, cut.i1), slice(cut.j0, cut.j1)
         dtype = q.dtype
         dq, dk, dv = bwd_op(do[:, rows].astype(dtype), q[:, rows], k[:, cols], v[:, cols], o[:, rows].astype(dtype),
                             lse[:, :, rows].astype(F32), False, scale, window=(cut.left, cut.right))
-        return (_pad_rows(dq.astype(F32), cut.i0, t - cut.i1, 1), _pad_rows(dk.astype(F32), cut.j0, s - cut.j1, 1),
-                _pad_rows(dv.astype(F32), cut.j0, s - cut.j1, 1))
+        return (_pad_rows(dq, cut.i0, t - cut.i1, 1), _pad_rows(dk, cut.j0, s - cut.j1, 1),
+                _pad_rows(dv, cut.j0, s - cut.j1, 1))
 
     def fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
         if not fused_here(mask):
@@ -93,10 +94,10 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
         if mask.kind is MaskKind.STRICT:
             o_r, lse_r = fwd(q[:, 1:], k[:, :-1], v[:, :-1], CAUSAL_MASK, scale)
             b, _, h, d = q.shape
-            return (jnp.concatenate([jnp.zeros((b, 1, h, d), F32), o_r], 1),
+            return (jnp.concatenate([jnp.zeros((b, 1, h, d), o_r.dtype), o_r], 1),
                     jnp.concatenate([jnp.full((b, h, 1), -jnp.inf, F32), lse_r], 2))
         o, lse = fwd_op(q, k, v, mask.kind is MaskKind.CAUSAL, scale)
-        return o.astype(F32), lse.astype(F32)
+        return o, lse.astype(F32)
 
     def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
         if dlse is not None or not fused_here(mask):
@@ -109,9 +110,8 @@ def fused_backend(name: str, fwd_op: Callable, bwd_op: Callable, *, typed_for_sh
             rows = lambda first, last: [(0, 0), (first, last), (0, 0), (0, 0)]
             return jnp.pad(dq_r, rows(1, 0)), jnp.pad(dk_r, rows(0, 1)), jnp.pad(dv_r, rows(0, 1))
         dtype = q.dtype
-        grads = bwd_op(do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask.kind is MaskKind.CAUSAL,
-                       scale)
-        return tuple(g.astype(F32) for g in grads)
+        return tuple(bwd_op(do.astype(dtype), q, k, v, o.astype(dtype), lse.astype(F32), mask.kind is MaskKind.CAUSAL,
+                            scale))
 
     return BlockBackend(name, fwd, bwd, typed_for_shard_map=typed_for_shard_map,
                         supports=lambda mask, dtype, softcap=False: (not softcap and dtype in LOW_PRECISION

@@ -87,11 +87,14 @@ def dispatch(segments, causal: bool, kernel, portable, slots=RUN_SLOTS, form=Non
                           len(branches))
     else:
         index = jnp.minimum(index, len(sizes))
-    branches.append(portable)
     if boundary and not causal:
         edge = boundary_runs(q_ids, kv_ids)
         index = jnp.where(edge["ok"], 0, index + 1)
         branches.insert(0, lambda: kernel(edge))
+    # every branch returns the kernel's dtypes (its o / dq may stay in the inputs' dtype): the
+    # portable kernel's float32 results are cast to them
+    like = jax.eval_shape(branches[0])
+    branches.append(lambda: jax.tree.map(lambda x, y: x.astype(y.dtype), portable(), like))
     return jax.lax.switch(index, branches)
 
 
