@@ -173,3 +173,33 @@ def test_a_devices_only_block_is_never_widened_to_float32():
 
     assert float32_copies(1) == 0
     assert float32_copies(2) > 0
+
+
+def test_a_replayed_backward_reads_only_its_own_rows_of_o_and_lse():
+    """The one-GPU benchmark gives each timed device's backward its own forward's rows placed into
+    zeros instead of the whole replayed forward (one program of every device, too slow to compile
+    at R 8 over 128k): exact only if device_backward reads o and lse of its own shard and heads
+    alone — checked here against the true global o, lse on a USP 2 × 2 replay."""
+    import jax.numpy as jnp
+
+    from jax_impl import replay
+
+    rng = np.random.default_rng(0)
+    b, t, h, hk, d = 1, 32, 4, 2, 8
+    q, do = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, t, hk, d)), jnp.float32) for _ in range(2))
+    strategy = replay.Strategy(ring=2, ulysses=2)
+    kw = {"strategy": strategy, "causal": True, "layout": "zigzag"}
+    o, lse = replay.replay_attention(q, k, v, **kw)
+    for device in range(strategy.devices):
+        r, u = divmod(device, strategy.ulysses)
+        heads, rows = strategy.head_groups(h, hk, u)[0], slice(r * t // 2, (r + 1) * t // 2)
+        o_d, lse_d = replay.device_forward(device, q, k, v, **kw)
+        own_o = jnp.zeros_like(o).at[:, rows, heads].set(o_d)
+        own_lse = jnp.zeros_like(lse).at[:, heads, rows].set(lse_d)
+        want = replay.device_backward(device, q, k, v, o, lse, do, **kw)
+        got = replay.device_backward(device, q, k, v, own_o, own_lse, do, **kw)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        for src in want[1]:
+            for g, w in zip(got[1][src], want[1][src]):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
