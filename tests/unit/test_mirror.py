@@ -62,6 +62,10 @@ def test_mirrors_have_the_same_files_and_public_names():
         # for shard_map's check_vma (torch has no such types).
         jax_only |= {"varying_like"}
         torch_only |= {"ShardMasks", "VisitMasks"}
+        # alone_dtype: the dtype JAX's own block is cast to inside each lax.switch variant (a
+        # device's only block goes straight to the caller's dtype; XLA keeps a float32 copy at a
+        # switch boundary otherwise); torch's block calls are eager and return the kernel's dtype.
+        jax_only |= {"alone_dtype"}
         # local_attention is JAX's per-device entry point (inside the caller's shard_map): torch's
         # sequence_parallel_attention already takes each rank's local shards.
         jax_only |= {"local_attention"}
