@@ -49,8 +49,9 @@ def _expand_kv(x: np.ndarray, heads: int) -> np.ndarray:
 
 def visible(q_pos, k_pos, causal: bool, q_ids=None, k_ids=None, window: tuple[int, int] | None = None) -> np.ndarray:
     """[b or 1, t, s] bool: True where the query at original position q_pos[t] may read the key at
-    k_pos[s] (positions [t] shared by every batch row, or per row [b, t] / [b, s]: token indices) — causally (when ``causal``), given ids ([b, t] and [b, s]) within one document, and
-    given a window (left, right) within q_pos - left <= k_pos <= q_pos + right."""
+    k_pos[s] (positions [t] shared by every batch row, or per row [b, t] / [b, s]: token indices)
+    — causally (when ``causal``), given ids ([b, t] and [b, s]) within one document, and given
+    a window (left, right) within q_pos - left <= k_pos <= q_pos + right."""
     q_pos, k_pos = (np.asarray(p)[None] if np.ndim(p) == 1 else np.asarray(p) for p in (q_pos, k_pos))
     mask = np.ones((1, q_pos.shape[1], k_pos.shape[1]), dtype=bool)
     if causal:
@@ -89,7 +90,8 @@ def attention_forward(
     kv_segment_ids=None, window: tuple[int, int] | None = None, sinks=None, softcap: float | None = None,
 ) -> Forward:
     """Dense attention in float64. ``q_pos``/``k_pos`` are original token positions, [t] / [s] or
-    per batch row [b, t] / [b, s] (the ``token_index`` argument; default: 0..t-1), so inputs in any layout order are masked by where tokens really are. ``segment_ids``
+    per batch row [b, t] / [b, s] (the ``token_index`` argument; default: 0..t-1), so inputs in
+    any layout order are masked by where tokens really are. ``segment_ids``
     [b, t] / ``kv_segment_ids`` [b, s] (default: ``segment_ids``, self-attention): packed
     documents, in the same order as q / k. ``window`` (left, right): the sliding window on those
     positions. ``sinks`` [h]: each row's denominator gains exp(sinks[h]) (lse includes it).

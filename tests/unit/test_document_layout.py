@@ -88,7 +88,7 @@ def test_padding_is_exact_under_causal_masking():
     q, k, v = (rng.standard_normal((1, padded.shape[1], 2, 4)) for _ in range(3))
     real = np.flatnonzero(source[0] >= 0)
     want = attention_forward(q[:, real], k[:, real], v[:, real], causal=True, segment_ids=ids).o
-    take = lambda x: x[:, layout.perm[0]]  # noqa: E731
+    take = lambda x: x[:, layout.perm[0]]
     got = attention_forward(take(q), take(k), take(v), causal=True, q_pos=layout.token_index,
                             k_pos=layout.token_index, segment_ids=take(padded)).o
     back = got[:, layout.inverse[0]]
