@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import FULL
 from parity.core.reference import attention_backward, attention_forward
 from seqplan.layouts import document_layout, pad_documents, static_token_index
 from seqplan.strategy import Strategy
-
-from helpers import FULL
 
 RING = 2
 STRATEGIES = {"ring": Strategy(ring=RING), "allgather": Strategy(ring=RING, kv_exchange="allgather"),
