@@ -112,3 +112,23 @@ def test_positions_of_the_wrong_shape_are_refused(framework):
     bad = (xp.asarray(np.zeros((3, 4), np.int32)), xp.asarray(np.zeros((3, 4), np.int32)))  # batch 3, not 2
     with pytest.raises(ValueError, match="positions"):
         reference_block_fwd(xp.asarray(q), xp.asarray(q), xp.asarray(q), mask, 1.0, positions=bad)
+
+
+def test_torch_fused_adapters_route_per_row_positions_to_the_portable_kernel():
+    """flex and aten_window never reshape or band per-row token indices: flex hands the block to
+    the portable kernel (same answer), the window adapter calls it not expressible."""
+    import torch
+
+    from torch_impl.kernels.flex import flex_block_fwd
+    from torch_impl.kernels.reference import reference_block_fwd
+    from torch_impl.kernels.window import block_band
+
+    index, ids, q, k, v, _, shard = _problem(4)
+    mask = BlockMask("full", window=token_index_window(None, True))
+    arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v, index)]
+    positions = (arrays[3], arrays[3])
+    got = flex_block_fwd(*arrays[:3], mask, 0.3, positions=positions)
+    want = reference_block_fwd(*arrays[:3], mask, 0.3, positions=positions)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert block_band(mask, q.shape[1], k.shape[1], positions) == "portable"
