@@ -25,9 +25,10 @@ import argparse
 import statistics
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .common import Problem, Row
+from .documents import DOCUMENT_ZIGZAG, layout_keywords, verify_document_path
 
 __all__ = ["STRATEGIES", "ReplaySpec", "main", "replay_rows"]
 
@@ -74,10 +75,18 @@ STRATEGIES = {s.name: s for s in (
 
 def _mask_keywords(problem: Problem, spec: ReplaySpec, to_array) -> dict:
     """The replay's keywords for the problem's masks: ``segment_ids`` in the spec's layout order
-    (through ``to_array``, the framework's array constructor) and ``window`` — only when set."""
+    (through ``to_array``, the framework's array constructor) and ``window`` — only when set. The
+    per-document zigzag adds ``token_index`` and replays under the static name "contiguous"
+    (which then only fixes seq's divisibility: the masks read the token indices)."""
     kw = {}
     ids = problem.segment_ids()
-    if ids is not None:
+    if spec.layout == DOCUMENT_ZIGZAG:
+        if ids is None:
+            raise ValueError("--layout document-zigzag needs --documents")
+        laid = layout_keywords(ids, spec.ring)
+        kw.update(layout="contiguous", segment_ids=to_array(laid["segment_ids"]),
+                  token_index=to_array(laid["token_index"]))
+    elif ids is not None:
         from parity.core.reference import layout_permutation
 
         kw["segment_ids"] = to_array(ids[:, layout_permutation(problem.seq, spec.layout, spec.ring, spec.ulysses)])
@@ -116,10 +125,14 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
     # would fold the run lists and the portable kernel's masks at compile time — minutes at 128k,
     # and a program that is not the one a training step runs).
     ids = kw.pop("segment_ids", None)
+    index = kw.pop("token_index", None)  # the per-document zigzag's token indices: an argument too
+    index_kw = {} if index is None else {"token_index": index}
 
     def program(fn, device=None):
         call = fn if device is None else functools.partial(fn, device)
-        return jax.jit(lambda ids, *args: call(*args, segment_ids=ids, **kw))
+        if index is None:
+            return jax.jit(lambda ids, *args: call(*args, segment_ids=ids, **kw))
+        return jax.jit(lambda ids, *args, token_index: call(*args, segment_ids=ids, token_index=token_index, **kw))
 
 
     def own_rows(device, o_d, lse_d):
@@ -145,13 +158,15 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
 
     def temporaries(fn, *args):  # XLA's compiled temporaries (outputs and arguments not counted)
         try:
-            return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+            target, keywords = (fn.func, fn.keywords) if isinstance(fn, functools.partial) else (fn, {})
+            return int(target.lower(*args, **keywords).compile().memory_analysis().temp_size_in_bytes)
         except Exception:  # noqa: BLE001 — not every backend reports it
             return None
 
     out = {}
     for device in devices_to_time:
         fwd, bwd = program(replay.device_forward, device), program(replay.device_backward, device)
+        fwd, bwd = (functools.partial(f, **index_kw) if index_kw else f for f in (fwd, bwd))
         o, lse = own_rows(device, *fwd(ids, q, k, v))  # the backward's saved o, lse
         out[device] = (clock(fwd, ids, q, k, v), clock(bwd, ids, q, k, v, o, lse, do),
                        (temporaries(fwd, ids, q, k, v), temporaries(bwd, ids, q, k, v, o, lse, do)))
@@ -235,12 +250,21 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
 
     from .verify import reduced_case, verify_path
 
-    case = reduced_case(spec.shape(), spec.layout, problem)
+    per_document = spec.layout == DOCUMENT_ZIGZAG
+    # the parity case of the path (the per-document zigzag: its static stand-in, for the resolved
+    # kernels; a balance mix: the harness's "mix" pattern)
+    case = reduced_case(spec.shape(), "contiguous" if per_document else spec.layout, problem)
     extra = {"block_backend": backend, "strategy_name": spec.name, "heads": problem.heads,
              "kv_heads": problem.kv_heads, "resolved": resolved_backends(framework, backend, case, devices),
-             "documents": problem.documents, "window": problem.window, "verified_as": case.name}
+             "documents": problem.documents, "window": problem.window,
+             "verified_as": "per-document zigzag replay vs the float64 oracle, 2048 tokens" if per_document
+             else case.name}
     try:
-        verdict = verify_path(framework, case, backend, devices, replay=True, seed=seed)
+        if per_document:
+            verdict = verify_document_path(framework, problem, spec.ring, spec.ulysses, spec.outer, spec.kv_exchange,
+                                           backend, devices, seed=seed)
+        else:
+            verdict = verify_path(framework, case, backend, devices, replay=True, seed=seed)
     except Exception as err:  # noqa: BLE001 — a path that cannot be checked is not verified
         verdict = (False, f"verification raised {type(err).__name__}: {err}")
     print(f"{framework} {spec.name} {backend}: verification {verdict}", flush=True)
@@ -267,7 +291,13 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
     from seqplan.layouts import ring_positions
 
     # each virtual device's queries: ring shard device // U (original positions; TFLOP/s on its own pairs)
-    shard_positions = ring_positions(spec.layout, spec.ring, problem.seq // spec.ring)
+    if per_document:
+        shard_positions = layout_keywords(problem.segment_ids(), spec.ring)["token_index"][0].reshape(spec.ring, -1)
+    else:
+        shard_positions = ring_positions(spec.layout, spec.ring, problem.seq // spec.ring)
+    # busiest / mean device fwd+bwd time over the devices timed (every one with --replay-devices all)
+    totals = {d: _median([a + b for a, b in zip(fwd, bwd)])[0] for d, (fwd, bwd, _) in measured.items()}
+    time_balance = max(totals.values()) / (sum(totals.values()) / len(totals))
     for device, (fwd, bwd, temps) in measured.items():
         bare = _bare_kernels(framework, backend, spec, problem, device, iters, warmup)
         for fwd_only in (True, False):
@@ -276,7 +306,8 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
             r.ms_per_iter, r.ms_spread = _median(times)
             r.tflops_per_gpu = problem.flops(fwd_only) / share / (r.ms_per_iter * 1e-3) / 1e12
             own = problem.own_flops(shard_positions[device // spec.ulysses], 1 / spec.ulysses, fwd_only)
-            r.extra = {**r.extra, "tflops_own_pairs": own / (r.ms_per_iter * 1e-3) / 1e12}
+            r.extra = {**r.extra, "tflops_own_pairs": own / (r.ms_per_iter * 1e-3) / 1e12,
+                       "time_balance": time_balance, "time_balance_devices": sorted(totals)}
             temp = temps[0] if fwd_only else (None if None in temps else max(temps))
             floor = problem.min_bytes_per_device(spec.devices, fwd_only)
             r.extra = {**r.extra, "temporaries_mb": None if temp is None else temp / 2**20,
@@ -345,8 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--full", action="store_true", help="non-causal (default: causal)")
     ap.add_argument("--documents", default="none",
-                    help="packed documents: a parity.core.documents pattern drawn at seed 0 (e.g. mix); TFLOP/s "
-                         "count the mask area")
+                    help="packed documents: a parity.core.documents pattern drawn at seed 0 (e.g. mix) or a "
+                         "parity.probes.balance.MIXES name (short, heavy-tail, few-long); TFLOP/s count the mask area")
+    ap.add_argument("--layout", default=None,
+                    help="every strategy's layout instead of its own: contiguous, zigzag, stripe or document-zigzag "
+                         "(the per-document zigzag with explicit token indices; needs --documents)")
     ap.add_argument("--window", type=int, default=None, help="sliding window left extent (right 0)")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                     help=f"comma-separated of {sorted(STRATEGIES)} (default: {','.join(DEFAULT_STRATEGIES)})")
@@ -379,16 +413,25 @@ def main(argv=None) -> list[Row]:
     shape = dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, causal=not a.full)
     problem = Problem(seq=a.seq, **shape, **masks)
     specs = [STRATEGIES[n] for n in a.strategies.split(",") if n]
+    if a.layout is not None:
+        if a.layout not in ("contiguous", "zigzag", "stripe", DOCUMENT_ZIGZAG):
+            raise SystemExit(f"--layout must be contiguous, zigzag, stripe or {DOCUMENT_ZIGZAG}, got {a.layout!r}")
+        if a.layout == DOCUMENT_ZIGZAG and a.documents == "none":
+            raise SystemExit("--layout document-zigzag needs --documents")
+        specs = [replace(spec, name=f"{spec.name}:{a.layout}", layout=a.layout) for spec in specs]
     frameworks = [f for f in a.frameworks.split(",") if f]
     per_device = [int(t) for t in a.per_device_tokens.split(",") if t]
     # (problem, spec) pairs: one problem for the grid, or seq = tokens × devices per strategy
     grid = [(Problem(seq=t * spec.devices, **shape, **masks), spec) for t in per_device for spec in specs] \
         if per_device else [(problem, spec) for spec in specs]
+    # the per-document zigzag: each strategy's ids fitted to its ring (benchmarks.documents)
+    grid = [(replace(prob, fit_ring=spec.ring, fit_multiple=2 * spec.ring * spec.ulysses)
+             if spec.layout == DOCUMENT_ZIGZAG else prob, spec) for prob, spec in grid]
     if a.dry_run:
         from .verify import reduced_case
 
         for prob, spec in grid:
-            case = reduced_case(spec.shape(), spec.layout, prob)
+            case = reduced_case(spec.shape(), "contiguous" if spec.layout == DOCUMENT_ZIGZAG else spec.layout, prob)
             print(f"{spec.name:16s} devices {spec.devices}: time devices {_devices_to_time(spec, a.replay_devices)} "
                   f"of {prob.seq} tokens; verify {case.name} (replay) for {frameworks} backend {a.backend}")
         return []

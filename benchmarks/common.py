@@ -22,18 +22,28 @@ class Problem:
     causal: bool = True
     dtype: str = "bfloat16"
     documents: str = "none"  # packed documents: a parity.core.documents pattern drawn at seed 0 ("mix")
+    # or a parity.probes.balance.MIXES name ("short", "heavy-tail", "few-long")
     window: tuple[int, int] | None = None  # sliding window (left, right) on original positions
+    fit_ring: int = 0  # > 0: the ids fitted to the per-document zigzag of this R (benchmarks.documents)
+    fit_multiple: int = 1  # ... at a length multiple of this (2·R·U)
 
     def segment_ids(self):
         """[batch, seq] int32 ids in original order (``None`` without documents): the pattern of
-        ``parity.core.documents`` drawn from seed 0, so every run times the same mix."""
+        ``parity.core.documents`` drawn from seed 0, or the balance probe's mix of that name, so
+        every run times the same mix; fitted to the per-document zigzag with ``fit_ring``."""
         if self.documents == "none":
             return None
         import numpy as np
 
-        from parity.core.documents import draw_segment_ids
+        from .documents import fit_documents, mix_ids, mix_names
 
-        return draw_segment_ids(self.documents, self.batch, self.seq, np.random.default_rng(0))
+        if self.documents in mix_names():
+            ids = mix_ids(self.documents, self.batch, self.seq)
+        else:
+            from parity.core.documents import draw_segment_ids
+
+            ids = draw_segment_ids(self.documents, self.batch, self.seq, np.random.default_rng(0))
+        return fit_documents(ids, self.fit_ring, self.fit_multiple) if self.fit_ring else ids
 
     def visible_keys(self):
         """[batch, seq] int64: how many keys each query (by original position) sees under the

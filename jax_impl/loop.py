@@ -207,8 +207,19 @@ def _window_decision(block: Block, window: tuple[int, int], shard_positions, own
     return options, index, reachable, all(reach[pair] for pair in pairs), positions
 
 
+def _index_decision(block: Block, window: tuple[int, int], token_index, own_block: bool):
+    """The window's part of :func:`under_masks` for explicit per-row token indices
+    ``token_index = (q_index [b, t], kv_index [b, t])`` (traced): (options, index, reachable,
+    always_reachable, positions) as :func:`_window_decision`, decided at run time from each
+    batch row's smallest and largest index (reachable in some row; covered in every row), with
+    no static offset (a fused kernel takes such a block only when the window covers it)."""
+    q_pos, kv_pos = _part(token_index[0], block.q_part, 1), _part(token_index[1], block.kv_part, 1)
+    reach, cover = window_flags(q_pos.min(1), q_pos.max(1), kv_pos.min(1), kv_pos.max(1), *window)
+    return [None, (None,)], jnp.where(cover.all(), 0, 1), reach.any(), own_block, (q_pos, kv_pos)
+
+
 def under_masks(block: Block, run: Callable, state, *, segments=None, window=None, shard_positions=None,
-                own_block: bool = False, by_offset: bool = False):
+                own_block: bool = False, by_offset: bool = False, token_index=None):
     """``run(mask, mask_arrays, state)`` under the block's run-time decision (module docstring):
     skipped (``state`` returned), else ``mask`` = ``block.mask`` plus documents and/or the window
     where they do not cover the block, ``mask_arrays`` the kernel's keywords for it
@@ -217,7 +228,9 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
     the backend uses a windowed block's static offset (``BlockBackend.window_offsets``), so the
     windowed variant is split by offset. One ``lax.switch`` over the variants that can occur (the
     window's are known statically: :func:`_window_decision`); none when one can. ``segments``
-    and ``window`` None: ``run(block.mask, {}, state)``."""
+    and ``window`` None: ``run(block.mask, {}, state)``. ``token_index``: per-row token indices
+    of the block's two shards, which then decide the window at run time (:func:`_index_decision`)
+    instead of ``shard_positions``."""
     if segments is None and window is None:
         return run(block.mask, {}, state)
     keep, doc_index, doc_options = True, 0, (False,)
@@ -227,8 +240,12 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
         keep, doc_index, doc_options = shared, jnp.where(one_document, 0, 1), (False, True)
     win_index, win_options, skippable = 0, (None,), segments is not None and not own_block
     if window is not None:
-        win_options, win_index, reachable, always, positions = _window_decision(
-            block, window, shard_positions, own_block, by_offset)
+        if token_index is not None:
+            win_options, win_index, reachable, always, positions = _index_decision(block, window, token_index,
+                                                                                   own_block)
+        else:
+            win_options, win_index, reachable, always, positions = _window_decision(
+                block, window, shard_positions, own_block, by_offset)
         if not win_options:  # no device can reach this block: nothing to compile
             return state
         if not always:
@@ -250,7 +267,7 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
 
 
 def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=None, shard_positions=None,
-                  out_dtype=F32):
+                  out_dtype=F32, token_index=None):
     """(o, lse) of a device's own block (step 0): queries against their own shard's K/V. ``o`` in
     ``out_dtype``: float32 when other blocks merge into it, the caller's dtype when this block is
     the device's only one — cast inside each variant, where XLA drops a fused kernel's widen-then-
@@ -260,11 +277,12 @@ def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=
         return o.astype(out_dtype), lse
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
-                       shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets)
+                       shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets,
+                       token_index=token_index)
 
 
 def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, window=None, shard_positions=None,
-                   dq_dtype=F32):
+                   dq_dtype=F32, token_index=None):
     """(dq, dk, dv) of a device's own block; ``saved = (q, o, lse, do, dlse)``. ``dq`` in
     ``dq_dtype`` (as :func:`local_forward`'s o: the caller's dtype when no other block adds to
     it); dk, dv float32 (they may still be summed over replicated heads or devices)."""
@@ -275,10 +293,12 @@ def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, wi
         return dq.astype(dq_dtype), dk.astype(F32), dv.astype(F32)
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
-                       shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets)
+                       shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets,
+                       token_index=token_index)
 
 
-def merge_block(backend, scale, q, block: Block, kv, state, segments=None, window=None, shard_positions=None):
+def merge_block(backend, scale, q, block: Block, kv, state, segments=None, window=None, shard_positions=None,
+                token_index=None):
     """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)``
     (``segments``, ``window``, ``shard_positions``: see the module docstring)."""
     k_cur, v_cur = kv
@@ -295,10 +315,11 @@ def merge_block(backend, scale, q, block: Block, kv, state, segments=None, windo
                 lax.dynamic_update_slice_in_dim(lse, lse_p, lo, axis=2))
 
     return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions,
-                       by_offset=backend.window_offsets)
+                       by_offset=backend.window_offsets, token_index=token_index)
 
 
-def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, window=None, shard_positions=None):
+def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, window=None, shard_positions=None,
+               token_index=None):
     """Add one block's gradients to ``state = (dq, dk_acc, dv_acc)`` (dk/dv of the visiting
     ``kv``); ``saved = (q, o, lse, do, dlse)`` of this device."""
     q, o, lse, do, dlse = saved
@@ -313,19 +334,24 @@ def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, wi
         return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
 
     return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions,
-                       by_offset=backend.window_offsets)
+                       by_offset=backend.window_offsets, token_index=token_index)
 
 
-def visit_masks(schedule: Schedule, config: AttentionConfig, ids_all, device, j, s, t: int) -> dict:
+def visit_masks(schedule: Schedule, config: AttentionConfig, ids_all, device, j, s, t: int, index_all=None) -> dict:
     """The run-time mask keywords of ``device``'s visit (j, s) for the block functions (ints or
     traced): ``segments`` (its own ids, the visited shard's) from the ids of every ring shard
     [b, R·t] (``None``: no documents), and with ``config.window`` the window and
-    ``shard_positions`` = (:func:`ring_positions` [R, t], device, visited shard)."""
+    ``shard_positions`` = (:func:`ring_positions` [R, t], device, visited shard) — or, given
+    ``index_all`` (every shard's token indices [b, R·t]), ``token_index`` = (its own, the visited
+    shard's) in place of the static positions."""
     masks = {}
     source = schedule.source(device, j, s)
     if ids_all is not None:
         masks["segments"] = shard_ids(ids_all, device, t), shard_ids(ids_all, source, t)
-    if config.window is not None:
+    if index_all is not None:  # explicit token indices [b, R·t]: config.window is token_index_window's
+        masks["window"] = config.window
+        masks["token_index"] = shard_ids(index_all, device, t), shard_ids(index_all, source, t)
+    elif config.window is not None:
         masks["window"] = config.window
         masks["shard_positions"] = ring_positions(config.layout, schedule.size, t), device, source
     return masks

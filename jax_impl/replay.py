@@ -21,11 +21,18 @@ step order, as it travels; all-gather: in device order, its reduce-scatter) and 
 code casts (Ulysses-replicated heads: summed over replicas in float32, then cast).
 
     q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order),
-    window None | w | (left, right), sinks [h] or None, softcap None | float  ->  o [b, T, h, d], lse [b, h, T]
+    window None | w | (left, right), sinks [h] or None, softcap None | float, token_index [b, T] or None
+                                                         ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
     device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
                        and, with sinks, a third item: dsinks [h/U] f32 of its rows and heads
     replay_attention_grads -> (dq, dk, dv), and with sinks (dq, dk, dv, dsinks [h] like sinks)
+
+Token indices (``token_index`` [b, T] ints, layout order, or None: the static layout's): the
+causal and window masks compare them instead of the layout's positions — one window on them
+(``seqplan.schedule.token_index_window``) over the non-causal schedule, every block decided at run
+time from each row's index range (``loop.under_masks``); how an explicit per-row layout such as
+``seqplan.layouts.document_layout`` is replayed.
 
 Windows: each visit's block decision (skip / with or without the window) is taken by the same
 ``loop`` functions from the same static positions (``loop.visit_masks``). Sinks enter after a
@@ -39,15 +46,18 @@ them and assemble global outputs in layout order.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from seqplan.config import resolve_scale
-from seqplan.schedule import Exchange, Schedule, device_visits, kernel_window
+from seqplan.schedule import Exchange, Schedule, device_visits, kernel_window, token_index_window
 from seqplan.strategy import Strategy
 from seqplan.validation import (
     check_segment_ids,
     check_sinks,
     check_softcap,
+    check_token_index,
+    check_token_index_range,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -60,9 +70,23 @@ from .loop import add_sinks, grad_block, local_backward, local_forward, merge_bl
 F32 = jnp.float32
 
 
-def _config(q, causal, layout, scale, block_backend, deterministic, window, softcap) -> AttentionConfig:
+def _config(q, causal, layout, scale, block_backend, deterministic, window, softcap,
+            token_index=None) -> AttentionConfig:
+    """The call's config; with explicit ``token_index`` the causal and window masks are one window
+    on the token indices (``seqplan.schedule.token_index_window``) and the schedule is the
+    non-causal one (every visit one whole-shard block, decided at run time)."""
+    if token_index is not None:
+        window = token_index_window(check_window(window), bool(causal))
+        causal = False
     return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend, bool(deterministic),
                            window=window, softcap=softcap)
+
+
+def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:
+    """The schedule the devices walk: with token indices no static reach (the layout's positions
+    say nothing), so never a truncated ring."""
+    return strategy.schedule(config.layout, config.causal, None if token_index is not None else config.window,
+                             seq // strategy.ring)
 
 
 def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
@@ -76,11 +100,13 @@ def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2)
     return x[tuple(index)]
 
 
-def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq: int) -> dict:
+def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq: int, token_index=None) -> dict:
     """The run-time mask keywords of device r's ``visit``: the real loops' ``loop.visit_masks``,
-    given the global ids [b, T] (layout order: what the real loops gather) or None."""
+    given the global ids [b, T] (layout order: what the real loops gather) or None, and the global
+    token indices [b, T] or None."""
     ids = None if ids is None else ids.astype(jnp.int32)
-    return visit_masks(schedule, config, ids, r, visit.step.round, visit.step.inner, seq // schedule.size)
+    index = None if token_index is None else token_index.astype(jnp.int32)
+    return visit_masks(schedule, config, ids, r, visit.step.round, visit.step.inner, seq // schedule.size, index)
 
 
 def _alone_dtype(visits, dtype):
@@ -90,13 +116,13 @@ def _alone_dtype(visits, dtype):
 
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                   segment_ids=None, window=None, sinks=None, softcap=None):
+                   segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """Virtual device ``device``'s forward on the global q, k, v (and segment ids, window, sinks
     [h], softcap): its (o, lse), o in q's dtype, lse with the sinks of its heads (shapes in the module
     docstring)."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
-    schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
+    schedule = _schedule(strategy, config, q.shape[1], token_index)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     q_d = _shard(q, r, strategy.ring, q_heads)
@@ -105,7 +131,7 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     o_dtype = _alone_dtype(visits, q.dtype)
     for visit in visits:
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-        masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1])
+        masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
         if visit.step.local:
             o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, out_dtype=o_dtype, **masks)
         elif visit.block is not None:
@@ -116,13 +142,14 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                     layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                    deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None):
+                    deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None,
+                    token_index=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}), and
     with ``sinks`` a third item, its rows' share of dsinks for its heads ([h/U] float32)."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
-    schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
+    schedule = _schedule(strategy, config, q.shape[1], token_index)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     mine = [_shard(x, r, strategy.ring, q_heads) for x in (q, o, do)]
@@ -133,7 +160,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     dq_dtype = _alone_dtype(visits, q.dtype)
     for visit in visits:
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-        masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1])
+        masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
         if visit.step.local:
             dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, dq_dtype=dq_dtype, **masks)
             contributions[visit.source] = (dk, dv)
@@ -155,10 +182,14 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     return sorted(steps, key=steps.__getitem__)  # the accumulator travels with the K/V (a truncated ring: a+1 devices)
 
 
-def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks, softcap) -> None:
+def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks, softcap,
+           token_index=None) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape)
+    check_token_index(*shape_and_dtype(token_index), q.shape)
+    if token_index is not None and not isinstance(token_index, jax.core.Tracer):  # tracers: no values to see
+        check_token_index_range(int(token_index.min()), int(token_index.max()), q.shape[1])
     check_window(window)
     check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
@@ -166,12 +197,13 @@ def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window,
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                      scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                     segment_ids=None, window=None, sinks=None, softcap=None):
+                     segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """(o, lse) of ``strategy`` on global q, k, v (and segment ids, window, sinks, softcap) in layout
     order, every virtual device's forward run in turn on the inputs' device (module docstring)."""
-    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap)
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap, token_index)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
+              token_index=token_index)
     outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
     rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
     o = jnp.concatenate([jnp.concatenate([o_d for o_d, _ in row], axis=2) for row in rows], axis=1)
@@ -182,20 +214,22 @@ def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layou
 def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                            layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
                            deterministic: bool = False, segment_ids=None, window=None, sinks=None,
-                           softcap=None):
+                           softcap=None, token_index=None):
     """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
     the forward's global o and lse; every virtual device's backward run in turn, dK/dV summed as
     the real exchange sums them. dq like q, dk and dv like k. With ``sinks`` [h]: (dq, dk, dv,
     dsinks), dsinks [h] like sinks — every device's share of its heads, summed in device order."""
-    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap)
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap, token_index)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
+              token_index=token_index)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u][0] for u in range(n_uly)], axis=2)
                           for r in range(n_ring)], axis=1)
-    schedule = strategy.schedule(layout, causal, kernel_window(check_window(window), causal),
-                                 q.shape[1] // strategy.ring)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
+    schedule = (_schedule(strategy, config, q.shape[1], token_index) if token_index is not None else
+                strategy.schedule(layout, causal, kernel_window(check_window(window), causal), q.shape[1] // strategy.ring))
     replicated = strategy.head_groups(q.shape[2], k.shape[2], 0)[2]
     grads = []
     for which in (0, 1):  # dk, dv

@@ -8,11 +8,14 @@ device computes under a layout (the step plan) is part of the schedule (``schedu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .schedule import LAYOUTS
 
-__all__ = ["LAYOUTS", "layout_permutation", "ring_positions", "seq_multiple"]
+__all__ = ["DOCUMENT_ZIGZAG", "LAYOUTS", "RowLayout", "document_layout", "document_runs", "layout_permutation",
+           "pad_documents", "ring_positions", "rope_positions", "seq_multiple", "static_token_index"]
 
 
 def seq_multiple(layout: str, ring_size: int, ulysses_size: int = 1) -> int:
@@ -46,3 +49,140 @@ def ring_positions(layout: str, size: int, t: int) -> np.ndarray:
     layout order): static, so a window's per-block decision needs no communication. Inside USP
     the ring attention's shard is a whole ring shard (Ulysses splits it contiguously)."""
     return layout_permutation(size * t, layout, size).astype(np.int32).reshape(size, t)
+
+
+# ---- the per-document zigzag (explicit, per-row layouts) -----------------------------------------
+
+DOCUMENT_ZIGZAG = "document-zigzag"  # not a static layout: a per-row permutation built from the ids
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """An explicit per-row layout: ``perm`` [b, seq] the original token index at each layout
+    position of each batch row (apply as ``np.take_along_axis(x, perm[..., None, None], 1)``, a
+    per-row ``x[:, perm]``); ``inverse`` [b, seq] with ``inverse[b, perm[b, i]] = i`` (read outputs
+    and gradients back to original order the same way); ``token_index`` [b, seq] int32, the
+    attention argument: the original token index of every token in layout order — the positions
+    the causal and window masks compare. Here it equals ``perm``; it is kept apart because it is
+    what the attention functions read, while ``perm`` is what data loading applies."""
+
+    perm: np.ndarray
+    inverse: np.ndarray
+    token_index: np.ndarray
+
+
+def document_runs(ids_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of every document of one row in original order: a document is a maximal
+    run of equal ids (an id that comes back later starts another document of the layout; the
+    masks still compare ids, so that changes which device holds what, never the answer)."""
+    ids_row = np.asarray(ids_row)
+    starts = np.flatnonzero(np.r_[True, ids_row[1:] != ids_row[:-1]])
+    return starts, np.diff(np.r_[starts, len(ids_row)])
+
+
+def _check_ids(segment_ids, ring_size: int) -> np.ndarray:
+    ids = np.asarray(segment_ids)
+    if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"segment_ids must be an integer [batch, seq] array, got {ids.dtype} {ids.shape}")
+    if not isinstance(ring_size, (int, np.integer)) or isinstance(ring_size, bool) or ring_size < 1:
+        raise ValueError(f"ring_size must be an int >= 1, got {ring_size!r}")
+    return ids
+
+
+def document_layout(segment_ids, ring_size: int) -> RowLayout:
+    """The per-document zigzag (TransformerEngine's THD context parallelism) of every row of
+    ``segment_ids`` [b, seq] (original order): each document (:func:`document_runs`) is cut into
+    2R equal chunks, and ring shard r holds, document after document in original order, chunks
+    r and 2R-1-r of each. Every shard then holds seq / R tokens, every document's two chunks are
+    one run of its id, increasing in original order (a device's own block is plain causal per
+    document), and every device holds the same causal work of every document: with chunk length c,
+    chunks r and 2R-1-r see r·c + c·(c+1)/2 and (2R-1-r)·c + c·(c+1)/2 causal keys per query,
+    together (2R-1)·c² + c·(c+1) pairs on every device.
+
+    Every document length must be a multiple of 2R: pad first with :func:`pad_documents`
+    (ValueError otherwise, naming the first document that is not)."""
+    ids = _check_ids(segment_ids, ring_size)
+    batch, seq = ids.shape
+    n_chunks = 2 * ring_size
+    perm = np.empty((batch, seq), np.int64)
+    for row in range(batch):
+        starts, lengths = document_runs(ids[row])
+        bad = np.flatnonzero(lengths % n_chunks)
+        if len(bad):
+            d = int(bad[0])
+            raise ValueError(
+                f"document-zigzag needs every document length divisible by 2·R = {n_chunks}; row {row}, document "
+                f"{d} (id {ids[row, starts[d]]}, tokens {starts[d]}..{starts[d] + lengths[d] - 1}) has length "
+                f"{lengths[d]}: pad with seqplan.layouts.pad_documents first")
+        shards = [[] for _ in range(ring_size)]
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            chunk = length // n_chunks
+            for r in range(ring_size):
+                for c in (r, n_chunks - 1 - r):
+                    shards[r].append(np.arange(start + c * chunk, start + (c + 1) * chunk))
+        perm[row] = np.concatenate([np.concatenate(s) for s in shards])
+    inverse = np.empty_like(perm)
+    np.put_along_axis(inverse, perm, np.arange(seq)[None, :].repeat(batch, 0), axis=1)
+    return RowLayout(perm, inverse, perm.astype(np.int32))
+
+
+def pad_documents(segment_ids, ring_size: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The padding rule of the per-document zigzag: every document (:func:`document_runs`) of
+    every row is extended at its end, with its own id, to the next multiple of 2R tokens; then
+    every row is extended by one trailing filler document (id: the row's largest id + 1) to a
+    common length, itself a multiple of ``lcm(2R, multiple)`` (``multiple``: e.g. 2R·U for
+    Ulysses, or a tile size). Returns ``(padded_ids [b, seq'], source [b, seq'])``: ``source`` the
+    original token index of each padded token, -1 for padding.
+
+    Exactness: a padding token comes after every real token of its document in original order, so
+    under ``causal=True`` no real query sees it, and real outputs and gradients are exact if the
+    loss gives padding no weight (dO = 0 on pad rows — then pad queries add nothing to real dK /
+    dV). Without causal masking, give the padding ids of its own after the layout is built (the
+    layout reads the padded ids; the masks read whatever ids the call passes). Cost: at most
+    2R - 1 extra tokens per document (on average ≈ R - 1/2) plus the filler, all computed like
+    real tokens — ``(seq' - seq) / seq`` more tokens, which the balance probe reports."""
+    ids = _check_ids(segment_ids, ring_size)
+    if not isinstance(multiple, (int, np.integer)) or multiple < 1:
+        raise ValueError(f"multiple must be an int >= 1, got {multiple!r}")
+    n_chunks = 2 * ring_size
+    rows = []
+    for row in ids:
+        starts, lengths = document_runs(row)
+        padded = -(-lengths // n_chunks) * n_chunks
+        out_ids = np.repeat(row[starts], padded)
+        source = np.full(int(padded.sum()), -1, np.int64)
+        offsets = np.r_[0, np.cumsum(padded)[:-1]]
+        for start, length, offset in zip(starts.tolist(), lengths.tolist(), offsets.tolist()):
+            source[offset:offset + length] = np.arange(start, start + length)
+        rows.append((out_ids, source, int(row.max()) + 1))
+    unit = np.lcm(n_chunks, multiple)
+    width = -(-max(len(r[0]) for r in rows) // unit) * unit
+    out = np.empty((len(rows), width), ids.dtype)
+    src = np.full((len(rows), width), -1, np.int64)
+    for b, (out_ids, source, filler) in enumerate(rows):
+        out[b, :len(out_ids)], out[b, len(out_ids):] = out_ids, filler
+        src[b, :len(source)] = source
+    return out, src
+
+
+def rope_positions(token_index, segment_ids) -> np.ndarray:
+    """The layers' RoPE ``positions`` from the token indices: each token's index minus the
+    smallest token index of its document (its id, in its row) — the position restarting at 0 at
+    every document start, in layout order like both inputs. NumPy; the layers take the result."""
+    index, ids = np.asarray(token_index), np.asarray(segment_ids)
+    if index.shape != ids.shape or index.ndim != 2:
+        raise ValueError(f"token_index and segment_ids must both be [batch, seq], got {index.shape}, {ids.shape}")
+    out = np.empty_like(index)
+    for row in range(index.shape[0]):
+        _, doc = np.unique(ids[row], return_inverse=True)
+        first = np.full(doc.max() + 1, np.iinfo(np.int64).max)
+        np.minimum.at(first, doc, index[row].astype(np.int64))
+        out[row] = index[row] - first[doc]
+    return out
+
+
+def static_token_index(seq_len: int, layout: str, ring_size: int, batch: int = 1, ulysses_size: int = 1) -> np.ndarray:
+    """The token indices a static layout implies (the default of the ``token_index`` argument):
+    :func:`layout_permutation` in every row, int32 [batch, seq]."""
+    perm = layout_permutation(seq_len, layout, ring_size, ulysses_size).astype(np.int32)
+    return np.broadcast_to(perm, (batch, seq_len)).copy()

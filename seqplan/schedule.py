@@ -398,6 +398,20 @@ def kernel_window(window: tuple[int, int] | None, causal: bool) -> tuple[int, in
     return window[0], UNBOUNDED
 
 
+def token_index_window(window: tuple[int, int] | None, causal: bool) -> tuple[int, int] | None:
+    """The causal and window masks of a call given explicit token indices (the ``token_index``
+    argument), as one window on them: the causal mask is then no static per-block pattern but
+    "key index <= query index", which is the window ``(UNBOUNDED, 0)``; with a window ``(left,
+    right)`` too, ``(left, 0)``; without causal masking the window as given (None: no mask). Blocks
+    then carry kind FULL and this window with ``positions`` = the token indices of their parts
+    ([b, t], [b, s]): the portable kernels apply it exactly; a fused kernel takes a block only
+    where the indices make it plain — the window covering it (full) or a band of the grid (causal
+    runs: ``seqplan.bands``) — never by guessing from the layout."""
+    if window is None:
+        return (UNBOUNDED, 0) if causal else None
+    return (window[0], 0) if causal else window
+
+
 def window_reach(layout: str, causal: bool, window: tuple[int, int] | None, shard_len: int, size: int) -> int | None:
     """How many ring steps past its own shard any device needs under ``window`` — the reach a
     of a truncated ring — or None when the whole ring is needed. Built where it pays and is

@@ -111,6 +111,27 @@ def check_segment_ids(ids_shape, ids_dtype: str | None, q_shape, *, what: str = 
                          f"dimensions, got shape {tuple(ids_shape)}")
 
 
+def check_token_index(index_shape, index_dtype: str | None, q_shape, *, what: str = "") -> None:
+    """``token_index`` (the original token index of every token, layout order) of shape [b, t]
+    and integer dtype, q being [b, t, h, d] (``what``: "local " for one device's shards), like
+    ``segment_ids``. ``index_dtype`` None: no token indices (the static layout's)."""
+    if index_dtype is None:
+        return
+    if index_dtype not in INT_DTYPES:
+        raise TypeError(f"token_index must have an integer dtype (one of {INT_DTYPES}), got {index_dtype}")
+    if tuple(index_shape) != tuple(q_shape[:2]):
+        raise ValueError(f"{what}token_index must be [batch, seq] = {tuple(q_shape[:2])} like q's first two "
+                         f"dimensions, got shape {tuple(index_shape)}")
+
+
+def check_token_index_range(lo: int, hi: int, seq_len: int, *, what: str = "") -> None:
+    """The values a caller can see (concrete arrays: not tracers under ``jit``; a torch rank: its
+    shard) lie in [0, seq_len) — the global sequence length; ``lo``/``hi`` their min and max."""
+    if lo < 0 or hi >= seq_len:
+        raise ValueError(f"{what}token_index values must lie in [0, {seq_len}) (original token indices of a "
+                         f"sequence of {seq_len}), got min {lo}, max {hi}")
+
+
 def check_window(window) -> tuple[int, int] | None:
     """``window`` as ``(left, right)``: None, a non-negative int w (= (w, w)) or a pair of them."""
     if window is None:

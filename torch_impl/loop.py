@@ -219,7 +219,9 @@ class VisitMasks:
     host_segments:    the same ids as NumPy arrays (copied once per call), or None.
     window:           (left, right) on original positions, or None.
     positions:        with a window, (q_pos [t], kv_pos [t]): the whole shards' original positions as
-                      NumPy ints — static, so a block's window decision costs no device sync.
+                      NumPy ints — static, so a block's window decision costs no device sync; with
+                      explicit token indices, per row (q_pos [b, t], kv_pos [b, t]), copied to the
+                      host once per call.
     device_positions: the same as int32 tensors on the inputs' device (the windowed kernel's
                       ``positions``)."""
 
@@ -245,11 +247,16 @@ class ShardMasks:
     ids_host: np.ndarray | None = None
 
     @classmethod
-    def build(cls, config: AttentionConfig, ring_size: int, t: int, ids_all, device) -> ShardMasks:
+    def build(cls, config: AttentionConfig, ring_size: int, t: int, ids_all, device, index_all=None) -> ShardMasks:
         """The masks of a call on a ring of ``ring_size`` shards of ``t`` tokens (in
-        ``config.layout``; positions from :func:`ring_positions`)."""
+        ``config.layout``; positions from :func:`ring_positions`) — or, given ``index_all``
+        (every shard's token indices, int [R, b, t]; ``config.window`` then the token-index window),
+        per-row positions [R, b, t] from them (one host copy per call)."""
         positions = device_positions = None
-        if config.window is not None:
+        if index_all is not None:
+            device_positions = index_all.to(torch.int32)
+            positions = device_positions.cpu().numpy()
+        elif config.window is not None:
             positions = ring_positions(config.layout, ring_size, t)
             device_positions = torch.from_numpy(positions).to(device)
         ids_host = None if ids_all is None else ids_all.cpu().numpy()
@@ -272,9 +279,12 @@ def _window_reach(block: Block, masks: VisitMasks) -> tuple[bool, bool]:
     """``schedule.window_flags`` (reachable, covered) of ``block`` from the min / max original
     position of its query part and of its key part (plain ints: no device sync)."""
     q_pos, kv_pos = masks.positions
-    q_lo, q_hi = block.q_part.bounds(len(q_pos))
-    kv_lo, kv_hi = block.kv_part.bounds(len(kv_pos))
-    q_part, kv_part = q_pos[q_lo:q_hi], kv_pos[kv_lo:kv_hi]
+    q_lo, q_hi = block.q_part.bounds(q_pos.shape[-1])
+    kv_lo, kv_hi = block.kv_part.bounds(kv_pos.shape[-1])
+    q_part, kv_part = q_pos[..., q_lo:q_hi], kv_pos[..., kv_lo:kv_hi]
+    if q_part.ndim == 2:  # per-row token indices: reachable in some row, covered in every row
+        reachable, covered = window_flags(q_part.min(1), q_part.max(1), kv_part.min(1), kv_part.max(1), *masks.window)
+        return bool(reachable.any()), bool(covered.all())
     reachable, covered = window_flags(int(q_part.min()), int(q_part.max()), int(kv_part.min()), int(kv_part.max()),
                                       *masks.window)
     return bool(reachable), bool(covered)
@@ -295,9 +305,14 @@ def _kernel_mask(block: Block, masks: VisitMasks | None) -> tuple[BlockMask, dic
             return None
         if not covered:
             q_pos, kv_pos = masks.device_positions
-            host_parts = (x[slice(*p.bounds(len(x)))] for x, p in zip(masks.positions, (block.q_part, block.kv_part)))
-            mask = mask.with_window(masks.window, part_offset(*host_parts))  # static offset: no device sync
-            extras["positions"] = (_part(q_pos, block.q_part, 0), _part(kv_pos, block.kv_part, 0))
+            if q_pos.dim() == 2:  # per-row token indices: no static offset (fused kernels take no such block)
+                mask = mask.with_window(masks.window)
+                extras["positions"] = (_part(q_pos, block.q_part, 1), _part(kv_pos, block.kv_part, 1))
+            else:
+                host_parts = (x[slice(*p.bounds(len(x)))]
+                              for x, p in zip(masks.positions, (block.q_part, block.kv_part)))
+                mask = mask.with_window(masks.window, part_offset(*host_parts))  # static offset: no device sync
+                extras["positions"] = (_part(q_pos, block.q_part, 0), _part(kv_pos, block.kv_part, 0))
     if masks.segments is not None:
         host = masks.host_segments
         work = block_work(block, *(host if host is not None else masks.segments))

@@ -16,8 +16,14 @@ merged into each virtual device's final (o, lse) of its head block, as the real 
 Function does; the backward then also returns dsinks, the SUM of every virtual device's
 contribution (what summing ``sinks.grad`` over a world's ranks gives).
 
+Token indices (``token_index`` [b, T] ints, layout order, or None: the static layout's): the
+causal and window masks compare them instead of the layout's positions — one window on them
+(``seqplan.schedule.token_index_window``) over the non-causal schedule, every block decided from
+each row's index range (``loop.ShardMasks``); how an explicit per-row layout such as
+``seqplan.layouts.document_layout`` is replayed.
+
     q: [b, T, h, d], k, v: [b, T, hk, d], segment_ids [b, T] or None (layout order), sinks [h] or None,
-    softcap None or a float
+    softcap None or a float, token_index [b, T] or None
                                                          ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
     device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
@@ -29,12 +35,14 @@ from __future__ import annotations
 import torch
 
 from seqplan.config import resolve_scale
-from seqplan.schedule import Exchange, Schedule, device_visits, kernel_window
+from seqplan.schedule import Exchange, Schedule, device_visits, kernel_window, token_index_window
 from seqplan.strategy import Strategy
 from seqplan.validation import (
     check_segment_ids,
     check_sinks,
     check_softcap,
+    check_token_index,
+    check_token_index_range,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -47,9 +55,23 @@ from .loop import ShardMasks, add_grads, add_sinks, attend_block, grad_block, me
 F32 = torch.float32
 
 
-def _config(q, causal, layout, scale, block_backend, deterministic, window, softcap) -> AttentionConfig:
+def _config(q, causal, layout, scale, block_backend, deterministic, window, softcap,
+            token_index=None) -> AttentionConfig:
+    """The call's config; with explicit ``token_index`` the causal and window masks are one window
+    on the token indices (``seqplan.schedule.token_index_window``) and the schedule is the
+    non-causal one (every visit one whole-shard block, decided per call from the indices)."""
+    if token_index is not None:
+        window = token_index_window(check_window(window), bool(causal))
+        causal = False
     return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend, bool(deterministic),
                            window=window, softcap=softcap)
+
+
+def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:
+    """The schedule the devices walk: with token indices no static reach (the layout's positions
+    say nothing), so never a truncated ring."""
+    return strategy.schedule(config.layout, config.causal, None if token_index is not None else config.window,
+                             seq // strategy.ring)
 
 
 def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
@@ -63,25 +85,28 @@ def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2)
     return x[tuple(index)]
 
 
-def _masks(config: AttentionConfig, segment_ids, ring: int, seq: int, device) -> ShardMasks:
+def _masks(config: AttentionConfig, segment_ids, ring: int, seq: int, device, token_index=None) -> ShardMasks:
     """The call's :class:`loop.ShardMasks` from the GLOBAL [b, T] ids (int32 and split into ring
     shards [R, b, T/R], as the real loops gather them) and ``config.window``."""
     ids_all = None
     if segment_ids is not None:
         ids = segment_ids.to(torch.int32)
         ids_all = ids.reshape(ids.shape[0], ring, seq // ring).movedim(1, 0)
-    return ShardMasks.build(config, ring, seq // ring, ids_all, device)
+    index_all = None
+    if token_index is not None:
+        index_all = token_index.to(torch.int32).reshape(token_index.shape[0], ring, seq // ring).movedim(1, 0)
+    return ShardMasks.build(config, ring, seq // ring, ids_all, device, index_all)
 
 
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                   segment_ids=None, window=None, sinks=None, softcap=None):
+                   segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """Virtual device ``device``'s forward on the global q, k, v (and global ``segment_ids``
     [b, T] or None, ``window``, the full ``sinks`` [h] or None): its (o, lse), o in q's dtype."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
-    schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
-    masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device)
+    schedule = _schedule(strategy, config, q.shape[1], token_index)
+    masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     q_d = _shard(q, r, strategy.ring, q_heads)
@@ -100,15 +125,16 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                     layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                    deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None):
+                    deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None,
+                    token_index=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}) —
     shards it computed no block against (masked, or skipped for documents or the window) have
     none — and with ``sinks``, third, this device's dsinks [h/U] float32 (its heads, its rows)."""
-    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
-    schedule = strategy.schedule(config.layout, config.causal, config.window, q.shape[1] // strategy.ring)
-    masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device)
+    schedule = _schedule(strategy, config, q.shape[1], token_index)
+    masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     q_d, o_d, do_d = (_shard(x, r, strategy.ring, q_heads) for x in (q, o, do))
@@ -140,11 +166,15 @@ def _summation_order(schedule: Schedule, source: int) -> list[int]:
     return sorted(steps, key=steps.__getitem__)  # the accumulator travels with the K/V (a truncated ring: a+1 devices)
 
 
-def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks, softcap) -> None:
+def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks, softcap,
+           token_index=None) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
              layout=layout, kv_exchange=strategy.kv_exchange, scale=scale)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape)
+    check_token_index(*shape_and_dtype(token_index), q.shape)
+    if token_index is not None:
+        check_token_index_range(int(token_index.min()), int(token_index.max()), q.shape[1])
     check_window(window)
     check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
@@ -152,13 +182,14 @@ def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window,
 
 def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                      scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                     segment_ids=None, window=None, sinks=None, softcap=None):
+                     segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """(o, lse) of ``strategy`` on global q, k, v in layout order (``segment_ids``: packed
     documents, the global [b, T] ids in layout order, or None; ``window``; ``sinks`` [h] or
     None; ``softcap``), every virtual device's forward run in turn on the inputs' device."""
-    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap)
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap, token_index)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
+              token_index=token_index)
     outs = [device_forward(d, q, k, v, **kw) for d in range(strategy.devices)]
     rows = [outs[r * strategy.ulysses:(r + 1) * strategy.ulysses] for r in range(strategy.ring)]
     o = torch.cat([torch.cat([o_d for o_d, _ in row], dim=2) for row in rows], dim=1)
@@ -168,20 +199,23 @@ def replay_attention(q, k, v, *, strategy: Strategy, causal: bool = False, layou
 
 def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
                            layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
-                           deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None):
+                           deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None,
+                           token_index=None):
     """(dq, dk, dv) of ``strategy`` for cotangents ``do`` (and ``dlse``, None: lse unused), given
     the forward's global o and lse (and the forward's global ``segment_ids`` [b, T], ``window``
     and ``sinks``, ``softcap``); dK/dV summed as the real exchange sums them. With ``sinks``: (dq, dk, dv,
     dsinks), dsinks [h] in sinks' dtype the sum of every virtual device's contribution (device
     order) — the full gradient, what summing each rank's ``sinks.grad`` over a world gives."""
-    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap)
+    _check(q, k, v, strategy, layout, scale, segment_ids, window, sinks, softcap, token_index)
     kw = dict(strategy=strategy, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
+              deterministic=deterministic, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
+              token_index=token_index)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = torch.cat([torch.cat([outs[r * n_uly + u][0] for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)
-    schedule = strategy.schedule(layout, causal, kernel_window(check_window(window), causal),
-                                 q.shape[1] // strategy.ring)
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
+    schedule = (_schedule(strategy, config, q.shape[1], token_index) if token_index is not None else
+                strategy.schedule(layout, causal, kernel_window(check_window(window), causal), q.shape[1] // strategy.ring))
     replicated = strategy.head_groups(q.shape[2], k.shape[2], 0)[2]
     grads = []
     for which in (0, 1):  # dk, dv

@@ -10,7 +10,9 @@ enough (t · s ≤ ``SCORE_ELEMENTS``) is one chunk: the plain softmax.
 
 Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32; with a
 document mask, ``segments = (q_ids [b, t], kv_ids [b, s])``; with a window,
-``positions = (q_pos [t], kv_pos [s])`` (int32 original token positions).
+``positions = (q_pos [t], kv_pos [s])`` (int32 original token positions), or per batch row
+``(q_pos [b, t], kv_pos [b, s])`` — explicit token indices (the ``token_index`` argument), whose
+causal mask is the window ``(UNBOUNDED, 0)`` on them (``seqplan.schedule.token_index_window``).
 
 Soft-capping (``softcap``, a float, Gemma 2): every scaled logit x = scale·q·k becomes
 softcap · tanh(x / softcap) before the mask and the softmax, in the forward and in the backward's
@@ -34,7 +36,7 @@ F32 = jnp.float32
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
-def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions) -> None:
+def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions, b: int | None = None) -> None:
     """ValueError unless ``segments`` is given exactly with documents, ``positions`` exactly with a
     window, and a causal / strict block is square."""
     if mask.documents != (segments is not None):
@@ -43,6 +45,13 @@ def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions) -> N
     if (mask.window is not None) != (positions is not None):
         raise ValueError(f"positions must be given exactly when the mask has a window (mask {mask}, "
                          f"positions {'given' if positions is not None else 'None'})")
+    def fits(shape, n):
+        return shape == (n,) or (len(shape) == 2 and shape[1] == n and b in (None, shape[0]))
+
+    if positions is not None and not (fits(tuple(positions[0].shape), t) and fits(tuple(positions[1].shape), s)
+                                      and len(positions[0].shape) == len(positions[1].shape)):
+        raise ValueError(f"positions must be [t] and [s], or per row (token indices) [b, t] and [b, s], for a "
+                         f"{t}x{s} block, got {tuple(positions[0].shape)} and {tuple(positions[1].shape)}")
     if mask.kind is not MaskKind.FULL and t != s:
         raise ValueError(f"a {mask.kind.value} mask needs a square block, got {t}x{s}")
 
@@ -51,7 +60,8 @@ def chunk_visible(mask: BlockMask, t: int, s: int, kv_index, q_ids=None, kv_ids=
     """Visible (query, key) pairs of the queries against one chunk of keys ``kv_index`` [c] (their
     indices in the block; indices ≥ s are padding, never visible), broadcastable to the scores
     [b, hk, g, t, c]: [t, c] bool, [b, 1, 1, t, c] with documents (``kv_ids`` [b, c], the chunk's),
-    or None when every pair is visible. A window reads ``q_pos`` [t] and the chunk's ``kv_pos`` [c]."""
+    or None when every pair is visible. A window reads ``q_pos`` [t] and the chunk's ``kv_pos`` [c]
+    (per-row token indices: [b, t] and [b, c], giving [b, 1, 1, t, c])."""
     c = kv_index.shape[0]
     visible = None
     if mask.kind is not MaskKind.FULL:
@@ -60,12 +70,16 @@ def chunk_visible(mask: BlockMask, t: int, s: int, kv_index, q_ids=None, kv_ids=
     elif c * -(-s // c) != s:  # padded keys only exist when c does not divide s
         visible = jnp.broadcast_to(kv_index[None, :] < s, (t, c))
     if q_pos is not None:
-        (left, right), qp, kp = mask.window, q_pos[:, None], kv_pos[None, :]
-        near = (kp >= qp - left) & (kp <= qp + right)  # [t, c]
-        visible = near if visible is None else visible & near
+        (left, right), qp, kp = mask.window, q_pos[..., :, None], kv_pos[..., None, :]
+        near = (kp >= qp - left) & (kp <= qp + right)  # [t, c], or [b, t, c] for per-row token indices
+        if near.ndim == 3:
+            near = near[:, None, None]  # [b, 1, 1, t, c]
+            visible = near if visible is None else near & visible[None, None, None]
+        else:
+            visible = near if visible is None else visible & near
     if q_ids is not None:
         same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]  # [b, 1, 1, t, c]
-        visible = same if visible is None else same & visible[None, None, None]
+        visible = same if visible is None else same & (visible if visible.ndim == 5 else visible[None, None, None])
     return visible
 
 
@@ -109,7 +123,7 @@ def _key_chunks(c: int, k, v, segments, positions):
         return jnp.moveaxis(x, axis, 0)
 
     kv_ids = None if segments is None else split(segments[1], 1)
-    kv_pos = None if positions is None else split(positions[1], 0)
+    kv_pos = None if positions is None else split(positions[1], positions[1].ndim - 1)
     return jnp.arange(n * c).reshape(n, c), split(k, 1), split(v, 1), kv_ids, kv_pos
 
 
@@ -127,7 +141,7 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
     empty partial."""
     b, t, h, d = q.shape
     s = k.shape[1]
-    check_mask_arrays(mask, t, s, segments, positions)
+    check_mask_arrays(mask, t, s, segments, positions, b)
     q_ids = None if segments is None else segments[0]
     q_pos = None if positions is None else positions[0]
     c = chunk or key_chunk(t, s)
@@ -174,7 +188,7 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
     b, t, h, d = q.shape
     s, hk = k.shape[1], k.shape[2]
     g = h // hk
-    check_mask_arrays(mask, t, s, segments, positions)
+    check_mask_arrays(mask, t, s, segments, positions, b)
     q_ids = None if segments is None else segments[0]
     q_pos = None if positions is None else positions[0]
     lse_g = lse.reshape(b, hk, g, t)[..., None]

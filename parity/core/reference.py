@@ -49,15 +49,16 @@ def _expand_kv(x: np.ndarray, heads: int) -> np.ndarray:
 
 def visible(q_pos, k_pos, causal: bool, q_ids=None, k_ids=None, window: tuple[int, int] | None = None) -> np.ndarray:
     """[b or 1, t, s] bool: True where the query at original position q_pos[t] may read the key at
-    k_pos[s] — causally (when ``causal``), given ids ([b, t] and [b, s]) within one document, and
-    given a window (left, right) within q_pos - left <= k_pos <= q_pos + right."""
-    q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
-    mask = np.ones((1, len(q_pos), len(k_pos)), dtype=bool)
+    k_pos[s] (positions [t] shared by every batch row, or per row [b, t] / [b, s]: token indices)
+    — causally (when ``causal``), given ids ([b, t] and [b, s]) within one document, and given
+    a window (left, right) within q_pos - left <= k_pos <= q_pos + right."""
+    q_pos, k_pos = (np.asarray(p)[None] if np.ndim(p) == 1 else np.asarray(p) for p in (q_pos, k_pos))
+    mask = np.ones((1, q_pos.shape[1], k_pos.shape[1]), dtype=bool)
     if causal:
-        mask = mask & (k_pos[None, None, :] <= q_pos[None, :, None])
+        mask = mask & (k_pos[:, None, :] <= q_pos[:, :, None])
     if window is not None:
         left, right = _check_window(window)
-        offset = k_pos[None, None, :] - q_pos[None, :, None]  # key minus query position
+        offset = k_pos[:, None, :] - q_pos[:, :, None]  # key minus query position
         mask = mask & (offset >= -left) & (offset <= right)
     if q_ids is not None:
         mask = mask & (np.asarray(q_ids)[:, :, None] == np.asarray(k_ids)[:, None, :])
@@ -88,8 +89,9 @@ def attention_forward(
     q, k, v, *, causal: bool = False, scale: float | None = None, q_pos=None, k_pos=None, segment_ids=None,
     kv_segment_ids=None, window: tuple[int, int] | None = None, sinks=None, softcap: float | None = None,
 ) -> Forward:
-    """Dense attention in float64. ``q_pos``/``k_pos`` are original token positions (default:
-    0..t-1), so inputs in any layout order are masked by where tokens really are. ``segment_ids``
+    """Dense attention in float64. ``q_pos``/``k_pos`` are original token positions, [t] / [s] or
+    per batch row [b, t] / [b, s] (the ``token_index`` argument; default: 0..t-1), so inputs in
+    any layout order are masked by where tokens really are. ``segment_ids``
     [b, t] / ``kv_segment_ids`` [b, s] (default: ``segment_ids``, self-attention): packed
     documents, in the same order as q / k. ``window`` (left, right): the sliding window on those
     positions. ``sinks`` [h]: each row's denominator gains exp(sinks[h]) (lse includes it).
@@ -100,6 +102,8 @@ def attention_forward(
     scale = d**-0.5 if scale is None else float(scale)
     q_pos = np.arange(t) if q_pos is None else np.asarray(q_pos)
     k_pos = np.arange(s) if k_pos is None else np.asarray(k_pos)
+    if q_pos.shape not in ((t,), (b, t)) or k_pos.shape not in ((s,), (b, s)):
+        raise ValueError(f"q_pos / k_pos must be [t] / [s] or [b, t] / [b, s], got {q_pos.shape}, {k_pos.shape}")
     q_ids, k_ids = _check_ids(segment_ids, kv_segment_ids, b, t, s)
     ke, ve = _expand_kv(k, h), _expand_kv(v, h)
     scores = np.einsum("bthd,bshd->bhts", q, ke) * scale
@@ -195,3 +199,26 @@ def layout_permutation(seq_len: int, layout: str, ring_size: int, ulysses_size: 
         else:  # stripe
             order.extend(t for t in range(seq_len) if t % ring_size == r)
     return np.array(order, dtype=np.int64)
+
+
+def document_zigzag_permutation(segment_ids, ring_size: int) -> np.ndarray:
+    """Oracle for the per-document zigzag (docs/contract.md), written for obviousness: for every
+    row, every ring shard r, every document (a maximal run of equal ids) in original order, the
+    original indices of its chunks r and 2R-1-r (of 2R equal chunks). [b, seq]."""
+    ids = np.asarray(segment_ids)
+    out = []
+    for row in ids:
+        documents, start = [], 0
+        for i in range(1, len(row) + 1):
+            if i == len(row) or row[i] != row[start]:
+                documents.append(list(range(start, i)))
+                start = i
+        perm = []
+        for r in range(ring_size):
+            for doc in documents:
+                if len(doc) % (2 * ring_size):
+                    raise ValueError(f"document length {len(doc)} is not a multiple of {2 * ring_size}")
+                c = len(doc) // (2 * ring_size)
+                perm += doc[r * c:(r + 1) * c] + doc[(2 * ring_size - 1 - r) * c:(2 * ring_size - r) * c]
+        out.append(perm)
+    return np.array(out)

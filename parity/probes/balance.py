@@ -13,7 +13,17 @@ Three counts of the work a device computes:
         (what a block kernel without tile skipping computes);
     (b) tiles of ``tile`` x ``tile`` (default 128 x 128) inside computed blocks that hold at least
         one visible pair (what a kernel that skips empty tiles computes);
-    (c) visible (query, key) pairs (the mask area: the least any kernel can compute).
+    (c) visible (query, key) pairs (the mask area: the least any kernel can compute);
+    (d) the per-document run area: per computed block and document, its queries x its keys that
+        its latest query can see, halved on a device's own block (causal per document) — what a
+        varlen kernel that runs every document of a block as one full or causal problem computes.
+
+The per-document zigzag ("document-zigzag", ``seqplan.layouts.document_layout``) is no static
+layout: the ids are padded first (``seqplan.layouts.pad_documents``: every document to a multiple
+of 2R, the row to a multiple of R x tile; ``padding`` counts the added tokens, computed like real
+ones), and every visit is one whole-shard block whose causal mask is by token index. Every shard
+holds a piece of every document, so the run-time range tests skip nothing: (a) is R full blocks
+per device; (b), (c) and (d) are what a kernel that skips what the indices mask computes.
 
 Per (tokens, mix, R, layout): max / mean over devices of each, and the busiest device's (a) and
 (b) relative to the UNPACKED causal zigzag's per-device work (one document, same tokens and R),
@@ -35,7 +45,7 @@ import numpy as np
 
 from ..core.documents import lengths_to_ids, long_tailed_lengths
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
+LAYOUTS = ("contiguous", "zigzag", "stripe", "document-zigzag")  # the last: seqplan.layouts.document_layout
 TILE = 128
 
 
@@ -81,6 +91,13 @@ class Balance:
     blocks: dict[str, int]  # computed blocks of each DocumentWork, all devices (SKIP: not computed)
     area_vs_zigzag: float  # max (a) / the unpacked causal zigzag's per-device (a)
     tiles_vs_zigzag: float  # max (b) / the unpacked causal zigzag's per-device (b)
+    runs: list[float] = ()  # (d) per device: the per-document run area (module docstring)
+    padding: int = 0  # tokens the layout adds (document-zigzag: seqplan.layouts.pad_documents)
+    runs_vs_zigzag: float = 0.0  # max (d) / the unpacked causal zigzag's per-device (d)
+
+    @property
+    def run_imbalance(self) -> float:
+        return imbalance(self.runs)
 
     @property
     def area_imbalance(self) -> float:
@@ -96,7 +113,7 @@ class Balance:
 
     def to_dict(self) -> dict:
         return asdict(self) | {"area_max_over_mean": self.area_imbalance, "tiles_max_over_mean": self.tile_imbalance,
-                               "pairs_max_over_mean": self.pair_imbalance}
+                               "pairs_max_over_mean": self.pair_imbalance, "runs_max_over_mean": self.run_imbalance}
 
 
 def imbalance(work) -> float:
@@ -162,6 +179,8 @@ def device_counts(ids: np.ndarray, layout: str, ring: int, tile: int = TILE) -> 
     from seqplan.layouts import layout_permutation
     from seqplan.schedule import DocumentWork, MaskKind, device_visits, document_work, ring_schedule
 
+    if layout == "document-zigzag":
+        return document_counts(ids, ring, tile)
     tokens = len(ids)
     shard = tokens // ring
     if tokens % (2 * ring) or (shard // 2) % tile:
@@ -171,7 +190,7 @@ def device_counts(ids: np.ndarray, layout: str, ring: int, tile: int = TILE) -> 
     grid = visible_tiles(ids, perm, tile)
     pairs = visible_pairs(ids)[perm].reshape(ring, shard).sum(axis=1)
     schedule = ring_schedule(layout, True, ring)
-    area, tiles = np.zeros(ring), np.zeros(ring, dtype=np.int64)
+    area, tiles, runs = np.zeros(ring), np.zeros(ring, dtype=np.int64), np.zeros(ring)
     blocks = dict.fromkeys((w.name for w in DocumentWork), 0)
     for device in range(ring):
         for visit in device_visits(schedule, device):
@@ -192,7 +211,44 @@ def device_counts(ids: np.ndarray, layout: str, ring: int, tile: int = TILE) -> 
             rows = slice((device * shard + q_lo) // tile, (device * shard + q_hi) // tile)
             cols = slice((visit.source * shard + k_lo) // tile, (visit.source * shard + k_hi) // tile)
             tiles[device] += int(grid[rows, cols].sum())
-    return {"area": area, "tiles": tiles, "pairs": pairs, "blocks": blocks, "visible_tiles": int(grid.sum())}
+            q_at = slice(device * shard + q_lo, device * shard + q_hi)
+            k_at = slice(visit.source * shard + k_lo, visit.source * shard + k_hi)
+            runs[device] += _run_area(layout_ids[q_at], perm[q_at], layout_ids[k_at], perm[k_at], visit.step.local)
+    return {"area": area, "tiles": tiles, "pairs": pairs, "runs": runs, "blocks": blocks,
+            "visible_tiles": int(grid.sum()), "padding": 0}
+
+
+def _run_area(q_ids, q_index, kv_ids, kv_index, own: bool) -> float:
+    """(d) of one block: per document, its queries x its keys at or before its latest query."""
+    docs, inverse = np.unique(np.r_[q_ids, kv_ids], return_inverse=True)
+    q_doc, kv_doc = inverse[:len(q_ids)], inverse[len(q_ids):]
+    latest = np.full(len(docs), -1, np.int64)
+    np.maximum.at(latest, q_doc, q_index)
+    n_q = np.bincount(q_doc, minlength=len(docs))
+    n_k = np.bincount(kv_doc[kv_index <= latest[kv_doc]], minlength=len(docs))
+    return float((n_q * n_k).sum()) * (0.5 if own else 1.0)
+
+
+def document_counts(ids: np.ndarray, ring: int, tile: int = TILE) -> dict:
+    """:func:`device_counts` for the per-document zigzag (module docstring): ``ids`` unpadded."""
+    from seqplan.layouts import document_layout, pad_documents
+
+    padded = pad_documents(ids[None], ring, multiple=ring * tile)[0][0]
+    perm = document_layout(padded[None], ring).perm[0]
+    tokens, shard = len(padded), len(padded) // ring
+    layout_ids = padded[perm]
+    grid = visible_tiles(padded, perm, tile)
+    pairs = visible_pairs(padded)[perm].reshape(ring, shard).sum(axis=1)
+    tiles = grid.reshape(ring, shard // tile, -1).sum(axis=(1, 2))
+    runs = np.zeros(ring)
+    for device in range(ring):
+        q = slice(device * shard, (device + 1) * shard)
+        for source in range(ring):
+            k = slice(source * shard, (source + 1) * shard)
+            runs[device] += _run_area(layout_ids[q], perm[q], layout_ids[k], perm[k], source == device)
+    return {"area": np.full(ring, float(ring * shard * shard)), "tiles": tiles, "pairs": pairs, "runs": runs,
+            "blocks": {"SKIP": 0, "PLAIN": 0, "DOCUMENTS": ring * ring}, "visible_tiles": int(grid.sum()),
+            "padding": tokens - len(ids)}
 
 
 def balance_table(mixes=MIXES, tokens=TOKENS, rings=RINGS, layouts=LAYOUTS, tile: int = TILE) -> list[Balance]:
@@ -201,14 +257,15 @@ def balance_table(mixes=MIXES, tokens=TOKENS, rings=RINGS, layouts=LAYOUTS, tile
     for n in tokens:
         for ring in rings:
             unpacked = device_counts(np.zeros(n, dtype=np.int32), "zigzag", ring, tile)
-            zz_area, zz_tiles = unpacked["area"].max(), unpacked["tiles"].max()
+            zz_area, zz_tiles, zz_runs = unpacked["area"].max(), unpacked["tiles"].max(), unpacked["runs"].max()
             for mix in mixes:
                 ids = mix.segment_ids(n)
                 for layout in layouts:
                     c = device_counts(ids, layout, ring, tile)
                     rows.append(Balance(n, mix.name, ring, layout, int(len(np.unique(ids))), c["area"].tolist(),
                                         c["tiles"].tolist(), c["pairs"].tolist(), c["blocks"],
-                                        float(c["area"].max() / zz_area), float(c["tiles"].max() / zz_tiles)))
+                                        float(c["area"].max() / zz_area), float(c["tiles"].max() / zz_tiles),
+                                        c["runs"].tolist(), c["padding"], float(c["runs"].max() / zz_runs)))
     return rows
 
 
@@ -219,13 +276,14 @@ def print_balance(rows: list[Balance], seconds: float, tile: int = TILE) -> None
     table = Table(title=f"computed work per device, causal ring over packed documents (from the schedule; max/mean "
                         f"over devices; 'vs zz' = busiest device / unpacked causal zigzag's; tiles {tile}x{tile})")
     for column in ("tokens", "mix", "docs", "R", "layout", "(a) area max/mean", "(a) vs zz", "(b) tiles max/mean",
-                   "(b) vs zz", "(c) pairs max/mean", "blocks skip/plain/docs"):
+                   "(b) vs zz", "(c) pairs max/mean", "(d) runs max/mean", "(d) vs zz", "pad", "blocks skip/plain/docs"):
         table.add_column(column, justify="left" if column in ("mix", "layout") else "right")
     for r in rows:
         blocks = "/".join(str(r.blocks[k]) for k in ("SKIP", "PLAIN", "DOCUMENTS"))
         table.add_row(f"{r.tokens // 1024}k", r.mix, str(r.documents), str(r.ring), r.layout,
                       f"{r.area_imbalance:.2f}", f"{r.area_vs_zigzag:.2f}", f"{r.tile_imbalance:.2f}",
-                      f"{r.tiles_vs_zigzag:.2f}", f"{r.pair_imbalance:.2f}", blocks)
+                      f"{r.tiles_vs_zigzag:.2f}", f"{r.pair_imbalance:.2f}", f"{r.run_imbalance:.2f}",
+                      f"{r.runs_vs_zigzag:.2f}", str(r.padding), blocks)
     console = Console(width=200)
     console.print(table)
     console.print(f"{len(rows)} configurations in {seconds:.1f} s. Bytes: K/V hops are unchanged by documents; the ids "

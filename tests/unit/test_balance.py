@@ -102,7 +102,7 @@ def test_table_rows_and_yardstick():
     zigzag (one document under zigzag compares as 1.00 with itself)."""
     one = balance.Mix("one", median=10**9, sigma=0.01)  # a single document
     rows = balance.balance_table(mixes=(one, balance.MIXES[0]), tokens=(4096,), rings=(2, 4), tile=128)
-    assert len(rows) == 2 * 2 * 3
+    assert len(rows) == 2 * 2 * len(balance.LAYOUTS)
     for r in rows:
         if r.mix == "one" and r.layout == "zigzag":
             assert (r.area_vs_zigzag, r.tiles_vs_zigzag, r.area_imbalance) == (1.0, 1.0, 1.0)
@@ -124,7 +124,31 @@ def test_cli_balance_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "balance.json"
     assert cli.main(["balance", "--tokens", "4096", "--rings", "2,4", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == len(balance.MIXES) * 2 * 3 and {r["layout"] for r in rows} == set(balance.LAYOUTS)
+    assert len(rows) == len(balance.MIXES) * 2 * len(balance.LAYOUTS) and {r["layout"] for r in rows} == set(balance.LAYOUTS)
     assert "all-gather of int32 [b, t] per call" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["balance", "--rings", "two"])
+
+
+@pytest.mark.parametrize("pattern", ["mix", "singletons", "one"])
+@pytest.mark.parametrize("ring", [2, 4])
+def test_document_zigzag_counts_equal_the_pair_by_pair_walk(pattern, ring, seed):
+    """The per-document zigzag's counts from the padded, laid-out ids, pair by pair: (b) tiles
+    and (c) pairs by token index and id; (c) is the same on every device (exact balance) and the
+    padding is what pad_documents adds."""
+    from seqplan.layouts import document_layout, pad_documents
+
+    tile, tokens = 2, 32 * ring
+    ids = draw_segment_ids(pattern, 1, tokens, np.random.default_rng(seed))[0]
+    c = balance.device_counts(ids, "document-zigzag", ring, tile)
+    padded = pad_documents(ids[None], ring, multiple=ring * tile)[0][0]
+    perm = document_layout(padded[None], ring).perm[0]
+    assert c["padding"] == len(padded) - tokens
+    laid = padded[perm]
+    seen = (perm[None, :] <= perm[:, None]) & (laid[:, None] == laid[None, :])  # [query, key], layout order
+    shard = len(padded) // ring
+    pairs = seen.reshape(ring, shard, -1).sum(axis=(1, 2))
+    tiles = seen.reshape(len(padded) // tile, tile, -1, tile).any(axis=(1, 3)).reshape(ring, -1).sum(axis=1)
+    assert c["pairs"].tolist() == pairs.tolist() and c["tiles"].tolist() == tiles.tolist()
+    assert len(set(pairs.tolist())) == 1
+    assert np.all(c["runs"] >= c["pairs"] / 2)  # a run area never undercounts the causal pairs by more than half

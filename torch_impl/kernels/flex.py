@@ -97,6 +97,7 @@ from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind
 
 from ..block import BlockBackend, register_backend
+from .reference import reference_block_bwd, reference_block_fwd
 
 LN2 = math.log(2.0)
 TILE = 128  # FlexAttention's default sparse block size (query rows × key columns per tile)
@@ -406,9 +407,16 @@ def _softcap(softcap) -> float | None:
     return float(softcap)
 
 
+def _per_row(positions) -> bool:
+    """Per-row positions [b, t] (explicit token indices): the portable kernel's job."""
+    return positions is not None and positions[0].dim() == 2
+
+
 def flex_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
     """The block forward (module docstring): (o [b, t, h, d] input dtype, lse [b, h, t] float32);
     ``softcap``: the scaled logits capped by :func:`score_mod_for`."""
+    if _per_row(positions):  # explicit per-row token indices: not in this adapter (routed, never reshaped)
+        return reference_block_fwd(q, k, v, mask, scale, segments, positions, softcap)
     t, s = q.shape[1], k.shape[1]
     _check_block(mask, t, s, segments, positions)
     softcap = _softcap(softcap)
@@ -422,6 +430,8 @@ def flex_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None
     """The block backward with the global ``o`` and ``lse`` (and ``dlse``, their lse cotangent,
     or None): (dq [b, t, h, d], dk, dv [b, s, hk, d]) in the input dtype, by :func:`backward_route`
     (``softcap``: through the cap's score_mod)."""
+    if _per_row(positions):
+        return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions, softcap)
     t, s = q.shape[1], k.shape[1]
     _check_block(mask, t, s, segments, positions)
     softcap = _softcap(softcap)

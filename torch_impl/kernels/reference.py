@@ -12,7 +12,9 @@ Shapes: q, do, o [b, t, h, d]; k, v [b, s, hk, d]; lse, dlse [b, h, t] float32; 
 mask, ``segments = (q_ids [b, t], kv_ids [b, s])`` integer ids (query i sees key j only if their
 ids are equal, on top of the static mask); with a window ``(left, right)``, ``positions =
 (q_pos [t], kv_pos [s])`` integer original positions (query i sees key j only if
-q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right, on top of the rest).
+q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right, on top of the rest), or per batch row
+``(q_pos [b, t], kv_pos [b, s])`` — explicit token indices, whose causal mask is the window
+``(UNBOUNDED, 0)`` on them (``seqplan.schedule.token_index_window``).
 
 Soft-capping (``softcap``, a float, Gemma 2): every scaled logit x = scale·q·k becomes
 softcap · tanh(x / softcap) before the mask and the softmax, in the forward and in the backward's
@@ -33,13 +35,14 @@ F32 = torch.float32
 
 
 def _window_matrix(window: tuple[int, int], q_pos, kv_pos):
-    """[t, c]: q_pos - left <= kv_pos <= q_pos + right (original positions)."""
+    """[t, c]: q_pos - left <= kv_pos <= q_pos + right (original positions); [b, t, c] for per-row
+    token indices q_pos [b, t], kv_pos [b, c]."""
     left, right = window
-    offset = kv_pos.long()[None, :] - q_pos.long()[:, None]  # key minus query, original positions
+    offset = kv_pos.long()[..., None, :] - q_pos.long()[..., :, None]  # key minus query, original positions
     return (offset >= -left) & (offset <= right)
 
 
-def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions) -> None:
+def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions, b: int | None = None) -> None:
     """ValueError unless a causal / strict block is square, a window comes with positions [t], [s]
     and documents with segments [b, t], [b, s]."""
     if mask.kind is not MaskKind.FULL and t != s:
@@ -48,9 +51,11 @@ def check_mask_arrays(mask: BlockMask, t: int, s: int, segments, positions) -> N
         if positions is None:
             raise ValueError("a windowed mask needs positions = (q_pos [t], kv_pos [s])")
         q_pos, kv_pos = positions
-        if tuple(q_pos.shape) != (t,) or tuple(kv_pos.shape) != (s,):
-            raise ValueError(f"positions must be [{t}] and [{s}] like the block, got {tuple(q_pos.shape)} and "
-                             f"{tuple(kv_pos.shape)}")
+        shapes = (tuple(q_pos.shape), tuple(kv_pos.shape))
+        if shapes != ((t,), (s,)) and not (len(shapes[0]) == len(shapes[1]) == 2 and shapes[0][0] == shapes[1][0]
+                                            and b in (None, shapes[0][0]) and (shapes[0][1], shapes[1][1]) == (t, s)):
+            raise ValueError(f"positions must be [{t}] and [{s}] like the block, or per row (token indices) "
+                             f"[b, {t}] and [b, {s}], got {shapes[0]} and {shapes[1]}")
     if mask.documents:
         if segments is None:
             raise ValueError("a document mask needs segments = (q_ids [b, t], kv_ids [b, s])")
@@ -72,13 +77,13 @@ def chunk_visible(mask: BlockMask, t: int, lo: int, hi: int, device, segments=No
         visible = kv_index <= q_index if mask.kind is MaskKind.CAUSAL else kv_index < q_index
     if mask.window is not None:
         q_pos, kv_pos = positions
-        inside = _window_matrix(mask.window, q_pos, kv_pos[lo:hi]).to(device)
+        inside = _window_matrix(mask.window, q_pos, kv_pos[..., lo:hi]).to(device)  # [t, c] or [b, t, c]
         visible = inside if visible is None else visible & inside
     if mask.documents:
         q_ids, kv_ids = segments
         same = q_ids[:, :, None] == kv_ids[:, None, lo:hi]  # [b, t, c]
-        visible = (same if visible is None else same & visible)[:, None, None]
-    return visible
+        visible = same if visible is None else same & visible
+    return visible[:, None, None] if visible is not None and visible.dim() == 3 else visible
 
 
 def mask_matrix(mask: BlockMask, t: int, s: int, device, segments=None, positions=None):
@@ -114,7 +119,7 @@ def reference_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, p
     an empty partial."""
     b, t, h, d = q.shape
     s = k.shape[1]
-    check_mask_arrays(mask, t, s, segments, positions)
+    check_mask_arrays(mask, t, s, segments, positions, b)
     c = chunk or key_chunk(t, s)
     m = total = acc = None  # running max, sum of exp and numerator: [b, hk, g, t], [..], [b, hk, g, t, d]
     for lo in range(0, s, c):
@@ -153,7 +158,7 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
     b, t, h, d = q.shape
     s, hk = k.shape[1], k.shape[2]
     g = h // hk
-    check_mask_arrays(mask, t, s, segments, positions)
+    check_mask_arrays(mask, t, s, segments, positions, b)
     lse_g = lse.float().reshape(b, hk, g, t, 1)
     do_g = do.float().reshape(b, t, hk, g, d)
     q_g = q.float().reshape(b, t, hk, g, d)

@@ -36,6 +36,8 @@ def block_band(mask: BlockMask, t: int, s: int, positions) -> Band | None | str:
     not expressible. The offset comes from the mask when the loop knew it statically (no device
     sync), else from the positions, read on the host."""
     offset = mask.offset
+    if positions[0].dim() == 2:  # per-row token indices: no band of the grid is assumed
+        return "portable"
     if offset is None:
         offset = part_offset(*(x.detach().cpu().numpy() for x in positions))
     return "portable" if offset is None else bands.block_band(mask, t, s, offset)

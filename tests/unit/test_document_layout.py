@@ -1,0 +1,112 @@
+"""The per-document zigzag (seqplan.layouts.document_layout), its padding rule and the token
+indices, against the obvious oracle (parity.core.reference.document_zigzag_permutation)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parity.core.reference import attention_forward, document_zigzag_permutation
+from parity.probes.balance import visible_pairs
+from seqplan.layouts import (
+    document_layout,
+    layout_permutation,
+    pad_documents,
+    rope_positions,
+    static_token_index,
+)
+
+
+def _ids(rng, batch, docs, ring):
+    rows = []
+    for _ in range(batch):
+        lengths = rng.integers(1, 5, size=docs) * 2 * ring
+        rows.append(np.repeat(rng.permutation(docs), lengths))
+    width = max(len(r) for r in rows)
+    return np.stack([np.r_[r, np.full(width - len(r), docs)] for r in rows])
+
+
+@pytest.mark.parametrize("ring", [1, 2, 3, 4])
+def test_document_layout_matches_oracle(ring):
+    ids = _ids(np.random.default_rng(ring), 3, 5, ring)
+    layout = document_layout(ids, ring)
+    np.testing.assert_array_equal(layout.perm, document_zigzag_permutation(ids, ring))
+    np.testing.assert_array_equal(layout.token_index, layout.perm)
+    assert layout.token_index.dtype == np.int32
+    for row in range(ids.shape[0]):
+        assert sorted(layout.perm[row]) == list(range(ids.shape[1]))
+        np.testing.assert_array_equal(layout.inverse[row][layout.perm[row]], np.arange(ids.shape[1]))
+
+
+def test_every_device_gets_the_same_causal_pairs():
+    """Each document contributes the same causal pairs to every device: the balance is exact."""
+    ring = 4
+    ids = _ids(np.random.default_rng(0), 1, 7, ring)[0]
+    perm = document_layout(ids[None], ring).perm[0]
+    per_device = visible_pairs(ids)[perm].reshape(ring, -1).sum(axis=1)
+    assert len(set(per_device.tolist())) == 1, per_device
+    zigzag = visible_pairs(ids)[layout_permutation(len(ids), "zigzag", ring)].reshape(ring, -1).sum(axis=1)
+    assert len(set(zigzag.tolist())) > 1  # the probe can tell: the static zigzag is not balanced here
+
+
+def test_each_document_is_one_increasing_run_per_shard():
+    ring = 3
+    ids = _ids(np.random.default_rng(1), 2, 6, ring)
+    layout = document_layout(ids, ring)
+    shard = ids.shape[1] // ring
+    for row in range(ids.shape[0]):
+        laid = ids[row][layout.perm[row]]
+        for r in range(ring):
+            part, index = laid[r * shard:(r + 1) * shard], layout.token_index[row, r * shard:(r + 1) * shard]
+            starts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])
+            assert len(starts) == len(set(part.tolist()))  # one run per document
+            for a, b in zip(starts, np.r_[starts[1:], shard]):
+                assert np.all(np.diff(index[a:b]) > 0)  # increasing: the own block is causal per document
+
+
+def test_lengths_not_divisible_are_refused_and_padding_fixes_them():
+    ids = np.array([[0, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3]])  # the `mix` pattern's length-1 documents
+    with pytest.raises(ValueError, match="divisible by 2·R = 4.*pad_documents"):
+        document_layout(ids, 2)
+    padded, source = pad_documents(ids, 2, multiple=8)
+    assert padded.shape[1] % 8 == 0
+    starts = np.flatnonzero(np.r_[True, padded[0, 1:] != padded[0, :-1]])
+    assert np.all(np.diff(np.r_[starts, padded.shape[1]]) % 4 == 0)
+    real = source[0] >= 0
+    np.testing.assert_array_equal(padded[0][real], ids[0])  # real tokens keep their ids, in order
+    np.testing.assert_array_equal(source[0][real], np.arange(ids.shape[1]))
+    document_layout(padded, 2)  # now accepted
+
+
+def test_padding_is_exact_under_causal_masking():
+    """Real rows of the padded, laid-out sequence equal the unpadded answer (pads come last in
+    their document: no real query sees one)."""
+    rng = np.random.default_rng(3)
+    ids = np.array([[0, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3]])
+    padded, source = pad_documents(ids, 2)
+    layout = document_layout(padded, 2)
+    q, k, v = (rng.standard_normal((1, padded.shape[1], 2, 4)) for _ in range(3))
+    real = np.flatnonzero(source[0] >= 0)
+    want = attention_forward(q[:, real], k[:, real], v[:, real], causal=True, segment_ids=ids).o
+    take = lambda x: x[:, layout.perm[0]]
+    got = attention_forward(take(q), take(k), take(v), causal=True, q_pos=layout.token_index,
+                            k_pos=layout.token_index, segment_ids=take(padded)).o
+    back = got[:, layout.inverse[0]]
+    np.testing.assert_allclose(back[:, real], want, rtol=1e-12, atol=1e-12)
+    # a wrong token index (the static zigzag's, on this per-document layout) is caught
+    wrong = static_token_index(padded.shape[1], "zigzag", 2)
+    bad = attention_forward(take(q), take(k), take(v), causal=True, q_pos=wrong, k_pos=wrong,
+                            segment_ids=take(padded)).o[:, layout.inverse[0]]
+    assert not np.allclose(bad[:, real], want)
+
+
+def test_rope_positions_restart_per_document():
+    ids = np.array([[5, 5, 5, 5, 9, 9, 9, 9]])
+    layout = document_layout(ids, 2)
+    pos = rope_positions(layout.token_index, np.take_along_axis(ids, layout.perm, 1))
+    np.testing.assert_array_equal(np.take_along_axis(pos, layout.inverse, 1), [[0, 1, 2, 3, 0, 1, 2, 3]])
+
+
+def test_static_token_index_is_the_layout_permutation():
+    np.testing.assert_array_equal(static_token_index(16, "zigzag", 2, batch=2),
+                                  np.stack([layout_permutation(16, "zigzag", 2)] * 2))
