@@ -457,18 +457,22 @@ def time_torch(config: LlamaConfig, seq: int, backend: str, timing: Timing, rate
         peak = torch.cuda.max_memory_allocated() / 2**30
     profile = _profile_by_class(step, device)
     del step
-    cost, glue = trace_torch_step(config, seq, backend, device)
     kernel_name, c_attention = rates["attention"][seq]
     r = sm.Rates(rates["matmul"], c_attention, rates["hbm"])
     pred = sm.predict_step(config, seq, seq * (seq + 1) / 2, "torch", "bfloat16", r)
     model_bytes = pred.memory_bytes["total"]
-    traced = cost.bytes.get("other", 0.0) + cost.bytes.get("optimizer", 0.0) + glue
-    return _row("torch", config, seq, measured, pred, r, kernel_name, peak, {
-        "profile_s": profile, "profile_memory_s": profile["memory"] + profile["optimizer"],
-        "achieved_hbm_in_step": model_bytes / (profile["memory"] + profile["optimizer"])
-        if profile["memory"] + profile["optimizer"] else None,
-        "traced_bytes": traced, "traced_over_model": traced / model_bytes,
-        "traced_matmul_flops": cost.flops.get("matmul", 0.0)})
+    memory_s = profile["memory"] + profile["optimizer"]
+    extra = {"profile_s": profile, "profile_memory_s": memory_s,
+             "achieved_hbm_in_step": model_bytes / memory_s if memory_s else None}
+    try:  # the aten ops of the same step, counted (a failure here keeps the timed row)
+        cost, glue = trace_torch_step(config, seq, backend, device)
+        traced = cost.bytes.get("other", 0.0) + cost.bytes.get("optimizer", 0.0) + glue
+        extra |= {"traced_bytes": traced, "traced_over_model": traced / model_bytes,
+                  "traced_matmul_flops": cost.flops.get("matmul", 0.0),
+                  "traced_matmul_over_model": cost.flops.get("matmul", 0.0) / pred.matmul_flops}
+    except Exception as err:  # noqa: BLE001 — recorded in the row
+        extra["trace_error"] = f"{type(err).__name__}: {err}"
+    return _row("torch", config, seq, measured, pred, r, kernel_name, peak, extra)
 
 
 def _row(framework, config, seq, measured, pred, rates, kernel_name, peak, extra) -> dict:
@@ -529,25 +533,30 @@ def time_jax(config: LlamaConfig, seq: int, backend: str, timing: Timing, rates:
     run, text = jax_step(config, seq, backend)
     compile_s = time.perf_counter() - start
     measured = _jax_median_ms(run, timing.warmup, timing.iters) * 1e-3
-    hlo = count_cost(text)
     kernel_name, c_attention = rates["attention"][seq]
     r = sm.Rates(rates["matmul"], c_attention, rates["hbm"])
     pred = sm.predict_step(config, seq, seq * (seq + 1) / 2, "jax", "bfloat16", r)
-    hlo_memory = sum(hlo.bytes.get(c, 0.0) for c in ("other", "loss", "optimizer"))
-    from_hlo = hlo.flops.get("matmul", 0.0) / r.matmul + pred.attention_s + hlo_memory / r.hbm
+    extra = {"compile_s": compile_s}
+    try:  # the compiled program's own count (a failure here keeps the timed row)
+        hlo = count_cost(text)
+        hlo_memory = sum(hlo.bytes.get(c, 0.0) for c in ("other", "loss", "optimizer"))
+        extra |= {"hlo_flops": dict(hlo.flops), "hlo_bytes": dict(hlo.bytes), "hlo_memory_bytes": hlo_memory,
+                  "hlo_over_model": hlo_memory / pred.memory_bytes["total"],
+                  "hlo_matmul_over_model": hlo.flops.get("matmul", 0.0) / pred.matmul_flops,
+                  "attention_custom_calls": hlo.attention_calls,
+                  "predicted_from_hlo_s": hlo.flops.get("matmul", 0.0) / r.matmul + pred.attention_s
+                  + hlo_memory / r.hbm}
+    except Exception as err:  # noqa: BLE001 — recorded in the row
+        extra["hlo_error"] = f"{type(err).__name__}: {err}"
     peak = None
     try:
         import jax
 
         stats = jax.devices()[0].memory_stats() or {}
-        peak = stats.get("peak_bytes_in_use", 0) / 2**30 or None
+        peak = stats.get("peak_bytes_in_use", 0) / 2**30 or None  # the process's peak so far
     except Exception:  # noqa: BLE001 — not every backend reports memory
         pass
-    return _row("jax", config, seq, measured, pred, r, kernel_name, peak, {
-        "compile_s": compile_s, "hlo_flops": dict(hlo.flops), "hlo_bytes": dict(hlo.bytes),
-        "hlo_memory_bytes": hlo_memory, "hlo_over_model": hlo_memory / pred.memory_bytes["total"],
-        "hlo_matmul_over_model": hlo.flops.get("matmul", 0.0) / pred.matmul_flops,
-        "attention_custom_calls": hlo.attention_calls, "predicted_from_hlo_s": from_hlo})
+    return _row("jax", config, seq, measured, pred, r, kernel_name, peak, extra)
 
 
 def calibrate_rates(framework: str, timing: Timing, configs, seqs, backend: str, device: str) -> dict:
@@ -674,7 +683,7 @@ def report(out: Path) -> str:
             prof = row.get("profile_s")
             prof_text = "—" if not prof else (f"{ms(prof['matmul'])} / {ms(prof['attention'])} / "
                                               f"{ms(prof['memory'] + prof['optimizer'])}")
-            ratio = row.get("traced_over_model", row.get("hlo_over_model"))
+            ratio = row.get("traced_over_model", row.get("hlo_over_model", float("nan")))
             lines.append(f"| {row['framework']} | {row['model']} | {row['seq']} | {ms(row['measured_s'])} "
                          f"| {ms(row['predicted_s'])} | {ms(t['matmul_s'])} | {ms(t['attention_s'])} "
                          f"| {ms(t['memory_s'])} | {row['measured_over_predicted']:.3f} "
