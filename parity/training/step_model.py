@@ -325,7 +325,7 @@ def memory_passes(config: LlamaConfig, tokens: int, framework: str, dtype: str =
     over that many devices — Adam (and JAX's weight casts, made before the gather) on this
     device's 1/shards of the parameters; every gradient is computed whole before it is reduced.
     ``backend``: "gpu", or "cpu" for JAX's program as XLA:CPU compiles it (the check on the CPU:
-    XLA:CPU also writes transposed copies for its dot emitter, :data:`CPU_ONLY`)."""
+    XLA:CPU also writes transposed copies for its dot emitter: the passes named "XLA:CPU: …")."""
     _check(config, framework, dtype, tokens)
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
         raise ValueError(f"shards must be a positive int, got {shards!r}")
