@@ -144,12 +144,15 @@ def torch_cost_verdict(config: LlamaConfig, seq: int, dtype: str = "bfloat16", b
     return verdict
 
 
-def check_step_cost(case: ModelCase) -> CostVerdict:
-    """FLOPs and bytes of one single-device whole-model step (``STEP_COST_CONFIGS``)."""
+def check_step_cost(case: ModelCase, per_pass: bool = True) -> CostVerdict:
+    """FLOPs and bytes of one single-device whole-model step (``STEP_COST_CONFIGS``): per pass
+    (three programs compiled), or with ``per_pass=False`` from the step program alone (the
+    closing check of the main ``python -m parity`` run, one compile)."""
     try:
         from ..training import llama_jax
 
-        return llama_cost_verdict(case, llama_jax.compiled_texts(case), check_bytes=True)
+        texts = llama_jax.compiled_texts(case, which=(0, 1, 2) if per_pass else (2,))
+        return llama_cost_verdict(case, texts, check_bytes=True)
     except Exception as err:  # noqa: BLE001 — reported as the configuration's failure
         return CostVerdict(f"{case.name} (JAX)", error=f"{type(err).__name__}: {err}")
 

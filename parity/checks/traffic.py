@@ -226,8 +226,8 @@ def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_l
     jobs = ([(check_attention, c) for c in attention] + [(check_training, c) for c in training]
             + [(check_llama, c) for c in llama])
     if "jax" in frameworks:  # the single-device step's FLOPs and bytes (JAX only: the HLO count)
-        jobs += [(lambda c, *_: step_cost.check_step_cost(c), c) for c in step_cost.STEP_COST_CONFIGS
-                 if keep(c.name, 1)]
+        jobs += [(lambda c, *_: step_cost.check_step_cost(c, per_pass=every_config), c)
+                 for c in step_cost.STEP_COST_CONFIGS if keep(c.name, 1)]
     return [fn(c, frameworks, devices) for fn, c in track(jobs, description="accounting")]
 
 
