@@ -33,8 +33,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log, record the exit
 }
 TIME=(python3 -m parity.training.llama_gpu time --out $L/stepmodel --sizes $SIZES "${EXTRA[@]}")
 step torch "${TORCH_S:-150}" "${TIME[@]}" --frameworks torch
-step jax "${JAX_S:-300}" "${TIME[@]}" --frameworks jax
-step report 60 python3 -m parity.training.llama_gpu report --out $L/stepmodel
+step jax "${JAX_S:-290}" "${TIME[@]}" --frameworks jax
+step report 30 python3 -m parity.training.llama_gpu report --out $L/stepmodel
 tar czf "$OUT/stepmodel.tgz" -C $L .
 cat $L/gpu.txt $L/steps.txt
 grep -hE "check|passed|FAILED|Error|error" $L/torch.log $L/jax.log | grep -v "^\s*$" | cut -c1-200 | tail -12
