@@ -29,6 +29,10 @@ from seqplan.config import AttentionLayerConfig
 from .api import local_attention, sequence_parallel_attention
 from .dense import dense_attention
 
+# The name scope of the attention itself (after the projections and RoPE, before wo): the
+# step-time model's HLO count (parity.accounting.hlo_cost) tells its kernels apart by it.
+CORE_SCOPE = "core_attention"
+
 
 def apply_rope(x, positions, theta: float):
     """x: [b, t, h, d] rotated by ``positions`` [b, t] (rotate-half: pairs (i, i + d/2) turn by
@@ -72,12 +76,13 @@ class SequenceParallelAttention(nn.Module):
         k = apply_rope((x @ wk.astype(x.dtype)).reshape(b, t, c.kv_heads, c.head_dim), positions, c.rope_theta)
         v = (x @ wv.astype(x.dtype)).reshape(b, t, c.kv_heads, c.head_dim)
         options = {"causal": c.causal, "segment_ids": segment_ids, "window": c.window, "sinks": sinks}
-        if self.mesh is not None:
-            attend = local_attention if self.per_device else sequence_parallel_attention
-            o = attend(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange, block_backend=c.block_backend,
-                       **options)
-        elif self.attention is not None:
-            o = self.attention(q, k, v, **options)
-        else:
-            o, _ = dense_attention(q, k, v, **options)
+        with jax.named_scope(CORE_SCOPE):  # names the attention's own kernels in the compiled program
+            if self.mesh is not None:
+                attend = local_attention if self.per_device else sequence_parallel_attention
+                o = attend(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange,
+                           block_backend=c.block_backend, **options)
+            elif self.attention is not None:
+                o = self.attention(q, k, v, **options)
+            else:
+                o, _ = dense_attention(q, k, v, **options)
         return o.reshape(b, t, c.heads * c.head_dim) @ wo.astype(x.dtype)

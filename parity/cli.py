@@ -195,7 +195,9 @@ def run_report(args, parser) -> int:
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
           f"in {seconds:.0f} s; reports in {args.out}/")
     if verdicts:
-        print(f"communication: {len(verdicts) - mismatches} of {len(verdicts)} configurations equal the model")
+        from .checks.traffic import summary
+
+        print(f"communication and compute: {summary(verdicts)}")
     return 1 if counts["failed"] or not counts["passed"] or mismatches or sweep_failed else 0
 
 

@@ -23,6 +23,10 @@ from seqplan.config import AttentionLayerConfig
 from .api import sequence_parallel_attention
 from .dense import dense_attention
 
+# The name of the attention itself (after the projections and RoPE, before wo) in a profile; the
+# JAX mirror names the same region of its compiled program.
+CORE_SCOPE = "core_attention"
+
 
 def apply_rope(x, positions, theta: float):
     """x: [b, t, h, d] rotated by ``positions`` [b, t] (rotate-half: pairs (i, i + d/2) turn by
@@ -65,11 +69,12 @@ class SequenceParallelAttention(nn.Module):
         k = apply_rope(self.wk(x).view(b, t, c.kv_heads, c.head_dim), positions, c.rope_theta)
         v = self.wv(x).view(b, t, c.kv_heads, c.head_dim)
         options = {"causal": c.causal, "segment_ids": segment_ids, "window": c.window, "sinks": self.sinks}
-        if self.mesh is not None:
-            o = sequence_parallel_attention(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange,
-                                            block_backend=c.block_backend, **options)
-        elif self.attention is not None:
-            o = self.attention(q, k, v, **options)
-        else:
-            o, _ = dense_attention(q, k, v, **options)
+        with torch.profiler.record_function(CORE_SCOPE):  # names the attention's own kernels in a profile
+            if self.mesh is not None:
+                o = sequence_parallel_attention(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange,
+                                                block_backend=c.block_backend, **options)
+            elif self.attention is not None:
+                o = self.attention(q, k, v, **options)
+            else:
+                o, _ = dense_attention(q, k, v, **options)
         return self.wo(o.reshape(b, t, c.heads * c.head_dim))

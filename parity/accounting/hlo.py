@@ -13,25 +13,25 @@ from fractions import Fraction
 
 from .model import PASSES, Traffic
 
-_ELEMENT_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "pred": 1,
+ELEMENT_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "pred": 1,
                   "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
-_OPS = {"collective-permute": "p2p", "all-to-all": "all-to-all", "all-gather": "all-gather",
+COLLECTIVES = {"collective-permute": "p2p", "all-to-all": "all-to-all", "all-gather": "all-gather",
         "reduce-scatter": "reduce-scatter", "all-reduce": "all-reduce"}
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.-]+\s*=\s*(?P<shape>.+?)\s(?P<op>[\w-]+)\((?P<args>.*)$")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.-]+)")
-_ARRAY = re.compile(r"(?P<dt>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.-]+\s*=\s*(?P<shape>.+?)\s(?P<op>[\w-]+)\((?P<args>.*)$")
+HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.-]+)")
+ARRAY = re.compile(r"(?P<dt>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 
 
 def _arrays(shape: str) -> list[int]:
     """Byte sizes of the arrays in an HLO shape (a tuple gives several)."""
     out = []
-    for m in _ARRAY.finditer(shape):
-        if m.group("dt") not in _ELEMENT_BYTES:
+    for m in ARRAY.finditer(shape):
+        if m.group("dt") not in ELEMENT_BYTES:
             continue
         n = 1
         for dim in filter(None, m.group("dims").split(",")):
             n *= int(dim)
-        out.append(n * _ELEMENT_BYTES[m.group("dt")])
+        out.append(n * ELEMENT_BYTES[m.group("dt")])
     return out
 
 
@@ -59,9 +59,9 @@ def _collective(op: str, shape: str, line: str):
     instruction) counts one call per buffer, as the model does."""
     start = op.endswith("-start")
     base = op[: -len("-start")] if start else op
-    if base not in _OPS or op.endswith("-done"):
+    if base not in COLLECTIVES or op.endswith("-done"):
         return None
-    kind, sizes = _OPS[base], _arrays(shape)
+    kind, sizes = COLLECTIVES[base], _arrays(shape)
     if start and shape.startswith("(("):  # ((operands), outputs): keep the outputs
         sizes = sizes[len(sizes) // 2:]
     elif start and kind == "p2p":  # (operand, output, context scalars): the buffer sent
@@ -85,14 +85,14 @@ def _parse(text: str):
     comps, entry, current = {}, None, None
     for line in text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation opens
-            current = _HEADER.match(line).group("name")
+            current = HEADER.match(line).group("name")
             comps[current] = ([], [])
             if line.startswith("ENTRY"):
                 entry = current
             continue
         if current is None:
             continue
-        m = _INSTR.match(line)
+        m = INSTRUCTION.match(line)
         if not m:
             continue
         found = _collective(m.group("op"), m.group("shape"), line)

@@ -4,12 +4,15 @@ every modeling choice explicit (``Choices``).
 
 Per block and device, with B = tokens a device computes on (TP ranks share them; global = B·X):
 
-    T_math = a·B          a = FLOPs per token / C
+    T_math = m + a·B      a = FLOPs per token / C (+ memory bytes per token / W_hbm)
+                          m = 0 (+ the weights' memory traffic / W_hbm: Adam, casts)
     T_X    = c            FSDP all-gather / reduce-scatter bytes over the X axis (weights: no B)
     T_Y    = y·B          TP all-reduce bytes over the Y axis (activations)
 
 compute-bound when T_math ≥ max(T_X, T_Y) ("max": comms overlap each other and compute) or
-T_math ≥ T_X + T_Y ("sum"). So B* = c/a (max, needs a ≥ y) or c/(a − y) (sum, needs a > y).
+T_math ≥ T_X + T_Y ("sum"). So B* = (c − m)/a (max, needs a ≥ y) or (c − m)/(a − y) (sum,
+needs a > y), never below 0. ``Choices.memory`` adds the memory-bound term
+(:func:`ffn_memory_bytes`, over the profile's ``hbm``); without it m = 0, the FLOPs-only model.
 ``M_X``, ``M_Y`` (mesh axes each parallelism spans) multiply the bandwidth: T_X = bytes/(M_X·W).
 ``mx_role="bytes"`` instead reads M_X as the number of gathered weight matrices (one published
 CS336 answer), i.e. T_X = M_X·bytes_per_matrix/W. ``ring_factor=False`` drops the (n−1)/n.
@@ -41,6 +44,7 @@ class Hardware:
     name: str
     flops: float
     bandwidth: dict
+    hbm: float | None = None  # bytes/s read + written by a large elementwise copy (None: not known)
 
     @classmethod
     def load(cls, name_or_path: str) -> Hardware:
@@ -48,11 +52,14 @@ class Hardware:
         if not path.exists():
             path = PROFILES / f"{name_or_path}.json"
         data = json.loads(path.read_text())
-        return cls(data["name"], float(data["flops"]), {k: float(v) for k, v in data["bandwidth"].items()})
+        hbm = data.get("hbm")
+        return cls(data["name"], float(data["flops"]), {k: float(v) for k, v in data["bandwidth"].items()},
+                   None if hbm is None else float(hbm))
 
     @classmethod
-    def simple(cls, name: str, flops: float, bandwidth: float) -> Hardware:
-        return cls(name, flops, {k: bandwidth for k in ("p2p", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")})
+    def simple(cls, name: str, flops: float, bandwidth: float, hbm: float | None = None) -> Hardware:
+        return cls(name, flops, {k: bandwidth for k in ("p2p", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")},
+                   hbm)
 
 
 @dataclass(frozen=True)
@@ -65,16 +72,19 @@ class Choices:
     ring_factor: bool = True
     mx_role: MxRole = "bandwidth"
     passes: Passes = "fwd"
+    memory: bool = False  # the memory-bound term in T_math (needs the hardware's hbm)
 
     def __post_init__(self):
         check_choice("overlap", self.overlap, get_args(Overlap))
         check_choice("mx_role", self.mx_role, get_args(MxRole))
         check_choice("passes", self.passes, get_args(Passes))
-        if not isinstance(self.ring_factor, bool):
-            raise TypeError(f"ring_factor must be a bool, got {self.ring_factor!r}")
+        for name in ("ring_factor", "memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def label(self) -> str:
-        return f"{self.overlap}, ring {'on' if self.ring_factor else 'off'}, M_X x {self.mx_role}, {self.passes}"
+        return (f"{self.overlap}, ring {'on' if self.ring_factor else 'off'}, M_X x {self.mx_role}, {self.passes}"
+                + (", + memory" if self.memory else ""))
 
 
 @dataclass(frozen=True)
@@ -86,8 +96,25 @@ class BStar:
     y: float
 
 
+def ffn_memory_bytes(d_model: int, d_ff: int, x: int, y: int, passes: Passes, dtype_bytes: int = 2) -> tuple[float, float]:
+    """(fixed, per token) bytes one device's memory-bound kernels move per FFN block, as the JAX
+    reference step (``parity.training.jax_step``) runs: per token, gelu over [F/Y] (forward: read,
+    write; backward: read the pre-activation and the gradient, write) and the residual add over
+    [D] (read two, write one; its gradient's sum likewise), in the wire dtype; fixed, the
+    device's float32 shard of W1 and W2 (2·D·F/(X·Y) parameters) cast to the wire dtype before
+    its gather (4 + e bytes each) and, with the backward, Adam's three fused passes (m, v, then
+    the parameter: 10 float32 elements each — ``step_model``'s optax count)."""
+    e, shard = dtype_bytes, 2 * d_model * d_ff / (x * y)
+    per_token = (2 * d_ff / y + 3 * d_model) * e
+    fixed = shard * (4 + e)
+    if passes == "fwd+bwd":
+        per_token += (3 * d_ff / y + 3 * d_model) * e
+        fixed += shard * 40
+    return fixed, per_token
+
+
 def _coefficients(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: float, hw: Hardware, ch: Choices):
-    """(a, c, y_coef) per block from the accounting model at 1 and 2 tokens per device."""
+    """(a, c, y_coef, m) per block from the accounting model at 1 and 2 tokens per device."""
     passes = ("fwd",) if ch.passes == "fwd" else ("fwd", "bwd")
 
     def measure(tokens_per_device: int):
@@ -106,17 +133,24 @@ def _coefficients(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: floa
     w_x, w_y = hw.bandwidth["all-gather"], hw.bandwidth["all-reduce"]
     c = bx1 / (m_x * w_x) if ch.mx_role == "bandwidth" else m_x * (bx1 / 2) / w_x
     y_coef = (by2 - by1) / (m_y * w_y)
-    return a, c, y_coef
+    m = 0.0
+    if ch.memory:
+        if hw.hbm is None:
+            raise ValueError(f"the memory term needs the hardware's hbm bandwidth; {hw.name} has none")
+        fixed, per_token = ffn_memory_bytes(d_model, d_ff, x, y, ch.passes)
+        a, m = a + per_token / hw.hbm, fixed / hw.hbm
+    return a, c, y_coef, m
 
 
 def critical_batch(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: float, hw: Hardware,
                    choices: Choices = Choices()) -> BStar:
-    """B* for a given mesh X (FSDP) × Y (TP); infinite when no batch makes it compute-bound."""
-    a, c, y_coef = _coefficients(d_model, d_ff, x, y, m_x, m_y, hw, choices)
+    """B* for a given mesh X (FSDP) × Y (TP); infinite when no batch makes it compute-bound, 0
+    when the weights' memory traffic alone outlasts their collectives."""
+    a, c, y_coef, m = _coefficients(d_model, d_ff, x, y, m_x, m_y, hw, choices)
     if choices.overlap == "max":
-        b = c / a if a >= y_coef else math.inf
+        b = max(0.0, (c - m) / a) if a >= y_coef else math.inf
     else:  # "sum" (Choices validates the value)
-        b = c / (a - y_coef) if a > y_coef else math.inf
+        b = max(0.0, (c - m) / (a - y_coef)) if a > y_coef else math.inf
     return BStar(b, b / y, b * x, x, y)
 
 
@@ -124,10 +158,10 @@ def optimal_split(d_model: int, d_ff: int, devices: float, m_x: float, m_y: floa
                   choices: Choices = Choices()) -> BStar:
     """The Y (TP size, X = N/Y) minimising the global B*, treating Y as continuous and without
     the ring factor (as the Scaling Book's closed forms do): ternary search on log Y over [1, N].
-    ``choices.ring_factor`` is ignored here."""
+    ``choices.ring_factor`` and ``choices.memory`` are ignored here."""
     # Without the ring factor a, c scale exactly as 1/Y and y_coef not at all: take them at
     # X = Y = 2 once and rescale, so that Y may be continuous.
-    a2, c2, yc = _coefficients(d_model, d_ff, 2, 2, m_x, m_y, hw, replace(choices, ring_factor=False))
+    a2, c2, yc, _ = _coefficients(d_model, d_ff, 2, 2, m_x, m_y, hw, replace(choices, ring_factor=False, memory=False))
 
     def global_b(log_y: float) -> float:
         y = math.exp(log_y)
@@ -179,21 +213,28 @@ class Preset:
 
 
 PRESETS = {
+    # the question gives C and W; its memory rows use TPU v5p's datasheet HBM (not part of the question)
     "cs336-xxl": Preset(16384, 53248, x=16, y=4, m_x=2, m_y=1,
-                        hardware=Hardware.simple("tpu-v5p (CS336: C=4.6e14, W=2*9e10)", 4.6e14, 2 * 9e10)),
+                        hardware=Hardware.simple("tpu-v5p (CS336: C=4.6e14, W=2*9e10; HBM 2.765e12 datasheet)",
+                                                 4.6e14, 2 * 9e10, 2.765e12)),
     "llama2-13b": Preset(5120, 13824, x=None, y=None, m_x=2, m_y=1, hardware=Hardware.load("tpu-v5p")),
 }
 CHOICE_GRID = [Choices(o, r, m) for m in ("bandwidth", "bytes") for o in ("max", "sum") for r in (True, False)]
+MEMORY_GRID = [Choices(o, True, "bandwidth", p, memory=True) for p in ("fwd", "fwd+bwd") for o in ("max", "sum")]
 
 
 def table(preset: str | Preset, devices: int | None = None, hardware: Hardware | None = None) -> list[tuple[str, BStar]]:
-    """B* of a preset under every choice in CHOICE_GRID (given X, Y), plus the optimal split;
+    """B* of a preset under every choice in CHOICE_GRID (given X, Y) — and, when the hardware has an
+    HBM bandwidth, MEMORY_GRID's (the memory-bound term added) — plus the optimal split;
     ``hardware`` replaces the preset's (e.g. a profile from ``python -m parity calibrate``)."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
     hw = hardware or p.hardware
     rows = []
     if p.x is not None:
         rows += [(ch.label(), critical_batch(p.d_model, p.d_ff, p.x, p.y, p.m_x, p.m_y, hw, ch)) for ch in CHOICE_GRID]
+        if hw.hbm is not None:  # the memory-bound term (forward, and the whole step with Adam)
+            rows += [(ch.label(), critical_batch(p.d_model, p.d_ff, p.x, p.y, p.m_x, p.m_y, hw, ch))
+                     for ch in MEMORY_GRID]
     n = devices or (p.x * p.y if p.x else 4096)
     for overlap in ("max", "sum"):
         ch = Choices(overlap, False)

@@ -1,5 +1,7 @@
 """``python -m parity calibrate``: measure this machine's hardware profile — C (bf16 matmul FLOP/s
-on one device) and W (bytes per second per device, by the contract's (docs/contract.md) definition of bytes, for p2p,
+on one device), W_hbm (``hbm``: bytes read + written per second by a large elementwise copy on
+one device — the step model's memory term, ``parity.training.step_model``) and W (bytes per
+second per device, by the contract's (docs/contract.md) definition of bytes, for p2p,
 all-to-all, all-gather, reduce-scatter, all-reduce over all devices: NCCL on GPUs, gloo on CPU)
 — and write it as a JSON profile that ``python -m parity bstar --hardware FILE`` reads
 (``parity.capacity.bstar.Hardware.load``).
@@ -100,6 +102,11 @@ def profile_task(sizes: Sizes, device_type: str) -> dict:
     a = torch.randn(sizes.matmul, sizes.matmul, device=dev, dtype=torch.bfloat16)
     t = median_seconds(lambda: a @ a, device_type, sizes.warmup, sizes.iters, barrier=False)
     flops = 2 * sizes.matmul**3 / slowest(t)
+    # W_hbm: a large elementwise copy, bytes read + written per second (the step model's memory term)
+    src = torch.randn(sizes.buffer_mib * 2**20 // 2, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = median_seconds(lambda: dst.copy_(src), device_type, sizes.warmup, sizes.iters, barrier=False)
+    hbm = 2 * src.numel() * src.element_size() / slowest(t)
 
     elems = sizes.buffer_mib * 2**20 // 2  # bf16
     buf = torch.randn(elems, device=dev, dtype=torch.bfloat16)
@@ -126,7 +133,7 @@ def profile_task(sizes: Sizes, device_type: str) -> dict:
         call, moved = runs[kind]
         seconds = slowest(median_seconds(call, device_type, sizes.warmup, sizes.iters))
         bandwidth[kind] = float(moved) / seconds
-    return {"flops": flops, "bandwidth": bandwidth, "devices": n}
+    return {"flops": flops, "hbm": hbm, "bandwidth": bandwidth, "devices": n}
 
 
 def attention_task(case: Case, device_type: str, block_backend: str, warmup: int, iters: int,
@@ -225,10 +232,11 @@ def calibrate(devices: Device, world: int | None = None, small: bool = False, pr
         gpu = torch.cuda.get_device_name(0) if devices == "gpu" else "CPU"
         profile = {"name": name, "source": f"python -m parity calibrate on {world}x {gpu}, torch {torch.__version__}, "
                    f"{time.strftime('%Y-%m-%d')}; W per device, {sizes.buffer_mib} MiB bf16 buffers",
-                   "flops": result["flops"], "bandwidth": result["bandwidth"]}
+                   "flops": result["flops"], "hbm": result["hbm"], "bandwidth": result["bandwidth"]}
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(profile, indent=1) + "\n")
-        print(f"C = {profile['flops'] / 1e12:.1f} TFLOP/s (bf16 matmul {sizes.matmul}³)")
+        print(f"C = {profile['flops'] / 1e12:.1f} TFLOP/s (bf16 matmul {sizes.matmul}³); W_hbm = "
+              f"{profile['hbm'] / 1e9:.0f} GB/s (copy of {sizes.buffer_mib} MiB)")
         for kind, w in profile["bandwidth"].items():
             print(f"W {kind:>14} = {w / 1e9:8.1f} GB/s per device")
         if predict_times:

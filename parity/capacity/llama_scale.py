@@ -12,21 +12,22 @@ Per strategy and sequence length, on a world of N ranks (every GPU; 2 gloo ranks
   peak memory per device; the first step's collectives traced (``CommTracer``).
 - **the model's bytes**: ``llama_step_traffic(case, "torch", dtype)``, equal to the trace per pass
   and kind (``traffic_equal``) — the prediction below reads these bytes, so they are checked first.
-- **predicted**: T_math = matmul FLOPs / N / C + attention FLOPs / N / C_attn; T_comm = Σ over
-  kinds of bytes / W[kind]; ``overlap`` = max(T_math, T_comm), ``serial`` = their sum. C (bf16
-  n³ matmul) and W (per collective kind, bytes per device as docs/contract.md counts them) come
-  from ``calibrate.profile_task`` on the same world; C_attn is the resolved causal block kernel
-  alone on T/N tokens (``llama_gpu.attention_rate``, run on the same ranks, rank 0's rate).
-  Norms, RoPE, SwiGLU's pointwise work, the loss and Adam are not in T_math: the gap they leave
-  is reported, not hidden.
+- **predicted**: T_math = matmul FLOPs / N / C + attention FLOPs / N / C_attn + memory bytes /
+  W_hbm (``parity.training.step_model``: torch's memory-bound kernels — norms, RoPE, SwiGLU, the
+  casts, the loss over [tokens, vocab], Adam on the device's 1/N of the weights); T_comm = Σ over
+  kinds of bytes / W[kind]; ``overlap`` = max(T_math, T_comm), ``serial`` = their sum
+  (``predicted_s``). C (bf16 n³ matmul), W_hbm (a large elementwise copy) and W (per collective
+  kind, bytes per device as docs/contract.md counts them) come from ``calibrate.profile_task`` on
+  the same world; C_attn is the resolved causal block kernel alone on T/N tokens
+  (``llama_gpu.attention_rate``, run on the same ranks, rank 0's rate).
 
-B* (``critical_batch``): with B rows of T tokens, FLOPs and the attention's K/V bytes grow with
-B while the FSDP weight bytes do not, so T_math = a·B and T_comm = c + y·B (affine: checked on
-the model itself, ``affine_in_batch``). The step turns compute-bound at B* = c / (a − y)
-("sum": all traffic serial on the links, compute overlapping it) or c / a ("max": each kind on
-its own link), infinite when a ≤ y (attention traffic alone outgrows compute). The sweep times
-B = 1, 2, 4, … rows of ``bstar_seq`` tokens and reports measured / T_math per B: the knee
-should sit near B*.
+B* (``critical_batch``): with B rows of T tokens, FLOPs, the activations' memory traffic and the
+attention's K/V bytes grow with B while the FSDP weight bytes and Adam's traffic do not, so
+T_math = m + a·B and T_comm = c + y·B (affine: checked on the model itself, ``affine_in_batch``).
+The step turns compute-bound at B* = (c − m) / (a − y) ("sum": all traffic serial on the links,
+compute overlapping it) or (c − m) / a ("max": each kind on its own link), 0 when m ≥ c already,
+infinite when a ≤ y (attention traffic alone outgrows compute). The sweep times B = 1, 2, 4, …
+rows of ``bstar_seq`` tokens and reports measured / T_math per B: the knee should sit near B*.
 
 Rows are one-document batches (``llama_gpu.one_document``): every block runs the fused kernels
 and FLOPs are exactly affine in B. docs/model.md says how to read the file.
@@ -131,40 +132,62 @@ def traffic_equal(model_rows: dict, traced_rows: dict) -> bool:
 
 
 def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float) -> dict:
-    """T_math, T_comm (seconds per device) of one step of ``case`` from the model's FLOPs and bytes."""
+    """T_math, T_comm (seconds per device) of one step of ``case`` from the model's FLOPs and
+    bytes: T_math = matmul FLOPs / N / C + attention FLOPs / N / C_attn + memory bytes / W_hbm
+    (``step_model``: torch's memory-bound kernels on the device's tokens, Adam on its 1/N of the
+    weights — FSDP; ``profile["hbm"]``, measured by ``calibrate.profile_task``)."""
+    from ..training import step_model as sm
+
+    if "hbm" not in profile:
+        raise ValueError("the profile has no 'hbm' (bytes/s of a large elementwise copy): calibrate again "
+                         "(calibrate.profile_task measures it) or add one")
     flops = step_flops(case.model, rows_of_one_document(case))
     n = case.mesh.devices
-    math_s = ((flops["matmul_fwd"] + flops["matmul_bwd"]) / n / profile["flops"]
-              + (flops["attention_fwd"] + flops["attention_bwd"]) / n / c_attention)
+    matmul_s = (flops["matmul_fwd"] + flops["matmul_bwd"]) / n / profile["flops"]
+    attention_s = (flops["attention_fwd"] + flops["attention_bwd"]) / n / c_attention
+    tokens = case.batch * case.seq // n
+    memory = sm.memory_bytes(sm.memory_passes(case.model, tokens, "torch", dtype, shards=n))["total"]
+    memory_s = memory / profile["hbm"]
+    math_s = matmul_s + attention_s + memory_s
     rows = llama_step_traffic(case, "torch", dtype).rows()
     comm_s = sum(float(b) / profile["bandwidth"][kind] for (_, kind), (_, b) in rows.items())
-    return {"t_math_s": math_s, "t_comm_s": comm_s, "overlap_s": max(math_s, comm_s), "serial_s": math_s + comm_s,
-            "flops_per_device": sum(flops.values()) / n}
+    return {"t_math_s": math_s, "t_matmul_s": matmul_s, "t_attention_s": attention_s, "t_memory_s": memory_s,
+            "memory_bytes_per_device": memory, "t_comm_s": comm_s, "overlap_s": max(math_s, comm_s),
+            "serial_s": math_s + comm_s, "predicted_s": math_s + comm_s, "flops_per_device": sum(flops.values()) / n}
 
 
 def affine_in_batch(run: ScaleRun, strategy: str, seq: int, world: int, profile: dict, c_attention: float,
-                    batches=(1, 2, 3)) -> tuple[float, float, float]:
-    """(a, c, y) with T_math = a·B and T_comm = c + y·B from B = 1 and 2, after checking the
-    model is exactly affine in B at every other B of ``batches`` (ValueError otherwise)."""
+                    batches=(1, 2, 3)) -> tuple[float, float, float, float]:
+    """(m, a, c, y) with T_math = m + a·B and T_comm = c + y·B from B = 1 and 2, after checking
+    the model is exactly affine in B at every other B of ``batches`` (ValueError otherwise). m:
+    the memory-bound work that does not grow with the batch (Adam over the device's weights, the
+    embedding's gradient buffer)."""
     p = {b: predict(model_case(run, strategy, seq, b, world), run.dtype, profile, c_attention)
          for b in sorted({1, 2, *batches})}
     a = p[2]["t_math_s"] - p[1]["t_math_s"]
+    m = p[1]["t_math_s"] - a
     y = p[2]["t_comm_s"] - p[1]["t_comm_s"]
     c = p[1]["t_comm_s"] - y
     for b in p:
-        if not (math.isclose(p[b]["t_math_s"], a * b, rel_tol=1e-9)
+        if not (math.isclose(p[b]["t_math_s"], m + a * b, rel_tol=1e-9)
                 and math.isclose(p[b]["t_comm_s"], c + y * b, rel_tol=1e-9)):
             raise ValueError(f"the step's model is not affine in the batch at B={b}: {p[b]}")
-    return a, c, y
+    return m, a, c, y
 
 
-def critical_batch(a: float, c: float, y: float, overlap: str = "sum") -> float:
-    """B* (rows) at which T_math = a·B reaches the communication: c + y·B ("sum") or the larger of
-    the weights' c and the attention's y·B ("max"); infinite when no B gets there."""
+def critical_batch(a: float, c: float, y: float, overlap: str = "sum", m: float = 0.0) -> float:
+    """B* (rows): the smallest B ≥ 0 at which T_math = m + a·B reaches the communication: c + y·B
+    ("sum") or the larger of the weights' c and the attention's y·B ("max"); infinite when no B
+    gets there. m = 0 is the compute-only model (T_math = a·B: B* = c / (a − y) or c / a)."""
     if overlap == "sum":
-        return c / (a - y) if a > y else math.inf
+        if a > y:
+            return max(0.0, (c - m) / (a - y))
+        return 0.0 if m >= c else math.inf
     if overlap == "max":
-        return c / a if a >= y else math.inf
+        if a >= y:
+            return max(0.0, (c - m) / a)
+        b = max(0.0, (c - m) / a)  # then m + aB ≥ yB holds only up to m / (y − a)
+        return b if b <= m / (y - a) else math.inf
     raise ValueError(f"overlap must be 'sum' or 'max', got {overlap!r}")
 
 
@@ -190,7 +213,8 @@ def measure(run: ScaleRun, devices: str, world: int | None = None) -> dict:
         pred = predict(case, run.dtype, profile, kernels[seq][1])
         s = measured["seconds"]
         return {"strategy": strategy, "mesh": case.mesh.name, "layout": case.layout, "seq": seq, "batch": batch,
-                "measured_s": s, "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
+                "framework": "torch", "measured_s": s,
+                "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
                 "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
                 "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
                 "measured_over_overlap": s / pred["overlap_s"], "measured_over_serial": s / pred["serial_s"],
@@ -198,34 +222,37 @@ def measure(run: ScaleRun, devices: str, world: int | None = None) -> dict:
 
     rows = [row(st, seq, 1) for st in run.strategies for seq in run.seqs]
     first, seq0 = run.strategies[0], run.bstar_seq
-    a, c_, y = affine_in_batch(run, first, seq0, world, profile, kernels[seq0][1])
+    m, a, c_, y = affine_in_batch(run, first, seq0, world, profile, kernels[seq0][1])
     sweep = [row(first, seq0, b) for b in run.batches]
     env = {"devices": f"{world}x {torch.cuda.get_device_name(0) if devices == 'gpu' else 'CPU'}",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     return {"env": env, "run": {**asdict(run), "sizes": repr(run.sizes)}, "profile": profile,
             "attention_kernel": {str(s): {"kernel": k, "tflops": r / 1e12} for s, (k, r) in kernels.items()},
-            "rows": rows, "bstar": {"strategy": first, "seq": seq0, "a_s_per_row": a, "c_s": c_, "y_s_per_row": y,
-                                    "rows_sum": critical_batch(a, c_, y, "sum"),
-                                    "rows_max": critical_batch(a, c_, y, "max"), "sweep": sweep}}
+            "rows": rows, "bstar": {"strategy": first, "seq": seq0, "m_s": m, "a_s_per_row": a, "c_s": c_,
+                                    "y_s_per_row": y, "rows_sum": critical_batch(a, c_, y, "sum", m),
+                                    "rows_max": critical_batch(a, c_, y, "max", m),
+                                    "sweep": sweep}}
 
 
 def markdown(result: dict) -> str:
     """The result as the tables a dated results file holds."""
     lines = [f"# Whole model on {result['env']['devices']} — {result['env']['date']}", "",
-             f"torch {result['env']['torch']}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W (GB/s per device): "
+             f"torch {result['env']['torch']}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W_hbm = "
+             f"{result['profile']['hbm'] / 1e9:.0f} GB/s; W (GB/s per device): "
              + ", ".join(f"{k} {w / 1e9:.1f}" for k, w in result["profile"]["bandwidth"].items()), "",
-             "| strategy | T | B | measured ms | T_math ms | T_comm ms | measured / overlap | measured / serial "
-             "| TFLOP/s | peak GiB | bytes == trace |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| strategy | T | B | measured ms | T_math ms (of it memory) | T_comm ms | measured / overlap "
+             "| measured / serial | TFLOP/s | peak GiB | bytes == trace |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: "—" if x is None else f"{x:.2f}"
     for r in result["rows"] + result["bstar"]["sweep"]:
         lines.append(f"| {r['strategy']} ({r['mesh']}) | {r['seq']} | {r['batch']} | {r['measured_s'] * 1e3:.1f} "
-                     f"| {r['t_math_s'] * 1e3:.1f} | {r['t_comm_s'] * 1e3:.1f} | {r['measured_over_overlap']:.2f} "
+                     f"| {r['t_math_s'] * 1e3:.1f} ({r['t_memory_s'] * 1e3:.1f}) | {r['t_comm_s'] * 1e3:.1f} "
+                     f"| {r['measured_over_overlap']:.2f} "
                      f"| {r['measured_over_serial']:.2f} | {r['achieved_tflops']:.1f} | {fmt(r['peak_gib'])} "
                      f"| {r['traffic_equal']} |")
     b = result["bstar"]
     lines += ["", f"B* ({b['strategy']}, T = {b['seq']}): {b['rows_sum']:.2f} rows (sum), {b['rows_max']:.2f} rows "
-              f"(max); a = {b['a_s_per_row'] * 1e3:.2f} ms/row, c = {b['c_s'] * 1e3:.2f} ms, "
-              f"y = {b['y_s_per_row'] * 1e3:.2f} ms/row."]
+              f"(max); T_math = m + a·B with m = {b['m_s'] * 1e3:.2f} ms, a = {b['a_s_per_row'] * 1e3:.2f} ms/row; "
+              f"T_comm = c + y·B with c = {b['c_s'] * 1e3:.2f} ms, y = {b['y_s_per_row'] * 1e3:.2f} ms/row."]
     return "\n".join(lines) + "\n"
 
 

@@ -26,6 +26,7 @@ from ..training.llama import LlamaConfig, ModelCase
 from ..training.llama_traffic import llama_step_traffic
 from ..training.reference import TrainCase, make_train_inputs
 from ..training.traffic_model import ffn_step_traffic
+from . import step_cost
 
 ATTENTION_CONFIGS = [
     Case(ring=2), Case(ring=4), Case(ring=8), Case(ring=4, layout="stripe", kv_heads=2),
@@ -110,6 +111,7 @@ class Verdict:
     measured: dict[str, Traffic | str] = field(default_factory=dict)  # str: the error that stopped it
     widened: Traffic | None = None  # what XLA:CPU moves for a low-precision config (see above)
     models: dict[str, Traffic] = field(default_factory=dict)  # a framework's own model where they differ (sinks)
+    cost: object = None  # the JAX program's FLOPs against the step model (parity.checks.step_cost.CostVerdict)
 
     def problems(self) -> list[str]:
         out = []
@@ -156,14 +158,24 @@ def check_attention(case: Case, frameworks, devices: Device = "cpu", return_lse:
     return Verdict(case.name + ("" if return_lse else "-o-only"), models["jax"], measured, widened, models)
 
 
+def _cost(fn, case, texts):
+    """``fn(case, texts)``: a CostVerdict, or one that carries the error that stopped it."""
+    try:
+        return fn(case, texts)
+    except Exception:  # noqa: BLE001 — reported as the configuration's failure
+        return step_cost.CostVerdict(f"{case.name} (JAX)", error=_last_line())
+
+
 def check_training(case: TrainCase, frameworks, devices: Device = "cpu") -> Verdict:
-    measured = {}
+    measured, cost = {}, None
     for framework in frameworks:
         try:
             if framework == "jax":
                 from ..training import jax_step
 
-                measured[framework] = jax_step.measure_traffic(case)
+                texts = jax_step.compiled_texts(case)
+                measured[framework] = jax_step.measure_traffic(case, texts)
+                cost = _cost(step_cost.ffn_cost_verdict, case, texts)
             else:
                 from ..training import torch_step
 
@@ -171,19 +183,21 @@ def check_training(case: TrainCase, frameworks, devices: Device = "cpu") -> Verd
         except Exception:  # noqa: BLE001 — reported as that framework's failure
             measured[framework] = _last_line()
     widened = ffn_step_traffic(case.model_step(4)) if _jax_widens(case.dtype, devices) else None
-    return Verdict(case.name, ffn_step_traffic(case.model_step()), measured, widened)
+    return Verdict(case.name, ffn_step_traffic(case.model_step()), measured, widened, cost=cost)
 
 
 def check_llama(case: ModelCase, frameworks, devices: Device = "cpu") -> Verdict:
     """One whole-model training step: each framework against its own model (they differ where
     their FSDP machinery does: ``parity.training.llama_traffic``)."""
-    measured = {}
+    measured, cost = {}, None
     for framework in frameworks:
         try:
             if framework == "jax":
                 from ..training import llama_jax
 
-                measured[framework] = llama_jax.measure_traffic(case)
+                texts = llama_jax.compiled_texts(case)
+                measured[framework] = llama_jax.measure_traffic(case, texts)
+                cost = _cost(step_cost.llama_cost_verdict, case, texts)
             else:
                 from ..training import llama_torch
 
@@ -191,7 +205,7 @@ def check_llama(case: ModelCase, frameworks, devices: Device = "cpu") -> Verdict
         except Exception:  # noqa: BLE001 — reported as that framework's failure
             measured[framework] = _last_line()
     models = {f: llama_step_traffic(case, f) for f in FRAMEWORKS}
-    return Verdict(case.name, models["jax"], measured, None, models)
+    return Verdict(case.name, models["jax"], measured, None, models, cost=cost)
 
 
 def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_limit: int = 8,
@@ -211,13 +225,21 @@ def run_all(frameworks, devices: Device = "cpu", name_filter: str = "", device_l
         llama = llama[:1]
     jobs = ([(check_attention, c) for c in attention] + [(check_training, c) for c in training]
             + [(check_llama, c) for c in llama])
+    if "jax" in frameworks:  # the single-device step's FLOPs and bytes (JAX only: the HLO count)
+        jobs += [(lambda c, *_: step_cost.check_step_cost(c, per_pass=every_config), c)
+                 for c in step_cost.STEP_COST_CONFIGS if keep(c.name, 1)]
     return [fn(c, frameworks, devices) for fn, c in track(jobs, description="accounting")]
 
 
-def print_verdicts(verdicts: list[Verdict]) -> int:
-    """A table (model bytes per pass; ok per framework); returns the number of mismatches."""
+def print_verdicts(verdicts: list) -> int:
+    """A table (model bytes per pass; ok per framework), then the compute table of the JAX
+    programs' FLOPs and bytes (``step_cost``); returns the number of mismatches."""
     from rich.console import Console
     from rich.table import Table
+
+    costs = [v for v in verdicts if isinstance(v, step_cost.CostVerdict)]
+    costs += [v.cost for v in verdicts if isinstance(v, Verdict) and v.cost is not None]
+    verdicts = [v for v in verdicts if isinstance(v, Verdict)]
 
     frameworks = sorted({f for v in verdicts for f in v.measured})
     table = Table(title="communication per device: model == measured (bytes and calls, every pass and kind)")
@@ -238,7 +260,20 @@ def print_verdicts(verdicts: list[Verdict]) -> int:
     for v in verdicts:
         for p in v.problems():
             console.print(f"[bold red]MISMATCH[/] {v.name} {p}", highlight=False)
+    if costs:
+        bad += step_cost.print_cost_verdicts(costs)
     return bad
+
+
+def summary(verdicts: list) -> str:
+    """"a of b configurations equal the communication model; c of d programs the step model"."""
+    comm = [v for v in verdicts if isinstance(v, Verdict)]
+    costs = [v for v in verdicts if isinstance(v, step_cost.CostVerdict)] + [v.cost for v in comm if v.cost]
+    text = f"{sum(not v.problems() for v in comm)} of {len(comm)} configurations equal the communication model"
+    if costs:
+        text += (f"; {sum(not v.problems() for v in costs)} of {len(costs)} JAX programs equal the step model's "
+                 "FLOPs (and memory bytes)")
+    return text
 
 
 def run_accounting(frameworks=("jax", "torch"), devices: Device = "cpu", name_filter: str = "") -> int:
@@ -259,5 +294,5 @@ def run_accounting(frameworks=("jax", "torch"), devices: Device = "cpu", name_fi
     finally:
         close_worlds()
     bad = print_verdicts(verdicts)
-    print(f"{len(verdicts) - bad} of {len(verdicts)} configurations equal the model in {time.time() - start:.0f} s")
+    print(f"{summary(verdicts)} in {time.time() - start:.0f} s")
     return 1 if bad or not verdicts else 0

@@ -232,15 +232,18 @@ def run_step(case: TrainCase, inputs: TrainInputs) -> dict[str, np.ndarray]:
             "new_w1": _stack(new_master, "w1"), "new_w2": _stack(new_master, "w2")}
 
 
-def measure_traffic(case: TrainCase):
-    """Per-device collectives of the compiled loss, loss+grads and full-step programs, split
-    into fwd / bwd / step passes (``Traffic``)."""
-    from ..accounting.hlo import split_passes
-
+def compiled_texts(case: TrainCase) -> list[str]:
+    """The optimized HLO of the compiled loss, loss+grads and full-step programs of ``case``."""
     step = Step(case, make_mesh(case))
     weights, master, opt_state, x, y = step.arguments(make_train_inputs(case))
     loss_fn, grads_fn, step_fn = step.programs(opt_state)
-    texts = [loss_fn.lower(weights, x, y).compile().as_text(), grads_fn.lower(weights, x, y).compile().as_text(),
-             step_fn.lower(weights, master, opt_state, x, y).compile().as_text()]
-    return split_passes(*texts)
+    return [loss_fn.lower(weights, x, y).compile().as_text(), grads_fn.lower(weights, x, y).compile().as_text(),
+            step_fn.lower(weights, master, opt_state, x, y).compile().as_text()]
 
+
+def measure_traffic(case: TrainCase, texts: list[str] | None = None):
+    """Per-device collectives of the compiled loss, loss+grads and full-step programs, split
+    into fwd / bwd / step passes (``Traffic``); ``texts``: those programs, already compiled."""
+    from ..accounting.hlo import split_passes
+
+    return split_passes(*(texts or compiled_texts(case)))

@@ -179,7 +179,8 @@ class Step:
         """This device's share of the global mean cross-entropy."""
         count = lax.psum(jnp.sum(labels != IGNORE).astype(jnp.float32), self.axes)
         logits = self.model.apply({"params": self._gather(params)}, tokens, positions, ids)
-        return loss_sum(logits, labels) / count
+        with jax.named_scope("loss"):  # the step-time model's classes (parity.accounting.hlo_cost)
+            return loss_sum(logits, labels) / count
 
     def _loss_and_grads(self, params, *batch):
         # FSDP: keep every intermediate but the gathered weights; the backward gathers them again.
@@ -189,13 +190,14 @@ class Step:
             grads = lax.psum(grads, self.axes)
         return loss[None], grads
 
-    def _shard_map(self, fn, in_specs, out_specs):
+    def _shard_map(self, fn, in_specs, out_specs, donate=()):
         options = COMPILER_OPTIONS if self.mesh.devices.flat[0].platform == "cpu" else GPU_COMPILER_OPTIONS
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=self.typed),
-                       compiler_options=options)
+                       compiler_options=options, donate_argnums=donate)
 
-    def programs(self, params, opt_state):
-        """(loss, grads, step) jitted functions of (params, [opt_state,] tokens, labels, positions, ids)."""
+    def programs(self, params, opt_state, donate: bool = False):
+        """(loss, grads, step) jitted functions of (params, [opt_state,] tokens, labels, positions, ids);
+        ``donate``: the step takes its params and opt_state buffers (a timed loop feeds them back)."""
         w = jax.tree.map(lambda _: self.weight_spec, params)
         o = optax.tree_map_params(self.opt, lambda _, s: s, opt_state, w, transform_non_params=lambda _: P(),
                                   is_leaf=lambda s: isinstance(s, P))
@@ -203,12 +205,14 @@ class Step:
 
         def step(params, opt_state, *b):
             loss, grads = self._loss_and_grads(params, *b)
-            updates, opt_state = self.opt.update(grads, opt_state, params)
-            return loss, grads, optax.apply_updates(params, updates), opt_state
+            with jax.named_scope("optimizer"):
+                updates, opt_state = self.opt.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
+            return loss, grads, params, opt_state
 
         return (self._shard_map(lambda p, *b: self._local_loss(p, *b)[None], (w, *batch), share),
                 self._shard_map(self._loss_and_grads, (w, *batch), (share, w)),
-                self._shard_map(step, (w, o, *batch), (share, w, w, o)))
+                self._shard_map(step, (w, o, *batch), (share, w, w, o), donate=(0, 1) if donate else ()))
 
     def arguments(self):
         """(params, opt_state, tokens, labels, positions, ids) as sharded global arrays."""
@@ -234,14 +238,19 @@ def train(case: ModelCase, steps: int | None = None) -> TrainResult:
     return TrainResult(losses, first, from_params(params, case.model))
 
 
-def measure_traffic(case: ModelCase):
-    """Per-device collectives of the compiled loss, loss+grads and full-step programs, split into
-    fwd / bwd / step passes (``Traffic``)."""
-    from ..accounting.hlo import split_passes
-
-    step = Step(case, make_mesh(case))
+def compiled_texts(case: ModelCase, dtype=jnp.float32, which: tuple[int, ...] = (0, 1, 2)) -> list[str]:
+    """The optimized HLO of the compiled loss, loss+grads and full-step programs of ``case`` (the
+    ``which`` of them, in that order)."""
+    step = Step(case, make_mesh(case), dtype=dtype)
     params, opt_state, *batch = step.arguments()
     programs = step.programs(params, opt_state)
     args = ((params, *batch), (params, *batch), (params, opt_state, *batch))
-    return split_passes(*(fn.lower(*a).compile().as_text() for fn, a in zip(programs, args)))
+    return [programs[i].lower(*args[i]).compile().as_text() for i in which]
 
+
+def measure_traffic(case: ModelCase, texts: list[str] | None = None):
+    """Per-device collectives of the compiled loss, loss+grads and full-step programs, split into
+    fwd / bwd / step passes (``Traffic``); ``texts``: those programs, already compiled."""
+    from ..accounting.hlo import split_passes
+
+    return split_passes(*(texts or compiled_texts(case)))

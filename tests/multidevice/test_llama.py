@@ -181,6 +181,11 @@ def test_step_traffic_model_equals_xla_hlo_and_torch_trace(case, jax_devices, wo
     verdict = check_llama(case, ("jax", "torch"))
     assert not verdict.problems(), "\n".join(verdict.problems())
     assert verdict.model.bytes("fwd") > 0 and verdict.model.bytes("bwd") > 0
+    # the same compiled programs against the step-time model: matmul and executed attention FLOPs
+    # per pass (parity.checks.step_cost; the ring's blocks run under lax.cond / switch, counted by
+    # their largest branch)
+    assert verdict.cost is not None and not verdict.cost.problems(), verdict.cost.problems()
+    assert verdict.cost.flops[("bwd", "attention")][1] > 0
 
 
 def test_planted_regressions_fail_the_traffic_audit_or_the_equality(jax_devices, monkeypatch):

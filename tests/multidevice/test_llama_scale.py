@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from parity.capacity import llama_scale
 from parity.training.llama_traffic import llama_step_traffic
 
-PROFILE = {"flops": 1e12, "bandwidth": {k: 1e9 for k in ("p2p", "all-to-all", "all-gather", "reduce-scatter",
-                                                         "all-reduce")}}
+PROFILE = {"flops": 1e12, "hbm": 1e11, "bandwidth": {k: 1e9 for k in ("p2p", "all-to-all", "all-gather",
+                                                                       "reduce-scatter", "all-reduce")}}
 
 
 def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_trace(worlds, tmp_path):
@@ -33,7 +33,8 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
                                                                                  for s in run.strategies]
     for r in result["rows"] + result["bstar"]["sweep"]:
         assert r["traffic_equal"], r
-        assert r["measured_s"] > 0 and r["t_math_s"] > 0 and r["t_comm_s"] > 0
+        assert r["measured_s"] > 0 and r["t_math_s"] > 0 and r["t_comm_s"] > 0 and r["t_memory_s"] > 0
+        assert r["framework"] == "torch" and r["predicted_s"] == r["serial_s"]
     assert [(r["seq"], r["batch"]) for r in result["bstar"]["sweep"]] == [(run.bstar_seq, b) for b in run.batches]
     case = llama_scale.model_case(run, "zigzag", run.seqs[0], 1, 2)
     traced = worlds(2).run(llama_scale.timed_step_task, case, "cpu", "float32", 0, 1)[0]["traffic"]
@@ -43,18 +44,33 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
 
 
 def test_the_step_model_is_affine_in_the_batch_and_bstar_balances_it():
-    """T_math = a·B and T_comm = c + y·B hold exactly for B = 1..4 of the GPU-sized model (FSDP
-    bytes fixed, FLOPs and K/V bytes per row); at B* compute equals communication, and beyond
-    it compute exceeds it; "max" reads only the weights' c."""
+    """T_math = m + a·B and T_comm = c + y·B hold exactly for B = 1..4 of the GPU-sized model
+    (FSDP bytes and Adam's traffic fixed, FLOPs, activations' traffic and K/V bytes per row); m
+    is Adam over the device's half of the weights plus the embedding's gradient buffer (and the
+    norms' weight-sized vectors); at B*
+    compute equals communication, and beyond it compute exceeds it; "max" reads only the
+    weights' c; the memory term lowers B* (m > 0 covers part of c)."""
+    from parity.training import step_model as sm
+    from parity.training.llama_gpu import GPU_MODEL
+
     run = llama_scale.ScaleRun(seqs=(8192,))
-    a, c, y = llama_scale.affine_in_batch(run, "zigzag", 8192, 2, PROFILE, 5e11, batches=(1, 2, 3, 4))
-    assert a > y > 0 and c > 0
-    b = llama_scale.critical_batch(a, c, y, "sum")
-    assert math.isclose(a * b, c + y * b, rel_tol=1e-12)
+    m, a, c, y = llama_scale.affine_in_batch(run, "zigzag", 8192, 2, PROFILE, 5e11, batches=(1, 2, 3, 4))
+    assert a > y > 0 and c > 0 and m > 0
+    adam = 19 * 2 * sm.parameter_count(GPU_MODEL) / 2  # torch's foreach Adam, bf16, on the device's half
+    embedding_grad = 2 * GPU_MODEL.vocab * GPU_MODEL.d_model  # written whole before its reduce-scatter
+    # (+ 0.004 %: the norms' weight vectors and their gradients, RoPE's frequencies)
+    assert m == pytest.approx((adam + embedding_grad) / PROFILE["hbm"], rel=1e-4)
+    b = llama_scale.critical_batch(a, c, y, "sum", m)
+    assert math.isclose(m + a * b, c + y * b, rel_tol=1e-12)
+    assert b < llama_scale.critical_batch(a, c, y, "sum")
+    assert llama_scale.critical_batch(a, c, y, "max", m) == pytest.approx((c - m) / a)
     assert llama_scale.critical_batch(a, c, y, "max") == pytest.approx(c / a)
+    assert llama_scale.critical_batch(a, c, y, "sum", m=2 * c) == 0.0  # Adam alone outlasts the weights' traffic
     assert llama_scale.critical_batch(1.0, 1.0, 2.0, "sum") == math.inf  # attention traffic outgrows compute
     with pytest.raises(ValueError, match="overlap"):
         llama_scale.critical_batch(a, c, y, "both")
+    with pytest.raises(ValueError, match="hbm"):
+        llama_scale.affine_in_batch(run, "zigzag", 8192, 2, {k: v for k, v in PROFILE.items() if k != "hbm"}, 5e11)
 
 
 def test_bad_strategy_is_refused_by_name():
