@@ -213,10 +213,13 @@ def reference_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse
         dk_c = jnp.einsum("bkgts,btkgd->bskd", ds, q_g, precision=_PRECISION)
         return dq, (dk_c, dv_c)
 
+    # dq's sum starts from zeros typed like q (inside shard_map, a scan carry must keep the
+    # varying axes its body gives it: plain zeros are unvarying, and the chunked backward failed)
+    dq0 = jnp.zeros_like(q_g)
     if c >= s:  # a small block: one chunk, no split, no loop
-        dq, (dk, dv) = step(jnp.zeros((b, t, hk, g, d), F32), _whole(k, v, segments, positions))
+        dq, (dk, dv) = step(dq0, _whole(k, v, segments, positions))
         return dq.reshape(b, t, h, d), dk, dv
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, t, hk, g, d), F32), _key_chunks(c, k, v, segments, positions))
+    dq, (dk, dv) = jax.lax.scan(step, dq0, _key_chunks(c, k, v, segments, positions))
     unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, hk, d)[:, :s]  # [n, b, c, hk, d] -> [b, s, hk, d]
     return dq.reshape(b, t, h, d), unchunk(dk), unchunk(dv)
 

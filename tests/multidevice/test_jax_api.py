@@ -91,3 +91,20 @@ def test_float16_inputs_run_and_stay_finite(seed, jax_devices):
                                                   causal=True, return_lse=True)
     assert o.dtype == jnp.float16 and lse.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(o, np.float32), want, atol=2e-2)
+
+
+def test_a_chunked_portable_block_differentiates_inside_shard_map(jax_devices):
+    """Shards long enough that the portable kernel walks its keys in chunks (t · s > 2²⁰: 1152
+    tokens a shard) under jax.grad inside shard_map: the backward's dq sum must be typed like q
+    (plain zeros are unvarying; the scan rejected them — found 2026-11-25), and the gradients
+    equal dense attention's."""
+    mesh = jax.make_mesh((2,), ("ring",), devices=jax_devices[:2])
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 2 * 1152, 1, 8)), jnp.float32) for _ in range(3))
+    ring = lambda q, k, v: jnp.sum(jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=True,
+                                                                        layout="contiguous") ** 2)
+    dense = lambda q, k, v: jnp.sum(jax_impl.dense_attention(q, k, v, causal=True)[0] ** 2)
+    got = jax.jit(jax.grad(ring, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(dense, argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        assert float(jnp.abs(g - w).max() / jnp.abs(w).max()) < 1e-5
