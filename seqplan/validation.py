@@ -99,29 +99,28 @@ def shape_and_dtype(array) -> tuple:
     return tuple(array.shape), dtype_name(array.dtype)
 
 
+def _check_per_token(name: str, shape, dtype: str | None, q_shape, what: str) -> None:
+    """An optional per-token int array of shape [b, t], q being [b, t, h, d] (``dtype`` None: absent)."""
+    if dtype is None:
+        return
+    if dtype not in INT_DTYPES:
+        raise TypeError(f"{name} must have an integer dtype (one of {INT_DTYPES}), got {dtype}")
+    if tuple(shape) != tuple(q_shape[:2]):
+        raise ValueError(f"{what}{name} must be [batch, seq] = {tuple(q_shape[:2])} like q's first two "
+                         f"dimensions, got shape {tuple(shape)}")
+
+
 def check_segment_ids(ids_shape, ids_dtype: str | None, q_shape, *, what: str = "") -> None:
     """``segment_ids`` (packed documents) of shape [b, t] and integer dtype, q being [b, t, h, d]
     (``what``: "local " where the shapes are one device's shards). ``ids_dtype`` None: no ids."""
-    if ids_dtype is None:
-        return
-    if ids_dtype not in INT_DTYPES:
-        raise TypeError(f"segment_ids must have an integer dtype (one of {INT_DTYPES}), got {ids_dtype}")
-    if tuple(ids_shape) != tuple(q_shape[:2]):
-        raise ValueError(f"{what}segment_ids must be [batch, seq] = {tuple(q_shape[:2])} like q's first two "
-                         f"dimensions, got shape {tuple(ids_shape)}")
+    _check_per_token("segment_ids", ids_shape, ids_dtype, q_shape, what)
 
 
 def check_token_index(index_shape, index_dtype: str | None, q_shape, *, what: str = "") -> None:
     """``token_index`` (the original token index of every token, layout order) of shape [b, t]
     and integer dtype, q being [b, t, h, d] (``what``: "local " for one device's shards), like
     ``segment_ids``. ``index_dtype`` None: no token indices (the static layout's)."""
-    if index_dtype is None:
-        return
-    if index_dtype not in INT_DTYPES:
-        raise TypeError(f"token_index must have an integer dtype (one of {INT_DTYPES}), got {index_dtype}")
-    if tuple(index_shape) != tuple(q_shape[:2]):
-        raise ValueError(f"{what}token_index must be [batch, seq] = {tuple(q_shape[:2])} like q's first two "
-                         f"dimensions, got shape {tuple(index_shape)}")
+    _check_per_token("token_index", index_shape, index_dtype, q_shape, what)
 
 
 def check_token_index_range(lo: int, hi: int, seq_len: int, *, what: str = "") -> None:
