@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Issue 39 on one GPU (nvidia-h100-x1): the step-time model against the measured whole-model
 # step, both frameworks — `python -m parity.training.llama_gpu time` per framework (one process
-# each: the bf16 check of the timed path, C / W_hbm / C_attn measured by that framework's own
-# kernels, then d_model 2048 / 1024 / 4096 × 8k / 32k tokens, one document per row: measured,
-# predicted with its terms, torch's profile by class and aten-op bytes, JAX's compiled-program
-# FLOPs and bytes), then `report` (stepmodel-DATE.json / .md). One device call: about 7 minutes;
-# each step has its own limit and every row is written as it finishes, so a cut-short step keeps
-# its rows. Run from the repository root with $OUT set:
-#     bash benchmarks/sessions/2026-11-25-h100-stepmodel.sh
-# Everything lands in $OUT/stepmodel.tgz; the table is printed last. SMOKE=1 runs the same
-# script on the CPU with the tiny models (--smoke), to check it before GPU time is spent.
+# each: the bf16 check of the timed path, C / W_hbm / the copy ladder / C_attn measured by that
+# framework's own kernels, then d_model 2048 / 1024 / 4096 × 8k / 32k tokens, one document per
+# row: measured, predicted with its terms, torch's profile by class and aten-op bytes, JAX's
+# compiled-program FLOPs and bytes and its optimized HLO), then `report` (stepmodel-DATE.json /
+# .md). FRAMEWORKS=torch or FRAMEWORKS=jax runs one of them (one device call each: the first
+# run, both in one call, cut both short at 150 s / 290 s); each step has its own limit and every
+# row is written as it finishes, so a cut-short step keeps its rows. Run from the repository
+# root with $OUT set:
+#     FRAMEWORKS=torch bash benchmarks/sessions/2026-11-25-h100-stepmodel.sh
+# Everything lands in $OUT/stepmodel-<frameworks>.tgz; the table is printed last. SMOKE=1 runs
+# the same script on the CPU with the tiny models (--smoke), to check it before GPU time is spent.
 set -u
 OUT=${OUT:-/tmp/ringbridge-out}
 L=/tmp/stepmodel; rm -rf $L; mkdir -p $L/stepmodel "$OUT"
@@ -32,12 +34,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log, record the exit
   echo "$name rc=$? seconds=$((SECONDS - start))" >> $L/steps.txt
 }
 TIME=(python3 -m parity.training.llama_gpu time --out $L/stepmodel --sizes $SIZES "${EXTRA[@]}")
-step torch "${TORCH_S:-150}" "${TIME[@]}" --frameworks torch
-step jax "${JAX_S:-290}" "${TIME[@]}" --frameworks jax
+FRAMEWORKS=${FRAMEWORKS:-torch,jax}
+case ",$FRAMEWORKS," in *,torch,*) step torch "${TORCH_S:-300}" "${TIME[@]}" --frameworks torch;; esac
+case ",$FRAMEWORKS," in *,jax,*) step jax "${JAX_S:-520}" "${TIME[@]}" --frameworks jax;; esac
 step report 30 python3 -m parity.training.llama_gpu report --out $L/stepmodel
-tar czf "$OUT/stepmodel.tgz" -C $L .
+tar czf "$OUT/stepmodel-${FRAMEWORKS/,/-}.tgz" -C $L .
 cat $L/gpu.txt $L/steps.txt
-grep -hE "check|passed|FAILED|Error|error" $L/torch.log $L/jax.log | grep -v "^\s*$" | cut -c1-200 | tail -12
+grep -hE "check|passed|FAILED|Error|error|ladder" $L/*.log | grep -v "^\s*$" | cut -c1-200 | tail -12
 python3 - "$L/stepmodel" <<'PY'
 import json, sys
 from pathlib import Path

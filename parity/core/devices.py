@@ -8,7 +8,7 @@ import os
 SIMULATED_CPU_DEVICES = 8
 
 
-def configure_jax_devices(devices: str = "cpu") -> None:
+def configure_jax_devices(devices: str = "cpu", autotune: bool = False) -> None:
     """``"cpu"``: JAX on 8 simulated CPU devices, compiled at LLVM optimization level 0 (both
     effective only before JAX is imported). ``"gpu"``: real GPUs, without JAX preallocating the
     memory torch worker processes need.
@@ -16,10 +16,13 @@ def configure_jax_devices(devices: str = "cpu") -> None:
     Why level 0 on CPU: the harness compiles hundreds of small, distinct programs (every case is a
     new shape) and runs each once; at level 0 each compile-and-run took 22–63 % less (4 cases
     measured). The HLO passes — what the accounting check counts — are unchanged; only machine-code
-    optimization is skipped. An ``xla_backend_optimization_level`` already in XLA_FLAGS wins."""
+    optimization is skipped. An ``xla_backend_optimization_level`` already in XLA_FLAGS wins.
+
+    ``autotune`` (GPU): keep XLA's GEMM autotuning — for programs whose matmuls are timed (the
+    step-time model's steps). Without it (the default) XLA runs untuned GEMM configurations."""
     if devices == "cpu" and os.environ.get("JAX_PLATFORMS", "cpu") not in ("", "cpu"):
         # A test session with JAX_PLATFORMS=cuda (the GPU tier): JAX on the GPU, configured as for "gpu".
-        configure_jax_devices("gpu")
+        configure_jax_devices("gpu", autotune)
         return
     if devices == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,5 +37,5 @@ def configure_jax_devices(devices: str = "cpu") -> None:
         # XLA's GEMM autotuning cost ~13 s per new shape (H100, 2026-11-23); the harness compiles
         # many shapes once each and times none of the GEMMs it would tune.
         flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_gpu_autotune_level" not in flags:
+        if "xla_gpu_autotune_level" not in flags and not autotune:
             os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_autotune_level=0").strip()

@@ -230,9 +230,10 @@ class Timing:
     iters: int = 5
     matmul: int = 8192
     copy_mib: int = 2048
+    ladder_kib: tuple[int, ...] = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)  # the copy ladder's sizes
 
 
-SMOKE_TIMING = Timing(warmup=1, iters=2, matmul=256, copy_mib=8)
+SMOKE_TIMING = Timing(warmup=1, iters=2, matmul=256, copy_mib=8, ladder_kib=(64, 256, 1024))
 
 
 def _median_ms(fn, warmup: int, iters: int, device: str = "cuda") -> float:
@@ -280,6 +281,55 @@ def hbm_bandwidth(mib: int, device: str = "cuda") -> float:
     n = mib * 2**20 // 2
     src, dst = torch.randn(n, device=device, dtype=torch.bfloat16), torch.empty(n, device=device, dtype=torch.bfloat16)
     return 2 * n * 2 / (_median_ms(lambda: dst.copy_(src), 3, 10, device) * 1e-3)
+
+
+def copy_ladder(kib: tuple[int, ...], device: str = "cuda", kernels: int = 50) -> tuple[tuple[float, float], ...]:
+    """``Rates.hbm_curve`` by torch: ((bytes one copy kernel moves, bytes/s), ...) of ``copy_``
+    between bf16 buffers of each size in ``kib``, ``kernels`` copies issued back to back per timing
+    (eager, one op each — so a small copy's rate includes what the step's small ops pay to be
+    issued)."""
+    import torch
+
+    curve = []
+    for size in kib:
+        n = size * 1024 // 2
+        src = torch.randn(n, device=device, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+
+        def copies():
+            for _ in range(kernels):
+                dst.copy_(src)
+
+        seconds = _median_ms(copies, 1, 5, device) * 1e-3 / kernels
+        curve.append((4.0 * n, 4.0 * n / seconds))
+    return tuple(curve)
+
+
+def jax_copy_ladder(kib: tuple[int, ...], kernels: int = 50) -> tuple[tuple[float, float], ...]:
+    """``Rates.hbm_curve`` as XLA compiles it: a jitted elementwise x·(−1) over a bf16 buffer of
+    each size in ``kib``, ``kernels`` calls dispatched back to back per timing. (Inside one
+    program XLA fuses any chain of elementwise passes into one kernel — an optimization barrier
+    does not stop it — so the kernels are separate calls: at the smallest sizes this includes
+    JAX's dispatch, which the step's kernels do not pay; the step's fused passes are mostly far
+    larger.)"""
+    import jax
+    import jax.numpy as jnp
+
+    neg = jax.jit(lambda v: -v)
+    curve = []
+    for size in kib:
+        n = size * 1024 // 2
+        x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+
+        def copies():
+            y = x
+            for _ in range(kernels):
+                y = neg(y)
+            return y
+
+        seconds = _jax_median_ms(copies, 1, 5) * 1e-3 / kernels
+        curve.append((4.0 * n, 4.0 * n / seconds))
+    return tuple(curve)
 
 
 def jax_matmul_rate(n: int) -> float:
@@ -354,10 +404,16 @@ def _batch(config: LlamaConfig, seq: int) -> TokenBatch:
     return one_document(case.inputs()[1])
 
 
+# The timed rows hold one document per row, so both frameworks' steps pass no segment ids: the
+# causal mask alone, the path C_attn is measured on. (With ids of one document the attention is
+# the same, but takes the document path: JAX's run dispatch — the portable kernel at 8k — and
+# torch's host copy of the ids, a device sync per layer and pass.)
+
+
 def torch_step(config: LlamaConfig, seq: int, backend: str, device: str = "cuda", region=None):
     """``step()``: one bf16 training step (forward, backward, ``torch.optim.Adam`` with foreach —
     the CUDA default, named so the CPU runs it too) of ``config`` on one row of ``seq`` tokens
-    (one document), the attention the replay of one device. ``region``: as
+    (one document, no segment ids), the attention the replay of one device. ``region``: as
     :func:`replay_attention_fn`; the optimizer runs under ``region`` too when given (``region``
     is then called with "attention" or "optimizer")."""
     import contextlib
@@ -372,13 +428,13 @@ def torch_step(config: LlamaConfig, seq: int, backend: str, device: str = "cuda"
                                     region=(lambda: region("attention")) if region else None)
     model = build_model(config, None, dtype=torch.bfloat16, attention=attention, device=device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
-    tokens, labels, positions, ids = (torch.as_tensor(a, device=device) for a in
-                                      (batch.tokens, batch.labels, batch.positions, batch.segment_ids))
+    tokens, labels, positions = (torch.as_tensor(a, device=device) for a in
+                                 (batch.tokens, batch.labels, batch.positions))
     count = int((labels != IGNORE).sum())
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss_sum(model(tokens, positions, ids), labels).div(count).backward()
+        loss_sum(model(tokens, positions, None), labels).div(count).backward()
         with region("optimizer") if region else contextlib.nullcontext():
             opt.step()
 
@@ -458,11 +514,12 @@ def time_torch(config: LlamaConfig, seq: int, backend: str, timing: Timing, rate
     profile = _profile_by_class(step, device)
     del step
     kernel_name, c_attention = rates["attention"][seq]
-    r = sm.Rates(rates["matmul"], c_attention, rates["hbm"])
+    r = sm.Rates(rates["matmul"], c_attention, rates["hbm"], hbm_curve=rates["hbm_curve"])
     pred = sm.predict_step(config, seq, seq * (seq + 1) / 2, "torch", "bfloat16", r)
     model_bytes = pred.memory_bytes["total"]
     memory_s = profile["memory"] + profile["optimizer"]
-    extra = {"profile_s": profile, "profile_memory_s": memory_s,
+    extra = {"profile_s": profile, "profile_memory_s": memory_s, "profile_total_s": sum(profile.values()),
+             "gpu_idle_s": measured - sum(profile.values()),
              "achieved_hbm_in_step": model_bytes / memory_s if memory_s else None}
     try:  # the aten ops of the same step, counted (a failure here keeps the timed row)
         cost, glue = trace_torch_step(config, seq, backend, device)
@@ -483,6 +540,7 @@ def _row(framework, config, seq, measured, pred, rates, kernel_name, peak, extra
             "measured_s": measured, "predicted_s": d["predicted_s"], "measured_over_predicted": measured / d["predicted_s"],
             "terms": {k: d[k] for k in ("matmul_s", "attention_s", "memory_s", "compute_only_s", "combine")},
             "predicted_max_s": max(d["matmul_s"], d["attention_s"], d["memory_s"]),
+            "memory_at_peak_copy_s": d["memory_bytes"]["total"] / rates.hbm,  # every byte at the 2 GiB copy's rate
             "memory_bytes": d["memory_bytes"],
             "memory_bytes_by_dtype": sm.bytes_by_dtype(sm.memory_passes(config, seq, framework, "bfloat16")),
             "matmul_flops": d["matmul_flops"], "attention_flops": d["attention_flops"],
@@ -509,8 +567,8 @@ def jax_step(config: LlamaConfig, seq: int, backend: str):
     params = jax.tree.map(lambda a: put(jnp.asarray(a), step.weight_spec), to_params(
         {n: w for n, w in case.inputs()[0].items()}, config))
     opt_state = step.opt.init(params)
-    arrays = tuple(put(jnp.asarray(a), step.tokens_spec) for a in (batch.tokens, batch.labels, batch.positions,
-                                                                   batch.segment_ids))
+    arrays = tuple(put(jnp.asarray(a), step.tokens_spec) for a in (batch.tokens, batch.labels, batch.positions))
+    arrays += (None,)  # one document per row: no segment ids
     fn = step.programs(params, opt_state, donate=True)[2]
     compiled = fn.lower(params, opt_state, *arrays).compile()
     state = {"params": params, "opt": opt_state}
@@ -522,19 +580,26 @@ def jax_step(config: LlamaConfig, seq: int, backend: str):
     return run, compiled.as_text()
 
 
-def time_jax(config: LlamaConfig, seq: int, backend: str, timing: Timing, rates: dict) -> dict:
+def time_jax(config: LlamaConfig, seq: int, backend: str, timing: Timing, rates: dict,
+             out: Path | None = None) -> dict:
     """One row: the JAX step timed (median), its prediction with the terms, and the compiled
     program's own count (``hlo_cost``: FLOPs and bytes by class) against the model — and the
-    prediction from the program's bytes."""
+    prediction from the program's bytes. ``out``: where the optimized HLO is kept
+    (``hlo-<model>-<seq>.txt.gz``), so the GPU's fusion can be read on the CPU afterwards."""
+    import gzip
+
     from ..accounting.hlo_cost import count_cost
     from . import step_model as sm
 
     start = time.perf_counter()
     run, text = jax_step(config, seq, backend)
     compile_s = time.perf_counter() - start
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"hlo-{_model_name(config)}-{seq}.txt.gz").write_bytes(gzip.compress(text.encode()))
     measured = _jax_median_ms(run, timing.warmup, timing.iters) * 1e-3
     kernel_name, c_attention = rates["attention"][seq]
-    r = sm.Rates(rates["matmul"], c_attention, rates["hbm"])
+    r = sm.Rates(rates["matmul"], c_attention, rates["hbm"], hbm_curve=rates["hbm_curve"])
     pred = sm.predict_step(config, seq, seq * (seq + 1) / 2, "jax", "bfloat16", r)
     extra = {"compile_s": compile_s}
     try:  # the compiled program's own count (a failure here keeps the timed row)
@@ -564,14 +629,18 @@ def calibrate_rates(framework: str, timing: Timing, configs, seqs, backend: str,
     kernels in this process: {"matmul", "hbm", "attention": {(seq, heads, head_dim): (kernel, rate)}}."""
     shapes = sorted({(c.heads, c.head_dim) for c in configs})
     if framework == "torch":
-        rates = {"matmul": matmul_rate(timing.matmul, device), "hbm": hbm_bandwidth(timing.copy_mib, device)}
+        rates = {"matmul": matmul_rate(timing.matmul, device), "hbm": hbm_bandwidth(timing.copy_mib, device),
+                 "hbm_curve": copy_ladder(timing.ladder_kib, device)}
         att = {(s, h, d): attention_rate(backend, s, h, d, device) for s in seqs for h, d in shapes}
     else:
-        rates = {"matmul": jax_matmul_rate(timing.matmul), "hbm": jax_hbm_bandwidth(timing.copy_mib)}
+        rates = {"matmul": jax_matmul_rate(timing.matmul), "hbm": jax_hbm_bandwidth(timing.copy_mib),
+                 "hbm_curve": jax_copy_ladder(timing.ladder_kib)}
         att = {(s, h, d): jax_attention_rate(backend, s, h, d) for s in seqs for h, d in shapes}
     rates["attention"] = att
     print(f"{framework}: C {rates['matmul'] / 1e12:.1f} TFLOP/s, W_hbm {rates['hbm'] / 1e9:.0f} GB/s, C_attn "
-          + ", ".join(f"{s}/{h}x{d} {k} {r / 1e12:.1f}" for (s, h, d), (k, r) in att.items()), flush=True)
+          + ", ".join(f"{s}/{h}x{d} {k} {r / 1e12:.1f}" for (s, h, d), (k, r) in att.items())
+          + "; copy ladder " + ", ".join(f"{b / 2**20:.2f} MiB {w / 1e9:.0f} GB/s" for b, w in rates["hbm_curve"]),
+          flush=True)
     return rates
 
 
@@ -597,7 +666,7 @@ def run_time(framework: str, sizes: dict, seqs, backend: str, timing: Timing, de
             per_seq = {**rates, "attention": {seq: rates["attention"][(seq, config.heads, config.head_dim)]}}
             try:
                 row = (time_torch(config, seq, backend, timing, per_seq, device) if framework == "torch"
-                       else time_jax(config, seq, backend, timing, per_seq))
+                       else time_jax(config, seq, backend, timing, per_seq, out))
                 row["verified"] = bool(checked.get("passed"))
             except Exception as err:  # noqa: BLE001 — a failing row is a row (out of memory, a compile error)
                 row = {"framework": framework, "model": _model_name(config), "seq": seq,
@@ -608,6 +677,7 @@ def run_time(framework: str, sizes: dict, seqs, backend: str, timing: Timing, de
             _free(framework)
             result = {"env": _env(framework), "check": checked, "timing": asdict(timing),
                       "rates": {"matmul_tflops": rates["matmul"] / 1e12, "hbm_gbps": rates["hbm"] / 1e9,
+                                "copy_ladder": [{"kernel_mib": b / 2**20, "gbps": w / 1e9} for b, w in rates["hbm_curve"]],
                                 "attention": {f"{s}/{h}x{d}": {"kernel": k, "tflops": r / 1e12}
                                               for (s, h, d), (k, r) in rates["attention"].items()}},
                       "rows": rows}
@@ -639,7 +709,8 @@ def _env(framework: str) -> dict:
     else:
         import jax
 
-        env |= {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
+        env |= {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+                "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
     return env
 
 
@@ -670,9 +741,9 @@ def report(out: Path) -> str:
                      f"(worst {p['check'].get('worst_ratio', float('nan')):.2f} of the tolerance); C "
                      f"{r['matmul_tflops']:.1f} TFLOP/s, W_hbm {r['hbm_gbps']:.0f} GB/s, C_attn "
                      + ", ".join(f"{k} {v['kernel']} {v['tflops']:.1f}" for k, v in r["attention"].items()))
-    lines += ["", "| framework | model | T | measured ms | predicted ms | matmul | attention | memory | measured / "
-              "predicted | compute-only ratio | memory GB | profile mm / attn / mem ms (torch) | program bytes / "
-              "model |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| framework | model | T | measured ms | predicted ms | matmul | attention | memory (at the "
+              "2 GiB copy's rate) | measured / predicted | compute-only ratio | memory GB | profile mm / attn / mem "
+              "ms, GPU idle (torch) | program bytes / model |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in parts:
         for row in p["rows"]:
             if "error" in row:
@@ -682,11 +753,12 @@ def report(out: Path) -> str:
             t, ms = row["terms"], lambda x: f"{x * 1e3:.1f}"
             prof = row.get("profile_s")
             prof_text = "—" if not prof else (f"{ms(prof['matmul'])} / {ms(prof['attention'])} / "
-                                              f"{ms(prof['memory'] + prof['optimizer'])}")
+                                              f"{ms(prof['memory'] + prof['optimizer'])}, {ms(row.get('gpu_idle_s', 0.0))}")
+            flat = row.get("memory_at_peak_copy_s")
             ratio = row.get("traced_over_model", row.get("hlo_over_model", float("nan")))
             lines.append(f"| {row['framework']} | {row['model']} | {row['seq']} | {ms(row['measured_s'])} "
                          f"| {ms(row['predicted_s'])} | {ms(t['matmul_s'])} | {ms(t['attention_s'])} "
-                         f"| {ms(t['memory_s'])} | {row['measured_over_predicted']:.3f} "
+                         f"| {ms(t['memory_s'])} ({ms(flat) if flat else '—'}) | {row['measured_over_predicted']:.3f} "
                          f"| {row['measured_s'] / t['compute_only_s']:.3f} | {row['memory_bytes']['total'] / 1e9:.1f} "
                          f"| {prof_text} | {ratio:.3f} |")
     text = "\n".join(lines) + "\n"
@@ -737,7 +809,9 @@ def main(argv=None) -> int:
     if "jax" in frameworks:
         from ..core.devices import configure_jax_devices
 
-        configure_jax_devices("cpu" if a.smoke else "gpu")
+        # timed GEMMs must be tuned ones: XLA's untuned default ran a bf16 8192³ matmul at 10 TFLOP/s
+        # on an H100 (2026-11-25), 1/70 of the tuned rate
+        configure_jax_devices("cpu" if a.smoke else "gpu", autotune=a.what == "time")
     device = "cpu" if a.smoke else "cuda"
     timing = SMOKE_TIMING if a.smoke else Timing()
     for framework in frameworks:

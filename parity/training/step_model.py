@@ -6,7 +6,9 @@ an HBM bandwidth — measured rates, summed; no parameter is fitted to a measure
 
 C is a bf16 n³ matmul's rate, C_attn the fused causal block kernel's (forward + backward), W_hbm
 a large elementwise copy's (``llama_gpu.hbm_bandwidth``: bytes read + written per second), all
-measured in the same run as the step. The terms are summed (``combine="sum"``, the default):
+measured in the same run as the step — and on the GPU the same copy at a ladder of sizes
+(``Rates.hbm_curve``), so each memory-bound kernel is charged at the rate a copy of its own size
+reached (small kernels run far below the peak). The terms are summed (``combine="sum"``, the default):
 eager torch runs one kernel at a time on one stream, and XLA's fusions are sequential too, so
 nothing overlaps unless a profile shows it; ``combine="max"`` (the largest term alone) is the
 other bound, printed beside it.
@@ -44,6 +46,7 @@ T_math(B) = m + a·B (:func:`batch_coefficients`); ``parity.capacity.llama_scale
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -410,18 +413,49 @@ def executed_attention_flops(config: LlamaConfig, mesh, layout: str, batch: int,
 
 @dataclass(frozen=True)
 class Rates:
-    """Measured rates: C (matmul FLOP/s), C_attn (attention FLOP/s), W_hbm (bytes/s read + written)."""
+    """Measured rates: C (matmul FLOP/s), C_attn (attention FLOP/s), W_hbm (bytes/s read + written).
+
+    ``hbm_curve``: optional ((bytes moved by one copy kernel, bytes/s), ...) ascending — the
+    same elementwise copy measured at a ladder of sizes in the same run (``llama_gpu``'s
+    ``copy_ladder``). A step's memory-bound kernels are mostly far smaller than the 2 GiB copy
+    W_hbm is measured on, and a small kernel runs below the peak rate (its launch, its tail):
+    with a curve each pass is charged at the rate a copy of its own size reached, interpolated
+    log-log between the measured sizes and clamped at the ends. Without one, every byte moves at
+    W_hbm."""
 
     matmul: float
     attention: float
     hbm: float
     source: str = ""
+    hbm_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         for name in ("matmul", "attention", "hbm"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"Rates.{name} must be a positive number, got {value!r}")
+        sizes = [b for b, _ in self.hbm_curve]
+        if any(not (b > 0 and w > 0) for b, w in self.hbm_curve) or sizes != sorted(set(sizes)):
+            raise ValueError(f"Rates.hbm_curve must be (bytes, bytes/s) pairs, both positive, bytes strictly "
+                             f"ascending; got {self.hbm_curve!r}")
+
+    def hbm_at(self, kernel_bytes: float) -> float:
+        """The copy rate (bytes/s) at a kernel that moves ``kernel_bytes`` (W_hbm without a curve)."""
+        curve = self.hbm_curve
+        if not curve:
+            return self.hbm
+        if kernel_bytes <= curve[0][0]:
+            return curve[0][1]
+        for (b0, w0), (b1, w1) in zip(curve, curve[1:]):
+            if kernel_bytes <= b1:
+                f = math.log(kernel_bytes / b0) / math.log(b1 / b0)
+                return math.exp(math.log(w0) + f * math.log(w1 / w0))
+        return curve[-1][1]
+
+
+def memory_seconds(passes: list[Pass], rates: Rates) -> float:
+    """The memory term: every pass's kernels at the copy rate of their size (``Rates.hbm_at``)."""
+    return sum(p.count * (p.bytes / p.count) / rates.hbm_at(p.bytes / p.count) for p in passes)
 
 
 @dataclass
@@ -462,8 +496,9 @@ def predict_step(config: LlamaConfig, tokens: int, pairs: float, framework: str,
     if not isinstance(rates, Rates):
         raise TypeError(f"rates must be a Rates, got {type(rates).__name__}")
     mm, att = matmul_flops(config, tokens), attention_flops(config, pairs)
-    mem = memory_bytes(memory_passes(config, tokens, framework, dtype, shards))
-    return StepPrediction(mm / rates.matmul, att / rates.attention, mem["total"] / rates.hbm, mem, mm, att, combine)
+    passes = memory_passes(config, tokens, framework, dtype, shards)
+    return StepPrediction(mm / rates.matmul, att / rates.attention, memory_seconds(passes, rates),
+                          memory_bytes(passes), mm, att, combine)
 
 
 def batch_coefficients(config: LlamaConfig, seq: int, framework: str, dtype: str, rates: Rates,
@@ -472,7 +507,9 @@ def batch_coefficients(config: LlamaConfig, seq: int, framework: str, dtype: str
     ``devices`` devices (each computes seq/devices tokens of every row), the weights sharded
     ``shards`` ways: a = a row's matmul, attention and token-dependent memory time per device,
     m = what does not grow with the batch (the optimizer, weight casts, the embedding's
-    gradient buffer). Every pass is affine in the tokens, so two batch sizes give both exactly."""
+    gradient buffer). Every pass's bytes are affine in the tokens, so two batch sizes give both
+    exactly at one W_hbm; with ``rates.hbm_curve`` (rates that depend on kernel size) (m, a) is
+    the secant through B = 1 and 2."""
     if seq % devices:
         raise ValueError(f"seq % devices must be 0, got {seq} % {devices}")
 

@@ -166,6 +166,22 @@ def test_prediction_terms_combine_and_batch_coefficients():
             assert math.isclose(t.predicted_s, m + a * rows, rel_tol=1e-9)
 
 
+def test_copy_ladder_charges_each_pass_at_its_own_size():
+    """With a measured copy ladder the memory term charges every kernel at the rate a copy of its
+    size reached (log-log between sizes, clamped at the ends); a flat ladder is W_hbm."""
+    curve = ((1e3, 1e9), (1e6, 1e11), (1e9, 1e12))
+    rates = sm.Rates(1e12, 5e11, 2e12, hbm_curve=curve)
+    assert rates.hbm_at(10) == 1e9 and rates.hbm_at(1e12) == 1e12  # clamped
+    assert math.isclose(rates.hbm_at(1e6), 1e11) and math.isclose(rates.hbm_at(10**4.5), 1e10)  # log-log midpoint
+    passes = sm.memory_passes(TINY, 128, "torch")
+    pred = sm.predict_step(TINY, 128, 128 * 129 / 2, "torch", "bfloat16", rates)
+    by_hand = sum(p.count * (p.bytes / p.count) / rates.hbm_at(p.bytes / p.count) for p in passes)
+    assert math.isclose(pred.memory_s, by_hand) and pred.memory_s > pred.memory_bytes["total"] / 1e9 / 1e3
+    flat = sm.Rates(1e12, 5e11, 2e12, hbm_curve=((1e3, 2e12), (1e9, 2e12)))
+    plain = sm.predict_step(TINY, 128, 128 * 129 / 2, "torch", "bfloat16", sm.Rates(1e12, 5e11, 2e12))
+    assert math.isclose(sm.predict_step(TINY, 128, 128 * 129 / 2, "torch", "bfloat16", flat).memory_s, plain.memory_s)
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="framework"):
         sm.memory_passes(TINY, 64, "mxnet")
@@ -179,6 +195,8 @@ def test_bad_input_is_refused():
         sm.memory_passes(LlamaConfig(sinks=True), 64, "jax")
     with pytest.raises(ValueError, match="hbm"):
         sm.Rates(1e12, 1e12, 0)
+    with pytest.raises(ValueError, match="hbm_curve"):
+        sm.Rates(1, 1, 1, hbm_curve=((2e6, 1e9), (1e6, 1e9)))  # not ascending
     with pytest.raises(ValueError, match="combine"):
         sm.predict_step(TINY, 64, 10, "jax", "bfloat16", sm.Rates(1, 1, 1), combine="mean")
     with pytest.raises(TypeError, match="Rates"):
