@@ -296,7 +296,7 @@ def copy_ladder(kib: tuple[int, ...], device: str = "cuda", kernels: int = 50) -
         src = torch.randn(n, device=device, dtype=torch.bfloat16)
         dst = torch.empty_like(src)
 
-        def copies():
+        def copies(src=src, dst=dst):
             for _ in range(kernels):
                 dst.copy_(src)
 
@@ -321,7 +321,7 @@ def jax_copy_ladder(kib: tuple[int, ...], kernels: int = 50) -> tuple[tuple[floa
         n = size * 1024 // 2
         x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
 
-        def copies():
+        def copies(x=x):
             y = x
             for _ in range(kernels):
                 y = neg(y)
