@@ -252,7 +252,10 @@ def _median_ms(fn, warmup: int, iters: int, device: str = "cuda") -> float:
     return statistics.median(times)
 
 
-def _jax_median_ms(fn, warmup: int, iters: int) -> float:
+def _jax_median_ms(fn, warmup: int, iters: int, repeat: int = 1) -> float:
+    """Median ms of one ``fn()``; ``repeat``: calls dispatched back to back per timing (the time
+    over ``repeat``), so a kernel's rate excludes the ~0.2 ms of dispatch and sync one call adds
+    (a bf16 8192³ matmul timed one call at a time read 629 TFLOP/s on an H100 where torch read 731)."""
     import jax
 
     for _ in range(warmup):
@@ -260,8 +263,9 @@ def _jax_median_ms(fn, warmup: int, iters: int) -> float:
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(1e3 * (time.perf_counter() - start))
+        out = [fn() for _ in range(repeat)]
+        jax.block_until_ready(out)
+        times.append(1e3 * (time.perf_counter() - start) / repeat)
     return statistics.median(times)
 
 
@@ -305,33 +309,6 @@ def copy_ladder(kib: tuple[int, ...], device: str = "cuda", kernels: int = 50) -
     return tuple(curve)
 
 
-def jax_copy_ladder(kib: tuple[int, ...], kernels: int = 50) -> tuple[tuple[float, float], ...]:
-    """``Rates.hbm_curve`` as XLA compiles it: a jitted elementwise x·(−1) over a bf16 buffer of
-    each size in ``kib``, ``kernels`` calls dispatched back to back per timing. (Inside one
-    program XLA fuses any chain of elementwise passes into one kernel — an optimization barrier
-    does not stop it — so the kernels are separate calls: at the smallest sizes this includes
-    JAX's dispatch, which the step's kernels do not pay; the step's fused passes are mostly far
-    larger.)"""
-    import jax
-    import jax.numpy as jnp
-
-    neg = jax.jit(lambda v: -v)
-    curve = []
-    for size in kib:
-        n = size * 1024 // 2
-        x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-
-        def copies(x=x):
-            y = x
-            for _ in range(kernels):
-                y = neg(y)
-            return y
-
-        seconds = _jax_median_ms(copies, 1, 5) * 1e-3 / kernels
-        curve.append((4.0 * n, 4.0 * n / seconds))
-    return tuple(curve)
-
-
 def jax_matmul_rate(n: int) -> float:
     """C as XLA compiles it: FLOP/s of a jitted bf16 n×n×n matmul."""
     import jax
@@ -339,7 +316,7 @@ def jax_matmul_rate(n: int) -> float:
 
     a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in range(2))
     mm = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / (_jax_median_ms(lambda: mm(a, b), 3, 10) * 1e-3)
+    return 2 * n**3 / (_jax_median_ms(lambda: mm(a, b), 3, 10, repeat=10) * 1e-3)
 
 
 def jax_hbm_bandwidth(mib: int) -> float:
@@ -351,7 +328,7 @@ def jax_hbm_bandwidth(mib: int) -> float:
     n = mib * 2**20 // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     scale = jax.jit(lambda v: v * 2)
-    return 2 * n * 2 / (_jax_median_ms(lambda: scale(x), 3, 10) * 1e-3)
+    return 2 * n * 2 / (_jax_median_ms(lambda: scale(x), 3, 10, repeat=10) * 1e-3)
 
 
 def attention_rate(backend: str, seq: int, heads: int, head_dim: int, device: str = "cuda",
@@ -396,7 +373,11 @@ def jax_attention_rate(backend: str, seq: int, heads: int, head_dim: int) -> tup
         o, lse = kernel.fwd(q, k, v, mask, scale)
         return kernel.bwd(do, q, k, v, o, lse, mask, scale)
 
-    return name, 3.5 * 4 * heads * seq * seq * head_dim / 2 / (_jax_median_ms(lambda: block(q, k, v, do), 2, 5) * 1e-3)
+    return name, 3.5 * 4 * heads * seq * seq * head_dim / 2 / (_jax_median_ms(lambda: block(q, k, v, do), 2, 5,
+                                                                                repeat=5) * 1e-3)
+
+
+HOST_FLOOR_SEQ = 256  # tokens of the host-floor step (torch): its GPU work is a few ms, its Python the step's
 
 
 def _batch(config: LlamaConfig, seq: int) -> TokenBatch:
@@ -504,6 +485,11 @@ def time_torch(config: LlamaConfig, seq: int, backend: str, timing: Timing, rate
 
     from . import step_model as sm
 
+    # the host's floor: the same step (same kernels, same Python) on a row too short to keep the GPU busy
+    floor_step = torch_step(config, HOST_FLOOR_SEQ, backend, device)
+    host_s = _median_ms(floor_step, timing.warmup, timing.iters, device) * 1e-3
+    del floor_step
+    _free("torch")
     step = torch_step(config, seq, backend, device)
     measured = _median_ms(step, timing.warmup, timing.iters, device) * 1e-3
     peak = None
@@ -515,7 +501,7 @@ def time_torch(config: LlamaConfig, seq: int, backend: str, timing: Timing, rate
     del step
     kernel_name, c_attention = rates["attention"][seq]
     r = sm.Rates(rates["matmul"], c_attention, rates["hbm"], hbm_curve=rates["hbm_curve"])
-    pred = sm.predict_step(config, seq, seq * (seq + 1) / 2, "torch", "bfloat16", r)
+    pred = sm.predict_step(config, seq, seq * (seq + 1) / 2, "torch", "bfloat16", r, host_s=host_s)
     model_bytes = pred.memory_bytes["total"]
     memory_s = profile["memory"] + profile["optimizer"]
     extra = {"profile_s": profile, "profile_memory_s": memory_s, "profile_total_s": sum(profile.values()),
@@ -538,7 +524,8 @@ def _row(framework, config, seq, measured, pred, rates, kernel_name, peak, extra
     d = pred.as_dict()
     return {"framework": framework, "model": _model_name(config), "config": asdict(config), "seq": seq,
             "measured_s": measured, "predicted_s": d["predicted_s"], "measured_over_predicted": measured / d["predicted_s"],
-            "terms": {k: d[k] for k in ("matmul_s", "attention_s", "memory_s", "compute_only_s", "combine")},
+            "terms": {k: d[k] for k in ("matmul_s", "attention_s", "memory_s", "compute_only_s", "combine", "gpu_s",
+                                        "host_s")},
             "predicted_max_s": max(d["matmul_s"], d["attention_s"], d["memory_s"]),
             "memory_at_peak_copy_s": d["memory_bytes"]["total"] / rates.hbm,  # every byte at the 2 GiB copy's rate
             "memory_bytes": d["memory_bytes"],
@@ -633,8 +620,10 @@ def calibrate_rates(framework: str, timing: Timing, configs, seqs, backend: str,
                  "hbm_curve": copy_ladder(timing.ladder_kib, device)}
         att = {(s, h, d): attention_rate(backend, s, h, d, device) for s in seqs for h, d in shapes}
     else:
-        rates = {"matmul": jax_matmul_rate(timing.matmul), "hbm": jax_hbm_bandwidth(timing.copy_mib),
-                 "hbm_curve": jax_copy_ladder(timing.ladder_kib)}
+        # no copy ladder for JAX: a copy timed call by call is JAX's dispatch at small sizes (75 µs a
+        # call on an H100), which kernels inside one compiled program do not pay; its passes are
+        # charged at the large copy's rate
+        rates = {"matmul": jax_matmul_rate(timing.matmul), "hbm": jax_hbm_bandwidth(timing.copy_mib), "hbm_curve": ()}
         att = {(s, h, d): jax_attention_rate(backend, s, h, d) for s in seqs for h, d in shapes}
     rates["attention"] = att
     print(f"{framework}: C {rates['matmul'] / 1e12:.1f} TFLOP/s, W_hbm {rates['hbm'] / 1e9:.0f} GB/s, C_attn "
@@ -720,7 +709,8 @@ def _row_line(row: dict) -> str:
     t = row["terms"]
     return (f"{row['framework']:5s} {row['model']:10s} T={row['seq']:6d}  measured {row['measured_s'] * 1e3:8.1f} ms  "
             f"predicted {row['predicted_s'] * 1e3:8.1f} ms (matmul {t['matmul_s'] * 1e3:.1f} + attention "
-            f"{t['attention_s'] * 1e3:.1f} + memory {t['memory_s'] * 1e3:.1f})  ratio {row['measured_over_predicted']:.3f}")
+            f"{t['attention_s'] * 1e3:.1f} + memory {t['memory_s'] * 1e3:.1f}; host floor {t['host_s'] * 1e3:.1f})  "
+            f"ratio {row['measured_over_predicted']:.3f}")
 
 
 def report(out: Path) -> str:
@@ -742,13 +732,13 @@ def report(out: Path) -> str:
                      f"{r['matmul_tflops']:.1f} TFLOP/s, W_hbm {r['hbm_gbps']:.0f} GB/s, C_attn "
                      + ", ".join(f"{k} {v['kernel']} {v['tflops']:.1f}" for k, v in r["attention"].items()))
     lines += ["", "| framework | model | T | measured ms | predicted ms | matmul | attention | memory (at the "
-              "2 GiB copy's rate) | measured / predicted | compute-only ratio | memory GB | profile mm / attn / mem "
-              "ms, GPU idle (torch) | program bytes / model |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "2 GiB copy's rate) | host floor | measured / predicted | compute-only ratio | memory GB | profile mm / attn / mem "
+              "ms, GPU idle (torch) | program bytes / model |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in parts:
         for row in p["rows"]:
             if "error" in row:
                 lines.append(f"| {row['framework']} | {row['model']} | {row['seq']} | {row['error']} |"
-                             + " |" * 9)
+                             + " |" * 10)
                 continue
             t, ms = row["terms"], lambda x: f"{x * 1e3:.1f}"
             prof = row.get("profile_s")
@@ -758,7 +748,8 @@ def report(out: Path) -> str:
             ratio = row.get("traced_over_model", row.get("hlo_over_model", float("nan")))
             lines.append(f"| {row['framework']} | {row['model']} | {row['seq']} | {ms(row['measured_s'])} "
                          f"| {ms(row['predicted_s'])} | {ms(t['matmul_s'])} | {ms(t['attention_s'])} "
-                         f"| {ms(t['memory_s'])} ({ms(flat) if flat else '—'}) | {row['measured_over_predicted']:.3f} "
+                         f"| {ms(t['memory_s'])} ({ms(flat) if flat else '—'}) | {ms(t.get('host_s', 0.0))} "
+                         f"| {row['measured_over_predicted']:.3f} "
                          f"| {row['measured_s'] / t['compute_only_s']:.3f} | {row['memory_bytes']['total'] / 1e9:.1f} "
                          f"| {prof_text} | {ratio:.3f} |")
     text = "\n".join(lines) + "\n"

@@ -321,6 +321,61 @@ def _jax_passes(config: LlamaConfig, tokens: int, e: str, shards: int, backend: 
     return p.passes
 
 
+def _jax_gpu_passes(config: LlamaConfig, tokens: int, e: str, shards: int) -> list[Pass]:
+    """The JAX step as XLA:GPU compiles it (jax 0.11, H100, GEMM autotuning on), read kernel by
+    kernel from the optimized HLO of the timed steps (2026-11-25; d_model 1024 / 2048 / 4096):
+    XLA:GPU fuses far more than XLA:CPU — the log-softmax reads the bf16 logits inside its
+    reductions, RMSNorm's forward is two kernels (residual add with Σx², then the weighted
+    output), SwiGLU's elementwise work folds into the GEMMs' neighbours, Adam is one kernel a
+    parameter — so on the GPU the model lists these kernels, not the CPU's."""
+    n, dm, ff, q, k, v, hd, h, hk = _dims(config, tokens)
+    L, f, p = config.layers, "float32", _Passes()
+    embed = v * dm / shards
+    params = parameter_count(config) / shards
+    matmul_weights = (L * (dm * q + 2 * dm * k + q * dm + 3 * dm * ff) + dm * v) / shards
+    # the weights, once a step (do not grow with the batch)
+    p.cast("weight casts to the compute dtype (every matmul weight)", "layers", f, e, matmul_weights, grows=False)
+    p.add("two float32 copies of every parameter (layout copies XLA:GPU inserts)", "optimizer",
+          [(f, 2 * params)], [(f, 2 * params)], grows=False)
+    p.add("q, k, v weights concatenated (one GEMM)", "layers", [(e, dm * (q + 2 * k) / shards)],
+          [(e, dm * (q + 2 * k) / shards)], L, False)
+    # Adam, one fused kernel a parameter: reads p, m, v and the gradient (the GEMMs' in the compute
+    # dtype, the embedding's float32 scatter); writes p, m, v and the float32 gradient the step returns
+    p.add("adam (one kernel a parameter)", "optimizer", [(f, 3 * params + embed), (e, params - embed)],
+          [(f, 4 * params - embed)], grows=False)
+    # the embedding
+    p.add("embedding gather", "embed", [(f, n * dm), ("int32", n)], [(e, n * dm)])
+    p.add("embedding gradient: zeros", "embed", [], [(f, v * dm)], grows=False)
+    p.add("embedding gradient: scatter-add", "embed", [(f, v * dm), (e, n * dm), ("int32", n)], [(f, v * dm)])
+    # per layer, forward
+    p.add("rmsnorm fwd: residual add and Σx²", "layers", [(e, 2 * n * dm)], [(e, n * dm), (f, n)], 2 * L)
+    p.add("rmsnorm fwd: normalised ·weight", "layers", [(e, n * dm)], [(e, n * dm)], 2 * L)
+    for width in (q, k):
+        p.add("rope fwd", "layers", [(e, n * width), (f, 2 * n * hd)], [(e, n * width)], L)
+        p.add("rope bwd", "layers", [(e, n * width), (f, 2 * n * hd)], [(e, n * width)], L)
+    p.add("v sliced from the fused q, k, v product", "layers", [(e, n * k)], [(e, n * k)], L)
+    p.add("swiglu fwd: silu(gate)·up", "layers", [(e, 2 * n * ff)], [(e, n * ff)], L)
+    # per layer, backward
+    p.add("swiglu bwd: d(up)", "layers", [(e, 2 * n * ff)], [(e, n * ff)], L)
+    p.add("swiglu bwd: d(gate) through silu", "layers", [(e, 3 * n * ff)], [(e, n * ff)], L)
+    p.add("dq, dk, dv concatenated (one weight-gradient GEMM)", "layers", [(e, n * (q + 2 * k))],
+          [(e, n * (q + 2 * k))], L)
+    p.add("rmsnorm bwd: gradient sums with the residual (two kernels)", "layers", [(e, 4 * n * dm)],
+          [(e, n * dm)], 2 * L)
+    p.add("rmsnorm bwd: input gradient", "layers", [(e, 3 * n * dm)], [(e, n * dm)], L)
+    p.add("rmsnorm bwd: row sums", "layers", [(e, 3 * n * dm)], [(f, n)], L)
+    # the head: final norm, and the loss over [tokens, vocab] (the logits stay in the compute dtype)
+    p.add("final rmsnorm fwd", "head", [(e, 3 * n * dm)], [(e, 2 * n * dm)])
+    p.add("final rmsnorm bwd", "head", [(e, 4 * n * dm)], [(e, n * dm)])
+    p.add("log_softmax fwd: max, Σexp (two reductions over the logits)", "loss", [(e, 2 * n * v)], [(f, 2 * n)])
+    p.add("picked logit", "loss", [(e, n * v), ("int32", n)], [(f, n)])
+    p.add("loss bwd: zeros", "loss", [], [(f, n * v)])
+    p.add("loss bwd: scatter-add of the picked gradient", "loss", [(f, n * v)], [(f, n * v)])
+    p.add("log_softmax bwd: row sum", "loss", [(f, n * v)], [(f, n)])
+    p.add("logits gradient (softmax − one-hot) in the compute dtype", "loss", [(f, n * v), (e, n * v)], [(e, n * v)])
+    return p.passes
+
+
 def memory_passes(config: LlamaConfig, tokens: int, framework: str, dtype: str = "bfloat16",
                   shards: int = 1, backend: str = "gpu") -> list[Pass]:
     """Every memory-bound kernel of one training step of ``config`` on ``tokens`` tokens (all rows
@@ -335,7 +390,8 @@ def memory_passes(config: LlamaConfig, tokens: int, framework: str, dtype: str =
     if backend not in ("gpu", "cpu"):
         raise ValueError(f"backend must be 'gpu' or 'cpu', got {backend!r}")
     if framework == "jax":
-        return _jax_passes(config, tokens, dtype, shards, backend)
+        return (_jax_gpu_passes(config, tokens, dtype, shards) if backend == "gpu"
+                else _jax_passes(config, tokens, dtype, shards, backend))
     return _torch_passes(config, tokens, dtype, shards)
 
 
@@ -469,11 +525,18 @@ class StepPrediction:
     matmul_flops: float = 0.0
     attention_flops: float = 0.0
     combine: str = "sum"
+    host_s: float = 0.0  # the host's floor: a step the GPU cannot finish before the host has issued it
+
+    @property
+    def gpu_s(self) -> float:
+        terms = (self.matmul_s, self.attention_s, self.memory_s)
+        return sum(terms) if self.combine == "sum" else max(terms)
 
     @property
     def predicted_s(self) -> float:
-        terms = (self.matmul_s, self.attention_s, self.memory_s)
-        return sum(terms) if self.combine == "sum" else max(terms)
+        """The GPU's time, or the host's floor where that is longer (eager torch issues every
+        kernel from Python: a small step waits on the host)."""
+        return max(self.gpu_s, self.host_s)
 
     @property
     def compute_only_s(self) -> float:
@@ -483,14 +546,17 @@ class StepPrediction:
     def as_dict(self) -> dict:
         return {"predicted_s": self.predicted_s, "matmul_s": self.matmul_s, "attention_s": self.attention_s,
                 "memory_s": self.memory_s, "combine": self.combine, "compute_only_s": self.compute_only_s,
+                "gpu_s": self.gpu_s, "host_s": self.host_s,
                 "matmul_flops": self.matmul_flops, "attention_flops": self.attention_flops,
                 "memory_bytes": self.memory_bytes}
 
 
 def predict_step(config: LlamaConfig, tokens: int, pairs: float, framework: str, dtype: str, rates: Rates,
-                 combine: str = "sum", shards: int = 1) -> StepPrediction:
+                 combine: str = "sum", shards: int = 1, host_s: float = 0.0) -> StepPrediction:
     """The model's step time on one device: ``tokens`` tokens, ``pairs`` visible attention pairs,
-    the weights (and Adam's states) sharded ``shards`` ways."""
+    the weights (and Adam's states) sharded ``shards`` ways; ``host_s``: the host's floor,
+    measured (``llama_gpu``: the same torch step on a 256-token row, where the GPU's work is
+    negligible and the time is the host issuing the step's kernels)."""
     if combine not in COMBINE:
         raise ValueError(f"combine must be one of {COMBINE}, got {combine!r}")
     if not isinstance(rates, Rates):
@@ -498,7 +564,7 @@ def predict_step(config: LlamaConfig, tokens: int, pairs: float, framework: str,
     mm, att = matmul_flops(config, tokens), attention_flops(config, pairs)
     passes = memory_passes(config, tokens, framework, dtype, shards)
     return StepPrediction(mm / rates.matmul, att / rates.attention, memory_seconds(passes, rates),
-                          memory_bytes(passes), mm, att, combine)
+                          memory_bytes(passes), mm, att, combine, host_s)
 
 
 def batch_coefficients(config: LlamaConfig, seq: int, framework: str, dtype: str, rates: Rates,
