@@ -22,7 +22,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 if [ "${SMOKE:-0}" = 1 ]; then
   export JAX_PLATFORMS=cpu; EXTRA=(--smoke); SIZES=64,96
 else
-  export JAX_PLATFORMS=cuda; EXTRA=(); SIZES=2048,1024,4096
+  export JAX_PLATFORMS=cuda; EXTRA=(); SIZES=${GPU_SIZES:-2048,1024,4096}  # GPU_SIZES: a subset, for a rerun
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $L/gpu.txt 2>&1
 fi
 python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__)" >> $L/gpu.txt 2>&1
