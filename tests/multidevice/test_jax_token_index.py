@@ -14,19 +14,22 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 
 import jax_impl
+from helpers import FULL
 from parity.core.reference import attention_backward, attention_forward
 from seqplan.layouts import document_layout, layout_permutation, pad_documents, static_token_index
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 # Two rows of packed documents in original order (a length-1 document among them).
 DOCUMENTS = np.array([[0] * 9 + [1] + [2] * 14 + [3] * 3, [7] * 3 + [8] * 21 + [9] * 3])
-MESHES = {"ring4": {"ring": 4}, "usp2x2": {"ring": 2, "ulysses": 2}}
+MESHES = {"ring4": {"ring": 4}, "usp2x2": {"ring": 2, "ulysses": 2}, "ulysses4": {"ulysses": 4},
+          "double_ring2x2": {"ring_outer": 2, "ring_inner": 2}}
 
 
 def _problem(axes: dict, seed: int):
     """The padded ids and their per-document zigzag over the mesh's ring, and float64 q, k, v, do
     [b, T, ...] in original order."""
-    ring, ulysses = axes.get("ring", 1), axes.get("ulysses", 1)
+    ring = axes.get("ring", axes.get("ring_outer", 1) * axes.get("ring_inner", 1))
+    ulysses = axes.get("ulysses", 1)
     ids, _ = pad_documents(DOCUMENTS, ring, multiple=2 * ring * ulysses)
     layout = document_layout(ids, ring)
     rng = np.random.default_rng(seed)
@@ -42,12 +45,13 @@ def _laid(x, perm):
 
 
 def _run(mesh, q, k, v, do, *, token_index, segment_ids, layout: str, causal: bool = True, grads: bool = True,
-         window=None):
+         window=None, kv_exchange: str = "ring"):
     """o, lse (and dq, dk, dv for cotangent ``do``) of the public API on layout-ordered inputs, in
     one jitted program (an eager ``jax.vjp`` would run the backward op by op)."""
     def attention(q, k, v):
         return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=causal, layout=layout, return_lse=True,
-                                                    segment_ids=segment_ids, token_index=token_index, window=window)
+                                                    segment_ids=segment_ids, token_index=token_index, window=window,
+                                                    kv_exchange=kv_exchange)
 
     def outputs(q, k, v, do):
         if not grads:
@@ -62,9 +66,16 @@ def _rel(x, ref) -> float:
     return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
 
 
-@pytest.mark.parametrize("mesh_name,layout,window", [("ring4", "contiguous", None), ("usp2x2", "zigzag", None),
-                                                     ("ring4", "contiguous", (6, 0))])
-def test_document_zigzag_with_token_index_matches_float64_truth(mesh_name, layout, window, jax_devices):
+TRUTH_CASES = [("ring4", "contiguous", None, "ring"), ("usp2x2", "zigzag", None, "ring"),
+               ("ring4", "contiguous", (6, 0), "ring")]
+# The other strategies with --full (RINGBRIDGE_FULL=1).
+TRUTH_CASES += [pytest.param(*c, marks=pytest.mark.slow) for c in (
+    ("ring4", "zigzag", None, "allgather"), ("ulysses4", "contiguous", (6, 0), "ring"),
+    ("double_ring2x2", "zigzag", None, "ring"), ("usp2x2", "contiguous", (3, 0), "allgather"))] if FULL else []
+
+
+@pytest.mark.parametrize("mesh_name,layout,window,kv_exchange", TRUTH_CASES)
+def test_document_zigzag_with_token_index_matches_float64_truth(mesh_name, layout, window, kv_exchange, jax_devices):
     """o, lse, dq, dk, dv of the per-document zigzag (segment ids and token indices in layout
     order), read back to original order, equal the causal document-masked float64 oracle run in
     original order (float32 inputs: relative error 1e-5). The static ``layout`` argument only
@@ -76,7 +87,8 @@ def test_document_zigzag_with_token_index_matches_float64_truth(mesh_name, layou
     perm, inverse = row_layout.perm, row_layout.inverse
     mesh = jax.make_mesh(tuple(axes.values()), tuple(axes))
     got = _run(mesh, *(_laid(x, perm) for x in (q, k, v, do)), token_index=jnp.asarray(row_layout.token_index),
-               segment_ids=jnp.asarray(_laid(ids, perm)), layout=layout, window=window)
+               segment_ids=jnp.asarray(_laid(ids, perm)), layout=layout, window=window,
+               kv_exchange=kv_exchange)
     got = [np.take_along_axis(x, inverse[:, None, :], 2) if name == "lse" else _laid(x, inverse)
            for name, x in zip(("o", "lse", "dq", "dk", "dv"), got)]
     truth = attention_forward(q, k, v, causal=True, segment_ids=ids, window=window)
@@ -119,6 +131,30 @@ def test_a_wrong_token_index_gives_a_wrong_answer(jax_devices):
         o, _ = _run(mesh, *laid, token_index=token_index, segment_ids=jnp.asarray(_laid(ids, perm)),
                     layout="contiguous", grads=False)
         assert _rel(o, truth.o) > 1e-2
+
+
+def test_local_attention_takes_its_shard_of_the_token_index(jax_devices):
+    """``local_attention`` inside the caller's own shard_map, each device given its shard of the
+    token indices, equals the global entry point."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    axes = MESHES["ring4"]
+    ids, row_layout, (q, k, v, do) = _problem(axes, seed=3)
+    perm = row_layout.perm
+    mesh = jax.make_mesh((4,), ("ring",))
+    q, k, v = (jnp.asarray(_laid(x, perm), jnp.float32) for x in (q, k, v))
+    ids, index = jnp.asarray(_laid(ids, perm)), jnp.asarray(row_layout.token_index)
+    spec, ids_spec = P(None, "ring", None, None), P(None, "ring")
+    local = jax.jit(jax.shard_map(
+        lambda q, k, v, ids, index: jax_impl.local_attention(q, k, v, mesh, causal=True, layout="contiguous",
+                                                             segment_ids=ids, token_index=index),
+        mesh=mesh, in_specs=(spec,) * 3 + (ids_spec,) * 2, out_specs=spec))(
+            *(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)),
+            *(jax.device_put(x, NamedSharding(mesh, ids_spec)) for x in (ids, index)))
+    whole = jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=True, layout="contiguous", segment_ids=ids,
+                                                 token_index=index)
+    np.testing.assert_allclose(np.asarray(local), np.asarray(whole), rtol=1e-6, atol=1e-6)
 
 
 SEQ = 32

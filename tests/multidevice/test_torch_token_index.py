@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from helpers import FULL
 from parity.core.reference import attention_backward, attention_forward
 from seqplan.layouts import document_layout, layout_permutation, pad_documents, static_token_index
 from torch_tasks import bad_token_index_task, documents_task
@@ -21,7 +22,8 @@ HEADS, KV_HEADS, DIM = 4, 2, 8
 NAMES = ("o", "lse", "dq", "dk", "dv")
 # Two rows of packed documents in original order (a length-1 document among them).
 DOCUMENTS = np.array([[0] * 9 + [1] + [2] * 14 + [3] * 3, [7] * 3 + [8] * 21 + [9] * 3])
-MESHES = {"ring4": (("ring", 4),), "usp2x2": (("ring", 2), ("ulysses", 2))}
+MESHES = {"ring4": (("ring", 4),), "usp2x2": (("ring", 2), ("ulysses", 2)), "ulysses2": (("ulysses", 2),),
+          "double2x2": (("ring_outer", 2), ("ring_inner", 2)), "data2-ring2": (("data", 2), ("ring", 2))}
 
 
 def _original(ids: np.ndarray, seed: int) -> dict:
@@ -40,7 +42,8 @@ def _laid(x: np.ndarray, perm: np.ndarray, seq_axis: int = 1) -> np.ndarray:
     return np.take_along_axis(x, index, seq_axis)
 
 
-def _world_run(worlds, axes, x: dict, perm: np.ndarray, *, layout: str, token_index, window=None) -> dict:
+def _world_run(worlds, axes, x: dict, perm: np.ndarray, *, layout: str, token_index, window=None,
+               kv_exchange: str = "ring") -> dict:
     """o, lse, dq, dk, dv of the world on ``x`` (original order, plus "segment_ids") laid out by
     ``perm``, stitched and read back to original order."""
     sizes = dict(axes)
@@ -49,13 +52,15 @@ def _world_run(worlds, axes, x: dict, perm: np.ndarray, *, layout: str, token_in
     laid["segment_ids"] = torch.from_numpy(_laid(x["segment_ids"], perm))
     if token_index is not None:
         laid["token_index"] = torch.from_numpy(np.ascontiguousarray(token_index))
-    kwargs = dict(causal=True, layout=layout, window=window)
+    kwargs = dict(causal=True, layout=layout, window=window, kv_exchange=kv_exchange)
     shards = worlds(int(np.prod(list(sizes.values())))).run(documents_task, axes, laid, kwargs)
     inverse = np.argsort(perm, axis=1)
     out = {}
     for name in NAMES:
         seq_axis = 2 if name == "lse" else 1
-        whole = torch.cat([s[name] for s in sorted(shards, key=lambda s: s["block"])], dim=seq_axis)
+        rows = [torch.cat([s[name] for s in sorted((s for s in shards if s["data"] == d), key=lambda s: s["block"])],
+                          dim=seq_axis) for d in range(sizes.get("data", 1))]
+        whole = torch.cat(rows, dim=0)
         out[name] = _laid(whole.double().numpy(), inverse, seq_axis)
     return out
 
@@ -69,20 +74,29 @@ def _truth(x: dict, **masks) -> dict:
     return dict(zip(NAMES, (fwd.o, fwd.lse, *attention_backward(fwd, x["q"], x["k"], x["v"], x["do"], x["dlse"]))))
 
 
-@pytest.mark.parametrize("mesh_name,layout,window", [("ring4", "contiguous", None), ("usp2x2", "zigzag", None),
-                                                     ("ring4", "contiguous", (6, 0))])
-def test_document_zigzag_with_token_index_matches_float64_truth(mesh_name, layout, window, worlds):
+TRUTH_CASES = [("ring4", "contiguous", None, "ring"), ("usp2x2", "zigzag", None, "ring"),
+               ("ring4", "contiguous", (6, 0), "ring")]
+# The other strategies with --full (RINGBRIDGE_FULL=1).
+TRUTH_CASES += [pytest.param(*c, marks=pytest.mark.slow) for c in (
+    ("ring4", "zigzag", None, "allgather"), ("ulysses2", "contiguous", (6, 0), "ring"),
+    ("double2x2", "zigzag", None, "ring"), ("usp2x2", "contiguous", (3, 0), "allgather"),
+    ("data2-ring2", "zigzag", None, "ring"))] if FULL else []
+
+
+@pytest.mark.parametrize("mesh_name,layout,window,kv_exchange", TRUTH_CASES)
+def test_document_zigzag_with_token_index_matches_float64_truth(mesh_name, layout, window, kv_exchange, worlds):
     """o, lse, dq, dk, dv of the per-document zigzag (segment ids and token indices, each rank its
     shard), read back to original order, equal the causal document-masked float64 oracle run in
     original order (float32 inputs: relative error 1e-5). With a window (on token indices) on
     the contiguous layout the ring must not be truncated as it is for the layout's positions."""
     axes = MESHES[mesh_name]
-    ring, ulysses = dict(axes).get("ring", 1), dict(axes).get("ulysses", 1)
+    sizes = dict(axes)
+    ring, ulysses = sizes.get("ring", sizes.get("ring_outer", 1) * sizes.get("ring_inner", 1)), sizes.get("ulysses", 1)
     ids, _ = pad_documents(DOCUMENTS, ring, multiple=2 * ring * ulysses)
     row_layout = document_layout(ids, ring)
     x = _original(ids, seed=0) | {"segment_ids": ids}
     got = _world_run(worlds, axes, x, row_layout.perm, layout=layout, token_index=row_layout.token_index,
-                     window=window)
+                     window=window, kv_exchange=kv_exchange)
     truth = _truth(x, segment_ids=ids, window=window)
     for name in NAMES:
         assert _rel(got[name], truth[name]) < 1e-5, (name, _rel(got[name], truth[name]))
