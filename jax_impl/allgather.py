@@ -21,7 +21,15 @@ from jax import lax
 
 from seqplan.axes import RING
 from seqplan.schedule import allgather_schedule
-from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+from seqplan.validation import (
+    check_segment_ids,
+    check_sinks,
+    check_token_index,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate_local,
+)
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
@@ -29,6 +37,7 @@ from .loop import (
     alone_dtype,
     attention_with_vjp,
     gather_segment_ids,
+    gather_token_index,
     grad_block,
     local_backward,
     local_forward,
@@ -44,18 +53,21 @@ F32 = jnp.float32
 
 def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
                         scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
-                        segment_ids=None, window=None, sinks=None, softcap=None):
+                        segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """All-gather-KV attention over mesh axis ``axis_name`` (``None``: one device). Call inside
     ``shard_map``; inputs are this device's ring shard in layout order, ``segment_ids`` its ids
-    [b, t/R] or None; ``window``, ``sinks`` and ``softcap`` as in ``ring_attention``. Returns ``(o, lse)``."""
+    [b, t/R] or None; ``window``, ``sinks``, ``softcap`` and ``token_index`` ([b, t/R] or None) as in
+    ``ring_attention``. Returns ``(o, lse)``."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=check_window(window), softcap=softcap)
+                         deterministic=deterministic, window=check_window(window), softcap=softcap,
+                         token_index=token_index is not None)
     config.backend()  # an unknown or refused kernel fails here
-    return _allgather(q, k, v, segment_ids, sinks, axis_name, config)
+    return _allgather(q, k, v, segment_ids, token_index, sinks, axis_name, config)
 
 
 def _shard(x_all, src, t: int):
@@ -67,14 +79,15 @@ def _schedule(axis_name, config: AttentionConfig):
     return allgather_schedule(config.layout, config.causal, axis_size(axis_name))
 
 
-def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
+def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
     t = k.shape[1]
     kv_all = tuple(config.comm.gather(x, axis_name) for x in (k, v)) if schedule.size > 1 else None
     ids_all = gather_segment_ids(ids, axis_name, config.comm)
+    index_all = gather_token_index(index, axis_name, config.comm)
 
     def visit(step, j, s, _, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:  # own K/V
             return local_forward(backend, config.scale, q, (k, v), schedule.plan.local.mask,
                                  out_dtype=alone_dtype(schedule, q.dtype), **masks)
@@ -83,15 +96,15 @@ def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
                            lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, **masks), state)
 
     o, lse = walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
-    return o, lse, (kv_all, ids_all)
+    return o, lse, (kv_all, ids_all, index_all)
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
-    (kv_all, ids_all), t, saved = extra, k.shape[1], (q, o, lse, do, dlse)
+    (kv_all, ids_all, index_all), t, saved = extra, k.shape[1], (q, o, lse, do, dlse)
 
     def visit(step, j, s, _, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:
             dq, dk, dv = local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask,
                                         dq_dtype=alone_dtype(schedule, q.dtype), **masks)

@@ -6,7 +6,7 @@ The mesh's axis names choose the algorithm (docs/contract.md): ``"ring"`` -> rin
 layout order with any sharding; they are resharded to
 
     q, k, v, o: P("data", ("ring", "ulysses"), None, None)     lse: P("data", None, ("ring", "ulysses"))
-    segment_ids: P("data", ("ring", "ulysses"))                 sinks: P() (replicated)
+    segment_ids, token_index: P("data", ("ring", "ulysses"))    sinks: P() (replicated)
 
 (``("ring_outer", "ring_inner", "ulysses")`` for the double ring) so the device at ring
 coordinate r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*U + u.
@@ -28,6 +28,8 @@ from seqplan.validation import (
     check_segment_ids,
     check_sinks,
     check_softcap,
+    check_token_index,
+    check_token_index_range,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -68,12 +70,13 @@ def _global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
 def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                     kv_exchange: str = "ring", return_lse: bool = False, block_backend: str = "auto",
                     deterministic: bool | None = None, segment_ids=None, window=None, sinks=None,
-                    softcap=None):
+                    softcap=None, token_index=None):
     """``sequence_parallel_attention`` for code already inside ``jax.shard_map`` over ``mesh``: the
     arguments are THIS device's shards, as torch_impl's entry point takes them —
 
         q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   segment_ids: [b/D, t/(R·U)] or None
-        sinks: [h] or None (the full array on every device)  ->  o like q (and lse [b/D, h, t/(R·U)])
+        token_index: [b/D, t/(R·U)] or None                  sinks: [h] or None (the full array on every device)
+        ->  o like q (and lse [b/D, h, t/(R·U)])
 
     — in layout order, device at ring coordinate r and Ulysses coordinate u holding sequence block
     r·U + u. Validation runs on the global shape the shards imply, at trace time, before any
@@ -86,13 +89,15 @@ def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigza
         *(_global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)), sizes,
         layout=layout, kv_exchange=kv_exchange, scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")  # values: tracers here
     window, softcap = check_window(window), check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
                              deterministic=deterministic, window=window, softcap=softcap)
-    given = {name: x for name, x in (("segment_ids", segment_ids), ("sinks", sinks)) if x is not None}
+    given = {name: x for name, x in (("segment_ids", segment_ids), ("token_index", token_index), ("sinks", sinks))
+             if x is not None}
     o, lse = per_device(q, k, v, **given)
     return (o, lse) if return_lse else o
 
@@ -106,7 +111,7 @@ def partition_specs(mesh) -> tuple[P, P]:
 
 
 def _ids_spec(x_spec: P) -> P:
-    """The spec of segment ids [b, t]: q's batch and sequence axes."""
+    """The spec of segment ids or token indices [b, t]: q's batch and sequence axes."""
     return P(*x_spec[:2])
 
 
@@ -143,7 +148,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
-                                segment_ids=None, window=None, sinks=None, softcap=None):
+                                segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
     sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
     sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``.
@@ -170,6 +175,19 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     kernel soft-caps; a fused ``block_backend`` named with it runs capped blocks on the portable
     kernel).
 
+    ``token_index``: the original token index of every token, an integer [b, t] array in layout
+    order (like ``segment_ids``: any sharding, placed as the sequence is; no gradient), or None:
+    the positions the static ``layout`` implies (``layout_permutation`` in every row). Given, it
+    replaces those positions for ``causal`` and ``window``: with ``causal``, query i sees key j
+    only if token_index[j] <= token_index[i]; a window compares token indices too. It is how a
+    per-row layout such as the per-document zigzag (``seqplan.layouts.document_layout``, whose
+    ``token_index`` it takes) is run. Every ring shard's indices are all-gathered once per call
+    (int32, as the segment ids); blocks are then decided at run time from each row's index
+    range, on the non-causal schedule (no hop is saved by a window). Checked: shape [b, t] like
+    q's first two dimensions and an integer dtype, and, for a concrete array (not a tracer under
+    ``jax.jit``), every value in [0, t). Not the layers' RoPE ``positions``, which restart at every
+    document (``seqplan.layouts.rope_positions`` derives them from token_index and segment_ids).
+
     Cotangents are placed on the mesh the way the inputs are: a pullback (``jax.vjp``'s returned
     function) may be given a cotangent of any sharding JAX lets through — sharded like the output,
     freshly made with ``jnp`` outside ``jax.set_mesh``, committed to one device — and it is resharded
@@ -192,6 +210,10 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), dict(mesh.shape),
         layout=layout, kv_exchange=kv_exchange, scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape)
+    check_token_index(*shape_and_dtype(token_index), q.shape)
+    if token_index is not None and not isinstance(token_index, jax.core.Tracer):  # a tracer's values are unknown
+        with jax.ensure_compile_time_eval():  # concrete, even when closed over inside a jit
+            check_token_index_range(int(token_index.min()), int(token_index.max()), q.shape[1])
     window, softcap = check_window(window), check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     x_spec, lse_spec = partition_specs(mesh)
@@ -199,6 +221,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
                              deterministic=deterministic, window=window, softcap=softcap)
     optional = {name: (x, spec) for name, x, spec in (("segment_ids", segment_ids, _ids_spec(x_spec)),
+                                                     ("token_index", token_index, _ids_spec(x_spec)),
                                                      ("sinks", sinks, P())) if x is not None}
 
     def attention(q, k, v, *given):

@@ -31,13 +31,22 @@ from jax import lax
 
 from seqplan.axes import RING_INNER, RING_OUTER
 from seqplan.schedule import double_ring_schedule
-from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+from seqplan.validation import (
+    check_segment_ids,
+    check_sinks,
+    check_token_index,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate_local,
+)
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
     attention_with_vjp,
     gather_segment_ids,
+    gather_token_index,
     grad_block,
     local_backward,
     ring_index,
@@ -53,21 +62,24 @@ DOUBLE_RING = (RING_OUTER, RING_INNER)
 def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, causal: bool = False,
                           layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
                           deterministic: bool | None = None, segment_ids=None, window=None, sinks=None,
-                          softcap=None):
+                          softcap=None, token_index=None):
     """Double ring attention over the mesh axes ``axis_name = (outer, inner)``. Call inside
     ``shard_map``; inputs are this device's shard of the combined ring (index o·I + i) in
-    layout order, ``segment_ids`` its ids [b, t/R] or None; ``window``, ``sinks`` and ``softcap``
-    as in ``ring_attention``. Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]."""
+    layout order, ``segment_ids`` its ids [b, t/R] or None; ``window``, ``sinks``, ``softcap`` and
+    ``token_index`` ([b, t/R] or None; gathered like the ids) as in ``ring_attention``. Returns
+    ``(o, lse)``: o like q, lse float32 [b, h, t/R]."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     if len(tuple(axis_name)) != 2:
         raise ValueError(f"the double ring needs axis_name = (outer, inner), got {axis_name!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=check_window(window), softcap=softcap)
+                         deterministic=deterministic, window=check_window(window), softcap=softcap,
+                         token_index=token_index is not None)
     config.backend()  # an unknown or refused kernel fails here
-    return _double_ring(q, k, v, segment_ids, sinks, tuple(axis_name), config)
+    return _double_ring(q, k, v, segment_ids, token_index, sinks, tuple(axis_name), config)
 
 
 def _schedule(axes, config: AttentionConfig):
@@ -82,19 +94,21 @@ def _from_bits(bits, like):
     return lax.bitcast_convert_type(bits, like.dtype)
 
 
-def _forward(q, k, v, ids, axes, config: AttentionConfig):
-    """(o, lse, ids_all): see ``loop.walk_forward`` (the double ring keeps no K/V for its backward)."""
+def _forward(q, k, v, ids, index, axes, config: AttentionConfig):
+    """(o, lse, (ids_all, index_all)): see ``loop.walk_forward`` (the double ring keeps no K/V for
+    its backward)."""
     ids_all = gather_segment_ids(ids, axes, config.comm)
-    o, lse, _ = walk_forward(q, k, v, axes, config, _schedule(axes, config), ids_all)
-    return o, lse, ids_all
+    index_all = gather_token_index(index, axes, config.comm)
+    o, lse, _ = walk_forward(q, k, v, axes, config, _schedule(axes, config), ids_all, index_all)
+    return o, lse, (ids_all, index_all)
 
 
-def _backward(q, k, v, o, lse, ids_all, do, dlse, axes, config: AttentionConfig):
+def _backward(q, k, v, o, lse, extra, do, dlse, axes, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axes, config), ring_index(axes)
-    saved, t = (q, o, lse, do, dlse), k.shape[1]
+    (ids_all, index_all), saved, t = extra, (q, o, lse, do, dlse), k.shape[1]
 
     def visit(step, j, s, kv_bits, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:
             return local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, **masks)
         kv = tuple(_from_bits(x, like) for x, like in zip(kv_bits, (k, v)))

@@ -153,6 +153,14 @@ def gather_segment_ids(ids, axes, comm: Comm):
     return ids
 
 
+def gather_token_index(token_index, axes, comm: Comm):
+    """Every ring shard's token indices (the ``token_index`` argument: original token index per
+    row, layout order), [b, t] -> int32 [b, R·t], gathered exactly as :func:`gather_segment_ids`
+    gathers the ids (one more int32 all-gather per ring axis, made only when they are given).
+    ``None`` stays ``None``."""
+    return gather_segment_ids(token_index, axes, comm)
+
+
 def shard_ids(ids_all, src, t: int):
     """Ring shard ``src`` (traced or int) of gathered ids [b, R·t] -> [b, t]."""
     return lax.dynamic_slice_in_dim(ids_all, src * t, t, axis=1)
@@ -387,19 +395,20 @@ def alone_dtype(schedule: Schedule, dtype):
     return dtype if len(schedule.steps) == 1 else F32
 
 
-def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids_all=None):
+def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids_all=None, index_all=None):
     """One device's forward over ``schedule`` (ring or double ring): its own block, then every
     visiting K/V merged by LSE. ``ids_all``: every shard's segment ids (:func:`gather_segment_ids`) or
-    None. Returns (o, lse, kv_first): kv_first, the K/V of step 1 (in flight while step 0
-    computes), is kept for the backward when the schedule's backward reuses it (the single ring:
-    R-2 backward K/V hops, not R-1), else None."""
+    None; ``index_all``: every shard's token indices (:func:`gather_token_index`) or None.
+    Returns (o, lse, kv_first): kv_first, the K/V of step 1 (in flight while step 0 computes),
+    is kept for the backward when the schedule's backward reuses it (the single ring: R-2
+    backward K/V hops, not R-1), else None."""
     backend, me, t = config.backend(), ring_index(axes), k.shape[1]
     kv_first = (config.comm.shift((k, v), schedule.steps[0].kv_hop, axes)
                 if schedule.backward_reuses_first_kv else None)
     o_dtype = alone_dtype(schedule, q.dtype)
 
     def visit(step, j, s, kv, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:  # own K/V, never empty
             return local_forward(backend, config.scale, q, kv, schedule.plan.local.mask, out_dtype=o_dtype, **masks)
         return visit_block(schedule, me, j, s,
@@ -420,34 +429,36 @@ def varying_like(x, like):
 
 
 def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
-    """A differentiable ``(q, k, v, ids, sinks, axes, config: AttentionConfig) -> (o, lse)`` from
-    ``forward(q, k, v, ids, axes, config) -> (o, lse, extra)`` and ``backward(q, k, v, o, lse,
-    extra, do, dlse, axes, config) -> (dq, dk, dv)``; ``extra`` (K/V the forward received, the
-    gathered segment ids) is saved for the backward. ``ids``: this device's segment ids [b, t] or
-    None — an ordinary argument (a traced array cannot be static) with no cotangent. ``sinks``:
+    """A differentiable ``(q, k, v, ids, index, sinks, axes, config: AttentionConfig) -> (o, lse)``
+    from ``forward(q, k, v, ids, index, axes, config) -> (o, lse, extra)`` and ``backward(q, k, v,
+    o, lse, extra, do, dlse, axes, config) -> (dq, dk, dv)``; ``extra`` (K/V the forward received,
+    the gathered segment ids and token indices) is saved for the backward. ``ids``: this device's
+    segment ids [b, t] or None, ``index``: its token indices [b, t] or None (``config.token_index``
+    says whether the masks use them) — ordinary arguments (a traced array cannot be static) with
+    no cotangent. ``sinks``:
     [h] float logits or None, entered after ``forward`` (:func:`add_sinks`), so ``backward`` gets
     the final o and lse; their cotangent is :func:`sinks_grad` over this device's rows (summed
     over the devices by shard_map's transpose of a replicated input). ``axes`` and ``config`` are
     static (never arrays)."""
 
-    def forward_with_sinks(q, k, v, ids, sinks, axes, config):
-        o, lse, extra = forward(q, k, v, ids, axes, config)
+    def forward_with_sinks(q, k, v, ids, index, sinks, axes, config):
+        o, lse, extra = forward(q, k, v, ids, index, axes, config)
         o, lse = add_sinks(o, lse, sinks)
         return o.astype(q.dtype), lse, extra
 
-    @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-    def attention(q, k, v, ids, sinks, axes, config: AttentionConfig):
-        o, lse, _ = forward_with_sinks(q, k.astype(q.dtype), v.astype(q.dtype), ids, sinks, axes, config)
+    @partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+    def attention(q, k, v, ids, index, sinks, axes, config: AttentionConfig):
+        o, lse, _ = forward_with_sinks(q, k.astype(q.dtype), v.astype(q.dtype), ids, index, sinks, axes, config)
         return o, lse
 
-    def attention_fwd(q, k, v, ids, sinks, axes, config):
+    def attention_fwd(q, k, v, ids, index, sinks, axes, config):
         q, k, v = (x.value for x in (q, k, v))  # symbolic_zeros=True wraps the primals
-        ids, sinks = (None if x is None else x.value for x in (ids, sinks))
+        ids, index, sinks = (None if x is None else x.value for x in (ids, index, sinks))
         # K/V may come in float32 (Ulysses' replicated heads, so that their dK/dV leave in float32):
         # they are computed and sent in q's dtype; only the gradients keep the caller's dtype.
         kv_dtype_of = jnp.zeros((0,), k.dtype)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-        o, lse, extra = forward_with_sinks(q, k, v, ids, sinks, axes, config)
+        o, lse, extra = forward_with_sinks(q, k, v, ids, index, sinks, axes, config)
         return (o, lse), (q, k, v, o, lse, extra, kv_dtype_of, sinks)
 
     def attention_bwd(axes, config, residuals, cotangents):
@@ -459,11 +470,11 @@ def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
         dlse = None if isinstance(dlse, SymbolicZero) else dlse
         dq, dk, dv = backward(q, k, v, o, lse, extra, do, dlse, axes, config)
         dsinks = None if sinks is None else sinks_grad(o, lse, do, dlse, sinks).astype(sinks.dtype)
-        return dq.astype(q.dtype), dk.astype(kv_dtype_of.dtype), dv.astype(kv_dtype_of.dtype), None, dsinks
+        return dq.astype(q.dtype), dk.astype(kv_dtype_of.dtype), dv.astype(kv_dtype_of.dtype), None, None, dsinks
 
     attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
 
-    def attention_of_shards(q, k, v, ids, sinks, axes, config: AttentionConfig):
-        return attention(q, k, v, ids, None if sinks is None else varying_like(sinks, q), axes, config)
+    def attention_of_shards(q, k, v, ids, index, sinks, axes, config: AttentionConfig):
+        return attention(q, k, v, ids, index, None if sinks is None else varying_like(sinks, q), axes, config)
 
     return attention_of_shards

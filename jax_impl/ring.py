@@ -17,7 +17,15 @@ from __future__ import annotations
 
 from seqplan.axes import RING
 from seqplan.schedule import ring_schedule, window_reach
-from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+from seqplan.validation import (
+    check_segment_ids,
+    check_sinks,
+    check_token_index,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate_local,
+)
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
@@ -25,6 +33,7 @@ from .loop import (
     alone_dtype,
     attention_with_vjp,
     gather_segment_ids,
+    gather_token_index,
     grad_block,
     local_backward,
     return_distance,
@@ -38,7 +47,7 @@ from .loop import (
 
 def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
-                   segment_ids=None, window=None, sinks=None, softcap=None):
+                   segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """Ring attention over mesh axis ``axis_name`` (``None``: one device, plain attention).
 
     Call inside ``shard_map``; inputs are this device's ring shard in layout order (shapes in the
@@ -49,40 +58,50 @@ def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = Fals
     denominator gains exp(sinks[h]); differentiable. ``softcap``: None or a positive float (Gemma
     2's logit soft-capping): every scaled logit x becomes softcap · tanh(x / softcap) before the
     softmax, in every block, forward and backward (the sinks are not capped; checked with the
-    config, before any collective). Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]
+    config, before any collective). ``token_index``: this device's original token indices
+    [b, t/R] (layout order) or None (the layout's): the causal mask and the window compare them
+    (key j visible from query i under ``causal`` only if token_index[j] <= token_index[i]);
+    every ring shard's are all-gathered once, as the segment ids are. Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]
     (with the sink). ``deterministic``: see ``config.default_deterministic``.
     """
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=check_window(window), softcap=softcap)
+                         deterministic=deterministic, window=check_window(window), softcap=softcap,
+                         token_index=token_index is not None)
     config.backend()  # an unknown or refused kernel fails here
-    return _ring(q, k, v, segment_ids, sinks, axis_name, config)
+    return _ring(q, k, v, segment_ids, token_index, sinks, axis_name, config)
 
 
 def _schedule(axis_name, config: AttentionConfig, shard_len: int):
     """The ring's schedule: truncated to the shards a window reaches where that is built
-    (``schedule.window_reach``: the contiguous layout under a causal or right-0 window)."""
+    (``schedule.window_reach``: the contiguous layout under a causal or right-0 window; never on
+    token indices, which the layout's positions say nothing about)."""
     size = axis_size(axis_name)
+    window = None if config.token_index else config.window
     return ring_schedule(config.layout, config.causal, size,
-                         window_reach(config.layout, config.causal, config.window, shard_len, size))
+                         window_reach(config.layout, config.causal, window, shard_len, size))
 
 
-def _forward(q, k, v, ids, axis_name, config: AttentionConfig):
-    """(o, lse, (kv_first, ids_all)): see ``loop.walk_forward`` and ``loop.gather_segment_ids``."""
+def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
+    """(o, lse, (kv_first, ids_all, index_all)): see ``loop.walk_forward``, ``loop.gather_segment_ids``
+    and ``loop.gather_token_index``."""
     ids_all = gather_segment_ids(ids, axis_name, config.comm)
-    o, lse, kv_first = walk_forward(q, k, v, axis_name, config, _schedule(axis_name, config, k.shape[1]), ids_all)
-    return o, lse, (kv_first, ids_all)
+    index_all = gather_token_index(index, axis_name, config.comm)
+    o, lse, kv_first = walk_forward(q, k, v, axis_name, config, _schedule(axis_name, config, k.shape[1]), ids_all,
+                                    index_all)
+    return o, lse, (kv_first, ids_all, index_all)
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
     backend, schedule, me = config.backend(), _schedule(axis_name, config, k.shape[1]), ring_index(axis_name)
-    (kv_first, ids_all), saved, t = extra, (q, o, lse, do, dlse), k.shape[1]
+    (kv_first, ids_all, index_all), saved, t = extra, (q, o, lse, do, dlse), k.shape[1]
 
     def visit(step, j, s, kv, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:
             return local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask,
                                   dq_dtype=alone_dtype(schedule, q.dtype), **masks)

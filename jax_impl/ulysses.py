@@ -28,6 +28,7 @@ from seqplan.validation import (
     check_segment_ids,
     check_sinks,
     check_softcap,
+    check_token_index,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -76,22 +77,25 @@ def gather_kv_heads(x, axis_name: str, ulysses_size: int):
 def ulysses_attention(q, k, v, axis_name: str = ULYSSES, *, causal: bool = False, scale: float | None = None,
                       block_backend: str = "auto", attend: Callable | None = None,
                       return_lse: bool = True, deterministic: bool | None = None, segment_ids=None,
-                      window=None, sinks=None, softcap=None):
+                      window=None, sinks=None, softcap=None, token_index=None):
     """Ulysses attention over ``axis_name``. ``attend(q, k, v, *, causal, scale, block_backend,
-    deterministic, segment_ids, window, sinks, softcap)`` computes attention on the gathered
+    deterministic, segment_ids, window, sinks, softcap, token_index)`` computes attention on the gathered
     sequence (default: one device's attention; USP passes ring attention over the ring axis).
     ``segment_ids``: this device's ids [b, t/U] or None; they are all-gathered over the axis
     (member order, as the all-to-all concatenates the sequence) for ``attend``. ``window``: as in
     ``ring_attention`` (the gathered sequence is one ring shard, so its positions are the
     ring's). ``sinks``: [h] float logits or None; ``attend`` gets this device's heads'
     ``sinks[u·h/U:(u+1)·h/U]``. ``softcap``: as in ``ring_attention`` (checked here, before the
-    all-to-all), passed on to ``attend``. Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32
+    all-to-all), passed on to ``attend``. ``token_index``: this device's original token indices
+    [b, t/U] or None, all-gathered over the axis like the ids (the sequence they index follows
+    the all-to-all) and handed to ``attend``. Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32
     (``None`` when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(axis_name)
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=None,
                    scale=scale, ulysses=n)
     check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     window, softcap = check_window(window), check_softcap(softcap)
     deterministic = default_deterministic(deterministic)
@@ -101,10 +105,12 @@ def ulysses_attention(q, k, v, axis_name: str = ULYSSES, *, causal: bool = False
     q_h = seq_to_heads(q, axis_name)  # [b, t, h/U, d]
     k_h, v_h = (gather_kv_heads(x, axis_name, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
     ids = None if segment_ids is None else gather_shards(segment_ids.astype(jnp.int32), axis_name)  # [b, t]
+    index = None if token_index is None else gather_shards(token_index.astype(jnp.int32), axis_name)  # [b, t]
     heads = q_h.shape[2]  # h/U: this device's head block
     sinks_h = None if sinks is None else lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis_name) * heads, heads)
     o_h, lse_h = attend(q_h, k_h, v_h, causal=causal, scale=scale, block_backend=block_backend,
-                        deterministic=deterministic, segment_ids=ids, window=window, sinks=sinks_h, softcap=softcap)
+                        deterministic=deterministic, segment_ids=ids, window=window, sinks=sinks_h, softcap=softcap,
+                        token_index=index)
     if not return_lse:  # skip the LSE all-to-all (torch would otherwise run it; XLA drops it)
         return heads_to_seq(o_h, axis_name), None
     # lse_h: [b, h/U, t] -> [b, h, t/U]: split the sequence, gather the heads.

@@ -28,11 +28,12 @@ KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
 def usp_attention(q, k, v, ring_axis: str | tuple[str, str] = RING, ulysses_axis: str = ULYSSES, *, causal: bool = False,
                   layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
                   return_lse: bool = True, kv_exchange: str = "ring", deterministic: bool | None = None,
-                  segment_ids=None, window=None, sinks=None, softcap=None):
+                  segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """Ulysses over ``ulysses_axis`` around ring (or all-gather-KV) attention over ``ring_axis``;
     a pair of axes ``(outer, inner)`` is the double ring. ``segment_ids``: this device's ids
-    [b, t/(R·U)] or None; ``window``, ``sinks`` ([h]) and ``softcap`` as in ``ring_attention``. Returns
-    (o, lse)."""
+    [b, t/(R·U)] or None; ``window``, ``sinks`` ([h]), ``softcap`` and ``token_index`` ([b, t/(R·U)]
+    or None: it follows the sequence through the all-to-all as the ids do) as in
+    ``ring_attention``. Returns (o, lse)."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale, ulysses=axis_size(ulysses_axis))
     if kv_exchange not in KV_EXCHANGE:
@@ -41,4 +42,5 @@ def usp_attention(q, k, v, ring_axis: str | tuple[str, str] = RING, ulysses_axis
     ring = partial(attend, axis_name=ring_axis, layout=layout)
     return ulysses_attention(q, k, v, ulysses_axis, causal=causal, scale=scale, block_backend=block_backend,
                              attend=ring, return_lse=return_lse, deterministic=deterministic,
-                             segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
+                             segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
+                             token_index=token_index)

@@ -19,7 +19,15 @@ from __future__ import annotations
 import torch
 
 from seqplan.schedule import allgather_schedule, device_visits
-from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+from seqplan.validation import (
+    check_segment_ids,
+    check_sinks,
+    check_token_index,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate_local,
+)
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
@@ -28,24 +36,26 @@ from .loop import ShardMasks, add_grads, attend_block, attention_with_vjp, grad_
 F32 = torch.float32
 
 
-def allgather_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
+def allgather_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
                         causal: bool = False, layout: str = "zigzag",
                         scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """All-gather-KV attention over process group ``group`` (``None``: one rank). Inputs are this
     rank's ring shard in layout order; ``segment_ids`` (packed documents) this rank's local shard
     of the ids, [b, t/R] (see ``ring_attention``: gathered once, blocks without a shared
-    document skipped); ``window``, ``sinks`` and ``softcap`` as in ``ring_attention`` (``sinks.grad``: this
-    rank's contribution). Returns ``(o, lse)``; differentiable through autograd."""
+    document skipped); ``window``, ``sinks``, ``softcap`` and ``token_index`` ([b, t/R] or None) as in
+    ``ring_attention`` (``sinks.grad``: this rank's contribution). Returns ``(o, lse)``; differentiable through autograd."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     window = check_window(window)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=window, softcap=softcap)
+                         deterministic=deterministic, window=window, softcap=softcap,
+                         token_index=token_index is not None)
     config.backend()  # an unknown or refused kernel fails here, before any collective
-    return _allgather(q, k, v, (None, group), config, segment_ids, sinks)
+    return _allgather(q, k, v, (None, group), config, segment_ids, sinks, token_index)
 
 
 def _visits(groups, config: AttentionConfig):

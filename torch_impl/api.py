@@ -7,10 +7,12 @@ r (o·I + i in the double ring) and Ulysses coordinate u holds sequence block r*
 order) of its batch shard:
 
     q: [b/D, t/(R·U), h, d]   k, v: [b/D, t/(R·U), hk, d]   segment_ids: [b/D, t/(R·U)] or None
-    sinks: [h] or None (the full tensor on every rank)      ->   o like q, lse: [b/D, h, t/(R·U)]
+    token_index: [b/D, t/(R·U)] or None                     sinks: [h] or None (the full tensor on every rank)
+    ->   o like q, lse: [b/D, h, t/(R·U)]
 
-``segment_ids`` (packed documents) are this rank's local shard of the integer ids, in the same
-layout order and split as q (the JAX API takes global ids instead).
+``segment_ids`` (packed documents) and ``token_index`` (original token indices) are this rank's
+local shards of the integer arrays, in the same layout order and split as q (the JAX API takes
+global arrays instead).
 
 Validation runs on shapes alone, identically on every rank, before any collective. Ranks that
 pass *different* local shapes, dtypes or options are caught only with ``check_ranks=True`` (by
@@ -36,6 +38,8 @@ from seqplan.validation import (
     check_segment_ids,
     check_sinks,
     check_softcap,
+    check_token_index,
+    check_token_index_range,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -79,23 +83,26 @@ def _softcap_code(softcap) -> int:
 
 
 def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segment_ids=None, window=None,
-               sinks=None, softcap=None) -> dict:
+               sinks=None, softcap=None, token_index=None) -> dict:
     """What every rank must agree on, as small ints (names by their index in validation's and the
     layouts' tuples, scale by its float64 bit pattern; no segment_ids: shape (), dtype -1; window
-    by :func:`_window_code`; no sinks: shape (), dtype -1; softcap by :func:`_softcap_code`)."""
+    by :func:`_window_code`; no sinks: shape (), dtype -1; softcap by :func:`_softcap_code`; no
+    token_index: shape (), dtype -1)."""
     dtypes = tuple(_code(dtype_name(x.dtype), DTYPES) for x in (q, k, v))
     scale_bits = -1 if scale is None else _float_bits(scale)
     options = (int(bool(causal)), _code(layout, LAYOUTS), _code(kv_exchange, KV_EXCHANGES), int(bool(return_lse)))
     ids_shape = () if segment_ids is None else tuple(segment_ids.shape)
     ids_dtype = -1 if segment_ids is None else _code(dtype_name(segment_ids.dtype), INT_DTYPES)
     sinks_shape, sinks_dtype = shape_and_dtype(sinks)
+    index_shape, index_dtype = shape_and_dtype(token_index)
     return {"q shape": tuple(q.shape), "k shape": tuple(k.shape), "v shape": tuple(v.shape),
             f"dtypes (index in {DTYPES})": dtypes, "causal, layout, kv_exchange, return_lse": options,
             "scale (float64 bits)": (scale_bits,), "segment_ids shape": ids_shape,
             f"segment_ids dtype (index in {INT_DTYPES})": (ids_dtype,),
             "window (left, right; -1: none)": _window_code(window), "sinks shape": sinks_shape,
             f"sinks dtype (index in {FLOAT_DTYPES})": (_code(sinks_dtype, FLOAT_DTYPES),),
-            "softcap (float64 bits; -1: none)": (_softcap_code(softcap),)}
+            "softcap (float64 bits; -1: none)": (_softcap_code(softcap),), "token_index shape": index_shape,
+            f"token_index dtype (index in {INT_DTYPES})": (-1 if index_dtype is None else _code(index_dtype, INT_DTYPES),)}
 
 
 def _check_segment_ids(segment_ids, q) -> None:
@@ -105,6 +112,20 @@ def _check_segment_ids(segment_ids, q) -> None:
     check_segment_ids(segment_ids.shape, dtype_name(segment_ids.dtype), q.shape, what="local ")
     if segment_ids.device != q.device:
         raise ValueError(f"segment_ids must be on q's device {q.device}, got {segment_ids.device}")
+
+
+def _check_token_index(token_index, q, seq_len: int) -> None:
+    """This rank's token indices against its q (local shapes), on q's device, every value in
+    [0, seq_len) — the global sequence length (device-to-host copies of their min and max; the
+    other ranks' values are not compared: that would take a collective)."""
+    if token_index is None:
+        return
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
+    if token_index.device != q.device:
+        raise ValueError(f"token_index must be on q's device {q.device}, got {token_index.device}")
+    if token_index.numel():
+        lo, hi = (int(x) for x in token_index.long().aminmax())
+        check_token_index_range(lo, hi, seq_len, what="local ")
 
 
 def _check_sinks(sinks, q) -> None:
@@ -145,7 +166,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
-                                segment_ids=None, window=None, sinks=None, softcap=None):
+                                segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """Attention of this rank's ``q`` shard against ``k, v`` shards (layout order), sequence-
     parallel over ``mesh`` (a ``DeviceMesh``). Returns o (and lse if ``return_lse``).
 
@@ -172,6 +193,20 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     or ``block_backend="flex"`` (a score_mod); an aten backend named with it runs capped blocks on
     the portable kernel (torch's aten attention ops take no soft-capping).
 
+    ``token_index``: the original token index of every token — this rank's local shard of an
+    integer [b, t] array in layout order, [b/D, t/(R·U)] like q's first two dimensions, on q's
+    device (no gradient) — or None: the positions the static ``layout`` implies. Given, it
+    replaces those positions for ``causal`` and ``window``: with ``causal``, query i sees key j
+    only if token_index[j] <= token_index[i]; a window compares token indices too. It is how a
+    per-row layout such as the per-document zigzag (``seqplan.layouts.document_layout``, whose
+    ``token_index`` it takes) is run. Every ring shard's indices are all-gathered once per call
+    (int32, as the segment ids); blocks are then decided per call from each row's index range,
+    on the non-causal schedule (no hop is saved by a window). Checked on each rank: shape, an
+    integer dtype, and every local value in [0, t) (t the global sequence length; one
+    device-to-host copy); ``check_ranks`` compares shape and dtype across ranks. Not the layers'
+    RoPE ``positions``, which restart at every document (``seqplan.layouts.rope_positions``
+    derives them from token_index and segment_ids).
+
     ``deterministic``: refuse block kernels that are not run-to-run deterministic (default:
     ``torch.are_deterministic_algorithms_enabled()``). ``check_ranks``: compare every rank's local
     shapes, dtypes and options before any attention collective (default: RINGBRIDGE_CHECK_RANKS=1;
@@ -180,7 +215,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     if default_check_ranks(check_ranks):
         check_ranks_agree(_signature(q, k, v, causal=causal, layout=layout, scale=scale, kv_exchange=kv_exchange,
                                      return_lse=return_lse, segment_ids=segment_ids, window=window, sinks=sinks,
-                                     softcap=softcap),
+                                     softcap=softcap, token_index=token_index),
                           mesh)
     names = mesh.mesh_dim_names or ()
     sizes = {name: mesh.size(i) for i, name in enumerate(names)}
@@ -188,11 +223,13 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
     _check_segment_ids(segment_ids, q)
+    _check_token_index(token_index, q, global_shape(q.shape, sizes)[1])
     window, softcap = check_window(window), check_softcap(softcap)
     _check_sinks(sinks, q)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails before any collective
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
                              deterministic=deterministic)
-    o, lse = per_device(q, k, v, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap)
+    o, lse = per_device(q, k, v, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
+                        token_index=token_index)
     return (o, lse) if return_lse else o

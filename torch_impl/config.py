@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from seqplan.config import checked_static_fields, resolve_scale
+from seqplan.schedule import token_index_window
 from seqplan.validation import check_softcap
 
 from .block import BlockBackend, get_backend
@@ -36,6 +37,11 @@ class AttentionConfig:
     softcap:       logit soft-capping (Gemma 2), a positive float or None: every scaled logit x
                    becomes softcap · tanh(x / softcap) before the softmax, in every block, forward
                    and backward (``validation.check_softcap``; ``backend()`` gives kernels that apply it).
+    token_index:   the causal and window masks compare explicit per-row token indices (the call's
+                   ``token_index`` array, gathered like segment ids) instead of the layout's
+                   positions: ``causal`` is then False and ``window`` the token-index window
+                   (``schedule.token_index_window``: causal = ``(UNBOUNDED, 0)``), every visit one
+                   whole-shard block decided at run time, and the ring is never truncated.
     """
 
     causal: bool
@@ -46,6 +52,7 @@ class AttentionConfig:
     comm: Comm = Comm()
     window: tuple[int, int] | None = None
     softcap: float | None = None
+    token_index: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "window", checked_static_fields(self.causal, self.layout, self.scale, self.window))
@@ -68,9 +75,13 @@ def default_deterministic(deterministic: bool | None) -> bool:
 
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
-                deterministic: bool | None, window=None, softcap=None) -> AttentionConfig:
+                deterministic: bool | None, window=None, softcap=None, token_index: bool = False) -> AttentionConfig:
     """The config of a per-device call on ``q`` (for its head_dim), with the defaults resolved and
-    the installed communication hook (``comm.using``)."""
+    the installed communication hook (``comm.using``). ``token_index``: the call passes explicit
+    token indices, so ``causal`` and ``window`` become one window on them
+    (``schedule.token_index_window``) over the non-causal schedule."""
+    if token_index:
+        window, causal = token_index_window(window, bool(causal)), False
     return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend,
                            default_deterministic(deterministic),
-                           current_comm(), window, softcap)
+                           current_comm(), window, softcap, bool(token_index))

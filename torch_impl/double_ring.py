@@ -24,36 +24,47 @@ Same schedule as jax_impl, step for step.
 from __future__ import annotations
 
 from seqplan.schedule import double_ring_schedule
-from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+from seqplan.validation import (
+    check_segment_ids,
+    check_sinks,
+    check_token_index,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate_local,
+)
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
 
 
-def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
+def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
                           causal: bool = False, layout: str = "zigzag",
                           scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """Double ring attention over ``group = (outer_group, inner_group)`` (``None``: one rank).
     Inputs are this rank's shard of the combined ring (index o·I + i) in layout order;
     ``segment_ids`` (packed documents) this rank's local shard of the ids, [b, t/R] (see
     ``ring_attention``; gathered over the inner, then the outer group, so shard o·I + i lands at
-    index o·I + i); ``window``, ``sinks`` and ``softcap`` as in ``ring_attention`` (``sinks.grad``: this
-    rank's contribution). Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R].
+    index o·I + i); ``window``, ``sinks``, ``softcap`` and ``token_index`` ([b, t/R] or None;
+    gathered like the ids) as in ``ring_attention`` (``sinks.grad``: this rank's contribution).
+    Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R].
     Differentiable through autograd."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     window = check_window(window)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     groups = tuple(group) if group is not None else (None, None)
     if len(groups) != 2:
         raise ValueError(f"the double ring needs group = (outer_group, inner_group), got {group!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=window, softcap=softcap)
+                         deterministic=deterministic, window=window, softcap=softcap,
+                         token_index=token_index is not None)
     config.backend()  # an unknown or refused kernel fails here, before any collective
-    return _double_ring(q, k, v, groups, config, segment_ids, sinks)
+    return _double_ring(q, k, v, groups, config, segment_ids, sinks, token_index)
 
 
 def _schedule(groups, config: AttentionConfig):

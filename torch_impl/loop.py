@@ -192,6 +192,14 @@ def gather_segment_ids(segment_ids, groups, comm: Comm):
     return ids_all
 
 
+def gather_token_index(token_index, groups, comm: Comm):
+    """Every ring shard's token indices (the ``token_index`` argument: original token index per
+    row, layout order), int32 [R, b, t] from this rank's [b, t], gathered exactly as
+    :func:`gather_segment_ids` gathers the ids (one more int32 all-gather per group, made only
+    when they are given). ``None`` in, ``None`` out."""
+    return gather_segment_ids(token_index, groups, comm)
+
+
 def block_work(block: Block, q_ids, kv_ids) -> DocumentWork:
     """What ``block`` computes, given the whole shards' ids: ``q_ids`` of this rank's queries
     [b, t], ``kv_ids`` of the visiting K/V [b, t] — NumPy (the loops' host copy: no device sync)
@@ -443,7 +451,7 @@ class _Attention(torch.autograd.Function):
     """Autograd for a (forward, backward) pair; see :func:`attention_with_vjp`."""
 
     @staticmethod
-    def forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig, segment_ids, sinks):
+    def forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig, segment_ids, token_index, sinks):
         # An unused output's gradient arrives as None rather than zeros, so the kernels know
         # there is no lse cotangent without inspecting a tensor (a device sync on GPUs).
         ctx.set_materialize_grads(False)
@@ -452,7 +460,9 @@ class _Attention(torch.autograd.Function):
         ctx.kv_dtype = k.dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
         ids_all = gather_segment_ids(segment_ids, groups, config.comm)  # once, for both passes
-        masks = ShardMasks.build(config, axis_size(groups[0]) * axis_size(groups[1]), q.shape[1], ids_all, q.device)
+        index_all = gather_token_index(token_index, groups, config.comm)  # likewise (config.token_index: given)
+        masks = ShardMasks.build(config, axis_size(groups[0]) * axis_size(groups[1]), q.shape[1], ids_all, q.device,
+                                 index_all)
         o, lse, extra = forward(q, k, v, groups, config, masks)
         o, lse = add_sinks(o, lse, sinks)  # once per row, after the last block: the backward sees the final o, lse
         o = o.to(q.dtype)
@@ -470,20 +480,21 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, ctx.groups, ctx.config,
                                      ctx.masks)
         dsinks = None
-        if sinks is not None and ctx.needs_input_grad[8]:  # this rank's rows' contribution
+        if sinks is not None and ctx.needs_input_grad[9]:  # this rank's rows' contribution
             dsinks = sinks_grad(o, lse, do, dlse, sinks).to(sinks.dtype)
-        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, dsinks
+        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, dsinks
 
 
 def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
-    """A differentiable ``(q, k, v, groups, config: AttentionConfig, segment_ids=None, sinks=None)
-    -> (o, lse)`` from ``forward(q, k, v, groups, config, masks) -> (o, lse, extra)`` and
+    """A differentiable ``(q, k, v, groups, config: AttentionConfig, segment_ids=None, sinks=None,
+    token_index=None) -> (o, lse)`` from ``forward(q, k, v, groups, config, masks) -> (o, lse, extra)`` and
     ``backward(q, k, v, o, lse, extra, do, dlse, groups, config, masks) -> (dq, dk, dv)``:
     ``extra`` (K/V the forward received) is saved for the backward; ``segment_ids`` (this rank's
     [b, t], no gradient) are all-gathered once (:func:`gather_segment_ids`) and, with
+    ``token_index`` (this rank's [b, t] or None; gathered once, :func:`gather_token_index`) or
     ``config.window``'s shard positions, make the call's :class:`ShardMasks`, kept for the
     backward. ``sinks`` ([h] logits of this rank's heads, or None) are merged into the forward's
     final (o, lse) (:func:`add_sinks`); their gradient is this rank's rows' contribution
     (:func:`sinks_grad`), which the caller's autograd sums into ``sinks.grad``."""
-    return lambda q, k, v, groups, config, segment_ids=None, sinks=None: _Attention.apply(
-        forward, backward, q, k, v, groups, config, segment_ids, sinks)
+    return lambda q, k, v, groups, config, segment_ids=None, sinks=None, token_index=None: _Attention.apply(
+        forward, backward, q, k, v, groups, config, segment_ids, token_index, sinks)

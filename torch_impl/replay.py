@@ -64,7 +64,7 @@ def _config(q, causal, layout, scale, block_backend, deterministic, window, soft
         window = token_index_window(check_window(window), bool(causal))
         causal = False
     return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend, bool(deterministic),
-                           window=window, softcap=softcap)
+                           window=window, softcap=softcap, token_index=token_index is not None)
 
 
 def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:

@@ -16,14 +16,22 @@ hop behind, and a final hop brings them home (R hops); dQ stays local.
 from __future__ import annotations
 
 from seqplan.schedule import ring_schedule, window_reach
-from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+from seqplan.validation import (
+    check_segment_ids,
+    check_sinks,
+    check_token_index,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate_local,
+)
 
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import attention_with_vjp, walk_backward, walk_forward
 
 
-def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
+def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
                    causal: bool = False, layout: str = "zigzag",
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
     """Ring attention over process group ``group`` (``None``: one rank, plain attention).
@@ -43,6 +51,10 @@ def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=
     full gradient. ``softcap``: None or a positive float (Gemma 2's logit soft-capping): every
     scaled logit x becomes softcap · tanh(x / softcap) before the softmax, in every block, forward
     and backward (the sinks are not capped; checked with the config, before any collective).
+    ``token_index``: this rank's original token indices [b, t/R] (layout order) or None (the
+    layout's): the causal mask and the window compare them (key j visible from query i under
+    ``causal`` only if token_index[j] <= token_index[i]); every ring shard's are all-gathered
+    once, as the segment ids are.
     Returns ``(o, lse)``: o like q, lse float32 [b, h, t/R]. Differentiable through
     torch.autograd (o and lse; q, k, v and sinks). ``deterministic``: see
     ``config.default_deterministic``.
@@ -51,20 +63,24 @@ def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=
                    scale=scale)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     window = check_window(window)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=window, softcap=softcap)
+                         deterministic=deterministic, window=window, softcap=softcap,
+                         token_index=token_index is not None)
     config.backend()  # an unknown or refused kernel fails here, before any collective
-    return _ring(q, k, v, (None, group), config, segment_ids, sinks)
+    return _ring(q, k, v, (None, group), config, segment_ids, sinks, token_index)
 
 
 def _schedule(groups, config: AttentionConfig, shard_len: int):
     """The ring's schedule: truncated to the shards a window reaches where that is built
-    (``schedule.window_reach``: the contiguous layout under a causal or right-0 window)."""
+    (``schedule.window_reach``: the contiguous layout under a causal or right-0 window; never on
+    token indices, which the layout's positions say nothing about)."""
     size = axis_size(groups[1])
+    window = None if config.token_index else config.window
     return ring_schedule(config.layout, config.causal, size,
-                         window_reach(config.layout, config.causal, config.window, shard_len, size))
+                         window_reach(config.layout, config.causal, window, shard_len, size))
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks):

@@ -28,6 +28,7 @@ from seqplan.validation import (
     check_segment_ids,
     check_sinks,
     check_softcap,
+    check_token_index,
     check_window,
     dtype_name,
     shape_and_dtype,
@@ -66,7 +67,7 @@ def gather_kv_heads(x, group, ulysses_size: int):
 
 
 def _segment_ids_to_heads(segment_ids, group):
-    """Segment ids into the head split's sequence: [b, t/U] -> int32 [b, t] (member u's tokens at
+    """Segment ids (or token indices) into the head split's sequence: [b, t/U] -> int32 [b, t] (member u's tokens at
     u·t/U, the order ``seq_to_heads`` concatenates q in); ``None`` stays ``None``."""
     if segment_ids is None or group is None:
         return segment_ids
@@ -86,11 +87,11 @@ def _sinks_of_head_block(sinks, group, n: int):
 
 
 def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
-                      causal: bool = False,
+                      token_index=None, causal: bool = False,
                       scale: float | None = None, block_backend: str = "auto", attend: Callable | None = None,
                       return_lse: bool = True, deterministic: bool | None = None):
     """Ulysses attention over process group ``group``. ``attend(q, k, v, *, segment_ids, window,
-    sinks, softcap, causal, scale, block_backend, deterministic)`` computes attention on the gathered
+    sinks, softcap, token_index, causal, scale, block_backend, deterministic)`` computes attention on the gathered
     sequence (default: one rank's attention; USP passes ring attention over the ring group).
     ``segment_ids``: packed documents, this rank's local shard of the integer ids [b, t/U]
     (layout order; no gradient), all-gathered over ``group`` and handed to ``attend``.
@@ -98,7 +99,9 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
     full [h] logits on every rank; ``attend`` gets this rank's head block [h/U], and
     ``sinks.grad`` receives this rank's contribution (its heads, its rows; summed over ranks it
     is the full gradient). ``softcap``: as in ``ring_attention`` (checked here, before the
-    all-to-all), passed on to ``attend``. Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32 (``None``
+    all-to-all), passed on to ``attend``. ``token_index``: this rank's original token indices
+    [b, t/U] or None, all-gathered over ``group`` like the ids (the sequence they index follows
+    the all-to-all) and handed to ``attend``. Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32 (``None``
     when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(group)
@@ -106,6 +109,7 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
                    scale=scale, ulysses=n)
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     window, softcap = check_window(window), check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     deterministic = default_deterministic(deterministic)
@@ -115,8 +119,9 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
     q_h = seq_to_heads(q, group)  # [b, t, h/U, d]
     k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
     ids = _segment_ids_to_heads(segment_ids, group)  # [b, t] or None
+    index = _segment_ids_to_heads(token_index, group)  # [b, t] or None: gathered as the ids are
     o_h, lse_h = attend(q_h, k_h, v_h, segment_ids=ids, window=window, sinks=_sinks_of_head_block(sinks, group, n),
-                        softcap=softcap,
+                        softcap=softcap, token_index=index,
                         causal=causal, scale=scale, block_backend=block_backend, deterministic=deterministic)
     if not return_lse:  # skip the LSE all-to-all nobody reads (XLA drops it in JAX too)
         return heads_to_seq(o_h, group), None

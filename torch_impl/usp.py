@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from functools import partial
 
-from seqplan.validation import check_segment_ids, check_sinks, check_window, dtype_name, shape_and_dtype, validate_local
+from seqplan.validation import (
+    check_segment_ids,
+    check_sinks,
+    check_token_index,
+    check_window,
+    dtype_name,
+    shape_and_dtype,
+    validate_local,
+)
 
 from .allgather import allgather_attention
 from .comm import axis_size
@@ -29,7 +37,7 @@ KV_EXCHANGE = {"ring": ring_attention, "allgather": allgather_attention}
 
 
 def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=None, window=None, sinks=None,
-                  softcap=None,
+                  softcap=None, token_index=None,
                   causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                   block_backend: str = "auto", return_lse: bool = True, kv_exchange: str = "ring",
                   deterministic: bool | None = None):
@@ -37,11 +45,14 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
     a pair of groups ``(outer, inner)`` is the double ring. ``segment_ids``: packed documents,
     this rank's local shard of the ids [b, t/(R·U)] (layout order). ``window``, ``sinks``,
     ``softcap``: see ``ring_attention`` (sinks: the full [h] on every rank, ``.grad`` this rank's contribution).
+    ``token_index``: this rank's original token indices [b, t/(R·U)] or None; it follows the
+    sequence through the all-to-all as the ids do (see ``ring_attention``).
     Returns (o, lse)."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale, ulysses=axis_size(ulysses_group))
     check_segment_ids(None if segment_ids is None else segment_ids.shape,
                       None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     window = check_window(window)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     if kv_exchange not in KV_EXCHANGE:
@@ -49,6 +60,6 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
     attend = double_ring_attention if isinstance(ring_group, tuple) else KV_EXCHANGE[kv_exchange]
     ring = partial(attend, group=ring_group, layout=layout)
     return ulysses_attention(q, k, v, ulysses_group, segment_ids=segment_ids, window=window, sinks=sinks,
-                             softcap=softcap,
+                             softcap=softcap, token_index=token_index,
                              causal=causal, scale=scale, block_backend=block_backend, attend=ring,
                              return_lse=return_lse, deterministic=deterministic)

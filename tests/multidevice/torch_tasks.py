@@ -164,8 +164,9 @@ def _sequence_block(coords: dict, sizes: dict) -> int:
 def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dict:
     """Packed documents (and windows, sinks) on every rank: ``x`` holds the GLOBAL layout-order
     tensors (q, k, v, do [b, T, ., d], dlse [b, h, T], segment_ids [b, T] or None, optionally
-    sinks [h]); each rank takes its local shard (batch block of "data", sequence block r·U + u),
-    runs sequence_parallel_attention with its local ids and the full sinks (return_lse=True;
+    sinks [h] and token_index [b, T]); each rank takes its local shard (batch block of "data",
+    sequence block r·U + u), runs sequence_parallel_attention with its local ids (and token
+    indices) and the full sinks (return_lse=True;
     ``kwargs`` may hold a window) and the backward with (do, dlse). Returns its coordinates and
     shards (with sinks, its ``sinks.grad`` as "dsinks"), and with ``count`` the block-kernel
     calls it made, each as (pass, document mask?, query rows, key columns, window mask?),
@@ -204,8 +205,9 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dic
     q, k, v = (local(x[n], grad=True) for n in ("q", "k", "v"))
     ids = None if x.get("segment_ids") is None else local(x["segment_ids"])
     sinks = None if x.get("sinks") is None else x["sinks"].clone().requires_grad_()
+    token_index = None if x.get("token_index") is None else local(x["token_index"])
     o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids, sinks=sinks,
-                                                    **kwargs)
+                                                    token_index=token_index, **kwargs)
     torch.autograd.backward((o, lse), (local(x["do"]), local(x["dlse"], seq_dim=2)))
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if sinks is not None:
@@ -233,6 +235,29 @@ def bad_segment_ids_task(mesh_axes, q_shape, ids_shape, ids_dtype: str, ids_devi
         ids = torch.zeros(ids_shape, dtype=getattr(torch, ids_dtype), device=ids_device)
         ids = None if dist.get_rank() in no_ids_on else ids
         torch_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, segment_ids=ids, check_ranks=check_ranks)
+
+    return _error_before_any_collective(call)
+
+
+def bad_token_index_task(mesh_axes, q_shape, index_shape, index_dtype: str, index_value: int = 0,
+                         check_ranks: bool = False, no_index_on: tuple = ()):
+    """sequence_parallel_attention on valid float32 q = k = v of ``q_shape`` (causal) with
+    token_index of ``index_shape`` / ``index_dtype``, every value ``index_value`` — none on the
+    ranks in ``no_index_on`` — every attention collective booby-trapped (the rank check's
+    all-reduce is left alone). Returns (error type, message)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from parity.runners.torch_runner import make_mesh
+
+    mesh = make_mesh("cpu", tuple(mesh_axes))
+
+    def call():
+        q = torch.ones(q_shape)
+        index = torch.full(index_shape, index_value, dtype=getattr(torch, index_dtype))
+        index = None if dist.get_rank() in no_index_on else index
+        torch_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, token_index=index, check_ranks=check_ranks)
 
     return _error_before_any_collective(call)
 
