@@ -1,7 +1,7 @@
 """A drop-in sequence-parallel attention layer (flax linen): q/k/v/o projections, RoPE by each
 token's *original* position, GQA, and ringbridge's attention over a named mesh.
 
-    x: [b, t, D]   positions: [b, t] ints   segment_ids: [b, t] or None   ->   [b, t, D]
+    x: [b, t, D]   positions, token_index: [b, t] ints   segment_ids: [b, t] or None   ->   [b, t, D]
 
 Three ways to call it (the fields ``mesh`` and ``per_device``):
 - ``mesh`` given, ``per_device=False``: global arrays in layout order, any sharding — the layer
@@ -63,8 +63,15 @@ class SequenceParallelAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids=None):
+    def __call__(self, x, positions, segment_ids=None, token_index=None):
+        """``positions``: RoPE positions (restarting at each packed document); ``token_index``: with a
+        mesh, each token's original index when the layout is per row (the per-document zigzag:
+        ``seqplan.layouts.document_layout``) — it drives the causal mask and the window, as in
+        ``sequence_parallel_attention``; None: the static ``config.layout``'s."""
         c = self.config
+        if token_index is not None and self.mesh is None:
+            raise ValueError("token_index needs a mesh: without one the layer attends over the whole "
+                             "sequence in original order")
         b, t, _ = x.shape
         init = nn.initializers.lecun_normal()
         wq = self.param("wq", init, (c.d_model, c.heads * c.head_dim), self.param_dtype)
@@ -80,7 +87,7 @@ class SequenceParallelAttention(nn.Module):
             if self.mesh is not None:
                 attend = local_attention if self.per_device else sequence_parallel_attention
                 o = attend(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange,
-                           block_backend=c.block_backend, **options)
+                           block_backend=c.block_backend, token_index=token_index, **options)
             elif self.attention is not None:
                 o = self.attention(q, k, v, **options)
             else:

@@ -1,7 +1,8 @@
 """A drop-in sequence-parallel attention layer (``torch.nn``): q/k/v/o projections, RoPE by each
 token's *original* position, GQA, and ringbridge's attention over a ``DeviceMesh``.
 
-    x: [b, t/(R·U), D]   positions: [b, t/(R·U)] ints   segment_ids: [b, t/(R·U)] or None   ->   [b, t/(R·U), D]
+    x: [b, t/(R·U), D]   positions, token_index: [b, t/(R·U)] ints   segment_ids: [b, t/(R·U)] or None
+        ->   [b, t/(R·U), D]
 
 With a mesh every argument is this rank's local shard in layout order (as
 ``torch_impl.sequence_parallel_attention`` takes them); the positions are the tokens' original
@@ -62,8 +63,15 @@ class SequenceParallelAttention(nn.Module):
         self.wo = nn.Linear(c.heads * c.head_dim, c.d_model, **kw)
         self.sinks = nn.Parameter(torch.zeros(c.heads, device=device, dtype=dtype)) if c.sinks else None
 
-    def forward(self, x, positions, segment_ids=None):
+    def forward(self, x, positions, segment_ids=None, token_index=None):
+        """``positions``: RoPE positions (restarting at each packed document); ``token_index``: with a
+        mesh, each token's original index when the layout is per row (the per-document zigzag:
+        ``seqplan.layouts.document_layout``) — it drives the causal mask and the window, as in
+        ``sequence_parallel_attention``; None: the static ``config.layout``'s."""
         c = self.config
+        if token_index is not None and self.mesh is None:
+            raise ValueError("token_index needs a mesh: without one the layer attends over the whole "
+                             "sequence in original order")
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, c.heads, c.head_dim), positions, c.rope_theta)
         k = apply_rope(self.wk(x).view(b, t, c.kv_heads, c.head_dim), positions, c.rope_theta)
@@ -72,7 +80,7 @@ class SequenceParallelAttention(nn.Module):
         with torch.profiler.record_function(CORE_SCOPE):  # names the attention's own kernels in a profile
             if self.mesh is not None:
                 o = sequence_parallel_attention(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange,
-                                                block_backend=c.block_backend, **options)
+                                                block_backend=c.block_backend, token_index=token_index, **options)
             elif self.attention is not None:
                 o = self.attention(q, k, v, **options)
             else:

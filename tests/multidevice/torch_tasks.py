@@ -287,3 +287,35 @@ def bad_window_or_sinks_task(mesh_axes, window, sinks_shape, sinks_dtype: str, s
                                                check_ranks=check_ranks)
 
     return _error_before_any_collective(call)
+
+
+def layer_task(mesh_axes, weights: dict, config: dict, x: dict) -> dict:
+    """The attention layer (``torch_impl.layers.SequenceParallelAttention``) with ``weights``
+    (numpy, nn.Linear orientation) on this rank's shard of the GLOBAL layout-order ``x`` (x [b, T,
+    D], positions, segment_ids, optional token_index [b, T], dy [b, T, D]): returns the local
+    output and the gradients of Σ y·dy with respect to the weights (this rank's share) and x."""
+    import numpy as np
+    import torch
+
+    from parity.runners.torch_runner import make_mesh
+    from seqplan.config import AttentionLayerConfig
+    from torch_impl.layers import SequenceParallelAttention
+
+    mesh = make_mesh("cpu", tuple(mesh_axes))
+    ring = dict(mesh_axes)["ring"]
+    rank = mesh.get_coordinate()[0]
+    layer = SequenceParallelAttention(AttentionLayerConfig(**config), mesh)
+    with torch.no_grad():
+        for name, w in weights.items():
+            getattr(layer, name).weight.copy_(torch.from_numpy(w))
+    t = x["x"].shape[1] // ring
+
+    def local(name):
+        a = x[name]
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a[:, rank * t:(rank + 1) * t]))
+
+    xs = local("x").requires_grad_(True)
+    y = layer(xs, local("positions"), local("segment_ids"), token_index=local("token_index"))
+    (y * local("dy")).sum().backward()
+    grads = {name: getattr(layer, name).weight.grad.numpy() for name in weights}
+    return {"rank": rank, "y": y.detach().numpy(), "dx": xs.grad.numpy(), "grads": grads}
