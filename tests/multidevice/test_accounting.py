@@ -29,7 +29,11 @@ def _masked(case) -> bool:
 
 # Shared with `python -m parity accounting`: every plain configuration; of the packed-document,
 # window and sink ones the first of each model path by default (the rest with --full).
-CONFIGS = [c for c in ATTENTION_CONFIGS if not _masked(c)] + (
+# The causal zigzag ring of 8 (36.6 s with its lse, the tier's slowest accounting case on
+# 2026-11-25) runs with --full: the zigzag rings of 2 and 4 take its code path, and a ring of 8
+# (contiguous, non-causal) stays in the default run.
+SLOW = {"ring-r8-zigzag-causal-h8kv8-d16-b1-t64-float32"}
+CONFIGS = [c for c in ATTENTION_CONFIGS if not _masked(c) and (FULL or c.name not in SLOW)] + (
     [c for c in ATTENTION_CONFIGS if _masked(c)] if FULL
     else one_per_path([c for c in ATTENTION_CONFIGS if _masked(c)], [])[0])
 
