@@ -59,10 +59,10 @@ def test_full_matrix_runs_every_document_pattern_window_sinks_and_softcap_with_e
     """The cross product times the five document values, four windows, sinks off / on and the
     soft-cap off / on (the plain 1944 first, every uncapped case before the capped ones); the
     default matrix is a subset of it."""
-    full, tokens = full_matrix(), token_index_cases()
-    assert [c.name for c in full[-len(tokens):]] == [c.name for c in tokens]  # appended, not crossed
-    assert len({c.name for c in full}) == len(full)
-    full = full[:-len(tokens)]
+    everything, tokens = full_matrix(), token_index_cases()
+    assert [c.name for c in everything[-len(tokens):]] == [c.name for c in tokens]  # appended, not crossed
+    assert len({c.name for c in everything}) == len(everything)
+    full = everything[:-len(tokens)]
     assert len(full) == 5 * 4 * 2 * 2 * 1944 and not any(c.token_index for c in full)
     assert all(c.documents == "none" and c.window is None and not c.sinks for c in full[:1944])
     assert all(c.softcap is None for c in full[:len(full) // 2]) and all(c.softcap == SOFTCAP
@@ -75,7 +75,7 @@ def test_full_matrix_runs_every_document_pattern_window_sinks_and_softcap_with_e
     for key in itertools.product(("none", *DOCUMENT_PATTERNS), WINDOWS, (False, True), (None, SOFTCAP)):
         assert groups.pop(key) == plain, key
     assert not groups
-    assert {c.name for c in pairwise_matrix()} <= {c.name for c in full_matrix()}
+    assert {c.name for c in pairwise_matrix()} <= {c.name for c in everything}
 
 
 def test_document_cases_meet_every_pattern_layout_causal_and_strategy():
