@@ -42,13 +42,17 @@ COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "deter
 
 
 def _masked(case: Case) -> bool:
-    return case.documents != "none" or case.window is not None or case.sinks or case.softcap is not None
+    return (case.documents != "none" or case.window is not None or case.sinks or case.softcap is not None
+            or case.token_index)
 
 
 def _sample_key(case: Case) -> tuple:
     """What the default report samples once: each strategy with packed documents, and each with
-    a window or sinks (no documents); of the soft-capped cases, the first without Ulysses and
-    the first with it (``parity.core.cases.softcap_cases``)."""
+    a window or sinks (no documents); of the soft-capped cases and of the token-index cases, the
+    first without Ulysses and the first with it (``parity.core.cases.softcap_cases``,
+    ``token_index_cases``)."""
+    if case.token_index:
+        return "token index", case.ulysses > 1
     if case.softcap is not None:
         return "softcap", case.ulysses > 1
     return case.strategy, case.documents != "none"

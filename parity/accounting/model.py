@@ -45,6 +45,7 @@ class AttentionConfig(Protocol):
     documents: str  # packed documents ("none": no segment ids); a config without the attribute has none
     window: tuple[int, int] | None  # sliding window; moves nothing different (yet: no hop truncation)
     sinks: bool  # attention sinks, float32 [heads] (JAX: their cotangent is all-reduced); default False
+    token_index: bool  # explicit token indices passed (one more int32 gather, like the ids'); default False
 
 
 @dataclass
@@ -109,6 +110,9 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framewo
     int32 segment ids [b/D, t/(R·U)] once — over Ulysses (to the ring shard), then over the ring
     (the double ring: over the inner ring, then the outer) — and the backward reuses them; no ids
     ride on the K/V hops.
+    Explicit token indices (``token_index``, int32 [b, t] per device, placed like the ids): the
+    same all-gathers once more, whether or not there are segment ids — the forward gathers them
+    over the same groups, the backward reuses them; nothing rides on the K/V hops.
     A sliding window (``window``) truncates the single ring where ``schedule.window_reach`` says
     (the contiguous layout under a causal or right-0 window reaching a < R-1 shards back):
     forward a K/V hops, backward a-1, and a+1 hops of float32 dK/dV (a along the ring, one
@@ -151,8 +155,12 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framewo
             t.add("bwd", "p2p", 2 * kv_hops * shard * e, calls=2 * kv_hops)
         if dkv_hops:
             t.add("bwd", "p2p", 2 * dkv_hops * shard * 4, calls=2 * dkv_hops)
+    int32_per_token = b * (case.seq // (ring * uly)) * 4  # one device's int32 [b/D, t/(R·U)]
+    groups = (uly, ring // case.ring_outer, case.ring_outer)
     if getattr(case, "documents", "none") != "none":
-        _segment_ids_traffic(t, b * (case.seq // (ring * uly)) * 4, uly, ring // case.ring_outer, case.ring_outer)
+        _int32_gathers(t, int32_per_token, *groups)  # the segment ids
+    if getattr(case, "token_index", False):
+        _int32_gathers(t, int32_per_token, *groups)  # the token indices
     if getattr(case, "sinks", False) and framework == "jax":
         _sinks_traffic(t, case.heads * 4, case.data * ring, uly)
     return t
@@ -184,9 +192,10 @@ def _sinks_traffic(t: Traffic, sinks_bytes: int, others: int, uly: int) -> None:
         t.add("bwd", "all-reduce", allreduce_bytes(sinks_bytes, n))
 
 
-def _segment_ids_traffic(t: Traffic, local_bytes: int, *groups: int) -> None:
-    """All-gathers of the ids over each group in turn (Ulysses, then the ring's inner and outer
-    rings; a group of 1 is none): each moves (n-1)/n of an output n times its input."""
+def _int32_gathers(t: Traffic, local_bytes: int, *groups: int) -> None:
+    """The forward all-gathers of one per-token int32 array (the segment ids, or the token
+    indices) over each group in turn (Ulysses, then the ring's inner and outer rings; a group of 1
+    is none): each moves (n-1)/n of an output n times its input."""
     for n in groups:
         if n > 1:
             t.add("fwd", "all-gather", (n - 1) * local_bytes)

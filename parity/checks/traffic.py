@@ -53,6 +53,10 @@ ATTENTION_CONFIGS = [
     Case(ring=4, layout="contiguous", window=(5, 0)), Case(ring=8, layout="contiguous", kv_heads=2, window=(17, 4)),
     Case(ring=4, ulysses=2, layout="contiguous", kv_heads=2, window=(10, 0)),
     Case(ring=4, layout="contiguous", causal=False, window=(6, 0)), Case(ring=4, layout="contiguous", window=(0, 0)),
+    # explicit token indices (the per-document zigzag's): one more int32 all-gather over the groups the ids use —
+    # alone (no ids) on a ring; with ids under USP (two gathers per group); on the double ring's two rings
+    Case(ring=4, token_index=True), Case(ring=2, ulysses=2, kv_heads=2, batch=2, documents="mix", token_index=True),
+    Case(ring=4, ring_outer=2, documents="one", token_index=True),
 ]
 
 TRAINING_CONFIGS = [
@@ -83,6 +87,8 @@ def _attention_path(case: Case) -> tuple:
     accounting stays within its time."""
     if case.sinks:
         return ("sinks",)
+    if case.token_index:  # the extra int32 gather: once without Ulysses, once through it (the ring's path is the same)
+        return "token index", case.ulysses > 1
     if case.window is not None and case.layout == "contiguous" and case.kv_exchange == "ring" and case.ring_outer == 1:
         return ("truncated ring",)  # one path: the model's truncated branch (the reach-0 case is in the full list)
     return case.strategy, case.kv_exchange, case.ulysses > 1 and case.kv_heads < case.ulysses, case.data > 1

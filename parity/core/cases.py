@@ -34,7 +34,7 @@ HEAD_DIMS = (16, 40, 64)
 MATRIX_DTYPES = ("float32", "bfloat16")  # float16 is drawn by the property tier (tests/property)
 __all__ = ["Case", "MESHES", "HEAD_LAYOUTS", "HEAD_DIMS", "MATRIX_DTYPES", "LAYOUTS", "KV_EXCHANGES",
            "DOCUMENTS", "DOCUMENT_PATTERNS", "WINDOWS", "ring_position", "full_matrix", "pairwise_matrix",
-           "document_cases", "window_cases", "SOFTCAP", "softcap_cases", "strategy_name"]
+           "document_cases", "window_cases", "SOFTCAP", "softcap_cases", "strategy_name", "token_index_cases"]
 # Sliding windows (left, right) at the matrix's 64 tokens (shards of 64/R tokens, zigzag halves of
 # 32/R): SMALL fits inside one shard up to R = 4 (inside a zigzag half up to R = 2) and reaches the
 # next at R = 8; WIDE spans two or three shards at R = 4 and R = 8 (one at R = 2); BEYOND is wider
@@ -73,6 +73,11 @@ class Case:
     window: tuple[int, int] | None = None  # sliding window (left, right) on original positions; None: none
     sinks: bool = False  # attention sinks: [heads] logits drawn from the seed (parity.core.inputs)
     softcap: float | None = None  # logit soft-capping: softcap·tanh(x/softcap) of every scaled logit; None: none
+    # Explicit token indices: each row's tokens laid out by the per-document zigzag of its documents
+    # (seqplan.layouts.document_layout, a [b, t] permutation; documents "none": the row is one document)
+    # and the call given token_index (and segment_ids, if any) in that order; ``layout`` then only names
+    # the divisibility rule. Needs seq % 2·ring == 0 (document lengths are drawn in units of 2·ring tokens).
+    token_index: bool = False
 
     def __post_init__(self):
         for field in ("batch", "seq", "heads", "kv_heads", "head_dim"):
@@ -86,6 +91,11 @@ class Case:
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
         if not isinstance(self.sinks, bool):
             raise TypeError(f"sinks must be a bool, got {self.sinks!r}")
+        if not isinstance(self.token_index, bool):
+            raise TypeError(f"token_index must be a bool, got {self.token_index!r}")
+        if self.token_index and self.seq % (2 * self.ring):
+            raise ValueError(f"token_index cases need seq % (2·ring) == 0 (document lengths in units of 2·ring "
+                             f"tokens), got seq={self.seq}, ring={self.ring}")
         if self.window is not None and not (
                 isinstance(self.window, tuple) and len(self.window) == 2
                 and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.window)):
@@ -137,8 +147,10 @@ class Case:
         window = "" if self.window is None else f"-win{self.window[0]}x{self.window[1]}"
         sinks = "-sinks" if self.sinks else ""
         softcap = "" if self.softcap is None else f"-softcap{self.softcap:g}"
+        token_index = "-token-index" if self.token_index else ""
         return (f"{self.mesh.name}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
-                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}{window}{sinks}{softcap}")
+                f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}{token_index}{window}{sinks}"
+                f"{softcap}")
 
     def to_dict(self) -> dict:
         return asdict(self) | {"name": self.name, "strategy": self.strategy}
@@ -190,16 +202,17 @@ def full_matrix() -> list[Case]:
     """Every meaningful combination of the factors, for every window (none first), sinks off and
     on, and every document pattern: 1944 cases without documents, window or sinks (first), then
     1944 for each of the other 39 (window, sinks, documents) triples, 77760 in all — and the same
-    77760 soft-capped (``SOFTCAP``) after them: 155520."""
+    77760 soft-capped (``SOFTCAP``) after them: 155520; then the token-index cases
+    (``token_index_cases``: the per-document zigzag is not crossed with everything)."""
     return [_make(c | {"window": window, "sinks": sinks, "documents": documents, "softcap": softcap})
             for softcap in (None, SOFTCAP) for window in WINDOWS for sinks in (False, True) for documents in DOCUMENTS
-            for c in _combos(_factors())]
+            for c in _combos(_factors())] + token_index_cases()
 
 
 def pairwise_matrix() -> list[Case]:
     """Every (layout, causal, mesh) triple once, every pair of factor values at least once, then
-    the packed-document cases (``document_cases``), the window and sink cases (``window_cases``)
-    and the soft-capping cases (``softcap_cases``)."""
+    the packed-document cases (``document_cases``), the window and sink cases (``window_cases``),
+    the soft-capping cases (``softcap_cases``) and the token-index cases (``token_index_cases``)."""
     f = _factors()
     names = list(f)
     combos = _combos(f)
@@ -216,7 +229,7 @@ def pairwise_matrix() -> list[Case]:
         chosen.append(best)
         uncovered -= pairs(best)
     return ([_make(c) for c in _cover(combos, pairs, uncovered, chosen)] + document_cases() + window_cases()
-            + softcap_cases())
+            + softcap_cases() + token_index_cases())
 
 
 # ---- packed documents in the default matrix ------------------------------------------------------
@@ -375,3 +388,30 @@ def softcap_cases() -> list[Case]:
     default report and test tier run; ``--masks all`` / ``--full`` run them all. No case runs on
     one device (no block loop)."""
     return [_make(c) for c in _softcap_cover()]
+
+
+# ---- explicit token indices (the per-document zigzag) in the default matrix ---------------------
+
+def token_index_cases() -> list[Case]:
+    """Packed documents laid out by the per-document zigzag and passed as explicit token indices
+    (``Case.token_index``; last in the all-pairs matrix and the cross product). The first two are
+    the ones the default report and test tier run (``parity.cli``'s ``_sample_key``): a causal ring
+    of 4 in float32 with GQA (long-tailed documents, the static name "contiguous": the layout's own
+    positions would truncate nothing but mean nothing) and a causal USP 2 × 2 in bf16 with MQA
+    replicated over Ulysses (interleaved documents: an id that comes back is another document of
+    the layout), "zigzag". ``--masks all`` / ``--full`` add: all-gather KV on the stripe name with a
+    window and singleton documents (each of 2R tokens); the double-ring USP with one document per
+    row and sinks; a non-causal ring of 8 with the wide window (the window alone reads the indices).
+    Each runs two batch rows with documents of their own (drawn in units of 2R tokens)."""
+    return [
+        Case(ring=4, heads=8, kv_heads=2, layout="contiguous", causal=True, documents="mix", batch=DOCUMENT_BATCH,
+             token_index=True),
+        Case(ring=2, ulysses=2, heads=8, kv_heads=1, head_dim=40, layout="zigzag", causal=True, dtype="bfloat16",
+             documents="interleaved", batch=DOCUMENT_BATCH, token_index=True),
+        Case(ring=4, layout="stripe", causal=True, kv_exchange="allgather", documents="singletons",
+             batch=DOCUMENT_BATCH, window=SMALL_WINDOW, token_index=True),
+        Case(ring=4, ring_outer=2, ulysses=2, heads=8, kv_heads=2, layout="zigzag", causal=True, dtype="bfloat16",
+             documents="one", batch=DOCUMENT_BATCH, sinks=True, token_index=True),
+        Case(ring=8, heads=8, kv_heads=8, head_dim=64, layout="contiguous", causal=False, documents="mix",
+             batch=DOCUMENT_BATCH, window=WIDE_WINDOW, token_index=True),
+    ]

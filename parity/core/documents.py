@@ -89,9 +89,15 @@ def _row(pattern: str, rng: np.random.Generator, seq: int) -> np.ndarray:
     return lengths_to_ids(lengths, _increasing_ids(rng, len(lengths)))
 
 
-def draw_segment_ids(pattern: str, batch: int, seq: int, rng: np.random.Generator) -> np.ndarray | None:
-    """[batch, seq] int32 ids in original order for ``pattern`` (None for "none"), one draw per row."""
+def draw_segment_ids(pattern: str, batch: int, seq: int, rng: np.random.Generator, unit: int = 1) -> np.ndarray | None:
+    """[batch, seq] int32 ids in original order for ``pattern`` (None for "none"), one draw per row.
+    ``unit`` > 1 draws the pattern over ``seq // unit`` units and gives each unit's id to ``unit``
+    consecutive tokens, so every document's length is a multiple of ``unit`` (the per-document
+    zigzag needs multiples of 2R: ``Case.token_index``); a length-1 document becomes one of
+    ``unit`` tokens."""
     check_choice("documents", pattern, DOCUMENTS)
+    if not isinstance(unit, int) or isinstance(unit, bool) or unit < 1 or seq % unit:
+        raise ValueError(f"unit must be a positive int dividing seq={seq}, got {unit!r}")
     if pattern == "none":
         return None
-    return np.stack([_row(pattern, rng, seq) for _ in range(batch)])
+    return np.stack([np.repeat(_row(pattern, rng, seq // unit), unit) for _ in range(batch)])

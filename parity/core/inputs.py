@@ -9,6 +9,14 @@ case without documents; a case with attention sinks (``case.sinks``) draws their
 after everything else, so its other inputs are those of the same case without sinks. A window
 (``case.window``) and a soft-cap (``case.softcap``) draw nothing: they are properties of the case.
 
+A token-index case (``case.token_index``) draws its documents in units of 2R tokens (every
+length a multiple of 2R, as the per-document zigzag needs) and carries ``token_index``, each
+token's original index (``arange(t)`` in every row, in original order). Its layout is per row:
+``permutation(case, x)`` is the per-document zigzag of x's ids (``seqplan.layouts.document_layout``),
+a [b, t] array, and ``to_layout`` / ``from_layout`` apply it row by row (``np.take_along_axis``,
+the per-row form of ``x[:, perm]``) — so the laid-out ``token_index`` is the layout's own
+``token_index`` (== its ``perm``), what the call passes.
+
 The oracle's tensors are ``TENSORS`` and, for a case with sinks, ``SINK_TENSORS`` (dsinks [h]:
 no sequence axis, the full gradient over every row): ``case_tensors(case)`` names them.
 ``flash_ideal`` is what an exact flash-style kernel returns from the same inputs: the numerics
@@ -61,6 +69,7 @@ class Inputs:
     dlse: np.ndarray  # [b, h, t] (float32 values: lse is float32 in every dtype)
     segment_ids: np.ndarray | None = None  # [b, t] int32, or None
     sinks: np.ndarray | None = None  # [h] (values of the case's dtype; passed in float32), or None
+    token_index: np.ndarray | None = None  # [b, t] int32 original token index (arange in original order), or None
 
 
 def make_inputs(case: Case, seed: int) -> Inputs:
@@ -72,9 +81,10 @@ def make_inputs(case: Case, seed: int) -> Inputs:
     q, do = (round_to_dtype(rng.standard_normal((b, t, h, d)), case.dtype) for _ in range(2))
     k, v = (round_to_dtype(rng.standard_normal((b, t, hk, d)), case.dtype) for _ in range(2))
     dlse = round_to_dtype(rng.standard_normal((b, h, t)), "float32")
-    ids = draw_segment_ids(case.documents, b, t, rng)
+    ids = draw_segment_ids(case.documents, b, t, rng, unit=2 * case.ring if case.token_index else 1)
     sinks = round_to_dtype(rng.standard_normal(h), case.dtype) if case.sinks else None
-    return Inputs(q=q, k=k, v=v, do=do, dlse=dlse, segment_ids=ids, sinks=sinks)
+    index = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy() if case.token_index else None
+    return Inputs(q=q, k=k, v=v, do=do, dlse=dlse, segment_ids=ids, sinks=sinks, token_index=index)
 
 
 def oracle(case: Case, x: Inputs) -> dict[str, np.ndarray]:
@@ -106,23 +116,62 @@ def flash_ideal(case: Case, x: Inputs) -> dict[str, np.ndarray]:
     return {n: round_to_dtype(t, "float32" if n in ("lse", *SINK_TENSORS) else case.dtype) for n, t in out.items()}
 
 
-def permutation(case: Case) -> np.ndarray:
-    return reference.layout_permutation(case.seq, case.layout, case.ring, case.ulysses)
+def permutation(case: Case, x: Inputs | None = None) -> np.ndarray:
+    """The case's layout: the static ``layout_permutation`` ([t], one for every row), or for a
+    token-index case the per-document zigzag of ``x``'s segment ids over the case's ring ([b, t],
+    one permutation per row: ``seqplan.layouts.document_layout``'s ``perm``; without ids every row
+    is one document, laid out as the static zigzag over the ring)."""
+    if not case.token_index:
+        return reference.layout_permutation(case.seq, case.layout, case.ring, case.ulysses)
+    if x is None:
+        raise ValueError(f"the per-document layout of {case.name} is built from its inputs' segment ids: pass x")
+    from seqplan.layouts import document_layout
+
+    ids = np.zeros(x.q.shape[:2], np.int32) if x.segment_ids is None else x.segment_ids  # none: one document a row
+    return document_layout(ids, case.ring).perm
+
+
+def without_token_index(x: Inputs) -> Inputs:
+    """``x`` in original order without its token indices, for a dense control (which takes none:
+    in original order they are the positions themselves, ``arange(t)`` in every row — checked, so
+    nothing that means something is dropped)."""
+    if x.token_index is None:
+        return x
+    if not np.array_equal(x.token_index, np.broadcast_to(np.arange(x.q.shape[1]), x.token_index.shape)):
+        raise ValueError("a dense control runs in original order: its inputs' token_index must be arange(t) in every "
+                         "row (to_layout them only for the sequence-parallel call)")
+    return replace(x, token_index=None)
+
+
+def _along(a: np.ndarray, perm: np.ndarray, axis: int) -> np.ndarray:
+    """``a`` reordered along ``axis`` by ``perm``: [t] the same for every row (``np.take``), or
+    [b, t] one per batch row (``np.take_along_axis``; axis 0 of ``a`` is the batch)."""
+    if perm.ndim == 1:
+        return np.take(a, perm, axis=axis)
+    if perm.shape != (a.shape[0], a.shape[axis]):
+        raise ValueError(f"a per-row permutation must be [batch, seq] = {(a.shape[0], a.shape[axis])}, "
+                         f"got {perm.shape}")
+    shape = [1] * a.ndim
+    shape[0], shape[axis] = perm.shape
+    return np.take_along_axis(a, perm.reshape(shape), axis)
 
 
 def to_layout(x: Inputs, perm: np.ndarray) -> Inputs:
-    """Permute every tensor's (and the segment ids') sequence axis into layout order (the sinks
-    have none)."""
-    ids = None if x.segment_ids is None else x.segment_ids[:, perm]
-    return Inputs(q=x.q[:, perm], k=x.k[:, perm], v=x.v[:, perm], do=x.do[:, perm], dlse=x.dlse[:, :, perm],
-                  segment_ids=ids, sinks=x.sinks)
+    """Permute every tensor's (and the segment ids' and token indices') sequence axis into layout
+    order (the sinks have none). ``perm``: [t] (``x[:, perm]``) or [b, t] per row."""
+    def seq(a, axis=1):
+        return None if a is None else _along(a, perm, axis)
+
+    return Inputs(q=seq(x.q), k=seq(x.k), v=seq(x.v), do=seq(x.do), dlse=seq(x.dlse, 2), segment_ids=seq(x.segment_ids),
+                  sinks=x.sinks, token_index=seq(x.token_index))
 
 
 def from_layout(tensors: dict[str, np.ndarray], perm: np.ndarray) -> dict[str, np.ndarray]:
-    """Undo ``to_layout`` on results (lse's sequence axis is the last one; dsinks has none)."""
-    inverse = np.argsort(perm)
+    """Undo ``to_layout`` on results (lse's sequence axis is the last one; dsinks has none);
+    ``perm`` [t] or [b, t] as given to ``to_layout``."""
+    inverse = np.argsort(perm, axis=-1)
 
     def back(name, t):
-        return t if name in SINK_TENSORS else t[:, :, inverse] if name == "lse" else t[:, inverse]
+        return t if name in SINK_TENSORS else _along(t, inverse, 2 if name == "lse" else 1)
 
     return {n: back(n, t) for n, t in tensors.items()}

@@ -1,6 +1,6 @@
 """What a framework runner is (``Runner``), what stands in for one that cannot run
 (``Unavailable``), how the harness gets either (``load_runner``), and how every runner passes a
-case's packed documents, window, sinks and soft-cap (``option_keywords``)."""
+case's packed documents, window, sinks, soft-cap and token indices (``option_keywords``)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ class Runner(Protocol):
         """Dense attention in the case's dtype on one device (the low-precision control)."""
 
 
-def option_keywords(*, segment_ids=None, window=None, sinks=None, softcap=None) -> dict:
+def option_keywords(*, segment_ids=None, window=None, sinks=None, softcap=None, token_index=None) -> dict:
     """The keywords a framework call takes for packed documents, a sliding window, attention
-    sinks and logit soft-capping — only those that are set (not None), so a call without them is
-    exactly what it was."""
-    given = {"segment_ids": segment_ids, "window": window, "sinks": sinks, "softcap": softcap}
+    sinks, logit soft-capping and explicit token indices — only those that are set (not None), so
+    a call without them is exactly what it was."""
+    given = {"segment_ids": segment_ids, "window": window, "sinks": sinks, "softcap": softcap,
+             "token_index": token_index}
     return {name: value for name, value in given.items() if value is not None}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.cases import Case
-from ..core.inputs import Inputs, from_layout, permutation, to_layout
+from ..core.inputs import Inputs, from_layout, permutation, to_layout, without_token_index
 from ..core.names import Device
 from .base import option_keywords
 
@@ -33,29 +33,31 @@ def _as(x, dtype):
 
 
 def _options(x: Inputs) -> tuple:
-    """The inputs' segment ids (JAX int32) and sinks (JAX float32), each None when the case has
-    none: ``forward_backward``'s last two arguments."""
+    """The inputs' segment ids (JAX int32), sinks (JAX float32) and token indices (JAX int32),
+    each None when the case has none: ``forward_backward``'s last three arguments."""
     import jax.numpy as jnp
 
     ids = None if x.segment_ids is None else jnp.asarray(x.segment_ids, jnp.int32)
-    return ids, None if x.sinks is None else jnp.asarray(np.asarray(x.sinks, np.float32))
+    index = None if x.token_index is None else jnp.asarray(x.token_index, jnp.int32)
+    return ids, None if x.sinks is None else jnp.asarray(np.asarray(x.sinks, np.float32)), index
 
 
 def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
     """Forward and backward of ``fn(q, k, v, **options)`` compiled as one program, as a training
     step compiles them (and less compile time than two programs: 0.9 s instead of 1.5 s for a USP
-    r4×u2 case on CPU). ``options`` are the case's segment ids and sinks when it has them
+    r4×u2 case on CPU). ``options`` are the case's segment ids, sinks and token indices when it has them
     (``option_keywords``): arguments of the program, not constants folded into it. The ids get no
-    cotangent; the sinks are differentiated like q, k, v (dsinks: ``jax.vjp`` w.r.t. them)."""
+    cotangent, nor do the token indices; the sinks are differentiated like q, k, v (dsinks: ``jax.vjp``
+    w.r.t. them)."""
     import jax
     import jax.numpy as jnp
 
     dtype = jnp.dtype(case.dtype)
 
     @jax.jit
-    def forward_backward(q, k, v, do, dlse, ids, sinks):
+    def forward_backward(q, k, v, do, dlse, ids, sinks, index):
         def attention(q, k, v, *sink):
-            return fn(q, k, v, **option_keywords(segment_ids=ids, sinks=sink[0] if sink else None))
+            return fn(q, k, v, **option_keywords(segment_ids=ids, sinks=sink[0] if sink else None, token_index=index))
 
         out, vjp = jax.vjp(attention, q, k, v, *(() if sinks is None else (sinks,)))
         return out, vjp((do, dlse))
@@ -84,9 +86,9 @@ class JaxRunner:
         import jax_impl
 
         mesh = make_mesh(case)
-        perm = permutation(case)
+        perm = permutation(case, x)  # [t], or [b, t] for a token-index case (the per-document zigzag)
 
-        def fn(q, k, v, **options):  # global ids in layout order (sharded like q by the API), sinks [h]
+        def fn(q, k, v, **options):  # global ids and token indices in layout order (sharded like q), sinks [h]
             return jax_impl.sequence_parallel_attention(
                 q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale,
                 kv_exchange=case.kv_exchange, return_lse=True, block_backend=self.block_backend,
@@ -111,7 +113,7 @@ class JaxRunner:
             return jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale, **options,
                                             **option_keywords(window=case.window, softcap=case.softcap))
 
-        return _vjp_results(fn, case, x)
+        return _vjp_results(fn, case, without_token_index(x))
 
 
 RUNNER = JaxRunner()
@@ -120,8 +122,8 @@ RUNNER = JaxRunner()
 def measure_attention_traffic(case: Case, *, return_lse: bool = True):
     """Per-device collectives of the compiled forward and forward+backward programs (``Traffic``),
     for a loss that uses o and (when returned) lse; with the case's segment ids (int32 [b, t])
-    when it has packed documents, its window, and its sinks (float32 [h], differentiated: the
-    backward has their cotangent)."""
+    when it has packed documents, its token indices (int32 [b, t]) when it passes them, its window,
+    and its sinks (float32 [h], differentiated: the backward has their cotangent)."""
     import jax
     import jax.numpy as jnp
 
@@ -134,23 +136,24 @@ def measure_attention_traffic(case: Case, *, return_lse: bool = True):
     q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim), dtype)
     kv = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.head_dim), dtype)
     ids = None if case.documents == "none" else jax.ShapeDtypeStruct((case.batch, case.seq), jnp.int32)
+    index = jax.ShapeDtypeStruct((case.batch, case.seq), jnp.int32) if case.token_index else None
     sinks = jax.ShapeDtypeStruct((case.heads,), jnp.float32) if case.sinks else None
 
-    def attention(q, k, v, ids, *sink):
+    def attention(q, k, v, ids, index, *sink):
         out = jax_impl.sequence_parallel_attention(
             q, k, v, mesh, causal=case.causal, layout=case.layout, kv_exchange=case.kv_exchange, scale=case.scale,
             return_lse=return_lse, **option_keywords(segment_ids=ids, window=case.window, sinks=sink[0] if sink else None,
-                                                     softcap=case.softcap))
+                                                     softcap=case.softcap, token_index=index))
         return out if return_lse else (out, None)
 
-    def forward_backward(q, k, v, do, dlse, ids, sinks):
+    def forward_backward(q, k, v, do, dlse, ids, index, sinks):
         # cotangents are inputs and outputs are kept, as in training (else XLA drops the output all-to-alls)
-        out, vjp = jax.vjp(lambda q, k, v, *sink: attention(q, k, v, ids, *sink), q, k, v,
+        out, vjp = jax.vjp(lambda q, k, v, *sink: attention(q, k, v, ids, index, *sink), q, k, v,
                            *(() if sinks is None else (sinks,)))
         return out, vjp((do, dlse))
 
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq), jnp.float32) if return_lse else None
     sink = () if sinks is None else (sinks,)
-    fwd = jax.jit(attention).lower(q, kv, kv, ids, *sink).compile().as_text()
-    both = jax.jit(forward_backward).lower(q, kv, kv, q, lse, ids, sinks).compile().as_text()
+    fwd = jax.jit(attention).lower(q, kv, kv, ids, index, *sink).compile().as_text()
+    both = jax.jit(forward_backward).lower(q, kv, kv, q, lse, ids, index, sinks).compile().as_text()
     return split_passes(fwd, both)

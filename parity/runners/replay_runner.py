@@ -9,7 +9,8 @@ every multi-device case), so the same inputs, oracle and policy judge it; its ve
 like every ``Runner``'s. A case with packed documents passes the global segment ids in layout order
 (``segment_ids=``; nothing at all without), a case with a window its ``window=``, a case with
 sinks the float32 ``sinks=`` [h] (the replays' grads then end with dsinks, every virtual device's
-share summed). jax, torch and the implementations are imported inside the methods.
+share summed), a token-index case its per-document zigzag (``permutation(case, x)``, per row) and
+the global ``token_index=`` in layout order. jax, torch and the implementations are imported inside the methods.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.cases import Case
-from ..core.inputs import Inputs, from_layout, permutation, to_layout
+from ..core.inputs import Inputs, from_layout, permutation, to_layout, without_token_index
 from ..core.names import Device
 from .base import option_keywords
 
@@ -61,18 +62,19 @@ class JaxReplayRunner:
         kw = _keywords(case, strategy_of(case, replay), self.block_backend)
 
         @jax.jit
-        def forward_backward(q, k, v, do, dlse, ids, sinks):  # ids, sinks: arguments (not constants), or None
-            kw_options = kw | option_keywords(segment_ids=ids, sinks=sinks)
+        def forward_backward(q, k, v, do, dlse, ids, sinks, index):  # ids, sinks, index: arguments, or None
+            kw_options = kw | option_keywords(segment_ids=ids, sinks=sinks, token_index=index)
             o, lse = replay.replay_attention(q, k, v, **kw_options)
             return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw_options))
 
-        perm = permutation(case)
+        perm = permutation(case, x)
         y = to_layout(x, perm)
         dtype = jnp.dtype(case.dtype)
         cast = [jnp.asarray(np.asarray(a, np.float32).astype(dtype)) for a in (y.q, y.k, y.v, y.do)]
         ids = None if y.segment_ids is None else jnp.asarray(y.segment_ids, jnp.int32)
         sinks = None if y.sinks is None else jnp.asarray(np.asarray(y.sinks, np.float32))
-        out = forward_backward(*cast, jnp.asarray(y.dlse, jnp.float32), ids, sinks)
+        index = None if y.token_index is None else jnp.asarray(y.token_index, jnp.int32)
+        out = forward_backward(*cast, jnp.asarray(y.dlse, jnp.float32), ids, sinks, index)
         got = {n: np.asarray(t).astype(np.float64) for n, t in zip(("o", "lse", *GRADS), out)}
         return from_layout(got, perm)
 
@@ -115,13 +117,14 @@ class TorchReplayRunner:
         from torch_impl import replay
 
         kw = _keywords(case, strategy_of(case, replay), self.block_backend)
-        perm = permutation(case)
+        perm = permutation(case, x)
         y = to_layout(x, perm)
         q, k, v, do = self._tensors(case, (y.q, y.k, y.v, y.do))
         dlse = torch.tensor(np.asarray(y.dlse, np.float32), device=q.device)
         ids = None if y.segment_ids is None else torch.tensor(y.segment_ids, device=q.device)
         sinks = None if y.sinks is None else torch.tensor(np.asarray(y.sinks, np.float32), device=q.device)
-        kw |= option_keywords(segment_ids=ids, sinks=sinks)
+        index = None if y.token_index is None else torch.tensor(y.token_index, device=q.device)
+        kw |= option_keywords(segment_ids=ids, sinks=sinks, token_index=index)
         with torch.no_grad():
             o, lse = replay.replay_attention(q, k, v, **kw)
             grads = replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw)
@@ -136,6 +139,7 @@ class TorchReplayRunner:
 
         import torch_impl
 
+        x = without_token_index(x)
         q, k, v, do = self._tensors(case, (x.q, x.k, x.v, x.do))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         ids = None if x.segment_ids is None else torch.tensor(x.segment_ids, device=q.device)

@@ -14,8 +14,18 @@ from collections.abc import Callable
 
 import numpy as np
 
+from seqplan.layouts import static_token_index
+
 from ..core.cases import Case
-from ..core.inputs import SINK_TENSORS, Inputs, case_tensors, from_layout, permutation, to_layout
+from ..core.inputs import (
+    SINK_TENSORS,
+    Inputs,
+    case_tensors,
+    from_layout,
+    permutation,
+    to_layout,
+    without_token_index,
+)
 from ..core.names import Device
 from .base import option_keywords
 from .torch_world import get_world, make_mesh
@@ -46,9 +56,9 @@ def _device(device_type: str):
 
 def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> dict:
     """Runs on every rank: forward + backward of this rank's shard (with this rank's shard of the
-    segment ids, [b/D, t/(R·U)] int32 in layout order, when the case has packed documents; the
-    case's window; the full float32 sinks [h] when it has sinks); returns its shards and, with
-    sinks, this rank's ``sinks.grad`` as "dsinks"."""
+    segment ids, [b/D, t/(R·U)] int32 in layout order, when the case has packed documents, and of
+    the token indices, likewise, when it passes them; the case's window; the full float32 sinks [h]
+    when it has sinks); returns its shards and, with sinks, this rank's ``sinks.grad`` as "dsinks"."""
     import torch
 
     import torch_impl
@@ -63,11 +73,12 @@ def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> di
 
     q, k, v = (local(a, grad=True) for a in (x.q, x.k, x.v))
     ids = None if x.segment_ids is None else torch.tensor(_shard(x.segment_ids, case, coords, 1), device=device)
+    index = None if x.token_index is None else torch.tensor(_shard(x.token_index, case, coords, 1), device=device)
     sinks = None if x.sinks is None else torch.tensor(x.sinks, dtype=torch.float32, device=device, requires_grad=True)
     o, lse = torch_impl.sequence_parallel_attention(
         q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
         return_lse=True, block_backend=block_backend,
-        **option_keywords(segment_ids=ids, window=case.window, sinks=sinks, softcap=case.softcap))
+        **option_keywords(segment_ids=ids, window=case.window, sinks=sinks, softcap=case.softcap, token_index=index))
     torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if sinks is not None:  # this rank's contribution (None: its rows never reached the sinks, impossible)
@@ -118,7 +129,7 @@ class TorchRunner:
         """Start the case on its world's ranks and return at once; calling the result waits for
         them and gives what ``run_case`` gives (``check_case`` overlaps this with other work)."""
         backend, device_type = world_backend(devices)
-        perm = permutation(case)
+        perm = permutation(case, x)  # [t], or [b, t] for a token-index case (the per-document zigzag)
         world = get_world(case.devices, backend)
         world.submit(self.task, case, to_layout(x, perm), device_type, self.block_backend)
         return lambda: from_layout(_stitch(case, world.collect()), perm)
@@ -138,7 +149,7 @@ class TorchRunner:
 
         import torch_impl
 
-        dtype = getattr(torch, case.dtype)
+        dtype, x = getattr(torch, case.dtype), without_token_index(x)
         q, k, v = (torch.tensor(a, dtype=torch.float32).to(dtype).requires_grad_() for a in (x.q, x.k, x.v))
         ids = None if x.segment_ids is None else torch.tensor(x.segment_ids)
         sinks = None if x.sinks is None else torch.tensor(x.sinks, dtype=torch.float32, requires_grad=True)
@@ -157,7 +168,8 @@ RUNNER = TorchRunner()
 
 def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
     """Runs on every rank: forward and backward of random shards (and, with packed documents, local
-    segment ids of one document: the ids' values change no byte; the case's window; with sinks,
+    segment ids of one document: the ids' values change no byte; with token indices, this rank's
+    shard of the static layout's; the case's window; with sinks,
     random float32 sinks [h] that take a gradient) under the comm tracer; returns this rank's
     traffic rows."""
     import torch
@@ -173,12 +185,17 @@ def traffic_task(case: Case, device_type: str, return_lse: bool) -> dict:
     q = torch.randn(b, t, case.heads, case.head_dim, device=device).to(dtype).requires_grad_()
     k, v = (torch.randn(b, t, case.kv_heads, case.head_dim, device=device).to(dtype).requires_grad_() for _ in range(2))
     ids = None if case.documents == "none" else torch.zeros(b, t, dtype=torch.int32, device=device)
+    index = None
+    if case.token_index:  # this rank's shard of the static layout's indices (their values change no byte either)
+        coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+        static = static_token_index(case.seq, case.layout, case.ring, case.batch, case.ulysses)
+        index = torch.tensor(_shard(static, case, coords, 1), device=device)
     sinks = torch.randn(case.heads, device=device).requires_grad_() if case.sinks else None
     with CommTracer() as tracer:
         out = torch_impl.sequence_parallel_attention(
             q, k, v, mesh, causal=case.causal, layout=case.layout, kv_exchange=case.kv_exchange, scale=case.scale,
             return_lse=return_lse, **option_keywords(segment_ids=ids, window=case.window, sinks=sinks,
-                                                     softcap=case.softcap))
+                                                     softcap=case.softcap, token_index=index))
         outputs = out if return_lse else (out,)
         with tracer.phase("bwd"):
             torch.autograd.backward(outputs, [torch.randn_like(x) for x in outputs])

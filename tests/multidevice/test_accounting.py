@@ -24,11 +24,12 @@ from parity.runners import jax_runner, torch_runner
 
 
 def _masked(case) -> bool:
-    return case.documents != "none" or case.window is not None or case.sinks
+    return case.documents != "none" or case.window is not None or case.sinks or case.token_index
 
 
 # Shared with `python -m parity accounting`: every plain configuration; of the packed-document,
-# window and sink ones the first of each model path by default (the rest with --full).
+# window, sink and token-index ones the first of each model path by default (the rest with --full:
+# token indices alone on a ring and with ids under USP by default, the double ring with --full).
 # The causal zigzag ring of 8 (36.6 s with its lse, the tier's slowest accounting case on
 # 2026-11-25) runs with --full: the zigzag rings of 2 and 4 take its code path, and a ring of 8
 # (contiguous, non-causal) stays in the default run.
@@ -64,3 +65,22 @@ def test_bfloat16_torch_moves_bf16_and_xla_cpu_moves_float32(case, jax_devices, 
     assert attention_traffic(case) == torch_runner.measure_attention_traffic(case)
     f32 = replace(case, dtype="float32")
     assert attention_traffic(f32) == jax_runner.measure_attention_traffic(case)
+
+
+def test_a_model_without_the_token_index_gather_fails_the_three_way_check(monkeypatch, jax_devices, worlds):
+    """Planted miscount: the model as it was before it counted the token indices (their int32
+    all-gathers left out) against USP r2×u2 with ids and token indices — the harness's check
+    (``parity.checks.traffic.check_attention``) reports both frameworks off by exactly those
+    gathers: the forward all-gathers, 2 calls and 384 B short of the 4 calls / 768 B measured."""
+    from parity.checks import traffic
+
+    case = next(c for c in ATTENTION_CONFIGS if c.token_index and c.ulysses > 1 and c.documents != "none")
+    counted = traffic.attention_traffic
+
+    def without_the_gather(config, **kwargs):
+        return counted(replace(config, token_index=False), **kwargs)
+
+    monkeypatch.setattr(traffic, "attention_traffic", without_the_gather)
+    verdict = traffic.check_attention(case, ("jax", "torch"))
+    assert verdict.problems() == [f"{framework}:\nfwd all-gather: model 2 calls / 384 B, {framework} 4 calls / 768 B"
+                                  for framework in ("jax", "torch")]

@@ -29,6 +29,8 @@ CASES = [
     Case(ring=4, ring_outer=2, ulysses=2, layout="contiguous", causal=True, kv_heads=2, window=(20, 9), sinks=True),
     # logit soft-capping: the replays pass softcap= (their configs' kernels cap every block)
     Case(ring=2, layout="zigzag", causal=True, kv_heads=2, softcap=1.5),
+    # explicit token indices: the per-document zigzag (per-row layout); the replays pass the global token_index
+    Case(ring=2, layout="contiguous", causal=True, kv_heads=2, batch=2, documents="mix", token_index=True),
 ]
 
 

@@ -7,8 +7,9 @@ parity.core.documents; a sliding window, about half the time, whose sides are dr
 ``window_sides`` around the shard size — a query alone, inside a shard, one shard, across several,
 beyond the sequence; attention sinks half the time, their logits drawn from the seed; logit
 soft-capping about half the time, at a cap drawn by ``softcaps`` — strong, moderate or barely
-bending the logits) and both frameworks must agree with the float64 oracle under the numerics
-policy (dsinks included).
+bending the logits; explicit token indices about half the time the sequence allows them,
+``token_indices``: the tokens laid out per row by the per-document zigzag) and both frameworks
+must agree with the float64 oracle under the numerics policy (dsinks included).
 
 Why: the all-pairs matrix covers every pair of hand-picked values; users pass shapes nobody
 picked. ``RINGBRIDGE_FUZZ_EXAMPLES`` sets the number of examples: 30 in the default run (50 until
@@ -76,6 +77,12 @@ def softcaps():
     return st.one_of(st.none(), st.sampled_from((0.5, 2.0, 30.0)))
 
 
+def token_indices(seq: int, ring: int):
+    """Explicit token indices (the per-document zigzag of the drawn documents, or of one document
+    a row) about half the time, where the sequence splits into 2R-token units (``Case.token_index``)."""
+    return st.booleans().map(lambda given: given and seq % (2 * ring) == 0)
+
+
 @st.composite
 def cases(draw) -> Case:
     data, ring, uly, outer = draw(st.sampled_from(MESHES))
@@ -92,7 +99,7 @@ def cases(draw) -> Case:
                 scale=draw(st.sampled_from((None, 0.5, 0.05))),
                 kv_exchange=draw(st.sampled_from(KV_EXCHANGES)) if single_ring else "ring",
                 documents=draw(document_patterns()), window=draw(windows(seq, ring)), sinks=draw(st.booleans()),
-                softcap=draw(softcaps()))
+                softcap=draw(softcaps()), token_index=draw(token_indices(seq, ring)))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True, database=None,
@@ -120,6 +127,12 @@ def cases(draw) -> Case:
 @example(case=Case(ring=2, ulysses=2, data=2, batch=2, seq=8, heads=4, kv_heads=4, head_dim=8, layout="zigzag",
                    causal=True, dtype="bfloat16", scale=0.5, kv_exchange="allgather", documents="interleaved",
                    window=(1, 0), sinks=True))
+# Token indices at one token per chunk: two documents of 2R = 8 tokens, each device two tokens (USP), a window of one
+# key back on the indices, non-causal; and the same per-document zigzag under the double ring in fp16 with sinks.
+@example(case=Case(ring=4, ulysses=2, layout="contiguous", causal=False, kv_heads=2, seq=16, batch=2, documents="mix",
+                   window=(1, 0), token_index=True))
+@example(case=Case(ring=4, ring_outer=2, layout="zigzag", causal=True, kv_heads=1, seq=16, dtype="float16",
+                   documents="interleaved", sinks=True, token_index=True))
 def test_random_valid_configurations_match_the_oracle(case, seed, jax_devices, worlds):
     x = make_inputs(case, seed=seed ^ zlib.crc32(case.name.encode()))  # the same inputs in every process
     ref, ideal = oracle(case, x), flash_ideal(case, x) if case.dtype != "float32" else None
@@ -145,7 +158,9 @@ def test_the_strategy_reaches_every_mesh_family():
               and c.window[0] > c.seq // c.ring,
               "a window beyond the sequence": lambda c: c.window is not None and min(c.window) >= c.seq,
               "a soft-cap with sinks and a window": lambda c: c.softcap is not None and c.sinks and c.window is not None,
-              "a soft-cap in low precision": lambda c: c.softcap is not None and c.dtype != "float32"}
+              "a soft-cap in low precision": lambda c: c.softcap is not None and c.dtype != "float32",
+              "token indices over documents on a ring": lambda c: c.token_index and c.documents != "none" and c.ring >= 2,
+              "token indices under Ulysses": lambda c: c.token_index and c.ring >= 2 and c.ulysses >= 2}
     for what, wanted in checks.items():
         found = hypothesis.find(cases(), wanted, settings=settings(database=None, derandomize=True))
         assert wanted(found), what

@@ -20,6 +20,7 @@ from parity.core.cases import (
     pairwise_matrix,
     softcap_cases,
     strategy_name,
+    token_index_cases,
     window_cases,
 )
 
@@ -58,8 +59,11 @@ def test_full_matrix_runs_every_document_pattern_window_sinks_and_softcap_with_e
     """The cross product times the five document values, four windows, sinks off / on and the
     soft-cap off / on (the plain 1944 first, every uncapped case before the capped ones); the
     default matrix is a subset of it."""
-    full = full_matrix()
-    assert len(full) == 5 * 4 * 2 * 2 * 1944 and len({c.name for c in full}) == len(full)
+    everything, tokens = full_matrix(), token_index_cases()
+    assert [c.name for c in everything[-len(tokens):]] == [c.name for c in tokens]  # appended, not crossed
+    assert len({c.name for c in everything}) == len(everything)
+    full = everything[:-len(tokens)]
+    assert len(full) == 5 * 4 * 2 * 2 * 1944 and not any(c.token_index for c in full)
     assert all(c.documents == "none" and c.window is None and not c.sinks for c in full[:1944])
     assert all(c.softcap is None for c in full[:len(full) // 2]) and all(c.softcap == SOFTCAP
                                                                          for c in full[len(full) // 2:])
@@ -71,7 +75,7 @@ def test_full_matrix_runs_every_document_pattern_window_sinks_and_softcap_with_e
     for key in itertools.product(("none", *DOCUMENT_PATTERNS), WINDOWS, (False, True), (None, SOFTCAP)):
         assert groups.pop(key) == plain, key
     assert not groups
-    assert {c.name for c in pairwise_matrix()} <= {c.name for c in full}
+    assert {c.name for c in pairwise_matrix()} <= {c.name for c in everything}
 
 
 def test_document_cases_meet_every_pattern_layout_causal_and_strategy():
@@ -80,7 +84,7 @@ def test_document_cases_meet_every_pattern_layout_causal_and_strategy():
     assert 12 <= len(docs) <= 16 and all(c.documents != "none" and c.batch == 2 for c in docs)
     assert all(c.window is None and not c.sinks for c in docs)
     names = [c.name for c in pairwise_matrix()]
-    end = len(names) - len(window_cases()) - len(softcap_cases())
+    end = len(names) - len(window_cases()) - len(softcap_cases()) - len(token_index_cases())
     assert names[end - len(docs):end] == [c.name for c in docs]
     seen = {(c.documents, f, v) for c in docs for f, v in _factors(c).items()}
     for pattern in DOCUMENT_PATTERNS:
@@ -103,7 +107,7 @@ def test_window_cases_meet_every_window_strategy_layout_and_sinks_as_promised():
     wins = window_cases()
     assert len(wins) <= 14 and all((c.window is not None or c.sinks) and c.softcap is None for c in wins)
     names = [c.name for c in pairwise_matrix()]
-    end = len(names) - len(softcap_cases())
+    end = len(names) - len(softcap_cases()) - len(token_index_cases())
     assert names[end - len(wins):end] == [c.name for c in wins]
     assert all(c.devices > 1 for c in wins)
     windowed = [c for c in wins if c.window is not None]
@@ -130,13 +134,14 @@ def test_window_cases_meet_every_window_strategy_layout_and_sinks_as_promised():
 
 
 def test_softcap_cases_meet_every_strategy_and_mask_as_promised():
-    """At most 8 cases, last in the default matrix, all capped at SOFTCAP: every strategy, causal
+    """At most 8 cases, in the default matrix before the token-index ones, all capped at SOFTCAP: every strategy, causal
     and not, every layout, float32 and bf16, MHA / GQA / MQA, with and without a window, sinks and
     documents; the first two (the default tier's sample) are a ring without Ulysses with every
     mask in bf16, and a USP in float32."""
     caps = softcap_cases()
     assert len(caps) <= 8 and all(c.softcap == SOFTCAP and c.devices > 1 for c in caps)
-    assert [c.name for c in pairwise_matrix()][-len(caps):] == [c.name for c in caps]
+    end = len(pairwise_matrix()) - len(token_index_cases())
+    assert [c.name for c in pairwise_matrix()][end - len(caps):end] == [c.name for c in caps]
     assert {strategy_name(c) for c in caps} == {
         "ring", "ring-agkv", "ulysses", "usp", "usp-agkv", "double_ring", "double_ring_usp"}
     for factor, values in (("causal", (False, True)), ("layout", LAYOUTS), ("dtype", MATRIX_DTYPES),
@@ -151,3 +156,23 @@ def test_softcap_cases_meet_every_strategy_and_mask_as_promised():
 
     assert [c.name for c in select_cases(False, "softcap")] == [first.name, second.name]
     assert [c.name for c in select_cases(False, "softcap", masks="all")] == [c.name for c in caps]
+
+
+def test_token_index_cases_are_last_and_two_are_sampled_as_promised():
+    """Last in the all-pairs matrix: packed documents (or one a row) in the per-document zigzag,
+    every one with two rows; the first two (what the default report and test tier run) are causal,
+    one without Ulysses in float32 and one through USP in bf16; all of them reach the ring loop,
+    all-gather KV, the double ring and Ulysses, causal and not, a window and sinks."""
+    tokens = token_index_cases()
+    assert [c.name for c in pairwise_matrix()][-len(tokens):] == [c.name for c in tokens]
+    assert all(c.token_index and c.batch == 2 and c.documents != "none" and c.devices > 1 for c in tokens)
+    first, second = tokens[:2]
+    assert first.causal and first.ulysses == 1 and first.dtype == "float32"
+    assert second.causal and second.ulysses > 1 and second.dtype == "bfloat16"
+    assert {"ring", "ring-agkv", "usp", "double_ring_usp"} <= {strategy_name(c) for c in tokens}
+    assert {c.causal for c in tokens} == {False, True}
+    assert any(c.window for c in tokens) and any(c.sinks for c in tokens)
+    from parity.cli import select_cases
+
+    assert [c.name for c in select_cases(False, "token-index")] == [first.name, second.name]
+    assert [c.name for c in select_cases(False, "token-index", masks="all")] == [c.name for c in tokens]
