@@ -9,6 +9,8 @@ from functools import partial
 import numpy as np
 import pytest
 
+from helpers import FULL
+
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
@@ -29,8 +31,10 @@ def _inputs(seed, layout="zigzag", ring=2, ulysses=2):
     return (q[:, perm], k[:, perm], v[:, perm]), want
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("axis_type,jit", [(AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, True)]
+                         + ([(AxisType.Explicit, False)] if FULL else []),  # eager on Explicit: --full (10 s)
+                         ids=lambda p: {False: "eager", True: "jit"}.get(p, str(p).split(".")[-1].lower())
+                         if isinstance(p, bool) else str(p).split(".")[-1].lower())
 def test_auto_and_explicit_meshes_eager_and_jitted(axis_type, jit, seed, jax_devices):
     """Same answer (and a gradient) whichever axis types the mesh has and whether or not the call
     is jitted; the output comes back sharded over the mesh as docs/contract.md says."""
