@@ -124,7 +124,8 @@ def _loss_and_grads(case: ModelCase, weights: dict, dtype, attention=None, layou
     arrays = [torch.as_tensor(a, device=device) for a in (batch.tokens, batch.labels, batch.positions,
                                                           batch.segment_ids)]
     tokens, labels, positions, ids = arrays
-    loss = loss_sum(model(tokens, positions, ids), labels) / int((labels != IGNORE).sum())
+    # one document per row: no ids, the causal mask alone — the path the timed steps run
+    loss = loss_sum(model(tokens, positions, ids if packed else None), labels) / int((labels != IGNORE).sum())
     loss.backward()
     grads = export({n: p.grad for n, p in model.named_parameters()}, case.model)
     return loss.item(), grads
@@ -176,7 +177,8 @@ def check_jax(seq: int, config: LlamaConfig, backend: str) -> dict:
 
     ref_loss, ref = _loss_and_grads(case, weights, torch.float64, packed=False, device="cpu")
     batch = one_document(case.inputs()[1])
-    arrays = tuple(jnp.asarray(a) for a in (batch.tokens, batch.labels, batch.positions, batch.segment_ids))
+    # one document per row: no segment ids, the causal mask alone — the path ``time`` runs
+    arrays = (*(jnp.asarray(a) for a in (batch.tokens, batch.labels, batch.positions)), None)
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), to_params(weights, config))
     count = float((batch.labels != IGNORE).sum())
 

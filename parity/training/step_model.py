@@ -511,7 +511,7 @@ class Rates:
 
 def memory_seconds(passes: list[Pass], rates: Rates) -> float:
     """The memory term: every pass's kernels at the copy rate of their size (``Rates.hbm_at``)."""
-    return sum(p.count * (p.bytes / p.count) / rates.hbm_at(p.bytes / p.count) for p in passes)
+    return sum(p.bytes / rates.hbm_at(p.bytes / p.count) for p in passes)
 
 
 @dataclass
