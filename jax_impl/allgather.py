@@ -22,12 +22,8 @@ from jax import lax
 from seqplan.axes import RING
 from seqplan.schedule import allgather_schedule
 from seqplan.validation import (
-    check_segment_ids,
-    check_sinks,
-    check_token_index,
-    check_window,
+    check_local_masks,
     dtype_name,
-    shape_and_dtype,
     validate_local,
 )
 
@@ -60,11 +56,9 @@ def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool =
     ``ring_attention``. Returns ``(o, lse)``."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
-    check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
-    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
-    check_sinks(*shape_and_dtype(sinks), q.shape[2])
+    window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=check_window(window), softcap=softcap,
+                         deterministic=deterministic, window=window, softcap=softcap,
                          token_index=token_index is not None)
     config.backend()  # an unknown or refused kernel fails here
     return _allgather(q, k, v, segment_ids, token_index, sinks, axis_name, config)

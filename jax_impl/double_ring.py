@@ -32,12 +32,8 @@ from jax import lax
 from seqplan.axes import RING_INNER, RING_OUTER
 from seqplan.schedule import double_ring_schedule
 from seqplan.validation import (
-    check_segment_ids,
-    check_sinks,
-    check_token_index,
-    check_window,
+    check_local_masks,
     dtype_name,
-    shape_and_dtype,
     validate_local,
 )
 
@@ -70,13 +66,11 @@ def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, 
     ``(o, lse)``: o like q, lse float32 [b, h, t/R]."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
-    check_segment_ids(*shape_and_dtype(segment_ids), q.shape, what="local ")
-    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
-    check_sinks(*shape_and_dtype(sinks), q.shape[2])
+    window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
     if len(tuple(axis_name)) != 2:
         raise ValueError(f"the double ring needs axis_name = (outer, inner), got {axis_name!r}")
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                         deterministic=deterministic, window=check_window(window), softcap=softcap,
+                         deterministic=deterministic, window=window, softcap=softcap,
                          token_index=token_index is not None)
     config.backend()  # an unknown or refused kernel fails here
     return _double_ring(q, k, v, segment_ids, token_index, sinks, tuple(axis_name), config)

@@ -99,6 +99,17 @@ def shape_and_dtype(array) -> tuple:
     return tuple(array.shape), dtype_name(array.dtype)
 
 
+def check_local_masks(q_shape, *, segment_ids, token_index, sinks, window):
+    """The optional mask arguments of a per-algorithm entry (this device's shards; arrays of
+    either framework or None), checked in one order: segment ids and token indices [b, t] like
+    q's first two dimensions, the window, the sinks [h]. Returns the window as (left, right) or None."""
+    check_segment_ids(*shape_and_dtype(segment_ids), q_shape, what="local ")
+    check_token_index(*shape_and_dtype(token_index), q_shape, what="local ")
+    window = check_window(window)
+    check_sinks(*shape_and_dtype(sinks), q_shape[2])
+    return window
+
+
 def _check_per_token(name: str, shape, dtype: str | None, q_shape, what: str) -> None:
     """An optional per-token int array of shape [b, t], q being [b, t, h, d] (``dtype`` None: absent)."""
     if dtype is None:

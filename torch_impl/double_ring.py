@@ -25,12 +25,8 @@ from __future__ import annotations
 
 from seqplan.schedule import double_ring_schedule
 from seqplan.validation import (
-    check_segment_ids,
-    check_sinks,
-    check_token_index,
-    check_window,
+    check_local_masks,
     dtype_name,
-    shape_and_dtype,
     validate_local,
 )
 
@@ -52,11 +48,7 @@ def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None,
     Differentiable through autograd."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
-    check_segment_ids(None if segment_ids is None else segment_ids.shape,
-                      None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
-    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
-    window = check_window(window)
-    check_sinks(*shape_and_dtype(sinks), q.shape[2])
+    window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
     groups = tuple(group) if group is not None else (None, None)
     if len(groups) != 2:
         raise ValueError(f"the double ring needs group = (outer_group, inner_group), got {group!r}")

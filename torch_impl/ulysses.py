@@ -25,13 +25,9 @@ import torch.distributed as dist
 
 from seqplan.config import resolve_scale
 from seqplan.validation import (
-    check_segment_ids,
-    check_sinks,
+    check_local_masks,
     check_softcap,
-    check_token_index,
-    check_window,
     dtype_name,
-    shape_and_dtype,
     validate_local,
 )
 
@@ -107,11 +103,8 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
     n = axis_size(group)
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=None,
                    scale=scale, ulysses=n)
-    check_segment_ids(None if segment_ids is None else segment_ids.shape,
-                      None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
-    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
-    window, softcap = check_window(window), check_softcap(softcap)
-    check_sinks(*shape_and_dtype(sinks), q.shape[2])
+    window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
+    softcap = check_softcap(softcap)
     deterministic = default_deterministic(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = resolve_scale(q.shape[-1], scale)

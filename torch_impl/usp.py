@@ -17,12 +17,8 @@ from __future__ import annotations
 from functools import partial
 
 from seqplan.validation import (
-    check_segment_ids,
-    check_sinks,
-    check_token_index,
-    check_window,
+    check_local_masks,
     dtype_name,
-    shape_and_dtype,
     validate_local,
 )
 
@@ -50,11 +46,7 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
     Returns (o, lse)."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale, ulysses=axis_size(ulysses_group))
-    check_segment_ids(None if segment_ids is None else segment_ids.shape,
-                      None if segment_ids is None else dtype_name(segment_ids.dtype), q.shape, what="local ")
-    check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
-    window = check_window(window)
-    check_sinks(*shape_and_dtype(sinks), q.shape[2])
+    window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
     if kv_exchange not in KV_EXCHANGE:
         raise ValueError(f"kv_exchange must be one of {tuple(KV_EXCHANGE)}, got {kv_exchange!r}")
     attend = double_ring_attention if isinstance(ring_group, tuple) else KV_EXCHANGE[kv_exchange]
