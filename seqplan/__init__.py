@@ -12,7 +12,7 @@ implementations (``jax_impl``, ``torch_impl``) and by ``parity.core``.
 - ``strategy``    the mesh a one-device replay stands for
 - ``chunks``      how the portable kernels walk a block's keys (bounded scores)
 - ``documents``   a block's document runs for varlen kernels (cumulative offsets over the block's own
-                  queries and keys), and ``Segments`` (a block's ids with their host copy)
+                  queries and keys), and ``HostPair`` (a block's ids or token indices with their host copy)
 - ``bands``       a windowed block as a band of its grid: the crop and window sizes the fused
                   kernels' own sliding windows take
 

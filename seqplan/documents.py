@@ -27,16 +27,18 @@ from dataclasses import dataclass
 import numpy as np
 
 
-class Segments(tuple):
-    """A block's ``segments = (q_ids [b, t], kv_ids [b, s])`` as the loops hand them to a kernel — a
-    plain 2-tuple of the framework's arrays — with, when the loop has them, the same ids as NumPy
-    arrays (``host``): torch's loops copy every shard's ids to the host once per call, so a kernel
-    that plans on the host (a varlen run list) needs no device-to-host copy per block."""
+class HostPair(tuple):
+    """A block's per-token pair as the loops hand it to a kernel — ``segments = (q_ids [b, t],
+    kv_ids [b, s])`` or per-row ``positions = (q_index [b, t], kv_index [b, s])`` (token indices), a
+    plain 2-tuple of the framework's arrays — with, when the loop has them, the same values as
+    NumPy arrays (``host``): torch's loops copy every shard's ids and token indices to the host
+    once per call, so a kernel that plans on the host (a varlen run list) needs no device-to-host
+    copy per block."""
 
     host: tuple | None
 
-    def __new__(cls, q_ids, kv_ids, host: tuple | None = None):
-        self = super().__new__(cls, (q_ids, kv_ids))
+    def __new__(cls, q_values, kv_values, host: tuple | None = None):
+        self = super().__new__(cls, (q_values, kv_values))
         self.host = host
         return self
 
@@ -64,36 +66,51 @@ def _row_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids[starts], np.diff(np.append(starts, len(ids)))
 
 
-def _merged_runs(q_ids: np.ndarray, kv_ids: np.ndarray) -> list[tuple[int, int]] | None:
-    """One row's runs as (queries, keys) pairs that walk both in order: a document the queries and
-    the keys share is one pair, a document only one side holds pairs with zero of the other. None
-    when that cannot be done: a document in two runs of the queries, a shared document in two
-    runs of the keys, or shared documents in different orders."""
+def _row_pairs(q_ids: np.ndarray, kv_ids: np.ndarray) -> list[tuple[int, int, int, int]] | None:
+    """One row's documents as (query start, queries, key start, keys) that walk both in order: a
+    document the queries and the keys share is one pair, a document only one side holds pairs
+    with zero of the other. None when that cannot be done: a document in two runs of the
+    queries, a shared document in two runs of the keys, or shared documents in different orders."""
     q_docs, q_lens = _row_runs(q_ids)
     k_docs, k_lens = _row_runs(kv_ids)
     shared = set(q_docs.tolist()) & set(k_docs.tolist())
     if len(set(q_docs.tolist())) < len(q_docs) or any(np.count_nonzero(k_docs == d) > 1 for d in shared):
         return None
+    q_at, k_at = np.r_[0, np.cumsum(q_lens)], np.r_[0, np.cumsum(k_lens)]
     pairs, i, j = [], 0, 0
     while i < len(q_docs) or j < len(k_docs):
         if i < len(q_docs) and j < len(k_docs) and q_docs[i] == k_docs[j]:
-            pairs.append((int(q_lens[i]), int(k_lens[j])))
+            pairs.append((int(q_at[i]), int(q_lens[i]), int(k_at[j]), int(k_lens[j])))
             i, j = i + 1, j + 1
         elif i < len(q_docs) and q_docs[i] not in shared:
-            pairs.append((int(q_lens[i]), 0))
+            pairs.append((int(q_at[i]), int(q_lens[i]), int(k_at[j]), 0))
             i += 1
         elif j < len(k_docs) and k_docs[j] not in shared:
-            pairs.append((0, int(k_lens[j])))
+            pairs.append((int(q_at[i]), 0, int(k_at[j]), int(k_lens[j])))
             j += 1
         else:  # shared documents met in different orders
             return None
-    merged: list[tuple[int, int]] = []  # neighbouring runs of queries alone (or keys alone) are one run
+    return pairs
+
+
+def _joined(pairs) -> list[tuple[int, int]]:
+    """(queries, keys) runs with neighbouring runs of queries alone (or keys alone) joined."""
+    merged: list[tuple[int, int]] = []
     for n_q, n_k in pairs:
         if merged and ((n_k == 0 and merged[-1][1] == 0) or (n_q == 0 and merged[-1][0] == 0)):
             merged[-1] = (merged[-1][0] + n_q, merged[-1][1] + n_k)
-        else:
+        elif n_q or n_k:
             merged.append((n_q, n_k))
     return merged
+
+
+def _as_runs(pairs: list[tuple[int, int]]) -> DocumentRuns:
+    q_len, k_len = (np.array([p[n] for p in pairs], np.int64) for n in (0, 1))
+    empty = np.repeat(k_len == 0, q_len)
+    unread = np.repeat(q_len == 0, k_len)
+    cu = lambda lengths: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return DocumentRuns(cu(q_len), cu(k_len), int(q_len.max()), int(k_len.max()), empty if empty.any() else None,
+                        unread if unread.any() else None)
 
 
 def document_runs(q_ids: np.ndarray, kv_ids: np.ndarray, causal: bool) -> DocumentRuns | None:
@@ -106,13 +123,72 @@ def document_runs(q_ids: np.ndarray, kv_ids: np.ndarray, causal: bool) -> Docume
         return None
     pairs = []
     for row in range(b):
-        row_pairs = _merged_runs(q_ids[row], kv_ids[row])
+        row_pairs = _row_pairs(q_ids[row], kv_ids[row])
         if row_pairs is None:
             return None
-        pairs += row_pairs
-    q_len, k_len = (np.array([p[n] for p in pairs], np.int64) for n in (0, 1))
-    empty = np.repeat(k_len == 0, q_len)
-    unread = np.repeat(q_len == 0, k_len)
-    cu = lambda lengths: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return DocumentRuns(cu(q_len), cu(k_len), int(q_len.max()), int(k_len.max()), empty if empty.any() else None,
-                        unread if unread.any() else None)
+        pairs += _joined([(n_q, n_k) for _, n_q, _, n_k in row_pairs])
+    return _as_runs(pairs)
+
+
+def _document_by_index(q_index: np.ndarray, kv_index: np.ndarray) -> tuple[set[bool], list[tuple[int, int]]] | None:
+    """One shared document under "key index <= query index": (the varlen masks its runs are
+    exact under — True: causal, False: full), its (queries, keys) runs in place), or None when it
+    is neither. Its keys must be increasing; then each query sees a prefix of them (``seen``).
+    Square with equal indices: one causal run (also full when it is one token). Else every query
+    that sees a key must see the same prefix m: the queries that see none are runs with no keys,
+    the others one full run against the first m keys, and the keys past m a run no query reads."""
+    n_q, n_k = len(q_index), len(kv_index)
+    if n_k > 1 and not np.all(np.diff(kv_index) > 0):
+        return None
+    if n_q == n_k and np.array_equal(q_index, kv_index):
+        return ({True, False} if n_q == 1 else {True}), [(n_q, n_k)]
+    seen = np.searchsorted(kv_index, q_index, side="right")
+    prefix = np.unique(seen[seen > 0])
+    if len(prefix) == 0:
+        return {True, False}, [(n_q, 0), (0, n_k)]
+    if len(prefix) > 1:
+        return None
+    m = int(prefix[0])
+    runs = []
+    for group in np.split(np.arange(n_q), np.flatnonzero(np.diff(seen > 0)) + 1):
+        runs += [(len(group), m), (0, n_k - m)] if seen[group[0]] > 0 else [(len(group), 0)]
+    if sum(1 for n, k in runs if n and k) > 1:  # two groups reading the same keys: not in place
+        return None
+    return {False}, runs
+
+
+def index_runs(q_ids, kv_ids, q_index, kv_index) -> tuple[DocumentRuns, bool] | None:
+    """The runs of a block whose causal mask is by token index — key visible when it shares the
+    query's document and its token index is <= the query's (``token_index`` calls: the FULL block
+    with the window ``(UNBOUNDED, 0)`` on ``positions``) — and the varlen mask that runs them
+    (True: causal, every run square with equal indices; False: full), or None. ``q_ids``,
+    ``kv_ids``: [b, t], [b, s] ids, or None (one document per row); ``q_index``, ``kv_index``:
+    [b, t], [b, s] token indices (or [t], [s], the same in every row).
+
+    Exact for the per-document zigzag and every layout whose documents hold increasing token
+    indices: its diagonal block is one causal run per document, every other block full runs (a
+    document's queries seeing its first m keys, or none) — runs in place as :func:`document_runs`'.
+    None when a document is neither, or when documents need both masks (the adapter then routes
+    the block to the portable kernel: never guessed)."""
+    q_index, kv_index = np.asarray(q_index), np.asarray(kv_index)
+    b = np.shape(q_ids)[0] if q_ids is not None else q_index.shape[0] if q_index.ndim == 2 else 1
+    q_index, kv_index = (np.broadcast_to(x, (b, x.shape[-1])) for x in (q_index, kv_index))
+    one = lambda x: np.zeros(x.shape, np.int32)
+    q_ids, kv_ids = (one(q_index), one(kv_index)) if q_ids is None else (np.asarray(q_ids), np.asarray(kv_ids))
+    masks, pairs = {True, False}, []
+    for row in range(b):
+        row_pairs = _row_pairs(q_ids[row], kv_ids[row])
+        if row_pairs is None:
+            return None
+        for q0, n_q, k0, n_k in row_pairs:
+            if n_q == 0 or n_k == 0:
+                pairs.append((n_q, n_k))
+                continue
+            document = _document_by_index(q_index[row, q0:q0 + n_q], kv_index[row, k0:k0 + n_k])
+            if document is None:
+                return None
+            masks &= document[0]
+            pairs += document[1]
+    if not masks:
+        return None
+    return _as_runs(_joined(pairs)), True in masks

@@ -93,7 +93,8 @@ AUTO_ROUTES: tuple[Route, ...] = (
     Route("aten_cudnn", "fastest verified: 577 / 561 / 531 TFLOP/s full / causal / strict vs aten_flash 325 / 325 / "
           "323 (bf16; fp16 verified for d 64 MHA only so far)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=ALL_MASKS, deterministic=False),
-    Route("aten_varlen", "document blocks (full, causal diagonal; ids one run per document) on FA2 varlen: "
+    Route("aten_varlen", "document blocks (full, causal diagonal; ids one run per document) and token-index causal "
+          "blocks (seqplan.documents.index_runs) on FA2 varlen: "
           "docs/gpu/masked-2026-11-24-h100.md; its determinism not measured, so not in deterministic mode",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
     Route("aten_window", "windowed blocks (full, causal) whose positions are two contiguous ranges, on FA2's "

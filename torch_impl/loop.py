@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from seqplan.bands import part_offset
-from seqplan.documents import Segments
+from seqplan.documents import HostPair
 from seqplan.layouts import ring_positions
 from seqplan.schedule import (
     Block,
@@ -313,9 +313,10 @@ def _kernel_mask(block: Block, masks: VisitMasks | None) -> tuple[BlockMask, dic
             return None
         if not covered:
             q_pos, kv_pos = masks.device_positions
-            if q_pos.dim() == 2:  # per-row token indices: no static offset (fused kernels take no such block)
+            if q_pos.dim() == 2:  # per-row token indices: no static offset; their host copy for run lists
                 mask = mask.with_window(masks.window)
-                extras["positions"] = (_part(q_pos, block.q_part, 1), _part(kv_pos, block.kv_part, 1))
+                host = tuple(_part(x, p, 1) for x, p in zip(masks.positions, (block.q_part, block.kv_part)))
+                extras["positions"] = HostPair(_part(q_pos, block.q_part, 1), _part(kv_pos, block.kv_part, 1), host)
             else:
                 host_parts = (x[slice(*p.bounds(len(x)))]
                               for x, p in zip(masks.positions, (block.q_part, block.kv_part)))
@@ -329,7 +330,7 @@ def _kernel_mask(block: Block, masks: VisitMasks | None) -> tuple[BlockMask, dic
         if work is DocumentWork.DOCUMENTS:
             (q_ids, kv_ids), parts = masks.segments, (block.q_part, block.kv_part)
             mask = mask.with_documents()
-            extras["segments"] = Segments(_part(q_ids, parts[0], 1), _part(kv_ids, parts[1], 1),
+            extras["segments"] = HostPair(_part(q_ids, parts[0], 1), _part(kv_ids, parts[1], 1),
                                           None if host is None else (_part(host[0], parts[0], 1),
                                                                      _part(host[1], parts[1], 1)))
     return mask, extras

@@ -8,21 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import pairs_from_runs, sorted_document_ids
 from seqplan.documents import document_runs
-
-
-def _pairs_from_runs(runs, b: int, t: int, s: int, causal: bool) -> np.ndarray:
-    """[b·t, b·s] visible pairs as a varlen kernel computes them from the run list."""
-    seen = np.zeros((b * t, b * s), bool)
-    assert runs.cu_q[-1] == b * t and runs.cu_k[-1] == b * s  # every query and key in one run, in place
-    index = np.arange(b * s)
-    for i in range(len(runs.cu_q) - 1):
-        q0, q1, k0, k1 = runs.cu_q[i], runs.cu_q[i + 1], runs.cu_k[i], runs.cu_k[i + 1]
-        for a in range(q1 - q0):
-            for c in range(k1 - k0):
-                if not causal or c <= a + (k1 - k0) - (q1 - q0):  # causal aligned bottom-right, as FA2
-                    seen[q0 + a, index[k0 + c]] = True
-    return seen
 
 
 def _pairs_from_mask(q_ids, kv_ids, causal: bool) -> np.ndarray:
@@ -37,25 +24,16 @@ def _pairs_from_mask(q_ids, kv_ids, causal: bool) -> np.ndarray:
     return seen
 
 
-def _sorted_ids(rng, b: int, n: int) -> np.ndarray:
-    """Each row: documents as runs of increasing ids (lengths 1.. drawn), ids offset per row."""
-    rows = []
-    for row in range(b):
-        cuts = np.sort(rng.choice(np.arange(1, n), size=rng.integers(0, n // 2), replace=False))
-        rows.append(np.searchsorted(cuts, np.arange(n), side="right") + 100 * row)
-    return np.stack(rows).astype(np.int32)
-
-
 @pytest.mark.parametrize("trial", range(20))
 def test_runs_see_exactly_the_masked_pairs(trial, seed):
     rng = np.random.default_rng(seed + trial)
     b, t = int(rng.integers(1, 3)), int(rng.integers(1, 24))
-    ids = _sorted_ids(rng, b, 2 * t)
+    ids = sorted_document_ids(rng, b, 2 * t)
     for q_ids, kv_ids, causal in ((ids[:, :t], ids[:, :t], True), (ids[:, t:], ids[:, :t], False),
                                   (ids[:, :t], ids[:, t:], False), (ids[:, :t], ids[:, :t], False)):
         runs = document_runs(q_ids, kv_ids, causal)
         assert runs is not None
-        got = _pairs_from_runs(runs, b, t, kv_ids.shape[1], causal)
+        got = pairs_from_runs(runs, b, t, kv_ids.shape[1], causal)
         np.testing.assert_array_equal(got, _pairs_from_mask(q_ids, kv_ids, causal))
         empty = ~_pairs_from_mask(q_ids, kv_ids, causal).any(1)
         assert (runs.empty_rows is None and not empty.any()) or np.array_equal(runs.empty_rows, empty) or causal
@@ -112,7 +90,7 @@ def test_jax_device_segments_agree_with_the_host_run_list(trial, seed):
 
     rng = np.random.default_rng(seed + 100 + trial)
     b, t = 2, 16  # one shape for every trial: one compilation (_jitted)
-    ids = _sorted_ids(rng, b, 2 * t)
+    ids = sorted_document_ids(rng, b, 2 * t)
     if trial % 4 == 3:  # a document split in two runs of the queries: refused by both
         ids[:, t - 1] = ids[:, 0]
     for q_ids, kv_ids, causal in ((ids[:, :t], ids[:, :t], True), (ids[:, t:], ids[:, :t], False),
@@ -175,7 +153,7 @@ def test_jax_varlen_offsets_gather_each_runs_keys(trial, seed):
 
     rng = np.random.default_rng(seed + 200 + trial)
     b, t = 2, 16
-    ids = _sorted_ids(rng, b, 2 * t)
+    ids = sorted_document_ids(rng, b, 2 * t)
     diag = _jitted(varlen_offsets, True, t)(jnp.asarray(ids[:, :t]), jnp.asarray(ids[:, :t]))
     assert bool(diag["ok"]) and np.array_equal(diag["cu_q"], diag["cu_k"])
     q_ids, kv_ids = ids[:, t:], ids[:, :t]
@@ -228,7 +206,7 @@ def test_jax_boundary_runs_see_exactly_the_masked_pairs(trial, seed):
 
     rng = np.random.default_rng(seed + 300 + trial)
     b, t = 2, 16
-    ids = _sorted_ids(rng, b, 2 * t)
+    ids = sorted_document_ids(rng, b, 2 * t)
     q_ids, kv_ids = ids[:, t:], ids[:, :t]
     if trial % 3 == 2:  # an id of the later queries reused among the keys: not three runs
         kv_ids = kv_ids.copy()
@@ -244,7 +222,7 @@ def test_jax_boundary_runs_see_exactly_the_masked_pairs(trial, seed):
         cu_q, cu_k = np.asarray(runs["cu_q"]), np.asarray(runs["cu_k"])
 
     want = _pairs_from_mask(q_ids, kv_ids, False)
-    np.testing.assert_array_equal(_pairs_from_runs(Host, b, t, t, False), want)
+    np.testing.assert_array_equal(pairs_from_runs(Host, b, t, t, False), want)
     np.testing.assert_array_equal(np.asarray(runs["covered_q"]).reshape(-1), want.any(1))
     np.testing.assert_array_equal(np.asarray(runs["covered_kv"]).reshape(-1), want.any(0))
 

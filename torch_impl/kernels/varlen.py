@@ -10,14 +10,19 @@ o and lse; the ops' argument lists can change between torch releases, so they ar
 nowhere else, and checked on a GPU (``benchmarks``' verified rows, ``tests/gpu``).
 
 What it takes: bf16 / fp16, FULL blocks and CAUSAL diagonal blocks with documents (the kernel's
-causal mask is per run, exact when every run is square — ``document_runs`` checks), GQA natively
-(FA2 groups query heads over K/V heads). What it routes elsewhere, forward and backward alike:
-no documents (``aten_flash``'s job), a window, a strict block, an lse cotangent, or ids that are
-not expressible as runs (the portable kernel: never guessed). Queries whose document has no key
+causal mask is per run, exact when every run is square — ``document_runs`` checks), and the
+blocks of a causal call given ``token_index`` (FULL, the window "key index <= query index" on
+per-row token indices, with or without documents: ``index_runs`` plans them — on the per-document
+zigzag a diagonal block is one causal run per document, every other block full runs), GQA
+natively (FA2 groups query heads over K/V heads). What it routes elsewhere, forward and backward
+alike: no documents and no token indices (``aten_flash``'s job), any other window, a strict
+block, an lse cotangent, or ids / indices that are not expressible as runs of one mask (the
+portable kernel: never guessed). Queries whose document has no key
 in the block get o = 0, lse = -inf and zero gradients, and keys no query reads zero dK / dV —
 written here, not left to the kernel.
-The run list is computed on the host from the block's ids: the loops' host copy when they pass
-one (``seqplan.documents.Segments``: no device sync), else one device-to-host copy. The runs walk
+The run list is computed on the host from the block's ids and token indices: the loops' host
+copies when they pass them (``seqplan.documents.HostPair``: no device sync), else one
+device-to-host copy. The runs walk
 the block's queries and keys in place (a document only one side holds is a run with none of the
 other), so no key is gathered and no dK / dV scattered.
 """
@@ -26,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from seqplan.documents import DocumentRuns, document_runs
+from seqplan.documents import DocumentRuns, document_runs, index_runs
 from seqplan.routing import LOW_PRECISION
-from seqplan.schedule import BlockMask, MaskKind
+from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
@@ -37,15 +42,40 @@ F32 = torch.float32
 _RNG: dict = {}
 
 
-def _runs(mask: BlockMask, segments) -> DocumentRuns | None:
-    host = getattr(segments, "host", None)  # the loops' host copy (seqplan.documents.Segments): no sync
-    q_ids, kv_ids = host if host is not None else (x.cpu().numpy() for x in segments)
-    return document_runs(q_ids, kv_ids, mask.kind is MaskKind.CAUSAL)
+def flash_forward(*args, **kwargs):
+    """``aten._flash_attention_forward``, bound in one place (the CPU tests emulate it here)."""
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
 
 
-def _fits(mask: BlockMask, segments, positions, dtype) -> bool:
-    return (segments is not None and positions is None and mask.window is None and mask.kind is not MaskKind.STRICT
-            and dtype in (torch.bfloat16, torch.float16))
+def flash_backward(*args, **kwargs):
+    """``aten._flash_attention_backward``, bound in one place (the CPU tests emulate it here)."""
+    return torch.ops.aten._flash_attention_backward(*args, **kwargs)
+
+
+def _host(pair):
+    host = getattr(pair, "host", None)  # the loops' host copy (seqplan.documents.HostPair): no sync
+    return host if host is not None else tuple(x.cpu().numpy() for x in pair)
+
+
+def by_token_index(mask: BlockMask) -> bool:
+    """A FULL block whose window is "key index <= query index" (``schedule.token_index_window``
+    of a causal call given ``token_index``, no window of its own): what :func:`index_runs` plans."""
+    return (mask.kind is MaskKind.FULL and mask.window is not None and mask.window[0] >= UNBOUNDED
+            and mask.window[1] == 0)
+
+
+def _plan(mask: BlockMask, segments, positions, dtype) -> tuple[DocumentRuns, bool] | None:
+    """(runs, causal) of a block this kernel runs exactly, or None (the portable kernel's)."""
+    if dtype not in (torch.bfloat16, torch.float16) or mask.kind is MaskKind.STRICT:
+        return None
+    if mask.window is None:
+        if segments is None:
+            return None
+        runs = document_runs(*_host(segments), mask.kind is MaskKind.CAUSAL)
+        return None if runs is None else (runs, mask.kind is MaskKind.CAUSAL)
+    if not by_token_index(mask) or positions is None:
+        return None
+    return index_runs(*(_host(segments) if segments is not None else (None, None)), *_host(positions))
 
 
 def _offsets(runs: DocumentRuns, device):
@@ -60,24 +90,24 @@ def _rng_state(device, dtype, d: int):
     if key not in _RNG:
         x = torch.zeros((1, 1, d), device=device, dtype=dtype)
         cu = torch.tensor([0, 1], device=device, dtype=torch.int32)
-        out = torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 1, 1, 0.0, False, False)
+        out = flash_forward(x, x, x, cu, cu, 1, 1, 0.0, False, False)
         _RNG[key] = (out[2], out[3])
     return _RNG[key]
 
 
 def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
-    runs = _runs(mask, segments) if _fits(mask, segments, positions, q.dtype) else None
-    if runs is None:
+    plan = _plan(mask, segments, positions, q.dtype)
+    if plan is None:
         return reference_block_fwd(q, k, v, mask, scale, segments, positions)
+    runs, causal = plan
     b, t, h, d = q.shape
     if runs.max_k == 0 or runs.max_q == 0:  # no query's document has a key here
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
     cu_q, cu_k, empty, _ = _offsets(runs, q.device)
     flat = lambda x: x.reshape(-1, *x.shape[2:])
-    o, lse = torch.ops.aten._flash_attention_forward(
-        flat(q), flat(k), flat(v), cu_q, cu_k, runs.max_q, runs.max_k, 0.0, mask.kind is MaskKind.CAUSAL, False,
-        scale=scale)[:2]
+    o, lse = flash_forward(
+        flat(q), flat(k), flat(v), cu_q, cu_k, runs.max_q, runs.max_k, 0.0, causal, False, scale=scale)[:2]
     lse = lse.float()  # [h, b·t]
     if empty is not None:
         o = o.masked_fill(empty[:, None, None], 0.0)
@@ -86,9 +116,10 @@ def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, posi
 
 
 def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
-    runs = _runs(mask, segments) if dlse is None and _fits(mask, segments, positions, q.dtype) else None
-    if runs is None:
+    plan = None if dlse is not None else _plan(mask, segments, positions, q.dtype)
+    if plan is None:
         return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
+    runs, causal = plan
     b, t, h, d = q.shape
     if runs.max_k == 0 or runs.max_q == 0:
         return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
@@ -99,9 +130,9 @@ def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
         lse_packed = lse_packed.masked_fill(empty[None, :], 0.0)
     rng, unused = _rng_state(q.device, dtype, d)
     flat = lambda x: x.reshape(-1, *x.shape[2:])
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    dq, dk, dv = flash_backward(
         flat(do.to(dtype)), flat(q), flat(k), flat(v), flat(o.to(dtype)), lse_packed, cu_q, cu_k, runs.max_q,
-        runs.max_k, 0.0, mask.kind is MaskKind.CAUSAL, rng, unused, scale=scale)
+        runs.max_k, 0.0, causal, rng, unused, scale=scale)
     if empty is not None:
         dq = dq.masked_fill(empty[:, None, None], 0.0)
     if unread is not None:  # keys no query reads: zero, written here rather than trusted to the kernel
@@ -112,7 +143,9 @@ def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
 def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
     if softcap:  # the FA2 varlen op soft-caps nothing: a capped block runs on the portable kernel (block.capped_backend)
         return False
-    return mask.documents and mask.window is None and mask.kind is not MaskKind.STRICT and dtype in LOW_PRECISION
+    if dtype not in LOW_PRECISION or mask.kind is MaskKind.STRICT:
+        return False
+    return (mask.documents and mask.window is None) or by_token_index(mask)
 
 
 register_backend(BlockBackend("aten_varlen", varlen_block_fwd, varlen_block_bwd, supports=_supports,

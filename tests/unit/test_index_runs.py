@@ -1,0 +1,108 @@
+"""Tier 1 — ``seqplan.documents.index_runs``, the run list of a block whose causal mask is by token
+index (``token_index`` calls), proved against the mask it stands for: per-run attention in place,
+under the one varlen mask it returns, sees exactly the pairs "same document and key index <= query
+index" allows — on every block of the per-document zigzag (which it must express) and of the
+static layouts, and on shuffled indices, which it may refuse (None) but never approximate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import pairs_from_runs, sorted_document_ids
+from seqplan.documents import index_runs
+from seqplan.layouts import document_layout, layout_permutation, pad_documents
+
+
+def _pairs_by_index(q_ids, kv_ids, q_index, kv_index) -> np.ndarray:
+    b, t = q_index.shape
+    s = kv_index.shape[1]
+    seen = np.zeros((b * t, b * s), bool)
+    for row in range(b):
+        block = (q_ids[row][:, None] == kv_ids[row][None, :]) & (kv_index[row][None, :] <= q_index[row][:, None])
+        seen[row * t:(row + 1) * t, row * s:(row + 1) * s] = block
+    return seen
+
+
+def _check(q_ids, kv_ids, q_index, kv_index, must: bool) -> str | None:
+    """Assert the runs are exact; returns the mask used ("causal" / "full") or None if refused."""
+    got = index_runs(q_ids, kv_ids, q_index, kv_index)
+    if got is None:
+        assert not must, "a block of a layout the runs must express was refused"
+        return None
+    runs, causal = got
+    b, t = q_index.shape
+    seen = pairs_from_runs(runs, b, t, kv_index.shape[1], causal)
+    np.testing.assert_array_equal(seen, _pairs_by_index(q_ids, kv_ids, q_index, kv_index))
+    if runs.empty_rows is not None:  # the adapter zeroes exactly the rows that see nothing
+        np.testing.assert_array_equal(runs.empty_rows, ~seen.any(1))
+    return "causal" if causal else "full"
+
+
+def _blocks(ids, index, ring: int):
+    """Every (device, source) block of a ring over ``ring`` shards, in layout order."""
+    t = ids.shape[1] // ring
+    part = lambda x, r: x[:, r * t:(r + 1) * t]
+    for device in range(ring):
+        for source in range(ring):
+            yield device, source, part(ids, device), part(ids, source), part(index, device), part(index, source)
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_per_document_zigzag_every_block_exact(trial, seed):
+    """The layout the runs exist for: every block expressible — the diagonal one causal run per
+    document, every other block full runs — and exact."""
+    rng = np.random.default_rng(seed + trial)
+    ring, b = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+    ids, _ = pad_documents(sorted_document_ids(rng, b, int(rng.integers(2, 40))), ring)
+    layout = document_layout(ids, ring)
+    laid = np.take_along_axis(ids, layout.perm, 1)
+    for device, source, *block in _blocks(laid, layout.token_index, ring):
+        mask = _check(*block, must=True)
+        assert mask == "causal" or device != source or ring == 1 and mask == "full"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("trial", range(6))
+def test_static_layouts_as_token_indices(layout, trial, seed):
+    """Token indices equal to a static layout's: every block of the contiguous layout is
+    expressible; zigzag blocks may be refused (a document spanning both halves of a shard) but
+    are exact whenever taken. Also without ids (one document per row)."""
+    rng = np.random.default_rng(seed + 50 + trial)
+    ring, b = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+    seq = 2 * ring * int(rng.integers(1, 8))
+    ids = sorted_document_ids(rng, b, seq)
+    index = np.broadcast_to(layout_permutation(seq, layout, ring), (b, seq)).astype(np.int32)
+    laid = np.take_along_axis(ids, index, 1)
+    for _, _, q_ids, kv_ids, q_index, kv_index in _blocks(laid, index, ring):
+        _check(q_ids, kv_ids, q_index, kv_index, must=layout == "contiguous")
+        _check(np.zeros_like(q_ids), np.zeros_like(kv_ids), q_index, kv_index, must=layout == "contiguous")
+        bare, one = (index_runs(ids, ids_k, q_index, kv_index)
+                     for ids, ids_k in ((None, None), (np.zeros_like(q_ids), np.zeros_like(kv_ids))))
+        assert (bare is None) == (one is None)
+        if bare is not None:
+            assert bare[1] == one[1] and np.array_equal(bare[0].cu_q, one[0].cu_q)
+            assert np.array_equal(bare[0].cu_k, one[0].cu_k)
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_shuffled_indices_refused_or_exact(trial, seed):
+    """Arbitrary token indices: whatever is taken is exact (most are refused)."""
+    rng = np.random.default_rng(seed + 100 + trial)
+    b, t, s = int(rng.integers(1, 3)), int(rng.integers(1, 10)), int(rng.integers(1, 10))
+    q_ids, kv_ids = (np.sort(rng.integers(0, 3, (b, n)), 1) for n in (t, s))
+    q_index, kv_index = (rng.permutation(40)[:n] for n in (t, s))
+    q_index = np.stack([np.sort(q_index) if rng.random() < 0.5 else q_index] * b)
+    kv_index = np.stack([np.sort(kv_index) if rng.random() < 0.7 else kv_index] * b)
+    _check(q_ids, kv_ids, q_index, kv_index, must=False)
+
+
+def test_needs_both_masks_refused():
+    """One document square (causal) beside one whose queries all follow its keys (full): one
+    varlen call applies one mask, so the block is refused rather than run under either."""
+    q_ids = kv_ids = np.array([[0, 0, 1, 1]])
+    q_index = np.array([[0, 1, 12, 13]])
+    kv_index = np.array([[0, 1, 10, 11]])
+    assert index_runs(q_ids, kv_ids, q_index, kv_index) is None
+    assert index_runs(q_ids[:, :2], kv_ids[:, :2], q_index[:, :2], kv_index[:, :2])[1] is True
+    assert index_runs(q_ids[:, 2:], kv_ids[:, 2:], q_index[:, 2:], kv_index[:, 2:])[1] is False
