@@ -412,6 +412,15 @@ def token_index_window(window: tuple[int, int] | None, causal: bool) -> tuple[in
     return (window[0], 0) if causal else window
 
 
+def by_token_index(mask: BlockMask) -> bool:
+    """A block of a causal call given ``token_index`` and no window of its own: kind FULL and the
+    window ``(UNBOUNDED, 0)`` — "key index <= query index" on the token indices the kernel gets
+    as ``positions``. A varlen kernel can run such a block from run lists
+    (``seqplan.documents.index_runs``; JAX: ``jax_impl/kernels/runs.index_segments``)."""
+    return (mask.kind is MaskKind.FULL and mask.window is not None and mask.window[0] >= UNBOUNDED
+            and mask.window[1] == 0)
+
+
 def window_reach(layout: str, causal: bool, window: tuple[int, int] | None, shard_len: int, size: int) -> int | None:
     """How many ring steps past its own shard any device needs under ``window`` — the reach a
     of a truncated ring — or None when the whole ring is needed. Built where it pays and is

@@ -10,7 +10,12 @@ off-diagonal block of a causal call: ``runs.boundary_runs``) is three runs a row
 memory instead, no gather. A query document with no key in the block gets o = 0, lse = -inf and
 zero dq, and a key no query reads zero dK / dV, written here; gathered dK / dV are scattered back
 to the block's keys. The backward's ``max_seqlen`` is the smallest of ``runs.length_ladder``
-that bounds the block's longest run (its grid is launched for it). A block
+that bounds the block's longest run (its grid is launched for it). A block of a causal call given
+``token_index`` (FULL, the window "key index <= query index" on per-row ``positions``:
+``seqplan.schedule.by_token_index``) takes the same forms through ``runs.index_dispatch``: a
+diagonal block whose indices increase within each document is the causal document block, any
+other the FULL document block on ``runs.index_segments``' new ids (queries that see a key prefix
+of their document, keys in it). A block
 that is not expressible as runs goes to the portable kernel (the same ``lax.switch``); a window,
 a strict block or an lse cotangent go there statically — never guessed, never unmasked.
 
@@ -33,12 +38,12 @@ import jax
 import jax.numpy as jnp
 
 from seqplan.routing import LOW_PRECISION
-from seqplan.schedule import BlockMask, MaskKind
+from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
 from ..block import BlockBackend, register_backend
 from .fa3 import MAX_TILE_ROWS, verified
 from .reference import reference_block_bwd, reference_block_fwd
-from .runs import dispatch
+from .runs import dispatch, index_dispatch
 
 F32 = jnp.float32
 
@@ -105,30 +110,46 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs):
 
 
 def _static_fit(mask: BlockMask, q, segments, positions, dlse=None) -> bool:
-    return (segments is not None and positions is None and dlse is None and mask.window is None
-            and mask.kind is not MaskKind.STRICT and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0)
+    """Whether the block can take the document form (``segments``, no window) or the token-index
+    form (:func:`by_token_index`, per-row ``positions``) at all — decided on static facts."""
+    if dlse is not None or mask.kind is MaskKind.STRICT or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    if q.shape[-1] % 8:
+        return False
+    if mask.window is None:
+        return segments is not None and positions is None
+    return by_token_index(mask) and positions is not None and positions[0].ndim == 2
 
 
 def fa3_varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
+    portable = lambda: reference_block_fwd(q, k, v, mask, scale, segments, positions)
     if not _static_fit(mask, q, segments, positions):
-        return reference_block_fwd(q, k, v, mask, scale, segments, positions)
+        return portable()
+    kernel = lambda causal, runs: varlen_fwd(q, k, v, causal, scale, runs)
+    if mask.window is not None:
+        return index_dispatch(segments, positions, kernel, portable)
     causal = mask.kind is MaskKind.CAUSAL
-    return dispatch(segments, causal, lambda runs: varlen_fwd(q, k, v, causal, scale, runs),
-                    lambda: reference_block_fwd(q, k, v, mask, scale, segments, positions), boundary=True)
+    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, boundary=True)
 
 
 def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
                          positions=None):
+    portable = lambda: reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
     if not _static_fit(mask, q, segments, positions, dlse):
-        return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
+        return portable()
+    kernel = lambda causal, runs: varlen_bwd(do, q, k, v, o, lse, causal, scale, runs)
+    if mask.window is not None:
+        return index_dispatch(segments, positions, kernel, portable, lengths=True)
     causal = mask.kind is MaskKind.CAUSAL
-    return dispatch(segments, causal, lambda runs: varlen_bwd(do, q, k, v, o, lse, causal, scale, runs),
-                    lambda: reference_block_bwd(do, q, k, v, o, lse, mask, scale, None, segments, positions),
-                    boundary=True, lengths=True)
+    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, boundary=True, lengths=True)
+
+
+def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
+    if softcap or mask.kind is MaskKind.STRICT or dtype not in LOW_PRECISION:
+        return False
+    return (mask.documents and mask.window is None) or by_token_index(mask)
 
 
 register_backend(BlockBackend(
     "fa3_varlen", fa3_varlen_block_fwd, fa3_varlen_block_bwd, typed_for_shard_map=False,
-    supports=lambda mask, dtype, softcap=False: (not softcap and mask.documents and mask.window is None
-                                                 and mask.kind is not MaskKind.STRICT and dtype in LOW_PRECISION),
-    available=verified))
+    supports=_supports, available=verified))

@@ -59,18 +59,23 @@ def length_ladder(n: int) -> tuple[int, ...]:
     return tuple(sorted({max(min(n, 256), n * eighths // 8) for eighths in (1, 2, 3, 4, 6, 8)}))
 
 
-def dispatch(segments, causal: bool, kernel, portable, slots=RUN_SLOTS, form=None, *, boundary: bool = False,
-             lengths: bool = False):
+def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *, boundary: bool = False,
+             lengths: bool = False, valid=None):
     """``kernel(runs)`` with ``runs = form(q_ids, kv_ids, causal, m)`` for the smallest m of ``slots``
     that holds the block's runs, or ``portable()`` when none does or the block is not expressible
     — one ``lax.switch``, decided on the device (``form``: :func:`varlen_offsets` by default).
     ``boundary`` (FlashAttention's form, FULL blocks): first try :func:`boundary_runs` — keys that
     all precede the queries, one document at most shared — three runs a row, no gather.
     ``lengths``: also pick the smallest of :func:`length_ladder` that bounds the longest run,
-    given to the kernel as ``runs["max_q"]`` / ``runs["max_k"]`` (the backward's grid)."""
+    given to the kernel as ``runs["max_q"]`` / ``runs["max_k"]`` (the backward's grid).
+    ``valid`` (traced bool, or None): the caller's own condition for the runs to be exact (the
+    token-index forms: :func:`index_segments`); False sends the block to ``portable()``."""
     form = varlen_offsets if form is None else form
+    slots = RUN_SLOTS if slots is None else slots
     q_ids, kv_ids = segments
     ok, most = expressible(q_ids, kv_ids, causal)
+    if valid is not None:
+        ok = ok & valid
     t, s = q_ids.shape[1], kv_ids.shape[1]
     sizes = sorted({min(m, t) for m in slots})
     index = jnp.where(ok, jnp.searchsorted(jnp.asarray(sizes), most), len(sizes))
@@ -89,7 +94,7 @@ def dispatch(segments, causal: bool, kernel, portable, slots=RUN_SLOTS, form=Non
         index = jnp.minimum(index, len(sizes))
     if boundary and not causal:
         edge = boundary_runs(q_ids, kv_ids)
-        index = jnp.where(edge["ok"], 0, index + 1)
+        index = jnp.where(edge["ok"] & (True if valid is None else valid), 0, index + 1)
         branches.insert(0, lambda: kernel(edge))
     # every branch returns the kernel's dtypes (its o / dq may stay in the inputs' dtype): the
     # portable kernel's float32 results are cast to them
@@ -203,3 +208,91 @@ def varlen_offsets(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS):
     run = jnp.clip(jnp.searchsorted(cu_k, p, side="right") - 1, 0, b * m - 1)
     kv_index = jnp.where(p < cu_k[-1], kv_start[run] + p - cu_k[run], b * s).astype(jnp.int32)
     return {**seg, "cu_q": cu_q, "cu_k": cu_k, "kv_index": kv_index, "identity": causal}
+
+
+# ---- blocks masked by token index (``token_index`` calls) ----------------------------------------
+
+def _bisect_right(sorted_ids, sorted_index, ids, index):
+    """Per (id, index) of ``ids``, ``index`` (any shape), how many entries of the lexicographically
+    sorted pairs (``sorted_ids``, ``sorted_index``) [n] are <= it — a vectorized binary search of
+    ceil(log2(n + 1)) static steps."""
+    n = sorted_ids.shape[0]
+    lo, hi = jnp.zeros(ids.shape, jnp.int32), jnp.full(ids.shape, n, jnp.int32)
+    for _ in range(n.bit_length()):
+        mid = (lo + hi) // 2
+        at = jnp.minimum(mid, n - 1)
+        below = (sorted_ids[at] < ids) | ((sorted_ids[at] == ids) & (sorted_index[at] <= index))
+        active = lo < hi
+        lo, hi = jnp.where(active & below, mid + 1, lo), jnp.where(active & ~below, mid, hi)
+    return lo
+
+
+def _row_index_segments(q_ids, kv_ids, q_index, kv_index):
+    t = q_ids.shape[0]
+    order = jnp.lexsort((kv_index, kv_ids))
+    k_ids, k_index = kv_ids[order], kv_index[order]
+    count = lambda ids, index: _bisect_right(k_ids, k_index, ids, index) - jnp.searchsorted(k_ids, ids, side="left")
+    seen = count(q_ids, q_index)  # keys of each query's document with index <= its own
+    q_order = jnp.argsort(q_ids, stable=True)
+    sorted_q = q_ids[q_order]
+    document = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), bool), sorted_q[1:] != sorted_q[:-1]]))
+    most = jax.ops.segment_max(seen[q_order], document, num_segments=t)
+    never = jnp.iinfo(jnp.int32).max  # no count reaches it
+    least = jax.ops.segment_min(jnp.where(seen[q_order] > 0, seen[q_order], never), document, num_segments=t)
+    real = jnp.arange(t) <= document[-1]
+    ok = jnp.all(~real | (most == 0) | (most == least))
+    at = jnp.minimum(jnp.searchsorted(sorted_q, kv_ids, side="left"), t - 1)
+    prefix = jnp.where(sorted_q[at] == kv_ids, most[document[at]], 0)  # the keys its document's queries see
+    visible = count(kv_ids, kv_index) <= prefix
+    return (jnp.where(seen > 0, 3 * q_ids, 3 * q_ids + 1).astype(q_ids.dtype),
+            jnp.where(visible, 3 * kv_ids, 3 * kv_ids + 2).astype(kv_ids.dtype), ok)
+
+
+def index_segments(q_ids, kv_ids, q_index, kv_index):
+    """A block masked by token index (same document and key index <= query index: a ``token_index``
+    call's FULL block with the window ``(UNBOUNDED, 0)``) as a document mask on new ids, when one
+    exists: ``(q_ids', kv_ids', ok)``. Each query sees a set of keys of its document nested by its
+    index; when every query of a document that sees any key sees the same number of them, the
+    visible pairs are exactly ``q_ids' == kv_ids'`` with q' = 3·id for those queries, 3·id + 1 for
+    the others (they see nothing), k' = 3·id for the keys they see, 3·id + 2 for the rest (3·id + r
+    never collides across documents). ``ok`` (traced bool) says whether that holds in every row;
+    then :func:`dispatch` runs the block FULL on the new ids (``valid=ok``). On the per-document
+    zigzag every block off the diagonal holds, and so does the contiguous layout's. Traced, static
+    shapes: two sorts and binary searches per row, no [t, s] comparison."""
+    q_new, kv_new, ok = jax.vmap(_row_index_segments)(q_ids, kv_ids, q_index, kv_index)
+    return q_new, kv_new, jnp.all(ok)
+
+
+def increasing_in_documents(ids, index):
+    """Whether the token indices increase along every run of equal ids (traced bool): a diagonal
+    block (queries = keys) whose documents are runs is then, by token index, exactly the document
+    mask with the block's own causal mask."""
+    same = ids[:, 1:] == ids[:, :-1]
+    return jnp.all(~same | (index[:, 1:] > index[:, :-1]))
+
+
+def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = False):
+    """:func:`dispatch` for a block masked by token index (``positions = (q_index [b, t],
+    kv_index [b, s])``, ``segments`` the ids or None: one document per row): a diagonal block
+    (equal indices and ids) runs as the causal document block when its indices increase within
+    each document (:func:`increasing_in_documents`), any other as the FULL document block on
+    :func:`index_segments`' ids — one ``lax.cond`` between the two, each falling back to
+    ``portable()`` when its condition fails. ``kernel(causal, runs)``."""
+    q_index, kv_index = positions
+    q_ids, kv_ids = segments if segments is not None else (jnp.zeros(q_index.shape, jnp.int32),
+                                                          jnp.zeros(kv_index.shape, jnp.int32))
+    q_new, kv_new, ok = index_segments(q_ids, kv_ids, q_index, kv_index)
+
+    def full():
+        return dispatch((q_new, kv_new), False, lambda runs: kernel(False, runs), portable, boundary=True,
+                        lengths=lengths, valid=ok)
+
+    if q_index.shape != kv_index.shape:
+        return full()
+
+    def causal():
+        return dispatch((q_ids, kv_ids), True, lambda runs: kernel(True, runs), portable, lengths=lengths,
+                        valid=increasing_in_documents(q_ids, q_index))
+
+    diagonal = jnp.all(q_index == kv_index) & jnp.all(q_ids == kv_ids)
+    return jax.lax.cond(diagonal, causal, full)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import types
+from functools import partial
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 
+from helpers import FULL
 from seqplan.schedule import BlockMask, MaskKind
 
 F32 = jnp.float32
@@ -142,3 +144,54 @@ def test_fa3_varlen_adapter_matches_the_portable_kernel(name, emulated_fa3):
     for got, want in zip((o_f, *grads_f), (o_r, *grads_r)):
         want = np.asarray(want)
         assert np.max(np.abs(np.asarray(got) - want)) <= 1e-2 * max(np.max(np.abs(want)), 1.0)
+
+
+# the default tier: ring 2 with ids (compiling every block's varlen forms dominates); --full: a ring
+# of 4 and the token indices without ids
+REPLAY_CASES = [(2, True)] + ([(4, True), (2, False)] if FULL else [])
+
+
+@pytest.mark.parametrize("ring, with_ids", REPLAY_CASES)
+def test_token_index_replay_runs_every_block_on_the_varlen_kernel(ring, with_ids, emulated_fa3, monkeypatch, seed):
+    """The JAX replay of the per-document zigzag with explicit token indices on ``fa3_varlen``
+    (emulated): every block takes a varlen form — the portable fallback is replaced by NaNs, so
+    one block left to it at run time would show — and the result equals the portable kernel's.
+    ``with_ids=False``: one document per row, the token indices alone."""
+    from jax_impl import replay
+    from seqplan.layouts import document_layout, pad_documents
+    from seqplan.strategy import Strategy
+
+    ids = np.array([[0] * 9 + [1] + [2] * 30 + [3] * 3, [7] * 3 + [8] * 37 + [9] * 3])  # a length-1 document
+    if not with_ids:
+        ids = np.zeros((2, 16 * ring), np.int64)
+    padded, _ = pad_documents(ids, ring)
+    layout = document_layout(padded, ring)
+    laid = jnp.asarray(np.take_along_axis(padded, layout.perm, 1).astype(np.int32))
+    index = jnp.asarray(layout.token_index)
+    t = padded.shape[1]
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q, do = (jax.random.normal(kk, (2, t, 4, 16), F32).astype(jnp.float16) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (2, t, 2, 16), F32).astype(jnp.float16) for kk in keys[2:])
+
+    @partial(jax.jit, static_argnums=0)  # one program: eager dispatch retraces every switch
+    def run(backend, q, k, v, do, index, laid):
+        kw = dict(strategy=Strategy(ring=ring), causal=True, layout="contiguous", token_index=index,
+                  segment_ids=laid if with_ids else None, block_backend=backend)
+        o, lse = replay.replay_attention(q, k, v, **kw)
+        return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, **kw))
+
+    want = run("reference", q, k, v, do, index, laid)
+    from jax_impl.kernels import runs
+
+    # one run-slot count and one length bound (they hold these blocks): one branch per form to compile
+    monkeypatch.setattr(runs, "RUN_SLOTS", (16,))
+    monkeypatch.setattr(runs, "length_ladder", lambda n: (n,))
+    nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
+    monkeypatch.setattr(emulated_fa3, "reference_block_fwd",
+                        lambda q, k, v, *a, **kw: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)))
+    monkeypatch.setattr(emulated_fa3, "reference_block_bwd", lambda do, q, k, v, *a, **kw: nan(q, k, v))
+    got = run("fa3_varlen", q, k, v, do, index, laid)
+    for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.isfinite(x).all(), f"{name}: a block ran on the portable fallback (NaN planted there)"
+        assert np.linalg.norm(x - y) <= 1e-2 * np.linalg.norm(y), name

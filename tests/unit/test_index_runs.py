@@ -106,3 +106,58 @@ def test_needs_both_masks_refused():
     assert index_runs(q_ids, kv_ids, q_index, kv_index) is None
     assert index_runs(q_ids[:, :2], kv_ids[:, :2], q_index[:, :2], kv_index[:, :2])[1] is True
     assert index_runs(q_ids[:, 2:], kv_ids[:, 2:], q_index[:, 2:], kv_index[:, 2:])[1] is False
+
+
+# ---- the traced counterpart (JAX): index_segments' new ids, index_dispatch's conditions ----------
+
+def _check_traced(q_ids, kv_ids, q_index, kv_index, must: bool) -> None:
+    """index_segments' ids stand for the token-index mask exactly whenever ``ok``; on a diagonal
+    block of increasing documents the causal document mask does."""
+    jnp = pytest.importorskip("jax.numpy")
+    from jax_impl.kernels.runs import increasing_in_documents, index_segments
+
+    truth = _pairs_by_index(q_ids, kv_ids, q_index, kv_index)
+    b, t = q_index.shape
+    s = kv_index.shape[1]
+    if t == s and np.array_equal(q_index, kv_index) and np.array_equal(q_ids, kv_ids):
+        ok = bool(increasing_in_documents(jnp.asarray(q_ids), jnp.asarray(q_index)))
+        assert ok or not must
+        if ok:
+            causal = np.zeros_like(truth)
+            for row in range(b):
+                causal[row * t:(row + 1) * t, row * s:(row + 1) * s] = ((q_ids[row][:, None] == kv_ids[row][None, :])
+                                                                        & np.tri(t, s, dtype=bool))
+            np.testing.assert_array_equal(causal, truth)
+        return
+    import jax
+
+    traced = jax.jit(index_segments)  # one compiled program per shape (eager dispatch is slower)
+    q_new, kv_new, ok = (np.asarray(x) for x in traced(*(jnp.asarray(x) for x in (q_ids, kv_ids, q_index, kv_index))))
+    assert bool(ok) or not must, "a block of a layout the new ids must express was refused"
+    if bool(ok):
+        got = np.zeros_like(truth)
+        for row in range(b):
+            got[row * t:(row + 1) * t, row * s:(row + 1) * s] = q_new[row][:, None] == kv_new[row][None, :]
+        np.testing.assert_array_equal(got, truth)
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_traced_forms_of_the_per_document_zigzag(trial, seed):
+    rng = np.random.default_rng(seed + 200 + trial)
+    ring, b = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+    ids, _ = pad_documents(sorted_document_ids(rng, b, int(rng.integers(2, 40))), ring)
+    layout = document_layout(ids, ring)
+    laid = np.take_along_axis(ids, layout.perm, 1).astype(np.int32)
+    for _, _, *block in _blocks(laid, layout.token_index.astype(np.int32), ring):
+        _check_traced(*block, must=True)
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_traced_forms_refuse_or_are_exact(trial, seed):
+    rng = np.random.default_rng(seed + 300 + trial)
+    b, t, s = int(rng.integers(1, 3)), int(rng.integers(1, 10)), int(rng.integers(1, 10))
+    q_ids, kv_ids = (np.sort(rng.integers(0, 3, (b, n)), 1).astype(np.int32) for n in (t, s))
+    q_index, kv_index = (rng.permutation(40)[:n] for n in (t, s))
+    q_index = np.stack([np.sort(q_index) if rng.random() < 0.5 else q_index] * b).astype(np.int32)
+    kv_index = np.stack([np.sort(kv_index) if rng.random() < 0.7 else kv_index] * b).astype(np.int32)
+    _check_traced(q_ids, kv_ids, q_index, kv_index, must=False)

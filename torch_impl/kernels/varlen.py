@@ -33,7 +33,7 @@ import torch
 
 from seqplan.documents import DocumentRuns, document_runs, index_runs
 from seqplan.routing import LOW_PRECISION
-from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind
+from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
@@ -55,13 +55,6 @@ def flash_backward(*args, **kwargs):
 def _host(pair):
     host = getattr(pair, "host", None)  # the loops' host copy (seqplan.documents.HostPair): no sync
     return host if host is not None else tuple(x.cpu().numpy() for x in pair)
-
-
-def by_token_index(mask: BlockMask) -> bool:
-    """A FULL block whose window is "key index <= query index" (``schedule.token_index_window``
-    of a causal call given ``token_index``, no window of its own): what :func:`index_runs` plans."""
-    return (mask.kind is MaskKind.FULL and mask.window is not None and mask.window[0] >= UNBOUNDED
-            and mask.window[1] == 0)
 
 
 def _plan(mask: BlockMask, segments, positions, dtype) -> tuple[DocumentRuns, bool] | None:
