@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, replace
 
 from .common import Problem, Row
-from .documents import DOCUMENT_ZIGZAG, layout_keywords, verify_document_path
+from .documents import DOCUMENT_LAYOUTS, layout_keywords, verify_document_path
 
 __all__ = ["STRATEGIES", "ReplaySpec", "main", "replay_rows"]
 
@@ -80,10 +80,10 @@ def _mask_keywords(problem: Problem, spec: ReplaySpec, to_array) -> dict:
     (which then only fixes seq's divisibility: the masks read the token indices)."""
     kw = {}
     ids = problem.segment_ids()
-    if spec.layout == DOCUMENT_ZIGZAG:
+    if spec.layout in DOCUMENT_LAYOUTS:
         if ids is None:
-            raise ValueError("--layout document-zigzag needs --documents")
-        laid = layout_keywords(ids, spec.ring)
+            raise ValueError(f"--layout {spec.layout} needs --documents")
+        laid = layout_keywords(ids, spec.ring, spec.layout)
         kw.update(layout="contiguous", segment_ids=to_array(laid["segment_ids"]),
                   token_index=to_array(laid["token_index"]))
     elif ids is not None:
@@ -250,19 +250,20 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
 
     from .verify import reduced_case, verify_path
 
-    per_document = spec.layout == DOCUMENT_ZIGZAG
+    per_document = spec.layout in DOCUMENT_LAYOUTS
     # the parity case of the path (the per-document zigzag: its static stand-in, for the resolved
     # kernels; a balance mix: the harness's "mix" pattern)
     case = reduced_case(spec.shape(), "contiguous" if per_document else spec.layout, problem)
+    resolved_case = replace(case, token_index=True) if per_document else case  # its blocks' masks
     extra = {"block_backend": backend, "strategy_name": spec.name, "heads": problem.heads,
-             "kv_heads": problem.kv_heads, "resolved": resolved_backends(framework, backend, case, devices),
+             "kv_heads": problem.kv_heads, "resolved": resolved_backends(framework, backend, resolved_case, devices),
              "documents": problem.documents, "window": problem.window,
-             "verified_as": "per-document zigzag replay vs the float64 oracle, 2048 tokens" if per_document
+             "verified_as": f"{spec.layout} replay vs the float64 oracle, 2048 tokens" if per_document
              else case.name}
     try:
         if per_document:
             verdict = verify_document_path(framework, problem, spec.ring, spec.ulysses, spec.outer, spec.kv_exchange,
-                                           backend, devices, seed=seed)
+                                           backend, devices, seed=seed, layout=spec.layout)
         else:
             verdict = verify_path(framework, case, backend, devices, replay=True, seed=seed)
     except Exception as err:  # noqa: BLE001 — a path that cannot be checked is not verified
@@ -292,7 +293,8 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
 
     # each virtual device's queries: ring shard device // U (original positions; TFLOP/s on its own pairs)
     if per_document:
-        shard_positions = layout_keywords(problem.segment_ids(), spec.ring)["token_index"][0].reshape(spec.ring, -1)
+        laid = layout_keywords(problem.segment_ids(), spec.ring, spec.layout)
+        shard_positions = laid["token_index"][0].reshape(spec.ring, -1)
     else:
         shard_positions = ring_positions(spec.layout, spec.ring, problem.seq // spec.ring)
     # busiest / mean device fwd+bwd time over the devices timed (every one with --replay-devices all)
@@ -379,8 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="packed documents: a parity.core.documents pattern drawn at seed 0 (e.g. mix) or a "
                          "parity.probes.balance.MIXES name (short, heavy-tail, few-long); TFLOP/s count the mask area")
     ap.add_argument("--layout", default=None,
-                    help="every strategy's layout instead of its own: contiguous, zigzag, stripe or document-zigzag "
-                         "(the per-document zigzag with explicit token indices; needs --documents)")
+                    help="comma-separated layouts every strategy runs in instead of its own: contiguous, zigzag, "
+                         "stripe, document-zigzag, document-hybrid (the per-row layouts pass explicit token "
+                         "indices; they need --documents)")
     ap.add_argument("--window", type=int, default=None, help="sliding window left extent (right 0)")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                     help=f"comma-separated of {sorted(STRATEGIES)} (default: {','.join(DEFAULT_STRATEGIES)})")
@@ -414,11 +417,14 @@ def main(argv=None) -> list[Row]:
     problem = Problem(seq=a.seq, **shape, **masks)
     specs = [STRATEGIES[n] for n in a.strategies.split(",") if n]
     if a.layout is not None:
-        if a.layout not in ("contiguous", "zigzag", "stripe", DOCUMENT_ZIGZAG):
-            raise SystemExit(f"--layout must be contiguous, zigzag, stripe or {DOCUMENT_ZIGZAG}, got {a.layout!r}")
-        if a.layout == DOCUMENT_ZIGZAG and a.documents == "none":
-            raise SystemExit("--layout document-zigzag needs --documents")
-        specs = [replace(spec, name=f"{spec.name}:{a.layout}", layout=a.layout) for spec in specs]
+        layouts = [name for name in a.layout.split(",") if name]
+        for name in layouts:
+            if name not in ("contiguous", "zigzag", "stripe", *DOCUMENT_LAYOUTS):
+                raise SystemExit(f"--layout takes contiguous, zigzag, stripe, {', '.join(DOCUMENT_LAYOUTS)}; "
+                                 f"got {name!r}")
+            if name in DOCUMENT_LAYOUTS and a.documents == "none":
+                raise SystemExit(f"--layout {name} needs --documents")
+        specs = [replace(spec, name=f"{spec.name}:{name}", layout=name) for spec in specs for name in layouts]
     frameworks = [f for f in a.frameworks.split(",") if f]
     per_device = [int(t) for t in a.per_device_tokens.split(",") if t]
     # (problem, spec) pairs: one problem for the grid, or seq = tokens × devices per strategy
@@ -426,12 +432,12 @@ def main(argv=None) -> list[Row]:
         if per_device else [(problem, spec) for spec in specs]
     # the per-document zigzag: each strategy's ids fitted to its ring (benchmarks.documents)
     grid = [(replace(prob, fit_ring=spec.ring, fit_multiple=2 * spec.ring * spec.ulysses)
-             if spec.layout == DOCUMENT_ZIGZAG else prob, spec) for prob, spec in grid]
+             if spec.layout in DOCUMENT_LAYOUTS else prob, spec) for prob, spec in grid]
     if a.dry_run:
         from .verify import reduced_case
 
         for prob, spec in grid:
-            case = reduced_case(spec.shape(), "contiguous" if spec.layout == DOCUMENT_ZIGZAG else spec.layout, prob)
+            case = reduced_case(spec.shape(), "contiguous" if spec.layout in DOCUMENT_LAYOUTS else spec.layout, prob)
             print(f"{spec.name:16s} devices {spec.devices}: time devices {_devices_to_time(spec, a.replay_devices)} "
                   f"of {prob.seq} tokens; verify {case.name} (replay) for {frameworks} backend {a.backend}")
         return []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-DOCUMENT_ZIGZAG = "document-zigzag"
+from seqplan.layouts import DOCUMENT_HYBRID, DOCUMENT_LAYOUTS, DOCUMENT_ZIGZAG  # noqa: F401  (re-exported)
 
 
 def mix_names() -> tuple[str, ...]:
@@ -53,19 +53,21 @@ def fit_documents(ids: np.ndarray, ring: int, multiple: int = 1) -> np.ndarray:
     return out
 
 
-def layout_keywords(ids: np.ndarray, ring: int) -> dict:
-    """The replay's NumPy keywords of the per-document zigzag for fitted ``ids``: ``segment_ids``
-    and ``token_index`` in layout order, ``perm`` [b, seq] to lay data out (not a keyword)."""
-    from seqplan.layouts import document_layout
+def layout_keywords(ids: np.ndarray, ring: int, layout: str = DOCUMENT_ZIGZAG) -> dict:
+    """The replay's NumPy keywords of a per-row layout (``seqplan.layouts.row_layout``: the
+    per-document zigzag or hybrid) for fitted ``ids``: ``segment_ids`` and ``token_index`` in layout
+    order, ``perm`` [b, seq] to lay data out (not a keyword)."""
+    from seqplan.layouts import row_layout
 
-    layout = document_layout(ids, ring)
+    layout = row_layout(layout, ids, ring)
     return {"segment_ids": np.take_along_axis(ids, layout.perm, 1).astype(np.int32),
             "token_index": layout.token_index, "perm": layout.perm}
 
 
 def verify_document_path(framework: str, problem, ring: int, ulysses: int, outer: int, kv_exchange: str,
-                         backend: str, devices: str = "gpu", seq: int = 2048, seed: int = 0) -> tuple[bool, str]:
-    """(passed, detail): the replay of the per-document zigzag with explicit token indices, in the
+                         backend: str, devices: str = "gpu", seq: int = 2048, seed: int = 0,
+                         layout: str = DOCUMENT_ZIGZAG) -> tuple[bool, str]:
+    """(passed, detail): the replay of a per-row ``layout`` with explicit token indices, in the
     problem's dtype and backend at ``seq`` tokens (8 heads, kv heads in the problem's ratio, the
     problem's documents fitted), against the float64 oracle under the numerics policy (the
     low-precision control: the framework's dense attention in the same dtype)."""
@@ -86,7 +88,7 @@ def verify_document_path(framework: str, problem, ring: int, ulysses: int, outer
     ref = oracle(case, x)
     low = case.dtype != "float32"
     ideal = flash_ideal(case, x) if low else None
-    got = run_document_replay(framework, case, x, backend, devices)
+    got = run_document_replay(framework, case, x, backend, devices, layout)
     control = None
     if low:
         base = load_runner(framework)
@@ -96,13 +98,14 @@ def verify_document_path(framework: str, problem, ring: int, ulysses: int, outer
     checks = compare(case, got, ref, control, ideal)
     failed = [str(c) for c in checks if not c.ok]
     return (not failed, "; ".join(failed) if failed else f"{len(checks)} tensors within the policy "
-            f"(per-document zigzag, {seq} tokens, {case.dtype})")
+            f"({layout}, {seq} tokens, {case.dtype})")
 
 
-def run_document_replay(framework: str, case, x, backend: str, devices: str = "gpu") -> dict:
-    """o, lse, dq, dk, dv in original order of the replay of ``case``'s strategy over the
-    per-document zigzag of ``x.segment_ids`` (fitted), with explicit token indices."""
-    kw_np = layout_keywords(x.segment_ids, case.ring)
+def run_document_replay(framework: str, case, x, backend: str, devices: str = "gpu",
+                        layout: str = DOCUMENT_ZIGZAG) -> dict:
+    """o, lse, dq, dk, dv in original order of the replay of ``case``'s strategy over the per-row
+    ``layout`` of ``x.segment_ids`` (fitted), with explicit token indices."""
+    kw_np = layout_keywords(x.segment_ids, case.ring, layout)
     perm = kw_np.pop("perm")
     inverse = np.argsort(perm, axis=1)
 

@@ -166,8 +166,9 @@ def _cuda_ms(fn, iters: int, warmup: int) -> float:
     return float(np.median(times))
 
 
-def anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -> dict:
-    """FA2 varlen on the whole sequence's documents (the anchor the replay rows compare to)."""
+def anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem=None) -> dict:
+    """FA2 varlen on the whole sequence's documents (the anchor the replay rows compare to):
+    ``problem``'s ids (a ``benchmarks.common.Problem``; default: the harness's ``mix`` at ``seq``)."""
     import torch
 
     from benchmarks.common import Problem
@@ -199,7 +200,7 @@ def anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -> dict:
     g_r = reference_block_bwd(do, q, k, v, o_r.bfloat16(), lse_r, mask, d**-0.5, segments=(small, small))
     errors = {"o": _rel(o.float(), o_r), "dq": _rel(grads[0].float(), g_r[0])}
     verified = all(e <= 2e-2 for e in errors.values())
-    problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
+    problem = problem or Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
     fwd_ms, step_ms = run(seq, torch.from_numpy(problem.segment_ids()).to(device), True)
     return {"kernel": "FA2 varlen (aten._flash_attention_forward/_backward)", "seq": seq, "verified_at_4096": errors,
             "verified": verified, "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
@@ -289,7 +290,7 @@ def jax_ms(fn, *args, iters=5, warmup=2) -> float:
     return float(np.median(times))
 
 
-def jax_anchor(seq: int, heads=32, kv_heads=8, d=128) -> dict:
+def jax_anchor(seq: int, heads=32, kv_heads=8, d=128, problem=None) -> dict:
     """flash_attn3_jax's ``flash_mha_varlen`` (its own custom_vjp; causal, so the library's
     backward workspaces suffice: 64-row tiles) on the whole sequence's documents, checked at 4096
     tokens against the portable kernel, then timed."""
@@ -331,7 +332,7 @@ def jax_anchor(seq: int, heads=32, kv_heads=8, d=128) -> dict:
                                segments=seg)[0]
     rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())
     errors = {"o": rel(o, o_r[0]), "dq": rel(dq, dq_r[0])}
-    problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
+    problem = problem or Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
     q, k, v, do, cu, longest = inputs(seq, problem.segment_ids()[0])
     fwd, step = programs(cu, longest)
     fwd_ms, step_ms = jax_ms(fwd, q, k, v), jax_ms(step, q, k, v, do)

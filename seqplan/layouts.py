@@ -14,8 +14,9 @@ import numpy as np
 
 from .schedule import LAYOUTS
 
-__all__ = ["DOCUMENT_ZIGZAG", "LAYOUTS", "RowLayout", "document_layout", "document_runs", "layout_permutation",
-           "pad_documents", "ring_positions", "rope_positions", "seq_multiple", "static_token_index"]
+__all__ = ["DOCUMENT_HYBRID", "DOCUMENT_LAYOUTS", "DOCUMENT_ZIGZAG", "LAYOUTS", "RowLayout", "document_layout",
+           "document_runs", "hybrid_layout", "layout_permutation", "pad_documents", "ring_positions", "row_layout",
+           "rope_positions", "seq_multiple", "static_token_index"]
 
 
 def seq_multiple(layout: str, ring_size: int, ulysses_size: int = 1) -> int:
@@ -54,6 +55,8 @@ def ring_positions(layout: str, size: int, t: int) -> np.ndarray:
 # ---- the per-document zigzag (explicit, per-row layouts) -----------------------------------------
 
 DOCUMENT_ZIGZAG = "document-zigzag"  # not a static layout: a per-row permutation built from the ids
+DOCUMENT_HYBRID = "document-hybrid"  # long documents as document-zigzag, short ones whole, balanced
+DOCUMENT_LAYOUTS = (DOCUMENT_ZIGZAG, DOCUMENT_HYBRID)
 
 
 @dataclass(frozen=True)
@@ -107,13 +110,7 @@ def document_layout(segment_ids, ring_size: int) -> RowLayout:
     perm = np.empty((batch, seq), np.int64)
     for row in range(batch):
         starts, lengths = document_runs(ids[row])
-        bad = np.flatnonzero(lengths % n_chunks)
-        if len(bad):
-            d = int(bad[0])
-            raise ValueError(
-                f"document-zigzag needs every document length divisible by 2·R = {n_chunks}; row {row}, document "
-                f"{d} (id {ids[row, starts[d]]}, tokens {starts[d]}..{starts[d] + lengths[d] - 1}) has length "
-                f"{lengths[d]}: pad with seqplan.layouts.pad_documents first")
+        _check_split(lengths, starts, ids[row], row, n_chunks, np.ones(len(lengths), bool), DOCUMENT_ZIGZAG)
         shards = [[] for _ in range(ring_size)]
         for start, length in zip(starts.tolist(), lengths.tolist()):
             chunk = length // n_chunks
@@ -121,9 +118,97 @@ def document_layout(segment_ids, ring_size: int) -> RowLayout:
                 for c in (r, n_chunks - 1 - r):
                     shards[r].append(np.arange(start + c * chunk, start + (c + 1) * chunk))
         perm[row] = np.concatenate([np.concatenate(s) for s in shards])
+    return _row_layout(perm)
+
+
+def _row_layout(perm: np.ndarray) -> RowLayout:
     inverse = np.empty_like(perm)
-    np.put_along_axis(inverse, perm, np.arange(seq)[None, :].repeat(batch, 0), axis=1)
+    np.put_along_axis(inverse, perm, np.arange(perm.shape[1])[None, :].repeat(perm.shape[0], 0), axis=1)
     return RowLayout(perm, inverse, perm.astype(np.int32))
+
+
+def _check_split(lengths: np.ndarray, starts: np.ndarray, ids_row: np.ndarray, row: int, n_chunks: int,
+                 split: np.ndarray, name: str) -> None:
+    bad = np.flatnonzero(split & (lengths % n_chunks != 0))
+    if len(bad):
+        d = int(bad[0])
+        raise ValueError(
+            f"{name} needs every document it splits to have a length divisible by 2·R = {n_chunks}; row {row}, "
+            f"document {d} (id {ids_row[starts[d]]}, tokens {starts[d]}..{starts[d] + lengths[d] - 1}) has length "
+            f"{lengths[d]}: pad with seqplan.layouts.pad_documents first")
+
+
+def default_split_at(seq: int, ring_size: int) -> int:
+    """The per-document hybrid's default threshold: documents of at least seq / (8R) tokens (an
+    eighth of a shard; 2048 at 128k tokens on 8 devices, chunks of at least 128 tokens) are split
+    across the ring, shorter ones kept whole — chosen on the balance probe's mixes, where it
+    keeps every device's run area within 1.005 of the mean (a quarter of a shard: 1.035; whole
+    documents up to a shard: 2.02 — one document's causal work can exceed a device's share)."""
+    return max(2 * ring_size, seq // (8 * ring_size))
+
+
+def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> RowLayout:
+    """The per-document hybrid (after WLB-LLM and ByteScale) of every row of ``segment_ids`` [b, seq]
+    (original order): documents of at least ``split_at`` tokens (default
+    :func:`default_split_at`) are cut as in :func:`document_layout` — 2R chunks, shard r holding
+    chunks r and 2R-1-r, the same causal work on every device — and shorter ones are kept whole on
+    one device, placed longest first on the device with the least causal work (n·(n+1)/2 per
+    document) among those with room; a document no device has room for is cut into contiguous
+    pieces, the largest room first, so every shard holds exactly seq / R tokens. Each shard's
+    tokens are in original order (its documents one run each, in the same order on every
+    shard). A whole document never meets another device's keys: its off-diagonal blocks hold only
+    the split documents (``seqplan.documents.index_runs``: key-only and query-only runs).
+
+    Every document it splits must have a length divisible by 2R (:func:`pad_documents`)."""
+    ids = _check_ids(segment_ids, ring_size)
+    batch, seq = ids.shape
+    if seq % ring_size:
+        raise ValueError(f"seq={seq} must be divisible by ring_size={ring_size}")
+    split_at = default_split_at(seq, ring_size) if split_at is None else split_at
+    if not isinstance(split_at, (int, np.integer)) or split_at < 1:
+        raise ValueError(f"split_at must be an int >= 1, got {split_at!r}")
+    n_chunks, cap = 2 * ring_size, seq // ring_size
+    perm = np.empty((batch, seq), np.int64)
+    for row in range(batch):
+        starts, lengths = document_runs(ids[row])
+        split = lengths >= split_at
+        _check_split(lengths, starts, ids[row], row, n_chunks, split, DOCUMENT_HYBRID)
+        shards: list[list[np.ndarray]] = [[] for _ in range(ring_size)]
+        room, work = np.full(ring_size, cap, np.int64), np.zeros(ring_size)
+        for d in np.flatnonzero(split):
+            chunk = lengths[d] // n_chunks
+            for r in range(ring_size):
+                for c in (r, n_chunks - 1 - r):
+                    shards[r].append(np.arange(starts[d] + c * chunk, starts[d] + (c + 1) * chunk))
+            room -= 2 * chunk
+        for d in sorted(np.flatnonzero(~split), key=lambda d: (-lengths[d], d)):
+            start, n = int(starts[d]), int(lengths[d])
+            fits = np.flatnonzero(room >= n)
+            if len(fits):
+                r = int(fits[np.argmin(work[fits])])
+                shards[r].append(np.arange(start, start + n))
+                room[r] -= n
+                work[r] += n * (n + 1) / 2
+                continue
+            done = 0
+            while done < n:  # no room for it whole: contiguous pieces, the largest room first
+                r = int(np.argmax(room))
+                piece = int(min(room[r], n - done))
+                shards[r].append(np.arange(start + done, start + done + piece))
+                room[r] -= piece
+                work[r] += piece * (piece + 1) / 2 + piece * done
+                done += piece
+        perm[row] = np.concatenate([np.sort(np.concatenate(s)) for s in shards])
+    return _row_layout(perm)
+
+
+def row_layout(name: str, segment_ids, ring_size: int) -> RowLayout:
+    """The per-row layout called ``name`` (:data:`DOCUMENT_LAYOUTS`) of ``segment_ids``."""
+    if name == DOCUMENT_ZIGZAG:
+        return document_layout(segment_ids, ring_size)
+    if name == DOCUMENT_HYBRID:
+        return hybrid_layout(segment_ids, ring_size)
+    raise ValueError(f"per-row layout must be one of {DOCUMENT_LAYOUTS}, got {name!r}")
 
 
 def pad_documents(segment_ids, ring_size: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:

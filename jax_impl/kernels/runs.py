@@ -59,17 +59,11 @@ def length_ladder(n: int) -> tuple[int, ...]:
     return tuple(sorted({max(min(n, 256), n * eighths // 8) for eighths in (1, 2, 3, 4, 6, 8)}))
 
 
-def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *, boundary: bool = False,
-             lengths: bool = False, valid=None):
-    """``kernel(runs)`` with ``runs = form(q_ids, kv_ids, causal, m)`` for the smallest m of ``slots``
-    that holds the block's runs, or ``portable()`` when none does or the block is not expressible
-    — one ``lax.switch``, decided on the device (``form``: :func:`varlen_offsets` by default).
-    ``boundary`` (FlashAttention's form, FULL blocks): first try :func:`boundary_runs` — keys that
-    all precede the queries, one document at most shared — three runs a row, no gather.
-    ``lengths``: also pick the smallest of :func:`length_ladder` that bounds the longest run,
-    given to the kernel as ``runs["max_q"]`` / ``runs["max_k"]`` (the backward's grid).
-    ``valid`` (traced bool, or None): the caller's own condition for the runs to be exact (the
-    token-index forms: :func:`index_segments`); False sends the block to ``portable()``."""
+def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, boundary: bool = False,
+                   lengths: bool = False, valid=None):
+    """(index, branches) of :func:`dispatch` without its portable branch: ``index`` (traced) picks
+    one of ``branches`` (argument-free callables), or equals ``len(branches)`` when the block is
+    not expressible — the caller appends its fallback there."""
     form = varlen_offsets if form is None else form
     slots = RUN_SLOTS if slots is None else slots
     q_ids, kv_ids = segments
@@ -96,11 +90,30 @@ def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *,
         edge = boundary_runs(q_ids, kv_ids)
         index = jnp.where(edge["ok"] & (True if valid is None else valid), 0, index + 1)
         branches.insert(0, lambda: kernel(edge))
-    # every branch returns the kernel's dtypes (its o / dq may stay in the inputs' dtype): the
-    # portable kernel's float32 results are cast to them
+    return index, branches
+
+
+def switch_with_fallback(index, branches, portable):
+    """``lax.switch(index, branches + [portable])``, the portable kernel's float32 results cast to
+    the fused branches' dtypes (a kernel's o / dq may stay in the inputs' dtype)."""
     like = jax.eval_shape(branches[0])
-    branches.append(lambda: jax.tree.map(lambda x, y: x.astype(y.dtype), portable(), like))
-    return jax.lax.switch(index, branches)
+    return jax.lax.switch(index, [*branches, lambda: jax.tree.map(lambda x, y: x.astype(y.dtype), portable(), like)])
+
+
+def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *, boundary: bool = False,
+             lengths: bool = False, valid=None):
+    """``kernel(runs)`` with ``runs = form(q_ids, kv_ids, causal, m)`` for the smallest m of ``slots``
+    that holds the block's runs, or ``portable()`` when none does or the block is not expressible
+    — one ``lax.switch``, decided on the device (``form``: :func:`varlen_offsets` by default).
+    ``boundary`` (FlashAttention's form, FULL blocks): first try :func:`boundary_runs` — keys that
+    all precede the queries, one document at most shared — three runs a row, no gather.
+    ``lengths``: also pick the smallest of :func:`length_ladder` that bounds the longest run,
+    given to the kernel as ``runs["max_q"]`` / ``runs["max_k"]`` (the backward's grid).
+    ``valid`` (traced bool, or None): the caller's own condition for the runs to be exact (the
+    token-index forms: :func:`index_segments`); False sends the block to ``portable()``."""
+    index, branches = fused_branches(segments, causal, kernel, slots, form, boundary=boundary, lengths=lengths,
+                                     valid=valid)
+    return switch_with_fallback(index, branches, portable)
 
 
 def _isin_rows(x, table):
@@ -282,17 +295,14 @@ def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = Fal
     q_ids, kv_ids = segments if segments is not None else (jnp.zeros(q_index.shape, jnp.int32),
                                                           jnp.zeros(kv_index.shape, jnp.int32))
     q_new, kv_new, ok = index_segments(q_ids, kv_ids, q_index, kv_index)
-
-    def full():
-        return dispatch((q_new, kv_new), False, lambda runs: kernel(False, runs), portable, boundary=True,
-                        lengths=lengths, valid=ok)
-
-    if q_index.shape != kv_index.shape:
-        return full()
-
-    def causal():
-        return dispatch((q_ids, kv_ids), True, lambda runs: kernel(True, runs), portable, lengths=lengths,
-                        valid=increasing_in_documents(q_ids, q_index))
-
-    diagonal = jnp.all(q_index == kv_index) & jnp.all(q_ids == kv_ids)
-    return jax.lax.cond(diagonal, causal, full)
+    index, branches = fused_branches((q_new, kv_new), False, lambda runs: kernel(False, runs), boundary=True,
+                                     lengths=lengths, valid=ok)
+    if q_index.shape == kv_index.shape:  # a diagonal block is possible: its causal forms first
+        causal_index, causal_branches = fused_branches(
+            (q_ids, kv_ids), True, lambda runs: kernel(True, runs), lengths=lengths,
+            valid=increasing_in_documents(q_ids, q_index))
+        diagonal = jnp.all(q_index == kv_index) & jnp.all(q_ids == kv_ids)
+        n = len(causal_branches)
+        index = jnp.where(diagonal, jnp.where(causal_index < n, causal_index, n + len(branches)), n + index)
+        branches = causal_branches + branches
+    return switch_with_fallback(index, branches, portable)

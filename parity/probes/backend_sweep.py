@@ -70,6 +70,17 @@ def resolved_backends(framework: str, backend: str, case: Case, devices: Device)
     kind = "cuda" if devices == "gpu" else "cpu"
     documents = case.documents != "none"
     out = {}
+    if case.token_index and case.causal and case.window is None:  # every block: FULL, causal by token index
+        from seqplan.schedule import UNBOUNDED
+
+        for docs in ((False, True) if documents else (False,)):
+            name = "by-token-index" + ("+documents" if docs else "")
+            try:
+                out[name] = block.resolve_backend(backend, device_kind=kind, dtype=case.dtype, mask=BlockMask(
+                    MaskKind.FULL, documents=docs, window=(UNBOUNDED, 0)))
+            except Exception as err:  # noqa: BLE001 — reported in the row, the run goes on
+                out[name] = f"unresolved: {err}"
+        return out
     for mask in mask_kinds(case):
         name = mask + ("+documents" if documents else "") + ("+window" if case.window is not None else "")
         try:

@@ -45,7 +45,8 @@ import numpy as np
 
 from ..core.documents import lengths_to_ids, long_tailed_lengths
 
-LAYOUTS = ("contiguous", "zigzag", "stripe", "document-zigzag")  # the last: seqplan.layouts.document_layout
+# the last two: seqplan.layouts.document_layout and hybrid_layout (per-row layouts)
+LAYOUTS = ("contiguous", "zigzag", "stripe", "document-zigzag", "document-hybrid")
 TILE = 128
 
 
@@ -179,8 +180,8 @@ def device_counts(ids: np.ndarray, layout: str, ring: int, tile: int = TILE) -> 
     from seqplan.layouts import layout_permutation
     from seqplan.schedule import DocumentWork, MaskKind, device_visits, document_work, ring_schedule
 
-    if layout == "document-zigzag":
-        return document_counts(ids, ring, tile)
+    if layout in ("document-zigzag", "document-hybrid"):
+        return document_counts(ids, ring, tile, layout)
     tokens = len(ids)
     shard = tokens // ring
     if tokens % (2 * ring) or (shard // 2) % tile:
@@ -229,12 +230,28 @@ def _run_area(q_ids, q_index, kv_ids, kv_index, own: bool) -> float:
     return float((n_q * n_k).sum()) * (0.5 if own else 1.0)
 
 
-def document_counts(ids: np.ndarray, ring: int, tile: int = TILE) -> dict:
-    """:func:`device_counts` for the per-document zigzag (module docstring): ``ids`` unpadded."""
-    from seqplan.layouts import document_layout, pad_documents
+def _index_run_area(q_ids, q_index, kv_ids, kv_index) -> float:
+    """(d) of one block masked by token index: the area of the runs the varlen kernels are given
+    (``seqplan.documents.index_runs``: n_q·n_k a full run, n·(n+1)/2 a causal one)."""
+    from seqplan.documents import index_runs
+
+    planned = index_runs(q_ids[None], kv_ids[None], q_index[None], kv_index[None])
+    if planned is None:  # not expressible as runs: what the portable kernel's runs would be
+        return _run_area(q_ids, q_index, kv_ids, kv_index, False)
+    runs, causal = planned
+    n_q, n_k = np.diff(runs.cu_q).astype(np.float64), np.diff(runs.cu_k).astype(np.float64)
+    return float((np.minimum(n_q, n_k) * (n_q + 1) / 2).sum() if causal else (n_q * n_k).sum())  # causal runs: square
+
+
+def document_counts(ids: np.ndarray, ring: int, tile: int = TILE, layout: str = "document-zigzag",
+                    split_at: int | None = None) -> dict:
+    """:func:`device_counts` for a per-row layout (module docstring): ``ids`` unpadded; ``split_at``:
+    the hybrid's threshold (None: its default)."""
+    from seqplan.layouts import document_layout, hybrid_layout, pad_documents
 
     padded = pad_documents(ids[None], ring, multiple=ring * tile)[0][0]
-    perm = document_layout(padded[None], ring).perm[0]
+    perm = (document_layout(padded[None], ring) if layout == "document-zigzag"
+            else hybrid_layout(padded[None], ring, split_at)).perm[0]
     tokens, shard = len(padded), len(padded) // ring
     layout_ids = padded[perm]
     grid = visible_tiles(padded, perm, tile)
@@ -245,7 +262,7 @@ def document_counts(ids: np.ndarray, ring: int, tile: int = TILE) -> dict:
         q = slice(device * shard, (device + 1) * shard)
         for source in range(ring):
             k = slice(source * shard, (source + 1) * shard)
-            runs[device] += _run_area(layout_ids[q], perm[q], layout_ids[k], perm[k], source == device)
+            runs[device] += _index_run_area(layout_ids[q], perm[q], layout_ids[k], perm[k])
     return {"area": np.full(ring, float(ring * shard * shard)), "tiles": tiles, "pairs": pairs, "runs": runs,
             "blocks": {"SKIP": 0, "PLAIN": 0, "DOCUMENTS": ring * ring}, "visible_tiles": int(grid.sum()),
             "padding": tokens - len(ids)}

@@ -110,3 +110,56 @@ def test_rope_positions_restart_per_document():
 def test_static_token_index_is_the_layout_permutation():
     np.testing.assert_array_equal(static_token_index(16, "zigzag", 2, batch=2),
                                   np.stack([layout_permutation(16, "zigzag", 2)] * 2))
+
+
+# ---- the per-document hybrid (seqplan.layouts.hybrid_layout) --------------------------------------
+
+@pytest.mark.parametrize("ring", [1, 2, 3, 4])
+def test_hybrid_layout_is_a_permutation_of_equal_shards_with_runs(ring):
+    """Per row a permutation (inverse and token indices consistent), equal shards; every shard's
+    documents one run each with increasing token indices; a document under the threshold whole on
+    one device unless no device had room; one at or over it on every device, as document-zigzag."""
+    from seqplan.layouts import hybrid_layout
+
+    rng = np.random.default_rng(10 + ring)
+    ids = _ids(rng, 2, 9, ring)
+    split_at = 4 * ring
+    layout = hybrid_layout(ids, ring, split_at)
+    shard = ids.shape[1] // ring
+    np.testing.assert_array_equal(layout.token_index, layout.perm)
+    for row in range(ids.shape[0]):
+        assert sorted(layout.perm[row]) == list(range(ids.shape[1]))
+        np.testing.assert_array_equal(layout.inverse[row][layout.perm[row]], np.arange(ids.shape[1]))
+        laid = ids[row][layout.perm[row]]
+        holders = {}
+        for r in range(ring):
+            part, index = laid[r * shard:(r + 1) * shard], layout.token_index[row, r * shard:(r + 1) * shard]
+            starts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])
+            assert len(starts) == len(set(part.tolist()))
+            assert np.all(np.diff(index) > 0)  # a shard is in original order
+            for doc in set(part.tolist()):
+                holders.setdefault(doc, set()).add(r)
+        starts = np.flatnonzero(np.r_[True, ids[row, 1:] != ids[row, :-1]])
+        for start, length in zip(starts, np.diff(np.r_[starts, ids.shape[1]])):
+            doc = ids[row, start]
+            if length >= split_at:
+                assert holders[doc] == set(range(ring))
+
+
+def test_hybrid_layout_balances_and_splits_what_it_must():
+    """On the balance probe's mixes at 32k tokens, R 4: every device's runs within 1.05 of the
+    mean, while keeping every document that fits whole on one device."""
+    from parity.probes.balance import MIXES, document_counts, imbalance
+
+    for mix in MIXES:
+        counts = document_counts(mix.segment_ids(32768), 4, layout="document-hybrid")
+        assert imbalance(counts["runs"]) <= 1.05, (mix.name, counts["runs"])
+
+
+def test_hybrid_refuses_split_documents_not_divisible():
+    from seqplan.layouts import hybrid_layout
+
+    ids = np.array([[0] * 6 + [1] * 3 + [2] * 7])
+    with pytest.raises(ValueError, match="document-hybrid needs every document it splits.*divisible by 2·R = 4"):
+        hybrid_layout(ids, 2, split_at=5)
+    hybrid_layout(np.array([[0] * 8 + [1] * 3 + [2] * 5]), 2, split_at=6)  # short ones may have any length

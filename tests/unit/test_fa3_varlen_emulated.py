@@ -195,3 +195,33 @@ def test_token_index_replay_runs_every_block_on_the_varlen_kernel(ring, with_ids
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         assert np.isfinite(x).all(), f"{name}: a block ran on the portable fallback (NaN planted there)"
         assert np.linalg.norm(x - y) <= 1e-2 * np.linalg.norm(y), name
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_token_index_block_form_or_fallback(shuffled, emulated_fa3):
+    """One block masked by token index: increasing indices take the FULL form on new ids, shuffled
+    ones the portable fallback — both equal to the portable kernel (never a guess)."""
+    from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+    from seqplan.schedule import UNBOUNDED
+
+    rng = np.random.default_rng(3)
+    t = 32
+    order = rng.permutation(2 * t) if shuffled else np.arange(2 * t)
+    q_index, kv_index = (jnp.asarray(x[None].astype(np.int32)) for x in (order[t:], order[:t]))
+    ids = jnp.asarray(_docs([5, 20, 7])[None])
+    mask, scale, seg, pos = BlockMask(MaskKind.FULL, documents=True, window=(UNBOUNDED, 0)), 8 ** -0.5, (ids, ids), (
+        q_index, kv_index)
+    keys = jax.random.split(jax.random.key(2), 4)
+    q, do = (jax.random.normal(kk, (1, t, 4, 8), F32) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (1, t, 2, 8), F32) for kk in keys[2:])
+    o_r, lse_r = reference_block_fwd(q, k, v, mask, scale, seg, pos)
+    grads_r = reference_block_bwd(do, q, k, v, o_r, lse_r, mask, scale, None, seg, pos)
+    q16, k16, v16, do16 = (x.astype(jnp.float16) for x in (q, k, v, do))
+    o_f, lse_f = emulated_fa3.fa3_varlen_block_fwd(q16, k16, v16, mask, scale, segments=seg, positions=pos)
+    grads_f = emulated_fa3.fa3_varlen_block_bwd(do16, q16, k16, v16, o_r.astype(jnp.float16), lse_r, mask, scale,
+                                                segments=seg, positions=pos)
+    empty = ~np.isfinite(np.asarray(lse_r))
+    assert np.array_equal(~np.isfinite(np.asarray(lse_f)), empty)
+    for got, want in zip((o_f, *grads_f), (o_r, *grads_r)):
+        want = np.asarray(want)
+        assert np.max(np.abs(np.asarray(got, np.float32) - want)) <= 1e-2 * max(np.max(np.abs(want)), 1.0)

@@ -11,7 +11,14 @@ import pytest
 
 from helpers import pairs_from_runs, sorted_document_ids
 from seqplan.documents import index_runs
-from seqplan.layouts import document_layout, layout_permutation, pad_documents
+from seqplan.layouts import (
+    DOCUMENT_HYBRID,
+    DOCUMENT_ZIGZAG,
+    document_layout,
+    hybrid_layout,
+    layout_permutation,
+    pad_documents,
+)
 
 
 def _pairs_by_index(q_ids, kv_ids, q_index, kv_index) -> np.ndarray:
@@ -48,18 +55,25 @@ def _blocks(ids, index, ring: int):
             yield device, source, part(ids, device), part(ids, source), part(index, device), part(index, source)
 
 
-@pytest.mark.parametrize("trial", range(12))
-def test_per_document_zigzag_every_block_exact(trial, seed):
-    """The layout the runs exist for: every block expressible — the diagonal one causal run per
+def _row_layout(name: str, ids, ring: int, rng):
+    if name == DOCUMENT_ZIGZAG:
+        return document_layout(ids, ring)
+    return hybrid_layout(ids, ring, split_at=2 * ring * int(rng.integers(1, 4)))
+
+
+@pytest.mark.parametrize("name", [DOCUMENT_ZIGZAG, DOCUMENT_HYBRID])
+@pytest.mark.parametrize("trial", range(8))
+def test_per_row_layouts_every_block_exact(name, trial, seed):
+    """The layouts the runs exist for: every block expressible — the diagonal one causal run per
     document, every other block full runs — and exact."""
     rng = np.random.default_rng(seed + trial)
     ring, b = int(rng.integers(1, 5)), int(rng.integers(1, 3))
     ids, _ = pad_documents(sorted_document_ids(rng, b, int(rng.integers(2, 40))), ring)
-    layout = document_layout(ids, ring)
+    layout = _row_layout(name, ids, ring, rng)
     laid = np.take_along_axis(ids, layout.perm, 1)
     for device, source, *block in _blocks(laid, layout.token_index, ring):
         mask = _check(*block, must=True)
-        assert mask == "causal" or device != source or ring == 1 and mask == "full"
+        assert mask == "causal" or device != source or mask == "full"
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -141,12 +155,13 @@ def _check_traced(q_ids, kv_ids, q_index, kv_index, must: bool) -> None:
         np.testing.assert_array_equal(got, truth)
 
 
-@pytest.mark.parametrize("trial", range(6))
-def test_traced_forms_of_the_per_document_zigzag(trial, seed):
+@pytest.mark.parametrize("name", [DOCUMENT_ZIGZAG, DOCUMENT_HYBRID])
+@pytest.mark.parametrize("trial", range(3))
+def test_traced_forms_of_the_per_row_layouts(name, trial, seed):
     rng = np.random.default_rng(seed + 200 + trial)
     ring, b = int(rng.integers(1, 5)), int(rng.integers(1, 3))
     ids, _ = pad_documents(sorted_document_ids(rng, b, int(rng.integers(2, 40))), ring)
-    layout = document_layout(ids, ring)
+    layout = _row_layout(name, ids, ring, rng)
     laid = np.take_along_axis(ids, layout.perm, 1).astype(np.int32)
     for _, _, *block in _blocks(laid, layout.token_index.astype(np.int32), ring):
         _check_traced(*block, must=True)
