@@ -22,6 +22,8 @@ kernel — never guesses.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,65 +132,88 @@ def document_runs(q_ids: np.ndarray, kv_ids: np.ndarray, causal: bool) -> Docume
     return _as_runs(pairs)
 
 
-def _document_by_index(q_index: np.ndarray, kv_index: np.ndarray) -> tuple[set[bool], list[tuple[int, int]]] | None:
-    """One shared document under "key index <= query index": (the varlen masks its runs are
-    exact under — True: causal, False: full), its (queries, keys) runs in place), or None when it
-    is neither. Its keys must be increasing; then each query sees a prefix of them (``seen``).
-    Square with equal indices: one causal run (also full when it is one token). Else every query
-    that sees a key must see the same prefix m: the queries that see none are runs with no keys,
-    the others one full run against the first m keys, and the keys past m a run no query reads."""
-    n_q, n_k = len(q_index), len(kv_index)
-    if n_k > 1 and not np.all(np.diff(kv_index) > 0):
+def _row_index_ids(q_ids, kv_ids, q_index, kv_index) -> tuple[np.ndarray, np.ndarray] | None:
+    """One row of a FULL block masked by token index as new ids whose document mask is exactly it,
+    or None. Each query sees a set of keys of its document nested by its index (``seen``: how
+    many); when every query of a document that sees any key sees the same number m of them, the
+    visible pairs are exactly ``q' == k'`` with q' = 3·doc for those queries, 3·doc + 1 for the
+    others (they see nothing), k' = 3·doc for the keys they see (the m of smallest index), 3·doc + 2
+    for the rest — ``jax_impl/kernels/runs.index_segments`` is the same on traced arrays."""
+    if min(q_index.min(initial=0), kv_index.min(initial=0)) < 0:
         return None
-    if n_q == n_k and np.array_equal(q_index, kv_index):
-        return ({True, False} if n_q == 1 else {True}), [(n_q, n_k)]
-    seen = np.searchsorted(kv_index, q_index, side="right")
-    prefix = np.unique(seen[seen > 0])
-    if len(prefix) == 0:
-        return {True, False}, [(n_q, 0), (0, n_k)]
-    if len(prefix) > 1:
+    documents = np.unique(np.r_[q_ids, kv_ids])  # a sort (np.unique's inverse argsorts: slower)
+    q_doc, kv_doc = (np.searchsorted(documents, x).astype(np.int64) for x in (q_ids, kv_ids))
+    span = np.int64(max(q_index.max(initial=0), kv_index.max(initial=0)) + 1)
+    keys = np.sort(kv_doc * span + kv_index)  # (document, index) pairs, lexicographic
+    count = lambda d, i: np.searchsorted(keys, d * span + i, side="right") - np.searchsorted(keys, d * span)
+    seen = count(q_doc, q_index)
+    n_docs = len(documents)
+    most = np.zeros(n_docs, np.int64)
+    np.maximum.at(most, q_doc, seen)
+    least = np.full(n_docs, np.iinfo(np.int64).max)
+    np.minimum.at(least, q_doc[seen > 0], seen[seen > 0])
+    if not np.all((most == 0) | (most == least)):
         return None
-    m = int(prefix[0])
-    runs = []
-    for group in np.split(np.arange(n_q), np.flatnonzero(np.diff(seen > 0)) + 1):
-        runs += [(len(group), m), (0, n_k - m)] if seen[group[0]] > 0 else [(len(group), 0)]
-    if sum(1 for n, k in runs if n and k) > 1:  # two groups reading the same keys: not in place
-        return None
-    return {False}, runs
+    visible = count(kv_doc, kv_index) <= most[kv_doc]
+    return 3 * q_doc + (seen == 0), 3 * kv_doc + 2 * ~visible
 
 
 def index_runs(q_ids, kv_ids, q_index, kv_index) -> tuple[DocumentRuns, bool] | None:
     """The runs of a block whose causal mask is by token index — key visible when it shares the
     query's document and its token index is <= the query's (``token_index`` calls: the FULL block
     with the window ``(UNBOUNDED, 0)`` on ``positions``) — and the varlen mask that runs them
-    (True: causal, every run square with equal indices; False: full), or None. ``q_ids``,
-    ``kv_ids``: [b, t], [b, s] ids, or None (one document per row); ``q_index``, ``kv_index``:
-    [b, t], [b, s] token indices (or [t], [s], the same in every row).
+    (True: causal; False: full), or None. ``q_ids``, ``kv_ids``: [b, t], [b, s] ids, or None (one
+    document per row); ``q_index``, ``kv_index``: [b, t], [b, s] token indices (or [t], [s], the
+    same in every row).
 
-    Exact for the per-document zigzag and every layout whose documents hold increasing token
-    indices: its diagonal block is one causal run per document, every other block full runs (a
-    document's queries seeing its first m keys, or none) — runs in place as :func:`document_runs`'.
-    None when a document is neither, or when documents need both masks (the adapter then routes
-    the block to the portable kernel: never guessed)."""
+    A diagonal block (the same tokens on both sides) whose indices increase along each document's
+    run is the document mask with the block's own causal mask: :func:`document_runs` causal. Any
+    other block is the document mask on new ids (:func:`_row_index_ids`): :func:`document_runs`
+    full, in place. On the per-document zigzag and hybrid every block is one of the two. None
+    when neither holds (the adapter then routes the block to the portable kernel: never
+    guessed). Vectorized per row: a sort and binary searches, then :func:`document_runs`."""
     q_index, kv_index = np.asarray(q_index), np.asarray(kv_index)
     b = np.shape(q_ids)[0] if q_ids is not None else q_index.shape[0] if q_index.ndim == 2 else 1
     q_index, kv_index = (np.broadcast_to(x, (b, x.shape[-1])) for x in (q_index, kv_index))
     one = lambda x: np.zeros(x.shape, np.int32)
     q_ids, kv_ids = (one(q_index), one(kv_index)) if q_ids is None else (np.asarray(q_ids), np.asarray(kv_ids))
-    masks, pairs = {True, False}, []
-    for row in range(b):
-        row_pairs = _row_pairs(q_ids[row], kv_ids[row])
-        if row_pairs is None:
+    if q_index.shape == kv_index.shape and np.array_equal(q_index, kv_index) and np.array_equal(q_ids, kv_ids):
+        same = q_ids[:, 1:] == q_ids[:, :-1]
+        if not np.all(~same | (q_index[:, 1:] > q_index[:, :-1])):
             return None
-        for q0, n_q, k0, n_k in row_pairs:
-            if n_q == 0 or n_k == 0:
-                pairs.append((n_q, n_k))
-                continue
-            document = _document_by_index(q_index[row, q0:q0 + n_q], kv_index[row, k0:k0 + n_k])
-            if document is None:
-                return None
-            masks &= document[0]
-            pairs += document[1]
-    if not masks:
+        runs = document_runs(q_ids, kv_ids, causal=True)
+        return None if runs is None else (runs, True)
+    new = [_row_index_ids(*(x[row] for x in (q_ids, kv_ids, q_index, kv_index))) for row in range(b)]
+    if any(row is None for row in new):
         return None
-    return _as_runs(_joined(pairs)), True in masks
+    runs = document_runs(np.stack([q for q, _ in new]), np.stack([k for _, k in new]), causal=False)
+    return None if runs is None else (runs, False)
+
+
+_PLANS: OrderedDict = OrderedDict()
+PLAN_CACHE_SIZE = 512  # blocks: a ring of 8 holds 64 per call pattern
+
+
+def cached_plan(planner, *arrays, **flags):
+    """``planner(*arrays, **flags)`` remembered by the arrays' contents (shape, dtype, bytes; None
+    kept as None): a training step's layers all attend over the same ids and token indices, and
+    a block's backward over its forward's, so a run list is planned once per block and step and
+    reused — not once per layer and pass (``index_runs`` costs ~2 ms a 16k block on a 2-core
+    host). The newest ``PLAN_CACHE_SIZE`` plans are kept."""
+    digest = hashlib.blake2b(repr((planner.__name__, sorted(flags.items()))).encode(), digest_size=16)
+    for x in arrays:
+        if x is None:
+            digest.update(b"none")
+            continue
+        x = np.ascontiguousarray(x)
+        digest.update(repr((x.shape, x.dtype.str)).encode())
+        digest.update(x.data)
+    key = digest.digest()
+    if key in _PLANS:
+        _PLANS.move_to_end(key)
+        return _PLANS[key]
+    plan = planner(*arrays, **flags)
+    _PLANS[key] = plan
+    if len(_PLANS) > PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return plan

@@ -73,7 +73,7 @@ def test_per_row_layouts_every_block_exact(name, trial, seed):
     laid = np.take_along_axis(ids, layout.perm, 1)
     for device, source, *block in _blocks(laid, layout.token_index, ring):
         mask = _check(*block, must=True)
-        assert mask == "causal" or device != source or mask == "full"
+        assert mask == ("causal" if device == source else "full")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -176,3 +176,26 @@ def test_traced_forms_refuse_or_are_exact(trial, seed):
     q_index = np.stack([np.sort(q_index) if rng.random() < 0.5 else q_index] * b).astype(np.int32)
     kv_index = np.stack([np.sort(kv_index) if rng.random() < 0.7 else kv_index] * b).astype(np.int32)
     _check_traced(q_ids, kv_ids, q_index, kv_index, must=False)
+
+
+def test_plans_are_remembered_by_content():
+    """``cached_plan``: equal contents (another array object) reuse the plan; a changed id, index,
+    dtype or flag plans again — a stale run list would silently mask the wrong pairs."""
+    from seqplan.documents import cached_plan, document_runs
+
+    calls = []
+
+    def planner(*arrays, **flags):
+        calls.append(1)
+        return index_runs(*arrays)
+
+    ids, index = np.array([[0, 0, 1, 1]]), np.array([[0, 1, 2, 3]])
+    first = cached_plan(planner, ids, ids, index, index)
+    assert cached_plan(planner, ids.copy(), ids.copy(), index.copy(), index.copy()) is first and len(calls) == 1
+    for changed in ([[0, 1, 1, 1]], [[0, 0, 1, 2]]):
+        cached_plan(planner, np.array(changed), ids, index, index)
+    cached_plan(planner, ids.astype(np.int16), ids, index, index)
+    cached_plan(planner, None, None, index, index)
+    assert len(calls) == 5
+    assert (cached_plan(document_runs, ids, ids, causal=True).cu_q.tolist()
+            == cached_plan(document_runs, ids, ids, causal=False).cu_q.tolist())  # flags are in the key

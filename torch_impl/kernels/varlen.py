@@ -22,7 +22,8 @@ in the block get o = 0, lse = -inf and zero gradients, and keys no query reads z
 written here, not left to the kernel.
 The run list is computed on the host from the block's ids and token indices: the loops' host
 copies when they pass them (``seqplan.documents.HostPair``: no device sync), else one
-device-to-host copy. The runs walk
+device-to-host copy — and remembered by content (``seqplan.documents.cached_plan``): a step's
+layers and a block's backward reuse its forward's plan. The runs walk
 the block's queries and keys in place (a document only one side holds is a run with none of the
 other), so no key is gathered and no dK / dV scattered.
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from seqplan.documents import DocumentRuns, document_runs, index_runs
+from seqplan.documents import DocumentRuns, cached_plan, document_runs, index_runs
 from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
@@ -64,11 +65,11 @@ def _plan(mask: BlockMask, segments, positions, dtype) -> tuple[DocumentRuns, bo
     if mask.window is None:
         if segments is None:
             return None
-        runs = document_runs(*_host(segments), mask.kind is MaskKind.CAUSAL)
+        runs = cached_plan(document_runs, *_host(segments), causal=mask.kind is MaskKind.CAUSAL)
         return None if runs is None else (runs, mask.kind is MaskKind.CAUSAL)
     if not by_token_index(mask) or positions is None:
         return None
-    return index_runs(*(_host(segments) if segments is not None else (None, None)), *_host(positions))
+    return cached_plan(index_runs, *(_host(segments) if segments is not None else (None, None)), *_host(positions))
 
 
 def _offsets(runs: DocumentRuns, device):
