@@ -22,10 +22,12 @@ multi-GPU row of the same mesh, minus communication).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 import traceback
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from .common import Problem, Row
 from .documents import DOCUMENT_LAYOUTS, layout_keywords, verify_document_path
@@ -398,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-kernels", action="store_true", help="skip the bare-kernel rows")
     ap.add_argument("--dry-run", action="store_true", help="print the grid and the verification cases; run nothing")
+    ap.add_argument("--partial", default=None, help="rewrite this JSON file with the rows so far after each strategy")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run: 256 tokens, 4 heads (2 kv), d 16")
     return ap
 
@@ -448,10 +451,13 @@ def main(argv=None) -> list[Row]:
         if not a.no_kernels:
             rows += kernel_rows(problem, framework, a.backend, devices, a.iters, 0)
         for prob, spec in grid:
-            rows += replay_rows(prob, spec, framework, a.backend, devices, a.replay_devices, a.iters, a.warmup)
-            for r in rows[-2:]:
+            new = replay_rows(prob, spec, framework, a.backend, devices, a.replay_devices, a.iters, a.warmup)
+            rows += new
+            for r in new:
                 print(f"{r.framework} {spec.name} {prob.seq} dev {r.extra.get('replay_device')} "
                       f"{'fwd' if r.fwd_only else 'fwd+bwd'} {r.ms_per_iter} ms verified={r.verified} "
                       f"efficiency={r.extra.get('replay_efficiency')} temporaries/floor="
                       f"{r.extra.get('temporaries_vs_floor')} {r.note[:100]}", flush=True)
+            if a.partial:  # what is done survives a step's time limit
+                Path(a.partial).write_text(json.dumps([r.to_dict() for r in rows]))
     return rows

@@ -139,8 +139,18 @@ def run_document_replay(framework: str, case, x, backend: str, devices: str = "g
     kw = dict(strategy=strategy, causal=case.causal, layout="contiguous", block_backend=backend,
               segment_ids=to(kw_np["segment_ids"]), token_index=to(kw_np["token_index"]))
     q, k, v, do = cast
-    o, lse = replay.replay_attention(q, k, v, **kw)
-    dq, dk, dv = replay.replay_attention_grads(q, k, v, o, lse, do, dlse, **kw)
+    ids, index = kw.pop("segment_ids"), kw.pop("token_index")
+
+    def both(q, k, v, do, dlse, ids, index):
+        o, lse = replay.replay_attention(q, k, v, segment_ids=ids, token_index=index, **kw)
+        return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, dlse, segment_ids=ids, token_index=index,
+                                                       **kw))
+
+    if framework == "jax":  # one compiled program, ids and indices its arguments
+        import jax  # (eagerly, every lax.switch of fused forms compiles alone)
+
+        both = jax.jit(both)
+    o, lse, dq, dk, dv = both(q, k, v, do, dlse, ids, index)
     out = {n: np.asarray(t.float().cpu() if framework == "torch" else t).astype(np.float64)
            for n, t in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv))}
     return {n: back(t, 2) if n == "lse" else back(t) for n, t in out.items()}

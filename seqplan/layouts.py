@@ -154,10 +154,12 @@ def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> R
     chunks r and 2R-1-r, the same causal work on every device — and shorter ones are kept whole on
     one device, placed longest first on the device with the least causal work (n·(n+1)/2 per
     document) among those with room; a document no device has room for is cut into contiguous
-    pieces, the largest room first, so every shard holds exactly seq / R tokens. Each shard's
-    tokens are in original order (its documents one run each, in the same order on every
-    shard). A whole document never meets another device's keys: its off-diagonal blocks hold only
-    the split documents (``seqplan.documents.index_runs``: key-only and query-only runs).
+    pieces, the largest room first, so every shard holds exactly seq / R tokens. Each shard holds
+    first the documents it shares with other devices, then its whole ones, each group in
+    original order (every document one run with increasing token indices; shared documents in
+    the same order on every shard). A whole document never meets another device's keys: an
+    off-diagonal block's visible pairs lie in the shards' leading shared tokens, so torch crops
+    the block to them (``torch_impl.loop.crop_block``) and the varlen runs skip the rest.
 
     Every document it splits must have a length divisible by 2R (:func:`pad_documents`)."""
     ids = _check_ids(segment_ids, ring_size)
@@ -173,20 +175,22 @@ def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> R
         starts, lengths = document_runs(ids[row])
         split = lengths >= split_at
         _check_split(lengths, starts, ids[row], row, n_chunks, split, DOCUMENT_HYBRID)
-        shards: list[list[np.ndarray]] = [[] for _ in range(ring_size)]
+        shared: list[list[np.ndarray]] = [[] for _ in range(ring_size)]  # documents on several devices
+        whole: list[list[np.ndarray]] = [[] for _ in range(ring_size)]  # documents on this device alone
         room, work = np.full(ring_size, cap, np.int64), np.zeros(ring_size)
         for d in np.flatnonzero(split):
             chunk = lengths[d] // n_chunks
             for r in range(ring_size):
                 for c in (r, n_chunks - 1 - r):
-                    shards[r].append(np.arange(starts[d] + c * chunk, starts[d] + (c + 1) * chunk))
+                    (shared if ring_size > 1 else whole)[r].append(
+                        np.arange(starts[d] + c * chunk, starts[d] + (c + 1) * chunk))
             room -= 2 * chunk
         for d in sorted(np.flatnonzero(~split), key=lambda d: (-lengths[d], d)):
             start, n = int(starts[d]), int(lengths[d])
             fits = np.flatnonzero(room >= n)
             if len(fits):
                 r = int(fits[np.argmin(work[fits])])
-                shards[r].append(np.arange(start, start + n))
+                whole[r].append(np.arange(start, start + n))
                 room[r] -= n
                 work[r] += n * (n + 1) / 2
                 continue
@@ -194,11 +198,13 @@ def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> R
             while done < n:  # no room for it whole: contiguous pieces, the largest room first
                 r = int(np.argmax(room))
                 piece = int(min(room[r], n - done))
-                shards[r].append(np.arange(start + done, start + done + piece))
+                (shared if piece < n else whole)[r].append(np.arange(start + done, start + done + piece))
                 room[r] -= piece
                 work[r] += piece * (piece + 1) / 2 + piece * done
                 done += piece
-        perm[row] = np.concatenate([np.sort(np.concatenate(s)) for s in shards])
+        ordered = lambda parts: np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        perm[row] = np.concatenate([np.concatenate([ordered(shared[r]), ordered(whole[r])])
+                                    for r in range(ring_size)])
     return _row_layout(perm)
 
 

@@ -187,6 +187,18 @@ def document_work(q_lo, q_hi, kv_lo, kv_hi) -> DocumentWork:
 
 # ---- the step plan ------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Span:
+    """Tokens [lo, hi) of a local shard: a block cropped to the rows or keys that take part (torch's
+    token-index blocks, ``torch_impl.loop.crop_block``); used wherever a :class:`Part` is."""
+
+    lo: int
+    hi: int
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        return self.lo, self.hi
+
+
 class Part(Enum):
     """Which contiguous part of a local shard along the sequence axis."""
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from seqplan.bands import part_offset
-from seqplan.documents import HostPair
+from seqplan.documents import HostPair, cached_plan
 from seqplan.layouts import ring_positions
 from seqplan.schedule import (
     Block,
@@ -48,6 +48,7 @@ from seqplan.schedule import (
     Hop,
     Part,
     Schedule,
+    Span,
     device_visits,
     document_flags,
     window_flags,
@@ -336,6 +337,56 @@ def _kernel_mask(block: Block, masks: VisitMasks | None) -> tuple[BlockMask, dic
     return mask, extras
 
 
+def _sharing_bounds(q_ids, kv_ids):
+    """(i0, i1, j0, j1): the smallest ranges of the queries [b, t] and the keys [b, s] holding
+    every token whose document the other side holds too (per row, then over rows); None when no
+    document is on both sides."""
+    shared_q = np.zeros(q_ids.shape[1], bool)
+    shared_k = np.zeros(kv_ids.shape[1], bool)
+    for q_row, k_row in zip(q_ids, kv_ids):
+        shared_q |= np.isin(q_row, k_row)
+        shared_k |= np.isin(k_row, q_row)
+    if not shared_q.any():
+        return None
+    rows, keys = np.flatnonzero(shared_q), np.flatnonzero(shared_k)
+    return int(rows[0]), int(rows[-1]) + 1, int(keys[0]), int(keys[-1]) + 1
+
+
+def crop_block(block: Block, masks: VisitMasks | None) -> Block | None:
+    """A token-index block (per-row token indices) cropped to the queries and keys whose
+    documents both sides hold, or None when none are (no pair is visible: skipped, forward and
+    backward). Exact: a query of a document absent from the keys sees nothing (o = 0, lse = -inf
+    merge as nothing) and a key of a document absent from the queries gets zero dK / dV. Pays
+    where the layout keeps the documents shared across devices together — the per-document
+    hybrid puts them first in every shard — so an off-diagonal block's kernel, merge and
+    gradient adds cover those tokens, not the shard. Decided on the host copies (no sync) and
+    remembered by content (``seqplan.documents.cached_plan``). Other blocks: unchanged."""
+    if (masks is None or masks.host_segments is None or masks.positions is None
+            or np.ndim(masks.positions[0]) != 2):
+        return block
+    q_ids, kv_ids = (_part(x, p, 1) for x, p in zip(masks.host_segments, (block.q_part, block.kv_part)))
+    bounds = cached_plan(_sharing_bounds, q_ids, kv_ids)
+    if bounds is None:
+        return None
+    i0, i1, j0, j1 = bounds
+    if (i0, i1, j0, j1) == (0, q_ids.shape[1], 0, kv_ids.shape[1]):
+        return block
+    q_lo = block.q_part.bounds(masks.positions[0].shape[-1])[0]
+    kv_lo = block.kv_part.bounds(masks.positions[1].shape[-1])[0]
+    return Block(Span(q_lo + i0, q_lo + i1), Span(kv_lo + j0, kv_lo + j1), block.mask)
+
+
+class BlockGrads(tuple):
+    """(dq, dk, dv) of a block with the block they belong to (``block``: cropped or not)."""
+
+    block: Block
+
+    def __new__(cls, grads, block: Block):
+        self = super().__new__(cls, grads)
+        self.block = block
+        return self
+
+
 def attend_block(backend, scale, q, block: Block, kv, masks: VisitMasks | None = None):
     """(o_b, lse_b) of ``q[block.q_part]`` attending to ``kv[block.kv_part]``, or None when the
     block is skipped (out of the window, or no pair of one document: see :func:`_kernel_mask`).
@@ -351,7 +402,8 @@ def attend_block(backend, scale, q, block: Block, kv, masks: VisitMasks | None =
 
 def merge_block(backend, scale, q, block: Block | None, kv, state, masks: VisitMasks | None = None) -> None:
     """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)`` in
-    place (nothing for a masked or skipped block)."""
+    place (nothing for a masked or skipped block; a token-index block cropped: :func:`crop_block`)."""
+    block = None if block is None else crop_block(block, masks)
     partial = None if block is None else attend_block(backend, scale, q, block, kv, masks)
     if partial is None:
         return
@@ -361,22 +413,26 @@ def merge_block(backend, scale, q, block: Block | None, kv, state, masks: VisitM
 
 def grad_block(backend, scale, saved, block: Block | None, kv, masks: VisitMasks | None = None):
     """(dq, dk, dv) of one block against the visiting ``kv`` (None for a masked or skipped
-    block); ``saved = (q, o, lse, do, dlse)`` of this rank (o and lse final: sinks merged in)."""
+    block); ``saved = (q, o, lse, do, dlse)`` of this rank (o and lse final: sinks merged in).
+    A token-index block is cropped (:func:`crop_block`): the result is a :class:`BlockGrads`
+    naming the block its gradients cover, which :func:`add_grads` follows."""
+    block = None if block is None else crop_block(block, masks)
     call = None if block is None else _kernel_mask(block, masks)
     if call is None:
         return None
     mask, extras = call
     (q, o, lse, do, dlse), (k_cur, v_cur) = saved, kv
     qp, kp = block.q_part, block.kv_part
-    return backend.bwd(_part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
-                       _part(o, qp, 1), _part(lse, qp, 2), mask, scale,
-                       None if dlse is None else _part(dlse, qp, 2), **extras)
+    return BlockGrads(backend.bwd(_part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
+                                  _part(o, qp, 1), _part(lse, qp, 2), mask, scale,
+                                  None if dlse is None else _part(dlse, qp, 2), **extras), block)
 
 
 def add_grads(block: Block | None, grads, dq, dkv) -> None:
     """dq[q_part] += dq_b; dk, dv (of the visiting shard)[kv_part] += dk_b, dv_b — in place."""
     if grads is None:
         return
+    block = getattr(grads, "block", block)  # the block the gradients cover (cropped: crop_block)
     dq_b, dk_b, dv_b = grads
     _part(dq, block.q_part, 1).add_(dq_b)
     _part(dkv[0], block.kv_part, 1).add_(dk_b)

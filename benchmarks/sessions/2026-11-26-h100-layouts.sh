@@ -30,12 +30,14 @@ BENCH=(python -m benchmarks --gpus 1 --seq $SEQ --heads 32 --kv-heads 8 --no-ker
 if [ "$PART" = torch ]; then
   [ "${SMOKE:-0}" = 1 ] || step anchors $LIMIT python -m benchmarks.layouts anchors --seq $SEQ --ring 8 --out $L/anchors.json
   for mix in short heavy-tail few-long; do
-    step torch-$mix $STEP_LIMIT "${BENCH[@]}" $LAYOUTS --documents $mix --frameworks torch --machine h100-layouts-torch-$mix
+    step torch-$mix $STEP_LIMIT "${BENCH[@]}" $LAYOUTS --documents $mix --frameworks torch --machine h100-layouts-torch-$mix \
+      --partial $L/partial-torch-$mix.json
   done
 else
-  step jax-$MIX $STEP_LIMIT "${BENCH[@]}" $LAYOUTS --documents $MIX --frameworks jax --machine h100-layouts-jax-$MIX
+  step jax-$MIX $STEP_LIMIT "${BENCH[@]}" $LAYOUTS --documents $MIX --frameworks jax --machine h100-layouts-jax-$MIX \
+    --partial $L/partial-jax-$MIX.json
 fi
 cp benchmarks/results/*h100-layouts-*-1gpu.* $L/ 2>/dev/null
 [ -n "${OUT:-}" ] && tar czf $OUT/layouts-$PART-$MIX.tgz -C $L .
 cat $L/steps.txt
-grep -hE "verification|anchor|Error|error" $L/*.log | cut -c1-300 | tail -40
+grep -hE "verification|anchor|Error|error|_replay .*fwd\+bwd" $L/*.log | cut -c1-200 | tail -60

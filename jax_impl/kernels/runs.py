@@ -22,6 +22,16 @@ import jax.numpy as jnp
 
 RUN_SLOTS = (4, 16, 64)  # static run slots per row the kernels are compiled for
 MAX_RUNS = RUN_SLOTS[-1]
+# A token-index block compiles two forms (causal diagonal, FULL on new ids) in every block of a
+# device's program, whose blocks all take them (a non-causal schedule): fewer static variants
+# each, so a ring of 8 compiles in reasonable time (2026-11-26 on an H100: the full set did not
+# finish 16 per-device programs in 9 minutes).
+INDEX_RUN_SLOTS = (16, 64)
+
+
+def index_length_ladder(n: int) -> tuple[int, ...]:
+    """The backward's ``max_seqlen`` bounds for token-index blocks: n/8, n/2 and n, none below 256."""
+    return tuple(sorted({max(min(n, 256), n * eighths // 8) for eighths in (1, 4, 8)}))
 
 
 def _runs_and_distinct(ids):
@@ -60,10 +70,11 @@ def length_ladder(n: int) -> tuple[int, ...]:
 
 
 def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, boundary: bool = False,
-                   lengths: bool = False, valid=None):
+                   lengths: bool = False, valid=None, ladder=None):
     """(index, branches) of :func:`dispatch` without its portable branch: ``index`` (traced) picks
     one of ``branches`` (argument-free callables), or equals ``len(branches)`` when the block is
-    not expressible — the caller appends its fallback there."""
+    not expressible — the caller appends its fallback there. ``ladder``: the length bounds to
+    compile with ``lengths`` (default :func:`length_ladder`)."""
     form = varlen_offsets if form is None else form
     slots = RUN_SLOTS if slots is None else slots
     q_ids, kv_ids = segments
@@ -73,7 +84,7 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
     t, s = q_ids.shape[1], kv_ids.shape[1]
     sizes = sorted({min(m, t) for m in slots})
     index = jnp.where(ok, jnp.searchsorted(jnp.asarray(sizes), most), len(sizes))
-    ladder = length_ladder(max(t, s)) if lengths else (None,)
+    ladder = ((ladder or length_ladder)(max(t, s))) if lengths else (None,)
 
     def with_lengths(runs, bound):
         return runs if bound is None else {**runs, "max_q": min(bound, t), "max_k": min(bound, s)}
@@ -295,12 +306,13 @@ def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = Fal
     q_ids, kv_ids = segments if segments is not None else (jnp.zeros(q_index.shape, jnp.int32),
                                                           jnp.zeros(kv_index.shape, jnp.int32))
     q_new, kv_new, ok = index_segments(q_ids, kv_ids, q_index, kv_index)
+    compiled = dict(slots=INDEX_RUN_SLOTS, lengths=lengths, ladder=index_length_ladder)
     index, branches = fused_branches((q_new, kv_new), False, lambda runs: kernel(False, runs), boundary=True,
-                                     lengths=lengths, valid=ok)
+                                     valid=ok, **compiled)
     if q_index.shape == kv_index.shape:  # a diagonal block is possible: its causal forms first
         causal_index, causal_branches = fused_branches(
-            (q_ids, kv_ids), True, lambda runs: kernel(True, runs), lengths=lengths,
-            valid=increasing_in_documents(q_ids, q_index))
+            (q_ids, kv_ids), True, lambda runs: kernel(True, runs), valid=increasing_in_documents(q_ids, q_index),
+            **compiled)
         diagonal = jnp.all(q_index == kv_index) & jnp.all(q_ids == kv_ids)
         n = len(causal_branches)
         index = jnp.where(diagonal, jnp.where(causal_index < n, causal_index, n + len(branches)), n + index)

@@ -136,9 +136,16 @@ def test_hybrid_layout_is_a_permutation_of_equal_shards_with_runs(ring):
             part, index = laid[r * shard:(r + 1) * shard], layout.token_index[row, r * shard:(r + 1) * shard]
             starts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])
             assert len(starts) == len(set(part.tolist()))
-            assert np.all(np.diff(index) > 0)  # a shard is in original order
+            for a, b in zip(starts, np.r_[starts[1:], shard]):
+                assert np.all(np.diff(index[a:b]) > 0)  # each document increasing
             for doc in set(part.tolist()):
                 holders.setdefault(doc, set()).add(r)
+        for r in range(ring):  # the shared documents first, in original order; then the whole ones
+            part = laid[r * shard:(r + 1) * shard]
+            index = layout.token_index[row, r * shard:(r + 1) * shard]
+            is_shared = np.array([len(holders[doc]) > 1 for doc in part])
+            assert not np.any(is_shared[1:] & ~is_shared[:-1])
+            assert np.all(np.diff(index[is_shared]) > 0) and np.all(np.diff(index[~is_shared]) > 0)
         starts = np.flatnonzero(np.r_[True, ids[row, 1:] != ids[row, :-1]])
         for start, length in zip(starts, np.diff(np.r_[starts, ids.shape[1]])):
             doc = ids[row, start]

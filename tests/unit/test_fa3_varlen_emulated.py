@@ -184,8 +184,8 @@ def test_token_index_replay_runs_every_block_on_the_varlen_kernel(ring, with_ids
     from jax_impl.kernels import runs
 
     # one run-slot count and one length bound (they hold these blocks): one branch per form to compile
-    monkeypatch.setattr(runs, "RUN_SLOTS", (16,))
-    monkeypatch.setattr(runs, "length_ladder", lambda n: (n,))
+    monkeypatch.setattr(runs, "INDEX_RUN_SLOTS", (16,))
+    monkeypatch.setattr(runs, "index_length_ladder", lambda n: (n,))
     nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
     monkeypatch.setattr(emulated_fa3, "reference_block_fwd",
                         lambda q, k, v, *a, **kw: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from seqplan.layouts import document_layout, pad_documents
+from seqplan.layouts import DOCUMENT_HYBRID, DOCUMENT_ZIGZAG, document_layout, hybrid_layout, pad_documents
 from seqplan.strategy import Strategy
 
 
@@ -101,16 +101,23 @@ def _replay(backend, index, ids, q, k, v, do, strategy):
     return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, **kw))
 
 
-@pytest.mark.parametrize("ring, with_ids", [(4, True), (2, False)])
-def test_token_index_blocks_run_on_the_varlen_ops(ring, with_ids, emulated_varlen, seed):
-    """Every block of the per-document zigzag on the (emulated) varlen ops, equal to the portable
-    kernel; ``with_ids=False``: one document per row, the token indices alone."""
+@pytest.mark.parametrize("ring, with_ids, name", [(4, True, DOCUMENT_ZIGZAG), (2, False, DOCUMENT_ZIGZAG),
+                                                  (4, True, DOCUMENT_HYBRID)])
+def test_token_index_blocks_run_on_the_varlen_ops(ring, with_ids, name, emulated_varlen, monkeypatch, seed):
+    """Every block of the per-document zigzag and hybrid on the (emulated) varlen ops, equal to the
+    portable kernel; ``with_ids=False``: one document per row, the token indices alone. The
+    hybrid's off-diagonal blocks are cropped to its shared documents (``loop.crop_block``)."""
+    from torch_impl import loop
+
+    cropped = []
+    crop = loop.crop_block
+    monkeypatch.setattr(loop, "crop_block", lambda block, masks: cropped.append(crop(block, masks)) or cropped[-1])
     rng = np.random.default_rng(seed)
     ids = np.array([[0] * 9 + [1] + [2] * 30 + [3] * 3, [7] * 3 + [8] * 37 + [9] * 3])  # a length-1 document
     if not with_ids:
         ids = np.zeros((2, 16 * ring), np.int64)
     padded, _ = pad_documents(ids, ring)
-    layout = document_layout(padded, ring)
+    layout = document_layout(padded, ring) if name == DOCUMENT_ZIGZAG else hybrid_layout(padded, ring, split_at=30)
     laid = torch.from_numpy(np.take_along_axis(padded, layout.perm, 1).astype(np.int32))
     index = torch.from_numpy(np.ascontiguousarray(layout.token_index))
     t = padded.shape[1]
@@ -119,6 +126,11 @@ def test_token_index_blocks_run_on_the_varlen_ops(ring, with_ids, emulated_varle
     strategy = Strategy(ring=ring)
     got = _replay("aten_varlen", index, laid if with_ids else None, q, k, v, do, strategy)
     assert emulated_varlen == {"fwd": 0, "bwd": 0}, f"blocks left to the portable kernel: {emulated_varlen}"
+    if name == DOCUMENT_HYBRID:  # documents 2 and 8 split, the others whole: some blocks cropped or skipped
+        from seqplan.schedule import Span
+
+        spans = [b for b in cropped if b is None or isinstance(b.q_part, Span)]
+        assert spans, "no block of the hybrid was cropped"
     want = _replay("reference", index, laid if with_ids else None, q, k, v, do, strategy)
     for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         err = (x.double() - y.double()).norm() / y.double().norm()
