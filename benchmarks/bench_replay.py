@@ -158,20 +158,24 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
             times.append(1e3 * (time.perf_counter() - start))
         return times
 
-    def temporaries(fn, *args):  # XLA's compiled temporaries (outputs and arguments not counted)
+    def compiled(fn, *args):
+        """(the program compiled once, ahead of time, XLA's temporaries — outputs and arguments not
+        counted — or None): the timed calls and the memory report share one compilation."""
+        start = time.perf_counter()
+        executable = fn.lower(*args, **index_kw).compile()
         try:
-            target, keywords = (fn.func, fn.keywords) if isinstance(fn, functools.partial) else (fn, {})
-            return int(target.lower(*args, **keywords).compile().memory_analysis().temp_size_in_bytes)
+            temp = int(executable.memory_analysis().temp_size_in_bytes)
         except Exception:  # noqa: BLE001 — not every backend reports it
-            return None
+            temp = None
+        print(f"jax {spec.name} device program compiled in {time.perf_counter() - start:.1f} s", flush=True)
+        return functools.partial(executable, **index_kw), temp
 
     out = {}
     for device in devices_to_time:
-        fwd, bwd = program(replay.device_forward, device), program(replay.device_backward, device)
-        fwd, bwd = (functools.partial(f, **index_kw) if index_kw else f for f in (fwd, bwd))
+        fwd, fwd_temp = compiled(program(replay.device_forward, device), ids, q, k, v)
         o, lse = own_rows(device, *fwd(ids, q, k, v))  # the backward's saved o, lse
-        out[device] = (clock(fwd, ids, q, k, v), clock(bwd, ids, q, k, v, o, lse, do),
-                       (temporaries(fwd, ids, q, k, v), temporaries(bwd, ids, q, k, v, o, lse, do)))
+        bwd, bwd_temp = compiled(program(replay.device_backward, device), ids, q, k, v, o, lse, do)
+        out[device] = (clock(fwd, ids, q, k, v), clock(bwd, ids, q, k, v, o, lse, do), (fwd_temp, bwd_temp))
     return out
 
 
@@ -262,6 +266,7 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
              "documents": problem.documents, "window": problem.window,
              "verified_as": f"{spec.layout} replay vs the float64 oracle, 2048 tokens" if per_document
              else case.name}
+    began = time.perf_counter()
     try:
         if per_document:
             verdict = verify_document_path(framework, problem, spec.ring, spec.ulysses, spec.outer, spec.kv_exchange,
@@ -270,7 +275,8 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
             verdict = verify_path(framework, case, backend, devices, replay=True, seed=seed)
     except Exception as err:  # noqa: BLE001 — a path that cannot be checked is not verified
         verdict = (False, f"verification raised {type(err).__name__}: {err}")
-    print(f"{framework} {spec.name} {backend}: verification {verdict}", flush=True)
+    print(f"{framework} {spec.name} {backend}: verification {verdict} ({time.perf_counter() - began:.0f} s)",
+          flush=True)
 
     def row(device, fwd_only):
         return Row(f"{framework}_impl_replay", spec.strategy, spec.layout, problem.seq, spec.devices, spec.ulysses,
