@@ -46,8 +46,11 @@ them and assemble global outputs in layout order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from seqplan.config import resolve_scale
 from seqplan.schedule import Exchange, Schedule, device_visits, kernel_window, token_index_window
@@ -100,6 +103,29 @@ def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2)
     return x[tuple(index)]
 
 
+def _steps(group):
+    """The (round, inner step) of each visit of a group, int32 [n, 2]: the scan's input."""
+    return jnp.asarray([(v.step.round, v.step.inner) for v in group], jnp.int32)
+
+
+@dataclass(frozen=True)
+class _TracedStep:
+    round: object
+    inner: object
+
+
+@dataclass(frozen=True)
+class _TracedVisit:
+    step: _TracedStep
+    source: object
+
+
+def _traced_visit(schedule: Schedule, r: int, at):
+    """A visit of device r at the traced ``at = (round, inner)``: its step and source shard."""
+    step = _TracedStep(at[0], at[1])
+    return _TracedVisit(step, schedule.source(r, step.round, step.inner))
+
+
 def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq: int, token_index=None) -> dict:
     """The run-time mask keywords of device r's ``visit``: the real loops' ``loop.visit_masks``,
     given the global ids [b, T] (layout order: what the real loops gather) or None, and the global
@@ -107,6 +133,29 @@ def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq:
     ids = None if ids is None else ids.astype(jnp.int32)
     index = None if token_index is None else token_index.astype(jnp.int32)
     return visit_masks(schedule, config, ids, r, visit.step.round, visit.step.inner, seq // schedule.size, index)
+
+
+def _dynamic_shard(x, r, size: int, heads: slice | None = None):
+    """:func:`_shard` for a traced shard index ``r`` (K/V: axis 1, heads on axis 2)."""
+    t = x.shape[1] // size
+    x = lax.dynamic_slice_in_dim(x, r * t, t, axis=1)
+    return x if heads is None else x[:, :, heads]
+
+
+def _visit_groups(visits, scanned: bool):
+    """The visits in order, consecutive visits of one block off the device's own shard grouped
+    when ``scanned`` (then each group of two or more runs as one ``lax.scan``, as the real loops
+    run a ring's steps: the block's kernels are compiled once, not once per visit), else each
+    visit alone."""
+    groups: list[list] = []
+    for visit in visits:
+        joins = (scanned and groups and not visit.step.local and visit.block is not None
+                 and not groups[-1][0].step.local and groups[-1][0].block == visit.block)
+        if joins:
+            groups[-1].append(visit)
+        else:
+            groups.append([visit])
+    return groups
 
 
 def _alone_dtype(visits, dtype):
@@ -129,7 +178,17 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     o = lse = None
     visits = device_visits(schedule, r)
     o_dtype = _alone_dtype(visits, q.dtype)
-    for visit in visits:
+    for group in _visit_groups(visits, scanned=token_index is not None):
+        if len(group) > 1:  # one block over several visiting shards: one scanned body
+            def step(state, at, block=group[0].block):
+                visit = _traced_visit(schedule, r, at)
+                kv = tuple(_dynamic_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
+                masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
+                return merge_block(backend, config.scale, q_d, block, kv, state, **masks), None
+
+            (o, lse), _ = lax.scan(step, (o, lse), _steps(group))
+            continue
+        visit = group[0]
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
         masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
         if visit.step.local:
@@ -158,7 +217,21 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     dq, contributions = None, {}
     visits = device_visits(schedule, r)
     dq_dtype = _alone_dtype(visits, q.dtype)
-    for visit in visits:
+    for group in _visit_groups(visits, scanned=token_index is not None):
+        if len(group) > 1:  # one block over several visiting shards: one scanned body
+            def step(dq, at, block=group[0].block):
+                visit = _traced_visit(schedule, r, at)
+                kv = tuple(_dynamic_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
+                masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
+                zeros = jnp.zeros(kv[0].shape, F32)
+                dq, dk, dv = grad_block(backend, config.scale, saved, block, kv, (dq, zeros, zeros), **masks)
+                return dq, (dk, dv)
+
+            dq, (dks, dvs) = lax.scan(step, dq, _steps(group))
+            for n, visit in enumerate(group):
+                contributions[visit.source] = (dks[n], dvs[n])
+            continue
+        visit = group[0]
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
         masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
         if visit.step.local:
