@@ -170,11 +170,21 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
         print(f"jax {spec.name} device program compiled in {time.perf_counter() - start:.1f} s", flush=True)
         return functools.partial(executable, **index_kw), temp
 
+    # every device's programs compiled side by side (XLA compiles outside the GIL): at R 8 over
+    # 128k a device's token-index programs take 15-50 s each on an H100 host, 16 of them in turn
+    # outlasted a 570 s step (2026-11-26)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(devices_to_time)) as pool:
+        forwards = dict(zip(devices_to_time, pool.map(
+            lambda dev: compiled(program(replay.device_forward, dev), ids, q, k, v), devices_to_time)))
+        saved = {dev: own_rows(dev, *forwards[dev][0](ids, q, k, v)) for dev in devices_to_time}  # o, lse
+        backwards = dict(zip(devices_to_time, pool.map(
+            lambda dev: compiled(program(replay.device_backward, dev), ids, q, k, v, *saved[dev], do),
+            devices_to_time)))
     out = {}
     for device in devices_to_time:
-        fwd, fwd_temp = compiled(program(replay.device_forward, device), ids, q, k, v)
-        o, lse = own_rows(device, *fwd(ids, q, k, v))  # the backward's saved o, lse
-        bwd, bwd_temp = compiled(program(replay.device_backward, device), ids, q, k, v, o, lse, do)
+        (fwd, fwd_temp), (bwd, bwd_temp), (o, lse) = forwards[device], backwards[device], saved[device]
         out[device] = (clock(fwd, ids, q, k, v), clock(bwd, ids, q, k, v, o, lse, do), (fwd_temp, bwd_temp))
     return out
 

@@ -14,7 +14,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   SEQ=2048; LIMIT=900; STEP_LIMIT=900; ITERS=2
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD JAX_PLATFORMS=cuda
+  export PYTHONPATH=/tmp/site:$PWD JAX_PLATFORMS=cuda JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
 fi
 export PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS COMMAND...
