@@ -78,6 +78,9 @@ class Case:
     # and the call given token_index (and segment_ids, if any) in that order; ``layout`` then only names
     # the divisibility rule. Needs seq % 2·ring == 0 (document lengths are drawn in units of 2·ring tokens).
     token_index: bool = False
+    # The per-row layout of a token-index case (seqplan.layouts.row_layout): "document-zigzag" or
+    # "document-hybrid" (long documents split as document-zigzag, short ones whole, balanced).
+    row_layout: str = "document-zigzag"
 
     def __post_init__(self):
         for field in ("batch", "seq", "heads", "kv_heads", "head_dim"):
@@ -93,6 +96,9 @@ class Case:
             raise TypeError(f"sinks must be a bool, got {self.sinks!r}")
         if not isinstance(self.token_index, bool):
             raise TypeError(f"token_index must be a bool, got {self.token_index!r}")
+        from seqplan.layouts import DOCUMENT_LAYOUTS
+
+        check_choice("row_layout", self.row_layout, DOCUMENT_LAYOUTS)
         if self.token_index and self.seq % (2 * self.ring):
             raise ValueError(f"token_index cases need seq % (2·ring) == 0 (document lengths in units of 2·ring "
                              f"tokens), got seq={self.seq}, ring={self.ring}")
@@ -148,6 +154,8 @@ class Case:
         sinks = "-sinks" if self.sinks else ""
         softcap = "" if self.softcap is None else f"-softcap{self.softcap:g}"
         token_index = "-token-index" if self.token_index else ""
+        if self.token_index and self.row_layout != "document-zigzag":
+            token_index += "-" + self.row_layout
         return (f"{self.mesh.name}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
                 f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}{token_index}{window}{sinks}"
                 f"{softcap}")
@@ -399,7 +407,8 @@ def token_index_cases() -> list[Case]:
     of 4 in float32 with GQA (long-tailed documents, the static name "contiguous": the layout's own
     positions would truncate nothing but mean nothing) and a causal USP 2 × 2 in bf16 with MQA
     replicated over Ulysses (interleaved documents: an id that comes back is another document of
-    the layout), "zigzag". ``--masks all`` / ``--full`` add: all-gather KV on the stripe name with a
+    the layout), "zigzag", laid out by the per-document hybrid (``Case.row_layout``). ``--masks
+    all`` / ``--full`` add: all-gather KV on the stripe name with a
     window and singleton documents (each of 2R tokens); the double-ring USP with one document per
     row and sinks; a non-causal ring of 8 with the wide window (the window alone reads the indices).
     Each runs two batch rows with documents of their own (drawn in units of 2R tokens)."""
@@ -407,7 +416,7 @@ def token_index_cases() -> list[Case]:
         Case(ring=4, heads=8, kv_heads=2, layout="contiguous", causal=True, documents="mix", batch=DOCUMENT_BATCH,
              token_index=True),
         Case(ring=2, ulysses=2, heads=8, kv_heads=1, head_dim=40, layout="zigzag", causal=True, dtype="bfloat16",
-             documents="interleaved", batch=DOCUMENT_BATCH, token_index=True),
+             documents="interleaved", batch=DOCUMENT_BATCH, token_index=True, row_layout="document-hybrid"),
         Case(ring=4, layout="stripe", causal=True, kv_exchange="allgather", documents="singletons",
              batch=DOCUMENT_BATCH, window=SMALL_WINDOW, token_index=True),
         Case(ring=4, ring_outer=2, ulysses=2, heads=8, kv_heads=2, layout="zigzag", causal=True, dtype="bfloat16",

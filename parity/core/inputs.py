@@ -118,17 +118,17 @@ def flash_ideal(case: Case, x: Inputs) -> dict[str, np.ndarray]:
 
 def permutation(case: Case, x: Inputs | None = None) -> np.ndarray:
     """The case's layout: the static ``layout_permutation`` ([t], one for every row), or for a
-    token-index case the per-document zigzag of ``x``'s segment ids over the case's ring ([b, t],
-    one permutation per row: ``seqplan.layouts.document_layout``'s ``perm``; without ids every row
-    is one document, laid out as the static zigzag over the ring)."""
+    token-index case the per-row layout ``case.row_layout`` of ``x``'s segment ids over the case's
+    ring ([b, t], one permutation per row: ``seqplan.layouts.row_layout``'s ``perm``; without ids
+    every row is one document, laid out as the static zigzag over the ring)."""
     if not case.token_index:
         return reference.layout_permutation(case.seq, case.layout, case.ring, case.ulysses)
     if x is None:
         raise ValueError(f"the per-document layout of {case.name} is built from its inputs' segment ids: pass x")
-    from seqplan.layouts import document_layout
+    from seqplan.layouts import row_layout
 
     ids = np.zeros(x.q.shape[:2], np.int32) if x.segment_ids is None else x.segment_ids  # none: one document a row
-    return document_layout(ids, case.ring).perm
+    return row_layout(case.row_layout, ids, case.ring).perm
 
 
 def without_token_index(x: Inputs) -> Inputs:

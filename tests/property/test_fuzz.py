@@ -78,8 +78,9 @@ def softcaps():
 
 
 def token_indices(seq: int, ring: int):
-    """Explicit token indices (the per-document zigzag of the drawn documents, or of one document
-    a row) about half the time, where the sequence splits into 2R-token units (``Case.token_index``)."""
+    """Explicit token indices (the per-document zigzag or hybrid of the drawn documents —
+    ``Case.row_layout``, drawn beside —, or of one document a row) about half the time, where
+    the sequence splits into 2R-token units (``Case.token_index``)."""
     return st.booleans().map(lambda given: given and seq % (2 * ring) == 0)
 
 
@@ -99,7 +100,8 @@ def cases(draw) -> Case:
                 scale=draw(st.sampled_from((None, 0.5, 0.05))),
                 kv_exchange=draw(st.sampled_from(KV_EXCHANGES)) if single_ring else "ring",
                 documents=draw(document_patterns()), window=draw(windows(seq, ring)), sinks=draw(st.booleans()),
-                softcap=draw(softcaps()), token_index=draw(token_indices(seq, ring)))
+                softcap=draw(softcaps()), token_index=draw(token_indices(seq, ring)),
+                row_layout=draw(st.sampled_from(("document-zigzag", "document-hybrid"))))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True, database=None,
