@@ -126,6 +126,14 @@ def _traced_visit(schedule: Schedule, r: int, at):
     return _TracedVisit(step, schedule.source(r, step.round, step.inner))
 
 
+def _scanned_visit(at, schedule: Schedule, config: AttentionConfig, r: int, kv, ring: int, kv_heads, dtype, ids,
+                   token_index):
+    """(K/V shard, mask keywords) of device r's visit at the traced ``at = (round, inner)``."""
+    visit = _traced_visit(schedule, r, at)
+    shard = tuple(_dynamic_shard(x, visit.source, ring, kv_heads).astype(dtype) for x in kv)
+    return shard, _masks(config, schedule, ids, r, visit, kv[0].shape[1], token_index)
+
+
 def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq: int, token_index=None) -> dict:
     """The run-time mask keywords of device r's ``visit``: the real loops' ``loop.visit_masks``,
     given the global ids [b, T] (layout order: what the real loops gather) or None, and the global
@@ -181,9 +189,8 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     for group in _visit_groups(visits, scanned=token_index is not None):
         if len(group) > 1:  # one block over several visiting shards: one scanned body
             def step(state, at, block=group[0].block):
-                visit = _traced_visit(schedule, r, at)
-                kv = tuple(_dynamic_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-                masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
+                kv, masks = _scanned_visit(at, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype,
+                                           segment_ids, token_index)
                 return merge_block(backend, config.scale, q_d, block, kv, state, **masks), None
 
             (o, lse), _ = lax.scan(step, (o, lse), _steps(group))
@@ -220,9 +227,8 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     for group in _visit_groups(visits, scanned=token_index is not None):
         if len(group) > 1:  # one block over several visiting shards: one scanned body
             def step(dq, at, block=group[0].block):
-                visit = _traced_visit(schedule, r, at)
-                kv = tuple(_dynamic_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-                masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
+                kv, masks = _scanned_visit(at, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype,
+                                           segment_ids, token_index)
                 zeros = jnp.zeros(kv[0].shape, F32)
                 dq, dk, dv = grad_block(backend, config.scale, saved, block, kv, (dq, zeros, zeros), **masks)
                 return dq, (dk, dv)
