@@ -84,6 +84,9 @@ def token_indices(seq: int, ring: int):
     return st.booleans().map(lambda given: given and seq % (2 * ring) == 0)
 
 
+ROW_LAYOUTS = ("document-zigzag", "document-hybrid")  # a token-index case's per-row layout (Case.row_layout)
+
+
 @st.composite
 def cases(draw) -> Case:
     data, ring, uly, outer = draw(st.sampled_from(MESHES))
@@ -94,14 +97,15 @@ def cases(draw) -> Case:
     seq = multiple * draw(st.sampled_from((1, 2, 3)))
     seq += multiple * -(-max(8 - seq, 0) // multiple)  # at least 8 tokens
     single_ring = ring > 1 and outer == 1  # all-gather KV has no double-ring form
+    token_index = draw(token_indices(seq, ring))
     return Case(ring=ring, ulysses=uly, data=data, ring_outer=outer, batch=data * draw(st.sampled_from((1, 2))),
                 seq=seq, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from((8, 16, 24))), layout=layout,
                 causal=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES)),
                 scale=draw(st.sampled_from((None, 0.5, 0.05))),
                 kv_exchange=draw(st.sampled_from(KV_EXCHANGES)) if single_ring else "ring",
                 documents=draw(document_patterns()), window=draw(windows(seq, ring)), sinks=draw(st.booleans()),
-                softcap=draw(softcaps()), token_index=draw(token_indices(seq, ring)),
-                row_layout=draw(st.sampled_from(("document-zigzag", "document-hybrid"))))
+                softcap=draw(softcaps()), token_index=token_index,
+                row_layout=draw(st.sampled_from(ROW_LAYOUTS)) if token_index else ROW_LAYOUTS[0])
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True, database=None,
@@ -162,7 +166,9 @@ def test_the_strategy_reaches_every_mesh_family():
               "a soft-cap with sinks and a window": lambda c: c.softcap is not None and c.sinks and c.window is not None,
               "a soft-cap in low precision": lambda c: c.softcap is not None and c.dtype != "float32",
               "token indices over documents on a ring": lambda c: c.token_index and c.documents != "none" and c.ring >= 2,
-              "token indices under Ulysses": lambda c: c.token_index and c.ring >= 2 and c.ulysses >= 2}
+              "token indices under Ulysses": lambda c: c.token_index and c.ring >= 2 and c.ulysses >= 2,
+              "the hybrid over documents": lambda c: c.token_index and c.row_layout == "document-hybrid"
+              and c.documents != "none" and c.ring >= 2}
     for what, wanted in checks.items():
         found = hypothesis.find(cases(), wanted, settings=settings(database=None, derandomize=True))
         assert wanted(found), what

@@ -69,4 +69,8 @@ def test_mirrors_have_the_same_files_and_public_names():
         # local_attention is JAX's per-device entry point (inside the caller's shard_map): torch's
         # sequence_parallel_attention already takes each rank's local shards.
         jax_only |= {"local_attention"}
+        # crop_block: torch crops a token-index block to the documents both sides hold (host ids,
+        # eager shapes; BlockGrads carries the cropped block to add_grads); JAX's shapes are
+        # static, so its blocks stay whole.
+        torch_only |= {"crop_block", "BlockGrads"}
         assert jax_names - jax_only == torch_names - torch_only, name
