@@ -46,8 +46,6 @@ them and assemble global outputs in layout order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -108,39 +106,22 @@ def _steps(group):
     return jnp.asarray([(v.step.round, v.step.inner) for v in group], jnp.int32)
 
 
-@dataclass(frozen=True)
-class _TracedStep:
-    round: object
-    inner: object
-
-
-@dataclass(frozen=True)
-class _TracedVisit:
-    step: _TracedStep
-    source: object
-
-
-def _traced_visit(schedule: Schedule, r: int, at):
-    """A visit of device r at the traced ``at = (round, inner)``: its step and source shard."""
-    step = _TracedStep(at[0], at[1])
-    return _TracedVisit(step, schedule.source(r, step.round, step.inner))
-
-
 def _scanned_visit(at, schedule: Schedule, config: AttentionConfig, r: int, kv, ring: int, kv_heads, dtype, ids,
                    token_index):
     """(K/V shard, mask keywords) of device r's visit at the traced ``at = (round, inner)``."""
-    visit = _traced_visit(schedule, r, at)
-    shard = tuple(_dynamic_shard(x, visit.source, ring, kv_heads).astype(dtype) for x in kv)
-    return shard, _masks(config, schedule, ids, r, visit, kv[0].shape[1], token_index)
+    source = schedule.source(r, at[0], at[1])
+    shard = tuple(_dynamic_shard(x, source, ring, kv_heads).astype(dtype) for x in kv)
+    return shard, _masks(config, schedule, ids, r, (at[0], at[1]), kv[0].shape[1], token_index)
 
 
-def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, visit, seq: int, token_index=None) -> dict:
-    """The run-time mask keywords of device r's ``visit``: the real loops' ``loop.visit_masks``,
+def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, step, seq: int, token_index=None) -> dict:
+    """The run-time mask keywords of device r's visit at ``step = (round, inner)`` (ints or traced):
+    the real loops' ``loop.visit_masks``,
     given the global ids [b, T] (layout order: what the real loops gather) or None, and the global
     token indices [b, T] or None."""
     ids = None if ids is None else ids.astype(jnp.int32)
     index = None if token_index is None else token_index.astype(jnp.int32)
-    return visit_masks(schedule, config, ids, r, visit.step.round, visit.step.inner, seq // schedule.size, index)
+    return visit_masks(schedule, config, ids, r, *step, seq // schedule.size, index)
 
 
 def _dynamic_shard(x, r, size: int, heads: slice | None = None):
@@ -197,7 +178,7 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
             continue
         visit = group[0]
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-        masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
+        masks = _masks(config, schedule, segment_ids, r, (visit.step.round, visit.step.inner), q.shape[1], token_index)
         if visit.step.local:
             o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, out_dtype=o_dtype, **masks)
         elif visit.block is not None:
@@ -239,7 +220,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
             continue
         visit = group[0]
         kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-        masks = _masks(config, schedule, segment_ids, r, visit, q.shape[1], token_index)
+        masks = _masks(config, schedule, segment_ids, r, (visit.step.round, visit.step.inner), q.shape[1], token_index)
         if visit.step.local:
             dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, dq_dtype=dq_dtype, **masks)
             contributions[visit.source] = (dk, dv)

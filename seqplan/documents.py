@@ -68,51 +68,36 @@ def _row_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids[starts], np.diff(np.append(starts, len(ids)))
 
 
-def _row_pairs(q_ids: np.ndarray, kv_ids: np.ndarray) -> list[tuple[int, int, int, int]] | None:
-    """One row's documents as (query start, queries, key start, keys) that walk both in order: a
-    document the queries and the keys share is one pair, a document only one side holds pairs
-    with zero of the other. None when that cannot be done: a document in two runs of the
-    queries, a shared document in two runs of the keys, or shared documents in different orders."""
+def _merged_runs(q_ids: np.ndarray, kv_ids: np.ndarray) -> list[tuple[int, int]] | None:
+    """One row's runs as (queries, keys) pairs that walk both in order: a document the queries and
+    the keys share is one pair, a document only one side holds pairs with zero of the other. None
+    when that cannot be done: a document in two runs of the queries, a shared document in two
+    runs of the keys, or shared documents in different orders."""
     q_docs, q_lens = _row_runs(q_ids)
     k_docs, k_lens = _row_runs(kv_ids)
     shared = set(q_docs.tolist()) & set(k_docs.tolist())
     if len(set(q_docs.tolist())) < len(q_docs) or any(np.count_nonzero(k_docs == d) > 1 for d in shared):
         return None
-    q_at, k_at = np.r_[0, np.cumsum(q_lens)], np.r_[0, np.cumsum(k_lens)]
     pairs, i, j = [], 0, 0
     while i < len(q_docs) or j < len(k_docs):
         if i < len(q_docs) and j < len(k_docs) and q_docs[i] == k_docs[j]:
-            pairs.append((int(q_at[i]), int(q_lens[i]), int(k_at[j]), int(k_lens[j])))
+            pairs.append((int(q_lens[i]), int(k_lens[j])))
             i, j = i + 1, j + 1
         elif i < len(q_docs) and q_docs[i] not in shared:
-            pairs.append((int(q_at[i]), int(q_lens[i]), int(k_at[j]), 0))
+            pairs.append((int(q_lens[i]), 0))
             i += 1
         elif j < len(k_docs) and k_docs[j] not in shared:
-            pairs.append((int(q_at[i]), 0, int(k_at[j]), int(k_lens[j])))
+            pairs.append((0, int(k_lens[j])))
             j += 1
         else:  # shared documents met in different orders
             return None
-    return pairs
-
-
-def _joined(pairs) -> list[tuple[int, int]]:
-    """(queries, keys) runs with neighbouring runs of queries alone (or keys alone) joined."""
-    merged: list[tuple[int, int]] = []
+    merged: list[tuple[int, int]] = []  # neighbouring runs of queries alone (or keys alone) are one run
     for n_q, n_k in pairs:
         if merged and ((n_k == 0 and merged[-1][1] == 0) or (n_q == 0 and merged[-1][0] == 0)):
             merged[-1] = (merged[-1][0] + n_q, merged[-1][1] + n_k)
-        elif n_q or n_k:
+        else:
             merged.append((n_q, n_k))
     return merged
-
-
-def _as_runs(pairs: list[tuple[int, int]]) -> DocumentRuns:
-    q_len, k_len = (np.array([p[n] for p in pairs], np.int64) for n in (0, 1))
-    empty = np.repeat(k_len == 0, q_len)
-    unread = np.repeat(q_len == 0, k_len)
-    cu = lambda lengths: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return DocumentRuns(cu(q_len), cu(k_len), int(q_len.max()), int(k_len.max()), empty if empty.any() else None,
-                        unread if unread.any() else None)
 
 
 def document_runs(q_ids: np.ndarray, kv_ids: np.ndarray, causal: bool) -> DocumentRuns | None:
@@ -125,11 +110,16 @@ def document_runs(q_ids: np.ndarray, kv_ids: np.ndarray, causal: bool) -> Docume
         return None
     pairs = []
     for row in range(b):
-        row_pairs = _row_pairs(q_ids[row], kv_ids[row])
+        row_pairs = _merged_runs(q_ids[row], kv_ids[row])
         if row_pairs is None:
             return None
-        pairs += _joined([(n_q, n_k) for _, n_q, _, n_k in row_pairs])
-    return _as_runs(pairs)
+        pairs += row_pairs
+    q_len, k_len = (np.array([p[n] for p in pairs], np.int64) for n in (0, 1))
+    empty = np.repeat(k_len == 0, q_len)
+    unread = np.repeat(q_len == 0, k_len)
+    cu = lambda lengths: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return DocumentRuns(cu(q_len), cu(k_len), int(q_len.max()), int(k_len.max()), empty if empty.any() else None,
+                        unread if unread.any() else None)
 
 
 def _row_index_ids(q_ids, kv_ids, q_index, kv_index) -> tuple[np.ndarray, np.ndarray] | None:

@@ -253,6 +253,9 @@ def _bisect_right(sorted_ids, sorted_index, ids, index):
 
 def _row_index_segments(q_ids, kv_ids, q_index, kv_index):
     t = q_ids.shape[0]
+    # ids as their rank among the row's ids (< t + s): 3·rank + 2 cannot overflow where 3·id could
+    ranked = jnp.sort(jnp.concatenate([q_ids, kv_ids]))
+    q_ids, kv_ids = (jnp.searchsorted(ranked, x, side="left").astype(jnp.int32) for x in (q_ids, kv_ids))
     order = jnp.lexsort((kv_index, kv_ids))
     k_ids, k_index = kv_ids[order], kv_index[order]
     count = lambda ids, index: _bisect_right(k_ids, k_index, ids, index) - jnp.searchsorted(k_ids, ids, side="left")
@@ -268,8 +271,7 @@ def _row_index_segments(q_ids, kv_ids, q_index, kv_index):
     at = jnp.minimum(jnp.searchsorted(sorted_q, kv_ids, side="left"), t - 1)
     prefix = jnp.where(sorted_q[at] == kv_ids, most[document[at]], 0)  # the keys its document's queries see
     visible = count(kv_ids, kv_index) <= prefix
-    return (jnp.where(seen > 0, 3 * q_ids, 3 * q_ids + 1).astype(q_ids.dtype),
-            jnp.where(visible, 3 * kv_ids, 3 * kv_ids + 2).astype(kv_ids.dtype), ok)
+    return jnp.where(seen > 0, 3 * q_ids, 3 * q_ids + 1), jnp.where(visible, 3 * kv_ids, 3 * kv_ids + 2), ok
 
 
 def index_segments(q_ids, kv_ids, q_index, kv_index):
@@ -277,9 +279,10 @@ def index_segments(q_ids, kv_ids, q_index, kv_index):
     call's FULL block with the window ``(UNBOUNDED, 0)``) as a document mask on new ids, when one
     exists: ``(q_ids', kv_ids', ok)``. Each query sees a set of keys of its document nested by its
     index; when every query of a document that sees any key sees the same number of them, the
-    visible pairs are exactly ``q_ids' == kv_ids'`` with q' = 3·id for those queries, 3·id + 1 for
-    the others (they see nothing), k' = 3·id for the keys they see, 3·id + 2 for the rest (3·id + r
-    never collides across documents). ``ok`` (traced bool) says whether that holds in every row;
+    visible pairs are exactly ``q_ids' == kv_ids'`` with q' = 3·doc for those queries, 3·doc + 1
+    for the others (they see nothing), k' = 3·doc for the keys they see, 3·doc + 2 for the rest —
+    doc the id's rank among the row's ids, so 3·doc + r never collides across documents nor
+    overflows (as ``seqplan.documents.index_runs`` on the host). ``ok`` (traced bool) says whether that holds in every row;
     then :func:`dispatch` runs the block FULL on the new ids (``valid=ok``). On the per-document
     zigzag every block off the diagonal holds, and so does the contiguous layout's. Traced, static
     shapes: two sorts and binary searches per row, no [t, s] comparison."""
@@ -300,8 +303,8 @@ def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = Fal
     kv_index [b, s])``, ``segments`` the ids or None: one document per row): a diagonal block
     (equal indices and ids) runs as the causal document block when its indices increase within
     each document (:func:`increasing_in_documents`), any other as the FULL document block on
-    :func:`index_segments`' ids — one ``lax.cond`` between the two, each falling back to
-    ``portable()`` when its condition fails. ``kernel(causal, runs)``."""
+    :func:`index_segments`' ids — one ``lax.switch`` over both forms' branches and one
+    ``portable()`` fallback, taken when the block's form does not hold. ``kernel(causal, runs)``."""
     q_index, kv_index = positions
     q_ids, kv_ids = segments if segments is not None else (jnp.zeros(q_index.shape, jnp.int32),
                                                           jnp.zeros(kv_index.shape, jnp.int32))

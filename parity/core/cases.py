@@ -99,6 +99,8 @@ class Case:
         from seqplan.layouts import DOCUMENT_LAYOUTS
 
         check_choice("row_layout", self.row_layout, DOCUMENT_LAYOUTS)
+        if self.row_layout != DOCUMENT_LAYOUTS[0] and not self.token_index:
+            raise ValueError(f"row_layout={self.row_layout!r} lays rows out for token_index cases only: set token_index=True")
         if self.token_index and self.seq % (2 * self.ring):
             raise ValueError(f"token_index cases need seq % (2·ring) == 0 (document lengths in units of 2·ring "
                              f"tokens), got seq={self.seq}, ring={self.ring}")

@@ -181,7 +181,7 @@ def test_traced_forms_refuse_or_are_exact(trial, seed):
 def test_plans_are_remembered_by_content():
     """``cached_plan``: equal contents (another array object) reuse the plan; a changed id, index,
     dtype or flag plans again — a stale run list would silently mask the wrong pairs."""
-    from seqplan.documents import cached_plan, document_runs
+    from seqplan.documents import cached_plan
 
     calls = []
 
@@ -197,5 +197,17 @@ def test_plans_are_remembered_by_content():
     cached_plan(planner, ids.astype(np.int16), ids, index, index)
     cached_plan(planner, None, None, index, index)
     assert len(calls) == 5
-    assert (cached_plan(document_runs, ids, ids, causal=True).cu_q.tolist()
-            == cached_plan(document_runs, ids, ids, causal=False).cu_q.tolist())  # flags are in the key
+    cached_plan(planner, ids, ids, index, index, causal=True)
+    cached_plan(planner, ids, ids, index, index, causal=False)
+    assert len(calls) == 7  # flags are part of the key
+
+
+def test_far_apart_ids_do_not_collide():
+    """3·id + 1 for id 1431655765 wraps to 0 = 3·0 in int32: the new ids are built from each id's
+    rank in the row, so a query that sees nothing (document B, its keys all later) never meets
+    document 0's keys — on the host and traced alike."""
+    far = 1431655765  # 3·far + 1 == 2**32
+    q_ids = kv_ids = np.array([[0, 0, far, far]], np.int32)
+    q_index, kv_index = np.array([[4, 5, 12, 13]], np.int32), np.array([[0, 1, 14, 15]], np.int32)
+    assert _check(q_ids, kv_ids, q_index, kv_index, must=True) == "full"
+    _check_traced(q_ids, kv_ids, q_index, kv_index, must=True)

@@ -27,6 +27,12 @@ def test_a_token_index_case_is_validated_and_named():
         Case(ring=2, token_index=1)
     with pytest.raises(ValueError, match=r"seq % \(2·ring\) == 0"):
         Case(ring=8, seq=24, layout="contiguous", token_index=True)
+    hybrid = Case(ring=4, documents="mix", batch=2, token_index=True, row_layout="document-hybrid")
+    assert hybrid.name.endswith("-token-index-document-hybrid")
+    with pytest.raises(ValueError, match="row_layout must be one of"):
+        Case(ring=2, token_index=True, row_layout="hybrid")
+    with pytest.raises(ValueError, match="token_index cases only"):
+        Case(ring=2, row_layout="document-hybrid")
 
 
 @pytest.mark.parametrize("case", token_index_cases(), ids=lambda c: c.name)
