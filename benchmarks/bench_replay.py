@@ -70,7 +70,8 @@ STRATEGIES = {s.name: s for s in (
     ReplaySpec("stripe-r4", ring=4, layout="stripe"), ReplaySpec("stripe-r8", ring=8, layout="stripe"),
     ReplaySpec("contiguous-r2", ring=2, layout="contiguous"), ReplaySpec("contiguous-r4", ring=4, layout="contiguous"),
     ReplaySpec("contiguous-r8", ring=8, layout="contiguous"),
-    ReplaySpec("allgather-r4", ring=4, kv_exchange="allgather"), ReplaySpec("double-ring-2x2", ring=4, outer=2),
+    ReplaySpec("allgather-r4", ring=4, kv_exchange="allgather"), ReplaySpec("allgather-r8", ring=8, kv_exchange="allgather"),
+    ReplaySpec("double-ring-2x2", ring=4, outer=2),
     ReplaySpec("ulysses-u4", ulysses=4), ReplaySpec("usp-r2xu2", ring=2, ulysses=2),
 )}
 
@@ -249,7 +250,10 @@ def _torch_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_ti
     for device in devices_to_time:
         run_fwd = lambda device=device: replay.device_forward(device, q, k, v, **kw)
         run_bwd = lambda device=device: replay.device_backward(device, q, k, v, o, lse, do, **kw)
-        out[device] = (clock(run_fwd), clock(run_bwd), (temporaries(run_fwd), temporaries(run_bwd)))
+        plan = replay.one_call_plan(device, q, **kw)  # all-gather-KV's one varlen call, or None: blocks walked
+        path = {"one_call": plan is not None} | ({} if plan is None else {"runs": len(plan.cu_q) - 1,
+                                                                         "gathered_keys": plan.keys})
+        out[device] = (clock(run_fwd), clock(run_bwd), (temporaries(run_fwd), temporaries(run_bwd)), path)
     return out
 
 
@@ -316,9 +320,9 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
     else:
         shard_positions = ring_positions(spec.layout, spec.ring, problem.seq // spec.ring)
     # busiest / mean device fwd+bwd time over the devices timed (every one with --replay-devices all)
-    totals = {d: _median([a + b for a, b in zip(fwd, bwd)])[0] for d, (fwd, bwd, _) in measured.items()}
+    totals = {d: _median([a + b for a, b in zip(fwd, bwd)])[0] for d, (fwd, bwd, *_) in measured.items()}
     time_balance = max(totals.values()) / (sum(totals.values()) / len(totals))
-    for device, (fwd, bwd, temps) in measured.items():
+    for device, (fwd, bwd, temps, *path) in measured.items():
         bare = _bare_kernels(framework, backend, spec, problem, device, iters, warmup)
         for fwd_only in (True, False):
             r = row(device, fwd_only)
@@ -327,7 +331,7 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
             r.tflops_per_gpu = problem.flops(fwd_only) / share / (r.ms_per_iter * 1e-3) / 1e12
             own = problem.own_flops(shard_positions[device // spec.ulysses], 1 / spec.ulysses, fwd_only)
             r.extra = {**r.extra, "tflops_own_pairs": own / (r.ms_per_iter * 1e-3) / 1e12,
-                       "time_balance": time_balance, "time_balance_devices": sorted(totals)}
+                       "time_balance": time_balance, "time_balance_devices": sorted(totals), **(path[0] if path else {})}
             temp = temps[0] if fwd_only else (None if None in temps else max(temps))
             floor = problem.min_bytes_per_device(spec.devices, fwd_only)
             r.extra = {**r.extra, "temporaries_mb": None if temp is None else temp / 2**20,

@@ -12,7 +12,9 @@ benchmarks --gpus 1 --documents MIX --layout zigzag,document-zigzag,document-hyb
 --replay-devices all`` (every device timed), per (framework, mix, layout): each device's fwd+bwd
 time, the busiest, ``time_balance`` (busiest / mean), the busiest against the anchor ÷ R (the
 fitted ids' anchor for the per-row layouts, the raw mix's for static ones) and against the
-static zigzag's busiest — the issue's three targets, as a markdown table.
+static zigzag ring's busiest — the issue's three targets, as a markdown table; one entry per
+strategy too (``--strategies zigzag-r8,allgather-r8``: the ring, and all-gather-KV's one varlen
+call per device).
 """
 
 from __future__ import annotations
@@ -67,25 +69,27 @@ def summarize(anchor_table: dict, rows: list[dict], ring: int) -> list[dict]:
         if r.get("fwd_only") or "replay_device" not in extra or r.get("ms_per_iter") is None:
             continue
         framework = r["framework"].split("_")[0]
-        key = (framework, extra.get("documents"), r["layout"])
-        groups.setdefault(key, {"verified": True, "ms": {}, "resolved": extra.get("resolved")})
+        key = (framework, extra.get("documents"), r["layout"], r.get("strategy", "ring"))
+        groups.setdefault(key, {"verified": True, "ms": {}, "resolved": extra.get("resolved"), "one_call": True})
+        groups[key]["one_call"] &= bool(extra.get("one_call"))  # every device ran all-gather-KV's one varlen call
         groups[key]["ms"][extra["replay_device"]] = r["ms_per_iter"]
         groups[key]["verified"] &= bool(r.get("verified"))
     out = []
-    for (framework, mix, layout), g in sorted(groups.items()):
+    for (framework, mix, layout, strategy), g in sorted(groups.items()):
         ms = [g["ms"][d] for d in sorted(g["ms"])]
         busiest, mean = max(ms), sum(ms) / len(ms)
         fitted = layout.startswith("document-")
         a = anchor_table.get(framework, {}).get(mix, {}).get("fitted" if fitted else "raw", {})
         anchor_ms = a.get("fwd_bwd_ms")
-        zigzag = groups.get((framework, mix, "zigzag"))
+        zigzag = groups.get((framework, mix, "zigzag", "ring"))  # the static zigzag ring: the baseline
         out.append({
-            "framework": framework, "mix": mix, "layout": layout, "devices": len(ms), "device_ms": ms,
+            "framework": framework, "mix": mix, "layout": layout, "strategy": strategy, "devices": len(ms),
+            "device_ms": ms,
             "busiest_ms": busiest, "mean_ms": mean, "time_balance": busiest / mean,
             "anchor_kernel": a.get("kernel"), "anchor_ms": anchor_ms, "anchor_verified": a.get("verified"),
             "busiest_vs_anchor_share": None if not anchor_ms else busiest / (anchor_ms / ring),
             "busiest_vs_zigzag": None if not zigzag else busiest / max(zigzag["ms"].values()),
-            "verified": g["verified"] and len(ms) == ring, "resolved": g["resolved"]})
+            "verified": g["verified"] and len(ms) == ring, "resolved": g["resolved"], "one_call": g["one_call"]})
     return out
 
 
@@ -93,12 +97,14 @@ def markdown(entries: list[dict], ring: int) -> str:
     def f(x, spec=".3f"):
         return "—" if x is None else format(x, spec)
 
-    lines = [f"| framework | mix | layout | devices | busiest ms | mean ms | time_balance (≤ 1.10) | "
+    lines = [f"| framework | mix | layout | strategy | devices | busiest ms | mean ms | time_balance (≤ 1.10) | "
              f"busiest ÷ (anchor ÷ {ring}) (≤ 1.10) | anchor ms | vs zigzag's busiest (≤ 1) | verified |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
-        lines.append(f"| {e['framework']} | {e['mix']} | {e['layout']} | {e['devices']} | {f(e['busiest_ms'], '.2f')} "
-                     f"| {f(e['mean_ms'], '.2f')} | {f(e['time_balance'])} | {f(e['busiest_vs_anchor_share'])} | "
+        strategy = e.get("strategy", "ring") + (" (one call)" if e.get("one_call") else "")
+        lines.append(f"| {e['framework']} | {e['mix']} | {e['layout']} | {strategy} | {e['devices']} "
+                     f"| {f(e['busiest_ms'], '.2f')} | {f(e['mean_ms'], '.2f')} | {f(e['time_balance'])} "
+                     f"| {f(e['busiest_vs_anchor_share'])} | "
                      f"{f(e['anchor_ms'], '.2f')} | {f(e['busiest_vs_zigzag'])} | "
                      f"{'yes' if e['verified'] else 'no'} |")
     return "\n".join(lines)

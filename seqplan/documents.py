@@ -207,3 +207,80 @@ def cached_plan(planner, *arrays, **flags):
     if len(_PLANS) > PLAN_CACHE_SIZE:
         _PLANS.popitem(last=False)
     return plan
+
+
+@dataclass(frozen=True)
+class PrefixRuns:
+    """One varlen call for a device's queries against every key of the sequence (all-gather-KV
+    with causal token indices: :func:`prefix_runs`). ``cu_q``: int32 [n + 1] over the packed
+    queries [b·t], in place, every query in one run; ``key_index``: int64 [m], which packed key
+    ([b·S], row-major) fills packed position p of the gathered keys; ``cu_k``: int32 [n + 1] over
+    those m gathered keys; ``max_q``, ``max_k``: the longest runs. Every run is causal with its
+    queries at the END of its keys (FlashAttention's bottom-right causal mask on a run of c
+    queries and k keys: query i sees the first k - c + 1 + i)."""
+
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+    key_index: np.ndarray
+    max_q: int
+    max_k: int
+
+    @property
+    def keys(self) -> int:
+        """How many keys the call gathers (m)."""
+        return int(self.key_index.shape[0])
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(s, s + n) for each (s, n) — vectorized."""
+    total = int(lengths.sum())
+    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return offsets + np.arange(total)
+
+
+def prefix_runs(q_ids, kv_ids, q_index, kv_index, *, max_keys: int | None = None) -> PrefixRuns | None:
+    """The causal mask by token index — key visible when it shares the query's document and its
+    token index is <= the query's — of queries ``q_ids`` / ``q_index`` [b, t] against keys
+    ``kv_ids`` / ``kv_index`` [b, S] (ids None: one document per row) as ONE batch of causal runs
+    over gathered keys (:class:`PrefixRuns`), or None.
+
+    Sort each row's keys by (document, token index); a query then sees a prefix of its
+    document's sorted keys, ending at ``upper`` (a binary search). Consecutive queries of one
+    document whose ``upper`` grows by exactly one form a run, whose keys are that prefix up to
+    its last query's ``upper`` — so the run's mask is FlashAttention's bottom-right causal mask,
+    exactly. On the layouts (zigzag, the per-document zigzag and hybrid, contiguous) a device's
+    queries are few runs — a document's piece each — and the gathered keys number at most the
+    sequence plus one chunk per split document. None when a query sees no key (its own token is
+    not among the keys: not self-attention over the whole sequence), an index is negative, or
+    more than ``max_keys`` keys would be gathered (a layout whose queries interleave documents,
+    such as stripe: each query its own run)."""
+    q_index, kv_index = np.asarray(q_index), np.asarray(kv_index)
+    b, t = q_index.shape
+    s = kv_index.shape[1]
+    if min(q_index.min(initial=0), kv_index.min(initial=0)) < 0:
+        return None
+    q_ids = np.zeros((b, t), np.int32) if q_ids is None else np.asarray(q_ids)
+    kv_ids = np.zeros((b, s), np.int32) if kv_ids is None else np.asarray(kv_ids)
+    span = np.int64(max(q_index.max(initial=0), kv_index.max(initial=0)) + 1)
+    q_lens, k_lens, k_starts = [], [], []
+    for row in range(b):
+        documents = np.unique(np.r_[q_ids[row], kv_ids[row]])
+        q_doc, kv_doc = (np.searchsorted(documents, x[row]).astype(np.int64) for x in (q_ids, kv_ids))
+        keys = kv_doc * span + kv_index[row]
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        upper = np.searchsorted(sorted_keys, q_doc * span + q_index[row], side="right")
+        first = np.searchsorted(sorted_keys, q_doc * span, side="left")
+        if np.any(upper == first):  # a query that sees no key
+            return None
+        starts = np.flatnonzero(np.r_[True, (q_doc[1:] != q_doc[:-1]) | (upper[1:] != upper[:-1] + 1)])
+        ends = np.r_[starts[1:], t]
+        q_lens.append(ends - starts)
+        k_lens.append(upper[ends - 1] - first[starts])
+        k_starts.append(order[_ranges(first[starts], k_lens[-1])] + row * s)
+    q_len, k_len = np.concatenate(q_lens), np.concatenate(k_lens)
+    if max_keys is not None and int(k_len.sum()) > max_keys:
+        return None
+    cu = lambda lengths: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return PrefixRuns(cu(q_len), cu(k_len), np.concatenate(k_starts).astype(np.int64), int(q_len.max()),
+                      int(k_len.max()))

@@ -12,21 +12,35 @@ block computes), then the blocks of the step plan against each shard in turn (st
 shard (r - i) mod R, as the ring does), merged by LSE. Backward: float32 dK/dV for every shard,
 one reduce-scatter of each brings every shard's sum home. Memory: the gathered K/V (R shards)
 are saved for the backward — the price of no transfer inside the loop.
+
+**One call** (:func:`prefix_plan`): a causal call with packed documents or token indices whose
+blocks go to ``aten_varlen`` does not walk the blocks at all. With every key in hand, the rank's
+queries against the whole sequence are one batch of causal runs — each query run against its
+document's key prefix, gathered (``seqplan.documents.prefix_runs``) — so the forward is ONE
+FA2 varlen call and the backward one more, the gathered keys' dK / dV scattered back into the
+float32 [R, b, t] accumulators before the reduce-scatter. No merge, no per-block launch: the
+whole-sequence varlen kernel's cost on the rank's share of the pairs. A backward with an lse
+cotangent (the varlen backward takes none) walks the blocks as before.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from seqplan.schedule import allgather_schedule, device_visits
+from seqplan.documents import PrefixRuns, cached_plan, prefix_runs
+from seqplan.layouts import ring_positions
+from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind, allgather_schedule, device_visits
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
     validate_local,
 )
 
+from .block import resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
+from .kernels.varlen import prefix_backward, prefix_forward
 from .loop import ShardMasks, add_grads, attend_block, attention_with_vjp, grad_block, merge_block, ring_index
 
 F32 = torch.float32
@@ -55,8 +69,52 @@ def _visits(groups, config: AttentionConfig):
     return schedule, device_visits(schedule, ring_index(groups))
 
 
+PREFIX_MAX_KEYS = 2  # gather at most twice the sequence's keys for one call (else walk the blocks)
+
+
+def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, q, *,
+                shard_major: bool) -> PrefixRuns | None:
+    """The one-call plan of ring shard ``device``'s queries ``q`` [b, t, h, d] against every
+    shard's keys (module docstring), or None (walk the blocks). Taken when the call is causal —
+    by token indices (``config.token_index``: the window ``(UNBOUNDED, 0)``), or by the layout's
+    positions with packed documents and no window — not soft-capped, and its document blocks
+    resolve to ``aten_varlen`` on ``q``'s device and dtype; and when the plan exists
+    (``seqplan.documents.prefix_runs``, remembered by content) within ``PREFIX_MAX_KEYS`` times
+    the keys. ``plan.key_index`` indexes the packed keys [R·b·t] of the gathered [R, b, t]
+    (``shard_major``: the all-gather's order) or [b·R·t] (the global [b, T] in layout order: the replay)."""
+    if masks is None or config.softcap is not None:
+        return None
+    if config.token_index and config.window == (UNBOUNDED, 0) and not config.causal:
+        mask, positions = BlockMask(MaskKind.FULL, documents=True, window=config.window), masks.positions
+    elif config.causal and config.window is None and masks.ids_host is not None:
+        mask, positions = BlockMask(MaskKind.CAUSAL, documents=True), None
+    else:
+        return None
+    if resolve_backend(config.block_backend, device_kind=q.device.type, dtype=q.dtype, mask=mask,
+                       deterministic=config.deterministic) != "aten_varlen":
+        return None
+    ids = masks.ids_host
+    ring, b, t = (ids.shape if ids is not None else positions.shape)
+    if positions is None:  # the static layout's positions, the same in every row
+        positions = np.broadcast_to(ring_positions(config.layout, ring, t)[:, None, :], (ring, b, t))
+    whole = lambda x: None if x is None else np.ascontiguousarray(np.moveaxis(x, 0, 1).reshape(b, ring * t))
+    plan = cached_plan(prefix_runs, None if ids is None else ids[device], whole(ids), positions[device],
+                       whole(positions), max_keys=PREFIX_MAX_KEYS * b * ring * t)
+    if plan is None or not shard_major:
+        return plan
+    row, s = np.divmod(plan.key_index, ring * t)
+    src, j = np.divmod(s, t)
+    return PrefixRuns(plan.cu_q, plan.cu_k, src * (b * t) + row * t + j, plan.max_q, plan.max_k)
+
+
 def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
     backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
+    plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 else None
+    if plan is not None:  # one call against every key
+        k_all, v_all = (config.comm.gather(x, groups[1]) for x in (k, v))
+        packed = lambda x: x.reshape(-1, *x.shape[-2:])
+        o, lse = prefix_forward(q, packed(k_all), packed(v_all), plan, config.scale)
+        return o, lse, (k_all, v_all)
     if schedule.size > 1:
         (k_all, k_work), (v_all, v_work) = (config.comm.gather(x, groups[1], async_op=True) for x in (k, v))
     for visit in visits:
@@ -76,6 +134,12 @@ def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
 
 def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig, masks: ShardMasks):
     backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
+    plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 and dlse is None else None
+    if plan is not None:
+        packed = lambda x: x.reshape(-1, *x.shape[-2:])
+        dq, dk_all, dv_all = prefix_backward(do, q, *(packed(x) for x in kv_all), o, lse, plan, config.scale)
+        shards = lambda g: g.reshape(kv_all[0].shape)
+        return dq, config.comm.scatter(shards(dk_all), groups[1]), config.comm.scatter(shards(dv_all), groups[1])
     saved = (q, o, lse, do, dlse)
     for visit in visits:
         src = visit.source

@@ -49,7 +49,9 @@ from seqplan.validation import (
     validate,
 )
 
+from .allgather import prefix_plan
 from .config import AttentionConfig
+from .kernels.varlen import prefix_backward, prefix_forward
 from .loop import ShardMasks, add_grads, add_sinks, attend_block, grad_block, merge_block, sinks_grad
 
 F32 = torch.float32
@@ -110,8 +112,11 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     q_d = _shard(q, r, strategy.ring, q_heads)
+    plan = _prefix_plan(strategy, config, masks, r, q_d)
     with torch.no_grad():
-        for visit in device_visits(schedule, r):
+        if plan is not None:  # all-gather-KV's one call against every key (allgather.prefix_plan)
+            o, lse = prefix_forward(q_d, *_packed_kv((k, v), kv_heads, q.dtype), plan, config.scale)
+        for visit in device_visits(schedule, r) if plan is None else ():
             kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
             visit_masks = masks.visit(r, visit.source)
             if visit.step.local:
@@ -141,8 +146,14 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     lse_d, dlse_d = (None if x is None else _shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (q_d, o_d, lse_d, do_d, dlse_d)
     contributions = {}
+    plan = _prefix_plan(strategy, config, masks, r, q_d) if dlse is None else None
     with torch.no_grad():
-        for visit in device_visits(schedule, r):
+        if plan is not None:  # all-gather-KV's one call: every shard's dK / dV from it
+            dq, dk, dv = prefix_backward(do_d, q_d, *_packed_kv((k, v), kv_heads, q.dtype), o_d, lse_d, plan,
+                                         config.scale)
+            dq, shards = dq.float(), lambda g: g.reshape(q.shape[0], strategy.ring, -1, *g.shape[1:])
+            contributions = {src: (shards(dk)[:, src], shards(dv)[:, src]) for src in range(strategy.ring)}
+        for visit in device_visits(schedule, r) if plan is None else ():
             kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
             grads = grad_block(backend, config.scale, saved, visit.block, kv, masks.visit(r, visit.source))
             if visit.step.local:
@@ -155,6 +166,31 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
         if sinks is not None:
             return dq.to(q.dtype), contributions, sinks_grad(o_d, lse_d, do_d, dlse_d, sinks[q_heads])
     return dq.to(q.dtype), contributions
+
+
+def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
+                  scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
+                  segment_ids=None, window=None, softcap=None, token_index=None, **_):
+    """The ``seqplan.documents.PrefixRuns`` virtual device ``device`` runs as all-gather-KV's one
+    varlen call (``allgather.prefix_plan``), or None when it walks the blocks — for reports."""
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
+    masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
+    r, u = divmod(device, strategy.ulysses)
+    return _prefix_plan(strategy, config, masks, r, _shard(q, r, strategy.ring, strategy.head_groups(
+        q.shape[2], q.shape[2], u)[0]))
+
+
+def _prefix_plan(strategy: Strategy, config: AttentionConfig, masks: ShardMasks, r: int, q_d):
+    """All-gather-KV's one-call plan of device ``r`` (``allgather.prefix_plan``; keys in the global
+    [b, T] layout order), or None: any other exchange, or a call that walks the blocks."""
+    if strategy.kv_exchange != "allgather" or strategy.ring == 1:
+        return None
+    return prefix_plan(config, masks, r, q_d, shard_major=False)
+
+
+def _packed_kv(kv, heads: slice, dtype):
+    """The global k, v [b, T, hk, d] of ``heads`` in ``dtype``, packed [b·T, hk', d] (the one call's keys)."""
+    return tuple(y.reshape(-1, *y.shape[2:]) for y in (x[:, :, heads].to(dtype) for x in kv))
 
 
 def _summation_order(schedule: Schedule, source: int) -> list[int]:

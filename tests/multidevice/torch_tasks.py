@@ -161,7 +161,7 @@ def _sequence_block(coords: dict, sizes: dict) -> int:
     return ring * sizes.get("ulysses", 1) + coords.get("ulysses", 0)
 
 
-def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dict:
+def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False, emulate_varlen: bool = False) -> dict:
     """Packed documents (and windows, sinks) on every rank: ``x`` holds the GLOBAL layout-order
     tensors (q, k, v, do [b, T, ., d], dlse [b, h, T], segment_ids [b, T] or None, optionally
     sinks [h] and token_index [b, T]); each rank takes its local shard (batch block of "data",
@@ -170,7 +170,9 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dic
     ``kwargs`` may hold a window) and the backward with (do, dlse). Returns its coordinates and
     shards (with sinks, its ``sinks.grad`` as "dsinks"), and with ``count`` the block-kernel
     calls it made, each as (pass, document mask?, query rows, key columns, window mask?),
-    through a counting backend over the reference kernels."""
+    through a counting backend over the reference kernels. ``emulate_varlen``: q, k, v, do in
+    bfloat16 on ``aten_varlen`` with FlashAttention-2's varlen ops emulated (tests/varlen_ops.py);
+    "calls" then lists the ops' calls as (op, packed query rows)."""
     import torch
 
     import torch_impl
@@ -202,13 +204,28 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False) -> dic
 
         register_backend(BlockBackend("counting", fwd, bwd))
         kwargs = kwargs | {"block_backend": "counting"}
+    if emulate_varlen:
+        import varlen_ops
+        from torch_impl.kernels import varlen
+
+        real_ops = (varlen.flash_forward, varlen.flash_backward)
+        varlen_ops.emulate(varlen)
+        for name in ("flash_forward", "flash_backward"):
+            op = getattr(varlen, name)
+            setattr(varlen, name, lambda *a, _op=op, _n=name, **k: calls.append((_n, a[0].shape[0])) or _op(*a, **k))
+        x = {n: a.bfloat16() if n in ("q", "k", "v", "do") else a for n, a in x.items()}
+        kwargs = kwargs | {"block_backend": "aten_varlen"}
     q, k, v = (local(x[n], grad=True) for n in ("q", "k", "v"))
     ids = None if x.get("segment_ids") is None else local(x["segment_ids"])
     sinks = None if x.get("sinks") is None else x["sinks"].clone().requires_grad_()
     token_index = None if x.get("token_index") is None else local(x["token_index"])
     o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids, sinks=sinks,
                                                     token_index=token_index, **kwargs)
-    torch.autograd.backward((o, lse), (local(x["do"]), local(x["dlse"], seq_dim=2)))
+    dlse = None if emulate_varlen else local(x["dlse"], seq_dim=2)  # the varlen backward takes no lse cotangent
+    torch.autograd.backward((o, lse) if dlse is not None else (o,), (local(x["do"]), dlse) if dlse is not None
+                            else (local(x["do"]),))
+    if emulate_varlen:  # the worker serves later tasks: the real ops back
+        varlen.flash_forward, varlen.flash_backward = real_ops
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if sinks is not None:
         out["dsinks"] = sinks.grad

@@ -211,3 +211,59 @@ def test_far_apart_ids_do_not_collide():
     q_index, kv_index = np.array([[4, 5, 12, 13]], np.int32), np.array([[0, 1, 14, 15]], np.int32)
     assert _check(q_ids, kv_ids, q_index, kv_index, must=True) == "full"
     _check_traced(q_ids, kv_ids, q_index, kv_index, must=True)
+
+
+# ---- prefix_runs: a device's queries against every key in one call (all-gather-KV) ---------------
+
+def _prefix_pairs(plan, b: int, t: int, s: int) -> np.ndarray:
+    """The pairs FlashAttention's bottom-right causal mask sees over the plan's gathered keys."""
+    seen = np.zeros((b * t, b * s), bool)
+    for n in range(len(plan.cu_q) - 1):
+        queries = np.arange(plan.cu_q[n], plan.cu_q[n + 1])
+        keys = plan.key_index[plan.cu_k[n]:plan.cu_k[n + 1]]
+        for i, query in enumerate(queries):
+            seen[query, keys[: len(keys) - len(queries) + 1 + i]] = True
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", DOCUMENT_ZIGZAG, DOCUMENT_HYBRID, "shuffled"])
+def test_prefix_runs_see_exactly_the_causal_document_pairs(layout, seed):
+    """Every device's plan of a ring of 4, queries against the whole sequence, sees exactly "same
+    document and key index <= query index" — on the static, per-row and shuffled layouts (for
+    the shuffled one each query may be its own run: exact still, only longer)."""
+    from seqplan.documents import prefix_runs
+
+    rng = np.random.default_rng(seed)
+    ring, ids = 4, np.array([[0] * 9 + [1] + [2] * 30 + [3] * 3, [7] * 3 + [8] * 37 + [9] * 3])
+    ids, _ = pad_documents(ids, ring)
+    b, seq = ids.shape
+    if layout in ("contiguous", "zigzag"):
+        perm = np.broadcast_to(layout_permutation(seq, layout, ring), (b, seq))
+    elif layout == "shuffled":
+        perm = np.stack([rng.permutation(seq) for _ in range(b)])
+    else:
+        perm = (document_layout(ids, ring) if layout == DOCUMENT_ZIGZAG else hybrid_layout(ids, ring, split_at=30)).perm
+    laid = np.take_along_axis(ids, perm, 1)
+    t = seq // ring
+    for r in range(ring):
+        part = slice(r * t, (r + 1) * t)
+        plan = prefix_runs(laid[:, part], laid, perm[:, part], perm)
+        assert plan is not None
+        assert np.array_equal(_prefix_pairs(plan, b, t, seq), _pairs_by_index(laid[:, part], laid, perm[:, part], perm))
+        if layout != "shuffled":  # a device's pieces of documents: few runs, keys within a chunk per document
+            assert len(plan.cu_q) - 1 <= 2 * b * len(np.unique(laid[:, part])), len(plan.cu_q)
+            assert plan.keys <= b * seq + 2 * b * t
+
+
+def test_prefix_runs_refuse_what_they_cannot_express():
+    """None, never an approximation: a query whose own key is absent (it would see nothing), a
+    negative index, and more gathered keys than ``max_keys``."""
+    from seqplan.documents import prefix_runs
+
+    index = np.arange(8)[None]
+    ids = np.zeros((1, 8), np.int32)
+    assert prefix_runs(ids[:, :4], ids[:, 4:], index[:, :4], index[:, 4:]) is None  # keys all after the queries
+    assert prefix_runs(ids, ids, index - 1, index) is None
+    shuffled = np.array([[3, 0, 6, 1, 7, 2, 5, 4]])
+    assert prefix_runs(ids, ids, shuffled, shuffled, max_keys=8) is None  # 8 one-query runs: 36 keys
+    assert prefix_runs(ids, ids, shuffled, shuffled).keys == 36

@@ -12,60 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from seqplan.layouts import DOCUMENT_HYBRID, DOCUMENT_ZIGZAG, document_layout, hybrid_layout, pad_documents
+from seqplan.layouts import (
+    DOCUMENT_HYBRID,
+    DOCUMENT_ZIGZAG,
+    document_layout,
+    hybrid_layout,
+    layout_permutation,
+    pad_documents,
+)
 from seqplan.strategy import Strategy
-
-
-def _visible(n_q: int, n_k: int, causal: bool) -> torch.Tensor:
-    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
-    return (j <= i + (n_k - n_q)) if causal else torch.ones(n_q, n_k, dtype=torch.bool)
-
-
-def _runs(cu_q, cu_k):
-    return [(int(cu_q[n]), int(cu_q[n + 1]), int(cu_k[n]), int(cu_k[n + 1])) for n in range(len(cu_q) - 1)]
-
-
-def _scores(q, k, causal, scale):
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, 1)
-    s = torch.einsum("thd,shd->hts", q, k) * scale
-    return s.masked_fill(~_visible(q.shape[0], k.shape[0], causal), float("-inf")), k
-
-
-def emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, scale=None):
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o = torch.zeros(q.shape, dtype=F32)
-    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=F32)  # FA2's empty rows: +inf
-    for q0, q1, k0, k1 in _runs(cu_q, cu_k):
-        if q1 == q0 or k1 == k0:
-            continue
-        s, _ = _scores(q[q0:q1].float(), k[k0:k1].float(), causal, scale)
-        group = q.shape[1] // k.shape[1]
-        lse[:, q0:q1] = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse[:, q0:q1, None]).nan_to_num(0.0)
-        o[q0:q1] = torch.einsum("hts,shd->thd", p, v[k0:k1].float().repeat_interleave(group, 1))
-    return o.to(q.dtype), lse, torch.zeros(2, dtype=torch.int64), torch.zeros((), dtype=torch.int64), None
-
-
-def emulated_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, scale):
-    dq, dk, dv = (torch.zeros(x.shape, dtype=F32) for x in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    for q0, q1, k0, k1 in _runs(cu_q, cu_k):
-        if q1 == q0 or k1 == k0:
-            continue
-        s, kr = _scores(q[q0:q1].float(), k[k0:k1].float(), causal, scale)
-        p = torch.exp(s - lse[:, q0:q1, None]).nan_to_num(0.0)
-        vr = v[k0:k1].float().repeat_interleave(group, 1)
-        d_o = do[q0:q1].float()
-        dp = torch.einsum("thd,shd->hts", d_o, vr)
-        delta = (d_o * o[q0:q1].float()).sum(-1).T[:, :, None]
-        ds = p * (dp - delta) * scale
-        dq[q0:q1] = torch.einsum("hts,shd->thd", ds, kr)
-        fold = lambda x: x.reshape(x.shape[0], k.shape[1], group, -1).sum(2)
-        dk[k0:k1] = fold(torch.einsum("hts,thd->shd", ds, q[q0:q1].float()))
-        dv[k0:k1] = fold(torch.einsum("hts,thd->shd", p, d_o))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
+from varlen_ops import emulated_backward, emulated_forward
 
 F32 = torch.float32
 
@@ -92,10 +48,10 @@ def emulated_varlen(monkeypatch):
     return portable
 
 
-def _replay(backend, index, ids, q, k, v, do, strategy):
+def _replay(backend, index, ids, q, k, v, do, strategy, layout="contiguous"):
     from torch_impl import replay
 
-    kw = dict(strategy=strategy, causal=True, layout="contiguous", segment_ids=ids, token_index=index,
+    kw = dict(strategy=strategy, causal=True, layout=layout, segment_ids=ids, token_index=index,
               block_backend=backend)
     o, lse = replay.replay_attention(q, k, v, **kw)
     return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, **kw))
@@ -132,6 +88,43 @@ def test_token_index_blocks_run_on_the_varlen_ops(ring, with_ids, name, emulated
         spans = [b for b in cropped if b is None or isinstance(b.q_part, Span)]
         assert spans, "no block of the hybrid was cropped"
     want = _replay("reference", index, laid if with_ids else None, q, k, v, do, strategy)
+    for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        err = (x.double() - y.double()).norm() / y.double().norm()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("ring, layout, with_index", [(4, DOCUMENT_HYBRID, True), (4, DOCUMENT_ZIGZAG, True),
+                                                       (2, "zigzag", False)])
+def test_allgather_runs_each_device_as_one_varlen_call(ring, layout, with_index, emulated_varlen, monkeypatch, seed):
+    """All-gather-KV with packed documents — by token indices on the per-row layouts, or by the
+    static zigzag's positions — runs each device's forward and backward as ONE (emulated) varlen
+    call over gathered key prefixes (``allgather.prefix_plan``), no block walked, and equals the
+    portable kernel's block walk: outputs and every shard's dK / dV."""
+    from torch_impl.kernels import varlen
+
+    calls = []
+    for name in ("flash_forward", "flash_backward"):
+        op = getattr(varlen, name)
+        monkeypatch.setattr(varlen, name, lambda *a, _op=op, _n=name, **k: calls.append((_n, a[0].shape[0])) or _op(*a, **k))
+    rng = np.random.default_rng(seed)
+    ids = np.array([[0] * 9 + [1] + [2] * 30 + [3] * 3, [7] * 3 + [8] * 37 + [9] * 3])  # a length-1 document
+    padded, _ = pad_documents(ids, ring)
+    t = padded.shape[1]
+    if layout == "zigzag":
+        perm, index = np.broadcast_to(np.asarray(layout_permutation(t, "zigzag", ring)), padded.shape), None
+    else:
+        row = document_layout(padded, ring) if layout == DOCUMENT_ZIGZAG else hybrid_layout(padded, ring, split_at=30)
+        perm, index = row.perm, torch.from_numpy(np.ascontiguousarray(row.token_index))
+    laid = torch.from_numpy(np.take_along_axis(padded, perm, 1).astype(np.int32))
+    q, do = (torch.from_numpy(rng.standard_normal((2, t, 4, 16))).bfloat16() for _ in range(2))
+    k, v = (torch.from_numpy(rng.standard_normal((2, t, 2, 16))).bfloat16() for _ in range(2))
+    strategy = Strategy(ring=ring, kv_exchange="allgather")
+    static = "contiguous" if index is not None else "zigzag"
+    got = _replay("aten_varlen", index, laid, q, k, v, do, strategy, layout=static)
+    assert emulated_varlen == {"fwd": 0, "bwd": 0}, f"blocks left to the portable kernel: {emulated_varlen}"
+    real = [c for c in calls if c[1] > 1]  # the one-token call that only fetches the rng state aside
+    assert real == [("flash_forward", 2 * t // ring)] * ring + [("flash_backward", 2 * t // ring)] * ring, real
+    want = _replay("reference", index, laid, q, k, v, do, strategy, layout=static)
     for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         err = (x.double() - y.double()).norm() / y.double().norm()
         assert err < 1e-2, f"{name}: relative error {err:.2e}"

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from seqplan.documents import DocumentRuns, cached_plan, document_runs, index_runs
+from seqplan.documents import DocumentRuns, PrefixRuns, cached_plan, document_runs, index_runs
 from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
@@ -144,3 +144,39 @@ def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
 
 register_backend(BlockBackend("aten_varlen", varlen_block_fwd, varlen_block_bwd, supports=_supports,
                               available=torch.cuda.is_available))
+
+
+# ---- one call for a device's queries against every key (all-gather-KV: seqplan.documents.prefix_runs) ----
+
+def _prefix_offsets(plan: PrefixRuns, device):
+    to = lambda x: torch.from_numpy(x).to(device, non_blocking=True)
+    return to(plan.cu_q), to(plan.cu_k), to(plan.key_index)
+
+
+def prefix_forward(q, k_packed, v_packed, plan: PrefixRuns, scale: float):
+    """ONE FA2 varlen forward of ``q`` [b, t, h, d] against the keys ``plan`` gathers from
+    ``k_packed`` / ``v_packed`` [n, hk, d] (every key of the sequence, packed; ``plan.key_index``
+    indexes them): each run bottom-right causal over its document's key prefix. Returns
+    (o [b, t, h, d] in q's dtype, lse [b, h, t] float32) — every query sees at least its own key."""
+    b, t, h, d = q.shape
+    cu_q, cu_k, index = _prefix_offsets(plan, q.device)
+    o, lse = flash_forward(q.reshape(b * t, h, d), k_packed.index_select(0, index), v_packed.index_select(0, index),
+                           cu_q, cu_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale)[:2]
+    return o.reshape(b, t, h, d), lse.float().reshape(h, b, t).transpose(0, 1).contiguous()
+
+
+def prefix_backward(do, q, k_packed, v_packed, o, lse, plan: PrefixRuns, scale: float):
+    """The backward of :func:`prefix_forward` given the GLOBAL o and lse: (dq in q's dtype, dk,
+    dv float32 [n, hk, d] — every packed key's gradient, the gathered keys' scattered back and
+    summed where a key was gathered for several runs)."""
+    b, t, h, d = q.shape
+    cu_q, cu_k, index = _prefix_offsets(plan, q.device)
+    dtype = q.dtype
+    rng, unused = _rng_state(q.device, dtype, d)
+    flat = lambda x: x.to(dtype).reshape(b * t, h, d)
+    lse_packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
+    dq, dk, dv = flash_backward(flat(do), flat(q), k_packed.index_select(0, index), v_packed.index_select(0, index),
+                                flat(o), lse_packed, cu_q, cu_k, plan.max_q, plan.max_k, 0.0, True, rng, unused,
+                                scale=scale)
+    scatter = lambda g: torch.zeros(k_packed.shape, dtype=F32, device=g.device).index_add_(0, index, g.float())
+    return dq.reshape(q.shape), scatter(dk), scatter(dv)
