@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from seqplan.documents import PrefixRuns, cached_plan, prefix_runs
+from seqplan.documents import PrefixRuns, cached_plan, shard_prefix_runs
 from seqplan.layouts import ring_positions
 from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind, allgather_schedule, device_visits
 from seqplan.validation import (
@@ -94,17 +94,11 @@ def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, 
                        deterministic=config.deterministic) != "aten_varlen":
         return None
     ids = masks.ids_host
-    ring, b, t = (ids.shape if ids is not None else positions.shape)
+    ring, b, t = ids.shape if ids is not None else positions.shape
     if positions is None:  # the static layout's positions, the same in every row
         positions = np.broadcast_to(ring_positions(config.layout, ring, t)[:, None, :], (ring, b, t))
-    whole = lambda x: None if x is None else np.ascontiguousarray(np.moveaxis(x, 0, 1).reshape(b, ring * t))
-    plan = cached_plan(prefix_runs, None if ids is None else ids[device], whole(ids), positions[device],
-                       whole(positions), max_keys=PREFIX_MAX_KEYS * b * ring * t)
-    if plan is None or not shard_major:
-        return plan
-    row, s = np.divmod(plan.key_index, ring * t)
-    src, j = np.divmod(s, t)
-    return PrefixRuns(plan.cu_q, plan.cu_k, src * (b * t) + row * t + j, plan.max_q, plan.max_k)
+    return cached_plan(shard_prefix_runs, ids, positions, device=device, shard_major=shard_major,
+                       max_keys=PREFIX_MAX_KEYS * b * ring * t)
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):

@@ -202,6 +202,21 @@ def test_plans_are_remembered_by_content():
     assert len(calls) == 7  # flags are part of the key
 
 
+def test_a_checksum_collision_plans_again(monkeypatch):
+    """The cache's CRC-32 key is confirmed against the arrays on a hit: with every checksum forced
+    equal, other contents still get their own plan, never the one stored under the same key."""
+    import zlib
+
+    from seqplan import documents
+
+    monkeypatch.setattr(zlib, "crc32", lambda data: 7)
+    ids, index = np.array([[0, 0, 1, 1]]), np.array([[0, 1, 2, 3]])
+    first = documents.cached_plan(index_runs, ids, ids, index, index)
+    other = np.array([[0, 1, 1, 1]])
+    second = documents.cached_plan(index_runs, other, other, index, index)
+    assert second is not first and np.array_equal(second[0].cu_q, index_runs(other, other, index, index)[0].cu_q)
+
+
 def test_far_apart_ids_do_not_collide():
     """3·id + 1 for id 1431655765 wraps to 0 = 3·0 in int32: the new ids are built from each id's
     rank in the row, so a query that sees nothing (document B, its keys all later) never meets

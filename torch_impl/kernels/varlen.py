@@ -30,6 +30,8 @@ other), so no key is gathered and no dK / dV scattered.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from seqplan.documents import DocumentRuns, PrefixRuns, cached_plan, document_runs, index_runs
@@ -148,9 +150,16 @@ register_backend(BlockBackend("aten_varlen", varlen_block_fwd, varlen_block_bwd,
 
 # ---- one call for a device's queries against every key (all-gather-KV: seqplan.documents.prefix_runs) ----
 
+_PREFIX_TENSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _prefix_offsets(plan: PrefixRuns, device):
-    to = lambda x: torch.from_numpy(x).to(device, non_blocking=True)
-    return to(plan.cu_q), to(plan.cu_k), to(plan.key_index)
+    """The plan's offsets and key index on ``device``, copied once per plan object (a cached
+    plan serves a step's layers and both passes: one host-to-device copy, not one per call)."""
+    held = _PREFIX_TENSORS.setdefault(plan, {})
+    if device not in held:
+        held[device] = tuple(torch.from_numpy(x).to(device) for x in (plan.cu_q, plan.cu_k, plan.key_index))
+    return held[device]
 
 
 def prefix_forward(q, k_packed, v_packed, plan: PrefixRuns, scale: float):
