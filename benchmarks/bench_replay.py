@@ -186,7 +186,8 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
     out = {}
     for device in devices_to_time:
         (fwd, fwd_temp), (bwd, bwd_temp), (o, lse) = forwards[device], backwards[device], saved[device]
-        out[device] = (clock(fwd, ids, q, k, v), clock(bwd, ids, q, k, v, o, lse, do), (fwd_temp, bwd_temp))
+        out[device] = (clock(fwd, ids, q, k, v), clock(bwd, ids, q, k, v, o, lse, do), (fwd_temp, bwd_temp),
+                       _one_call_fields(replay.one_call_plan(device, q, segment_ids=ids, **index_kw, **kw)))
     return out
 
 
@@ -250,11 +251,16 @@ def _torch_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_ti
     for device in devices_to_time:
         run_fwd = lambda device=device: replay.device_forward(device, q, k, v, **kw)
         run_bwd = lambda device=device: replay.device_backward(device, q, k, v, o, lse, do, **kw)
-        plan = replay.one_call_plan(device, q, **kw)  # all-gather-KV's one varlen call, or None: blocks walked
-        path = {"one_call": plan is not None} | ({} if plan is None else {"runs": len(plan.cu_q) - 1,
-                                                                         "gathered_keys": plan.keys})
+        path = _one_call_fields(replay.one_call_plan(device, q, **kw))
         out[device] = (clock(run_fwd), clock(run_bwd), (temporaries(run_fwd), temporaries(run_bwd)), path)
     return out
+
+
+def _one_call_fields(plan) -> dict:
+    """A row's record of all-gather-KV's one varlen call (``replay.one_call_plan``): taken or not,
+    and its runs and gathered keys."""
+    return {"one_call": plan is not None} | ({} if plan is None else {"runs": len(plan.cu_q) - 1,
+                                                                      "gathered_keys": plan.keys})
 
 
 def _devices_to_time(spec: ReplaySpec, which: str) -> list[int]:

@@ -16,19 +16,25 @@ one shard in flight instead but needs R-1 dependent hops.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
 
 from seqplan.axes import RING
-from seqplan.schedule import allgather_schedule
+from seqplan.layouts import ring_positions
+from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind, allgather_schedule
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
     validate_local,
 )
 
+from .block import device_kind_of, resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
+from .kernels.fa3_varlen import varlen_bwd, varlen_fwd
+from .kernels.runs import prefix_dispatch
 from .loop import (
     alone_dtype,
     attention_with_vjp,
@@ -73,12 +79,75 @@ def _schedule(axis_name, config: AttentionConfig):
     return allgather_schedule(config.layout, config.causal, axis_size(axis_name))
 
 
+def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
+    """Whether the call may run as one varlen call per device (module docstring) — static: causal
+    by token indices (``config.token_index``: the window ``(UNBOUNDED, 0)``) or by the layout's
+    positions with packed documents (``documents``) and no window, not soft-capped, document
+    blocks resolving to ``fa3_varlen`` on ``q``'s device kind and dtype."""
+    if config.softcap is not None:
+        return False
+    if config.token_index and config.window == (UNBOUNDED, 0) and not config.causal:
+        mask = BlockMask(MaskKind.FULL, documents=True, window=config.window)
+    elif config.causal and config.window is None and documents:
+        mask = BlockMask(MaskKind.CAUSAL, documents=True)
+    else:
+        return False
+    return resolve_backend(config.block_backend, device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
+                           deterministic=config.deterministic) == "fa3_varlen"
+
+
+def _positions(config: AttentionConfig, index_all, b: int, ring: int, t: int):
+    """Every token's index [b, R·t]: the call's token indices, or the static layout's positions."""
+    if index_all is not None:
+        return index_all.astype(jnp.int32)
+    return jnp.broadcast_to(jnp.asarray(ring_positions(config.layout, ring, t).reshape(-1)), (b, ring * t))
+
+
+def prefix_forward(config: AttentionConfig, q, kv_all, ids_all, index_all, me, fallback):
+    """Device ``me``'s (o, lse) as ONE varlen call against its gathered key prefixes, or
+    ``fallback()`` where the runs do not fit (module docstring). ``kv_all``: (k, v) [b, R·t, hk, d]
+    in layout order; ``ids_all`` / ``index_all``: [b, R·t] or None."""
+    b, t = q.shape[:2]
+    positions = _positions(config, index_all, b, kv_all[0].shape[1] // t, t)
+    mine = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
+    kernel = lambda runs: varlen_fwd(q, *kv_all, True, config.scale, runs)
+    return prefix_dispatch(mine(ids_all), ids_all, mine(positions), positions, kernel, fallback)
+
+
+def prefix_backward(config: AttentionConfig, saved, kv_all, ids_all, index_all, me, fallback):
+    """The backward of :func:`prefix_forward` given ``saved = (q, o, lse, do)`` (the GLOBAL o, lse):
+    (dq, dk, dv) with dk, dv float32 [b, R·t, hk, d] — every key's gradient from this device's rows."""
+    q, o, lse, do = saved
+    b, t = q.shape[:2]
+    positions = _positions(config, index_all, b, kv_all[0].shape[1] // t, t)
+    mine = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
+    kernel = lambda runs: varlen_bwd(do, q, *kv_all, o, lse, True, config.scale, runs)
+    return prefix_dispatch(mine(ids_all), ids_all, mine(positions), positions, kernel, fallback, lengths=True)
+
+
+def portable_config(config: AttentionConfig) -> AttentionConfig:
+    """The one call's fallback walks the blocks on the portable kernel (module docstring)."""
+    return dataclasses.replace(config, block_backend="reference")
+
+
 def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
-    backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
-    t = k.shape[1]
+    schedule = _schedule(axis_name, config)
     kv_all = tuple(config.comm.gather(x, axis_name) for x in (k, v)) if schedule.size > 1 else None
     ids_all = gather_segment_ids(ids, axis_name, config.comm)
     index_all = gather_token_index(index, axis_name, config.comm)
+    walk_blocks = lambda cfg: _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, cfg)
+    if schedule.size > 1 and prefix_eligible(config, q, ids_all is not None):
+        o, lse = prefix_forward(config, q, kv_all, ids_all, index_all, ring_index(axis_name),
+                                lambda: walk_blocks(portable_config(config)))
+    else:
+        o, lse = walk_blocks(config)
+    return o, lse, (kv_all, ids_all, index_all)
+
+
+def _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config: AttentionConfig):
+    """(o, lse) of this device's blocks against every gathered shard, merged by LSE."""
+    backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
+    t = k.shape[1]
 
     def visit(step, j, s, _, state):
         masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
@@ -89,11 +158,24 @@ def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
         return visit_block(schedule, me, j, s,
                            lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, **masks), state)
 
-    o, lse = walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
-    return o, lse, (kv_all, ids_all, index_all)
+    return walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
+    schedule, (kv_all, ids_all, index_all) = _schedule(axis_name, config), extra
+    walk_blocks = lambda cfg: _walk_backward(q, k, v, o, lse, extra, do, dlse, axis_name, cfg)
+    if schedule.size > 1 and dlse is None and prefix_eligible(config, q, ids_all is not None):
+        dq, dk_all, dv_all = prefix_backward(config, (q, o, lse, do), kv_all, ids_all, index_all,
+                                             ring_index(axis_name), lambda: walk_blocks(portable_config(config)))
+    else:
+        dq, dk_all, dv_all = walk_blocks(config)
+    if schedule.size == 1:
+        return dq, dk_all, dv_all
+    return dq, config.comm.scatter(dk_all, axis_name), config.comm.scatter(dv_all, axis_name)
+
+
+def _walk_backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
+    """(dq, dk, dv) of this device's blocks: dk, dv float32 [b, R·t, hk, d] (one shard's own when R = 1)."""
     backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
     (kv_all, ids_all, index_all), t, saved = extra, k.shape[1], (q, o, lse, do, dlse)
 
@@ -118,10 +200,7 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
 
         return visit_block(schedule, me, j, s, on_block, state)
 
-    dq, dk_all, dv_all = walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
-    if schedule.size == 1:
-        return dq, dk_all, dv_all
-    return dq, config.comm.scatter(dk_all, axis_name), config.comm.scatter(dv_all, axis_name)
+    return walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
 
 
 _allgather = attention_with_vjp(_forward, _backward)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from seqplan.config import resolve_scale
@@ -65,6 +66,7 @@ from seqplan.validation import (
     validate,
 )
 
+from .allgather import portable_config, prefix_backward, prefix_eligible, prefix_forward
 from .config import AttentionConfig
 from .loop import add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
 
@@ -164,25 +166,35 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
     q_d = _shard(q, r, strategy.ring, q_heads)
-    o = lse = None
     visits = device_visits(schedule, r)
     o_dtype = _alone_dtype(visits, q.dtype)
-    for group in _visit_groups(visits, scanned=token_index is not None):
-        if len(group) > 1:  # one block over several visiting shards: one scanned body
-            def step(state, at, block=group[0].block):
-                kv, masks = _scanned_visit(at, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype,
-                                           segment_ids, token_index)
-                return merge_block(backend, config.scale, q_d, block, kv, state, **masks), None
 
-            (o, lse), _ = lax.scan(step, (o, lse), _steps(group))
-            continue
-        visit = group[0]
-        kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-        masks = _masks(config, schedule, segment_ids, r, (visit.step.round, visit.step.inner), q.shape[1], token_index)
-        if visit.step.local:
-            o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, out_dtype=o_dtype, **masks)
-        elif visit.block is not None:
-            o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), **masks)
+    def walk(backend):
+        o = lse = None
+        for group in _visit_groups(visits, scanned=token_index is not None):
+            if len(group) > 1:  # one block over several visiting shards: one scanned body
+                def step(state, at, block=group[0].block):
+                    kv, masks = _scanned_visit(at, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype,
+                                               segment_ids, token_index)
+                    return merge_block(backend, config.scale, q_d, block, kv, state, **masks), None
+
+                (o, lse), _ = lax.scan(step, (o, lse), _steps(group))
+                continue
+            visit = group[0]
+            kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
+            masks = _masks(config, schedule, segment_ids, r, (visit.step.round, visit.step.inner), q.shape[1],
+                           token_index)
+            if visit.step.local:
+                o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, out_dtype=o_dtype, **masks)
+            elif visit.block is not None:
+                o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), **masks)
+        return o, lse
+
+    if _one_call(strategy, config, q_d, segment_ids):  # all-gather-KV's one varlen call (allgather.prefix_forward)
+        o, lse = prefix_forward(config, q_d, _kv_heads((k, v), kv_heads, q.dtype), _int32(segment_ids),
+                                _int32(token_index), r, lambda: walk(portable_config(config).backend()))
+    else:
+        o, lse = walk(backend)
     o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])
     return o.astype(q.dtype), lse
 
@@ -202,35 +214,99 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     mine = [_shard(x, r, strategy.ring, q_heads) for x in (q, o, do)]
     lse_d, dlse_d = (None if x is None else _shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (mine[0], mine[1], lse_d, mine[2], dlse_d)
-    dq, contributions = None, {}
     visits = device_visits(schedule, r)
     dq_dtype = _alone_dtype(visits, q.dtype)
-    for group in _visit_groups(visits, scanned=token_index is not None):
-        if len(group) > 1:  # one block over several visiting shards: one scanned body
-            def step(dq, at, block=group[0].block):
-                kv, masks = _scanned_visit(at, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype,
-                                           segment_ids, token_index)
-                zeros = jnp.zeros(kv[0].shape, F32)
-                dq, dk, dv = grad_block(backend, config.scale, saved, block, kv, (dq, zeros, zeros), **masks)
-                return dq, (dk, dv)
 
-            dq, (dks, dvs) = lax.scan(step, dq, _steps(group))
-            for n, visit in enumerate(group):
-                contributions[visit.source] = (dks[n], dvs[n])
-            continue
-        visit = group[0]
-        kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-        masks = _masks(config, schedule, segment_ids, r, (visit.step.round, visit.step.inner), q.shape[1], token_index)
-        if visit.step.local:
-            dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, dq_dtype=dq_dtype, **masks)
-            contributions[visit.source] = (dk, dv)
-        elif visit.block is not None:
-            zeros = jnp.zeros(kv[0].shape, F32)
-            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros), **masks)
-            contributions[visit.source] = (dk, dv)
+    def walk(backend):
+        dq, contributions = None, {}
+        for group in _visit_groups(visits, scanned=token_index is not None):
+            if len(group) > 1:  # one block over several visiting shards: one scanned body
+                def step(dq, at, block=group[0].block):
+                    kv, masks = _scanned_visit(at, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype,
+                                               segment_ids, token_index)
+                    zeros = jnp.zeros(kv[0].shape, F32)
+                    dq, dk, dv = grad_block(backend, config.scale, saved, block, kv, (dq, zeros, zeros), **masks)
+                    return dq, (dk, dv)
+
+                dq, (dks, dvs) = lax.scan(step, dq, _steps(group))
+                for n, visit in enumerate(group):
+                    contributions[visit.source] = (dks[n], dvs[n])
+                continue
+            visit = group[0]
+            kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
+            masks = _masks(config, schedule, segment_ids, r, (visit.step.round, visit.step.inner), q.shape[1],
+                           token_index)
+            if visit.step.local:
+                dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, dq_dtype=dq_dtype,
+                                            **masks)
+                contributions[visit.source] = (dk, dv)
+            elif visit.block is not None:
+                zeros = jnp.zeros(kv[0].shape, F32)
+                dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros), **masks)
+                contributions[visit.source] = (dk, dv)
+        return dq, contributions
+
+    if dlse is None and _one_call(strategy, config, mine[0], segment_ids):  # every shard's dK / dV from one call
+        def walked():  # the fallback, as one [b, T] pair of float32 accumulators like the one call's
+            dq, parts = walk(portable_config(config).backend())
+            t = q.shape[1] // strategy.ring
+            whole = [jnp.zeros((k.shape[0], q.shape[1], *parts[r][0].shape[2:]), F32) for _ in range(2)]
+            for src, grads in parts.items():
+                whole = [lax.dynamic_update_slice_in_dim(w, g.astype(F32), src * t, axis=1) for w, g in zip(whole, grads)]
+            return dq, *whole
+
+        dq, dk, dv = prefix_backward(config, tuple(saved[:4]), _kv_heads((k, v), kv_heads, q.dtype),
+                                     _int32(segment_ids), _int32(token_index), r, walked)
+        t = q.shape[1] // strategy.ring
+        contributions = {src: (dk[:, src * t:(src + 1) * t], dv[:, src * t:(src + 1) * t])
+                         for src in range(strategy.ring)}
+    else:
+        dq, contributions = walk(backend)
     if sinks is None:
         return dq.astype(q.dtype), contributions
     return dq.astype(q.dtype), contributions, sinks_grad(mine[1], lse_d, mine[2], dlse_d, sinks[q_heads])
+
+
+def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
+                  scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
+                  segment_ids=None, window=None, softcap=None, token_index=None, **_):
+    """The ``seqplan.documents.PrefixRuns`` virtual device ``device`` runs as all-gather-KV's one
+    varlen call, or None when it walks the blocks — for reports, on the host from concrete ids
+    and token indices: the call is eligible (``allgather.prefix_eligible``) and the plan fits
+    ``kernels/runs``' bounds (which the program itself decides on the device)."""
+    from seqplan.documents import shard_prefix_runs
+    from seqplan.layouts import ring_positions
+
+    from .kernels import runs
+
+    config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
+    r, u = divmod(device, strategy.ulysses)
+    if not _one_call(strategy, config, _shard(q, r, strategy.ring), segment_ids):
+        return None
+    b, seq = q.shape[:2]
+    ring, t = strategy.ring, seq // strategy.ring
+    shards = lambda x: np.moveaxis(np.asarray(x, np.int32).reshape(b, ring, t), 1, 0)
+    index = (shards(token_index) if token_index is not None
+             else np.broadcast_to(ring_positions(config.layout, ring, t)[:, None, :], (ring, b, t)))
+    plan = shard_prefix_runs(None if segment_ids is None else shards(segment_ids), index, device=r, shard_major=False,
+                             max_keys=runs.PREFIX_KEY_FACTOR * b * seq)
+    fits = plan is not None and len(plan.cu_q) - 1 <= max(max(runs.PREFIX_SLOTS), b)
+    return plan if fits else None
+
+
+def _one_call(strategy: Strategy, config: AttentionConfig, q_d, segment_ids) -> bool:
+    """Whether the virtual device runs all-gather-KV's one varlen call (``allgather.prefix_eligible``)."""
+    return (strategy.kv_exchange == "allgather" and strategy.ring > 1
+            and prefix_eligible(config, q_d, segment_ids is not None))
+
+
+def _kv_heads(kv, heads: slice, dtype):
+    """The global k, v [b, T, ., d] of ``heads`` in ``dtype`` (the one call's gathered K/V)."""
+    return tuple(x[:, :, heads].astype(dtype) for x in kv)
+
+
+def _int32(x):
+    return None if x is None else x.astype(jnp.int32)
 
 
 def _summation_order(schedule: Schedule, source: int) -> list[int]:

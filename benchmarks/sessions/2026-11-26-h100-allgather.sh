@@ -27,15 +27,22 @@ step() {  # step NAME SECONDS COMMAND...
   echo "$name rc=$? seconds=$((SECONDS - start))" >> $L/steps.txt
 }
 BENCH=(python -m benchmarks --gpus 1 --seq $SEQ --heads 32 --kv-heads 8 --no-kernels --warmup 2 --iters $ITERS
-       --strategies $STRATEGIES --replay-devices all --layout $LAYOUTS)
+       --replay-devices all)
 [ "${SMOKE:-0}" = 1 ] && BENCH=(python -m benchmarks --gpus 1 --seq $SEQ --heads 4 --kv-heads 2 --head-dim 16
-       --no-kernels --warmup 1 --iters $ITERS --strategies $STRATEGIES --replay-devices all --layout $LAYOUTS)
+       --no-kernels --warmup 1 --iters $ITERS --replay-devices all)
 if [ "$PART" = torch ] && [ "${SMOKE:-0}" != 1 ] && [ "${ANCHORS:-1}" = 1 ]; then
   step anchors $LIMIT python -m benchmarks.layouts anchors --seq $SEQ --ring 8 --out $L/anchors.json
 fi
+# JAX: the static zigzag on the ring (the baseline), then all-gather-KV on both layouts — not the
+# hybrid on the ring, whose per-device programs (every block's fused forms) compile for minutes at 128k
+COMBOS=("$STRATEGIES:$LAYOUTS")
+[ "$PART" = jax ] && COMBOS=("zigzag-r8:zigzag" "allgather-r8:$LAYOUTS")
 for mix in ${MIXES//,/ }; do
-  step $PART-$mix $STEP_LIMIT "${BENCH[@]}" --documents $mix --frameworks $PART --machine h100-allgather-$PART-$mix \
-    --partial $L/partial-$PART-$mix.json
+  for combo in "${COMBOS[@]}"; do
+    tag=$PART-$mix-${combo%%:*}
+    step $tag $STEP_LIMIT "${BENCH[@]}" --strategies ${combo%%:*} --layout ${combo#*:} --documents $mix \
+      --frameworks $PART --machine h100-allgather-$tag --partial $L/partial-$tag.json
+  done
 done
 mv benchmarks/results/*h100-allgather-*-1gpu.* $L/ 2>/dev/null
 [ -n "${OUT:-}" ] && tar czf $OUT/allgather-$PART.tgz -C $L .

@@ -321,3 +321,80 @@ def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = Fal
         index = jnp.where(diagonal, jnp.where(causal_index < n, causal_index, n + len(branches)), n + index)
         branches = causal_branches + branches
     return switch_with_fallback(index, branches, portable)
+
+
+# ---- a device's queries against every key in one call (all-gather-KV: seqplan.documents.prefix_runs) ----
+
+# Static run slots (all rows together) and the gathered keys' bound (times the sequence's keys) the
+# one call is compiled for; a plan beyond them goes to the caller's fallback. The balance mixes'
+# per-document hybrid at 128k over 8 devices needs at most 41 runs and 1.01 sequences of keys.
+PREFIX_SLOTS = (64, 256)
+PREFIX_KEY_FACTOR = 2
+
+
+def _row_prefix(q_ids, kv_ids, q_index, kv_index):
+    ranked = jnp.sort(jnp.concatenate([q_ids, kv_ids]))
+    q_doc, kv_doc = (jnp.searchsorted(ranked, x, side="left").astype(jnp.int32) for x in (q_ids, kv_ids))
+    order = jnp.lexsort((kv_index, kv_doc))
+    k_doc, k_index = kv_doc[order], kv_index[order]
+    upper = _bisect_right(k_doc, k_index, q_doc, q_index)  # the query's document's keys up to its index end here
+    first = jnp.searchsorted(k_doc, q_doc, side="left").astype(jnp.int32)
+    start = jnp.concatenate([jnp.ones((1,), bool), (q_doc[1:] != q_doc[:-1]) | (upper[1:] != upper[:-1] + 1)])
+    return order.astype(jnp.int32), upper, first, start
+
+
+def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int) -> dict:
+    """``seqplan.documents.prefix_runs`` traced, with static shapes: queries [b, t] (ids and token
+    indices) against keys [b, s] as at most ``m`` causal runs over at most ``cap`` gathered keys.
+    Returns the varlen kernels' dict (``cu_q``, ``cu_k`` int32 [m + 1]; ``kv_index`` int32 [cap]
+    into the packed keys [b·s], b·s — a zero row — past the last run; ``identity`` False;
+    ``covered_q`` [b, t] True) with ``ok`` (traced: the runs fit, every query sees a key, no index
+    is negative) and ``longest`` (traced: the longest run's keys, for the backward's bound)."""
+    b, t = q_index.shape
+    s = kv_index.shape[1]
+    order, upper, first, start = jax.vmap(_row_prefix)(q_ids, kv_ids, q_index, kv_index)
+    flat_start, upper, first = start.reshape(-1), upper.reshape(-1), first.reshape(-1)
+    n = jnp.sum(flat_start)
+    starts = jnp.nonzero(flat_start, size=m, fill_value=b * t)[0].astype(jnp.int32)
+    ends = jnp.concatenate([starts[1:], jnp.full((1,), b * t, jnp.int32)])
+    real = jnp.arange(m) < n
+    head, last = jnp.minimum(starts, b * t - 1), jnp.maximum(ends - 1, 0)
+    k_len = jnp.where(real, upper[last] - first[head], 0)
+    row, k_start = head // t, first[head]
+    cu_q = jnp.concatenate([starts, jnp.full((1,), b * t, jnp.int32)])
+    cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(k_len).astype(jnp.int32)])
+    p = jnp.arange(cap)
+    run = jnp.clip(jnp.searchsorted(cu_k, p, side="right") - 1, 0, m - 1)
+    at = jnp.clip(k_start[run] + p - cu_k[run], 0, s - 1)
+    kv_packed = row[run] * s + order[row[run], at]
+    kv_index_out = jnp.where(p < cu_k[-1], kv_packed, b * s).astype(jnp.int32)
+    nonnegative = (jnp.min(q_index) >= 0) & (jnp.min(kv_index) >= 0)
+    ok = (n <= m) & (cu_k[-1] <= cap) & jnp.all(upper > first) & nonnegative
+    return {"cu_q": cu_q, "cu_k": cu_k, "kv_index": kv_index_out, "identity": False,
+            "covered_q": jnp.ones((b, t), bool), "ok": ok, "longest": jnp.max(k_len)}
+
+
+def prefix_dispatch(q_ids, kv_ids, q_index, kv_index, kernel, fallback, *, lengths: bool = False):
+    """``kernel(runs)`` on :func:`prefix_runs` for the smallest of ``PREFIX_SLOTS`` that holds the
+    device's runs (and, ``lengths``, the smallest of :func:`index_length_ladder` bounding the
+    longest run: the backward's ``max_seqlen``), or ``fallback()`` when none does — one
+    ``lax.switch`` decided on the device (``q_ids`` / ``kv_ids`` None: one document per row)."""
+    b, t = q_index.shape
+    s = kv_index.shape[1]
+    zeros = lambda x: jnp.zeros(x.shape, jnp.int32)
+    q_ids, kv_ids = (zeros(q_index), zeros(kv_index)) if q_ids is None else (q_ids, kv_ids)
+    # at least b slots: FA3's varlen forward writes the lse of every query into an [nseq, h, t] buffer
+    sizes = sorted({min(max(m, b), b * t) for m in PREFIX_SLOTS})
+    cap = PREFIX_KEY_FACTOR * b * s
+    ladder = index_length_ladder(s) if lengths else (None,)
+    plans = [prefix_runs(q_ids, kv_ids, q_index, kv_index, m, cap) for m in sizes]
+
+    def bounded(runs, bound):
+        return runs if bound is None else {**runs, "max_q": min(bound, t), "max_k": min(bound, s)}
+
+    branches = [lambda runs=runs, bound=bound: kernel(bounded(runs, bound)) for runs in plans for bound in ladder]
+    fits = jnp.asarray([plan["ok"] for plan in plans])
+    slot = jnp.where(jnp.any(fits), jnp.argmax(fits), len(sizes))
+    step = 0 if lengths is False else jnp.searchsorted(jnp.asarray(ladder), plans[-1]["longest"])
+    index = jnp.where(slot < len(sizes), slot * len(ladder) + jnp.minimum(step, len(ladder) - 1), len(branches))
+    return switch_with_fallback(index, branches, fallback)

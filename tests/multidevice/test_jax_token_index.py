@@ -193,3 +193,56 @@ def test_per_device_entry_point_checks_its_shard(jax_devices):
         jax_impl.ring_attention(q, q, q, None, token_index=jnp.zeros((1, 8), jnp.int32))
     with pytest.raises(TypeError, match="token_index must have an integer dtype"):
         jax_impl.ring_attention(q, q, q, None, token_index=jnp.zeros((1, 16), jnp.float32))
+
+
+@pytest.mark.parametrize("layout_name", ["document-hybrid", "zigzag"])
+def test_allgather_one_varlen_call_per_device_matches_float64_truth(layout_name, jax_devices, monkeypatch):
+    """All-gather-KV through the public API on ``fa3_varlen`` (FlashAttention-3's varlen ops
+    emulated, float16 inputs), packed documents on the per-document hybrid (token indices) or the
+    static zigzag: each device's forward and backward are one varlen call against its gathered
+    key prefixes (``jax_impl.allgather.prefix_forward`` / ``prefix_backward``; the block kernels
+    of a walk, fused or portable, are planted with NaNs, so a device that walked would show), and o, dq,
+    dk, dv (after the reduce-scatter), read back to original order, equal the float64 oracle to
+    float16 accuracy."""
+    import fa3_ops
+    from jax_impl import block
+    from jax_impl.kernels import runs
+    from seqplan.layouts import hybrid_layout
+
+    fa3_ops.emulate(monkeypatch)
+    monkeypatch.setattr(runs, "PREFIX_SLOTS", (16,))  # one compiled form each: the cases need at most 7 runs
+    monkeypatch.setattr(runs, "index_length_ladder", lambda n: (n,))
+    nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
+    for name in ("reference", "fa3_varlen"):  # a block walked on either kernel would show
+        monkeypatch.setitem(block._BACKENDS, name, block.BlockBackend(
+            name, lambda q, k, v, *a, **kw: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)),
+            lambda do, q, k, v, *a, **kw: nan(q, k, v), typed_for_shard_map=False))
+    ring = 4
+    ids, _ = pad_documents(DOCUMENTS, ring)
+    b, seq = ids.shape
+    rng = np.random.default_rng(3)
+    q, do = (rng.standard_normal((b, seq, HEADS, DIM)) for _ in range(2))
+    k, v = (rng.standard_normal((b, seq, KV_HEADS, DIM)) for _ in range(2))
+    if layout_name == "zigzag":
+        perm, token_index, layout = np.broadcast_to(layout_permutation(seq, "zigzag", ring), (b, seq)), None, "zigzag"
+    else:
+        row = hybrid_layout(ids, ring, split_at=12)
+        perm, token_index, layout = row.perm, jnp.asarray(row.token_index), "contiguous"
+    mesh = jax.make_mesh((ring,), ("ring",))
+
+    def attention(q, k, v):
+        return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=True, layout=layout, kv_exchange="allgather",
+                                                    segment_ids=jnp.asarray(_laid(ids, perm)), token_index=token_index,
+                                                    block_backend="fa3_varlen")
+
+    def outputs(q, k, v, do):
+        o, pullback = jax.vjp(attention, q, k, v)
+        return (o, *pullback(do))
+
+    got = jax.jit(outputs)(*(jnp.asarray(_laid(x, perm), jnp.float16) for x in (q, k, v, do)))
+    inverse = np.argsort(perm, axis=1)
+    truth = attention_forward(q, k, v, causal=True, segment_ids=ids)
+    for name, x, ref in zip(("o", "dq", "dk", "dv"), got, (truth.o, *attention_backward(truth, q, k, v, do))):
+        x = _laid(np.asarray(x, np.float64), inverse)
+        assert np.isfinite(x).all(), f"{name}: a device walked the blocks (NaN planted there)"
+        assert _rel(x, ref) < 2e-2, (name, _rel(x, ref))

@@ -8,8 +8,6 @@ emulated kernel that drops tiles past ``max_seqlen`` makes a too-small bound fai
 
 from __future__ import annotations
 
-import sys
-import types
 from functools import partial
 
 import numpy as np
@@ -18,83 +16,17 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 
+import fa3_ops
 from helpers import FULL
 from seqplan.schedule import BlockMask, MaskKind
 
 F32 = jnp.float32
 
 
-def _visible(cu_q, cu_k, total_q: int, total_k: int, causal: bool, max_q: int, max_k: int):
-    """[total_q, total_k] pairs FA3 varlen computes: same run, causal aligned bottom-right, and
-    only positions inside the first max_q queries / max_k keys of a run (tiles past max_seqlen
-    are never launched)."""
-    run_q = jnp.searchsorted(cu_q, jnp.arange(total_q), side="right") - 1
-    run_k = jnp.searchsorted(cu_k, jnp.arange(total_k), side="right") - 1
-    i = jnp.arange(total_q) - cu_q[run_q]
-    j = jnp.arange(total_k) - cu_k[run_k]
-    n_q, n_k = (cu_q[1:] - cu_q[:-1])[run_q], (cu_k[1:] - cu_k[:-1])[run_k]
-    seen = run_q[:, None] == run_k[None, :]
-    if causal:
-        seen &= j[None, :] <= i[:, None] + n_k[None, :] - n_q[:, None]
-    return seen & (i < max_q)[:, None] & (j < max_k)[None, :]
-
-
-def _expand(x, h: int):
-    return jnp.repeat(x, h // x.shape[1], axis=1)
-
-
-def _fake_fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal):
-    t, h, _ = q.shape
-    seen = _visible(cu_q, cu_k, t, k.shape[0], is_causal, max_seqlen_q, max_seqlen_k)
-    s = jnp.einsum("thd,shd->hts", q.astype(F32), _expand(k, h).astype(F32)) * softmax_scale
-    s = jnp.where(seen[None], s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)  # [h, t]
-    p = jnp.where(seen[None], jnp.exp(s - lse[..., None]), 0.0)
-    o = jnp.einsum("hts,shd->thd", p, _expand(v, h).astype(F32)).astype(q.dtype)
-    nseq = cu_q.shape[0] - 1
-    buffer = jnp.zeros((nseq * h * max_seqlen_q,), F32).at[: h * t].set(lse.reshape(-1))
-    return o, buffer.reshape(nseq, h, max_seqlen_q)
-
-
-def _fake_ffi_call(name, result_types, **_):
-    assert name == "flash_mha_bwd"
-
-    def call(do, q, k, v, o, lse_buffer, cu_q, cu_k, _a, _b, *, max_seqlen_q_val, max_seqlen_k_val,
-             softmax_scale_val, is_causal, **_attrs):
-        t, h, _ = q.shape
-        hk = k.shape[1]
-        seen = _visible(cu_q, cu_k, t, k.shape[0], is_causal, max_seqlen_q_val, max_seqlen_k_val)
-        lse = lse_buffer.reshape(-1)[: h * t].reshape(h, t)
-        kf, vf = _expand(k, h).astype(F32), _expand(v, h).astype(F32)
-        s = jnp.einsum("thd,shd->hts", q.astype(F32), kf) * softmax_scale_val
-        p = jnp.where(seen[None], jnp.exp(s - lse[..., None]), 0.0)
-        do32 = do.astype(F32)
-        delta = jnp.einsum("thd,thd->ht", do32, o.astype(F32))
-        dv = jnp.einsum("hts,thd->shd", p, do32)
-        ds = p * (jnp.einsum("thd,shd->hts", do32, vf) - delta[..., None]) * softmax_scale_val
-        dq = jnp.einsum("hts,shd->thd", ds, kf)
-        dk = jnp.einsum("hts,thd->shd", ds, q.astype(F32))
-        fold = lambda x: x.reshape(x.shape[0], hk, h // hk, x.shape[-1]).sum(2)
-        outs = (dq.astype(q.dtype), fold(dk).astype(k.dtype), fold(dv).astype(v.dtype))
-        return (*outs, *(jnp.zeros(r.shape, r.dtype) for r in result_types[3:]))
-
-    return call
-
-
 @pytest.fixture
 def emulated_fa3(monkeypatch):
     """flash_attn3_jax's varlen forward and its FFI backward target, emulated on the CPU."""
-    package = types.ModuleType("flash_attn3_jax")
-    varlen = types.ModuleType("flash_attn3_jax.varlen_fwd")
-    varlen.flash_mha_varlen_fwd = _fake_fwd
-    hlo = types.ModuleType("flash_attn3_jax.flash_hlo")
-    for name, module in (("flash_attn3_jax", package), ("flash_attn3_jax.varlen_fwd", varlen),
-                         ("flash_attn3_jax.flash_hlo", hlo)):
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(jax.ffi, "ffi_call", _fake_ffi_call)
-    from jax_impl.kernels import fa3_varlen
-
-    return fa3_varlen
+    return fa3_ops.emulate(monkeypatch)
 
 
 def _docs(lengths, offset=0):
@@ -226,3 +158,58 @@ def test_token_index_block_form_or_fallback(shuffled, emulated_fa3):
     for got, want in zip((o_f, *grads_f), (o_r, *grads_r)):
         want = np.asarray(want)
         assert np.max(np.abs(np.asarray(got, np.float32) - want)) <= 1e-2 * max(np.max(np.abs(want)), 1.0)
+
+
+@pytest.mark.parametrize("layout, fits", [("document-hybrid", True), ("zigzag", True), ("document-hybrid", False)])
+def test_allgather_runs_each_device_as_one_varlen_call(layout, fits, emulated_fa3, monkeypatch, seed):
+    """The JAX replay of all-gather-KV with packed documents — by token indices on the per-document
+    hybrid, by the static zigzag's own positions — on ``fa3_varlen`` (emulated): each device is one
+    varlen call forward and one backward (``allgather.prefix_forward`` / ``prefix_backward``), the
+    block kernels (fused and portable) replaced by NaNs so a block walked would show; equal to the
+    portable walk.
+    ``fits=False``: one run slot, too few — every device takes the fallback (the blocks on the
+    portable kernel, here real again; the one call's kernels planted with NaNs) and still equals it."""
+    from jax_impl import allgather, block, replay
+    from jax_impl.kernels import runs
+    from seqplan.layouts import hybrid_layout, layout_permutation, pad_documents
+    from seqplan.strategy import Strategy
+
+    ring = 4
+    ids, _ = pad_documents(np.array([[0] * 9 + [1] + [2] * 30 + [3] * 3, [7] * 3 + [8] * 37 + [9] * 3]), ring)
+    b, t = ids.shape
+    if layout == "zigzag":
+        perm, index = np.broadcast_to(layout_permutation(t, "zigzag", ring), (b, t)), None
+    else:
+        row = hybrid_layout(ids, ring, split_at=30)
+        perm, index = row.perm, jnp.asarray(row.token_index)
+    laid = jnp.asarray(np.take_along_axis(ids, perm, 1).astype(np.int32))
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q, do = (jax.random.normal(kk, (b, t, 4, 16), F32).astype(jnp.float16) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (b, t, 2, 16), F32).astype(jnp.float16) for kk in keys[2:])
+
+    @partial(jax.jit, static_argnums=0)
+    def run(backend, q, k, v, do, index, laid):
+        kw = dict(strategy=Strategy(ring=ring, kv_exchange="allgather"), causal=True,
+                  layout="contiguous" if index is not None else "zigzag", token_index=index, segment_ids=laid,
+                  block_backend=backend)
+        o, lse = replay.replay_attention(q, k, v, **kw)
+        return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, **kw))
+
+    want = run("reference", q, k, v, do, index, laid)
+    monkeypatch.setattr(runs, "PREFIX_SLOTS", (8,) if fits else (1,))
+    monkeypatch.setattr(runs, "index_length_ladder", lambda n: (n,))
+    nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
+    if not fits:  # a one call taken anyway would show
+        monkeypatch.setattr(allgather, "varlen_fwd", lambda q, *a: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]),
+                                                                                     F32)))
+        monkeypatch.setattr(allgather, "varlen_bwd", lambda do, q, k, v, *a: nan(
+            q, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)))
+    for name in ("reference", "fa3_varlen") if fits else ():  # a block walked on either kernel would show
+        monkeypatch.setitem(block._BACKENDS, name, block.BlockBackend(
+            name, lambda q, k, v, *a, **kw: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)),
+            lambda do, q, k, v, *a, **kw: nan(q, k, v), typed_for_shard_map=False))
+    got = run("fa3_varlen", q, k, v, do, index, laid)
+    for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.isfinite(x).all(), f"{name}: the path not expected ran (NaN planted there)"
+        assert np.linalg.norm(x - y) <= 1e-2 * np.linalg.norm(y), (name, np.linalg.norm(x - y) / np.linalg.norm(y))
