@@ -35,6 +35,7 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .kernels.fa3_varlen import varlen_bwd, varlen_fwd
 from .kernels.runs import prefix_dispatch
+from .kernels.runs import prefix_plans as prefix_plans_of
 from .loop import (
     alone_dtype,
     attention_with_vjp,
@@ -103,26 +104,30 @@ def _positions(config: AttentionConfig, index_all, b: int, ring: int, t: int):
     return jnp.broadcast_to(jnp.asarray(ring_positions(config.layout, ring, t).reshape(-1)), (b, ring * t))
 
 
-def prefix_forward(config: AttentionConfig, q, kv_all, ids_all, index_all, me, fallback):
-    """Device ``me``'s (o, lse) as ONE varlen call against its gathered key prefixes, or
-    ``fallback()`` where the runs do not fit (module docstring). ``kv_all``: (k, v) [b, R·t, hk, d]
-    in layout order; ``ids_all`` / ``index_all``: [b, R·t] or None."""
+def prefix_plans(config: AttentionConfig, q, ids_all, index_all, me) -> list[dict]:
+    """Device ``me``'s one-call plans (``kernels/runs.prefix_plans``): its queries ``q`` [b, t, ...]
+    against every key, from every shard's ids and token indices [b, R·t] (ids None: one document
+    per row; token indices None: the static layout's positions — one of the two is given)."""
     b, t = q.shape[:2]
-    positions = _positions(config, index_all, b, kv_all[0].shape[1] // t, t)
+    ring = (ids_all if ids_all is not None else index_all).shape[1] // t
+    positions = _positions(config, index_all, b, ring, t)
     mine = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
-    kernel = lambda runs: varlen_fwd(q, *kv_all, True, config.scale, runs)
-    return prefix_dispatch(mine(ids_all), ids_all, mine(positions), positions, kernel, fallback)
+    return prefix_plans_of(mine(ids_all), ids_all, mine(positions), positions)
 
 
-def prefix_backward(config: AttentionConfig, saved, kv_all, ids_all, index_all, me, fallback):
+def prefix_forward(config: AttentionConfig, q, kv_all, plans, fallback):
+    """The device's (o, lse) as ONE varlen call against its gathered key prefixes (``plans``:
+    :func:`prefix_plans`), or ``fallback()`` where the runs do not fit (module docstring).
+    ``kv_all``: (k, v) [b, R·t, hk, d] in layout order."""
+    return prefix_dispatch(plans, lambda runs: varlen_fwd(q, *kv_all, True, config.scale, runs), fallback)
+
+
+def prefix_backward(config: AttentionConfig, saved, kv_all, plans, fallback):
     """The backward of :func:`prefix_forward` given ``saved = (q, o, lse, do)`` (the GLOBAL o, lse):
     (dq, dk, dv) with dk, dv float32 [b, R·t, hk, d] — every key's gradient from this device's rows."""
     q, o, lse, do = saved
-    b, t = q.shape[:2]
-    positions = _positions(config, index_all, b, kv_all[0].shape[1] // t, t)
-    mine = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
     kernel = lambda runs: varlen_bwd(do, q, *kv_all, o, lse, True, config.scale, runs)
-    return prefix_dispatch(mine(ids_all), ids_all, mine(positions), positions, kernel, fallback, lengths=True)
+    return prefix_dispatch(plans, kernel, fallback, lengths=True)
 
 
 def portable_config(config: AttentionConfig) -> AttentionConfig:
@@ -136,12 +141,13 @@ def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
     ids_all = gather_segment_ids(ids, axis_name, config.comm)
     index_all = gather_token_index(index, axis_name, config.comm)
     walk_blocks = lambda cfg: _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, cfg)
+    plans = None
     if schedule.size > 1 and prefix_eligible(config, q, ids_all is not None):
-        o, lse = prefix_forward(config, q, kv_all, ids_all, index_all, ring_index(axis_name),
-                                lambda: walk_blocks(portable_config(config)))
+        plans = prefix_plans(config, q, ids_all, index_all, ring_index(axis_name))  # kept for the backward
+        o, lse = prefix_forward(config, q, kv_all, plans, lambda: walk_blocks(portable_config(config)))
     else:
         o, lse = walk_blocks(config)
-    return o, lse, (kv_all, ids_all, index_all)
+    return o, lse, (kv_all, ids_all, index_all, plans)
 
 
 def _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config: AttentionConfig):
@@ -162,11 +168,11 @@ def _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config: Attent
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
-    schedule, (kv_all, ids_all, index_all) = _schedule(axis_name, config), extra
-    walk_blocks = lambda cfg: _walk_backward(q, k, v, o, lse, extra, do, dlse, axis_name, cfg)
-    if schedule.size > 1 and dlse is None and prefix_eligible(config, q, ids_all is not None):
-        dq, dk_all, dv_all = prefix_backward(config, (q, o, lse, do), kv_all, ids_all, index_all,
-                                             ring_index(axis_name), lambda: walk_blocks(portable_config(config)))
+    schedule, kv_all, plans = _schedule(axis_name, config), extra[0], extra[3]
+    walk_blocks = lambda cfg: _walk_backward(q, k, v, o, lse, extra[:3], do, dlse, axis_name, cfg)
+    if plans is not None and dlse is None:
+        dq, dk_all, dv_all = prefix_backward(config, (q, o, lse, do), kv_all, plans,
+                                             lambda: walk_blocks(portable_config(config)))
     else:
         dq, dk_all, dv_all = walk_blocks(config)
     if schedule.size == 1:

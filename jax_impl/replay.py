@@ -66,7 +66,7 @@ from seqplan.validation import (
     validate,
 )
 
-from .allgather import portable_config, prefix_backward, prefix_eligible, prefix_forward
+from .allgather import portable_config, prefix_backward, prefix_eligible, prefix_forward, prefix_plans
 from .config import AttentionConfig
 from .loop import add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
 
@@ -191,8 +191,9 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
         return o, lse
 
     if _one_call(strategy, config, q_d, segment_ids):  # all-gather-KV's one varlen call (allgather.prefix_forward)
-        o, lse = prefix_forward(config, q_d, _kv_heads((k, v), kv_heads, q.dtype), _int32(segment_ids),
-                                _int32(token_index), r, lambda: walk(portable_config(config).backend()))
+        plans = prefix_plans(config, q_d, _int32(segment_ids), _int32(token_index), r)
+        o, lse = prefix_forward(config, q_d, _kv_heads((k, v), kv_heads, q.dtype), plans,
+                                lambda: walk(portable_config(config).backend()))
     else:
         o, lse = walk(backend)
     o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])
@@ -255,8 +256,9 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                 whole = [lax.dynamic_update_slice_in_dim(w, g.astype(F32), src * t, axis=1) for w, g in zip(whole, grads)]
             return dq, *whole
 
-        dq, dk, dv = prefix_backward(config, tuple(saved[:4]), _kv_heads((k, v), kv_heads, q.dtype),
-                                     _int32(segment_ids), _int32(token_index), r, walked)
+        # a program of its own here, so the plans are made again (the real backward keeps the forward's)
+        plans = prefix_plans(config, mine[0], _int32(segment_ids), _int32(token_index), r)
+        dq, dk, dv = prefix_backward(config, tuple(saved[:4]), _kv_heads((k, v), kv_heads, q.dtype), plans, walked)
         t = q.shape[1] // strategy.ring
         contributions = {src: (dk[:, src * t:(src + 1) * t], dv[:, src * t:(src + 1) * t])
                          for src in range(strategy.ring)}

@@ -37,6 +37,7 @@ fi
 # hybrid on the ring, whose per-device programs (every block's fused forms) compile for minutes at 128k
 COMBOS=("$STRATEGIES:$LAYOUTS")
 [ "$PART" = jax ] && COMBOS=("zigzag-r8:zigzag" "allgather-r8:$LAYOUTS")
+[ -n "${ONLY:-}" ] && COMBOS=($ONLY)  # e.g. ONLY="allgather-r8:zigzag,document-hybrid"
 for mix in ${MIXES//,/ }; do
   for combo in "${COMBOS[@]}"; do
     tag=$PART-$mix-${combo%%:*}

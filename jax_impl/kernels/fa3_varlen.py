@@ -49,11 +49,12 @@ F32 = jnp.float32
 
 
 def _packed_kv(x, runs):
-    """[b, s, hk, d] -> the runs' keys packed [b·s, hk, d] (zero rows past the last run)."""
+    """[b, s, hk, d] -> the runs' keys packed [b·s, hk, d] (zero rows past the last run: the
+    index b·s is out of range and reads as zero, so no copy of the keys with a zero row appended)."""
     flat = x.reshape(-1, *x.shape[2:])
     if runs["identity"]:
         return flat
-    return jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)])[runs["kv_index"]]
+    return flat.at[runs["kv_index"]].get(mode="fill", fill_value=0)
 
 
 def _lse_tokens(lse_buffer, b: int, h: int, t: int):
@@ -104,7 +105,9 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs):
     if runs["identity"]:  # keys no query reads: zero, written here rather than trusted to the kernel
         read = runs["covered_kv"][:, :, None, None]
         return dq, *(jnp.where(read, g.reshape(b, s, hk, d).astype(F32), 0.0) for g in (dk_p, dv_p))
-    scatter = lambda g: (jnp.zeros((b * s + 1, hk, d), F32).at[runs["kv_index"]].add(g.astype(F32))[: b * s]
+    # past the last run the index is b·s, out of range: dropped (adding every padding row into one
+    # zero row serialized them — 2.3-2.8 ms against 0.9-1.1 for a device's one call at 128k, H100)
+    scatter = lambda g: (jnp.zeros((b * s, hk, d), F32).at[runs["kv_index"]].add(g.astype(F32), mode="drop")
                          .reshape(b, s, hk, d))
     return dq, scatter(dk_p), scatter(dv_p)
 

@@ -328,7 +328,7 @@ def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = Fal
 # Static run slots (all rows together) and the gathered keys' bound (times the sequence's keys) the
 # one call is compiled for; a plan beyond them goes to the caller's fallback. The balance mixes'
 # per-document hybrid at 128k over 8 devices needs at most 41 runs and 1.01 sequences of keys.
-PREFIX_SLOTS = (64, 256)
+PREFIX_SLOTS = (32, 64, 256)
 PREFIX_KEY_FACTOR = 2
 
 
@@ -346,10 +346,11 @@ def _row_prefix(q_ids, kv_ids, q_index, kv_index):
 def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int) -> dict:
     """``seqplan.documents.prefix_runs`` traced, with static shapes: queries [b, t] (ids and token
     indices) against keys [b, s] as at most ``m`` causal runs over at most ``cap`` gathered keys.
-    Returns the varlen kernels' dict (``cu_q``, ``cu_k`` int32 [m + 1]; ``kv_index`` int32 [cap]
-    into the packed keys [b·s], b·s — a zero row — past the last run; ``identity`` False;
-    ``covered_q`` [b, t] True) with ``ok`` (traced: the runs fit, every query sees a key, no index
-    is negative) and ``longest`` (traced: the longest run's keys, for the backward's bound)."""
+    Returns the varlen kernels' dict — arrays only, so a forward can keep it for its backward —
+    (``cu_q``, ``cu_k`` int32 [m + 1]; ``kv_index`` int32 [cap] into the packed keys [b·s], b·s —
+    out of range: a zero key, a dropped gradient — past the last run; ``covered_q`` [b, t] True)
+    with ``ok`` (traced: the runs fit, every query sees a key, no index is negative) and
+    ``longest`` (traced: the longest run's keys, for the backward's bound)."""
     b, t = q_index.shape
     s = kv_index.shape[1]
     order, upper, first, start = jax.vmap(_row_prefix)(q_ids, kv_ids, q_index, kv_index)
@@ -370,31 +371,39 @@ def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int) -> dict:
     kv_index_out = jnp.where(p < cu_k[-1], kv_packed, b * s).astype(jnp.int32)
     nonnegative = (jnp.min(q_index) >= 0) & (jnp.min(kv_index) >= 0)
     ok = (n <= m) & (cu_k[-1] <= cap) & jnp.all(upper > first) & nonnegative
-    return {"cu_q": cu_q, "cu_k": cu_k, "kv_index": kv_index_out, "identity": False,
-            "covered_q": jnp.ones((b, t), bool), "ok": ok, "longest": jnp.max(k_len)}
+    return {"cu_q": cu_q, "cu_k": cu_k, "kv_index": kv_index_out, "covered_q": jnp.ones((b, t), bool), "ok": ok,
+            "longest": jnp.max(k_len)}
 
 
-def prefix_dispatch(q_ids, kv_ids, q_index, kv_index, kernel, fallback, *, lengths: bool = False):
-    """``kernel(runs)`` on :func:`prefix_runs` for the smallest of ``PREFIX_SLOTS`` that holds the
-    device's runs (and, ``lengths``, the smallest of :func:`index_length_ladder` bounding the
-    longest run: the backward's ``max_seqlen``), or ``fallback()`` when none does — one
-    ``lax.switch`` decided on the device (``q_ids`` / ``kv_ids`` None: one document per row)."""
+def prefix_plans(q_ids, kv_ids, q_index, kv_index) -> list[dict]:
+    """:func:`prefix_runs` for each of ``PREFIX_SLOTS`` (at least b slots: FA3's varlen forward
+    writes every query's lse into an [nseq, h, t] buffer) over ``PREFIX_KEY_FACTOR`` times the
+    keys; ``q_ids`` / ``kv_ids`` None: one document per row. Computed once per call: the forward
+    keeps them for its backward."""
     b, t = q_index.shape
     s = kv_index.shape[1]
     zeros = lambda x: jnp.zeros(x.shape, jnp.int32)
     q_ids, kv_ids = (zeros(q_index), zeros(kv_index)) if q_ids is None else (q_ids, kv_ids)
-    # at least b slots: FA3's varlen forward writes the lse of every query into an [nseq, h, t] buffer
     sizes = sorted({min(max(m, b), b * t) for m in PREFIX_SLOTS})
-    cap = PREFIX_KEY_FACTOR * b * s
-    ladder = index_length_ladder(s) if lengths else (None,)
-    plans = [prefix_runs(q_ids, kv_ids, q_index, kv_index, m, cap) for m in sizes]
+    return [prefix_runs(q_ids, kv_ids, q_index, kv_index, m, PREFIX_KEY_FACTOR * b * s) for m in sizes]
 
-    def bounded(runs, bound):
+
+def prefix_dispatch(plans: list[dict], kernel, fallback, *, lengths: bool = False):
+    """``kernel(runs)`` on the plan of :func:`prefix_plans` with the fewest slots that holds the
+    device's runs (and, ``lengths``, the smallest of :func:`length_ladder` bounding the longest
+    run: the backward's ``max_seqlen``, whose grid FA3 launches whatever the runs' lengths), or
+    ``fallback()`` when none does — one ``lax.switch`` decided on the device."""
+    t = plans[0]["covered_q"].shape[1]
+    s = plans[0]["kv_index"].shape[0] // (PREFIX_KEY_FACTOR * plans[0]["covered_q"].shape[0])
+    ladder = length_ladder(s) if lengths else (None,)
+
+    def bounded(runs, bound):  # the keys are gathered (never the block's own: no identity form)
+        runs = {**runs, "identity": False}
         return runs if bound is None else {**runs, "max_q": min(bound, t), "max_k": min(bound, s)}
 
     branches = [lambda runs=runs, bound=bound: kernel(bounded(runs, bound)) for runs in plans for bound in ladder]
     fits = jnp.asarray([plan["ok"] for plan in plans])
-    slot = jnp.where(jnp.any(fits), jnp.argmax(fits), len(sizes))
-    step = 0 if lengths is False else jnp.searchsorted(jnp.asarray(ladder), plans[-1]["longest"])
-    index = jnp.where(slot < len(sizes), slot * len(ladder) + jnp.minimum(step, len(ladder) - 1), len(branches))
+    slot = jnp.where(jnp.any(fits), jnp.argmax(fits), len(plans))
+    step = 0 if not lengths else jnp.minimum(jnp.searchsorted(jnp.asarray(ladder), plans[-1]["longest"]), len(ladder) - 1)
+    index = jnp.where(slot < len(plans), slot * len(ladder) + step, len(branches))
     return switch_with_fallback(index, branches, fallback)

@@ -197,7 +197,7 @@ def test_allgather_runs_each_device_as_one_varlen_call(layout, fits, emulated_fa
 
     want = run("reference", q, k, v, do, index, laid)
     monkeypatch.setattr(runs, "PREFIX_SLOTS", (8,) if fits else (1,))
-    monkeypatch.setattr(runs, "index_length_ladder", lambda n: (n,))
+    monkeypatch.setattr(runs, "length_ladder", lambda n: (n,))
     nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
     if not fits:  # a one call taken anyway would show
         monkeypatch.setattr(allgather, "varlen_fwd", lambda q, *a: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]),
