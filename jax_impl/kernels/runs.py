@@ -343,17 +343,19 @@ def _row_prefix(q_ids, kv_ids, q_index, kv_index):
     return order.astype(jnp.int32), upper, first, start
 
 
-def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int) -> dict:
+def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int, rows=None) -> dict:
     """``seqplan.documents.prefix_runs`` traced, with static shapes: queries [b, t] (ids and token
     indices) against keys [b, s] as at most ``m`` causal runs over at most ``cap`` gathered keys.
     Returns the varlen kernels' dict — arrays only, so a forward can keep it for its backward —
     (``cu_q``, ``cu_k`` int32 [m + 1]; ``kv_index`` int32 [cap] into the packed keys [b·s], b·s —
     out of range: a zero key, a dropped gradient — past the last run; ``covered_q`` [b, t] True)
     with ``ok`` (traced: the runs fit, every query sees a key, no index is negative) and
-    ``longest`` (traced: the longest run's keys, for the backward's bound)."""
+    ``longest`` (traced: the longest run's keys, for the backward's bound). ``rows``: the rows'
+    sort and searches (``jax.vmap(_row_prefix)``) when a caller builds several plans from them."""
     b, t = q_index.shape
     s = kv_index.shape[1]
-    order, upper, first, start = jax.vmap(_row_prefix)(q_ids, kv_ids, q_index, kv_index)
+    rows = jax.vmap(_row_prefix)(q_ids, kv_ids, q_index, kv_index) if rows is None else rows
+    order, upper, first, start = rows
     flat_start, upper, first = start.reshape(-1), upper.reshape(-1), first.reshape(-1)
     n = jnp.sum(flat_start)
     starts = jnp.nonzero(flat_start, size=m, fill_value=b * t)[0].astype(jnp.int32)
@@ -385,17 +387,26 @@ def prefix_plans(q_ids, kv_ids, q_index, kv_index) -> list[dict]:
     zeros = lambda x: jnp.zeros(x.shape, jnp.int32)
     q_ids, kv_ids = (zeros(q_index), zeros(kv_index)) if q_ids is None else (q_ids, kv_ids)
     sizes = sorted({min(max(m, b), b * t) for m in PREFIX_SLOTS})
-    return [prefix_runs(q_ids, kv_ids, q_index, kv_index, m, PREFIX_KEY_FACTOR * b * s) for m in sizes]
+    rows = jax.vmap(_row_prefix)(q_ids, kv_ids, q_index, kv_index)  # one sort for every slot count's plan
+    return [prefix_runs(q_ids, kv_ids, q_index, kv_index, m, PREFIX_KEY_FACTOR * b * s, rows) for m in sizes]
+
+
+def prefix_length_ladder(n: int) -> tuple[int, ...]:
+    """The one call's backward ``max_seqlen`` bounds: n/32, n/16, n/8, n/4, n/2 and n, none below
+    256 — finer at the short end than :func:`length_ladder`, where a device of short documents
+    sits (the short mix at 128k: its longest run 7.7k keys; FA3's backward launches its grid for
+    the bound)."""
+    return tuple(sorted({max(min(n, 256), n // parts) for parts in (32, 16, 8, 4, 2, 1)}))
 
 
 def prefix_dispatch(plans: list[dict], kernel, fallback, *, lengths: bool = False):
     """``kernel(runs)`` on the plan of :func:`prefix_plans` with the fewest slots that holds the
-    device's runs (and, ``lengths``, the smallest of :func:`length_ladder` bounding the longest
-    run: the backward's ``max_seqlen``, whose grid FA3 launches whatever the runs' lengths), or
+    device's runs (and, ``lengths``, the smallest of :func:`prefix_length_ladder` bounding the
+    longest run: the backward's ``max_seqlen``, whose grid FA3 launches whatever the runs' lengths), or
     ``fallback()`` when none does — one ``lax.switch`` decided on the device."""
     t = plans[0]["covered_q"].shape[1]
     s = plans[0]["kv_index"].shape[0] // (PREFIX_KEY_FACTOR * plans[0]["covered_q"].shape[0])
-    ladder = length_ladder(s) if lengths else (None,)
+    ladder = prefix_length_ladder(s) if lengths else (None,)
 
     def bounded(runs, bound):  # the keys are gathered (never the block's own: no identity form)
         runs = {**runs, "identity": False}

@@ -211,7 +211,7 @@ def test_allgather_one_varlen_call_per_device_matches_float64_truth(layout_name,
 
     fa3_ops.emulate(monkeypatch)
     monkeypatch.setattr(runs, "PREFIX_SLOTS", (16,))  # one compiled form each: the cases need at most 7 runs
-    monkeypatch.setattr(runs, "length_ladder", lambda n: (n,))
+    monkeypatch.setattr(runs, "prefix_length_ladder", lambda n: (n,))
     nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
     for name in ("reference", "fa3_varlen"):  # a block walked on either kernel would show
         monkeypatch.setitem(block._BACKENDS, name, block.BlockBackend(
