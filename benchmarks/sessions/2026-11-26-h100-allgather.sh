@@ -12,7 +12,7 @@ set -u
 PART=${1:-torch}; MIXES=${2:-short,heavy-tail,few-long}
 STRATEGIES=${STRATEGIES:-zigzag-r8,allgather-r8}; LAYOUTS=${LAYOUTS:-zigzag,document-hybrid}
 L=/tmp/rb-allgather; mkdir -p $L
-SEQ=131072; LIMIT=420; STEP_LIMIT=${STEP_LIMIT:-240}; ITERS=5
+SEQ=131072; LIMIT=420; STEP_LIMIT=${STEP_LIMIT:-240}; ITERS=${ITERS:-5}
 if [ "${SMOKE:-0}" = 1 ]; then
   SEQ=2048; LIMIT=900; STEP_LIMIT=900; ITERS=2
 else
