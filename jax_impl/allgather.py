@@ -23,7 +23,7 @@ from jax import lax
 
 from seqplan.axes import RING
 from seqplan.layouts import ring_positions
-from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind, allgather_schedule
+from seqplan.schedule import allgather_schedule, one_call_mask
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -85,13 +85,8 @@ def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
     by token indices (``config.token_index``: the window ``(UNBOUNDED, 0)``) or by the layout's
     positions with packed documents (``documents``) and no window, not soft-capped, document
     blocks resolving to ``fa3_varlen`` on ``q``'s device kind and dtype."""
-    if config.softcap is not None:
-        return False
-    if config.token_index and config.window == (UNBOUNDED, 0) and not config.causal:
-        mask = BlockMask(MaskKind.FULL, documents=True, window=config.window)
-    elif config.causal and config.window is None and documents:
-        mask = BlockMask(MaskKind.CAUSAL, documents=True)
-    else:
+    mask = one_call_mask(config.causal, config.window, config.token_index, documents)
+    if config.softcap is not None or mask is None:
         return False
     return resolve_backend(config.block_backend, device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
                            deterministic=config.deterministic) == "fa3_varlen"
@@ -104,8 +99,9 @@ def _positions(config: AttentionConfig, index_all, b: int, ring: int, t: int):
     return jnp.broadcast_to(jnp.asarray(ring_positions(config.layout, ring, t).reshape(-1)), (b, ring * t))
 
 
-def prefix_plans(config: AttentionConfig, q, ids_all, index_all, me) -> list[dict]:
-    """Device ``me``'s one-call plans (``kernels/runs.prefix_plans``): its queries ``q`` [b, t, ...]
+def prefix_plan(config: AttentionConfig, q, ids_all, index_all, me) -> list[dict]:
+    """Device ``me``'s one-call plan — one per static run-slot count (``kernels/runs.prefix_plans``),
+    the device picks among them — of its queries ``q`` [b, t, ...]
     against every key, from every shard's ids and token indices [b, R·t] (ids None: one document
     per row; token indices None: the static layout's positions — one of the two is given)."""
     b, t = q.shape[:2]
@@ -117,7 +113,7 @@ def prefix_plans(config: AttentionConfig, q, ids_all, index_all, me) -> list[dic
 
 def prefix_forward(config: AttentionConfig, q, kv_all, plans, fallback):
     """The device's (o, lse) as ONE varlen call against its gathered key prefixes (``plans``:
-    :func:`prefix_plans`), or ``fallback()`` where the runs do not fit (module docstring).
+    :func:`prefix_plan`), or ``fallback()`` where the runs do not fit (module docstring).
     ``kv_all``: (k, v) [b, R·t, hk, d] in layout order."""
     return prefix_dispatch(plans, lambda runs: varlen_fwd(q, *kv_all, True, config.scale, runs), fallback)
 
@@ -143,7 +139,7 @@ def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
     walk_blocks = lambda cfg: _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, cfg)
     plans = None
     if schedule.size > 1 and prefix_eligible(config, q, ids_all is not None):
-        plans = prefix_plans(config, q, ids_all, index_all, ring_index(axis_name))  # kept for the backward
+        plans = prefix_plan(config, q, ids_all, index_all, ring_index(axis_name))  # kept for the backward
         o, lse = prefix_forward(config, q, kv_all, plans, lambda: walk_blocks(portable_config(config)))
     else:
         o, lse = walk_blocks(config)

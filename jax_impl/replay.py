@@ -66,7 +66,7 @@ from seqplan.validation import (
     validate,
 )
 
-from .allgather import portable_config, prefix_backward, prefix_eligible, prefix_forward, prefix_plans
+from .allgather import portable_config, prefix_backward, prefix_eligible, prefix_forward, prefix_plan
 from .config import AttentionConfig
 from .loop import add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
 
@@ -114,6 +114,13 @@ def _scanned_visit(at, schedule: Schedule, config: AttentionConfig, r: int, kv, 
     source = schedule.source(r, at[0], at[1])
     shard = tuple(_dynamic_shard(x, source, ring, kv_heads).astype(dtype) for x in kv)
     return shard, _masks(config, schedule, ids, r, (at[0], at[1]), kv[0].shape[1], token_index)
+
+
+def _visit(visit, schedule: Schedule, config: AttentionConfig, r: int, kv, ring: int, kv_heads, dtype, ids,
+           token_index):
+    """(K/V shard, mask keywords) of device r's visit ``visit`` (static: :func:`_scanned_visit`'s twin)."""
+    shard = tuple(_shard(x, visit.source, ring, kv_heads).astype(dtype) for x in kv)
+    return shard, _masks(config, schedule, ids, r, (visit.step.round, visit.step.inner), kv[0].shape[1], token_index)
 
 
 def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, step, seq: int, token_index=None) -> dict:
@@ -181,9 +188,8 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
                 (o, lse), _ = lax.scan(step, (o, lse), _steps(group))
                 continue
             visit = group[0]
-            kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-            masks = _masks(config, schedule, segment_ids, r, (visit.step.round, visit.step.inner), q.shape[1],
-                           token_index)
+            kv, masks = _visit(visit, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype, segment_ids,
+                               token_index)
             if visit.step.local:
                 o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, out_dtype=o_dtype, **masks)
             elif visit.block is not None:
@@ -191,7 +197,7 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
         return o, lse
 
     if _one_call(strategy, config, q_d, segment_ids):  # all-gather-KV's one varlen call (allgather.prefix_forward)
-        plans = prefix_plans(config, q_d, _int32(segment_ids), _int32(token_index), r)
+        plans = prefix_plan(config, q_d, _int32(segment_ids), _int32(token_index), r)
         o, lse = prefix_forward(config, q_d, _kv_heads((k, v), kv_heads, q.dtype), plans,
                                 lambda: walk(portable_config(config).backend()))
     else:
@@ -234,9 +240,8 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                     contributions[visit.source] = (dks[n], dvs[n])
                 continue
             visit = group[0]
-            kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).astype(q.dtype) for x in (k, v))
-            masks = _masks(config, schedule, segment_ids, r, (visit.step.round, visit.step.inner), q.shape[1],
-                           token_index)
+            kv, masks = _visit(visit, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype, segment_ids,
+                               token_index)
             if visit.step.local:
                 dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, dq_dtype=dq_dtype,
                                             **masks)
@@ -257,7 +262,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
             return dq, *whole
 
         # a program of its own here, so the plans are made again (the real backward keeps the forward's)
-        plans = prefix_plans(config, mine[0], _int32(segment_ids), _int32(token_index), r)
+        plans = prefix_plan(config, mine[0], _int32(segment_ids), _int32(token_index), r)
         dq, dk, dv = prefix_backward(config, tuple(saved[:4]), _kv_heads((k, v), kv_heads, q.dtype), plans, walked)
         t = q.shape[1] // strategy.ring
         contributions = {src: (dk[:, src * t:(src + 1) * t], dv[:, src * t:(src + 1) * t])

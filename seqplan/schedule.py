@@ -433,6 +433,20 @@ def by_token_index(mask: BlockMask) -> bool:
             and mask.window[1] == 0)
 
 
+def one_call_mask(causal: bool, window: tuple[int, int] | None, token_index: bool, documents: bool) -> BlockMask | None:
+    """The document block's mask a call's kernel must take for all-gather-KV's one varlen call per
+    device (``seqplan.documents.prefix_runs``), or None when the call cannot take it: causal by
+    token indices (``token_index``: the config's window ``(UNBOUNDED, 0)``, not causal) — FULL
+    with documents and that window — or by the layout's positions with packed documents
+    (``documents``) and no window — CAUSAL with documents. A window beyond causal, or no documents
+    and no token indices, walks the blocks. Both frameworks' ``allgather.prefix_eligible``."""
+    if token_index and window == (UNBOUNDED, 0) and not causal:
+        return BlockMask(MaskKind.FULL, documents=True, window=window)
+    if causal and window is None and documents:
+        return BlockMask(MaskKind.CAUSAL, documents=True)
+    return None
+
+
 def window_reach(layout: str, causal: bool, window: tuple[int, int] | None, shard_len: int, size: int) -> int | None:
     """How many ring steps past its own shard any device needs under ``window`` — the reach a
     of a truncated ring — or None when the whole ring is needed. Built where it pays and is

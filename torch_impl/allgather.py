@@ -30,7 +30,7 @@ import torch
 
 from seqplan.documents import PrefixRuns, cached_plan, shard_prefix_runs
 from seqplan.layouts import ring_positions
-from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind, allgather_schedule, device_visits
+from seqplan.schedule import allgather_schedule, device_visits, one_call_mask
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -40,7 +40,7 @@ from seqplan.validation import (
 from .block import resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .kernels.varlen import prefix_backward, prefix_forward
+from .kernels import varlen
 from .loop import ShardMasks, add_grads, attend_block, attention_with_vjp, grad_block, merge_block, ring_index
 
 F32 = torch.float32
@@ -72,33 +72,47 @@ def _visits(groups, config: AttentionConfig):
 PREFIX_MAX_KEYS = 2  # gather at most twice the sequence's keys for one call (else walk the blocks)
 
 
+def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
+    """Whether the call may run as one varlen call per device (module docstring) — decided on
+    static facts: causal by token indices (``config.token_index``: the window ``(UNBOUNDED, 0)``)
+    or by the layout's positions with packed documents (``documents``) and no window, not
+    soft-capped, document blocks resolving to ``aten_varlen`` on ``q``'s device and dtype."""
+    mask = one_call_mask(config.causal, config.window, config.token_index, documents)
+    if config.softcap is not None or mask is None:
+        return False
+    return resolve_backend(config.block_backend, device_kind=q.device.type, dtype=q.dtype, mask=mask,
+                           deterministic=config.deterministic) == "aten_varlen"
+
+
 def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, q, *,
                 shard_major: bool) -> PrefixRuns | None:
     """The one-call plan of ring shard ``device``'s queries ``q`` [b, t, h, d] against every
-    shard's keys (module docstring), or None (walk the blocks). Taken when the call is causal —
-    by token indices (``config.token_index``: the window ``(UNBOUNDED, 0)``), or by the layout's
-    positions with packed documents and no window — not soft-capped, and its document blocks
-    resolve to ``aten_varlen`` on ``q``'s device and dtype; and when the plan exists
-    (``seqplan.documents.prefix_runs``, remembered by content) within ``PREFIX_MAX_KEYS`` times
-    the keys. ``plan.key_index`` indexes the packed keys [R·b·t] of the gathered [R, b, t]
-    (``shard_major``: the all-gather's order) or [b·R·t] (the global [b, T] in layout order: the replay)."""
-    if masks is None or config.softcap is not None:
+    shard's keys (module docstring), or None (walk the blocks): the call is eligible
+    (:func:`prefix_eligible`) and the plan exists (``seqplan.documents.prefix_runs``, remembered
+    by content) within ``PREFIX_MAX_KEYS`` times the keys. ``plan.key_index`` indexes the packed
+    keys [R·b·t] of the gathered [R, b, t] (``shard_major``: the all-gather's order) or [b·R·t]
+    (the global [b, T] in layout order: the replay)."""
+    if masks is None or not prefix_eligible(config, q, masks.ids_host is not None):
         return None
-    if config.token_index and config.window == (UNBOUNDED, 0) and not config.causal:
-        mask, positions = BlockMask(MaskKind.FULL, documents=True, window=config.window), masks.positions
-    elif config.causal and config.window is None and masks.ids_host is not None:
-        mask, positions = BlockMask(MaskKind.CAUSAL, documents=True), None
-    else:
-        return None
-    if resolve_backend(config.block_backend, device_kind=q.device.type, dtype=q.dtype, mask=mask,
-                       deterministic=config.deterministic) != "aten_varlen":
-        return None
-    ids = masks.ids_host
+    ids, positions = masks.ids_host, masks.positions if config.token_index else None
     ring, b, t = ids.shape if ids is not None else positions.shape
     if positions is None:  # the static layout's positions, the same in every row
         positions = np.broadcast_to(ring_positions(config.layout, ring, t)[:, None, :], (ring, b, t))
     return cached_plan(shard_prefix_runs, ids, positions, device=device, shard_major=shard_major,
                        max_keys=PREFIX_MAX_KEYS * b * ring * t)
+
+
+def prefix_forward(config: AttentionConfig, q, kv_packed, plan: PrefixRuns):
+    """The device's (o, lse) as ONE varlen call against its gathered key prefixes:
+    ``kv_packed`` = (k, v) [n, hk, d], every key of the sequence packed as ``plan`` indexes them."""
+    return varlen.prefix_forward(q, *kv_packed, plan, config.scale)
+
+
+def prefix_backward(config: AttentionConfig, saved, kv_packed, plan: PrefixRuns):
+    """The backward of :func:`prefix_forward` given ``saved = (q, o, lse, do)`` (the GLOBAL o, lse):
+    (dq, dk, dv) with dk, dv float32 [n, hk, d] — every key's gradient from this device's rows."""
+    q, o, lse, do = saved
+    return varlen.prefix_backward(do, q, *kv_packed, o, lse, plan, config.scale)
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
@@ -107,7 +121,7 @@ def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
     if plan is not None:  # one call against every key
         k_all, v_all = (config.comm.gather(x, groups[1]) for x in (k, v))
         packed = lambda x: x.reshape(-1, *x.shape[-2:])
-        o, lse = prefix_forward(q, packed(k_all), packed(v_all), plan, config.scale)
+        o, lse = prefix_forward(config, q, (packed(k_all), packed(v_all)), plan)
         return o, lse, (k_all, v_all)
     if schedule.size > 1:
         (k_all, k_work), (v_all, v_work) = (config.comm.gather(x, groups[1], async_op=True) for x in (k, v))
@@ -131,7 +145,7 @@ def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig
     plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 and dlse is None else None
     if plan is not None:
         packed = lambda x: x.reshape(-1, *x.shape[-2:])
-        dq, dk_all, dv_all = prefix_backward(do, q, *(packed(x) for x in kv_all), o, lse, plan, config.scale)
+        dq, dk_all, dv_all = prefix_backward(config, (q, o, lse, do), tuple(packed(x) for x in kv_all), plan)
         shards = lambda g: g.reshape(kv_all[0].shape)
         return dq, config.comm.scatter(shards(dk_all), groups[1]), config.comm.scatter(shards(dv_all), groups[1])
     saved = (q, o, lse, do, dlse)

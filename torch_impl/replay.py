@@ -49,9 +49,8 @@ from seqplan.validation import (
     validate,
 )
 
-from .allgather import prefix_plan
+from .allgather import prefix_backward, prefix_forward, prefix_plan
 from .config import AttentionConfig
-from .kernels.varlen import prefix_backward, prefix_forward
 from .loop import ShardMasks, add_grads, add_sinks, attend_block, grad_block, merge_block, sinks_grad
 
 F32 = torch.float32
@@ -115,7 +114,7 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     plan = _prefix_plan(strategy, config, masks, r, q_d)
     with torch.no_grad():
         if plan is not None:  # all-gather-KV's one call against every key (allgather.prefix_plan)
-            o, lse = prefix_forward(q_d, *_packed_kv((k, v), kv_heads, q.dtype), plan, config.scale)
+            o, lse = prefix_forward(config, q_d, _packed_kv((k, v), kv_heads, q.dtype), plan)
         for visit in device_visits(schedule, r) if plan is None else ():
             kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
             visit_masks = masks.visit(r, visit.source)
@@ -149,8 +148,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     plan = _prefix_plan(strategy, config, masks, r, q_d) if dlse is None else None
     with torch.no_grad():
         if plan is not None:  # all-gather-KV's one call: every shard's dK / dV from it
-            dq, dk, dv = prefix_backward(do_d, q_d, *_packed_kv((k, v), kv_heads, q.dtype), o_d, lse_d, plan,
-                                         config.scale)
+            dq, dk, dv = prefix_backward(config, (q_d, o_d, lse_d, do_d), _packed_kv((k, v), kv_heads, q.dtype), plan)
             dq, shards = dq.float(), lambda g: g.reshape(q.shape[0], strategy.ring, -1, *g.shape[1:])
             contributions = {src: (shards(dk)[:, src], shards(dv)[:, src]) for src in range(strategy.ring)}
         for visit in device_visits(schedule, r) if plan is None else ():

@@ -282,3 +282,17 @@ def test_prefix_runs_refuse_what_they_cannot_express():
     shuffled = np.array([[3, 0, 6, 1, 7, 2, 5, 4]])
     assert prefix_runs(ids, ids, shuffled, shuffled, max_keys=8) is None  # 8 one-query runs: 36 keys
     assert prefix_runs(ids, ids, shuffled, shuffled).keys == 36
+
+
+def test_one_call_mask_names_what_the_kernel_must_take():
+    """``seqplan.schedule.one_call_mask``: causal by token indices (the window (UNBOUNDED, 0)) or by
+    the layout with documents takes the one call; a window beyond causal, or neither documents
+    nor token indices, walks the blocks."""
+    from seqplan.schedule import UNBOUNDED, BlockMask, MaskKind, one_call_mask
+
+    by_index = one_call_mask(False, (UNBOUNDED, 0), True, False)
+    assert by_index == BlockMask(MaskKind.FULL, documents=True, window=(UNBOUNDED, 0))
+    assert one_call_mask(True, None, False, True) == BlockMask(MaskKind.CAUSAL, documents=True)
+    assert one_call_mask(False, (64, 0), True, True) is None  # a sliding window on the indices
+    assert one_call_mask(True, None, False, False) is None  # plain causal: the fused causal kernels' job
+    assert one_call_mask(True, (64, 0), False, True) is None

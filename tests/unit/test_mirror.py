@@ -73,4 +73,8 @@ def test_mirrors_have_the_same_files_and_public_names():
         # eager shapes; BlockGrads carries the cropped block to add_grads); JAX's shapes are
         # static, so its blocks stay whole.
         torch_only |= {"crop_block", "BlockGrads"}
+        # portable_config: all-gather-KV's one call in JAX decides on the device and falls back,
+        # inside one lax.switch, to the blocks on the portable kernel; torch decides on the host
+        # and walks the blocks with the configured kernel.
+        jax_only |= {"portable_config"}
         assert jax_names - jax_only == torch_names - torch_only, name
