@@ -208,9 +208,9 @@ def test_jax_boundary_runs_see_exactly_the_masked_pairs(trial, seed):
     b, t = 2, 16
     ids = sorted_document_ids(rng, b, 2 * t)
     q_ids, kv_ids = ids[:, t:], ids[:, :t]
-    if trial % 3 == 2:  # an id of the later queries reused among the keys: not three runs
-        kv_ids = kv_ids.copy()
-        kv_ids[:, 0] = q_ids[:, -1]
+    if trial % 3 == 2:  # the queries' first document in two runs of the keys: not three runs
+        kv_ids = kv_ids.copy()  # (reusing the queries' last id here was a no-op for a draw of one document a row)
+        kv_ids[:, 0], kv_ids[:, 1], kv_ids[:, -1] = q_ids[:, 0], q_ids[:, 0] + 1000, q_ids[:, 0]
     runs = jax.jit(lambda a, c: {n: x for n, x in boundary_runs(a, c).items() if n != "identity"})(
         jnp.asarray(q_ids), jnp.asarray(kv_ids))
     if trial % 3 == 2:
