@@ -115,7 +115,8 @@ def prefix_forward(config: AttentionConfig, q, kv_all, plans, fallback):
     """The device's (o, lse) as ONE varlen call against its gathered key prefixes (``plans``:
     :func:`prefix_plan`), or ``fallback()`` where the runs do not fit (module docstring).
     ``kv_all``: (k, v) [b, R·t, hk, d] in layout order."""
-    return prefix_dispatch(plans, lambda runs: varlen_fwd(q, *kv_all, True, config.scale, runs), fallback)
+    return prefix_dispatch(plans, lambda runs: varlen_fwd(q, *kv_all, True, config.scale, runs), fallback,
+                           keys=kv_all[0].shape[1])
 
 
 def prefix_backward(config: AttentionConfig, saved, kv_all, plans, fallback):
@@ -123,7 +124,7 @@ def prefix_backward(config: AttentionConfig, saved, kv_all, plans, fallback):
     (dq, dk, dv) with dk, dv float32 [b, R·t, hk, d] — every key's gradient from this device's rows."""
     q, o, lse, do = saved
     kernel = lambda runs: varlen_bwd(do, q, *kv_all, o, lse, True, config.scale, runs)
-    return prefix_dispatch(plans, kernel, fallback, lengths=True)
+    return prefix_dispatch(plans, kernel, fallback, keys=kv_all[0].shape[1], lengths=True)
 
 
 def portable_config(config: AttentionConfig) -> AttentionConfig:

@@ -276,27 +276,24 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
 
 def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                   scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                  segment_ids=None, window=None, softcap=None, token_index=None, **_):
+                  segment_ids=None, window=None, softcap=None, token_index=None):
     """The ``seqplan.documents.PrefixRuns`` virtual device ``device`` runs as all-gather-KV's one
     varlen call, or None when it walks the blocks — for reports, on the host from concrete ids
     and token indices: the call is eligible (``allgather.prefix_eligible``) and the plan fits
     ``kernels/runs``' bounds (which the program itself decides on the device)."""
     from seqplan.documents import shard_prefix_runs
-    from seqplan.layouts import ring_positions
 
     from .kernels import runs
 
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    r, u = divmod(device, strategy.ulysses)
+    r = device // strategy.ulysses
     if not _one_call(strategy, config, _shard(q, r, strategy.ring), segment_ids):
         return None
     b, seq = q.shape[:2]
     ring, t = strategy.ring, seq // strategy.ring
-    shards = lambda x: np.moveaxis(np.asarray(x, np.int32).reshape(b, ring, t), 1, 0)
-    index = (shards(token_index) if token_index is not None
-             else np.broadcast_to(ring_positions(config.layout, ring, t)[:, None, :], (ring, b, t)))
-    plan = shard_prefix_runs(None if segment_ids is None else shards(segment_ids), index, device=r, shard_major=False,
-                             max_keys=runs.PREFIX_KEY_FACTOR * b * seq)
+    shards = lambda x: None if x is None else np.moveaxis(np.asarray(x, np.int32).reshape(b, ring, t), 1, 0)
+    plan = shard_prefix_runs(shards(segment_ids), shards(token_index), device=r, shard_major=False,
+                             layout=config.layout, max_keys=runs.PREFIX_KEY_FACTOR * b * seq)
     fits = plan is not None and len(plan.cu_q) - 1 <= max(max(runs.PREFIX_SLOTS), b)
     return plan if fits else None
 

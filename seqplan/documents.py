@@ -286,14 +286,19 @@ def prefix_runs(q_ids, kv_ids, q_index, kv_index, *, max_keys: int | None = None
                       int(k_len.max()))
 
 
-def shard_prefix_runs(ids_all, index_all, *, device: int, shard_major: bool,
+def shard_prefix_runs(ids_all, index_all, *, device: int, shard_major: bool, layout: str | None = None,
                       max_keys: int | None = None) -> PrefixRuns | None:
     """:func:`prefix_runs` of ring shard ``device``'s queries against every shard's keys, from
     every shard's ids and token indices as the loops hold them — ``ids_all`` [R, b, t] or None,
-    ``index_all`` [R, b, t] — with ``key_index`` into the packed keys of the all-gathered
+    ``index_all`` [R, b, t], or None for the static ``layout``'s positions (the same in every row:
+    then ``ids_all`` is given) — with ``key_index`` into the packed keys of the all-gathered
     [R, b, t] (``shard_major``: what an all-gather returns) or of [b, R·t] (the global sequence
     in layout order: the one-device replay)."""
-    ring, b, t = index_all.shape
+    from .layouts import ring_positions  # layouts imports this module
+
+    ring, b, t = (index_all if index_all is not None else ids_all).shape
+    if index_all is None:
+        index_all = np.broadcast_to(ring_positions(layout, ring, t)[:, None, :], (ring, b, t))
     whole = lambda x: None if x is None else np.ascontiguousarray(np.moveaxis(x, 0, 1).reshape(b, ring * t))
     plan = prefix_runs(None if ids_all is None else ids_all[device], whole(ids_all), index_all[device],
                        whole(index_all), max_keys=max_keys)

@@ -25,11 +25,9 @@ cotangent (the varlen backward takes none) walks the blocks as before.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from seqplan.documents import PrefixRuns, cached_plan, shard_prefix_runs
-from seqplan.layouts import ring_positions
 from seqplan.schedule import allgather_schedule, device_visits, one_call_mask
 from seqplan.validation import (
     check_local_masks,
@@ -94,12 +92,10 @@ def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, 
     (the global [b, T] in layout order: the replay)."""
     if masks is None or not prefix_eligible(config, q, masks.ids_host is not None):
         return None
-    ids, positions = masks.ids_host, masks.positions if config.token_index else None
+    ids, positions = masks.ids_host, masks.positions if config.token_index else None  # None: the layout's
     ring, b, t = ids.shape if ids is not None else positions.shape
-    if positions is None:  # the static layout's positions, the same in every row
-        positions = np.broadcast_to(ring_positions(config.layout, ring, t)[:, None, :], (ring, b, t))
     return cached_plan(shard_prefix_runs, ids, positions, device=device, shard_major=shard_major,
-                       max_keys=PREFIX_MAX_KEYS * b * ring * t)
+                       layout=config.layout, max_keys=PREFIX_MAX_KEYS * b * ring * t)
 
 
 def prefix_forward(config: AttentionConfig, q, kv_packed, plan: PrefixRuns):

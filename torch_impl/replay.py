@@ -168,14 +168,13 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
 
 def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
                   scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
-                  segment_ids=None, window=None, softcap=None, token_index=None, **_):
+                  segment_ids=None, window=None, softcap=None, token_index=None):
     """The ``seqplan.documents.PrefixRuns`` virtual device ``device`` runs as all-gather-KV's one
     varlen call (``allgather.prefix_plan``), or None when it walks the blocks — for reports."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
-    r, u = divmod(device, strategy.ulysses)
-    return _prefix_plan(strategy, config, masks, r, _shard(q, r, strategy.ring, strategy.head_groups(
-        q.shape[2], q.shape[2], u)[0]))
+    r = device // strategy.ulysses
+    return _prefix_plan(strategy, config, masks, r, _shard(q, r, strategy.ring))
 
 
 def _prefix_plan(strategy: Strategy, config: AttentionConfig, masks: ShardMasks, r: int, q_d):

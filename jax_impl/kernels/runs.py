@@ -399,13 +399,12 @@ def prefix_length_ladder(n: int) -> tuple[int, ...]:
     return tuple(sorted({max(min(n, 256), n // parts) for parts in (32, 16, 8, 4, 2, 1)}))
 
 
-def prefix_dispatch(plans: list[dict], kernel, fallback, *, lengths: bool = False):
-    """``kernel(runs)`` on the plan of :func:`prefix_plans` with the fewest slots that holds the
+def prefix_dispatch(plans: list[dict], kernel, fallback, *, keys: int, lengths: bool = False):
+    """``kernel(runs)`` on the plan of :func:`prefix_plans` (over ``keys`` keys a row) with the fewest slots that holds the
     device's runs (and, ``lengths``, the smallest of :func:`prefix_length_ladder` bounding the
     longest run: the backward's ``max_seqlen``, whose grid FA3 launches whatever the runs' lengths), or
     ``fallback()`` when none does — one ``lax.switch`` decided on the device."""
-    t = plans[0]["covered_q"].shape[1]
-    s = plans[0]["kv_index"].shape[0] // (PREFIX_KEY_FACTOR * plans[0]["covered_q"].shape[0])
+    t, s = plans[0]["covered_q"].shape[1], keys
     ladder = prefix_length_ladder(s) if lengths else (None,)
 
     def bounded(runs, bound):  # the keys are gathered (never the block's own: no identity form)

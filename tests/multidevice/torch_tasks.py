@@ -219,13 +219,16 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False, emulat
     ids = None if x.get("segment_ids") is None else local(x["segment_ids"])
     sinks = None if x.get("sinks") is None else x["sinks"].clone().requires_grad_()
     token_index = None if x.get("token_index") is None else local(x["token_index"])
-    o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids, sinks=sinks,
-                                                    token_index=token_index, **kwargs)
-    dlse = None if emulate_varlen else local(x["dlse"], seq_dim=2)  # the varlen backward takes no lse cotangent
-    torch.autograd.backward((o, lse) if dlse is not None else (o,), (local(x["do"]), dlse) if dlse is not None
-                            else (local(x["do"]),))
-    if emulate_varlen:  # the worker serves later tasks: the real ops back
-        varlen.flash_forward, varlen.flash_backward = real_ops
+    try:
+        o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids, sinks=sinks,
+                                                        token_index=token_index, **kwargs)
+        if emulate_varlen:  # the varlen backward takes no lse cotangent
+            torch.autograd.backward(o, local(x["do"]))
+        else:
+            torch.autograd.backward((o, lse), (local(x["do"]), local(x["dlse"], seq_dim=2)))
+    finally:
+        if emulate_varlen:  # the worker serves later tasks: the real ops back, whatever happened
+            varlen.flash_forward, varlen.flash_backward = real_ops
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if sinks is not None:
         out["dsinks"] = sinks.grad
