@@ -15,7 +15,6 @@ import json
 import os
 import time
 import traceback
-from itertools import product
 
 # Set before JAX starts: overlap collectives with compute (the latency-hiding scheduler).
 os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
@@ -26,7 +25,23 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .common import MeshSpec, Problem, Row, finish, mask_extra, mesh_layouts, problem_masks, shared_arguments
+from .common import (
+    MeshSpec,
+    Problem,
+    Row,
+    anchor_problems,
+    anchor_row,
+    check_layouts,
+    documents_names,
+    finish,
+    fwd_modes,
+    lay_out,
+    mask_extra,
+    mesh_rows,
+    problem_masks,
+    row_problem,
+    shared_arguments,
+)
 from .overlap import jax_variant, probe_rows
 
 
@@ -62,21 +77,25 @@ def _inputs(problem: Problem, sharding, seed: int = 0):
 
 
 def _programs(attention):
-    """(forward, forward+backward) jitted programs of ``attention(q, k, v) -> o``."""
-    fwd = jax.jit(lambda q, k, v, do: attention(q, k, v))
+    """(forward, forward+backward) jitted programs of ``attention(q, k, v, *aux) -> o``; ``aux``
+    (segment ids, token indices) are arguments of the program, never constants folded into it."""
+    fwd = jax.jit(lambda q, k, v, do, *aux: attention(q, k, v, *aux))
 
-    def both(q, k, v, do):
-        o, vjp = jax.vjp(attention, q, k, v)
+    def both(q, k, v, do, *aux):
+        o, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, *aux), q, k, v)
         return o, vjp(do)
 
     return fwd, jax.jit(both)
 
 
-def _measure(row: Row, problem: Problem, attention, sharding, iters: int, warmup: int) -> Row:
+def _measure(row: Row, problem: Problem, attention, sharding, iters: int, warmup: int, aux=()) -> Row:
     try:
-        args = _inputs(problem, sharding)
+        args = (*_inputs(problem, sharding), *aux)
         fwd, both = _programs(attention)
         fn = fwd if row.fwd_only else both
+        began = time.perf_counter()
+        jax.block_until_ready(fn(*args))  # the compilation, timed apart from the warmup
+        row.extra["compile_s"] = round(time.perf_counter() - began, 1)
         times = _time(fn, args, iters, warmup)
         finish(row, problem, times, _compiled_bytes(fn, args))
     except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
@@ -123,31 +142,56 @@ FA3_LIBRARY_BACKWARD = ("not timed: flash_attn3_jax 0.2.3's own backward is wron
 
 def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int,
               fwd_modes=(True, False), variant: str = "") -> list[Row]:
+    """jax_impl on ``spec``'s mesh in ``layout`` (static, or per-row: ids fitted to the ring,
+    explicit token indices) — the ids and indices passed as program arguments, as in training."""
     import jax_impl
     from jax_impl.api import partition_specs
-    from seqplan.layouts import layout_permutation
 
+    problem = row_problem(problem, spec, layout)
+    laid = lay_out(problem, spec, layout)
     mesh = _mesh(spec.axes, jax.devices())
     x_spec, _ = partition_specs(mesh)
-    ids = problem.segment_ids()
-    if ids is not None:  # original order -> the layout's, placed like q's first two dimensions
-        ids = jax.device_put(ids[:, layout_permutation(problem.seq, layout, spec.ring, spec.ulysses)],
-                             NamedSharding(mesh, P(*x_spec[:2])))
+    place = NamedSharding(mesh, P(*x_spec[:2]))  # like q's first two dimensions
+    names = [n for n, a in (("segment_ids", laid.segment_ids), ("token_index", laid.token_index)) if a is not None]
+    aux = tuple(jax.device_put(a, place) for a in (laid.segment_ids, laid.token_index) if a is not None)
+    path = _one_call_record(problem, spec, laid, backend, mesh, x_spec)
     rows = []
     for fwd_only in fwd_modes:
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
-                         **mask_extra(problem),
+                         **mask_extra(problem), **path,
                          **({"variant": variant} if variant else {}),
                          **({"controllers": jax.process_count()} if jax.process_count() > 1 else {})})
 
-        def attention(q, k, v, backend=backend):
-            return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=layout,
+        def attention(q, k, v, *aux, backend=backend):
+            return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=laid.api_layout,
                                                         kv_exchange=spec.kv_exchange, block_backend=backend,
-                                                        segment_ids=ids, window=problem.window)
+                                                        window=problem.window, **dict(zip(names, aux)))
 
-        rows.append(_measure(row, problem, attention, NamedSharding(mesh, x_spec), iters, warmup))
+        rows.append(_measure(row, problem, attention, NamedSharding(mesh, x_spec), iters, warmup, aux))
     return rows
+
+
+def _one_call_record(problem: Problem, spec: MeshSpec, laid, backend: str, mesh, x_spec) -> dict:
+    """Whether every ring device of an all-gather-KV row runs the one varlen call
+    (``jax_impl.replay.one_call_plan`` on the same ids, host side), with its runs per device."""
+    if spec.kv_exchange != "allgather" or laid.segment_ids is None:
+        return {}
+    from jax_impl import replay
+
+    try:
+        q = jnp.zeros((problem.batch, problem.seq, problem.heads, problem.head_dim), jnp.dtype(problem.dtype),
+                      device=NamedSharding(mesh, x_spec))  # the plan reads its shape, dtype and platform
+        strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, kv_exchange=spec.kv_exchange)
+        plans = [replay.one_call_plan(device * spec.ulysses, q, strategy=strategy, causal=problem.causal,
+                                      layout=laid.api_layout, block_backend=backend, segment_ids=laid.segment_ids,
+                                      window=problem.window, token_index=laid.token_index)
+                 for device in range(spec.ring)]
+        del q
+    except Exception as err:  # noqa: BLE001 — the row keeps its timing; the record says why it is missing
+        return {"one_call": None, "one_call_error": f"{type(err).__name__}: {str(err)[:200]}"}
+    return {"one_call": all(p is not None for p in plans),
+            "runs": [None if p is None else len(p.cu_q) - 1 for p in plans]}
 
 
 def _init_multi_controller() -> None:
@@ -186,36 +230,60 @@ def _save(rows: list[Row], path: str) -> None:
         json.dump([r.to_dict() for r in rows], f, indent=1)
 
 
+def anchor_rows(problems: list[Problem]) -> list[Row]:
+    """flash_attn3_jax's varlen kernel on one GPU over each problem's ids, checked at 4096 tokens
+    first (``benchmarks.masked.jax_anchor``): the ``jax_varlen_anchor`` rows."""
+    from .masked import jax_anchor
+
+    rows = []
+    for p in problems:
+        try:
+            result = jax_anchor(p.seq, p.heads, p.kv_heads, p.head_dim, problem=p)
+        except Exception as err:  # noqa: BLE001 — one anchor failing must not lose the others
+            traceback.print_exc()
+            result = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        rows.append(anchor_row("jax_varlen_anchor", p, result))
+        print(f"jax anchor {p.documents} fit {p.fit_ring}: {rows[-1].tflops_per_gpu} TFLOP/s {rows[-1].note}", flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     ap = shared_arguments(__doc__.splitlines()[0])
     ap.add_argument("--no-peers", action="store_true", help="skip flash_attn3_jax's ring")
-    ap.add_argument("--jax-backends", default="cudnn", help="jax_impl block backends to run (cudnn, fa3, reference)")
+    ap.add_argument("--jax-backends", default="auto",
+                    help="jax_impl block backends to run (auto, cudnn, fa3, reference; default auto)")
     ap.add_argument("--weak", default="",
                     help="weak scaling: tokens per GPU (comma-separated); ring over 1, 2, 4, 8 GPUs (as many as there are)")
     ap.add_argument("--multi-controller", action="store_true",
                     help="one process per GPU under torchrun (jax.distributed.initialize); no ceilings or peers")
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
+    check_layouts(args.layout, args.documents)
     if args.multi_controller:
         _init_multi_controller()
         args.ceiling_seq, args.no_peers, args.weak, args.overlap = 0, True, "", False
     lead = jax.process_index() == 0
-    base = dict(heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args))
     masked = args.documents != "none" or args.window is not None
     rows = ceiling_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads), args.iters,
                         args.warmup) if args.ceiling_seq and not masked else []
+    specs = [MeshSpec(name) for name in filter(None, args.meshes.split(","))]
     for seq in (int(s) for s in args.seqs.split(",") if s):
-        problem = Problem(seq=seq, **base)
-        for name in filter(None, args.meshes.split(",")):
-            spec = MeshSpec(name)
-            for backend, layout in product(args.jax_backends.split(","), mesh_layouts(spec, args.layout)):
-                rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
+        for documents in documents_names(args.documents):
+            problem = Problem(seq=seq, heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args, documents))
+            if documents != "none" and args.ceiling_seq and not args.multi_controller:
+                rows += anchor_rows(anchor_problems(problem, specs, args.layout))
+            for spec, backend, layout in mesh_rows(specs, args.jax_backends, args.layout):
+                rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup, fwd_modes(args.passes))
                 if args.overlap and spec.strategy == "ring":
-                    rows += probe_rows(impl_rows, jax_variant, problem, spec, layout, backend, args.iters, args.warmup)
-        if not args.no_peers and not masked:
-            rows += fa3_ring_rows(problem, len(jax.devices()), args.iters, args.warmup)
-        if lead:
-            _save(rows, args.out)  # a run cut short keeps what it measured
-            print(f"jax seq {seq} done", flush=True)
+                    rows += probe_rows(impl_rows, jax_variant, problem, spec, layout, backend, args.iters,
+                                       args.warmup)
+                if lead:
+                    _save(rows, args.out)  # a run cut short keeps what it measured
+            if not args.no_peers and not masked:
+                rows += fa3_ring_rows(problem, len(jax.devices()), args.iters, args.warmup)
+            if lead:
+                _save(rows, args.out)
+                print(f"jax seq {seq} documents {documents} done", flush=True)
+    base = dict(heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args))
     for per_gpu in (int(t) for t in args.weak.split(",") if t):
         for n in (n for n in (1, 2, 4, 8) if n <= len(jax.devices())):
             spec = MeshSpec(f"ring-r{n}")
@@ -227,9 +295,9 @@ def main(argv=None) -> None:
         return
     _save(rows, args.out)
     for r in rows:
-        print(f"{r.framework:18s} {r.strategy:12s} {r.seq_len:7d} fwd_only={r.fwd_only!s:5s} "
-              f"{r.extra.get('block_backend', ''):8s} {r.extra.get('variant', ''):12s} {r.ms_per_iter or float('nan'):9.2f} ms "
-              f"{r.tflops_per_gpu or float('nan'):6.1f} TFLOP/s/GPU {r.note[:80]}")
+        print(f"{r.framework:18s} {r.strategy:12s} {r.layout:16s} {r.seq_len:7d} fwd_only={r.fwd_only!s:5s} "
+              f"{r.extra.get('block_backend', ''):8s} {r.extra.get('documents', '')!s:10s} "
+              f"{r.ms_per_iter or float('nan'):9.2f} ms {r.tflops_per_gpu or float('nan'):6.1f} TFLOP/s/GPU {r.note[:80]}")
 
 
 if __name__ == "__main__":

@@ -14,13 +14,28 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from itertools import product
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import MeshSpec, Problem, Row, finish, mask_extra, mesh_layouts, problem_masks, shared_arguments
+from .common import (
+    MeshSpec,
+    Problem,
+    Row,
+    anchor_problems,
+    anchor_row,
+    check_layouts,
+    documents_names,
+    finish,
+    fwd_modes,
+    lay_out,
+    mask_extra,
+    mesh_rows,
+    problem_masks,
+    row_problem,
+    shared_arguments,
+)
 from .overlap import probe_rows, torch_variant
 
 
@@ -120,36 +135,60 @@ def _local_shape(problem: Problem, devices: int, heads: int):
     return problem.batch, problem.seq // devices, heads, problem.head_dim
 
 
-def _local_segment_ids(problem: Problem, spec: MeshSpec, layout: str, mesh):
-    """This rank's shard of the problem's ids in layout order (None without documents): the
+def _local_shard(array, spec: MeshSpec, mesh):
+    """This rank's shard of a global [b, seq] array in layout order (None stays None): the
     sequence block r·U + u of its ring and Ulysses coordinates (torch_impl's contract)."""
-    ids = problem.segment_ids()
-    if ids is None:
+    if array is None:
         return None
     from parity.core.mesh import ring_position
-    from seqplan.layouts import layout_permutation
 
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     r, _ = ring_position(coords, spec.axes)
     block = r * spec.ulysses + coords.get("ulysses", 0)
-    t = problem.seq // (spec.ring * spec.ulysses)
-    local = ids[:, layout_permutation(problem.seq, layout, spec.ring, spec.ulysses)][:, block * t:(block + 1) * t]
-    return torch.as_tensor(local, device="cuda")
+    t = array.shape[1] // (spec.ring * spec.ulysses)
+    return torch.as_tensor(array[:, block * t:(block + 1) * t], device="cuda")
+
+
+def _one_call_record(problem: Problem, spec: MeshSpec, laid, backend: str) -> dict:
+    """Whether every ring device of an all-gather-KV row runs the one varlen call
+    (``torch_impl.replay.one_call_plan`` on the same global ids, host side), with its runs."""
+    if spec.kv_exchange != "allgather" or laid.segment_ids is None:
+        return {}
+    from torch_impl import replay
+
+    try:
+        # the plan reads q's shape, dtype and device only: one head stands in for all of them
+        q = torch.empty(problem.batch, problem.seq, 1, problem.head_dim, device="cuda", dtype=getattr(torch, problem.dtype))
+        to = lambda a: None if a is None else torch.as_tensor(a, device="cuda")
+        strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, kv_exchange=spec.kv_exchange)
+        plans = [replay.one_call_plan(device * spec.ulysses, q, strategy=strategy, causal=problem.causal,
+                                      layout=laid.api_layout, block_backend=backend, segment_ids=to(laid.segment_ids),
+                                      window=problem.window, token_index=to(laid.token_index))
+                 for device in range(spec.ring)]
+    except Exception as err:  # noqa: BLE001 — the row keeps its timing; the record says why it is missing
+        return {"one_call": None, "one_call_error": f"{type(err).__name__}: {str(err)[:200]}"}
+    return {"one_call": all(p is not None for p in plans),
+            "runs": [None if p is None else len(p.cu_q) - 1 for p in plans]}
 
 
 def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int,
               fwd_modes=(True, False), variant: str = "") -> list[Row]:
+    """torch_impl on ``spec``'s mesh in ``layout`` (static, or per-row: ids fitted to the ring,
+    explicit token indices), every rank holding its own shards."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_impl
 
+    problem = row_problem(problem, spec, layout)
+    laid = lay_out(problem, spec, layout)
     mesh = init_device_mesh("cuda", tuple(spec.axes.values()), mesh_dim_names=tuple(spec.axes))
-    ids = _local_segment_ids(problem, spec, layout, mesh)
+    ids, index = _local_shard(laid.segment_ids, spec, mesh), _local_shard(laid.token_index, spec, mesh)
+    path = _one_call_record(problem, spec, laid, backend) if _rank() == 0 else {}
     rows = []
     for fwd_only in fwd_modes:
         row = Row("torch_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
-                         **mask_extra(problem),
+                         **mask_extra(problem), **path,
                          **({"variant": variant} if variant else {})})
 
         def make_step():
@@ -159,9 +198,10 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
             k, v = (_randn(*_local_shape(problem, n, problem.kv_heads), requires_grad=True, seed=i) for i in (1, 2))
 
             def run(q, k, v):
-                return torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=layout,
-                                                              kv_exchange=spec.kv_exchange, block_backend=backend,
-                                                              segment_ids=ids, window=problem.window)
+                return torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal,
+                                                              layout=laid.api_layout, kv_exchange=spec.kv_exchange,
+                                                              block_backend=backend, segment_ids=ids,
+                                                              window=problem.window, token_index=index)
             return _train_step(run, q, k, v, do, fwd_only)
 
         rows.append(_measure(row, problem, make_step, iters, warmup))
@@ -264,52 +304,90 @@ def _save(rows: list[Row], path: str) -> None:
         json.dump([r.to_dict() for r in rows], f, indent=1)
 
 
+def anchor_rows(problems: list[Problem]) -> list[Row]:
+    """On rank 0 (the others wait): torch's fastest fused varlen kernel on one GPU over each
+    problem's ids — FA2 varlen (``aten``), and FlashAttention-4 when installed — each checked at
+    4096 tokens first (``benchmarks.masked``): the ``torch_varlen_anchor`` rows (``extra.kernel``
+    names the faster; ``extra.candidates`` has both)."""
+    from .masked import anchor, fa4_anchor
+
+    rows = []
+    for p in problems:
+        if _rank() == 0:
+            candidates = {}
+            for name, fn in (("fa2", anchor), ("fa4", fa4_anchor)):
+                try:
+                    candidates[name] = fn(p.seq, p.heads, p.kv_heads, p.head_dim, problem=p)
+                except Exception as err:  # noqa: BLE001 — one kernel failing must not lose the other
+                    traceback.print_exc()
+                    candidates[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            usable = [c for c in candidates.values() if c.get("verified") and c.get("fwd_bwd_ms")]
+            best = min(usable, key=lambda c: c["fwd_bwd_ms"]) if usable else candidates["fa2"]
+            best = dict(best, candidates={n: {k: c.get(k) for k in ("kernel", "fwd_bwd_ms", "verified", "error")}
+                                          for n, c in candidates.items()})
+            rows.append(anchor_row("torch_varlen_anchor", p, best))
+            print(f"torch anchor {p.documents} fit {p.fit_ring}: {rows[-1].tflops_per_gpu} TFLOP/s "
+                  f"({best.get('kernel')}) {rows[-1].note}", flush=True)
+        dist.barrier()
+    return rows
+
+
 def main(argv=None) -> None:
     ap = shared_arguments(__doc__.splitlines()[0])
-    ap.add_argument("--torch-backends", default="aten_cudnn")
+    ap.add_argument("--torch-backends", default="auto", help="torch_impl block backends to run (default auto)")
     ap.add_argument("--peers", default="cp,yunchang")
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
+    check_layouts(args.layout, args.documents)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    base = dict(heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args))
     masked = args.documents != "none" or args.window is not None
     rows = ceiling_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads), args.iters,
                         args.warmup) if args.ceiling_seq and not masked else []
     n = dist.get_world_size()
     peers = [p for p in args.peers.split(",") if p]
+    specs = [spec for spec in (MeshSpec(name) for name in filter(None, args.meshes.split(","))) if spec.devices == n]
     for seq in (int(s) for s in args.seqs.split(",") if s):
-        problem = Problem(seq=seq, **base)
-        for name in filter(None, args.meshes.split(",")):
-            spec = MeshSpec(name)
-            if spec.devices != n:
-                continue
-            for backend, layout in product(args.torch_backends.split(","), mesh_layouts(spec, args.layout)):
-                rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup)
+        for documents in documents_names(args.documents):
+            problem = Problem(seq=seq, heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args, documents))
+            if documents != "none" and args.ceiling_seq:
+                rows += anchor_rows(anchor_problems(problem, specs, args.layout))
+            for spec, backend, layout in mesh_rows(specs, args.torch_backends, args.layout):
+                rows += impl_rows(problem, spec, layout, backend, args.iters, args.warmup, fwd_modes(args.passes))
                 if args.overlap and spec.strategy == "ring":
-                    rows += probe_rows(impl_rows, torch_variant, problem, spec, layout, backend, args.iters, args.warmup)
-        if "cp" in peers and masked:  # no document or window mask through context_parallel's SDPA path
-            rows.append(Row("torch_cp", "ring", "head-tail", problem.seq, n, 1, n, False,
-                            note="not run: context_parallel shards SDPA, which takes no document / window mask here"))
-        elif "cp" in peers:
-            try:
-                rows += context_parallel_rows(problem, args.iters, args.warmup, load_balance=True)
-            except Exception as err:  # noqa: BLE001 — the experimental API changes between releases
-                traceback.print_exc()
-                note = f"{type(err).__name__}: {err}"
-                rows.append(Row("torch_cp", "ring", "head-tail", problem.seq, n, 1, n, False, note=note))
-        if "yunchang" in peers and not masked:
-            for u, r in dict.fromkeys(((n, 1), (2, n // 2), (1, n))):  # one row per distinct mesh
-                rows += yunchang_rows(problem, u, r, args.iters, args.warmup)
-        if _rank() == 0:
-            _save(rows, args.out)  # a run cut short keeps what it measured
-            print(f"torch seq {seq} done", flush=True)
+                    rows += probe_rows(impl_rows, torch_variant, problem, spec, layout, backend, args.iters,
+                                       args.warmup)
+                if _rank() == 0:
+                    _save(rows, args.out)  # a run cut short keeps what it measured
+            rows += _peer_rows(problem, peers, masked, n, args)
+            if _rank() == 0:
+                _save(rows, args.out)
+                print(f"torch seq {seq} documents {documents} done", flush=True)
     if _rank() == 0:
         _save(rows, args.out)
         for r in rows:
-            print(f"{r.framework:20s} {r.strategy:12s} {r.seq_len:7d} fwd_only={r.fwd_only!s:5s} "
-                  f"{r.ms_per_iter or float('nan'):9.2f} ms {r.tflops_per_gpu or float('nan'):6.1f} TFLOP/s/GPU {r.note[:90]}")
+            print(f"{r.framework:20s} {r.strategy:12s} {r.layout:16s} {r.seq_len:7d} fwd_only={r.fwd_only!s:5s} "
+                  f"{r.extra.get('documents', '')!s:10s} {r.ms_per_iter or float('nan'):9.2f} ms "
+                  f"{r.tflops_per_gpu or float('nan'):6.1f} TFLOP/s/GPU {r.note[:90]}")
     dist.destroy_process_group()
+
+
+def _peer_rows(problem: Problem, peers: list[str], masked: bool, n: int, args) -> list[Row]:
+    """torch's context_parallel and yunchang on the same problem (neither takes document masks)."""
+    rows = []
+    if "cp" in peers and masked:  # no document or window mask through context_parallel's SDPA path
+        rows.append(Row("torch_cp", "ring", "head-tail", problem.seq, n, 1, n, False,
+                        note="not run: context_parallel shards SDPA, which takes no document / window mask here"))
+    elif "cp" in peers:
+        try:
+            rows += context_parallel_rows(problem, args.iters, args.warmup, load_balance=True)
+        except Exception as err:  # noqa: BLE001 — the experimental API changes between releases
+            traceback.print_exc()
+            rows.append(Row("torch_cp", "ring", "head-tail", problem.seq, n, 1, n, False, note=f"{type(err).__name__}: {err}"))
+    if "yunchang" in peers and not masked:
+        for u, r in dict.fromkeys(((n, 1), (2, n // 2), (1, n))):  # one row per distinct mesh
+            rows += yunchang_rows(problem, u, r, args.iters, args.warmup)
+    return rows
 
 
 if __name__ == "__main__":

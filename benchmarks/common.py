@@ -210,20 +210,105 @@ class MeshSpec:
         return self.shape.ulysses
 
 
-def problem_masks(args) -> dict:
-    """The ``Problem`` keywords of the mask flags (``--documents``, ``--window``)."""
-    return {"documents": args.documents, "window": None if args.window is None else (args.window, 0)}
+def problem_masks(args, documents: str | None = None) -> dict:
+    """The ``Problem`` keywords of the mask flags: one of ``--documents``' names (``documents``;
+    default its first) and ``--window``."""
+    first = documents_names(args.documents)[0]
+    return {"documents": documents or first, "window": None if args.window is None else (args.window, 0)}
+
+
+def documents_names(value: str) -> list[str]:
+    """``--documents``: "none", or comma-separated patterns / mixes, each its own problem."""
+    names = [name for name in value.split(",") if name]
+    if not names or ("none" in names and len(names) > 1):
+        raise SystemExit(f"--documents takes 'none' or a comma-separated list of patterns / mixes, got {value!r}")
+    return names
 
 
 def mask_extra(problem: Problem) -> dict:
     """What a row records of its problem's masks (``verify_rows`` rebuilds the problem from it)."""
-    return {"documents": problem.documents, "window": problem.window}
+    return {"documents": problem.documents, "window": problem.window, "fit_ring": problem.fit_ring,
+            "fit_multiple": problem.fit_multiple}
+
+
+STATIC_LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+def check_layouts(layouts: str, documents: str) -> list[str]:
+    """``--layout``'s names, refused before any GPU work when unknown, or per-row without documents."""
+    from seqplan.layouts import DOCUMENT_LAYOUTS
+
+    names = [name for name in layouts.split(",") if name]
+    for name in names:
+        if name not in STATIC_LAYOUTS + DOCUMENT_LAYOUTS:
+            raise SystemExit(f"--layout takes {', '.join(STATIC_LAYOUTS + DOCUMENT_LAYOUTS)}; got {name!r}")
+        if name in DOCUMENT_LAYOUTS and documents == "none":
+            raise SystemExit(f"--layout {name} lays out packed documents: it needs --documents")
+    if not names:
+        raise SystemExit("--layout names no layout")
+    return names
 
 
 def mesh_layouts(spec: MeshSpec, layouts: str) -> list[str]:
     """The layouts ``spec`` runs under ``--layout`` (a sequence not split over a ring has one)."""
     names = [name for name in layouts.split(",") if name]
     return names if spec.ring > 1 else ["contiguous"]
+
+
+def mesh_rows(specs, backends: str, layouts: str) -> list[tuple[MeshSpec, str, str]]:
+    """(spec, backend, layout) of every mesh row, the static layouts first: a per-row layout's
+    programs compile longest, so a run cut short keeps every static row."""
+    rows = [(spec, backend, layout) for spec in specs for backend in filter(None, backends.split(","))
+            for layout in mesh_layouts(spec, layouts)]
+    return sorted(rows, key=lambda row: is_row_layout(row[2]))
+
+
+def is_row_layout(layout: str) -> bool:
+    """A per-row layout (``seqplan.layouts.row_layout``: per-document zigzag or hybrid)?"""
+    from seqplan.layouts import DOCUMENT_LAYOUTS
+
+    return layout in DOCUMENT_LAYOUTS
+
+
+def row_problem(problem: Problem, spec: MeshSpec, layout: str) -> Problem:
+    """The problem a row of ``layout`` on ``spec`` times: a per-row layout's ids fitted to the
+    mesh's ring (every document a multiple of 2R tokens, the length a multiple of 2R·U:
+    ``benchmarks.documents.fit_documents``); a static layout's unchanged."""
+    from dataclasses import replace
+
+    if not is_row_layout(layout):
+        return problem
+    return replace(problem, fit_ring=spec.ring, fit_multiple=2 * spec.ring * spec.ulysses)
+
+
+@dataclass(frozen=True)
+class LaidOut:
+    """A row's global arrays in layout order, what the public API takes: the static layout name
+    the call passes (a per-row layout passes "contiguous", which then only fixes divisibility),
+    the segment ids [b, seq] int32 (None without documents) and the token indices [b, seq]
+    int32 (None for a static layout: the name implies them)."""
+
+    api_layout: str
+    segment_ids: object = None
+    token_index: object = None
+
+
+def lay_out(problem: Problem, spec: MeshSpec, layout: str) -> LaidOut:
+    """``problem``'s ids (fitted for a per-row layout: :func:`row_problem`) in ``layout``'s order
+    over ``spec``, with the token indices a per-row layout passes."""
+    import numpy as np
+
+    ids = row_problem(problem, spec, layout).segment_ids()
+    if is_row_layout(layout):
+        from .documents import layout_keywords
+
+        laid = layout_keywords(ids, spec.ring, layout)
+        return LaidOut("contiguous", laid["segment_ids"].astype(np.int32), laid["token_index"].astype(np.int32))
+    if ids is None:
+        return LaidOut(layout)
+    from seqplan.layouts import layout_permutation
+
+    return LaidOut(layout, ids[:, layout_permutation(problem.seq, layout, spec.ring, spec.ulysses)].astype(np.int32))
 
 
 DEFAULT_MESHES = ("ring-r4", "ulysses-u4", "usp-r2xu2", "double_ring-ro2xri2", "ring-agkv-r4")
@@ -239,16 +324,58 @@ def shared_arguments(description: str):
     ap.add_argument("--ceiling-seq", type=int, default=32768, help="single-GPU ceiling tokens (0: skip)")
     ap.add_argument("--meshes", default=",".join(DEFAULT_MESHES), help="parity.core mesh names, comma-separated")
     ap.add_argument("--layout", default="zigzag",
-                    help="ring layouts, comma-separated (each ring mesh runs once per layout; Ulysses-only meshes "
-                         "run contiguous once); weak scaling uses the first")
+                    help="ring layouts, comma-separated: contiguous, zigzag, stripe, or the per-row layouts of packed "
+                         "documents document-zigzag, document-hybrid (ids fitted to the ring, explicit token indices); "
+                         "each ring mesh runs once per layout; Ulysses-only meshes run contiguous once; weak scaling "
+                         "uses the first")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=32)
     ap.add_argument("--documents", default="none",
-                    help="packed documents: a parity.core.documents pattern drawn at seed 0 (e.g. mix); TFLOP/s count "
-                         "the mask area; no single-GPU ceilings (their kernels take no document mask)")
+                    help="packed documents, comma-separated, each its own problem: a parity.core.documents pattern "
+                         "drawn at seed 0 (e.g. mix) or a parity.probes.balance.MIXES name (short, heavy-tail, "
+                         "few-long); TFLOP/s count the mask area; the single-GPU ceilings are then each framework's "
+                         "fused varlen kernel on the same ids (the *_varlen_anchor rows)")
+    ap.add_argument("--passes", choices=("both", "fwd+bwd", "fwd"), default="both",
+                    help="time the forward, forward+backward, or both (default)")
     ap.add_argument("--window", type=int, default=None, help="sliding window left extent (right 0)")
     ap.add_argument("--overlap", action="store_true",
                     help="also time ring meshes with compute only / communication only (benchmarks/overlap.py)")
     return ap
+
+
+def fwd_modes(passes: str) -> tuple[bool, ...]:
+    """``--passes`` as the rows' ``fwd_only`` values."""
+    return {"both": (True, False), "fwd+bwd": (False,), "fwd": (True,)}[passes]
+
+
+def anchor_problems(problem: Problem, specs, layouts: str) -> list[Problem]:
+    """The distinct problems the rows of ``specs`` × ``layouts`` time (:func:`row_problem`): each
+    gets its framework's varlen anchor on the same ids (raw for static layouts, fitted per ring)."""
+    out = []
+    for spec in specs:
+        for layout in mesh_layouts(spec, layouts):
+            p = row_problem(problem, spec, layout)
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def anchor_row(framework: str, problem: Problem, result: dict) -> Row:
+    """A one-GPU varlen anchor row (``benchmarks.masked``'s anchor result) on ``problem``'s ids:
+    fwd+bwd, TFLOP/s on the visible pairs; not verified (None) unless its 4096-token check passed
+    (then True: the kernel, not ringbridge's path, but checked the same way)."""
+    row = Row(framework, "single", "-", problem.seq, 1, 1, 1, False,
+              extra={"kernel": result.get("kernel"), **mask_extra(problem),
+                     "verified_at_4096": result.get("verified_at_4096"), "candidates": result.get("candidates")})
+    if "error" in result:
+        row.note = result["error"]
+        return row
+    row.verified = bool(result.get("verified"))
+    if not row.verified:
+        row.note = f"anchor NOT VERIFIED at 4096 tokens: {result.get('verified_at_4096')}"
+        return row
+    row.ms_per_iter = result["fwd_bwd_ms"]
+    row.tflops_per_gpu = problem.flops(False) / (row.ms_per_iter * 1e-3) / 1e12
+    return row

@@ -207,6 +207,64 @@ def anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem=Non
             "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
 
 
+FA4_KERNEL = "FlashAttention-4 varlen (flash_attn.cute flash_attn_varlen_func)"
+
+
+def fa4_anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem=None) -> dict:
+    """FlashAttention-4's varlen kernel (pip ``flash-attn-4``: ``flash_attn.cute.interface``) on
+    the whole sequence's documents, causal, through its own autograd: checked at 4096 tokens
+    against the portable kernel (as :func:`anchor`), then timed on ``problem``'s ids. Raises
+    ImportError where it is not installed. Its kernels JIT-compile per variant (seconds, in the
+    warmup)."""
+    import torch
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    from benchmarks.common import Problem
+    from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+
+    device = "cuda"
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def tensors(t):
+        q, do = (torch.randn(t, heads, d, device=device, generator=gen).bfloat16() for _ in range(2))
+        k, v = (torch.randn(t, kv_heads, d, device=device, generator=gen).bfloat16() for _ in range(2))
+        return [x.requires_grad_() for x in (q, k, v)], do
+
+    def call(qkv, ids):
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        bounds = np.r_[starts, len(ids)]
+        cu = torch.as_tensor(bounds.astype(np.int32), device=device)
+        longest = int(np.diff(bounds).max())
+        return lambda: flash_attn_varlen_func(*qkv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                              max_seqlen_k=longest, softmax_scale=d**-0.5, causal=True)[0]
+
+    small = _ids(4096)[0]
+    (q, k, v), do = tensors(4096)
+    o = call((q, k, v), small)()
+    dq = torch.autograd.grad(o, q, do)[0]
+    seg = (torch.from_numpy(small[None]).to(device),) * 2
+    mask = BlockMask(MaskKind.CAUSAL, documents=True)
+    o_r, lse_r = reference_block_fwd(q[None].detach(), k[None].detach(), v[None].detach(), mask, d**-0.5, segments=seg)
+    g_r = reference_block_bwd(do[None], q[None].detach(), k[None].detach(), v[None].detach(), o_r.bfloat16(), lse_r,
+                              mask, d**-0.5, segments=seg)
+    errors = {"o": _rel(o[None].float(), o_r), "dq": _rel(dq[None].float(), g_r[0])}
+    problem = problem or Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
+    qkv, do = tensors(seq)
+    fwd = call(qkv, problem.segment_ids()[0])
+
+    def step():
+        for x in qkv:
+            x.grad = None
+        fwd().backward(do)
+
+    with torch.no_grad():
+        fwd_ms = _cuda_ms(fwd, iters, warmup)
+    step_ms = _cuda_ms(step, iters, warmup)
+    return {"kernel": FA4_KERNEL, "seq": seq, "verified_at_4096": errors,
+            "verified": all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
+            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+
+
 def portable_peak(device: str, t=16384, heads=8, d=64) -> dict:
     """torch's peak allocation of the portable kernel's fwd + bwd on one masked block."""
     import torch

@@ -29,7 +29,7 @@ from pathlib import Path
 from .common import Row
 
 RESULTS = Path(__file__).parent / "results"
-JAX_FRAMEWORKS = ("jax_impl", "jax_impl_mc", "fa3_jax", "jax_cudnn_ceiling", "fa3_jax_ceiling")
+JAX_FRAMEWORKS = ("jax_impl", "jax_impl_mc", "fa3_jax", "jax_cudnn_ceiling", "fa3_jax_ceiling", "jax_varlen_anchor")
 
 
 def _versions() -> dict:
@@ -48,17 +48,26 @@ def _versions() -> dict:
 
 
 def add_efficiency(rows: list[dict]) -> list[dict]:
-    """efficiency = TFLOP/s/GPU over the best same-mode single-GPU ceiling of the row's framework."""
+    """efficiency = TFLOP/s/GPU over the best same-mode single-GPU ceiling of the row's framework;
+    with packed documents, over its framework's varlen anchor on the same ids (same documents,
+    same fitting) — both counted on the visible pairs."""
     def family(r):
         return "jax" if r["framework"] in JAX_FRAMEWORKS else "torch"
 
-    best = {}
+    def ids_key(r):
+        e = r.get("extra", {})
+        return family(r), r["seq_len"], e.get("documents"), e.get("fit_ring", 0), e.get("fit_multiple", 1)
+
+    best, anchors = {}, {}
     for r in rows:
         if r["framework"].endswith("_ceiling") and r.get("tflops_per_gpu"):
             key = (family(r), r["fwd_only"])
             best[key] = max(best.get(key, 0.0), r["tflops_per_gpu"])
+        if r["framework"].endswith("_varlen_anchor") and r.get("tflops_per_gpu"):
+            anchors[ids_key(r)] = r["tflops_per_gpu"]
     for r in rows:
-        ceiling = best.get((family(r), r["fwd_only"]))
+        documents = r.get("extra", {}).get("documents") not in (None, "none")
+        ceiling = anchors.get(ids_key(r)) if documents and not r["fwd_only"] else best.get((family(r), r["fwd_only"]))
         r["efficiency"] = r["tflops_per_gpu"] / ceiling if ceiling and r.get("tflops_per_gpu") else None
     return rows
 
@@ -74,7 +83,20 @@ def _backend_cell(extra: dict) -> str:
         cell += f" ({extra['variant']})"
     if extra.get("controllers"):
         cell += f" ({extra['controllers']} processes)"
+    if extra.get("one_call") is not None:  # all-gather-KV: every device on the one varlen call, or not
+        cell += " (one varlen call)" if extra["one_call"] else " (walks the blocks)"
+    if extra.get("kernel"):  # a varlen anchor: the kernel that ran
+        cell += extra["kernel"]
     return cell
+
+
+def _layout_cell(r: dict) -> str:
+    """The layout, and the documents the row's ids were drawn from (fitted to R for a per-row layout)."""
+    extra = r.get("extra", {})
+    if extra.get("documents") in (None, "none"):
+        return r["layout"]
+    fit = f", fitted to R {extra['fit_ring']}" if extra.get("fit_ring") else ""
+    return f"{r['layout']} ({extra['documents']}{fit})"
 
 
 def _replay_note(extra: dict) -> str:
@@ -100,7 +122,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "Problem: bf16, batch 1, causal, 32 heads (kv heads as listed), head_dim 128; FLOPs = 4·b·h·s²·d/2 "
              "forward (with --documents or --window: 4·h·d·(visible pairs), the mask area), ×3.5 forward+backward. "
              "Efficiency: TFLOP/s/GPU over the best single-GPU ceiling of the "
-             "same framework in this run. Memory: torch max_memory_allocated; JAX compiled memory analysis "
+             "same framework in this run (packed documents: over its framework's varlen anchor on the same ids, "
+             "`*_varlen_anchor`). Memory: torch max_memory_allocated; JAX compiled memory analysis "
              "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse, one arriving K/V pair (+ dq, dk, "
              "dv, do and the float32 dK/dV accumulator and its travelling copy) — `Problem.floor_terms`.", "",
              "| framework | strategy | layout | seq_len | ulysses | ring | fwd_only | backend | iters/s | ms/iter "
@@ -108,7 +131,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["framework"], r["strategy"], r["layout"], str(r["seq_len"]), str(r["ulysses"]), str(r["ring"]),
+            r["framework"], r["strategy"], _layout_cell(r), str(r["seq_len"]), str(r["ulysses"]), str(r["ring"]),
             "fwd" if r["fwd_only"] else "fwd+bwd", _backend_cell(r.get("extra", {})),
             _fmt(r.get("iters_per_s"), ".2f"), _fmt(r.get("ms_per_iter"), ".2f"), _fmt(r.get("ms_spread"), ".2f"),
             _fmt(r.get("peak_mb_per_device"), ".0f"), _fmt(r.get("memory_vs_floor"), ".2f"),
@@ -129,26 +152,46 @@ def write(rows: list[dict], command: str, machine: str, versions: dict | None = 
     return stem.with_suffix(".md")
 
 
+def report_main(argv: list[str]) -> None:
+    """``python -m benchmarks report PART.json ...``: the table from saved parts (``--verdicts``:
+    mark ringbridge's rows from a verdict file, as the driver does)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks report")
+    ap.add_argument("parts", nargs="+")
+    ap.add_argument("--machine", default="h200x4")
+    ap.add_argument("--command", default="python -m benchmarks")
+    ap.add_argument("--versions", default=None, help="JSON: the versions on the machine that measured the parts")
+    ap.add_argument("--verdicts", default=None, help="verdicts.json of benchmarks.verify: mark the rows from it")
+    a = ap.parse_args(argv)
+    rows = [r for p in a.parts for r in json.loads(Path(p).read_text())]
+    for r in rows:  # parts written before finish() knew the probe: it does no attention math
+        if r.get("extra", {}).get("variant") == "comm-only":
+            r["tflops_per_gpu"] = None
+    if a.verdicts:
+        from .verify import mark_rows
+
+        rows = mark_rows(rows, json.loads(Path(a.verdicts).read_text()))
+    print(write(rows, a.command, a.machine, json.loads(a.versions) if a.versions else None))
+
+
+def _side(name: str, command: list[str], out: Path, env: dict) -> Path | None:
+    """Run one timing side; its part file even if it failed part-way (rows are saved as measured)."""
+    done = subprocess.run(command, env=env)
+    if done.returncode != 0:
+        print(f"{name} side exited {done.returncode}; keeping the rows it saved", flush=True)
+    return out if out.exists() else None
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
-        ap = argparse.ArgumentParser(prog="python -m benchmarks report")
-        ap.add_argument("parts", nargs="+")
-        ap.add_argument("--machine", default="h200x4")
-        ap.add_argument("--command", default="python -m benchmarks")
-        ap.add_argument("--versions", default=None, help="JSON: the versions on the machine that measured the parts")
-        a = ap.parse_args(argv[1:])
-        rows = [r for p in a.parts for r in json.loads(Path(p).read_text())]
-        for r in rows:  # parts written before finish() knew the probe: it does no attention math
-            if r.get("extra", {}).get("variant") == "comm-only":
-                r["tflops_per_gpu"] = None
-        print(write(rows, a.command, a.machine, json.loads(a.versions) if a.versions else None))
+        report_main(argv[1:])
         return
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("--machine", default="h200x4")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--only", choices=("jax", "torch"), default=None)
-    ap.add_argument("--parts-dir", default="/tmp", help="where each side writes its rows")
+    ap.add_argument("--parts-dir", default=None,
+                    help="where the verdicts and each side's rows go (created; refused if it holds parts already)")
     ap.add_argument("--no-verify", action="store_true", help="do not verify the timed paths (rows: verified unknown)")
     ap.add_argument("--jax-multi-controller", action="store_true",
                     help="also run jax_impl with one process per GPU (torchrun + jax.distributed.initialize)")
@@ -163,22 +206,32 @@ def main(argv=None) -> None:
         elif "--dry-run" not in rest:
             print(write([r.to_dict() for r in rows], "python -m benchmarks " + " ".join(argv), f"{a.machine}-1gpu"))
         return
-    parts = []
+    from .common import check_layouts, shared_arguments
+
+    flags, _ = shared_arguments("").parse_known_args(["--out", "-", *rest])
+    check_layouts(flags.layout, flags.documents)  # before any GPU work
+    parts_dir = Path(a.parts_dir or f"/tmp/ringbridge-parts-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if parts_dir.exists() and any(parts_dir.glob("*.json")):
+        raise SystemExit(f"--parts-dir {parts_dir} already holds parts: name an empty or new folder")
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    print(f"parts in {parts_dir}", flush=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    verdicts_path = parts_dir / "verdicts.json"
+    if not a.no_verify:  # every path checked before anything is timed, in its own process
+        subprocess.run([sys.executable, "-m", "benchmarks.verify", "--out", str(verdicts_path), "--gpus", str(a.gpus),
+                        *(["--only", a.only] if a.only else []), *rest], env=env)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
+    parts = []
     if a.only in (None, "jax"):
-        out = Path(a.parts_dir) / "jax_rows.json"
-        subprocess.run([sys.executable, "-m", "benchmarks.bench_jax", "--out", str(out), *rest], env=env, check=True)
-        parts.append(out)
+        out = parts_dir / "jax_rows.json"
+        parts.append(_side("jax", [sys.executable, "-m", "benchmarks.bench_jax", "--out", str(out), *rest], out, env))
     if a.only in (None, "torch"):
-        out = Path(a.parts_dir) / "torch_rows.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}",
-                        "-m", "benchmarks.bench_torch", "--out", str(out), *rest], env=env, check=True)
-        parts.append(out)
+        out = parts_dir / "torch_rows.json"
+        parts.append(_side("torch", [*torchrun, "-m", "benchmarks.bench_torch", "--out", str(out), *rest], out, env))
     if a.jax_multi_controller and a.only in (None, "jax"):  # last: a failure here loses no other part
-        out = Path(a.parts_dir) / "jax_mc_rows.json"
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={a.gpus}", "-m", "benchmarks.bench_jax", "--multi-controller",
-                               "--out", str(out), *rest], env=env)
+        out = parts_dir / "jax_mc_rows.json"
+        done = subprocess.run([*torchrun, "-m", "benchmarks.bench_jax", "--multi-controller", "--out", str(out), *rest],
+                              env=env)
         mc_rows = json.loads(out.read_text()) if done.returncode == 0 and out.exists() else [
             Row("jax_impl", "-", "-", 0, a.gpus, 0, 0, False, note=f"multi-controller run failed (exit {done.returncode})"
                 ).to_dict()]
@@ -186,14 +239,11 @@ def main(argv=None) -> None:
             r["framework"] = "jax_impl_mc"  # same code, one process per GPU
         out.write_text(json.dumps(mc_rows))
         parts.append(out)
-    rows = [r for p in parts for r in json.loads(p.read_text())]
+    rows = [r for p in parts if p is not None for r in json.loads(p.read_text())]
     if not a.no_verify:
-        from parity.core.devices import configure_jax_devices
+        from .verify import mark_rows
 
-        configure_jax_devices("gpu")  # this process verifies; the timing processes have exited
-        from .verify import verify_rows
-
-        rows = verify_rows(rows)
+        rows = mark_rows(rows, json.loads(verdicts_path.read_text()) if verdicts_path.exists() else {})
     print(write(rows, "python -m benchmarks " + " ".join(argv), a.machine))
 
 

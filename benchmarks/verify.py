@@ -7,12 +7,20 @@ reason goes into its note. Rows of other projects' code (torch_cp, yunchang, fa3
 are not ringbridge's path and carry ``verified = None``.
 
 A verdict is computed once per distinct path and reused by every row (sequence length and
-fwd/fwd+bwd do not change the path).
+fwd/fwd+bwd do not change the path). The multi-GPU driver verifies every planned path BEFORE it
+times anything (``python -m benchmarks.verify``, its own process: the GPUs are free again for the
+timing sides when it exits) and writes the verdicts to ``verdicts.json`` as they come; the rows
+are marked from that file (:func:`mark_rows`), so a run cut short keeps verified rows.
+
+    python -m benchmarks.verify --out verdicts.json [the driver's flags]
 """
 
 from __future__ import annotations
 
-from .common import MeshSpec, Problem, Row
+import json
+from pathlib import Path
+
+from .common import MeshSpec, Problem, Row, is_row_layout
 
 REDUCED_SEQ = 2048  # divisible by 2·R·U for every mesh of up to 8 devices (zigzag's constraint)
 OURS = {"jax_impl": "jax", "jax_impl_mc": "jax", "torch_impl": "torch",
@@ -22,12 +30,16 @@ OURS = {"jax_impl": "jax", "jax_impl_mc": "jax", "torch_impl": "torch",
 def reduced_case(shape, layout: str, problem: Problem):
     """The parity ``Case`` of a row's path: the mesh ``shape`` (a ``parity.core.mesh.MeshShape``),
     at ``REDUCED_SEQ`` tokens with 8 query heads (kv heads in the problem's ratio, at least 1), the
-    problem's document pattern and its window scaled to the reduced length."""
+    problem's document pattern and its window scaled to the reduced length; a per-row ``layout``
+    (document-zigzag, document-hybrid) as the token-index case of that row layout."""
     from parity.core.cases import Case
 
     heads = 8
     kv_heads = max(1, heads * problem.kv_heads // problem.heads)
     masks = {}
+    if is_row_layout(layout):  # a per-row layout: explicit token indices, the static name only fixes divisibility
+        masks.update(token_index=True, row_layout=layout)
+        layout = "contiguous"
     if getattr(problem, "documents", "none") != "none":
         from .documents import mix_names
 
@@ -79,37 +91,132 @@ def mark(row: Row, verdict: tuple[bool, str] | None) -> Row:
     return row
 
 
+def _row_problem(row: Row) -> Problem:
+    window = row.extra.get("window")
+    return Problem(seq=row.seq_len, heads=row.extra.get("heads", 32), kv_heads=row.extra.get("kv_heads", 32),
+                   documents=row.extra.get("documents", "none"), window=None if window is None else tuple(window))
+
+
+def path_key(framework: str, mesh: str, layout: str, backend: str, problem: Problem) -> str:
+    """The verdict's key: what decides the path (not the sequence length, nor fwd / fwd+bwd)."""
+    window = problem.window and tuple(max(1, round(w * REDUCED_SEQ / problem.seq)) if w else 0 for w in problem.window)
+    documents = problem.documents if problem.documents == "none" else _reduced_documents(problem.documents)
+    return "|".join(map(str, (framework, mesh, layout, backend, problem.kv_heads * 8 // problem.heads, documents,
+                              window)))
+
+
+def _reduced_documents(name: str) -> str:
+    from .documents import mix_names
+
+    return "mix" if name in mix_names() else name
+
+
+def verify_one(framework: str, mesh: str, layout: str, backend: str, problem: Problem, devices: str) -> dict:
+    """{"passed", "detail", "resolved"} of one path (``reduced_case`` through ``verify_path``)."""
+    from parity.probes.backend_sweep import resolved_backends
+
+    try:
+        case = reduced_case(MeshSpec(mesh).shape, layout, problem)
+        passed, detail = verify_path(framework, case, backend, devices)
+    except Exception as err:  # noqa: BLE001 — a path that cannot be checked is not verified
+        return {"passed": False, "detail": f"verification raised {type(err).__name__}: {str(err)[:300]}"}
+    try:
+        resolved = resolved_backends(framework, backend, case, devices)
+    except Exception as err:  # noqa: BLE001 — the verdict stands; the record says why the kernels are missing
+        resolved = {"error": f"{type(err).__name__}: {err}"}
+    return {"passed": passed, "detail": detail, "resolved": resolved}
+
+
+def mark_rows(rows: list[dict], verdicts: dict) -> list[dict]:
+    """Each ringbridge mesh row marked from ``verdicts`` ({path_key: verify_one's record}); a row
+    whose path has no verdict is not verified (no throughput); other rows keep ``verified``."""
+    out = []
+    for data in rows:
+        row = Row(**{k: v for k, v in data.items() if k in Row.__dataclass_fields__})
+        framework = OURS.get(row.framework)
+        mesh = row.extra.get("mesh")
+        if framework is None or not mesh or row.framework.endswith("_replay") or row.extra.get("variant"):
+            out.append(data | {"verified": data.get("verified")})
+            continue
+        key = path_key(framework, mesh, row.layout, row.extra.get("block_backend", "auto"), _row_problem(row))
+        verdict = verdicts.get(key)
+        if verdict is not None and verdict.get("resolved"):
+            row.extra["resolved"] = verdict["resolved"]
+        out.append(mark(row, (False, f"no verdict for {key}") if verdict is None
+                        else (verdict["passed"], verdict["detail"])).to_dict())
+    return out
+
+
 def verify_rows(rows: list[dict], devices: str = "gpu") -> list[dict]:
-    """The driver's pass over saved rows (dicts): each ringbridge mesh row's path is verified
-    (once per path) and the row marked; other rows get ``verified = None``."""
+    """Saved rows (dicts) marked after the fact: each distinct ringbridge mesh path verified once."""
     from parity.runners.torch_world import close_worlds
 
-    verdicts: dict[tuple, tuple[bool, str]] = {}
-    out = []
+    verdicts: dict[str, dict] = {}
     try:
         for data in rows:
             row = Row(**{k: v for k, v in data.items() if k in Row.__dataclass_fields__})
-            framework = OURS.get(row.framework)
-            mesh = row.extra.get("mesh")
+            framework, mesh = OURS.get(row.framework), row.extra.get("mesh")
             if framework is None or not mesh or row.framework.endswith("_replay") or row.extra.get("variant"):
-                out.append(data | {"verified": data.get("verified")})
                 continue
-            window = row.extra.get("window")
-            problem = Problem(seq=row.seq_len, heads=row.extra.get("heads", 32), kv_heads=row.extra.get("kv_heads", 32),
-                              documents=row.extra.get("documents", "none"),
-                              window=None if window is None else tuple(window))
-            backend = row.extra.get("block_backend", "auto")
-            key = (framework, mesh, row.layout, backend, problem.kv_heads * 8 // problem.heads, problem.documents,
-                   problem.window and tuple(max(1, round(w * REDUCED_SEQ / problem.seq)) if w else 0
-                                            for w in problem.window))
+            backend, problem = row.extra.get("block_backend", "auto"), _row_problem(row)
+            key = path_key(framework, mesh, row.layout, backend, problem)
             if key not in verdicts:
-                try:
-                    case = reduced_case(MeshSpec(mesh).shape, row.layout, problem)
-                    verdicts[key] = verify_path(framework, case, backend, devices)
-                except Exception as err:  # noqa: BLE001 — a path that cannot be checked is not verified
-                    verdicts[key] = (False, f"verification raised {type(err).__name__}: {err}")
+                verdicts[key] = verify_one(framework, mesh, row.layout, backend, problem, devices)
                 print(f"verify {key}: {verdicts[key]}", flush=True)
-            out.append(mark(row, verdicts[key]).to_dict())
     finally:
         close_worlds()
+    return mark_rows(rows, verdicts)
+
+
+def planned_paths(args) -> list[tuple[str, str, str, str, Problem]]:
+    """(framework, mesh, layout, backend, problem) of every mesh row the driver's flags time."""
+    from .common import documents_names, mesh_layouts, problem_masks
+
+    frameworks = [f for f in ("jax", "torch") if args.only in (None, f)]
+    backends = {"jax": args.jax_backends.split(","), "torch": args.torch_backends.split(",")}
+    out = []
+    for documents in documents_names(args.documents):
+        problem = Problem(seq=int(args.seqs.split(",")[0]), heads=args.heads, kv_heads=args.kv_heads,
+                          **problem_masks(args, documents))
+        for framework in frameworks:
+            for mesh in filter(None, args.meshes.split(",")):
+                spec = MeshSpec(mesh)
+                if framework == "torch" and spec.devices != args.gpus:
+                    continue
+                for backend in filter(None, backends[framework]):
+                    for layout in mesh_layouts(spec, args.layout):
+                        path = (framework, mesh, layout, backend, problem)
+                        if all(path_key(*p) != path_key(*path) for p in out):
+                            out.append(path)
     return out
+
+
+def main(argv=None) -> None:
+    from .common import check_layouts, shared_arguments
+
+    ap = shared_arguments("verify every planned path of the driver's flags before timing")
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--only", choices=("jax", "torch"), default=None)
+    ap.add_argument("--jax-backends", default="auto")
+    ap.add_argument("--torch-backends", default="auto")
+    ap.add_argument("--devices", choices=("gpu", "cpu"), default="gpu")
+    args, _ = ap.parse_known_args(argv)
+    check_layouts(args.layout, args.documents)
+    from parity.core.devices import configure_jax_devices
+
+    configure_jax_devices(args.devices)
+    from parity.runners.torch_world import close_worlds
+
+    verdicts: dict[str, dict] = {}
+    try:
+        for path in planned_paths(args):
+            verdicts[path_key(*path)] = verify_one(*path, args.devices)
+            print(f"verify {path_key(*path)}: {verdicts[path_key(*path)]}", flush=True)
+            Path(args.out).write_text(json.dumps(verdicts, indent=1))  # as they come
+    finally:
+        close_worlds()
+    Path(args.out).write_text(json.dumps(verdicts, indent=1))
+
+
+if __name__ == "__main__":
+    main()
