@@ -23,14 +23,8 @@ KNOWN_COPIES: dict[tuple[str, str], str] = {
         "the replays' dK/dV order over device_visits: belongs in seqplan.schedule, a later step of issue 50",
     ("replay.py:_config", "replay.py:_config"):
         "the replays' config (check_window before the token-index rewrite): folded with make_config later",
-    # ---- moving in this branch ----
-    ("config.py:AttentionConfig", "config.py:AttentionConfig"): "moving to seqplan.config",
-    ("config.py:AttentionConfig.__post_init__", "config.py:AttentionConfig.__post_init__"): "moving to seqplan.config",
-    ("config.py:make_config", "config.py:make_config"): "moving to seqplan.config",
-    ("block.py:register_backend", "block.py:register_backend"): "moving to seqplan.registry",
-    ("block.py:resolve_backend", "block.py:resolve_backend"): "moving to seqplan.registry",
-    ("block.py:get_backend", "block.py:get_backend"): "moving to seqplan.registry",
-    ("block.py:_can_run", "block.py:_can_run"): "moving to seqplan.registry",
+    ("config.py:AttentionConfig", "config.py:AttentionConfig"):
+        "a binding, no logic: seqplan's config with the framework's Comm type and get_backend under mirrored names",
 }
 
 
