@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from seqplan.registry import BackendRegistry
 from seqplan.routing import ALL_MASKS, LOW_PRECISION, Route
+from seqplan.schedule import BlockMask as BlockMask  # re-exported: callers build block.BlockMask (parity's sweep)
 from seqplan.schedule import MaskKind
 
 F32 = jnp.float32

@@ -44,6 +44,7 @@ import torch
 
 from seqplan.registry import BackendRegistry
 from seqplan.routing import ALL_MASKS, LOW_PRECISION, Route
+from seqplan.schedule import BlockMask as BlockMask  # re-exported: callers build block.BlockMask (parity's sweep)
 from seqplan.schedule import MaskKind
 
 F32 = torch.float32
