@@ -21,9 +21,10 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+import seqplan.registry
 from seqplan.axes import RING
 from seqplan.layouts import ring_positions
-from seqplan.schedule import allgather_schedule, one_call_mask
+from seqplan.schedule import allgather_schedule
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -81,15 +82,11 @@ def _schedule(axis_name, config: AttentionConfig):
 
 
 def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
-    """Whether the call may run as one varlen call per device (module docstring) — static: causal
-    by token indices (``config.token_index``: the window ``(UNBOUNDED, 0)``) or by the layout's
-    positions with packed documents (``documents``) and no window, not soft-capped, document
-    blocks resolving to ``fa3_varlen`` on ``q``'s device kind and dtype."""
-    mask = one_call_mask(config.causal, config.window, config.token_index, documents)
-    if config.softcap is not None or mask is None:
-        return False
-    return resolve_backend(config.block_backend, device_kind=device_kind_of(q), dtype=q.dtype, mask=mask,
-                           deterministic=config.deterministic) == "fa3_varlen"
+    """Whether the call may run as one varlen call per device (module docstring): static, its
+    document blocks resolving to ``fa3_varlen`` on ``q``'s device kind and dtype
+    (``seqplan.registry.prefix_eligible``)."""
+    return seqplan.registry.prefix_eligible(config, documents, device_kind=device_kind_of(q), dtype=q.dtype,
+                                            resolve_backend=resolve_backend, one_call_backend="fa3_varlen")
 
 
 def _positions(config: AttentionConfig, index_all, b: int, ring: int, t: int):

@@ -9,55 +9,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
-from seqplan.config import checked_static_fields, resolve_scale
-from seqplan.schedule import token_index_window
-from seqplan.validation import check_softcap
+import seqplan.config
 
 from .block import BlockBackend, get_backend
 from .comm import Comm, current_comm
 
 
 @dataclass(frozen=True)
-class AttentionConfig:
-    """Everything static about one ring / all-gather / double-ring attention call: hashable (JAX
-    passes it as a ``custom_vjp`` non-differentiable argument and keys compilations on it), never
-    an array. The same dataclass, with the same fields, is in torch_impl.
+class AttentionConfig(seqplan.config.AttentionConfig):
+    """seqplan's :class:`seqplan.config.AttentionConfig` (the fields, their checks and
+    ``for_call``) with JAX's transfer hook and block kernels; a ``custom_vjp`` non-differentiable
+    argument, so hashable and never an array."""
 
-    causal:        mask by original token positions (the layout's permutation is undone by the plan).
-    layout:        one of ``LAYOUTS``: how the sequence was permuted over the ring.
-    scale:         softmax scale (already resolved: head_dim ** -0.5 when the caller gave none).
-    block_backend: name of the block kernels (``block.get_backend``).
-    deterministic: refuse block kernels that are not run-to-run deterministic.
-    comm:          the transfers' hook (``comm.Comm``; the plain one unless a probe installed one).
-    window:        the sliding window ``(left, right)`` on original positions, or None (an int w
-                   or a list is normalised to the pair by ``validation.check_window``); stored as
-                   the kernels apply it (``schedule.kernel_window``: causal makes right unbounded).
-    softcap:       logit soft-capping (Gemma 2), a positive float or None: every scaled logit x
-                   becomes softcap · tanh(x / softcap) before the softmax, in every block, forward
-                   and backward (``validation.check_softcap``; ``backend()`` gives kernels that apply it).
-    token_index:   the causal and window masks compare explicit per-row token indices (the call's
-                   ``token_index`` array, gathered like segment ids) instead of the layout's
-                   positions: ``causal`` is then False and ``window`` the token-index window
-                   (``schedule.token_index_window``: causal = ``(UNBOUNDED, 0)``), every visit one
-                   whole-shard block decided at run time, and the ring is never truncated.
-    """
-
-    causal: bool
-    layout: str
-    scale: float
-    block_backend: str = "auto"
-    deterministic: bool = False
+    COMM_TYPE: ClassVar[type] = Comm
     comm: Comm = Comm()
-    window: tuple[int, int] | None = None
-    softcap: float | None = None
-    token_index: bool = False
-
-    def __post_init__(self):
-        object.__setattr__(self, "window", checked_static_fields(self.causal, self.layout, self.scale, self.window))
-        object.__setattr__(self, "softcap", check_softcap(self.softcap))
-        if not isinstance(self.comm, Comm):
-            raise TypeError(f"comm must be a Comm, got {type(self.comm).__name__}")
 
     def backend(self) -> BlockBackend:
         """The block kernels (an unknown or refused name raises here), soft-capping every block
@@ -76,12 +43,9 @@ def default_deterministic(deterministic: bool | None) -> bool:
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
                 deterministic: bool | None, window=None, softcap=None, token_index: bool = False) -> AttentionConfig:
-    """The config of a per-device call on ``q`` (for its head_dim), with the defaults resolved and
-    the installed communication hook (``comm.using``). ``token_index``: the call passes explicit
-    token indices, so ``causal`` and ``window`` become one window on them
-    (``schedule.token_index_window``) over the non-causal schedule."""
-    if token_index:
-        window, causal = token_index_window(window, bool(causal)), False
-    return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend,
-                           default_deterministic(deterministic),
-                           current_comm(), window, softcap, bool(token_index))
+    """The config of a per-device call on ``q`` (for its head_dim), with this framework's defaults
+    resolved (:func:`default_deterministic`) and the installed communication hook (``comm.using``);
+    the rest, the token-index mode among it, is ``seqplan.config.AttentionConfig.for_call``."""
+    return AttentionConfig.for_call(q.shape[-1], causal=causal, layout=layout, scale=scale, block_backend=block_backend,
+                                    deterministic=default_deterministic(deterministic), comm=current_comm(),
+                                    window=window, softcap=softcap, token_index=token_index)

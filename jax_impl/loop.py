@@ -41,7 +41,17 @@ from jax.custom_derivatives import SymbolicZero
 
 from seqplan.bands import contiguous_start
 from seqplan.layouts import ring_positions
-from seqplan.schedule import Block, BlockMask, Hop, Part, Schedule, Step, document_flags, runs, window_flags
+from seqplan.schedule import (
+    Block,
+    BlockMask,
+    Part,
+    Schedule,
+    Step,
+    document_flags,
+    return_distance,
+    runs,
+    window_flags,
+)
 
 from .comm import Comm, axis_size
 from .config import AttentionConfig
@@ -103,12 +113,6 @@ def walk(schedule: Schedule, kv, state, visit: Callable, *, comm: Comm, axes, af
     for rnd, positions in runs(schedule.rounds):
         kv, state = _repeat(partial(one_round, rnd), (kv, state), positions)
     return state
-
-
-def return_distance(schedule: Schedule, hop) -> dict:
-    """``{"back": reach}`` for a truncated ring's ``RETURN`` hop, else ``{}`` — the keyword
-    ``Comm.shift`` takes only for that hop (so hooks written for the other hops keep working)."""
-    return {"back": schedule.reach} if hop is Hop.RETURN else {}
 
 
 def visit_block(schedule: Schedule, device, j, s, on_block: Callable, state):

@@ -281,7 +281,7 @@ def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, l
     varlen call, or None when it walks the blocks — for reports, on the host from concrete ids
     and token indices: the call is eligible (``allgather.prefix_eligible``) and the plan fits
     ``kernels/runs``' bounds (which the program itself decides on the device)."""
-    from seqplan.documents import shard_prefix_runs
+    from seqplan.documents import PREFIX_KEY_FACTOR, shard_prefix_runs
 
     from .kernels import runs
 
@@ -293,7 +293,7 @@ def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, l
     ring, t = strategy.ring, seq // strategy.ring
     shards = lambda x: None if x is None else np.moveaxis(np.asarray(x, np.int32).reshape(b, ring, t), 1, 0)
     plan = shard_prefix_runs(shards(segment_ids), shards(token_index), device=r, shard_major=False,
-                             layout=config.layout, max_keys=runs.PREFIX_KEY_FACTOR * b * seq)
+                             layout=config.layout, max_keys=PREFIX_KEY_FACTOR * b * seq)
     fits = plan is not None and len(plan.cu_q) - 1 <= max(max(runs.PREFIX_SLOTS), b)
     return plan if fits else None
 

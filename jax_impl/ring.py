@@ -16,7 +16,7 @@ and a fully masked block is skipped.
 from __future__ import annotations
 
 from seqplan.axes import RING
-from seqplan.schedule import ring_schedule, window_reach
+from seqplan.schedule import return_distance, ring_schedule, window_reach
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -32,7 +32,6 @@ from .loop import (
     gather_token_index,
     grad_block,
     local_backward,
-    return_distance,
     ring_index,
     visit_block,
     visit_masks,

@@ -7,8 +7,11 @@ implementations (``jax_impl``, ``torch_impl``) and by ``parity.core``.
 - ``schedule``    block masks, step plans, the visiting order (``Schedule``, ``device_visits``), the
                   per-block document and window decisions
 - ``validation``  shape / option checks, run before any collective; the algorithm a mesh picks
-- ``config``      the static fields' checks, the scale default, the ``check_ranks`` environment default
+- ``config``      ``AttentionConfig`` (each implementation subclasses it with its Comm and kernels), the
+                  static fields' checks, the scale default, the ``check_ranks`` environment default
 - ``routing``     the ``"auto"`` backend's row type and the walk over a routing table
+- ``registry``    the block-backend registry (names, capabilities, determinism, "auto" resolved) each
+                  ``block.py`` instantiates, and all-gather-KV's one-call eligibility (``prefix_eligible``)
 - ``strategy``    the mesh a one-device replay stands for
 - ``chunks``      how the portable kernels walk a block's keys (bounded scores)
 - ``documents``   a block's document runs for varlen kernels (cumulative offsets over the block's own

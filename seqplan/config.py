@@ -1,8 +1,9 @@
-"""The framework-free part of an attention call's static settings: the checks every
-``AttentionConfig`` runs on its fields, the softmax scale's default, and the environment default
-of ``check_ranks`` (``RINGBRIDGE_CHECK_RANKS=1``). Each implementation's ``config.py`` holds its
-``AttentionConfig`` (whose ``comm`` is its framework's transfer hook) and its ``deterministic``
-default (XLA_FLAGS for JAX, torch's deterministic-algorithms switch for torch)."""
+"""The framework-free part of an attention call's static settings: :class:`AttentionConfig` (its
+fields, their checks, and :meth:`AttentionConfig.for_call`, the defaults and the token-index mode
+resolved), the softmax scale's default, and the environment default of ``check_ranks``
+(``RINGBRIDGE_CHECK_RANKS=1``). Each implementation's ``config.py`` subclasses the config with
+its framework's transfer hook (``comm``) and block kernels (``backend()``), and holds its
+``deterministic`` default (XLA_FLAGS for JAX, torch's deterministic-algorithms switch for torch)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
-from .schedule import LAYOUTS, kernel_window
-from .validation import KV_EXCHANGES, check_window
+from .schedule import LAYOUTS, kernel_window, token_index_window
+from .validation import KV_EXCHANGES, check_softcap, check_window
 
 CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
 
@@ -32,6 +34,67 @@ def checked_static_fields(causal: bool, layout: str, scale: float, window) -> tu
     if not (isinstance(scale, float) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
     return window
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Everything static about one ring / all-gather / double-ring attention call: hashable, never
+    an array (JAX passes it as a ``custom_vjp`` non-differentiable argument and keys compilations
+    on it; torch keeps it on the autograd context for the backward). Each implementation's
+    ``config.AttentionConfig`` subclasses it, adding only its framework's pieces: the type of
+    ``comm`` (``COMM_TYPE``) and ``backend()``, the block kernels.
+
+    causal:        mask by original token positions (the layout's permutation is undone by the plan).
+    layout:        one of ``LAYOUTS``: how the sequence was permuted over the ring.
+    scale:         softmax scale (already resolved: head_dim ** -0.5 when the caller gave none).
+    block_backend: name of the block kernels (each implementation's ``block.get_backend``).
+    deterministic: refuse block kernels that are not run-to-run deterministic.
+    comm:          the transfers' hook (the implementation's ``comm.Comm``; the plain one unless a
+                   probe installed one); None in seqplan's own configs, which move nothing.
+    window:        the sliding window ``(left, right)`` on original positions, or None (an int w
+                   or a list is normalised to the pair by ``validation.check_window``); stored as
+                   the kernels apply it (``schedule.kernel_window``: causal makes right unbounded).
+    softcap:       logit soft-capping (Gemma 2), a positive float or None: every scaled logit x
+                   becomes softcap · tanh(x / softcap) before the softmax, in every block, forward
+                   and backward (``validation.check_softcap``; ``backend()`` gives kernels that apply it).
+    token_index:   the causal and window masks compare explicit per-row token indices (the call's
+                   ``token_index`` array, gathered like segment ids) instead of the layout's
+                   positions: ``causal`` is then False and ``window`` the token-index window
+                   (``schedule.token_index_window``: causal = ``(UNBOUNDED, 0)``), every visit one
+                   whole-shard block decided at run time, and the ring is never truncated.
+    """
+
+    # What ``comm`` must be an instance of (TypeError otherwise): each implementation's Comm.
+    COMM_TYPE: ClassVar[type] = object
+
+    causal: bool
+    layout: str
+    scale: float
+    block_backend: str = "auto"
+    deterministic: bool = False
+    comm: object = None
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    token_index: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "window", checked_static_fields(self.causal, self.layout, self.scale, self.window))
+        object.__setattr__(self, "softcap", check_softcap(self.softcap))
+        if not isinstance(self.comm, self.COMM_TYPE):
+            raise TypeError(f"comm must be a {self.COMM_TYPE.__name__}, got {type(self.comm).__name__}")
+
+    @classmethod
+    def for_call(cls, head_dim: int, *, causal: bool, layout: str, scale: float | None, block_backend: str,
+                 deterministic: bool, comm, window=None, softcap=None, token_index: bool = False):
+        """The config of a per-device call on queries of ``head_dim``, ``scale`` defaulted
+        (:func:`resolve_scale`). ``deterministic`` and ``comm`` come resolved: each framework's
+        ``make_config`` reads its own defaults. ``token_index``: the call passes explicit token
+        indices, so ``causal`` and ``window`` become one window on them
+        (``schedule.token_index_window``) over the non-causal schedule."""
+        if token_index:
+            window, causal = token_index_window(window, bool(causal)), False
+        return cls(bool(causal), layout, resolve_scale(head_dim, scale), block_backend, deterministic, comm, window,
+                   softcap, bool(token_index))
 
 
 def default_check_ranks(check_ranks: bool | None) -> bool:

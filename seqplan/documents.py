@@ -238,6 +238,13 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return offsets + np.arange(total)
 
 
+# All-gather-KV's one call gathers at most this many times the sequence's keys, else the call walks
+# the blocks (torch decides on the host; JAX's traced plan is compiled for buffers of this size,
+# ``jax_impl/kernels/runs.py``). The balance mixes' per-document hybrid at 128k over 8 devices
+# needs 1.01 sequences of keys.
+PREFIX_KEY_FACTOR = 2
+
+
 def prefix_runs(q_ids, kv_ids, q_index, kv_index, *, max_keys: int | None = None) -> PrefixRuns | None:
     """The causal mask by token index — key visible when it shares the query's document and its
     token index is <= the query's — of queries ``q_ids`` / ``q_index`` [b, t] against keys

@@ -1,10 +1,9 @@
 """The sequence-parallel schedule, as data: what every device computes at every step, and where K/V and dK/dV travel.
 
-Pure Python (no framework import): ``jax_impl/schedule.py`` and ``torch_impl/schedule.py`` are the
-same code (a test compares them). The real loops of ring, all-gather-KV and double-ring attention
-walk it — JAX with traced device and step indices inside ``lax.scan`` (:meth:`Schedule.source` and
-:meth:`Schedule.is_earlier` use only ``+ - * // % <``), torch with ints — and so can a one-device
-replay of every virtual device's work (:func:`device_visits`).
+Pure Python (no framework import), written once for both implementations. The real loops of ring,
+all-gather-KV and double-ring attention walk it — JAX with traced device and step indices inside
+``lax.scan`` (:meth:`Schedule.source` and :meth:`Schedule.is_earlier` use only ``+ - * // % <``),
+torch with ints — and so can a one-device replay of every virtual device's work (:func:`device_visits`).
 
 **Layouts.** ``LAYOUTS`` are the token orders of the sequence axis (``layouts.py`` builds their
 permutations); each acts on the R ring shards of ``seq_len / R`` tokens.
@@ -395,6 +394,12 @@ class Schedule:
             return self.plan.local
         earlier = self.is_earlier(device, step.round, step.inner)
         return self.plan.from_earlier if earlier else self.plan.from_later
+
+
+def return_distance(schedule: Schedule, hop: Hop | None) -> dict:
+    """``{"back": reach}`` for a truncated ring's ``RETURN`` hop, else ``{}`` — the keyword
+    ``Comm.shift`` takes only for that hop (so hooks written for the other hops keep working)."""
+    return {"back": schedule.reach} if hop is Hop.RETURN else {}
 
 
 UNBOUNDED = 2**30  # a window extent no position difference reaches (positions are int32)

@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import torch
 
-from seqplan.documents import PrefixRuns, cached_plan, shard_prefix_runs
-from seqplan.schedule import allgather_schedule, device_visits, one_call_mask
+import seqplan.registry
+from seqplan.documents import PREFIX_KEY_FACTOR, PrefixRuns, cached_plan, shard_prefix_runs
+from seqplan.schedule import allgather_schedule, device_visits
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
     validate_local,
 )
 
-from .block import resolve_backend
+from .block import device_kind_of, resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .kernels import varlen
@@ -67,19 +68,15 @@ def _visits(groups, config: AttentionConfig):
     return schedule, device_visits(schedule, ring_index(groups))
 
 
-PREFIX_MAX_KEYS = 2  # gather at most twice the sequence's keys for one call (else walk the blocks)
+PREFIX_MAX_KEYS = PREFIX_KEY_FACTOR  # seqplan's bound on the gathered keys, under this module's former name
 
 
 def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
-    """Whether the call may run as one varlen call per device (module docstring) — decided on
-    static facts: causal by token indices (``config.token_index``: the window ``(UNBOUNDED, 0)``)
-    or by the layout's positions with packed documents (``documents``) and no window, not
-    soft-capped, document blocks resolving to ``aten_varlen`` on ``q``'s device and dtype."""
-    mask = one_call_mask(config.causal, config.window, config.token_index, documents)
-    if config.softcap is not None or mask is None:
-        return False
-    return resolve_backend(config.block_backend, device_kind=q.device.type, dtype=q.dtype, mask=mask,
-                           deterministic=config.deterministic) == "aten_varlen"
+    """Whether the call may run as one varlen call per device (module docstring): static, its
+    document blocks resolving to ``aten_varlen`` on ``q``'s device and dtype
+    (``seqplan.registry.prefix_eligible``)."""
+    return seqplan.registry.prefix_eligible(config, documents, device_kind=device_kind_of(q), dtype=q.dtype,
+                                            resolve_backend=resolve_backend, one_call_backend="aten_varlen")
 
 
 def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, q, *,
@@ -87,7 +84,7 @@ def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, 
     """The one-call plan of ring shard ``device``'s queries ``q`` [b, t, h, d] against every
     shard's keys (module docstring), or None (walk the blocks): the call is eligible
     (:func:`prefix_eligible`) and the plan exists (``seqplan.documents.prefix_runs``, remembered
-    by content) within ``PREFIX_MAX_KEYS`` times the keys. ``plan.key_index`` indexes the packed
+    by content) within ``seqplan.documents.PREFIX_KEY_FACTOR`` times the keys. ``plan.key_index`` indexes the packed
     keys [R·b·t] of the gathered [R, b, t] (``shard_major``: the all-gather's order) or [b·R·t]
     (the global [b, T] in layout order: the replay)."""
     if masks is None or not prefix_eligible(config, q, masks.ids_host is not None):
@@ -95,7 +92,7 @@ def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, 
     ids, positions = masks.ids_host, masks.positions if config.token_index else None  # None: the layout's
     ring, b, t = ids.shape if ids is not None else positions.shape
     return cached_plan(shard_prefix_runs, ids, positions, device=device, shard_major=shard_major,
-                       layout=config.layout, max_keys=PREFIX_MAX_KEYS * b * ring * t)
+                       layout=config.layout, max_keys=PREFIX_KEY_FACTOR * b * ring * t)
 
 
 def prefix_forward(config: AttentionConfig, q, kv_packed, plan: PrefixRuns):

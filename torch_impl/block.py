@@ -1,4 +1,6 @@
 """The local block kernel's interface, the registry of backends, and ``"auto"``: the routing table.
+The registry's logic (names, capabilities, determinism, resolving "auto") is ``seqplan.registry``,
+written once; this module gives it the framework's pieces and the kernel wrappers.
 
     block_fwd(q, k, v, mask, scale, segments=None, positions=None, softcap=None)                   -> (o, lse)
     block_bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None, softcap=None)
@@ -40,8 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from seqplan.routing import ALL_MASKS, LOW_PRECISION, Route, as_block_mask, first_route, reachable
-from seqplan.schedule import BlockMask, MaskKind
+from seqplan.registry import BackendRegistry
+from seqplan.routing import ALL_MASKS, LOW_PRECISION, Route
+from seqplan.schedule import BlockMask as BlockMask  # re-exported: callers build block.BlockMask (parity's sweep)
+from seqplan.schedule import MaskKind
 
 F32 = torch.float32
 
@@ -59,16 +63,6 @@ class BlockBackend:
     supports: Callable[..., bool] = lambda mask, dtype, softcap=False: not softcap
     # available() -> whether the kernels can run in this process: "auto" routes only to available backends.
     available: Callable[[], bool] = lambda: True
-
-
-_BACKENDS: dict[str, BlockBackend] = {}
-
-
-def register_backend(backend: BlockBackend) -> None:
-    """Make ``backend`` selectable by name (tests use this to count kernel calls)."""
-    if backend.name == "auto":
-        raise ValueError("'auto' is the routing backend's name; register a concrete backend under another name")
-    _BACKENDS[backend.name] = backend
 
 
 # Run-to-run determinism, measured on H200 (``python -m parity determinism``, 2026-11-22): the
@@ -113,57 +107,14 @@ def _dtype_name(dtype) -> str:
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
-def _check_named(name: str, deterministic: bool) -> None:
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown block backend {name!r}; registered: {sorted(_BACKENDS)} and 'auto'")
-    if name in NONDETERMINISTIC_WHEN_REQUESTED and deterministic:
-        message = (f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
-                   "runs) and deterministic=True (by default: torch.use_deterministic_algorithms(True) is set): "
-                   "use 'aten_flash' (deterministic in that mode) or 'reference'")
-        if not torch.is_deterministic_algorithms_warn_only_enabled():
-            raise RuntimeError(message)
-        import warnings
-
-        warnings.warn(message, stacklevel=3)
-
-
-def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: bool = False,
-                    softcap: bool = False) -> str:
-    """The concrete backend that runs a block of ``dtype`` under ``mask`` (a BlockMask, MaskKind
-    or its value) on ``device_kind`` when ``name`` is asked for: ``name`` itself (checked), or for
-    ``"auto"`` the backend of the first matching row of :data:`AUTO_ROUTES` that is available and
-    supports the mask in that dtype. ``softcap``: the block is soft-capped — a named backend that
-    does not apply soft-capping to it runs it on ``"reference"`` instead (:func:`capped_backend`),
-    and "auto" takes only rows whose backend does."""
-    if name != "auto":
-        _check_named(name, deterministic)
-        if softcap and not _caps(_BACKENDS[name], mask, dtype):
-            return "reference"
-        return name
-    return first_route(AUTO_ROUTES, device_kind=device_kind, dtype=_dtype_name(dtype), mask=as_block_mask(mask),
-                       deterministic=bool(deterministic), can_run=_can_run, softcap=bool(softcap))
-
-
-def _caps(backend: BlockBackend, mask, dtype) -> bool:
-    """Whether ``backend``'s kernels soft-cap a block of ``dtype`` under ``mask``."""
-    return bool(backend.supports(as_block_mask(mask), _dtype_name(dtype), softcap=True))
-
-
-def _can_run(name: str, mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
-    backend = _BACKENDS.get(name)
-    if backend is None or not backend.available():
-        return False
-    return backend.supports(mask, dtype, softcap=True) if softcap else backend.supports(mask, dtype)
+def _refusal(name: str) -> str:
+    return (f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
+            "runs) and deterministic=True (by default: torch.use_deterministic_algorithms(True) is set): "
+            "use 'aten_flash' (deterministic in that mode) or 'reference'")
 
 
 def _process_device_kinds() -> set[str]:
     return {"cpu"} | ({"cuda"} if torch.cuda.is_available() else set())
-
-
-def _reachable_here(deterministic: bool) -> list[str]:
-    """Backends "auto" may route to in this process (rows of its device kinds, available)."""
-    return reachable(AUTO_ROUTES, device_kinds=_process_device_kinds(), deterministic=deterministic,
-                     usable=lambda name: name in _BACKENDS and _BACKENDS[name].available())
 
 
 def _extras(segments, positions, softcap) -> dict:
@@ -196,7 +147,7 @@ def capped_backend(backend: BlockBackend, softcap: float) -> BlockBackend:
     the masks they cannot compute — never uncapped. (An aten backend named explicitly with a
     softcap therefore runs every block on the portable kernel: none applies soft-capping.)"""
     def pick(q, mask) -> BlockBackend:
-        return backend if _caps(backend, mask, q.dtype) else _BACKENDS["reference"]
+        return backend if _REGISTRY.caps(backend, mask, q.dtype) else _BACKENDS["reference"]
 
     def fwd(q, k, v, mask, scale, segments=None, positions=None):
         return pick(q, mask).fwd(q, k, v, mask, scale, **_extras(segments, positions, softcap))
@@ -205,6 +156,30 @@ def capped_backend(backend: BlockBackend, softcap: float) -> BlockBackend:
         return pick(q, mask).bwd(do, q, k, v, o, lse, mask, scale, dlse, **_extras(segments, positions, softcap))
 
     return BlockBackend(backend.name, fwd, bwd, supports=backend.supports, available=backend.available)
+
+
+_REGISTRY: BackendRegistry[BlockBackend] = BackendRegistry(
+    AUTO_ROUTES, NONDETERMINISTIC_WHEN_REQUESTED, refusal=_refusal,
+    warn_only=lambda: torch.is_deterministic_algorithms_warn_only_enabled(), dtype_name=_dtype_name,
+    process_device_kinds=_process_device_kinds, routing=routing_backend, capped=capped_backend)
+_BACKENDS: dict[str, BlockBackend] = _REGISTRY.backends  # the kernels/ modules fill it (register_backend)
+
+
+def register_backend(backend: BlockBackend) -> None:
+    """Make ``backend`` selectable by name (tests use this to count kernel calls)."""
+    _REGISTRY.register(backend)
+
+
+def resolve_backend(name: str, *, device_kind: str, dtype, mask, deterministic: bool = False,
+                    softcap: bool = False) -> str:
+    """The concrete backend that runs a block of ``dtype`` under ``mask`` (a BlockMask, MaskKind
+    or its value) on ``device_kind`` when ``name`` is asked for: ``name`` itself (checked), or for
+    ``"auto"`` the backend of the first matching row of :data:`AUTO_ROUTES` that is available and
+    supports the mask in that dtype. ``softcap``: the block is soft-capped — a named backend that
+    does not apply soft-capping to it runs it on ``"reference"`` instead (:func:`capped_backend`),
+    and "auto" takes only rows whose backend does (``seqplan.registry.BackendRegistry.resolve``)."""
+    return _REGISTRY.resolve(name, device_kind=device_kind, dtype=dtype, mask=mask, deterministic=deterministic,
+                             softcap=softcap)
 
 
 def get_backend(name: str = "auto", *, deterministic: bool = False, softcap: float | None = None) -> BlockBackend:
@@ -216,12 +191,4 @@ def get_backend(name: str = "auto", *, deterministic: bool = False, softcap: flo
     torch's own ops do — and "auto" avoids it. ``softcap`` (a float, or None): the kernels
     soft-cap every block — "auto" routes each block to a backend that applies it, a named backend
     runs on its own kernels only the blocks it can cap (:func:`capped_backend`)."""
-    if name == "auto":
-        reachable = _reachable_here(bool(deterministic))
-        if len(reachable) > 1:
-            return routing_backend(bool(deterministic), softcap)
-        backend = _BACKENDS[reachable[0]]
-    else:
-        _check_named(name, deterministic)
-        backend = _BACKENDS[name]
-    return backend if softcap is None else capped_backend(backend, softcap)
+    return _REGISTRY.get(name, deterministic=deterministic, softcap=softcap)

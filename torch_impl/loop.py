@@ -51,6 +51,7 @@ from seqplan.schedule import (
     Span,
     device_visits,
     document_flags,
+    return_distance,
     window_flags,
 )
 
@@ -72,12 +73,6 @@ def ring_index(groups) -> int:
 def _buffer(x):
     """A contiguous receive buffer like ``x`` (``empty_like`` would copy x's strides)."""
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-def return_distance(schedule: Schedule, hop) -> dict:
-    """``{"back": reach}`` for a truncated ring's ``RETURN`` hop, else ``{}`` — the keyword
-    ``Comm.shift`` takes only for that hop (so hooks written for the other hops keep working)."""
-    return {"back": schedule.reach} if hop is Hop.RETURN else {}
 
 
 class KVWalk:

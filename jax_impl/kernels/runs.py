@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from seqplan.documents import PREFIX_KEY_FACTOR
+
 RUN_SLOTS = (4, 16, 64)  # static run slots per row the kernels are compiled for
 MAX_RUNS = RUN_SLOTS[-1]
 # A token-index block compiles two forms (causal diagonal, FULL on new ids) in every block of a
@@ -325,11 +327,10 @@ def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = Fal
 
 # ---- a device's queries against every key in one call (all-gather-KV: seqplan.documents.prefix_runs) ----
 
-# Static run slots (all rows together) and the gathered keys' bound (times the sequence's keys) the
-# one call is compiled for; a plan beyond them goes to the caller's fallback. The balance mixes'
-# per-document hybrid at 128k over 8 devices needs at most 41 runs and 1.01 sequences of keys.
+# Static run slots (all rows together) the one call is compiled for, over at most
+# seqplan.documents.PREFIX_KEY_FACTOR times the sequence's keys; a plan beyond them goes to the
+# caller's fallback. The balance mixes' per-document hybrid at 128k over 8 devices needs at most 41 runs.
 PREFIX_SLOTS = (32, 64, 256)
-PREFIX_KEY_FACTOR = 2
 
 
 def _row_prefix(q_ids, kv_ids, q_index, kv_index):
