@@ -1,0 +1,105 @@
+"""The multi-GPU driver's packed-document plumbing, without GPUs: why these exist — a row timed on
+ids that are not the ones its verification, its anchor or its layout assume would be a wrong
+number, not an error. Per-row layouts lay ids out exactly as the replay does, unknown layouts are
+refused before any work, a row is marked only by its own path's verdict, and a document row's
+efficiency is taken against its framework's anchor on the same ids."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from benchmarks.common import MeshSpec, Problem, check_layouts, lay_out, mesh_rows, row_problem
+from benchmarks.run import add_efficiency
+from benchmarks.verify import mark_rows, path_key, planned_paths, reduced_case
+
+SEQ = 4096
+
+
+def test_layouts_are_refused_before_any_work():
+    with pytest.raises(SystemExit, match="--layout takes"):
+        check_layouts("zigzag,document-zagzig", "short")
+    with pytest.raises(SystemExit, match="needs --documents"):
+        check_layouts("document-hybrid", "none")
+    assert check_layouts("zigzag,document-hybrid", "short") == ["zigzag", "document-hybrid"]
+
+
+@pytest.mark.parametrize("layout", ["document-zigzag", "document-hybrid"])
+def test_a_row_layout_lays_out_the_fitted_ids_with_their_token_indices(layout):
+    from seqplan.layouts import row_layout
+
+    spec, problem = MeshSpec("usp-r2xu2"), Problem(seq=SEQ, heads=8, kv_heads=2, documents="heavy-tail")
+    fitted = row_problem(problem, spec, layout)
+    assert (fitted.fit_ring, fitted.fit_multiple) == (2, 8)
+    laid = lay_out(problem, spec, layout)
+    ids = fitted.segment_ids()
+    perm = row_layout(layout, ids, spec.ring).perm
+    assert laid.api_layout == "contiguous"
+    np.testing.assert_array_equal(laid.token_index, perm)  # each token's original index, in layout order
+    np.testing.assert_array_equal(laid.segment_ids, np.take_along_axis(ids, perm, 1))
+    assert sorted(laid.token_index[0].tolist()) == list(range(SEQ))
+
+
+def test_a_static_layout_keeps_the_raw_ids_and_passes_no_token_index():
+    from seqplan.layouts import layout_permutation
+
+    spec, problem = MeshSpec("ring-r4"), Problem(seq=SEQ, documents="short")
+    laid = lay_out(problem, spec, "zigzag")
+    assert row_problem(problem, spec, "zigzag") is problem and laid.token_index is None
+    np.testing.assert_array_equal(laid.segment_ids, problem.segment_ids()[:, layout_permutation(SEQ, "zigzag", 4, 1)])
+
+
+def test_static_rows_come_before_per_row_layouts_and_ulysses_runs_once():
+    rows = mesh_rows([MeshSpec("ring-r4"), MeshSpec("ulysses-u4")], "auto", "document-hybrid,zigzag")
+    assert [(s.name, layout) for s, _, layout in rows] == [
+        ("ring-r4", "zigzag"), ("ulysses-u4", "contiguous"), ("ring-r4", "document-hybrid")]
+
+
+def test_the_verified_case_of_a_row_layout_is_its_token_index_case():
+    case = reduced_case(MeshSpec("ring-agkv-r4").shape, "document-hybrid", Problem(seq=SEQ, documents="few-long"))
+    assert (case.token_index, case.row_layout, case.layout, case.documents) == (True, "document-hybrid", "contiguous",
+                                                                                 "mix")
+
+
+def _args(**kw):
+    base = dict(documents="short,few-long", layout="zigzag,document-hybrid", meshes="ring-r4,ulysses-u4,ring-r2",
+                seqs="131072", heads=32, kv_heads=8, window=None, only=None, gpus=4, jax_backends="auto",
+                torch_backends="auto")
+    return argparse.Namespace(**(base | kw))
+
+
+def test_planned_paths_are_one_per_verdict_and_torch_only_on_its_world():
+    paths = planned_paths(_args())
+    keys = [path_key(*p) for p in paths]
+    assert len(keys) == len(set(keys))  # the mixes share the reduced "mix" case: verified once
+    torch_meshes = {p[1] for p in paths if p[0] == "torch"}
+    assert torch_meshes == {"ring-r4", "ulysses-u4"}  # ring-r2 needs 2 ranks: torch runs it on no 4-GPU world
+    assert {p[1] for p in paths if p[0] == "jax"} == {"ring-r4", "ulysses-u4", "ring-r2"}
+
+
+def _row(framework="torch_impl", layout="document-hybrid", tflops=100.0, documents="short", fit=4):
+    return {"framework": framework, "strategy": "ring", "layout": layout, "seq_len": 131072, "devices": 4,
+            "ulysses": 1, "ring": 4, "fwd_only": False, "ms_per_iter": 10.0, "tflops_per_gpu": tflops,
+            "verified": None, "note": "", "extra": {"mesh": "ring-r4", "block_backend": "auto", "heads": 32,
+                                                     "kv_heads": 8, "documents": documents, "window": None,
+                                                     "fit_ring": fit, "fit_multiple": 8}}
+
+
+def test_rows_are_marked_by_their_own_path_only():
+    row = _row()
+    key = path_key("torch", "ring-r4", "document-hybrid", "auto", Problem(seq=131072, kv_heads=8, documents="short"))
+    passed = mark_rows([row], {key: {"passed": True, "detail": "ok", "resolved": {"by-token-index": "aten_varlen"}}})
+    assert passed[0]["verified"] is True and passed[0]["extra"]["resolved"] == {"by-token-index": "aten_varlen"}
+    other = mark_rows([_row(layout="zigzag")], {key: {"passed": True, "detail": "ok"}})
+    assert other[0]["verified"] is False and other[0]["tflops_per_gpu"] is None  # no verdict: no throughput
+
+
+def test_document_efficiency_is_against_the_anchor_on_the_same_ids():
+    rows = [_row(tflops=100.0), _row(layout="zigzag", tflops=50.0, fit=0),
+            _row("torch_varlen_anchor", "-", 400.0, fit=4), _row("torch_varlen_anchor", "-", 250.0, fit=0),
+            _row("jax_varlen_anchor", "-", 1000.0, fit=4)]
+    out = add_efficiency(rows)
+    assert out[0]["efficiency"] == pytest.approx(0.25)  # fitted ids: the fitted anchor, torch's own
+    assert out[1]["efficiency"] == pytest.approx(0.20)  # raw ids: the raw anchor
