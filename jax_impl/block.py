@@ -100,7 +100,7 @@ AUTO_ROUTES: tuple[Route, ...] = (
           device_kinds=("cuda",), dtypes=("bfloat16",), masks=ALL_MASKS, deterministic=False),
     Route("cudnn", "verified bf16 and fp16 (fp16 resolves here, not to fa3, until fa3's fp16 is verified)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION),
-    Route("fa3_varlen", "document blocks (full, causal diagonal; one run per document, at most runs.MAX_RUNS per "
+    Route("fa3_varlen", "document blocks (full, causal diagonal; one run per document, at most runs.VARLEN_MAX_RUNS per "
           "row, else the portable kernel by lax.cond) and token-index causal blocks (runs.index_dispatch) on FA3 "
           "varlen: docs/gpu/masked-2026-11-24-h100.md; its "
           "determinism not measured, so not in deterministic mode (needs flash_attn3_jax 0.2.3)",

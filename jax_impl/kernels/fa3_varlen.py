@@ -2,7 +2,7 @@
 flash_attn3_jax (Hopper GPUs, bf16 / fp16), forward and a mended backward.
 
 The block's runs come from ``runs.varlen_offsets`` (traced, static shapes: b·m sequences for the
-smallest m of ``runs.RUN_SLOTS`` that holds them, picked by ``runs.dispatch``; unused ones
+smallest m of ``runs.VARLEN_RUN_SLOTS`` that holds them, picked by ``runs.dispatch``; unused ones
 zero-length): the queries stay in place (packed [b·t]) and each query run's keys — its
 document's key run — are gathered into consecutive packed keys (no gather on a causal diagonal
 block, whose runs are its own tokens). A FULL block whose keys all precede its queries (every
@@ -43,7 +43,7 @@ from seqplan.schedule import BlockMask, MaskKind, by_token_index
 from ..block import BlockBackend, register_backend
 from .fa3 import MAX_TILE_ROWS, verified
 from .reference import reference_block_bwd, reference_block_fwd
-from .runs import dispatch, index_dispatch
+from .runs import VARLEN_RUN_SLOTS, dispatch, index_dispatch
 
 F32 = jnp.float32
 
@@ -132,7 +132,7 @@ def fa3_varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, 
     if mask.window is not None:
         return index_dispatch(segments, positions, kernel, portable)
     causal = mask.kind is MaskKind.CAUSAL
-    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, boundary=True)
+    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, VARLEN_RUN_SLOTS, boundary=True)
 
 
 def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
@@ -144,7 +144,8 @@ def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dls
     if mask.window is not None:
         return index_dispatch(segments, positions, kernel, portable, lengths=True)
     causal = mask.kind is MaskKind.CAUSAL
-    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, boundary=True, lengths=True)
+    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, VARLEN_RUN_SLOTS, boundary=True,
+                    lengths=True)
 
 
 def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:

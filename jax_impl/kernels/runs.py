@@ -24,6 +24,12 @@ from seqplan.documents import PREFIX_KEY_FACTOR
 
 RUN_SLOTS = (4, 16, 64)  # static run slots per row the kernels are compiled for
 MAX_RUNS = RUN_SLOTS[-1]
+# FlashAttention-3's varlen forms take one more size: a block of a whole 128k sequence (Ulysses, or
+# USP's ring shard) holds 84-163 documents of the balance mixes, and past 64 runs it went to the
+# portable kernel — 5-10 s a step against 40-60 ms fused (4x H200, 2026-11-26). Only the slots'
+# offsets grow with it (cuDNN's packed form keeps RUN_SLOTS: its workspace grows with the slots).
+VARLEN_RUN_SLOTS = (*RUN_SLOTS, 256)
+VARLEN_MAX_RUNS = VARLEN_RUN_SLOTS[-1]
 # A token-index block compiles two forms (causal diagonal, FULL on new ids) in every block of a
 # device's program, whose blocks all take them (a non-causal schedule): fewer static variants
 # each, so a ring of 8 compiles in reasonable time (2026-11-26 on an H100: the full set did not

@@ -192,6 +192,49 @@ def test_jax_dispatch_picks_the_fewest_slots_or_the_portable_kernel():
     assert chosen(np.repeat(np.arange(10), 2)[None]) == 16
 
 
+def test_fa3_varlen_forms_hold_more_runs_than_the_packed_form():
+    """A block of more than 64 documents (a whole 128k sequence under Ulysses: 84-163 for the
+    balance mixes) runs FA3's varlen form on ``VARLEN_RUN_SLOTS`` up to 256 runs, the forward and
+    the backward; past that, and on cuDNN's packed form (``RUN_SLOTS``) past 64, the portable kernel."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import fa3_varlen, runs
+
+    seen = []
+
+    def chosen(n_runs, slots, lengths=False):
+        ids = jnp.asarray(np.repeat(np.arange(n_runs, dtype=np.int32), 4)[None])  # t = 4 runs: no cap at t
+        return int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r["cu_q"].shape[0] - 1),
+                                 lambda: jnp.int32(-1), slots, lengths=lengths))
+
+    for n_runs, want in ((64, 64), (65, 256), (256, 256)):
+        assert chosen(n_runs, runs.VARLEN_RUN_SLOTS) == want
+        assert chosen(n_runs, runs.VARLEN_RUN_SLOTS, lengths=True) == want
+    assert chosen(257, runs.VARLEN_RUN_SLOTS) == -1
+    assert chosen(65, runs.RUN_SLOTS) == -1  # the packed form's limit is unchanged
+
+    real = runs.dispatch  # the adapter hands its dispatch the varlen slots, forward and backward
+    try:
+        runs_dispatch = lambda *a, **k: seen.append(a[4] if len(a) > 4 else k.get("slots")) or real(*a, **k)
+        fa3_varlen.dispatch = runs_dispatch
+        from seqplan.schedule import BlockMask, MaskKind
+
+        q = jnp.zeros((1, 8, 1, 8), jnp.bfloat16)
+        ids = jnp.zeros((1, 8), jnp.int32)
+        mask = BlockMask(MaskKind.CAUSAL, documents=True)
+        for call in (lambda: fa3_varlen.fa3_varlen_block_fwd(q, q, q, mask, 1.0, (ids, ids)),
+                     lambda: fa3_varlen.fa3_varlen_block_bwd(q, q, q, q, q, jnp.zeros((1, 1, 8)), mask, 1.0,
+                                                             segments=(ids, ids))):
+            try:
+                call()
+            except Exception:  # noqa: BLE001 — no FA3 here: only the slots it was dispatched with matter
+                pass
+    finally:
+        fa3_varlen.dispatch = real
+    assert seen == [runs.VARLEN_RUN_SLOTS] * 2
+
+
 @pytest.mark.parametrize("trial", range(6))
 def test_jax_boundary_runs_see_exactly_the_masked_pairs(trial, seed):
     """runs.boundary_runs — a FULL block whose keys precede its queries as three runs a row over
