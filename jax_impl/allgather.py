@@ -86,7 +86,7 @@ def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
     document blocks resolving to ``fa3_varlen`` on ``q``'s device kind and dtype
     (``seqplan.registry.prefix_eligible``)."""
     return seqplan.registry.prefix_eligible(config, documents, device_kind=device_kind_of(q), dtype=q.dtype,
-                                            resolve_backend=resolve_backend, one_call_backend="fa3_varlen")
+                                            resolve_backend=resolve_backend, one_call_backends=("fa3_varlen",))
 
 
 def _positions(config: AttentionConfig, index_all, b: int, ring: int, t: int):

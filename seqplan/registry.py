@@ -10,7 +10,7 @@ dtype, softcap=False)`` and ``available()`` (each ``block.BlockBackend``)."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -115,16 +115,26 @@ class BackendRegistry(Generic[Backend]):
         return backend if softcap is None else self.capped(backend, softcap)
 
 
-def prefix_eligible(config: AttentionConfig, documents: bool, *, device_kind: str, dtype,
-                    resolve_backend: Callable[..., str], one_call_backend: str) -> bool:
-    """Whether an all-gather-KV call may run as one varlen call per device — decided on static
-    facts: causal by token indices (``config.token_index``: the window ``(UNBOUNDED, 0)``) or by
-    the layout's positions with packed documents (``documents``) and no window
-    (``schedule.one_call_mask``), not soft-capped, its document blocks resolving
-    (``resolve_backend``, a registry's :meth:`BackendRegistry.resolve`) to the framework's varlen
-    backend ``one_call_backend`` on ``device_kind`` and ``dtype``."""
+def one_call_backend(config: AttentionConfig, documents: bool, *, device_kind: str, dtype,
+                     resolve_backend: Callable[..., str]) -> str | None:
+    """The backend an all-gather-KV call's document blocks resolve to, when the call could run as
+    one varlen call per device — decided on static facts: causal by token indices
+    (``config.token_index``: the window ``(UNBOUNDED, 0)``) or by the layout's positions with
+    packed documents (``documents``) and no window (``schedule.one_call_mask``), not soft-capped;
+    the block mask resolved by ``resolve_backend`` (a registry's :meth:`BackendRegistry.resolve`)
+    on ``device_kind`` and ``dtype``. None: not such a call. The framework decides whether that
+    backend has a one-call kernel (:func:`prefix_eligible`)."""
     mask = one_call_mask(config.causal, config.window, config.token_index, documents)
     if config.softcap is not None or mask is None:
-        return False
+        return None
     return resolve_backend(config.block_backend, device_kind=device_kind, dtype=dtype, mask=mask,
-                           deterministic=config.deterministic) == one_call_backend
+                           deterministic=config.deterministic)
+
+
+def prefix_eligible(config: AttentionConfig, documents: bool, *, device_kind: str, dtype,
+                    resolve_backend: Callable[..., str], one_call_backends: Collection[str]) -> bool:
+    """Whether an all-gather-KV call may run as one varlen call per device: its document blocks
+    resolve (:func:`one_call_backend`) to one of the framework's varlen backends that have a
+    one-call kernel, ``one_call_backends``."""
+    name = one_call_backend(config, documents, device_kind=device_kind, dtype=dtype, resolve_backend=resolve_backend)
+    return name is not None and name in one_call_backends

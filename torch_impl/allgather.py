@@ -14,10 +14,11 @@ one reduce-scatter of each brings every shard's sum home. Memory: the gathered K
 are saved for the backward — the price of no transfer inside the loop.
 
 **One call** (:func:`prefix_plan`): a causal call with packed documents or token indices whose
-blocks go to ``aten_varlen`` does not walk the blocks at all. With every key in hand, the rank's
+blocks go to a varlen family with a one-call kernel (:data:`ONE_CALL_KERNELS`: ``aten_varlen``,
+``fa4``) does not walk the blocks at all. With every key in hand, the rank's
 queries against the whole sequence are one batch of causal runs — each query run against its
 document's key prefix, gathered (``seqplan.documents.prefix_runs``) — so the forward is ONE
-FA2 varlen call and the backward one more, the gathered keys' dK / dV scattered back into the
+varlen call (FA2 or FA4) and the backward one more, the gathered keys' dK / dV scattered back into the
 float32 [R, b, t] accumulators before the reduce-scatter. No merge, no per-block launch: the
 whole-sequence varlen kernel's cost on the rank's share of the pairs. A backward with an lse
 cotangent (the varlen backward takes none) walks the blocks as before.
@@ -39,7 +40,7 @@ from seqplan.validation import (
 from .block import device_kind_of, resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .kernels import varlen
+from .kernels import fa4, varlen
 from .loop import ShardMasks, add_grads, attend_block, attention_with_vjp, grad_block, merge_block, ring_index
 
 F32 = torch.float32
@@ -71,12 +72,24 @@ def _visits(groups, config: AttentionConfig):
 PREFIX_MAX_KEYS = PREFIX_KEY_FACTOR  # seqplan's bound on the gathered keys, under this module's former name
 
 
+# The block backends whose varlen kernel family also runs the one call (module docstring).
+ONE_CALL_KERNELS = {"aten_varlen": varlen, "fa4": fa4}
+
+
+def _one_call_kernel(config: AttentionConfig, q, documents: bool):
+    """The kernel module that runs the one call — the one the call's document blocks resolve to
+    (``seqplan.registry.one_call_backend``) — or None."""
+    name = seqplan.registry.one_call_backend(config, documents, device_kind=device_kind_of(q), dtype=q.dtype,
+                                             resolve_backend=resolve_backend)
+    return ONE_CALL_KERNELS.get(name)
+
+
 def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
     """Whether the call may run as one varlen call per device (module docstring): static, its
-    document blocks resolving to ``aten_varlen`` on ``q``'s device and dtype
-    (``seqplan.registry.prefix_eligible``)."""
+    document blocks resolving to a backend of :data:`ONE_CALL_KERNELS` (``aten_varlen``, ``fa4``)
+    on ``q``'s device and dtype (``seqplan.registry.prefix_eligible``)."""
     return seqplan.registry.prefix_eligible(config, documents, device_kind=device_kind_of(q), dtype=q.dtype,
-                                            resolve_backend=resolve_backend, one_call_backend="aten_varlen")
+                                            resolve_backend=resolve_backend, one_call_backends=ONE_CALL_KERNELS)
 
 
 def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, q, *,
@@ -98,14 +111,14 @@ def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, 
 def prefix_forward(config: AttentionConfig, q, kv_packed, plan: PrefixRuns):
     """The device's (o, lse) as ONE varlen call against its gathered key prefixes:
     ``kv_packed`` = (k, v) [n, hk, d], every key of the sequence packed as ``plan`` indexes them."""
-    return varlen.prefix_forward(q, *kv_packed, plan, config.scale)
+    return _one_call_kernel(config, q, True).prefix_forward(q, *kv_packed, plan, config.scale)
 
 
 def prefix_backward(config: AttentionConfig, saved, kv_packed, plan: PrefixRuns):
     """The backward of :func:`prefix_forward` given ``saved = (q, o, lse, do)`` (the GLOBAL o, lse):
     (dq, dk, dv) with dk, dv float32 [n, hk, d] — every key's gradient from this device's rows."""
     q, o, lse, do = saved
-    return varlen.prefix_backward(do, q, *kv_packed, o, lse, plan, config.scale)
+    return _one_call_kernel(config, q, True).prefix_backward(do, q, *kv_packed, o, lse, plan, config.scale)
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):

@@ -70,7 +70,8 @@ class BlockBackend:
 # aten_flash and aten_cudnn; torch.use_deterministic_algorithms(True) makes aten_flash
 # deterministic (torch picks FlashAttention's deterministic backward) but not aten_cudnn.
 # "reference" and every forward were bitwise reproducible.
-NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"aten_cudnn"})
+# fa4: its determinism is not measured yet (its own ``deterministic`` mode untested): refused.
+NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"aten_cudnn", "fa4"})
 
 
 # ---- "auto": the routing table --------------------------------------------------------------------
@@ -108,9 +109,11 @@ def _dtype_name(dtype) -> str:
 
 
 def _refusal(name: str) -> str:
-    return (f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
-            "runs) and deterministic=True (by default: torch.use_deterministic_algorithms(True) is set): "
-            "use 'aten_flash' (deterministic in that mode) or 'reference'")
+    why = ("its run-to-run determinism has not been measured" if name == "fa4"
+           else "its backward's dq differs between identical runs")
+    return (f"block backend {name!r} is not deterministic ({why}) and deterministic=True (by default: "
+            "torch.use_deterministic_algorithms(True) is set): use 'aten_flash' (deterministic in that mode) or "
+            "'reference'")
 
 
 def _process_device_kinds() -> set[str]:

@@ -69,7 +69,14 @@ def test_gpu_jax_cudnn_block_kernel_matches_portable_kernel(mask):
 
 
 VERIFIED = [("jax", b) for b in ("reference", "cudnn", "fa3")] + [("torch", b) for b in ("reference", "aten_flash",
-                                                                                          "aten_cudnn")]
+                                                                                          "aten_cudnn", "fa4")]
+
+
+def _skip_without_fa4(backend: str) -> None:
+    from torch_impl.kernels import fa4
+
+    if backend == "fa4" and not fa4.available():
+        pytest.skip("fa4 needs flash-attn-4 (flash_attn.cute) on a compute capability 9.0+ GPU")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -80,6 +87,7 @@ def test_block_backend_matches_float64_truth_at_4096_tokens(framework, backend, 
     4096 × 2048) through ``fwd`` then ``bwd``: every tensor within the policy of the truth."""
     if framework == "jax" and not jax_on_gpu():
         pytest.skip("JAX has no GPU here (run with JAX_PLATFORMS=cuda)")
+    _skip_without_fa4(backend)
     from parity.probes import kernels
 
     # MHA / GQA / MQA at d 128, and GQA at d 64: every head layout and both head dims, without the
@@ -264,15 +272,50 @@ def test_gpu_flex_backward_with_merged_global_o_lse(route, monkeypatch, seed):
     _flex_check({"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, truth, control, "merged")
 
 
-def test_gpu_torch_varlen_document_blocks_match_the_portable_kernel():
-    """aten_varlen on document blocks (a causal diagonal with length-1 documents, a full block
+@pytest.mark.parametrize("backend", ["aten_varlen", "fa4"])
+def test_gpu_torch_varlen_document_blocks_match_the_portable_kernel(backend):
+    """aten_varlen / fa4 on document blocks (a causal diagonal with length-1 documents, a full block
     whose edge cuts a document, a full block where half the query documents have no key): o,
     lse, dq, dk, dv against the portable kernel in float32, empty rows exactly o = 0 and
     lse = -inf, and the varlen path (not the fallback) taken — benchmarks.masked's checks."""
+    _skip_without_fa4(backend)
     from benchmarks.masked import block_checks
 
-    rows = block_checks("cuda")
+    rows = block_checks("cuda", backend=backend)
     assert rows and all(r["verified"] for r in rows), rows
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_fa4_soft_capped_document_blocks_match_the_portable_kernel(dtype, seed):
+    """fa4 with soft-capping (Gemma 2's 50 / 30 scaled to these logits: 2.0) on a causal diagonal
+    of packed documents and on a full block with absent documents, forward and backward from the
+    portable kernel's global o and lse: within the low-precision bound of the portable kernel in
+    float32 (the capped slope in both passes)."""
+    _skip_without_fa4("fa4")
+    import numpy as np
+
+    from seqplan.schedule import BlockMask, MaskKind
+    from torch_impl.block import get_backend
+
+    t, heads, kv_heads, d = 4096, 8, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cut = np.sort(np.random.default_rng(seed).choice(np.arange(1, 2 * t), 12, replace=False))
+    ids = torch.from_numpy(np.repeat(np.arange(13, dtype=np.int32), np.diff(np.r_[0, cut, 2 * t]))[None]).cuda()
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).to(getattr(torch, dtype))
+    ref, fast = get_backend("reference", softcap=2.0), get_backend("fa4", softcap=2.0)
+    for kind, seg in ((MaskKind.CAUSAL, (ids[:, :t], ids[:, :t])), (MaskKind.FULL, (ids[:, t:], ids[:, :t]))):
+        q, do, k, v = rnd(1, t, heads, d), rnd(1, t, heads, d), rnd(1, t, kv_heads, d), rnd(1, t, kv_heads, d)
+        mask, scale = BlockMask(kind, documents=True), d**-0.5
+        o_r, lse_r = ref.fwd(q, k, v, mask, scale, segments=seg)
+        o_f, lse_f = fast.fwd(q, k, v, mask, scale, segments=seg)
+        g_r = ref.bwd(do, q, k, v, o_r.to(q.dtype), lse_r, mask, scale, segments=seg)
+        g_f = fast.bwd(do, q, k, v, o_r.to(q.dtype), lse_r, mask, scale, segments=seg)
+        seen = lse_r.isfinite()
+        assert torch.equal(seen, lse_f.isfinite())
+        assert float((lse_f - lse_r)[seen].abs().max()) <= 1e-2
+        for name, x, y in (("o", o_f, o_r), *zip(("dq", "dk", "dv"), g_f, g_r)):
+            err = float((x.float() - y.float()).abs().max() / y.float().abs().max())
+            assert err <= 2e-2, f"{kind.value} {name}: {err:.2e}"
 
 
 @pytest.mark.parametrize("backend", ["fa3_varlen", "cudnn_varlen"])

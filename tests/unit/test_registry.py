@@ -78,7 +78,7 @@ def test_the_one_call_needs_documents_or_token_indices_and_the_frameworks_varlen
     registry.register(Stub("varlen"))
     eligible = lambda config, documents, backend="varlen": prefix_eligible(
         config, documents, device_kind="cuda", dtype="bfloat16", resolve_backend=registry.resolve,
-        one_call_backend=backend)
+        one_call_backends=(backend,))
     causal = AttentionConfig(True, "zigzag", 0.5, block_backend="varlen")
     assert eligible(causal, documents=True)
     assert not eligible(causal, documents=False)  # nothing to pack: the blocks

@@ -60,8 +60,9 @@ def _host(pair):
     return host if host is not None else tuple(x.cpu().numpy() for x in pair)
 
 
-def _plan(mask: BlockMask, segments, positions, dtype) -> tuple[DocumentRuns, bool] | None:
-    """(runs, causal) of a block this kernel runs exactly, or None (the portable kernel's)."""
+def block_runs(mask: BlockMask, segments, positions, dtype) -> tuple[DocumentRuns, bool] | None:
+    """(runs, causal) of a document or token-index block a varlen kernel runs exactly, or None
+    (the portable kernel's). Shared with ``kernels/fa4``: the plan is the kernel family's, not FA2's."""
     if dtype not in (torch.bfloat16, torch.float16) or mask.kind is MaskKind.STRICT:
         return None
     if mask.window is None:
@@ -74,7 +75,7 @@ def _plan(mask: BlockMask, segments, positions, dtype) -> tuple[DocumentRuns, bo
     return cached_plan(index_runs, *(_host(segments) if segments is not None else (None, None)), *_host(positions))
 
 
-def _offsets(runs: DocumentRuns, device):
+def run_offsets(runs: DocumentRuns, device):
     to = lambda x: None if x is None else torch.from_numpy(x).to(device, non_blocking=True)
     return to(runs.cu_q), to(runs.cu_k), to(runs.empty_rows), to(runs.unread_keys)
 
@@ -92,7 +93,7 @@ def _rng_state(device, dtype, d: int):
 
 
 def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
-    plan = _plan(mask, segments, positions, q.dtype)
+    plan = block_runs(mask, segments, positions, q.dtype)
     if plan is None:
         return reference_block_fwd(q, k, v, mask, scale, segments, positions)
     runs, causal = plan
@@ -100,7 +101,7 @@ def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, posi
     if runs.max_k == 0 or runs.max_q == 0:  # no query's document has a key here
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
-    cu_q, cu_k, empty, _ = _offsets(runs, q.device)
+    cu_q, cu_k, empty, _ = run_offsets(runs, q.device)
     flat = lambda x: x.reshape(-1, *x.shape[2:])
     o, lse = flash_forward(
         flat(q), flat(k), flat(v), cu_q, cu_k, runs.max_q, runs.max_k, 0.0, causal, False, scale=scale)[:2]
@@ -112,14 +113,14 @@ def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, posi
 
 
 def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
-    plan = None if dlse is not None else _plan(mask, segments, positions, q.dtype)
+    plan = None if dlse is not None else block_runs(mask, segments, positions, q.dtype)
     if plan is None:
         return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
     runs, causal = plan
     b, t, h, d = q.shape
     if runs.max_k == 0 or runs.max_q == 0:
         return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    cu_q, cu_k, empty, unread = _offsets(runs, q.device)
+    cu_q, cu_k, empty, unread = run_offsets(runs, q.device)
     dtype = q.dtype
     lse_packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
     if empty is not None:  # rows with no key here: any finite lse; their gradients are zeroed below
@@ -153,7 +154,7 @@ register_backend(BlockBackend("aten_varlen", varlen_block_fwd, varlen_block_bwd,
 _PREFIX_TENSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _prefix_offsets(plan: PrefixRuns, device):
+def prefix_offsets(plan: PrefixRuns, device):
     """The plan's offsets and key index on ``device``, copied once per plan object (a cached
     plan serves a step's layers and both passes: one host-to-device copy, not one per call)."""
     held = _PREFIX_TENSORS.setdefault(plan, {})
@@ -168,7 +169,7 @@ def prefix_forward(q, k_packed, v_packed, plan: PrefixRuns, scale: float):
     indexes them): each run bottom-right causal over its document's key prefix. Returns
     (o [b, t, h, d] in q's dtype, lse [b, h, t] float32) — every query sees at least its own key."""
     b, t, h, d = q.shape
-    cu_q, cu_k, index = _prefix_offsets(plan, q.device)
+    cu_q, cu_k, index = prefix_offsets(plan, q.device)
     o, lse = flash_forward(q.reshape(b * t, h, d), k_packed.index_select(0, index), v_packed.index_select(0, index),
                            cu_q, cu_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale)[:2]
     return o.reshape(b, t, h, d), lse.float().reshape(h, b, t).transpose(0, 1).contiguous()
@@ -179,7 +180,7 @@ def prefix_backward(do, q, k_packed, v_packed, o, lse, plan: PrefixRuns, scale: 
     dv float32 [n, hk, d] — every packed key's gradient, the gathered keys' scattered back and
     summed where a key was gathered for several runs)."""
     b, t, h, d = q.shape
-    cu_q, cu_k, index = _prefix_offsets(plan, q.device)
+    cu_q, cu_k, index = prefix_offsets(plan, q.device)
     dtype = q.dtype
     rng, unused = _rng_state(q.device, dtype, d)
     flat = lambda x: x.to(dtype).reshape(b * t, h, d)

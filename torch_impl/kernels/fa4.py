@@ -1,0 +1,180 @@
+"""Backend ``"fa4"``: blocks on FlashAttention-4's varlen kernels (pip ``flash-attn-4``, the CuTe
+DSL's ``flash_attn.cute``; Hopper and Blackwell, bf16 / fp16), forward and backward, soft-capped
+when the call soft-caps, and all-gather-KV's one varlen call per device (``allgather``).
+
+One kernel family for every block it takes, through the varlen entry: a document block or a
+token-index block is the run list ``aten_varlen`` plans (``varlen.block_runs``: one run per
+document, in place, no gather), and a block without documents is one run per batch row (FULL, or
+a CAUSAL diagonal block: square runs). Why the library's private ``_flash_attn_fwd`` /
+``_flash_attn_bwd`` rather than ``flash_attn_varlen_func``: the ring's block backward needs the
+*global* o and lse (the public autograd function's backward uses its own), as ``varlen.py`` uses
+aten's underscore ops. They are bound in one place (:func:`fa4_forward`, :func:`fa4_backward`),
+which the CPU tests emulate (tests/fa4_ops.py).
+
+FA4 compiles a kernel variant per distinct ``max_seqlen`` (seconds each, on first use): in packed
+training every batch's longest document differs, so the bounds passed are rounded up to
+:func:`seqlen_bucket` (powers of two from 128, capped at the packed length) — a larger bound is
+still a bound, costing at most idle tiles. The varlen causal mask is aligned bottom-right per run
+(the prefix runs of the one call rely on it).
+
+What it routes elsewhere (the portable kernel, never guessed): fp32, a strict block, a window other
+than the token-index one, an lse cotangent, ids that are not runs, and a backward with head_dim >
+192 (not supported on SM90). Queries whose document has no key in the block get o = 0, lse = -inf
+and zero gradients, and keys no query reads zero dK / dV, written here. Run-to-run determinism is
+not measured: the backend is refused under ``deterministic=True`` (``block.NONDETERMINISTIC_WHEN_REQUESTED``),
+and ``"auto"`` does not route to it until the GPU tier has verified and timed it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from seqplan.documents import DocumentRuns, PrefixRuns, document_runs
+from seqplan.routing import LOW_PRECISION
+from seqplan.schedule import BlockMask, MaskKind, by_token_index
+
+from ..block import BlockBackend, register_backend
+from .reference import reference_block_bwd, reference_block_fwd
+from .varlen import block_runs, prefix_offsets, run_offsets
+
+F32 = torch.float32
+MAX_BWD_HEAD_DIM = 192  # FA4's SM90 backward: larger head dims are not supported there
+SMALLEST_BUCKET = 128
+
+
+def fa4_forward(*args, **kwargs):
+    """``flash_attn.cute.interface._flash_attn_fwd``, bound in one place (the CPU tests emulate it)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    return _flash_attn_fwd(*args, **kwargs)
+
+
+def fa4_backward(*args, **kwargs):
+    """``flash_attn.cute.interface._flash_attn_bwd``, bound in one place (the CPU tests emulate it)."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    return _flash_attn_bwd(*args, **kwargs)
+
+
+@functools.cache
+def available() -> bool:
+    """CUDA on compute capability 9.0 or newer, and ``flash_attn.cute`` importable."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def seqlen_bucket(n: int, cap: int) -> int:
+    """``max_seqlen`` as passed to FA4: the smallest power of two >= n, at least 128, at most
+    ``cap`` (the packed length, itself >= n) — a short static set, so the kernel variants compiled
+    for a stream of batches stop growing after the first few."""
+    return min(cap, max(SMALLEST_BUCKET, 1 << max(0, int(n) - 1).bit_length()))
+
+
+def _plan(mask: BlockMask, segments, positions, q, k) -> tuple[DocumentRuns, bool] | None:
+    """(runs, causal) of a block FA4 runs exactly, or None (the portable kernel's)."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or mask.kind is MaskKind.STRICT:
+        return None
+    if segments is not None or mask.window is not None:
+        return block_runs(mask, segments, positions, q.dtype)
+    causal = mask.kind is MaskKind.CAUSAL  # no documents: one run per batch row
+    runs = document_runs(np.zeros(q.shape[:2], np.int32), np.zeros(k.shape[:2], np.int32), causal)
+    return None if runs is None else (runs, causal)
+
+
+def _bounds(runs: DocumentRuns, q, k) -> dict:
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    return {"max_seqlen_q": seqlen_bucket(runs.max_q, b * t), "max_seqlen_k": seqlen_bucket(runs.max_k, b * s)}
+
+
+def _packed_lse(lse, empty):
+    """[b, h, t] -> the kernel's [h, b·t] float32; rows with no key here get a finite lse (their
+    gradients are zeroed after the call)."""
+    b, h, t = lse.shape
+    packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
+    return packed if empty is None else packed.masked_fill(empty[None, :], 0.0)
+
+
+def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
+    plan = _plan(mask, segments, positions, q, k)
+    if plan is None:
+        return reference_block_fwd(q, k, v, mask, scale, segments, positions, softcap=softcap)
+    runs, causal = plan
+    b, t, h, d = q.shape
+    if runs.max_k == 0 or runs.max_q == 0:  # no query's document has a key here
+        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+                torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
+    cu_q, cu_k, empty, _ = run_offsets(runs, q.device)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])
+    o, lse = fa4_forward(flat(q), flat(k), flat(v), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **_bounds(runs, q, k),
+                         softmax_scale=scale, causal=causal, softcap=softcap, return_lse=True)[:2]
+    lse = lse.float()  # [h, b·t]
+    if empty is not None:
+        o = o.masked_fill(empty[:, None, None], 0.0)
+        lse = lse.masked_fill(empty[None, :], float("-inf"))
+    return o.reshape(b, t, h, d), lse.reshape(h, b, t).transpose(0, 1).contiguous()
+
+
+def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None,
+                  softcap=None):
+    plan = None if dlse is not None or q.shape[-1] > MAX_BWD_HEAD_DIM else _plan(mask, segments, positions, q, k)
+    if plan is None:
+        return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions, softcap=softcap)
+    runs, causal = plan
+    if runs.max_k == 0 or runs.max_q == 0:
+        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    cu_q, cu_k, empty, unread = run_offsets(runs, q.device)
+    flat = lambda x: x.to(q.dtype).reshape(-1, *x.shape[2:])
+    dq, dk, dv = fa4_backward(flat(q), flat(k), flat(v), flat(o), flat(do), _packed_lse(lse, empty), scale, causal,
+                              softcap or 0.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **_bounds(runs, q, k))[:3]
+    if empty is not None:
+        dq = dq.masked_fill(empty[:, None, None], 0.0)
+    if unread is not None:  # keys no query reads: zero, written here rather than trusted to the kernel
+        dk, dv = (x.masked_fill(unread[:, None, None], 0.0) for x in (dk, dv))
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
+    if dtype not in LOW_PRECISION or mask.kind is MaskKind.STRICT:
+        return False
+    return mask.window is None or by_token_index(mask)
+
+
+register_backend(BlockBackend("fa4", fa4_block_fwd, fa4_block_bwd, supports=_supports, available=available))
+
+
+# ---- one call for a device's queries against every key (all-gather-KV: seqplan.documents.prefix_runs) ----
+
+def _prefix_bounds(plan: PrefixRuns, total_q: int, total_k: int) -> dict:
+    return {"max_seqlen_q": seqlen_bucket(plan.max_q, total_q), "max_seqlen_k": seqlen_bucket(plan.max_k, total_k)}
+
+
+def prefix_forward(q, k_packed, v_packed, plan: PrefixRuns, scale: float):
+    """``varlen.prefix_forward`` on FA4: ONE varlen forward of ``q`` [b, t, h, d] against the
+    keys ``plan`` gathers, each run bottom-right causal over its document's key prefix."""
+    b, t, h, d = q.shape
+    cu_q, cu_k, index = prefix_offsets(plan, q.device)
+    o, lse = fa4_forward(q.reshape(b * t, h, d), k_packed.index_select(0, index), v_packed.index_select(0, index),
+                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **_prefix_bounds(plan, b * t, len(index)),
+                         softmax_scale=scale, causal=True, return_lse=True)[:2]
+    return o.reshape(b, t, h, d), lse.float().reshape(h, b, t).transpose(0, 1).contiguous()
+
+
+def prefix_backward(do, q, k_packed, v_packed, o, lse, plan: PrefixRuns, scale: float):
+    """``varlen.prefix_backward`` on FA4: (dq, dk, dv float32 [n, hk, d], the gathered keys'
+    gradients scattered back and summed)."""
+    b, t, h, d = q.shape
+    cu_q, cu_k, index = prefix_offsets(plan, q.device)
+    flat = lambda x: x.to(q.dtype).reshape(b * t, h, d)
+    dq, dk, dv = fa4_backward(flat(q), k_packed.index_select(0, index), v_packed.index_select(0, index), flat(o),
+                              flat(do), _packed_lse(lse, None), scale, True, 0.0, cu_seqlens_q=cu_q,
+                              cu_seqlens_k=cu_k, **_prefix_bounds(plan, b * t, len(index)))[:3]
+    scatter = lambda g: torch.zeros(k_packed.shape, dtype=F32, device=g.device).index_add_(0, index, g.float())
+    return dq.reshape(q.shape), scatter(dk), scatter(dv)
