@@ -16,6 +16,8 @@ implementations (``jax_impl``, ``torch_impl``) and by ``parity.core``.
 - ``chunks``      how the portable kernels walk a block's keys (bounded scores)
 - ``documents``   a block's document runs for varlen kernels (cumulative offsets over the block's own
                   queries and keys), and ``HostPair`` (a block's ids or token indices with their host copy)
+- ``chooser``     the measured layout / K/V exchange choice for a batch of packed documents
+                  (``choose_layout``), with the padding it needs
 - ``bands``       a windowed block as a band of its grid: the crop and window sizes the fused
                   kernels' own sliding windows take
 

@@ -110,3 +110,78 @@ def test_torch_layer_with_token_index_equals_the_plain_layer(worlds):
     assert _rel(wrong, y_ref.detach().numpy()) > 1e-2
     with pytest.raises(ValueError, match="token_index needs a mesh"):
         plain(xt, torch.from_numpy(positions), torch.from_numpy(IDS), token_index=torch.from_numpy(layout.perm))
+
+
+# ---- the layout chooser's result, taken by both layers (seqplan.chooser) ----------------------------
+
+CHOOSER_IDS = np.array([[0] * 9 + [1] + [2] * 30 + [3] * 8 + [4] * 16, [7] * 3 + [8] * 45 + [9] * 16])  # odd lengths
+
+
+def _chosen_problem(seed: int):
+    from seqplan.chooser import choose_layout
+
+    rng = np.random.default_rng(seed)
+    b, t = CHOOSER_IDS.shape
+    x, dy = (rng.standard_normal((b, t, D_MODEL)).astype(np.float32) for _ in range(2))
+    positions = rope_positions(np.broadcast_to(np.arange(t), (b, t)), CHOOSER_IDS)
+    choice = choose_layout(CHOOSER_IDS, ring=RING)
+    assert choice.padding > 0 and choice.kv_exchange == "allgather"  # the case the test is for
+    laid = {"x": choice.lay_out(x), "positions": choice.lay_out(positions), "segment_ids": choice.segment_ids,
+            "dy": choice.lay_out(dy)}  # padding: dy = 0, no loss weight
+    return choice, x, dy, positions, laid
+
+
+def test_jax_layer_takes_the_layout_chooser_s_choice(jax_devices):
+    """The chooser's layer config (per-document hybrid, all-gather KV), its padded layout-order
+    arrays and token indices: read back, the layer equals the plain layer on the unpadded original
+    order — output, input gradient, weight gradients."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.layers import SequenceParallelAttention
+
+    choice, x, dy, positions, laid = _chosen_problem(seed=2)
+    config = AttentionLayerConfig(**CONFIG)
+    plain = SequenceParallelAttention(config)
+    params = plain.init(jax.random.key(0), jnp.asarray(x), jnp.asarray(positions), jnp.asarray(CHOOSER_IDS))
+    mesh = jax.make_mesh((RING,), ("ring",), axis_types=(jax.sharding.AxisType.Auto,))
+    parallel = SequenceParallelAttention(choice.layer_config(config), mesh=mesh)
+
+    def outputs(layer, x, positions, ids, dy, **kw):
+        def loss(params, x):
+            y = layer.apply(params, x, positions, ids, **kw)
+            return jnp.sum(y * dy), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+        return y, grads
+
+    y_ref, (dp_ref, dx_ref) = outputs(plain, *(jnp.asarray(a) for a in (x, positions, CHOOSER_IDS, dy)))
+    y, (dp, dx) = outputs(parallel, *(jnp.asarray(laid[n]) for n in ("x", "positions", "segment_ids", "dy")),
+                          token_index=jnp.asarray(choice.token_index))
+    assert _rel(choice.read_back(np.asarray(y)), y_ref) < 1e-5
+    assert _rel(choice.read_back(np.asarray(dx)), dx_ref) < 1e-5
+    for name in ("wq", "wk", "wv", "wo"):
+        assert _rel(dp["params"][name], dp_ref["params"][name]) < 1e-5, name
+
+
+def test_torch_layer_takes_the_layout_chooser_s_choice(worlds):
+    torch = pytest.importorskip("torch")
+    from torch_impl.layers import SequenceParallelAttention
+    from torch_tasks import layer_task
+
+    choice, x, dy, positions, laid = _chosen_problem(seed=3)
+    torch.manual_seed(0)
+    plain = SequenceParallelAttention(AttentionLayerConfig(**CONFIG))
+    weights = {name: getattr(plain, name).weight.detach().numpy().copy() for name in ("wq", "wk", "wv", "wo")}
+    xt = torch.from_numpy(x).requires_grad_(True)
+    y_ref = plain(xt, torch.from_numpy(positions), torch.from_numpy(CHOOSER_IDS))
+    (y_ref * torch.from_numpy(dy)).sum().backward()
+    config = CONFIG | {"layout": choice.layout, "kv_exchange": choice.kv_exchange}
+    shards = sorted(worlds(RING).run(layer_task, (("ring", RING),), weights, config,
+                                     laid | {"token_index": choice.token_index}), key=lambda r: r["rank"])
+    y = choice.read_back(np.concatenate([r["y"] for r in shards], 1))
+    dx = choice.read_back(np.concatenate([r["dx"] for r in shards], 1))
+    assert _rel(y, y_ref.detach().numpy()) < 1e-5
+    assert _rel(dx, xt.grad.numpy()) < 1e-5
+    for name in weights:
+        assert _rel(sum(r["grads"][name] for r in shards), getattr(plain, name).weight.grad.numpy()) < 1e-5, name
