@@ -38,7 +38,7 @@ from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
-from .varlen import block_runs, prefix_offsets, run_offsets
+from .varlen import block_runs, pack_lse, prefix_offsets, run_offsets, unpack_forward, unpack_grads
 
 F32 = torch.float32
 MAX_BWD_HEAD_DIM = 192  # FA4's SM90 backward: larger head dims are not supported there
@@ -94,14 +94,6 @@ def _bounds(runs: DocumentRuns, q, k) -> dict:
     return {"max_seqlen_q": seqlen_bucket(runs.max_q, b * t), "max_seqlen_k": seqlen_bucket(runs.max_k, b * s)}
 
 
-def _packed_lse(lse, empty):
-    """[b, h, t] -> the kernel's [h, b·t] float32; rows with no key here get a finite lse (their
-    gradients are zeroed after the call)."""
-    b, h, t = lse.shape
-    packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
-    return packed if empty is None else packed.masked_fill(empty[None, :], 0.0)
-
-
 def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
     plan = _plan(mask, segments, positions, q, k)
     if plan is None:
@@ -115,11 +107,7 @@ def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positio
     flat = lambda x: x.reshape(-1, *x.shape[2:])
     o, lse = fa4_forward(flat(q), flat(k), flat(v), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **_bounds(runs, q, k),
                          softmax_scale=scale, causal=causal, softcap=softcap, return_lse=True)[:2]
-    lse = lse.float()  # [h, b·t]
-    if empty is not None:
-        o = o.masked_fill(empty[:, None, None], 0.0)
-        lse = lse.masked_fill(empty[None, :], float("-inf"))
-    return o.reshape(b, t, h, d), lse.reshape(h, b, t).transpose(0, 1).contiguous()
+    return unpack_forward(o, lse, empty, q.shape)
 
 
 def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None,
@@ -132,13 +120,9 @@ def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None,
         return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     cu_q, cu_k, empty, unread = run_offsets(runs, q.device)
     flat = lambda x: x.to(q.dtype).reshape(-1, *x.shape[2:])
-    dq, dk, dv = fa4_backward(flat(q), flat(k), flat(v), flat(o), flat(do), _packed_lse(lse, empty), scale, causal,
+    dq, dk, dv = fa4_backward(flat(q), flat(k), flat(v), flat(o), flat(do), pack_lse(lse, empty), scale, causal,
                               softcap or 0.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **_bounds(runs, q, k))[:3]
-    if empty is not None:
-        dq = dq.masked_fill(empty[:, None, None], 0.0)
-    if unread is not None:  # keys no query reads: zero, written here rather than trusted to the kernel
-        dk, dv = (x.masked_fill(unread[:, None, None], 0.0) for x in (dk, dv))
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    return unpack_grads(dq, dk, dv, empty, unread, q.shape, k.shape)
 
 
 def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
@@ -174,7 +158,7 @@ def prefix_backward(do, q, k_packed, v_packed, o, lse, plan: PrefixRuns, scale: 
     cu_q, cu_k, index = prefix_offsets(plan, q.device)
     flat = lambda x: x.to(q.dtype).reshape(b * t, h, d)
     dq, dk, dv = fa4_backward(flat(q), k_packed.index_select(0, index), v_packed.index_select(0, index), flat(o),
-                              flat(do), _packed_lse(lse, None), scale, True, 0.0, cu_seqlens_q=cu_q,
+                              flat(do), pack_lse(lse), scale, True, 0.0, cu_seqlens_q=cu_q,
                               cu_seqlens_k=cu_k, **_prefix_bounds(plan, b * t, len(index)))[:3]
     scatter = lambda g: torch.zeros(k_packed.shape, dtype=F32, device=g.device).index_add_(0, index, g.float())
     return dq.reshape(q.shape), scatter(dk), scatter(dv)

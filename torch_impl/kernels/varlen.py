@@ -105,7 +105,14 @@ def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, posi
     flat = lambda x: x.reshape(-1, *x.shape[2:])
     o, lse = flash_forward(
         flat(q), flat(k), flat(v), cu_q, cu_k, runs.max_q, runs.max_k, 0.0, causal, False, scale=scale)[:2]
-    lse = lse.float()  # [h, b·t]
+    return unpack_forward(o, lse, empty, q.shape)
+
+
+def unpack_forward(o, lse, empty, shape):
+    """A varlen forward's packed o [b·t, h, d] and lse [h, b·t] as the block interface's [b, t, h, d]
+    and float32 [b, h, t]; rows with no key here (``empty``) o = 0, lse = -inf, written here."""
+    b, t, h, d = shape
+    lse = lse.float()
     if empty is not None:
         o = o.masked_fill(empty[:, None, None], 0.0)
         lse = lse.masked_fill(empty[None, :], float("-inf"))
@@ -122,19 +129,31 @@ def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
         return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     cu_q, cu_k, empty, unread = run_offsets(runs, q.device)
     dtype = q.dtype
-    lse_packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
-    if empty is not None:  # rows with no key here: any finite lse; their gradients are zeroed below
-        lse_packed = lse_packed.masked_fill(empty[None, :], 0.0)
+    lse_packed = pack_lse(lse, empty)
     rng, unused = _rng_state(q.device, dtype, d)
     flat = lambda x: x.reshape(-1, *x.shape[2:])
     dq, dk, dv = flash_backward(
         flat(do.to(dtype)), flat(q), flat(k), flat(v), flat(o.to(dtype)), lse_packed, cu_q, cu_k, runs.max_q,
         runs.max_k, 0.0, causal, rng, unused, scale=scale)
+    return unpack_grads(dq, dk, dv, empty, unread, q.shape, k.shape)
+
+
+def pack_lse(lse, empty=None):
+    """The block's lse [b, h, t] as a varlen backward's float32 [h, b·t]; rows with no key here
+    (``empty``) get a finite lse (their gradients are zeroed after the call: :func:`unpack_grads`)."""
+    b, h, t = lse.shape
+    packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
+    return packed if empty is None else packed.masked_fill(empty[None, :], 0.0)
+
+
+def unpack_grads(dq, dk, dv, empty, unread, q_shape, kv_shape):
+    """A varlen backward's packed gradients in the block's shapes; queries with no key here
+    (``empty``) and keys no query reads (``unread``) zero, written here rather than trusted to the kernel."""
     if empty is not None:
         dq = dq.masked_fill(empty[:, None, None], 0.0)
-    if unread is not None:  # keys no query reads: zero, written here rather than trusted to the kernel
+    if unread is not None:
         dk, dv = (x.masked_fill(unread[:, None, None], 0.0) for x in (dk, dv))
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    return dq.reshape(q_shape), dk.reshape(kv_shape), dv.reshape(kv_shape)
 
 
 def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
@@ -184,7 +203,7 @@ def prefix_backward(do, q, k_packed, v_packed, o, lse, plan: PrefixRuns, scale: 
     dtype = q.dtype
     rng, unused = _rng_state(q.device, dtype, d)
     flat = lambda x: x.to(dtype).reshape(b * t, h, d)
-    lse_packed = lse.float().transpose(0, 1).reshape(h, b * t).contiguous()
+    lse_packed = pack_lse(lse)
     dq, dk, dv = flash_backward(flat(do), flat(q), k_packed.index_select(0, index), v_packed.index_select(0, index),
                                 flat(o), lse_packed, cu_q, cu_k, plan.max_q, plan.max_k, 0.0, True, rng, unused,
                                 scale=scale)
