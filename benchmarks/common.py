@@ -321,7 +321,9 @@ def shared_arguments(description: str):
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seqs", default="32768,131072")
-    ap.add_argument("--ceiling-seq", type=int, default=32768, help="single-GPU ceiling tokens (0: skip)")
+    ap.add_argument("--ceiling-seq", type=int, default=32768,
+                    help="single-GPU ceiling tokens (0: skip); with --documents the varlen anchors run instead, at each "
+                         "--seqs length on the rows' own ids (0: skip them too)")
     ap.add_argument("--meshes", default=",".join(DEFAULT_MESHES), help="parity.core mesh names, comma-separated")
     ap.add_argument("--layout", default="zigzag",
                     help="ring layouts, comma-separated: contiguous, zigzag, stripe, or the per-row layouts of packed "
