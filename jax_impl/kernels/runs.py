@@ -22,6 +22,8 @@ import jax.numpy as jnp
 
 from seqplan.documents import PREFIX_KEY_FACTOR
 
+from . import branches
+
 RUN_SLOTS = (4, 16, 64)  # static run slots per row the kernels are compiled for
 MAX_RUNS = RUN_SLOTS[-1]
 # FlashAttention-3's varlen forms take one more size: a block of a whole 128k sequence (Ulysses, or
@@ -77,12 +79,35 @@ def length_ladder(n: int) -> tuple[int, ...]:
     return tuple(sorted({max(min(n, 256), n * eighths // 8) for eighths in (1, 2, 3, 4, 6, 8)}))
 
 
+# The names of the dispatchers' variants (jax_impl.branches): the portable fallback, the boundary
+# form (:func:`boundary_runs`) and the runs form at m slots and length bound (None: no bound).
+PORTABLE = "portable"
+BOUNDARY = "boundary"
+RUNS = "runs"
+
+
+def runs_variant(m: int, bound) -> tuple:
+    return (RUNS, m, bound)
+
+
+def runs_choice(ok, most, sizes, longest=0, ladder=(None,), boundary_ok=False, prefix: tuple = ()) -> branches.Choice:
+    """Which of :func:`fused_branches`' variants (named under ``prefix``) a block takes: the
+    boundary form when ``boundary_ok``, else, when ``ok`` (expressible), the runs form with the
+    smallest of ``sizes`` holding ``most`` runs a row and the smallest of ``ladder`` bounding the
+    ``longest`` run; nothing (the caller's fallback) when no size holds them."""
+    at_least = lambda options, value: jnp.searchsorted(jnp.asarray(options), value)  # the smallest option >= value
+    bound_at = at_least(ladder, longest) if ladder != (None,) else 0
+    runs = branches.Grid((*prefix, RUNS), ((sizes, at_least(sizes, most)), (ladder, bound_at)))
+    return branches.First([(boundary_ok, (*prefix, BOUNDARY)), (ok, runs)])
+
+
 def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, boundary: bool = False,
-                   lengths: bool = False, valid=None, ladder=None):
-    """(index, branches) of :func:`dispatch` without its portable branch: ``index`` (traced) picks
-    one of ``branches`` (argument-free callables), or equals ``len(branches)`` when the block is
-    not expressible — the caller appends its fallback there. ``ladder``: the length bounds to
-    compile with ``lengths`` (default :func:`length_ladder`)."""
+                   lengths: bool = False, valid=None, ladder=None, prefix: tuple = ()):
+    """(variants, choice) of :func:`dispatch` without its portable branch: ``variants`` (named
+    ``(*prefix, BOUNDARY)`` and ``(*prefix, *runs_variant(m, bound))``, argument-free callables)
+    and ``choice`` (:func:`runs_choice`), which selects none of them when the block is not
+    expressible — the caller's fallback then. ``ladder``: the length bounds to compile with
+    ``lengths`` (default :func:`length_ladder`)."""
     form = varlen_offsets if form is None else form
     slots = RUN_SLOTS if slots is None else slots
     q_ids, kv_ids = segments
@@ -91,32 +116,36 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
         ok = ok & valid
     t, s = q_ids.shape[1], kv_ids.shape[1]
     sizes = sorted({min(m, t) for m in slots})
-    index = jnp.where(ok, jnp.searchsorted(jnp.asarray(sizes), most), len(sizes))
     ladder = ((ladder or length_ladder)(max(t, s))) if lengths else (None,)
 
     def with_lengths(runs, bound):
         return runs if bound is None else {**runs, "max_q": min(bound, t), "max_k": min(bound, s)}
 
-    branches = [lambda m=m, bound=bound: kernel(with_lengths(form(q_ids, kv_ids, causal, m), bound))
-                for m in sizes for bound in ladder]
-    if lengths:
-        longest = jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids))
-        index = jnp.where(index < len(sizes), index * len(ladder) + jnp.searchsorted(jnp.asarray(ladder), longest),
-                          len(branches))
-    else:
-        index = jnp.minimum(index, len(sizes))
-    if boundary and not causal:
+    variants, boundary_ok = {}, False
+    if boundary and not causal:  # tried first: no gather of keys, no scatter of dK / dV
         edge = boundary_runs(q_ids, kv_ids)
-        index = jnp.where(edge["ok"] & (True if valid is None else valid), 0, index + 1)
-        branches.insert(0, lambda: kernel(edge))
-    return index, branches
+        boundary_ok = edge["ok"] & (True if valid is None else valid)
+        variants[(*prefix, BOUNDARY)] = lambda: kernel(edge)
+    for m in sizes:
+        for bound in ladder:
+            variants[(*prefix, *runs_variant(m, bound))] = \
+                lambda m=m, bound=bound: kernel(with_lengths(form(q_ids, kv_ids, causal, m), bound))
+    longest = jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids)) if lengths else 0
+    return variants, runs_choice(ok, most, sizes, longest, ladder, boundary_ok, prefix)
 
 
-def switch_with_fallback(index, branches, portable):
-    """``lax.switch(index, branches + [portable])``, the portable kernel's float32 results cast to
-    the fused branches' dtypes (a kernel's o / dq may stay in the inputs' dtype)."""
-    like = jax.eval_shape(branches[0])
-    return jax.lax.switch(index, [*branches, lambda: jax.tree.map(lambda x, y: x.astype(y.dtype), portable(), like)])
+def switch_with_fallback(variants: dict, choice: branches.Choice, portable):
+    """One ``lax.switch`` over ``variants`` and ``portable`` (named PORTABLE, taken when
+    ``choice`` selects nothing), the portable kernel's float32 results cast to the fused
+    variants' dtypes (a kernel's o / dq may stay in the inputs' dtype)."""
+    like = jax.eval_shape(next(iter(variants.values())))
+    fallback = lambda: jax.tree.map(lambda x, y: x.astype(y.dtype), portable(), like)
+    return branches.select({**variants, PORTABLE: fallback}, with_fallback(choice)).switch()
+
+
+def with_fallback(choice: branches.Choice) -> branches.Choice:
+    """``choice``, else the portable kernel."""
+    return branches.First([(True, choice)], otherwise=PORTABLE)
 
 
 def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *, boundary: bool = False,
@@ -130,9 +159,9 @@ def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *,
     given to the kernel as ``runs["max_q"]`` / ``runs["max_k"]`` (the backward's grid).
     ``valid`` (traced bool, or None): the caller's own condition for the runs to be exact (the
     token-index forms: :func:`index_segments`); False sends the block to ``portable()``."""
-    index, branches = fused_branches(segments, causal, kernel, slots, form, boundary=boundary, lengths=lengths,
-                                     valid=valid)
-    return switch_with_fallback(index, branches, portable)
+    variants, choice = fused_branches(segments, causal, kernel, slots, form, boundary=boundary, lengths=lengths,
+                                      valid=valid)
+    return switch_with_fallback(variants, choice, portable)
 
 
 def _isin_rows(x, table):
@@ -318,17 +347,26 @@ def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = Fal
                                                           jnp.zeros(kv_index.shape, jnp.int32))
     q_new, kv_new, ok = index_segments(q_ids, kv_ids, q_index, kv_index)
     compiled = dict(slots=INDEX_RUN_SLOTS, lengths=lengths, ladder=index_length_ladder)
-    index, branches = fused_branches((q_new, kv_new), False, lambda runs: kernel(False, runs), boundary=True,
-                                     valid=ok, **compiled)
-    if q_index.shape == kv_index.shape:  # a diagonal block is possible: its causal forms first
-        causal_index, causal_branches = fused_branches(
+    variants, full = fused_branches((q_new, kv_new), False, lambda runs: kernel(False, runs), boundary=True,
+                                    valid=ok, prefix=(FULL,), **compiled)
+    diagonal, causal = False, None
+    if q_index.shape == kv_index.shape:  # a diagonal block is possible: its causal forms, compiled first
+        causal_variants, causal = fused_branches(
             (q_ids, kv_ids), True, lambda runs: kernel(True, runs), valid=increasing_in_documents(q_ids, q_index),
-            **compiled)
+            prefix=(CAUSAL,), **compiled)
+        variants = {**causal_variants, **variants}
         diagonal = jnp.all(q_index == kv_index) & jnp.all(q_ids == kv_ids)
-        n = len(causal_branches)
-        index = jnp.where(diagonal, jnp.where(causal_index < n, causal_index, n + len(branches)), n + index)
-        branches = causal_branches + branches
-    return switch_with_fallback(index, branches, portable)
+    return switch_with_fallback(variants, index_choice(diagonal, causal, full), portable)
+
+
+# index_dispatch's two forms, the prefixes of their variants' names
+CAUSAL, FULL = "causal", "full"
+
+
+def index_choice(diagonal, causal: branches.Choice | None, full: branches.Choice) -> branches.Choice:
+    """A diagonal block takes the causal forms' choice, any other the FULL forms' — a block whose
+    form selects nothing takes the portable kernel (not the other form: its mask differs)."""
+    return branches.First([(diagonal, causal), (jnp.logical_not(diagonal), full)])
 
 
 # ---- a device's queries against every key in one call (all-gather-KV: seqplan.documents.prefix_runs) ----
@@ -418,9 +456,24 @@ def prefix_dispatch(plans: list[dict], kernel, fallback, *, keys: int, lengths: 
         runs = {**runs, "identity": False}
         return runs if bound is None else {**runs, "max_q": min(bound, t), "max_k": min(bound, s)}
 
-    branches = [lambda runs=runs, bound=bound: kernel(bounded(runs, bound)) for runs in plans for bound in ladder]
-    fits = jnp.asarray([plan["ok"] for plan in plans])
-    slot = jnp.where(jnp.any(fits), jnp.argmax(fits), len(plans))
+    slot_counts = [plan["cu_q"].shape[0] - 1 for plan in plans]
+    variants = {plan_variant(m, bound): lambda runs=runs, bound=bound: kernel(bounded(runs, bound))
+                for m, runs in zip(slot_counts, plans) for bound in ladder}
     step = 0 if not lengths else jnp.minimum(jnp.searchsorted(jnp.asarray(ladder), plans[-1]["longest"]), len(ladder) - 1)
-    index = jnp.where(slot < len(plans), slot * len(ladder) + step, len(branches))
-    return switch_with_fallback(index, branches, fallback)
+    return switch_with_fallback(variants, prefix_choice(slot_counts, [plan["ok"] for plan in plans], ladder, step),
+                                fallback)
+
+
+PLAN = "plan"
+
+
+def plan_variant(slots: int, bound) -> tuple:
+    """The name of :func:`prefix_dispatch`'s variant for the plan of ``slots`` runs and a length bound."""
+    return (PLAN, slots, bound)
+
+
+def prefix_choice(slot_counts, fits, ladder, step) -> branches.Choice:
+    """The first plan (fewest slots) that ``fits``, at the ladder's ``step``; nothing (the
+    fallback) when none fits."""
+    return branches.First([(fit, branches.Grid((PLAN, m), ((ladder, step),), in_range=True))
+                           for m, fit in zip(slot_counts, fits)])
