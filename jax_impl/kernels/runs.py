@@ -148,7 +148,7 @@ def length_ladder(n: int) -> tuple[int, ...]:
     return tuple(sorted({max(min(n, 256), n * eighths // 8) for eighths in (1, 2, 3, 4, 6, 8)}))
 
 
-# The names of the dispatchers' variants (jax_impl.branches): the portable fallback, the boundary
+# The names of the dispatchers' variants (kernels/branches.py): the portable fallback, the boundary
 # form (:func:`boundary_runs`) and the runs form at m slots and length bound (None: no bound).
 PORTABLE = "portable"
 BOUNDARY = "boundary"

@@ -287,3 +287,26 @@ def test_jax_length_ladder_bounds_the_longest_run():
         got = int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.max_q), lambda: jnp.int32(-1),
                                 slots=(t,), lengths=True))
         assert got == min(b for b in runs.length_ladder(t) if b >= longest)
+
+
+def test_jax_run_lists_are_pytrees_with_static_flags():
+    """The run lists are typed pytrees: their arrays are the leaves (a forward keeps the
+    all-gather plans as custom_vjp residuals, which take arrays only), ``identity`` and the
+    backward's ``max_q`` / ``max_k`` bounds static (the kernels branch and compile on them)."""
+    pytest.importorskip("jax")
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.kernels.runs import VarlenRuns, packed_segments, prefix_plans, varlen_offsets
+
+    ids = jnp.asarray([[0, 0, 1, 1, 2, 2, 2, 3]], jnp.int32)
+    index = jnp.arange(8, dtype=jnp.int32)[None]
+    records = [varlen_offsets(ids, ids, True, 4).bounded(256, 128), packed_segments(ids, ids, True, 4),
+               *prefix_plans(ids, ids, index, index)]
+    for record in records:
+        leaves, tree = jax.tree.flatten(record)
+        assert leaves and all(isinstance(x, jax.Array) for x in leaves), type(record).__name__
+        assert type(jax.tree.unflatten(tree, leaves)) is type(record)
+    back = jax.jit(lambda r: r)(records[0])
+    assert isinstance(back, VarlenRuns) and back.identity and (back.max_q, back.max_k) == (256, 128)
+    assert not records[2].identity and records[2].covered_kv is None  # the one call's keys are gathered
