@@ -35,7 +35,7 @@ from .block import device_kind_of, resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .kernels.fa3_varlen import varlen_bwd, varlen_fwd
-from .kernels.runs import prefix_dispatch
+from .kernels.runs import VarlenRuns, prefix_dispatch
 from .kernels.runs import prefix_plans as prefix_plans_of
 from .loop import (
     alone_dtype,
@@ -96,7 +96,7 @@ def _positions(config: AttentionConfig, index_all, b: int, ring: int, t: int):
     return jnp.broadcast_to(jnp.asarray(ring_positions(config.layout, ring, t).reshape(-1)), (b, ring * t))
 
 
-def prefix_plan(config: AttentionConfig, q, ids_all, index_all, me) -> list[dict]:
+def prefix_plan(config: AttentionConfig, q, ids_all, index_all, me) -> list[VarlenRuns]:
     """Device ``me``'s one-call plan — one per static run-slot count (``kernels/runs.prefix_plans``),
     the device picks among them — of its queries ``q`` [b, t, ...]
     against every key, from every shard's ids and token indices [b, R·t] (ids None: one document

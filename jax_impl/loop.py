@@ -55,6 +55,7 @@ from seqplan.schedule import (
 
 from .comm import Comm, axis_size
 from .config import AttentionConfig
+from .kernels import branches
 from .merge import merge_partials
 
 F32 = jnp.float32
@@ -245,11 +246,11 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
     instead of ``shard_positions``."""
     if segments is None and window is None:
         return run(block.mask, {}, state)
-    keep, doc_index, doc_options = True, 0, (False,)
+    keep, one_document, doc_options = True, True, (False,)
     if segments is not None:
         q_ids, kv_ids = _part(segments[0], block.q_part, 1), _part(segments[1], block.kv_part, 1)
         shared, one_document = document_flags(q_ids.min(1), q_ids.max(1), kv_ids.min(1), kv_ids.max(1))
-        keep, doc_index, doc_options = shared, jnp.where(one_document, 0, 1), (False, True)
+        keep, doc_options = shared, (False, True)
     win_index, win_options, skippable = 0, (None,), segments is not None and not own_block
     if window is not None:
         if token_index is not None:
@@ -262,7 +263,7 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
             return state
         if not always:
             keep, skippable = keep & reachable, True
-    variants = []
+    variants = {SKIP: lambda st: st} if skippable else {}
     for documents in doc_options:
         for option in win_options:
             mask, arrays = block.mask, {}
@@ -270,12 +271,30 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
                 mask, arrays["segments"] = mask.with_documents(), (q_ids, kv_ids)
             if option is not None:
                 mask, arrays["positions"] = mask.with_window(window, option[0]), positions
-            variants.append(partial(run, mask, arrays))
-    index = doc_index * len(win_options) + win_index
-    if skippable:
-        variants.insert(0, lambda st: st)
-        index = jnp.where(keep, index + 1, 0)
-    return variants[0](state) if len(variants) == 1 else lax.switch(index, variants, state)
+            variants[masked(documents, option)] = partial(run, mask, arrays)
+    choice = mask_choice(skippable, keep, one_document, tuple(doc_options), tuple(win_options), win_index)
+    return branches.select(variants, choice).switch(state)
+
+
+# The names of under_masks' variants: skipped, or run under the block's mask plus documents
+# (bool) and a window option (None: the window covers the block; (offset,): windowed).
+SKIP, MASKED = "skip", "masked"
+
+
+def masked(documents: bool, window_option) -> tuple:
+    return (MASKED, documents, window_option)
+
+
+def mask_choice(skippable: bool, keep, one_document, doc_options: tuple, win_options: tuple, win_index):
+    """Which of :func:`under_masks`' variants a block takes: skipped when ``skippable`` and not
+    ``keep`` (no pair shares a document, or the window reaches none); else masked with the
+    documents unless one document covers the block (only when documents are an option), and the
+    window option at ``win_index`` of ``win_options``."""
+    window_axis = ((win_options, win_index),)
+    with_documents = branches.Grid((MASKED, True in doc_options), window_axis, in_range=True)
+    run = branches.First([(one_document, branches.Grid((MASKED, False), window_axis, in_range=True))],
+                         otherwise=with_documents)
+    return branches.First([(jnp.logical_not(keep), SKIP)], otherwise=run) if skippable else run
 
 
 def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=None, shard_positions=None,

@@ -43,18 +43,18 @@ from seqplan.schedule import BlockMask, MaskKind, by_token_index
 from ..block import BlockBackend, register_backend
 from .fa3 import MAX_TILE_ROWS, verified
 from .reference import reference_block_bwd, reference_block_fwd
-from .runs import VARLEN_RUN_SLOTS, dispatch, index_dispatch
+from .runs import VARLEN_RUN_SLOTS, VarlenRuns, dispatch, index_dispatch
 
 F32 = jnp.float32
 
 
-def _packed_kv(x, runs):
+def _packed_kv(x, runs: VarlenRuns):
     """[b, s, hk, d] -> the runs' keys packed [b·s, hk, d] (zero rows past the last run: the
     index b·s is out of range and reads as zero, so no copy of the keys with a zero row appended)."""
     flat = x.reshape(-1, *x.shape[2:])
-    if runs["identity"]:
+    if runs.identity:
         return flat
-    return flat.at[runs["kv_index"]].get(mode="fill", fill_value=0)
+    return flat.at[runs.kv_index].get(mode="fill", fill_value=0)
 
 
 def _lse_tokens(lse_buffer, b: int, h: int, t: int):
@@ -62,31 +62,31 @@ def _lse_tokens(lse_buffer, b: int, h: int, t: int):
     return lse_buffer.reshape(-1)[: h * b * t].reshape(h, b, t).transpose(1, 0, 2)
 
 
-def varlen_fwd(q, k, v, causal: bool, scale: float, runs):
+def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns):
     """FA3 varlen forward on an expressible block: (o [b, t, h, d] in q's dtype, lse [b, h, t] float32)."""
     from flash_attn3_jax.varlen_fwd import flash_mha_varlen_fwd  # internal: returns the lse
 
     b, t, h, d = q.shape
-    o, lse = flash_mha_varlen_fwd(q.reshape(b * t, h, d), _packed_kv(k, runs), _packed_kv(v, runs), runs["cu_q"],
-                                  runs["cu_k"], max_seqlen_q=t, max_seqlen_k=k.shape[1], softmax_scale=scale,
+    o, lse = flash_mha_varlen_fwd(q.reshape(b * t, h, d), _packed_kv(k, runs), _packed_kv(v, runs), runs.cu_q,
+                                  runs.cu_k, max_seqlen_q=t, max_seqlen_k=k.shape[1], softmax_scale=scale,
                                   is_causal=causal)
-    covered = runs["covered_q"]
+    covered = runs.covered_q
     o = jnp.where(covered[:, :, None, None], o.reshape(b, t, h, d), 0)
     return o, jnp.where(covered[:, None, :], _lse_tokens(lse, b, h, t), -jnp.inf)
 
 
-def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs):
+def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns):
     """FA3 varlen backward through the FFI target with padded workspaces (module docstring)."""
     import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
 
     b, t, h, d = q.shape
     s, hk = k.shape[1], k.shape[2]
     dtype = q.dtype
-    nseq = runs["cu_q"].shape[0] - 1
+    nseq = runs.cu_q.shape[0] - 1
     k_p, v_p = _packed_kv(k, runs), _packed_kv(v, runs)
     # the forward's lse layout: [h, b·t] at the front of an [nseq, h, t] buffer; rows with no key
     # here get any finite value (their gradients are zeroed below)
-    lse_t = jnp.where(runs["covered_q"][:, None, :], lse.astype(F32), 0.0).transpose(1, 0, 2).reshape(-1)
+    lse_t = jnp.where(runs.covered_q[:, None, :], lse.astype(F32), 0.0).transpose(1, 0, 2).reshape(-1)
     lse_buffer = jnp.zeros((nseq * h * t,), F32).at[: h * b * t].set(lse_t).reshape(nseq, h, t)
     rows = b * t + (nseq + 1) * MAX_TILE_ROWS
     result_types = [jax.ShapeDtypeStruct((b * t, h, d), dtype), jax.ShapeDtypeStruct(k_p.shape, dtype),
@@ -96,18 +96,18 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs):
     dq, dk_p, dv_p, _, _ = jax.ffi.ffi_call(
         "flash_mha_bwd", result_types, has_side_effect=False, input_layouts=[None] * 10, output_layouts=[None] * 5,
     )(do.astype(dtype).reshape(b * t, h, d), q.reshape(b * t, h, d), k_p, v_p, o.astype(dtype).reshape(b * t, h, d),
-      lse_buffer, runs["cu_q"], runs["cu_k"], absent, absent,
-      max_seqlen_q_val=runs.get("max_q", t), max_seqlen_q_has_value=True, max_seqlen_k_val=runs.get("max_k", s),
-      max_seqlen_k_has_value=True,
+      lse_buffer, runs.cu_q, runs.cu_k, absent, absent,
+      max_seqlen_q_val=t if runs.max_q is None else runs.max_q, max_seqlen_q_has_value=True,
+      max_seqlen_k_val=s if runs.max_k is None else runs.max_k, max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
       window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0)
-    dq = jnp.where(runs["covered_q"][:, :, None, None], dq.reshape(b, t, h, d), 0)
-    if runs["identity"]:  # keys no query reads: zero, written here rather than trusted to the kernel
-        read = runs["covered_kv"][:, :, None, None]
+    dq = jnp.where(runs.covered_q[:, :, None, None], dq.reshape(b, t, h, d), 0)
+    if runs.identity:  # keys no query reads: zero, written here rather than trusted to the kernel
+        read = runs.covered_kv[:, :, None, None]
         return dq, *(jnp.where(read, g.reshape(b, s, hk, d).astype(F32), 0.0) for g in (dk_p, dv_p))
     # past the last run the index is b·s, out of range: dropped (adding every padding row into one
     # zero row serialized them — 2.3-2.8 ms against 0.9-1.1 for a device's one call at 128k, H100)
-    scatter = lambda g: (jnp.zeros((b * s, hk, d), F32).at[runs["kv_index"]].add(g.astype(F32), mode="drop")
+    scatter = lambda g: (jnp.zeros((b * s, hk, d), F32).at[runs.kv_index].add(g.astype(F32), mode="drop")
                          .reshape(b, s, hk, d))
     return dq, scatter(dk_p), scatter(dv_p)
 

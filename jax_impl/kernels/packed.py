@@ -36,7 +36,7 @@ from seqplan.schedule import BlockMask, MaskKind
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
-from .runs import dispatch, packed_segments
+from .runs import PackedSegments, dispatch, packed_segments
 
 F32 = jnp.float32
 
@@ -47,24 +47,24 @@ def _fa():
     return fused_attention_stablehlo
 
 
-def _token_slot(seg, t: int):
+def _token_slot(seg: PackedSegments, t: int):
     """(segment slot, position inside the segment) of every query token [b, t] (slot -1: left out)."""
-    run = jnp.minimum(seg["q_run"], seg["slot"].shape[1] - 1)
-    slot = jnp.where(seg["covered_q"], jnp.take_along_axis(seg["slot"], run, axis=1), -1)
-    inside = jnp.arange(t)[None, :] - jnp.take_along_axis(seg["q_start"], run, axis=1)
+    run = jnp.minimum(seg.q_run, seg.slot.shape[1] - 1)
+    slot = jnp.where(seg.covered_q, jnp.take_along_axis(seg.slot, run, axis=1), -1)
+    inside = jnp.arange(t)[None, :] - jnp.take_along_axis(seg.q_start, run, axis=1)
     return slot, inside
 
 
-def lse_from_stats(stats, seg, b: int, h: int, t: int):
+def lse_from_stats(stats, seg: PackedSegments, b: int, h: int, t: int):
     """cuDNN's packed statistics [B·M, N, T] -> the ring's lse [b, h, t] (-inf for left-out rows)."""
     slot, inside = _token_slot(seg, t)
     picked = stats[jnp.maximum(slot, 0), :, inside]  # [b, t, h]
     return jnp.where(slot[..., None] >= 0, picked, -jnp.inf).transpose(0, 2, 1)
 
 
-def stats_from_lse(lse, seg, b: int, h: int, t: int):
+def stats_from_lse(lse, seg: PackedSegments, b: int, h: int, t: int):
     """The ring's lse [b, h, t] -> cuDNN's packed statistics [B·M, N, T] (unused slots 0)."""
-    m = seg["slot"].shape[1]
+    m = seg.slot.shape[1]
     slot, inside = _token_slot(seg, t)
     rows = jnp.where(slot >= 0, slot, b * m)  # left-out rows land in a dropped extra slot
     stats = jnp.zeros((b * m + 1, h, t), F32)
@@ -76,11 +76,11 @@ def _mask_type(fa, mask: BlockMask):
     return fa.MaskType.PADDING_CAUSAL if mask.kind is MaskKind.CAUSAL else fa.MaskType.PADDING
 
 
-def _segment_args(seg):
-    return seg["q_seqlen"], seg["kv_seqlen"], seg["q_offsets"], seg["kv_offsets"]
+def _segment_args(seg: PackedSegments):
+    return seg.q_seqlen, seg.kv_seqlen, seg.q_offsets, seg.kv_offsets
 
 
-def packed_fwd(q, k, v, mask: BlockMask, scale: float, seg):
+def packed_fwd(q, k, v, mask: BlockMask, scale: float, seg: PackedSegments):
     """cuDNN packed forward on an expressible block: (o float32 [b, t, h, d], lse [b, h, t])."""
     fa = _fa()
     b, t, h, _ = q.shape
@@ -88,11 +88,11 @@ def packed_fwd(q, k, v, mask: BlockMask, scale: float, seg):
     o, stats = fa.dot_product_attention(q, k, v, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, q_offsets=q_offsets,
                                         kv_offsets=kv_offsets, scale=scale, mask_type=_mask_type(fa, mask),
                                         qkv_layout="BTNH", return_residual=True)
-    covered = seg["covered_q"][:, :, None, None]
+    covered = seg.covered_q[:, :, None, None]
     return jnp.where(covered, o.astype(F32), 0.0), lse_from_stats(stats, seg, b, h, t)
 
 
-def packed_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, seg):
+def packed_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, seg: PackedSegments):
     """cuDNN packed backward with the given (global) o and lse, on an expressible block."""
     fa = _fa()
     b, t, h, _ = q.shape
@@ -103,7 +103,7 @@ def packed_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, seg):
         do.astype(dtype), scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
         mask_type=_mask_type(fa, mask), layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)[:3]
     zero = lambda x, covered: jnp.where(covered[:, :, None, None], x.astype(F32), 0.0)
-    return zero(dq, seg["covered_q"]), zero(dk, seg["covered_kv"]), zero(dv, seg["covered_kv"])
+    return zero(dq, seg.covered_q), zero(dk, seg.covered_kv), zero(dv, seg.covered_kv)
 
 
 def _static_fit(mask: BlockMask, q, segments, positions, dlse=None) -> bool:

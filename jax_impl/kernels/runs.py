@@ -17,10 +17,14 @@ row over its own memory first: no gather of keys, no scatter of dK / dV.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from seqplan.documents import PREFIX_KEY_FACTOR
+
+from . import branches
 
 RUN_SLOTS = (4, 16, 64)  # static run slots per row the kernels are compiled for
 MAX_RUNS = RUN_SLOTS[-1]
@@ -35,6 +39,73 @@ VARLEN_MAX_RUNS = VARLEN_RUN_SLOTS[-1]
 # each, so a ring of 8 compiles in reasonable time (2026-11-26 on an H100: the full set did not
 # finish 16 per-device programs in 9 minutes).
 INDEX_RUN_SLOTS = (16, 64)
+
+
+# ---- the run lists: typed records (pytrees: a forward keeps a plan for its backward) ----------
+
+class _ReadByName:
+    """``record["field"]`` for the readers outside jax_impl/ and tests/ that still index the run
+    lists as the dicts they were (benchmarks/masked.py, benchmarks/varlen_probe.py, a session
+    script): read the field instead; drop this once they do."""
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedSegments(_ReadByName):
+    """A block's runs in cuDNN's packed form (:func:`packed_segments`), traced: ``q_seqlen``,
+    ``kv_seqlen`` [b, m] and ``q_offsets``, ``kv_offsets`` [b, m + 1] (int32, -1 padded; left-out
+    runs -1 too), ``slot`` [b, m] (each run's compacted segment index over the batch, or -1),
+    ``q_run`` [b, t] (each query's run), ``q_start`` [b, m] (each run's first query, t unused),
+    ``covered_q`` [b, t] / ``covered_kv`` [b, s] (the tokens a run reads) and ``ok`` (scalar
+    bool: the block is expressible as these runs)."""
+
+    q_seqlen: jax.Array
+    kv_seqlen: jax.Array
+    q_offsets: jax.Array
+    kv_offsets: jax.Array
+    slot: jax.Array
+    q_run: jax.Array
+    q_start: jax.Array
+    covered_q: jax.Array
+    covered_kv: jax.Array
+    ok: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VarlenRuns(_ReadByName):
+    """A block (or a device's one call) as FlashAttention's varlen kernels see it: sequences over
+    the packed queries [b·t] and the packed keys. Traced: ``cu_q``, ``cu_k`` (int32 [nseq + 1]),
+    ``kv_index`` (int32: which key of the block sits at each packed key position; b·s — out of
+    range: a zero key, a dropped gradient — past the last run), ``covered_q`` [b, t], ``ok``
+    (scalar bool: the runs are exact), ``covered_kv`` [b, s] (None: not tracked — the keys are
+    gathered, never the block's own), ``longest`` (the longest run's keys, for the backward's
+    bound; None where the caller computes it). Static: ``identity`` (the packed keys are the
+    block's own keys in order: no gather, no scatter), ``max_q`` / ``max_k`` (the backward's
+    ``max_seqlen`` bounds; None: the block's own lengths)."""
+
+    cu_q: jax.Array
+    cu_k: jax.Array
+    kv_index: jax.Array
+    covered_q: jax.Array
+    ok: jax.Array
+    covered_kv: jax.Array | None = None
+    longest: jax.Array | None = None
+    identity: bool = False
+    max_q: int | None = None
+    max_k: int | None = None
+
+    def bounded(self, max_q: int, max_k: int) -> VarlenRuns:
+        """These runs with the backward's ``max_seqlen`` bounds."""
+        return dataclasses.replace(self, max_q=max_q, max_k=max_k)
+
+
+jax.tree_util.register_dataclass(
+    PackedSegments, data_fields=[f.name for f in dataclasses.fields(PackedSegments)], meta_fields=[])
+jax.tree_util.register_dataclass(
+    VarlenRuns, data_fields=["cu_q", "cu_k", "kv_index", "covered_q", "ok", "covered_kv", "longest"],
+    meta_fields=["identity", "max_q", "max_k"])  # static: the kernels branch and compile on them
 
 
 def index_length_ladder(n: int) -> tuple[int, ...]:
@@ -77,12 +148,35 @@ def length_ladder(n: int) -> tuple[int, ...]:
     return tuple(sorted({max(min(n, 256), n * eighths // 8) for eighths in (1, 2, 3, 4, 6, 8)}))
 
 
+# The names of the dispatchers' variants (kernels/branches.py): the portable fallback, the boundary
+# form (:func:`boundary_runs`) and the runs form at m slots and length bound (None: no bound).
+PORTABLE = "portable"
+BOUNDARY = "boundary"
+RUNS = "runs"
+
+
+def runs_variant(m: int, bound) -> tuple:
+    return (RUNS, m, bound)
+
+
+def runs_choice(ok, most, sizes, longest=0, ladder=(None,), boundary_ok=False, prefix: tuple = ()) -> branches.Choice:
+    """Which of :func:`fused_branches`' variants (named under ``prefix``) a block takes: the
+    boundary form when ``boundary_ok``, else, when ``ok`` (expressible), the runs form with the
+    smallest of ``sizes`` holding ``most`` runs a row and the smallest of ``ladder`` bounding the
+    ``longest`` run; nothing (the caller's fallback) when no size holds them."""
+    at_least = lambda options, value: jnp.searchsorted(jnp.asarray(options), value)  # the smallest option >= value
+    bound_at = at_least(ladder, longest) if ladder != (None,) else 0
+    runs = branches.Grid((*prefix, RUNS), ((sizes, at_least(sizes, most)), (ladder, bound_at)))
+    return branches.First([(boundary_ok, (*prefix, BOUNDARY)), (ok, runs)])
+
+
 def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, boundary: bool = False,
-                   lengths: bool = False, valid=None, ladder=None):
-    """(index, branches) of :func:`dispatch` without its portable branch: ``index`` (traced) picks
-    one of ``branches`` (argument-free callables), or equals ``len(branches)`` when the block is
-    not expressible — the caller appends its fallback there. ``ladder``: the length bounds to
-    compile with ``lengths`` (default :func:`length_ladder`)."""
+                   lengths: bool = False, valid=None, ladder=None, prefix: tuple = ()):
+    """(variants, choice) of :func:`dispatch` without its portable branch: ``variants`` (named
+    ``(*prefix, BOUNDARY)`` and ``(*prefix, *runs_variant(m, bound))``, argument-free callables)
+    and ``choice`` (:func:`runs_choice`), which selects none of them when the block is not
+    expressible — the caller's fallback then. ``ladder``: the length bounds to compile with
+    ``lengths`` (default :func:`length_ladder`)."""
     form = varlen_offsets if form is None else form
     slots = RUN_SLOTS if slots is None else slots
     q_ids, kv_ids = segments
@@ -91,32 +185,36 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
         ok = ok & valid
     t, s = q_ids.shape[1], kv_ids.shape[1]
     sizes = sorted({min(m, t) for m in slots})
-    index = jnp.where(ok, jnp.searchsorted(jnp.asarray(sizes), most), len(sizes))
     ladder = ((ladder or length_ladder)(max(t, s))) if lengths else (None,)
 
     def with_lengths(runs, bound):
-        return runs if bound is None else {**runs, "max_q": min(bound, t), "max_k": min(bound, s)}
+        return runs if bound is None else runs.bounded(min(bound, t), min(bound, s))
 
-    branches = [lambda m=m, bound=bound: kernel(with_lengths(form(q_ids, kv_ids, causal, m), bound))
-                for m in sizes for bound in ladder]
-    if lengths:
-        longest = jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids))
-        index = jnp.where(index < len(sizes), index * len(ladder) + jnp.searchsorted(jnp.asarray(ladder), longest),
-                          len(branches))
-    else:
-        index = jnp.minimum(index, len(sizes))
-    if boundary and not causal:
+    variants, boundary_ok = {}, False
+    if boundary and not causal:  # tried first: no gather of keys, no scatter of dK / dV
         edge = boundary_runs(q_ids, kv_ids)
-        index = jnp.where(edge["ok"] & (True if valid is None else valid), 0, index + 1)
-        branches.insert(0, lambda: kernel(edge))
-    return index, branches
+        boundary_ok = edge.ok & (True if valid is None else valid)
+        variants[(*prefix, BOUNDARY)] = lambda: kernel(edge)
+    for m in sizes:
+        for bound in ladder:
+            variants[(*prefix, *runs_variant(m, bound))] = \
+                lambda m=m, bound=bound: kernel(with_lengths(form(q_ids, kv_ids, causal, m), bound))
+    longest = jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids)) if lengths else 0
+    return variants, runs_choice(ok, most, sizes, longest, ladder, boundary_ok, prefix)
 
 
-def switch_with_fallback(index, branches, portable):
-    """``lax.switch(index, branches + [portable])``, the portable kernel's float32 results cast to
-    the fused branches' dtypes (a kernel's o / dq may stay in the inputs' dtype)."""
-    like = jax.eval_shape(branches[0])
-    return jax.lax.switch(index, [*branches, lambda: jax.tree.map(lambda x, y: x.astype(y.dtype), portable(), like)])
+def switch_with_fallback(variants: dict, choice: branches.Choice, portable):
+    """One ``lax.switch`` over ``variants`` and ``portable`` (named PORTABLE, taken when
+    ``choice`` selects nothing), the portable kernel's float32 results cast to the fused
+    variants' dtypes (a kernel's o / dq may stay in the inputs' dtype)."""
+    like = jax.eval_shape(next(iter(variants.values())))
+    fallback = lambda: jax.tree.map(lambda x, y: x.astype(y.dtype), portable(), like)
+    return branches.select({**variants, PORTABLE: fallback}, with_fallback(choice)).switch()
+
+
+def with_fallback(choice: branches.Choice) -> branches.Choice:
+    """``choice``, else the portable kernel."""
+    return branches.First([(True, choice)], otherwise=PORTABLE)
 
 
 def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *, boundary: bool = False,
@@ -127,12 +225,12 @@ def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *,
     ``boundary`` (FlashAttention's form, FULL blocks): first try :func:`boundary_runs` — keys that
     all precede the queries, one document at most shared — three runs a row, no gather.
     ``lengths``: also pick the smallest of :func:`length_ladder` that bounds the longest run,
-    given to the kernel as ``runs["max_q"]`` / ``runs["max_k"]`` (the backward's grid).
+    given to the kernel as ``runs.max_q`` / ``runs.max_k`` (the backward's grid).
     ``valid`` (traced bool, or None): the caller's own condition for the runs to be exact (the
     token-index forms: :func:`index_segments`); False sends the block to ``portable()``."""
-    index, branches = fused_branches(segments, causal, kernel, slots, form, boundary=boundary, lengths=lengths,
-                                     valid=valid)
-    return switch_with_fallback(index, branches, portable)
+    variants, choice = fused_branches(segments, causal, kernel, slots, form, boundary=boundary, lengths=lengths,
+                                      valid=valid)
+    return switch_with_fallback(variants, choice, portable)
 
 
 def _isin_rows(x, table):
@@ -149,8 +247,8 @@ def boundary_runs(q_ids, kv_ids):
     block of a causal call on the contiguous or zigzag layout) shares at most one document: the
     keys' last run and the queries' first. Then each row is three runs over the block's own
     memory — (0 queries, the keys before the shared run), (the shared queries, the shared keys),
-    (the other queries, 0 keys) — and no key is gathered. Returns the :func:`varlen_offsets`
-    dict (``identity``: True) with ``ok``: every row has that shape (no other id of the queries
+    (the other queries, 0 keys) — and no key is gathered. Returns the :class:`VarlenRuns`
+    (``identity``: True) with ``ok``: every row has that shape (no other id of the queries
     among the keys, none of the other keys among the queries)."""
     b, t = q_ids.shape
     s = kv_ids.shape[1]
@@ -168,8 +266,8 @@ def boundary_runs(q_ids, kv_ids):
     q_len = jnp.stack([jnp.zeros_like(n_q), n_q, t - n_q], 1)  # [b, 3]
     k_len = jnp.stack([s - n_k, n_k, jnp.zeros_like(n_k)], 1)
     cu = lambda n: jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n.reshape(-1)).astype(jnp.int32)])
-    return {"cu_q": cu(q_len), "cu_k": cu(k_len), "identity": True, "covered_q": ~q_after,
-            "covered_kv": ~k_before, "ok": ok, "kv_index": jnp.arange(b * s, dtype=jnp.int32)}
+    return VarlenRuns(cu_q=cu(q_len), cu_k=cu(k_len), kv_index=jnp.arange(b * s, dtype=jnp.int32), covered_q=~q_after,
+                      ok=ok, covered_kv=~k_before, identity=True)
 
 
 def row_runs(q_ids, kv_ids, m: int):
@@ -195,11 +293,8 @@ def row_runs(q_ids, kv_ids, m: int):
     return q_start, q_len, kv_start, kv_len, included, ok
 
 
-def packed_segments(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS):
-    """The block's segments in cuDNN's packed form, traced: a dict of q_seqlen, kv_seqlen
-    [b, m] and q_offsets, kv_offsets [b, m + 1] (int32, -1 padded; left-out runs -1 too),
-    ``slot`` [b, m] (each run's compacted segment index over the batch, or -1), ``q_run`` [b, t]
-    (each query's run), ``covered_q`` [b, t], ``covered_kv`` [b, s] and ``ok`` (scalar bool)."""
+def packed_segments(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS) -> PackedSegments:
+    """The block's segments in cuDNN's packed form, traced, with at most m runs a row."""
     b, t = q_ids.shape
     m = min(m, t)
     q_start, q_len, kv_start, kv_len, included, ok = jax.vmap(lambda a, c: row_runs(a, c, m))(q_ids, kv_ids)
@@ -214,32 +309,32 @@ def packed_segments(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS):
     run_included = jnp.take_along_axis(included, jnp.minimum(q_run, m - 1), axis=1) & (q_run < m)
     docs = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), axis=1)  # [b, m]
     covered_kv = jnp.any((kv_ids[:, None, :] == docs[:, :, None]) & included[:, :, None], axis=1)
-    return {"q_seqlen": pad(q_len), "kv_seqlen": pad(kv_len), "q_offsets": jnp.concatenate([pad(q_start), minus], 1),
-            "kv_offsets": jnp.concatenate([pad(kv_start), minus], 1), "slot": slot, "q_run": q_run,
-            "q_start": q_start, "covered_q": run_included, "covered_kv": covered_kv, "ok": ok}
+    return PackedSegments(q_seqlen=pad(q_len), kv_seqlen=pad(kv_len), q_offsets=jnp.concatenate([pad(q_start), minus], 1),
+                          kv_offsets=jnp.concatenate([pad(kv_start), minus], 1), slot=slot, q_run=q_run,
+                          q_start=q_start, covered_q=run_included, covered_kv=covered_kv, ok=ok)
 
 
-def varlen_offsets(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS):
+def varlen_offsets(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS) -> VarlenRuns:
     """The block as FlashAttention varlen sees it: b·m sequences (each row's m run slots, unused
-    ones zero-length) over the packed queries [b·t] and the packed keys. Returns a dict of
-    ``cu_q``, ``cu_k`` (int32 [b·m + 1]), ``kv_index`` (int32 [b·s]: which key of the block sits at
-    each packed key position; b·s — a zero row — past the last run), ``identity`` (a causal
-    diagonal block: the packed keys are the block's keys, no gather), ``covered_q``,
-    ``covered_kv`` and ``ok`` as :func:`packed_segments`."""
+    ones zero-length) over the packed queries [b·t] and the packed keys: :class:`VarlenRuns` with
+    ``cu_q``, ``cu_k`` int32 [b·m + 1], ``kv_index`` int32 [b·s], ``identity`` (a causal diagonal
+    block: the packed keys are the block's keys, no gather), ``covered_q``, ``covered_kv`` and
+    ``ok`` as :func:`packed_segments`."""
     b, t = q_ids.shape
     s = kv_ids.shape[1]
     seg = packed_segments(q_ids, kv_ids, causal, m)
-    m = seg["q_start"].shape[1]
+    m = seg.q_start.shape[1]
     rows = jnp.arange(b)[:, None]
-    starts = jnp.where(seg["q_start"] < t, rows * t + seg["q_start"], rows * t + t)  # unused slots: the row's end
+    starts = jnp.where(seg.q_start < t, rows * t + seg.q_start, rows * t + t)  # unused slots: the row's end
     cu_q = jnp.concatenate([starts.reshape(-1), jnp.full((1,), b * t, starts.dtype)]).astype(jnp.int32)
-    kv_len = jnp.where(seg["kv_seqlen"] > 0, seg["kv_seqlen"], 0).reshape(-1)
+    kv_len = jnp.where(seg.kv_seqlen > 0, seg.kv_seqlen, 0).reshape(-1)
     cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kv_len).astype(jnp.int32)])
-    kv_start = (rows * s + jnp.maximum(seg["kv_offsets"][:, :-1], 0)).reshape(-1)
+    kv_start = (rows * s + jnp.maximum(seg.kv_offsets[:, :-1], 0)).reshape(-1)
     p = jnp.arange(b * s)
     run = jnp.clip(jnp.searchsorted(cu_k, p, side="right") - 1, 0, b * m - 1)
     kv_index = jnp.where(p < cu_k[-1], kv_start[run] + p - cu_k[run], b * s).astype(jnp.int32)
-    return {**seg, "cu_q": cu_q, "cu_k": cu_k, "kv_index": kv_index, "identity": causal}
+    return VarlenRuns(cu_q=cu_q, cu_k=cu_k, kv_index=kv_index, covered_q=seg.covered_q, ok=seg.ok,
+                      covered_kv=seg.covered_kv, identity=causal)
 
 
 # ---- blocks masked by token index (``token_index`` calls) ----------------------------------------
@@ -318,17 +413,26 @@ def index_dispatch(segments, positions, kernel, portable, *, lengths: bool = Fal
                                                           jnp.zeros(kv_index.shape, jnp.int32))
     q_new, kv_new, ok = index_segments(q_ids, kv_ids, q_index, kv_index)
     compiled = dict(slots=INDEX_RUN_SLOTS, lengths=lengths, ladder=index_length_ladder)
-    index, branches = fused_branches((q_new, kv_new), False, lambda runs: kernel(False, runs), boundary=True,
-                                     valid=ok, **compiled)
-    if q_index.shape == kv_index.shape:  # a diagonal block is possible: its causal forms first
-        causal_index, causal_branches = fused_branches(
+    variants, full = fused_branches((q_new, kv_new), False, lambda runs: kernel(False, runs), boundary=True,
+                                    valid=ok, prefix=(FULL,), **compiled)
+    diagonal, causal = False, None
+    if q_index.shape == kv_index.shape:  # a diagonal block is possible: its causal forms, compiled first
+        causal_variants, causal = fused_branches(
             (q_ids, kv_ids), True, lambda runs: kernel(True, runs), valid=increasing_in_documents(q_ids, q_index),
-            **compiled)
+            prefix=(CAUSAL,), **compiled)
+        variants = {**causal_variants, **variants}
         diagonal = jnp.all(q_index == kv_index) & jnp.all(q_ids == kv_ids)
-        n = len(causal_branches)
-        index = jnp.where(diagonal, jnp.where(causal_index < n, causal_index, n + len(branches)), n + index)
-        branches = causal_branches + branches
-    return switch_with_fallback(index, branches, portable)
+    return switch_with_fallback(variants, index_choice(diagonal, causal, full), portable)
+
+
+# index_dispatch's two forms, the prefixes of their variants' names
+CAUSAL, FULL = "causal", "full"
+
+
+def index_choice(diagonal, causal: branches.Choice | None, full: branches.Choice) -> branches.Choice:
+    """A diagonal block takes the causal forms' choice, any other the FULL forms' — a block whose
+    form selects nothing takes the portable kernel (not the other form: its mask differs)."""
+    return branches.First([(diagonal, causal), (jnp.logical_not(diagonal), full)])
 
 
 # ---- a device's queries against every key in one call (all-gather-KV: seqplan.documents.prefix_runs) ----
@@ -350,10 +454,10 @@ def _row_prefix(q_ids, kv_ids, q_index, kv_index):
     return order.astype(jnp.int32), upper, first, start
 
 
-def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int, rows=None) -> dict:
+def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int, rows=None) -> VarlenRuns:
     """``seqplan.documents.prefix_runs`` traced, with static shapes: queries [b, t] (ids and token
     indices) against keys [b, s] as at most ``m`` causal runs over at most ``cap`` gathered keys.
-    Returns the varlen kernels' dict — arrays only, so a forward can keep it for its backward —
+    Returns :class:`VarlenRuns` — a pytree, so a forward can keep it for its backward —
     (``cu_q``, ``cu_k`` int32 [m + 1]; ``kv_index`` int32 [cap] into the packed keys [b·s], b·s —
     out of range: a zero key, a dropped gradient — past the last run; ``covered_q`` [b, t] True)
     with ``ok`` (traced: the runs fit, every query sees a key, no index is negative) and
@@ -380,11 +484,12 @@ def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int, rows=None) -
     kv_index_out = jnp.where(p < cu_k[-1], kv_packed, b * s).astype(jnp.int32)
     nonnegative = (jnp.min(q_index) >= 0) & (jnp.min(kv_index) >= 0)
     ok = (n <= m) & (cu_k[-1] <= cap) & jnp.all(upper > first) & nonnegative
-    return {"cu_q": cu_q, "cu_k": cu_k, "kv_index": kv_index_out, "covered_q": jnp.ones((b, t), bool), "ok": ok,
-            "longest": jnp.max(k_len)}
+    # identity False: the keys are gathered, never the block's own
+    return VarlenRuns(cu_q=cu_q, cu_k=cu_k, kv_index=kv_index_out, covered_q=jnp.ones((b, t), bool), ok=ok,
+                      longest=jnp.max(k_len), identity=False)
 
 
-def prefix_plans(q_ids, kv_ids, q_index, kv_index) -> list[dict]:
+def prefix_plans(q_ids, kv_ids, q_index, kv_index) -> list[VarlenRuns]:
     """:func:`prefix_runs` for each of ``PREFIX_SLOTS`` (at least b slots: FA3's varlen forward
     writes every query's lse into an [nseq, h, t] buffer) over ``PREFIX_KEY_FACTOR`` times the
     keys; ``q_ids`` / ``kv_ids`` None: one document per row. Computed once per call: the forward
@@ -406,21 +511,35 @@ def prefix_length_ladder(n: int) -> tuple[int, ...]:
     return tuple(sorted({max(min(n, 256), n // parts) for parts in (32, 16, 8, 4, 2, 1)}))
 
 
-def prefix_dispatch(plans: list[dict], kernel, fallback, *, keys: int, lengths: bool = False):
+def prefix_dispatch(plans: list[VarlenRuns], kernel, fallback, *, keys: int, lengths: bool = False):
     """``kernel(runs)`` on the plan of :func:`prefix_plans` (over ``keys`` keys a row) with the fewest slots that holds the
     device's runs (and, ``lengths``, the smallest of :func:`prefix_length_ladder` bounding the
     longest run: the backward's ``max_seqlen``, whose grid FA3 launches whatever the runs' lengths), or
     ``fallback()`` when none does — one ``lax.switch`` decided on the device."""
-    t, s = plans[0]["covered_q"].shape[1], keys
+    t, s = plans[0].covered_q.shape[1], keys
     ladder = prefix_length_ladder(s) if lengths else (None,)
 
-    def bounded(runs, bound):  # the keys are gathered (never the block's own: no identity form)
-        runs = {**runs, "identity": False}
-        return runs if bound is None else {**runs, "max_q": min(bound, t), "max_k": min(bound, s)}
+    def bounded(runs, bound):  # the plans' keys are gathered (identity False: prefix_runs)
+        return runs if bound is None else runs.bounded(min(bound, t), min(bound, s))
 
-    branches = [lambda runs=runs, bound=bound: kernel(bounded(runs, bound)) for runs in plans for bound in ladder]
-    fits = jnp.asarray([plan["ok"] for plan in plans])
-    slot = jnp.where(jnp.any(fits), jnp.argmax(fits), len(plans))
-    step = 0 if not lengths else jnp.minimum(jnp.searchsorted(jnp.asarray(ladder), plans[-1]["longest"]), len(ladder) - 1)
-    index = jnp.where(slot < len(plans), slot * len(ladder) + step, len(branches))
-    return switch_with_fallback(index, branches, fallback)
+    slot_counts = [plan.cu_q.shape[0] - 1 for plan in plans]
+    variants = {plan_variant(m, bound): lambda runs=runs, bound=bound: kernel(bounded(runs, bound))
+                for m, runs in zip(slot_counts, plans) for bound in ladder}
+    step = 0 if not lengths else jnp.minimum(jnp.searchsorted(jnp.asarray(ladder), plans[-1].longest), len(ladder) - 1)
+    return switch_with_fallback(variants, prefix_choice(slot_counts, [plan.ok for plan in plans], ladder, step),
+                                fallback)
+
+
+PLAN = "plan"
+
+
+def plan_variant(slots: int, bound) -> tuple:
+    """The name of :func:`prefix_dispatch`'s variant for the plan of ``slots`` runs and a length bound."""
+    return (PLAN, slots, bound)
+
+
+def prefix_choice(slot_counts, fits, ladder, step) -> branches.Choice:
+    """The first plan (fewest slots) that ``fits``, at the ladder's ``step``; nothing (the
+    fallback) when none fits."""
+    return branches.First([(fit, branches.Grid((PLAN, m), ((ladder, step),), in_range=True))
+                           for m, fit in zip(slot_counts, fits)])

@@ -68,13 +68,13 @@ _JITTED: dict = {}
 
 def _jitted(form, causal: bool, m: int):
     """``form(q_ids, kv_ids, causal, m)`` jitted once per (form, causal, m) for the whole module
-    (the trials share shapes: one compilation each, not one per trial); the static ``identity``
-    flag is dropped from the traced dict."""
+    (the trials share shapes: one compilation each, not one per trial); the run list is a pytree
+    whose static fields (``identity``) pass through jit."""
     import jax
 
     key = (form.__name__, causal, m)
     if key not in _JITTED:
-        _JITTED[key] = jax.jit(lambda a, b: {n: x for n, x in form(a, b, causal, m).items() if n != "identity"})
+        _JITTED[key] = jax.jit(lambda a, b: form(a, b, causal, m))
     return _JITTED[key]
 
 
@@ -98,13 +98,13 @@ def test_jax_device_segments_agree_with_the_host_run_list(trial, seed):
         host = document_runs(q_ids, kv_ids, causal)
         seg = _jitted(packed_segments, causal, t)(jnp.asarray(q_ids), jnp.asarray(kv_ids))
         if host is None:
-            assert not bool(seg["ok"])
+            assert not bool(seg.ok)
             continue
-        assert bool(seg["ok"])
-        q_len = np.asarray(seg["q_seqlen"])
-        kv_len = np.asarray(seg["kv_seqlen"])
-        q_off = np.asarray(seg["q_offsets"])[:, :-1]
-        kv_off = np.asarray(seg["kv_offsets"])[:, :-1]
+        assert bool(seg.ok)
+        q_len = np.asarray(seg.q_seqlen)
+        kv_len = np.asarray(seg.kv_seqlen)
+        q_off = np.asarray(seg.q_offsets)[:, :-1]
+        kv_off = np.asarray(seg.kv_offsets)[:, :-1]
         host_q = np.diff(host.cu_q)
         host_k = np.diff(host.cu_k)
         kept = (host_k > 0) & (host_q > 0)  # the device's segments: the runs where queries meet keys
@@ -115,7 +115,7 @@ def test_jax_device_segments_agree_with_the_host_run_list(trial, seed):
         assert [r * kv_ids.shape[1] + o for r in range(b) for o, n in zip(kv_off[r], kv_len[r]) if n >= 0] \
             == starts.tolist()
         empty = np.zeros(b * t, bool) if host.empty_rows is None else host.empty_rows
-        np.testing.assert_array_equal(~np.asarray(seg["covered_q"]).reshape(-1), empty)
+        np.testing.assert_array_equal(~np.asarray(seg.covered_q).reshape(-1), empty)
 
 
 def test_jax_packed_statistics_round_trip():
@@ -134,11 +134,11 @@ def test_jax_packed_statistics_round_trip():
     stats = stats_from_lse(lse, seg, 2, 3, 6)
     assert stats.shape == (8, 3, 6)
     back = np.asarray(lse_from_stats(stats, seg, 2, 3, 6))
-    covered = np.asarray(seg["covered_q"])
+    covered = np.asarray(seg.covered_q)
     assert covered.tolist() == [[True] * 5 + [False], [True] * 6]
     np.testing.assert_array_equal(back[:, :, ~covered[0]][0], -np.inf)
     np.testing.assert_array_equal(np.where(covered[:, None, :], back, 0), np.where(covered[:, None, :], lse, 0))
-    assert np.asarray(seg["slot"]).tolist() == [[0, 1, -1, -1], [2, 3, 4, -1]]
+    assert np.asarray(seg.slot).tolist() == [[0, 1, -1, -1], [2, 3, 4, -1]]
 
 
 @pytest.mark.parametrize("trial", range(4))
@@ -155,10 +155,10 @@ def test_jax_varlen_offsets_gather_each_runs_keys(trial, seed):
     b, t = 2, 16
     ids = sorted_document_ids(rng, b, 2 * t)
     diag = _jitted(varlen_offsets, True, t)(jnp.asarray(ids[:, :t]), jnp.asarray(ids[:, :t]))
-    assert bool(diag["ok"]) and np.array_equal(diag["cu_q"], diag["cu_k"])
+    assert bool(diag.ok) and np.array_equal(diag.cu_q, diag.cu_k)
     q_ids, kv_ids = ids[:, t:], ids[:, :t]
     runs = _jitted(varlen_offsets, False, t)(jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    cu_q, cu_k, index = (np.asarray(runs[n]) for n in ("cu_q", "cu_k", "kv_index"))
+    cu_q, cu_k, index = (np.asarray(x) for x in (runs.cu_q, runs.cu_k, runs.kv_index))
     flat_q, flat_kv = q_ids.reshape(-1), np.concatenate([kv_ids.reshape(-1), [-1]])
     for i in range(len(cu_q) - 1):
         if cu_q[i] == cu_q[i + 1]:
@@ -181,7 +181,7 @@ def test_jax_dispatch_picks_the_fewest_slots_or_the_portable_kernel():
 
     def chosen(ids, causal=True):
         ids = jnp.asarray(np.asarray(ids, np.int32))
-        return int(runs.dispatch((ids, ids), causal, lambda r: jnp.int32(r["cu_q"].shape[0] - 1),
+        return int(runs.dispatch((ids, ids), causal, lambda r: jnp.int32(r.cu_q.shape[0] - 1),
                                  lambda: jnp.int32(-1)))
 
     assert chosen([[0, 0, 1, 1, 2, 2, 2, 2]]) == 4  # 3 runs: the 4-slot kernel, b·m = 4 sequences
@@ -205,7 +205,7 @@ def test_fa3_varlen_forms_hold_more_runs_than_the_packed_form():
 
     def chosen(n_runs, slots, lengths=False):
         ids = jnp.asarray(np.repeat(np.arange(n_runs, dtype=np.int32), 4)[None])  # t = 4 runs: no cap at t
-        return int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r["cu_q"].shape[0] - 1),
+        return int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.cu_q.shape[0] - 1),
                                  lambda: jnp.int32(-1), slots, lengths=lengths))
 
     for n_runs, want in ((64, 64), (65, 256), (256, 256)):
@@ -254,20 +254,20 @@ def test_jax_boundary_runs_see_exactly_the_masked_pairs(trial, seed):
     if trial % 3 == 2:  # the queries' first document in two runs of the keys: not three runs
         kv_ids = kv_ids.copy()  # (reusing the queries' last id here was a no-op for a draw of one document a row)
         kv_ids[:, 0], kv_ids[:, 1], kv_ids[:, -1] = q_ids[:, 0], q_ids[:, 0] + 1000, q_ids[:, 0]
-    runs = jax.jit(lambda a, c: {n: x for n, x in boundary_runs(a, c).items() if n != "identity"})(
-        jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    runs = jax.jit(boundary_runs)(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    assert runs.identity  # the block's own keys: no gather
     if trial % 3 == 2:
-        assert not bool(runs["ok"])
+        assert not bool(runs.ok)
         return
-    assert bool(runs["ok"])
+    assert bool(runs.ok)
 
     class Host:  # the varlen form as _pairs_from_runs reads it
-        cu_q, cu_k = np.asarray(runs["cu_q"]), np.asarray(runs["cu_k"])
+        cu_q, cu_k = np.asarray(runs.cu_q), np.asarray(runs.cu_k)
 
     want = _pairs_from_mask(q_ids, kv_ids, False)
     np.testing.assert_array_equal(pairs_from_runs(Host, b, t, t, False), want)
-    np.testing.assert_array_equal(np.asarray(runs["covered_q"]).reshape(-1), want.any(1))
-    np.testing.assert_array_equal(np.asarray(runs["covered_kv"]).reshape(-1), want.any(0))
+    np.testing.assert_array_equal(np.asarray(runs.covered_q).reshape(-1), want.any(1))
+    np.testing.assert_array_equal(np.asarray(runs.covered_kv).reshape(-1), want.any(0))
 
 
 def test_jax_length_ladder_bounds_the_longest_run():
@@ -284,6 +284,29 @@ def test_jax_length_ladder_bounds_the_longest_run():
     for longest in (1, 511, 512, 513, 1500, 2500, 4096):
         ids = np.concatenate([np.zeros(longest), 1 + np.arange(t - longest)]).astype(np.int32)[None]
         ids = jnp.asarray(ids)
-        got = int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r["max_q"]), lambda: jnp.int32(-1),
+        got = int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.max_q), lambda: jnp.int32(-1),
                                 slots=(t,), lengths=True))
         assert got == min(b for b in runs.length_ladder(t) if b >= longest)
+
+
+def test_jax_run_lists_are_pytrees_with_static_flags():
+    """The run lists are typed pytrees: their arrays are the leaves (a forward keeps the
+    all-gather plans as custom_vjp residuals, which take arrays only), ``identity`` and the
+    backward's ``max_q`` / ``max_k`` bounds static (the kernels branch and compile on them)."""
+    pytest.importorskip("jax")
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.kernels.runs import VarlenRuns, packed_segments, prefix_plans, varlen_offsets
+
+    ids = jnp.asarray([[0, 0, 1, 1, 2, 2, 2, 3]], jnp.int32)
+    index = jnp.arange(8, dtype=jnp.int32)[None]
+    records = [varlen_offsets(ids, ids, True, 4).bounded(256, 128), packed_segments(ids, ids, True, 4),
+               *prefix_plans(ids, ids, index, index)]
+    for record in records:
+        leaves, tree = jax.tree.flatten(record)
+        assert leaves and all(isinstance(x, jax.Array) for x in leaves), type(record).__name__
+        assert type(jax.tree.unflatten(tree, leaves)) is type(record)
+    back = jax.jit(lambda r: r)(records[0])
+    assert isinstance(back, VarlenRuns) and back.identity and (back.max_q, back.max_k) == (256, 128)
+    assert not records[2].identity and records[2].covered_kv is None  # the one call's keys are gathered

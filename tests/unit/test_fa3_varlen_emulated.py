@@ -236,9 +236,9 @@ def test_one_call_backward_bound_holds_the_longest_run():
     index = jnp.arange(1024, dtype=jnp.int32)[None]
     def choose(ids, index):
         plans = runs.prefix_plans(ids[:, :512], ids, index[:, :512], index)
-        bound = runs.prefix_dispatch(plans, lambda r: jnp.int32(r["max_k"]), lambda: jnp.int32(-1), keys=1024,
+        bound = runs.prefix_dispatch(plans, lambda r: jnp.int32(r.max_k), lambda: jnp.int32(-1), keys=1024,
                                      lengths=True)
-        return plans[0]["longest"], bound
+        return plans[0].longest, bound
 
     longest, bound = jax.jit(choose)(ids, index)
     assert (int(longest), int(bound)) == (300, 512)

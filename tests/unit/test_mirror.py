@@ -187,4 +187,7 @@ def test_mirrors_have_the_same_files_and_public_names():
         # inside one lax.switch, to the blocks on the portable kernel; torch decides on the host
         # and walks the blocks with the configured kernel.
         jax_only |= {"portable_config"}
+        # masked / mask_choice: the names of under_masks' lax.switch variants and which one a block
+        # takes (kernels/branches.py turns them into the switch's index); torch decides in Python.
+        jax_only |= {"masked", "mask_choice"}
         assert jax_names - jax_only == torch_names - torch_only, name
