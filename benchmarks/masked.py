@@ -322,7 +322,7 @@ def jax_block_checks(heads=32, kv_heads=8, d=128, t=4096, backend="cudnn_varlen"
         o = o_r.astype(jnp.bfloat16)
         g_r = jax.jit(lambda *a, m=mask, s=seg: ref.bwd(*a, m, scale, segments=s))(do, q, k, v, o, lse_r)
         g_f = jax.jit(lambda *a, m=mask, s=seg: fast.bwd(*a, m, scale, segments=s))(do, q, k, v, o, lse_r)
-        ran_packed = bool(packed_segments(q_ids, kv_ids, kind is MaskKind.CAUSAL)["ok"])
+        ran_packed = bool(packed_segments(q_ids, kv_ids, kind is MaskKind.CAUSAL).ok)
         row = _jax_errors(o_r, lse_r, g_r, o_f, lse_f, g_f)
         ok, errors = ran_packed and row["verified"], row["errors"]
         rows.append({"case": name, "mask": kind.value, "ran_packed": ran_packed, "empty_rows": row["empty_rows"],

@@ -66,7 +66,7 @@ def main(argv=None):
         print(f"library varlen fwd, {name}: {_ms(fwd, q, k, v):.3f} ms verified={ok}", flush=True)
 
     seg = (jnp.asarray(ids), jnp.asarray(ids))
-    runs_only = jax.jit(lambda a, b: varlen_offsets(a, b, True)["cu_q"])
+    runs_only = jax.jit(lambda a, b: varlen_offsets(a, b, True).cu_q)
     print(f"run list (varlen_offsets, traced): {_ms(runs_only, *seg):.3f} ms", flush=True)
     mask = BlockMask(MaskKind.CAUSAL, documents=True)
     fwd = jax.jit(lambda q, k, v: fa3_varlen.fa3_varlen_block_fwd(q, k, v, mask, scale, segments=seg))

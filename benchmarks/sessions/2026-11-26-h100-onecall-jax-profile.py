@@ -7,6 +7,7 @@ were verified by the benchmark.
     python benchmarks/sessions/2026-11-26-h100-onecall-jax-profile.py [--smoke]"""
 # ruff: noqa: B023  (every lambda here is timed where it is made)
 
+import dataclasses
 import json
 import os
 import sys
@@ -76,34 +77,33 @@ for mix in [m for m in MIXES if m.name in ("short", "heavy-tail")]:
     plan_fn = jax.jit(lambda seg, idx: runs.prefix_runs(seg[:, :t], seg, idx[:, :t], idx, 64, cap))
     row["plan_ms"] = ms(plan_fn, seg, index)
     plan = plan_fn(seg, index)
-    row["plan_ok"], row["runs_keys"] = bool(plan["ok"]), int(plan["cu_k"][-1])
+    row["plan_ok"], row["runs_keys"] = bool(plan.ok), int(plan.cu_k[-1])
     if gpu:
         from jax_impl.kernels.fa3_varlen import varlen_bwd, varlen_fwd
 
-        plan = {**plan, "identity": False}
-        static = {n: plan[n] for n in ("identity",)}
-        arrays = {n: plan[n] for n in ("cu_q", "cu_k", "kv_index", "covered_q")}
+        # the run list as a pytree (runs.VarlenRuns: identity and the bounds static, the rest arrays)
+        arrays = dataclasses.replace(plan, identity=False)
         scale = D ** -0.5
         # the kernels' gather of the keys (fa3_varlen's packing: index b·s, out of range, reads zero)
-        gather = jax.jit(lambda k, a: k.reshape(-1, HK, D).at[a["kv_index"]].get(mode="fill", fill_value=0))
+        gather = jax.jit(lambda k, a: k.reshape(-1, HK, D).at[a.kv_index].get(mode="fill", fill_value=0))
         row["gather_ms"] = ms(gather, k, arrays)
-        fa_fwd = jax.jit(lambda q, k, v, a: varlen_fwd(q[:, :t], k, v, True, scale, {**a, **static}))
+        fa_fwd = jax.jit(lambda q, k, v, a: varlen_fwd(q[:, :t], k, v, True, scale, a))
         o_bare, _ = fa_fwd(q, k, v, arrays)
         row["bare_o_vs_replay"] = float(jnp.linalg.norm(o_bare.astype(jnp.float32) - o_d.astype(jnp.float32))
                                         / jnp.linalg.norm(o_d.astype(jnp.float32)))
         row["bare_fwd_ms"] = ms(fa_fwd, q, k, v, arrays)
-        longest = int(plan["longest"])
+        longest = int(plan.longest)
         bound = min(b_ for b_ in runs.index_length_ladder(T) if b_ >= longest)
         fa_bwd = jax.jit(lambda do, q, k, v, o, lse, a: varlen_bwd(
             do[:, :t], q[:, :t], k, v, o[:, :t], lse[:, :, :t], True, scale,
-            {**a, **static, "max_q": min(bound, t), "max_k": bound}))
+            a.bounded(min(bound, t), bound)))
         row["bare_bwd_ms"], row["bwd_bound"] = ms(fa_bwd, do, q, k, v, o, lse, arrays), bound
         g = jnp.ones((cap, HK, D), dt)
         sentinel = jax.jit(lambda i, g: jnp.zeros((T + 1, HK, D), jnp.float32).at[i].add(g.astype(jnp.float32)))
         dropped = jax.jit(lambda i, g: jnp.zeros((T, HK, D), jnp.float32).at[jnp.where(i < T, i, T + 7)].add(
             g.astype(jnp.float32), mode="drop"))
-        row["scatter_sentinel_ms"] = ms(sentinel, plan["kv_index"], g)
-        row["scatter_dropped_ms"] = ms(dropped, plan["kv_index"], g)
+        row["scatter_sentinel_ms"] = ms(sentinel, plan.kv_index, g)
+        row["scatter_dropped_ms"] = ms(dropped, plan.kv_index, g)
     out[mix.name] = row
     print(mix.name, row, flush=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "onecall-jax-profile.json"), "w") as f:

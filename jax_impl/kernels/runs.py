@@ -43,17 +43,8 @@ INDEX_RUN_SLOTS = (16, 64)
 
 # ---- the run lists: typed records (pytrees: a forward keeps a plan for its backward) ----------
 
-class _ReadByName:
-    """``record["field"]`` for the readers outside jax_impl/ and tests/ that still index the run
-    lists as the dicts they were (benchmarks/masked.py, benchmarks/varlen_probe.py, a session
-    script): read the field instead; drop this once they do."""
-
-    def __getitem__(self, name: str):
-        return getattr(self, name)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
-class PackedSegments(_ReadByName):
+class PackedSegments:
     """A block's runs in cuDNN's packed form (:func:`packed_segments`), traced: ``q_seqlen``,
     ``kv_seqlen`` [b, m] and ``q_offsets``, ``kv_offsets`` [b, m + 1] (int32, -1 padded; left-out
     runs -1 too), ``slot`` [b, m] (each run's compacted segment index over the batch, or -1),
@@ -74,7 +65,7 @@ class PackedSegments(_ReadByName):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class VarlenRuns(_ReadByName):
+class VarlenRuns:
     """A block (or a device's one call) as FlashAttention's varlen kernels see it: sequences over
     the packed queries [b·t] and the packed keys. Traced: ``cu_q``, ``cu_k`` (int32 [nseq + 1]),
     ``kv_index`` (int32: which key of the block sits at each packed key position; b·s — out of
