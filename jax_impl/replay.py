@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 
 from seqplan.config import resolve_scale
-from seqplan.schedule import Exchange, Schedule, device_visits, kernel_window, token_index_window
+from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order, token_index_window
 from seqplan.strategy import Strategy
 from seqplan.validation import (
     check_segment_ids,
@@ -313,15 +313,6 @@ def _int32(x):
     return None if x is None else x.astype(jnp.int32)
 
 
-def _summation_order(schedule: Schedule, source: int) -> list[int]:
-    """The ring positions whose contributions to ``source``'s dK/dV the real code adds, in order."""
-    positions = range(schedule.size)
-    if schedule.exchange is Exchange.ALLGATHER:  # one reduce-scatter over the devices
-        return list(positions)
-    steps = {r: n for r in positions for n, visit in enumerate(device_visits(schedule, r)) if visit.source == source}
-    return sorted(steps, key=steps.__getitem__)  # the accumulator travels with the K/V (a truncated ring: a+1 devices)
-
-
 def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks, softcap,
            token_index=None) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
@@ -377,7 +368,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
         for s in range(n_ring):
             groups = []
             for u in range(n_uly):
-                parts = [outs[r * n_uly + u][1].get(s) for r in _summation_order(schedule, s)]
+                parts = [outs[r * n_uly + u][1].get(s) for r in summation_order(schedule, s)]
                 parts = [p[which] for p in parts if p is not None]
                 total = parts[0]
                 for part in parts[1:]:

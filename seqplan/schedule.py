@@ -532,3 +532,16 @@ def runs(items) -> list[tuple[object, range]]:
         else:
             out.append((item, range(pos, pos + 1)))
     return out
+
+
+def summation_order(schedule: Schedule, source: int) -> list[int]:
+    """The ring positions whose contributions to ring shard ``source``'s dK / dV the real code
+    adds, in the order it adds them — what a one-device replay must follow to match it bit for
+    bit: all-gather KV sums every position in one reduce-scatter; the ring's accumulator travels
+    with the K/V, so the positions that visit ``source`` in visiting order (a truncated ring, as a
+    window's, has a + 1 of them)."""
+    positions = range(schedule.size)
+    if schedule.exchange is Exchange.ALLGATHER:
+        return list(positions)
+    steps = {r: n for r in positions for n, visit in enumerate(device_visits(schedule, r)) if visit.source == source}
+    return sorted(steps, key=steps.__getitem__)

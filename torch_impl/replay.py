@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from seqplan.config import resolve_scale
-from seqplan.schedule import Exchange, Schedule, device_visits, kernel_window, token_index_window
+from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order, token_index_window
 from seqplan.strategy import Strategy
 from seqplan.validation import (
     check_segment_ids,
@@ -190,15 +190,6 @@ def _packed_kv(kv, heads: slice, dtype):
     return tuple(y.reshape(-1, *y.shape[2:]) for y in (x[:, :, heads].to(dtype) for x in kv))
 
 
-def _summation_order(schedule: Schedule, source: int) -> list[int]:
-    """The ring positions whose contributions to ``source``'s dK/dV the real code adds, in order."""
-    positions = range(schedule.size)
-    if schedule.exchange is Exchange.ALLGATHER:  # one reduce-scatter over the ranks
-        return list(positions)
-    steps = {r: n for r in positions for n, visit in enumerate(device_visits(schedule, r)) if visit.source == source}
-    return sorted(steps, key=steps.__getitem__)  # the accumulator travels with the K/V (a truncated ring: a+1 devices)
-
-
 def _check(q, k, v, strategy: Strategy, layout: str, scale, segment_ids, window, sinks, softcap,
            token_index=None) -> None:
     validate(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), strategy.mesh_sizes(),
@@ -256,7 +247,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
         for s in range(n_ring):
             groups = []
             for u in range(n_uly):
-                parts = [outs[r * n_uly + u][1].get(s) for r in _summation_order(schedule, s)]
+                parts = [outs[r * n_uly + u][1].get(s) for r in summation_order(schedule, s)]
                 parts = [p[which] for p in parts if p is not None]
                 total = parts[0].clone()
                 for part in parts[1:]:

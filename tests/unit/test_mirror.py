@@ -19,8 +19,6 @@ MIN_STATEMENTS = 3
 KNOWN_COPIES: dict[tuple[str, str], str] = {
     ("comm.py:using", "comm.py:using"):
         "the installed-Comm stack: each framework's Comm type; a shared stack is a later step of issue 50",
-    ("replay.py:_summation_order", "replay.py:_summation_order"):
-        "the replays' dK/dV order over device_visits: belongs in seqplan.schedule, a later step of issue 50",
     ("replay.py:_config", "replay.py:_config"):
         "the replays' config (check_window before the token-index rewrite): folded with make_config later",
     ("config.py:AttentionConfig", "config.py:AttentionConfig"):
