@@ -78,18 +78,20 @@ ONE_CALL_KERNELS = {"aten_varlen": varlen, "fa4": fa4}
 
 def _one_call_kernel(config: AttentionConfig, q, documents: bool):
     """The kernel module that runs the one call — the one the call's document blocks resolve to
-    (``seqplan.registry.one_call_backend``) — or None."""
+    (``seqplan.registry.one_call_backend``) — or None. Given a plan, ``documents=True`` is exact:
+    the one-call mask always has documents (``schedule.one_call_mask``); the flag only gates
+    eligibility, which the plan already passed."""
     name = seqplan.registry.one_call_backend(config, documents, device_kind=device_kind_of(q), dtype=q.dtype,
                                              resolve_backend=resolve_backend)
-    return ONE_CALL_KERNELS.get(name)
+    kernel = ONE_CALL_KERNELS.get(name)
+    return kernel if kernel is not None and kernel.one_call_takes(q) else None
 
 
 def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
     """Whether the call may run as one varlen call per device (module docstring): static, its
     document blocks resolving to a backend of :data:`ONE_CALL_KERNELS` (``aten_varlen``, ``fa4``)
-    on ``q``'s device and dtype (``seqplan.registry.prefix_eligible``)."""
-    return seqplan.registry.prefix_eligible(config, documents, device_kind=device_kind_of(q), dtype=q.dtype,
-                                            resolve_backend=resolve_backend, one_call_backends=ONE_CALL_KERNELS)
+    on ``q``'s device and dtype whose kernel takes ``q`` (``one_call_takes``: its dtypes and head dims)."""
+    return _one_call_kernel(config, q, documents) is not None
 
 
 def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, q, *,

@@ -106,6 +106,11 @@ def test_what_fa4_cannot_run_goes_to_the_portable_kernel(fa4, seed):
                       0.25,
                       dlse=torch.ones_like(lse))  # an lse cotangent
     assert fa4.portable["bwd"] == 2
+    q, k, v, do = _inputs(rng, 1, 16, 16, d=12)  # FA4 takes head dims 8..256 in multiples of 8: both passes portable
+    o, lse = fa4.fa4_block_fwd(q, k, v, BlockMask(MaskKind.CAUSAL), 0.25)
+    fa4.fa4_block_bwd(do, q, k, v, o, lse, BlockMask(MaskKind.CAUSAL), 0.25)
+    assert fa4.portable == {"fwd": 3, "bwd": 3} and [c["kind"] for c in fa4_ops.CALLS] == ["fwd"]
+    assert not fa4.one_call_takes(q) and fa4.one_call_takes(q[..., :8]) and not fa4.one_call_takes(q[..., :8].float())
 
 
 def test_max_seqlen_takes_few_values_over_a_stream_of_packed_batches(fa4):

@@ -18,8 +18,9 @@ still a bound, costing at most idle tiles. The varlen causal mask is aligned bot
 (the prefix runs of the one call rely on it).
 
 What it routes elsewhere (the portable kernel, never guessed): fp32, a strict block, a window other
-than the token-index one, an lse cotangent, ids that are not runs, and a backward with head_dim >
-192 (not supported on SM90). Queries whose document has no key in the block get o = 0, lse = -inf
+than the token-index one, an lse cotangent, ids that are not runs, a head_dim outside FA4's
+(8..256, a multiple of 8), and a backward with head_dim > 192 (not supported on SM90).
+Queries whose document has no key in the block get o = 0, lse = -inf
 and zero gradients, and keys no query reads zero dK / dV, written here. Run-to-run determinism is
 not measured: the backend is refused under ``deterministic=True`` (``block.NONDETERMINISTIC_WHEN_REQUESTED``),
 and ``"auto"`` does not route to it until the GPU tier has verified and timed it.
@@ -38,10 +39,12 @@ from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
-from .varlen import block_runs, pack_lse, prefix_offsets, run_offsets, unpack_forward, unpack_grads
+from .varlen import block_runs, nothing_seen, pack_lse, prefix_offsets, run_offsets, unpack_forward, unpack_grads
 
 F32 = torch.float32
-MAX_BWD_HEAD_DIM = 192  # FA4's SM90 backward: larger head dims are not supported there
+# FA4's head dims: 8..256 and a multiple of 8 in bf16 / fp16 (its own check asserts, mid-call), the
+# SM90 backward only up to 192 — outside them the block runs on the portable kernel
+HEAD_DIMS, HEAD_DIM_ALIGNMENT, MAX_BWD_HEAD_DIM = (8, 256), 8, 192
 SMALLEST_BUCKET = 128
 
 
@@ -78,14 +81,27 @@ def seqlen_bucket(n: int, cap: int) -> int:
     return min(cap, max(SMALLEST_BUCKET, 1 << max(0, int(n) - 1).bit_length()))
 
 
-def _plan(mask: BlockMask, segments, positions, q, k) -> tuple[DocumentRuns, bool] | None:
+def _head_dim_fits(d: int, backward: bool) -> bool:
+    """Whether FA4 takes head_dim ``d`` (the backward: SM90's bound too)."""
+    return HEAD_DIMS[0] <= d <= (MAX_BWD_HEAD_DIM if backward else HEAD_DIMS[1]) and d % HEAD_DIM_ALIGNMENT == 0
+
+
+@functools.lru_cache(maxsize=64)
+def _whole_rows(b: int, t: int, s: int, causal: bool) -> DocumentRuns | None:
+    """A block without documents as one run per batch row (a causal one only when square)."""
+    return document_runs(np.zeros((b, t), np.int32), np.zeros((b, s), np.int32), causal)
+
+
+def _plan(mask: BlockMask, segments, positions, q, k, backward: bool = False) -> tuple[DocumentRuns, bool] | None:
     """(runs, causal) of a block FA4 runs exactly, or None (the portable kernel's)."""
     if q.dtype not in (torch.bfloat16, torch.float16) or mask.kind is MaskKind.STRICT:
         return None
+    if not _head_dim_fits(q.shape[-1], backward):
+        return None
     if segments is not None or mask.window is not None:
         return block_runs(mask, segments, positions, q.dtype)
-    causal = mask.kind is MaskKind.CAUSAL  # no documents: one run per batch row
-    runs = document_runs(np.zeros(q.shape[:2], np.int32), np.zeros(k.shape[:2], np.int32), causal)
+    causal = mask.kind is MaskKind.CAUSAL
+    runs = _whole_rows(q.shape[0], q.shape[1], k.shape[1], causal)
     return None if runs is None else (runs, causal)
 
 
@@ -99,10 +115,8 @@ def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positio
     if plan is None:
         return reference_block_fwd(q, k, v, mask, scale, segments, positions, softcap=softcap)
     runs, causal = plan
-    b, t, h, d = q.shape
     if runs.max_k == 0 or runs.max_q == 0:  # no query's document has a key here
-        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
-                torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
+        return nothing_seen(q)
     cu_q, cu_k, empty, _ = run_offsets(runs, q.device)
     flat = lambda x: x.reshape(-1, *x.shape[2:])
     o, lse = fa4_forward(flat(q), flat(k), flat(v), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **_bounds(runs, q, k),
@@ -112,7 +126,7 @@ def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positio
 
 def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None,
                   softcap=None):
-    plan = None if dlse is not None or q.shape[-1] > MAX_BWD_HEAD_DIM else _plan(mask, segments, positions, q, k)
+    plan = None if dlse is not None else _plan(mask, segments, positions, q, k, backward=True)
     if plan is None:
         return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions, softcap=softcap)
     runs, causal = plan
@@ -135,6 +149,11 @@ register_backend(BlockBackend("fa4", fa4_block_fwd, fa4_block_bwd, supports=_sup
 
 
 # ---- one call for a device's queries against every key (all-gather-KV: seqplan.documents.prefix_runs) ----
+
+def one_call_takes(q) -> bool:
+    """Whether the one call's forward and backward run on FA4 for queries like ``q``."""
+    return q.dtype in (torch.bfloat16, torch.float16) and _head_dim_fits(q.shape[-1], backward=True)
+
 
 def _prefix_bounds(plan: PrefixRuns, total_q: int, total_k: int) -> dict:
     return {"max_seqlen_q": seqlen_bucket(plan.max_q, total_q), "max_seqlen_k": seqlen_bucket(plan.max_k, total_k)}

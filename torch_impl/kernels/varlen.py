@@ -97,15 +97,20 @@ def varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, posi
     if plan is None:
         return reference_block_fwd(q, k, v, mask, scale, segments, positions)
     runs, causal = plan
-    b, t, h, d = q.shape
     if runs.max_k == 0 or runs.max_q == 0:  # no query's document has a key here
-        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
-                torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
+        return nothing_seen(q)
     cu_q, cu_k, empty, _ = run_offsets(runs, q.device)
     flat = lambda x: x.reshape(-1, *x.shape[2:])
     o, lse = flash_forward(
         flat(q), flat(k), flat(v), cu_q, cu_k, runs.max_q, runs.max_k, 0.0, causal, False, scale=scale)[:2]
     return unpack_forward(o, lse, empty, q.shape)
+
+
+def nothing_seen(q):
+    """The forward of a block where no query sees a key: o = 0, lse = -inf [b, h, t]."""
+    b, t, h, _ = q.shape
+    return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+            torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
 
 
 def unpack_forward(o, lse, empty, shape):
@@ -171,6 +176,11 @@ register_backend(BlockBackend("aten_varlen", varlen_block_fwd, varlen_block_bwd,
 # ---- one call for a device's queries against every key (all-gather-KV: seqplan.documents.prefix_runs) ----
 
 _PREFIX_TENSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def one_call_takes(q) -> bool:
+    """Whether the one call runs on FA2's varlen ops for queries like ``q`` (its dtypes)."""
+    return q.dtype in (torch.bfloat16, torch.float16)
 
 
 def prefix_offsets(plan: PrefixRuns, device):
