@@ -38,6 +38,7 @@ from .common import (
     lay_out,
     mask_extra,
     mesh_rows,
+    one_call_record,
     problem_masks,
     row_problem,
     shared_arguments,
@@ -154,7 +155,11 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     place = NamedSharding(mesh, P(*x_spec[:2]))  # like q's first two dimensions
     names = [n for n, a in (("segment_ids", laid.segment_ids), ("token_index", laid.token_index)) if a is not None]
     aux = tuple(jax.device_put(a, place) for a in (laid.segment_ids, laid.token_index) if a is not None)
-    path = _one_call_record(problem, spec, laid, backend, mesh, x_spec)
+    from jax_impl import replay
+
+    path = one_call_record(problem, spec, laid, backend, replay, lambda: jnp.zeros(
+        (problem.batch, problem.seq, problem.heads, problem.head_dim), jnp.dtype(problem.dtype),
+        device=NamedSharding(mesh, x_spec)), lambda a: a)
     rows = []
     for fwd_only in fwd_modes:
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
@@ -170,28 +175,6 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
 
         rows.append(_measure(row, problem, attention, NamedSharding(mesh, x_spec), iters, warmup, aux))
     return rows
-
-
-def _one_call_record(problem: Problem, spec: MeshSpec, laid, backend: str, mesh, x_spec) -> dict:
-    """Whether every ring device of an all-gather-KV row runs the one varlen call
-    (``jax_impl.replay.one_call_plan`` on the same ids, host side), with its runs per device."""
-    if spec.kv_exchange != "allgather" or laid.segment_ids is None:
-        return {}
-    from jax_impl import replay
-
-    try:
-        q = jnp.zeros((problem.batch, problem.seq, problem.heads, problem.head_dim), jnp.dtype(problem.dtype),
-                      device=NamedSharding(mesh, x_spec))  # the plan reads its shape, dtype and platform
-        strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, kv_exchange=spec.kv_exchange)
-        plans = [replay.one_call_plan(device * spec.ulysses, q, strategy=strategy, causal=problem.causal,
-                                      layout=laid.api_layout, block_backend=backend, segment_ids=laid.segment_ids,
-                                      window=problem.window, token_index=laid.token_index)
-                 for device in range(spec.ring)]
-        del q
-    except Exception as err:  # noqa: BLE001 — the row keeps its timing; the record says why it is missing
-        return {"one_call": None, "one_call_error": f"{type(err).__name__}: {str(err)[:200]}"}
-    return {"one_call": all(p is not None for p in plans),
-            "runs": [None if p is None else len(p.cu_q) - 1 for p in plans]}
 
 
 def _init_multi_controller() -> None:

@@ -29,8 +29,8 @@ import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .common import Problem, Row
-from .documents import DOCUMENT_LAYOUTS, layout_keywords, verify_document_path
+from .common import Problem, Row, lay_out, row_problem
+from .documents import DOCUMENT_LAYOUTS, verify_document_path
 
 __all__ = ["STRATEGIES", "ReplaySpec", "main", "replay_rows"]
 
@@ -77,22 +77,17 @@ STRATEGIES = {s.name: s for s in (
 
 
 def _mask_keywords(problem: Problem, spec: ReplaySpec, to_array) -> dict:
-    """The replay's keywords for the problem's masks: ``segment_ids`` in the spec's layout order
-    (through ``to_array``, the framework's array constructor) and ``window`` — only when set. The
-    per-document zigzag adds ``token_index`` and replays under the static name "contiguous"
-    (which then only fixes seq's divisibility: the masks read the token indices)."""
-    kw = {}
-    ids = problem.segment_ids()
-    if spec.layout in DOCUMENT_LAYOUTS:
-        if ids is None:
-            raise ValueError(f"--layout {spec.layout} needs --documents")
-        laid = layout_keywords(ids, spec.ring, spec.layout)
-        kw.update(layout="contiguous", segment_ids=to_array(laid["segment_ids"]),
-                  token_index=to_array(laid["token_index"]))
-    elif ids is not None:
-        from parity.core.reference import layout_permutation
-
-        kw["segment_ids"] = to_array(ids[:, layout_permutation(problem.seq, spec.layout, spec.ring, spec.ulysses)])
+    """The replay's layout and mask keywords (``common.lay_out``, as the mesh rows): the static
+    name the call passes, ``segment_ids`` in the spec's layout order and, for a per-row layout,
+    ``token_index`` (through ``to_array``, the framework's array constructor), and ``window`` —
+    each only when set. A per-row layout replays under the static name "contiguous" (which then
+    only fixes seq's divisibility: the masks read the token indices)."""
+    if spec.layout in DOCUMENT_LAYOUTS and problem.documents == "none":
+        raise ValueError(f"--layout {spec.layout} needs --documents")
+    laid = lay_out(problem, spec, spec.layout)
+    kw = {"layout": laid.api_layout}
+    kw.update({name: to_array(a) for name, a in (("segment_ids", laid.segment_ids), ("token_index", laid.token_index))
+               if a is not None})
     if problem.window is not None:
         kw["window"] = problem.window
     return kw
@@ -117,7 +112,7 @@ def _jax_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_time
     from jax_impl import replay
 
     strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, outer=spec.outer, kv_exchange=spec.kv_exchange)
-    kw = {"strategy": strategy, "causal": problem.causal, "layout": spec.layout, "block_backend": backend,
+    kw = {"strategy": strategy, "causal": problem.causal, "block_backend": backend,
           **_mask_keywords(problem, spec, jnp.asarray)}
     keys = jax.random.split(jax.random.key(0), 4)
     dt = jnp.dtype(problem.dtype)
@@ -199,7 +194,7 @@ def _torch_timer(problem: Problem, spec: ReplaySpec, backend: str, devices_to_ti
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, outer=spec.outer, kv_exchange=spec.kv_exchange)
-    kw = {"strategy": strategy, "causal": problem.causal, "layout": spec.layout, "block_backend": backend,
+    kw = {"strategy": strategy, "causal": problem.causal, "block_backend": backend,
           **_mask_keywords(problem, spec, lambda a: torch.as_tensor(a, device=device_type))}
     gen = torch.Generator(device=device_type).manual_seed(0)
     dt = getattr(torch, problem.dtype)
@@ -321,8 +316,7 @@ def replay_rows(problem: Problem, spec: ReplaySpec, framework: str, backend: str
 
     # each virtual device's queries: ring shard device // U (original positions; TFLOP/s on its own pairs)
     if per_document:
-        laid = layout_keywords(problem.segment_ids(), spec.ring, spec.layout)
-        shard_positions = laid["token_index"][0].reshape(spec.ring, -1)
+        shard_positions = lay_out(problem, spec, spec.layout).token_index[0].reshape(spec.ring, -1)
     else:
         shard_positions = ring_positions(spec.layout, spec.ring, problem.seq // spec.ring)
     # busiest / mean device fwd+bwd time over the devices timed (every one with --replay-devices all)
@@ -460,8 +454,7 @@ def main(argv=None) -> list[Row]:
     grid = [(Problem(seq=t * spec.devices, **shape, **masks), spec) for t in per_device for spec in specs] \
         if per_device else [(problem, spec) for spec in specs]
     # the per-document zigzag: each strategy's ids fitted to its ring (benchmarks.documents)
-    grid = [(replace(prob, fit_ring=spec.ring, fit_multiple=2 * spec.ring * spec.ulysses)
-             if spec.layout in DOCUMENT_LAYOUTS else prob, spec) for prob, spec in grid]
+    grid = [(row_problem(prob, spec, spec.layout), spec) for prob, spec in grid]
     if a.dry_run:
         from .verify import reduced_case
 

@@ -32,6 +32,7 @@ from .common import (
     lay_out,
     mask_extra,
     mesh_rows,
+    one_call_record,
     problem_masks,
     row_problem,
     shared_arguments,
@@ -149,28 +150,6 @@ def _local_shard(array, spec: MeshSpec, mesh):
     return torch.as_tensor(array[:, block * t:(block + 1) * t], device="cuda")
 
 
-def _one_call_record(problem: Problem, spec: MeshSpec, laid, backend: str) -> dict:
-    """Whether every ring device of an all-gather-KV row runs the one varlen call
-    (``torch_impl.replay.one_call_plan`` on the same global ids, host side), with its runs."""
-    if spec.kv_exchange != "allgather" or laid.segment_ids is None:
-        return {}
-    from torch_impl import replay
-
-    try:
-        # the plan reads q's shape, dtype and device only: one head stands in for all of them
-        q = torch.empty(problem.batch, problem.seq, 1, problem.head_dim, device="cuda", dtype=getattr(torch, problem.dtype))
-        to = lambda a: None if a is None else torch.as_tensor(a, device="cuda")
-        strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, kv_exchange=spec.kv_exchange)
-        plans = [replay.one_call_plan(device * spec.ulysses, q, strategy=strategy, causal=problem.causal,
-                                      layout=laid.api_layout, block_backend=backend, segment_ids=to(laid.segment_ids),
-                                      window=problem.window, token_index=to(laid.token_index))
-                 for device in range(spec.ring)]
-    except Exception as err:  # noqa: BLE001 — the row keeps its timing; the record says why it is missing
-        return {"one_call": None, "one_call_error": f"{type(err).__name__}: {str(err)[:200]}"}
-    return {"one_call": all(p is not None for p in plans),
-            "runs": [None if p is None else len(p.cu_q) - 1 for p in plans]}
-
-
 def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int,
               fwd_modes=(True, False), variant: str = "") -> list[Row]:
     """torch_impl on ``spec``'s mesh in ``layout`` (static, or per-row: ids fitted to the ring,
@@ -183,7 +162,12 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     laid = lay_out(problem, spec, layout)
     mesh = init_device_mesh("cuda", tuple(spec.axes.values()), mesh_dim_names=tuple(spec.axes))
     ids, index = _local_shard(laid.segment_ids, spec, mesh), _local_shard(laid.token_index, spec, mesh)
-    path = _one_call_record(problem, spec, laid, backend) if _rank() == 0 else {}
+    from torch_impl import replay
+
+    # the plan reads q's shape, dtype and device only: one head stands in for all of them
+    path = one_call_record(problem, spec, laid, backend, replay, lambda: torch.empty(
+        problem.batch, problem.seq, 1, problem.head_dim, device="cuda", dtype=getattr(torch, problem.dtype)),
+        lambda a: torch.as_tensor(a, device="cuda")) if _rank() == 0 else {}
     rows = []
     for fwd_only in fwd_modes:
         row = Row("torch_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,

@@ -226,7 +226,7 @@ def documents_names(value: str) -> list[str]:
 
 
 def mask_extra(problem: Problem) -> dict:
-    """What a row records of its problem's masks (``verify_rows`` rebuilds the problem from it)."""
+    """What a row records of its problem's masks (``verify.mark_rows`` rebuilds the problem from it)."""
     return {"documents": problem.documents, "window": problem.window, "fit_ring": problem.fit_ring,
             "fit_multiple": problem.fit_multiple}
 
@@ -366,8 +366,9 @@ def anchor_problems(problem: Problem, specs, layouts: str) -> list[Problem]:
 
 def anchor_row(framework: str, problem: Problem, result: dict) -> Row:
     """A one-GPU varlen anchor row (``benchmarks.masked``'s anchor result) on ``problem``'s ids:
-    fwd+bwd, TFLOP/s on the visible pairs; not verified (None) unless its 4096-token check passed
-    (then True: the kernel, not ringbridge's path, but checked the same way)."""
+    fwd+bwd, TFLOP/s on the visible pairs. ``verified``: True when its 4096-token check passed (the
+    kernel, not ringbridge's path, checked the same way), False when it failed (no throughput),
+    None when the anchor raised (the error is the note)."""
     row = Row(framework, "single", "-", problem.seq, 1, 1, 1, False,
               extra={"kernel": result.get("kernel"), **mask_extra(problem),
                      "verified_at_4096": result.get("verified_at_4096"), "candidates": result.get("candidates")})
@@ -381,3 +382,25 @@ def anchor_row(framework: str, problem: Problem, result: dict) -> Row:
     row.ms_per_iter = result["fwd_bwd_ms"]
     row.tflops_per_gpu = problem.flops(False) / (row.ms_per_iter * 1e-3) / 1e12
     return row
+
+
+def one_call_record(problem: Problem, spec: MeshSpec, laid: LaidOut, backend: str, replay, make_q, to_array) -> dict:
+    """Whether every ring device of an all-gather-KV row runs the one varlen call, with its runs
+    per device: the framework's ``replay.one_call_plan`` on the row's global ids (host side);
+    ``make_q()`` a global query array of the row's shape, dtype and device (the plan reads no
+    values; built only for such rows), ``to_array`` the framework's array constructor. {} for
+    other rows."""
+    if spec.kv_exchange != "allgather" or laid.segment_ids is None:
+        return {}
+    try:
+        q = make_q()
+        strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, kv_exchange=spec.kv_exchange)
+        index = None if laid.token_index is None else to_array(laid.token_index)
+        plans = [replay.one_call_plan(device * spec.ulysses, q, strategy=strategy, causal=problem.causal,
+                                      layout=laid.api_layout, block_backend=backend,
+                                      segment_ids=to_array(laid.segment_ids), window=problem.window, token_index=index)
+                 for device in range(spec.ring)]
+    except Exception as err:  # noqa: BLE001 — the row keeps its timing; the record says why it is missing
+        return {"one_call": None, "one_call_error": f"{type(err).__name__}: {str(err)[:200]}"}
+    return {"one_call": all(p is not None for p in plans),
+            "runs": [None if p is None else len(p.cu_q) - 1 for p in plans]}

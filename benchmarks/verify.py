@@ -147,27 +147,6 @@ def mark_rows(rows: list[dict], verdicts: dict) -> list[dict]:
     return out
 
 
-def verify_rows(rows: list[dict], devices: str = "gpu") -> list[dict]:
-    """Saved rows (dicts) marked after the fact: each distinct ringbridge mesh path verified once."""
-    from parity.runners.torch_world import close_worlds
-
-    verdicts: dict[str, dict] = {}
-    try:
-        for data in rows:
-            row = Row(**{k: v for k, v in data.items() if k in Row.__dataclass_fields__})
-            framework, mesh = OURS.get(row.framework), row.extra.get("mesh")
-            if framework is None or not mesh or row.framework.endswith("_replay") or row.extra.get("variant"):
-                continue
-            backend, problem = row.extra.get("block_backend", "auto"), _row_problem(row)
-            key = path_key(framework, mesh, row.layout, backend, problem)
-            if key not in verdicts:
-                verdicts[key] = verify_one(framework, mesh, row.layout, backend, problem, devices)
-                print(f"verify {key}: {verdicts[key]}", flush=True)
-    finally:
-        close_worlds()
-    return mark_rows(rows, verdicts)
-
-
 def planned_paths(args) -> list[tuple[str, str, str, str, Problem]]:
     """(framework, mesh, layout, backend, problem) of every mesh row the driver's flags time."""
     from .common import documents_names, mesh_layouts, problem_masks
@@ -175,9 +154,9 @@ def planned_paths(args) -> list[tuple[str, str, str, str, Problem]]:
     frameworks = [f for f in ("jax", "torch") if args.only in (None, f)]
     backends = {"jax": args.jax_backends.split(","), "torch": args.torch_backends.split(",")}
     out = []
-    for documents in documents_names(args.documents):
-        problem = Problem(seq=int(args.seqs.split(",")[0]), heads=args.heads, kv_heads=args.kv_heads,
-                          **problem_masks(args, documents))
+    problems = [Problem(seq=int(seq), heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args, documents))
+                for seq in filter(None, args.seqs.split(",")) for documents in documents_names(args.documents)]
+    for problem in problems:  # every length: a window's reduced reach depends on it (path_key)
         for framework in frameworks:
             for mesh in filter(None, args.meshes.split(",")):
                 spec = MeshSpec(mesh)

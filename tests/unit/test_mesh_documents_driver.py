@@ -103,3 +103,13 @@ def test_document_efficiency_is_against_the_anchor_on_the_same_ids():
     out = add_efficiency(rows)
     assert out[0]["efficiency"] == pytest.approx(0.25)  # fitted ids: the fitted anchor, torch's own
     assert out[1]["efficiency"] == pytest.approx(0.20)  # raw ids: the raw anchor
+
+
+def test_every_sequence_length_is_planned_when_a_window_changes_the_path():
+    """A window's reduced reach depends on the length, so each --seqs length has its own verdict:
+    a row at the second length must find one (it lost its throughput when only the first was planned)."""
+    args = _args(seqs="32768,131072", documents="none", layout="zigzag", meshes="ring-r4", window=4096)
+    keys = {path_key(*p) for p in planned_paths(args)}
+    for seq in (32768, 131072):
+        problem = Problem(seq=seq, kv_heads=8, window=(4096, 0))
+        assert path_key("jax", "ring-r4", "zigzag", "auto", problem) in keys, seq
