@@ -88,6 +88,11 @@ AUTO_ROUTES: tuple[Route, ...] = (
     Route("aten_cudnn", "fastest verified: 577 / 561 / 531 TFLOP/s full / causal / strict vs aten_flash 325 / 325 / "
           "323 (bf16; fp16 verified for d 64 MHA only so far)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=ALL_MASKS, deterministic=False),
+    Route("fa4", "document blocks, token-index causal blocks and soft-capped blocks on FlashAttention-4 (the "
+          "extra fa4) where installed: 1.4-1.8x aten_varlen on every packed-document row of the 4-GPU table, "
+          "docs/gpu/documents-2026-11-26-h200x4.md (its GPU tier verified first); plain blocks stay on aten_cudnn "
+          "(the row above); determinism not measured, so not in deterministic mode",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
     Route("aten_varlen", "document blocks (full, causal diagonal; ids one run per document) and token-index causal "
           "blocks (seqplan.documents.index_runs) on FA2 varlen: "
           "docs/gpu/masked-2026-11-24-h100.md; its determinism not measured, so not in deterministic mode",

@@ -14,6 +14,7 @@ R=/tmp/rb-documents; LOG=$R/run.log
 SEQ=${SEQ:-131072}; MIXES=${MIXES:-short,heavy-tail,few-long}; LAYOUTS=${LAYOUTS:-zigzag,document-hybrid}
 MESHES=${MESHES:-ring-r4,ring-agkv-r4,usp-r2xu2,ulysses-u4}; ITERS=${ITERS:-5}
 TORCH_BACKENDS=${TORCH_BACKENDS:-auto}; ONLY=${ONLY:-torch,jax}  # e.g. TORCH_BACKENDS=auto,fa4 ONLY=torch
+JAX_MESHES=${JAX_MESHES:-$MESHES}; JAX_MIXES=${JAX_MIXES:-$MIXES}  # the JAX side's own subset (a re-run)
 COMMON=(--gpus 4 --seqs $SEQ --documents $MIXES --layout $LAYOUTS --meshes $MESHES --heads 32 --kv-heads 8
         --passes fwd+bwd --iters $ITERS --warmup 2 --machine h100x4-documents --torch-backends $TORCH_BACKENDS)
 if [ "$1" = start ]; then
@@ -38,10 +39,13 @@ if [ "$1" = start ]; then
     RUNS=""
     # the fa4 block backend's GPU tier first when it is asked for: no timing of an unchecked kernel
     [[ $TORCH_BACKENDS == *fa4* ]] && RUNS="python3 -m pytest -q -p no:cacheprovider tests/gpu/test_one_gpu_kernels.py -k 'fa4' > $R/fa4-tier.log 2>&1; "
-    for side in ${ONLY//,/ }; do RUNS="$RUNS python3 -m benchmarks ${COMMON[*]} --only $side --parts-dir $R/$side;"; done
+    for side in ${ONLY//,/ }; do
+      extra=""; [ $side = jax ] && extra="--meshes $JAX_MESHES --documents $JAX_MIXES"  # later flags win
+      RUNS="$RUNS python3 -m benchmarks ${COMMON[*]} $extra --only $side --parts-dir $R/$side;"
+    done
   fi
   date > $R/started
-  setsid nohup bash -c "$RUNS; date > $R/finished" > $LOG 2>&1 < /dev/null &
+  setsid nohup bash -c "$RUNS date > $R/finished" > $LOG 2>&1 < /dev/null &
   set -- wait
 fi
 if [ "$1" = wait ]; then

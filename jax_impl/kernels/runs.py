@@ -37,8 +37,11 @@ VARLEN_MAX_RUNS = VARLEN_RUN_SLOTS[-1]
 # A token-index block compiles two forms (causal diagonal, FULL on new ids) in every block of a
 # device's program, whose blocks all take them (a non-causal schedule): fewer static variants
 # each, so a ring of 8 compiles in reasonable time (2026-11-26 on an H100: the full set did not
-# finish 16 per-device programs in 9 minutes).
-INDEX_RUN_SLOTS = (16, 64)
+# finish 16 per-device programs in 9 minutes). Its large size is 256, not 64: USP 2×2's shard of a
+# 128k short mix holds ≈ 82 documents, and on (16, 64) that block went to the portable kernel — 9.9 s
+# a step against 53 ms fused for few-long (4× H200, 2026-11-26 second run); two sizes keep the
+# compile time, and a block of 17-64 runs on 256 slots only launches empty runs' tiles.
+INDEX_RUN_SLOTS = (16, VARLEN_MAX_RUNS)
 
 
 # ---- the run lists: typed records (pytrees: a forward keeps a plan for its backward) ----------

@@ -310,3 +310,27 @@ def test_jax_run_lists_are_pytrees_with_static_flags():
     back = jax.jit(lambda r: r)(records[0])
     assert isinstance(back, VarlenRuns) and back.identity and (back.max_q, back.max_k) == (256, 128)
     assert not records[2].identity and records[2].covered_kv is None  # the one call's keys are gathered
+
+
+def test_token_index_blocks_hold_as_many_runs_as_the_varlen_forms():
+    """A token-index block (the per-row layouts) of 65-256 documents — USP 2×2's shard of the 128k
+    short mix holds ≈ 82 — runs a fused form, diagonal (causal) and off the diagonal (FULL on new
+    ids); past 256 runs the portable kernel."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    def chosen(n_runs, later):
+        ids = jnp.asarray(np.repeat(np.arange(n_runs, dtype=np.int32), 4)[None])
+        t = ids.shape[1]
+        q_index = jnp.arange(t, dtype=jnp.int32)[None] + later * t
+        kv_index = jnp.arange(t, dtype=jnp.int32)[None]
+        return int(runs.index_dispatch((ids, ids), (q_index, kv_index),
+                                       lambda causal, r: jnp.int32(r.cu_q.shape[0] - 1), lambda: jnp.int32(-1)))
+
+    assert runs.INDEX_RUN_SLOTS[-1] == runs.VARLEN_MAX_RUNS
+    for later in (0, 1):  # the diagonal block, then one whose queries all follow its keys (FULL)
+        assert chosen(10, later) == 16
+        assert chosen(82, later) == runs.VARLEN_MAX_RUNS
+        assert chosen(runs.VARLEN_MAX_RUNS + 1, later) == -1
