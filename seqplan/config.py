@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .schedule import LAYOUTS, kernel_window, token_index_window
+from .shared import check_shared_tokens_value
 from .validation import KV_EXCHANGES, check_softcap, check_window
 
 CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
@@ -62,6 +63,9 @@ class AttentionConfig:
                    positions: ``causal`` is then False and ``window`` the token-index window
                    (``schedule.token_index_window``: causal = ``(UNBOUNDED, 0)``), every visit one
                    whole-shard block decided at run time, and the ring is never truncated.
+    shared_tokens: all-gather KV only: every token whose document also lies on another ring shard
+                   sits within its shard's first ``shared_tokens`` positions (the per-document
+                   hybrid's order), so only those K/V are gathered (``seqplan.shared``); None: all.
     """
 
     # What ``comm`` must be an instance of (TypeError otherwise): each implementation's Comm.
@@ -76,16 +80,19 @@ class AttentionConfig:
     window: tuple[int, int] | None = None
     softcap: float | None = None
     token_index: bool = False
+    shared_tokens: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "window", checked_static_fields(self.causal, self.layout, self.scale, self.window))
         object.__setattr__(self, "softcap", check_softcap(self.softcap))
+        object.__setattr__(self, "shared_tokens", check_shared_tokens_value(self.shared_tokens))
         if not isinstance(self.comm, self.COMM_TYPE):
             raise TypeError(f"comm must be a {self.COMM_TYPE.__name__}, got {type(self.comm).__name__}")
 
     @classmethod
     def for_call(cls, head_dim: int, *, causal: bool, layout: str, scale: float | None, block_backend: str,
-                 deterministic: bool, comm, window=None, softcap=None, token_index: bool = False):
+                 deterministic: bool, comm, window=None, softcap=None, token_index: bool = False,
+                 shared_tokens: int | None = None):
         """The config of a per-device call on queries of ``head_dim``, ``scale`` defaulted
         (:func:`resolve_scale`). ``deterministic`` and ``comm`` come resolved: each framework's
         ``make_config`` reads its own defaults. ``token_index``: the call passes explicit token
@@ -94,7 +101,7 @@ class AttentionConfig:
         if token_index:
             window, causal = token_index_window(window, bool(causal)), False
         return cls(bool(causal), layout, resolve_scale(head_dim, scale), block_backend, deterministic, comm, window,
-                   softcap, bool(token_index))
+                   softcap, bool(token_index), shared_tokens)
 
 
 def default_check_ranks(check_ranks: bool | None) -> bool:

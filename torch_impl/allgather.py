@@ -22,6 +22,15 @@ varlen call (FA2 or FA4) and the backward one more, the gathered keys' dK / dV s
 float32 [R, b, t] accumulators before the reduce-scatter. No merge, no per-block launch: the
 whole-sequence varlen kernel's cost on the rank's share of the pairs. A backward with an lse
 cotangent (the varlen backward takes none) walks the blocks as before.
+
+**Shared prefix** (``shared_tokens = P``, ``seqplan.shared``): when every token whose document
+spans shards sits within its shard's first P positions (the per-document hybrid; checked on the
+gathered ids, the same ``ValueError`` on every rank), only those K/V are gathered — R·P tokens,
+issued asynchronously while the rank's queries [P, t) attend to its own keys (documents held
+whole: no transfer) — then its queries [0, P) attend to the gathered prefixes; each part is one
+varlen call on the one-call kernel (the portable kernel where there is none, or with an lse
+cotangent), no merge (every query's keys lie in one part). The backward reduce-scatters the
+prefixes' dK / dV only.
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ import torch
 
 import seqplan.registry
 from seqplan.documents import PREFIX_KEY_FACTOR, PrefixRuns, cached_plan, shard_prefix_runs
+from seqplan.layouts import ring_positions
 from seqplan.schedule import allgather_schedule, device_visits
+from seqplan.shared import PART_MASK, SplitRuns, check_shared_call, check_shared_tokens, shared_extent, split_runs
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -41,6 +52,7 @@ from .block import device_kind_of, resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .kernels import fa4, varlen
+from .kernels.reference import reference_block_bwd, reference_block_fwd
 from .loop import ShardMasks, add_grads, attend_block, attention_with_vjp, grad_block, merge_block, ring_index
 
 F32 = torch.float32
@@ -48,18 +60,22 @@ F32 = torch.float32
 
 def allgather_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
                         causal: bool = False, layout: str = "zigzag",
-                        scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None):
+                        scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
+                        shared_tokens: int | None = None):
     """All-gather-KV attention over process group ``group`` (``None``: one rank). Inputs are this
     rank's ring shard in layout order; ``segment_ids`` (packed documents) this rank's local shard
     of the ids, [b, t/R] (see ``ring_attention``: gathered once, blocks without a shared
     document skipped); ``window``, ``sinks``, ``softcap`` and ``token_index`` ([b, t/R] or None) as in
-    ``ring_attention`` (``sinks.grad``: this rank's contribution). Returns ``(o, lse)``; differentiable through autograd."""
+    ``ring_attention`` (``sinks.grad``: this rank's contribution); ``shared_tokens``: gather only
+    each shard's first ``shared_tokens`` K/V (module docstring; causal packed documents, no window
+    or softcap). Returns ``(o, lse)``; differentiable through autograd."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic, window=window, softcap=softcap,
-                         token_index=token_index is not None)
+                         token_index=token_index is not None, shared_tokens=shared_tokens)
+    check_shared_call(config, segment_ids is not None)
     config.backend()  # an unknown or refused kernel fails here, before any collective
     return _allgather(q, k, v, (None, group), config, segment_ids, sinks, token_index)
 
@@ -125,6 +141,9 @@ def prefix_backward(config: AttentionConfig, saved, kv_packed, plan: PrefixRuns)
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
     backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
+    split = split_plan(config, masks, me) if schedule.size > 1 else None
+    if split is not None:  # only the shared prefixes travel
+        return _split_forward(q, k, v, groups, config, masks, split)
     plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 else None
     if plan is not None:  # one call against every key
         k_all, v_all = (config.comm.gather(x, groups[1]) for x in (k, v))
@@ -150,6 +169,9 @@ def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
 
 def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig, masks: ShardMasks):
     backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
+    split = split_plan(config, masks, me) if schedule.size > 1 else None
+    if split is not None:
+        return _split_backward(q, k, v, o, lse, kv_all, do, dlse, groups, config, masks, split)
     plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 and dlse is None else None
     if plan is not None:
         packed = lambda x: x.reshape(-1, *x.shape[-2:])
@@ -174,3 +196,98 @@ def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig
 
 
 _allgather = attention_with_vjp(_forward, _backward)
+
+
+# ---- the shared prefix (module docstring; seqplan.shared) ----------------------------------------
+
+def split_plan(config: AttentionConfig, masks: ShardMasks, device: int) -> SplitRuns | None:
+    """Ring shard ``device``'s two parts (``seqplan.shared.split_runs``, remembered by content), or
+    None when the call gathers everything (no ``shared_tokens``). Refuses a ``shared_tokens`` the
+    gathered ids break (``seqplan.shared.check_shared_tokens``: every rank sees the same ids)."""
+    if config.shared_tokens is None:
+        return None
+    p, positions = config.shared_tokens, masks.positions if config.token_index else None
+    if p > masks.ids_host.shape[2] or cached_plan(shared_extent, masks.ids_host) > p:
+        check_shared_tokens(masks.ids_host, p)  # raises, naming the token
+    return cached_plan(split_runs, masks.ids_host, positions, device=device, shared_tokens=p, layout=config.layout)
+
+
+def _part_masks(config: AttentionConfig, masks: ShardMasks, device: int, p: int, t: int):
+    """The portable kernel's (segments, positions) of both parts: (shared, local) pairs of
+    (query, key) int32 tensors — the shared part's keys every shard's first ``p``, [b, R·p]."""
+    ids_all = masks.ids_all
+    positions = masks.device_positions if config.token_index else None
+    if positions is None:
+        ring, b = ids_all.shape[:2]
+        positions = torch.from_numpy(ring_positions(config.layout, ring, t)).to(ids_all.device)
+        positions = positions[:, None, :].expand(ring, b, t).to(torch.int32)
+    prefixes = lambda x: x[:, :, :p].transpose(0, 1).reshape(x.shape[1], -1)
+    shared = ((ids_all[device][:, :p], prefixes(ids_all)), (positions[device][:, :p], prefixes(positions)))
+    local = ((ids_all[device][:, p:], ids_all[device]), (positions[device][:, p:], positions[device]))
+    return shared, local
+
+
+def _kv_rows(kv_all, p: int):
+    """Gathered prefixes [R, b, p, hk, d] -> [b, R·p, hk, d] (both parts' kernels take keys by row)."""
+    return kv_all.transpose(0, 1).reshape(kv_all.shape[1], -1, *kv_all.shape[3:])
+
+
+def _part_forward(config: AttentionConfig, q, kv, runs, part_masks):
+    """(o, lse) of one part: ONE varlen call on the one-call kernel (``kv`` packed as ``runs``
+    indexes them), else the portable kernel on ``kv`` unpacked ([b, s, hk, d])."""
+    kernel = _one_call_kernel(config, q, True)
+    if kernel is not None and runs is not None:
+        packed = tuple(x.reshape(-1, *x.shape[-2:]) for x in kv)
+        return kernel.prefix_forward(q, *packed, runs, config.scale)
+    return reference_block_fwd(q, *kv, PART_MASK, config.scale, *part_masks)
+
+
+def _part_backward(config: AttentionConfig, saved, kv, runs, part_masks):
+    """(dq, dk, dv) of one part, dk / dv float32 shaped as ``kv``; ``saved = (q, o, lse, do, dlse)``
+    of the part's queries (the varlen backward takes no lse cotangent: the portable kernel then)."""
+    q, o, lse, do, dlse = saved
+    kernel = _one_call_kernel(config, q, True)
+    if kernel is not None and runs is not None and dlse is None:
+        packed = tuple(x.reshape(-1, *x.shape[-2:]) for x in kv)
+        dq, dk, dv = kernel.prefix_backward(do, q, *packed, o, lse, runs, config.scale)
+    else:
+        dq, dk, dv = reference_block_bwd(do, q, *kv, o, lse, PART_MASK, config.scale, dlse, *part_masks)
+    return dq, dk.float().reshape(kv[0].shape), dv.float().reshape(kv[1].shape)
+
+
+def _split_forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks, split: SplitRuns):
+    me, p, t = ring_index(groups), split.shared_tokens, q.shape[1]
+    shared_masks, local_masks = _part_masks(config, masks, me, p, t)
+    if p:  # the prefixes travel while the local part computes
+        (k_all, k_work), (v_all, v_work) = (config.comm.gather(x[:, :p], groups[1], async_op=True) for x in (k, v))
+    parts = []
+    if p < t:
+        parts.append(_part_forward(config, q[:, p:].contiguous(), (k, v), split.local, local_masks))
+    if not p:
+        return *parts[0], ()
+    k_work.wait()
+    v_work.wait()
+    shared_kv = (_kv_rows(k_all, p), _kv_rows(v_all, p))
+    parts.insert(0, _part_forward(config, q[:, :p].contiguous(), shared_kv, split.shared, shared_masks))
+    o = torch.cat([o_part.to(q.dtype) for o_part, _ in parts], 1)
+    return o, torch.cat([lse_part.float() for _, lse_part in parts], 2), (k_all, v_all)
+
+
+def _split_backward(q, k, v, o, lse, kv_prefixes, do, dlse, groups, config: AttentionConfig, masks: ShardMasks,
+                    split: SplitRuns):
+    me, p, t = ring_index(groups), split.shared_tokens, q.shape[1]
+    shared_masks, local_masks = _part_masks(config, masks, me, p, t)
+    part = lambda x, lo, hi, dim=1: None if x is None else x.narrow(dim, lo, hi - lo).contiguous()
+    saved = lambda lo, hi: (part(q, lo, hi), part(o, lo, hi), part(lse, lo, hi, 2), part(do, lo, hi),
+                            part(dlse, lo, hi, 2))
+    dq = torch.empty(q.shape, dtype=F32, device=q.device)
+    dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (k, v))
+    if p < t:
+        dq[:, p:], dk, dv = _part_backward(config, saved(p, t), (k, v), split.local, local_masks)
+    if p:
+        kv = tuple(_kv_rows(x, p) for x in kv_prefixes)
+        dq[:, :p], dk_rows, dv_rows = _part_backward(config, saved(0, p), kv, split.shared, shared_masks)
+        shards = lambda g: g.reshape(g.shape[0], -1, p, *g.shape[2:]).transpose(0, 1).contiguous()  # [R, b, p, ..]
+        for d_local, g in ((dk, dk_rows), (dv, dv_rows)):
+            d_local[:, :p] += config.comm.scatter(shards(g), groups[1])
+    return dq, dk, dv

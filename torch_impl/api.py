@@ -29,6 +29,7 @@ from functools import partial
 from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from seqplan.config import default_check_ranks
 from seqplan.layouts import LAYOUTS
+from seqplan.shared import check_shared_exchange
 from seqplan.validation import (
     DTYPES,
     FLOAT_DTYPES,
@@ -166,7 +167,8 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
-                                segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
+                                segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
+                                shared_tokens: int | None = None):
     """Attention of this rank's ``q`` shard against ``k, v`` shards (layout order), sequence-
     parallel over ``mesh`` (a ``DeviceMesh``). Returns o (and lse if ``return_lse``).
 
@@ -207,6 +209,13 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     RoPE ``positions``, which restart at every document (``seqplan.layouts.rope_positions``
     derives them from token_index and segment_ids).
 
+    ``shared_tokens``: with ``kv_exchange="allgather"`` (ring or USP) and causal packed documents,
+    a promise that every token whose document also lies on another ring shard sits within the
+    first ``shared_tokens`` tokens of its ring shard — the per-document hybrid layout's order;
+    ``seqplan.chooser.choose_layout`` gives the value — so only those K/V are gathered and their
+    dK / dV reduce-scattered, the rest attending locally while the gather runs
+    (``seqplan.shared``). Checked on the gathered ids: a ``ValueError`` on every rank when broken.
+
     ``deterministic``: refuse block kernels that are not run-to-run deterministic (default:
     ``torch.are_deterministic_algorithms_enabled()``). ``check_ranks``: compare every rank's local
     shapes, dtypes and options before any attention collective (default: RINGBRIDGE_CHECK_RANKS=1;
@@ -227,9 +236,10 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     window, softcap = check_window(window), check_softcap(softcap)
     _check_sinks(sinks, q)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails before any collective
+    shared = check_shared_exchange(shared_tokens, decomposition.algorithm, kv_exchange)
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic)
+                             deterministic=deterministic, **shared)
     o, lse = per_device(q, k, v, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
                         token_index=token_index)
     return (o, lse) if return_lse else o

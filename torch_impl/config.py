@@ -42,10 +42,12 @@ def default_deterministic(deterministic: bool | None) -> bool:
 
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
-                deterministic: bool | None, window=None, softcap=None, token_index: bool = False) -> AttentionConfig:
+                deterministic: bool | None, window=None, softcap=None, token_index: bool = False,
+                shared_tokens: int | None = None) -> AttentionConfig:
     """The config of a per-device call on ``q`` (for its head_dim), with this framework's defaults
     resolved (:func:`default_deterministic`) and the installed communication hook (``comm.using``);
     the rest, the token-index mode among it, is ``seqplan.config.AttentionConfig.for_call``."""
     return AttentionConfig.for_call(q.shape[-1], causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                                     deterministic=default_deterministic(deterministic), comm=current_comm(),
-                                    window=window, softcap=softcap, token_index=token_index)
+                                    window=window, softcap=softcap, token_index=token_index,
+                                    shared_tokens=shared_tokens)

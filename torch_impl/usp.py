@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from seqplan.shared import check_shared_exchange
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -36,13 +37,14 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
                   softcap=None, token_index=None,
                   causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                   block_backend: str = "auto", return_lse: bool = True, kv_exchange: str = "ring",
-                  deterministic: bool | None = None):
+                  deterministic: bool | None = None, shared_tokens: int | None = None):
     """Ulysses over ``ulysses_group`` around ring (or all-gather-KV) attention over ``ring_group``;
     a pair of groups ``(outer, inner)`` is the double ring. ``segment_ids``: packed documents,
     this rank's local shard of the ids [b, t/(R·U)] (layout order). ``window``, ``sinks``,
     ``softcap``: see ``ring_attention`` (sinks: the full [h] on every rank, ``.grad`` this rank's contribution).
     ``token_index``: this rank's original token indices [b, t/(R·U)] or None; it follows the
     sequence through the all-to-all as the ids do (see ``ring_attention``).
+    ``shared_tokens``: all-gather KV's shared prefix of each ring shard (``allgather_attention``).
     Returns (o, lse)."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale, ulysses=axis_size(ulysses_group))
@@ -50,7 +52,9 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
     if kv_exchange not in KV_EXCHANGE:
         raise ValueError(f"kv_exchange must be one of {tuple(KV_EXCHANGE)}, got {kv_exchange!r}")
     attend = double_ring_attention if isinstance(ring_group, tuple) else KV_EXCHANGE[kv_exchange]
-    ring = partial(attend, group=ring_group, layout=layout)
+    ring = partial(attend, group=ring_group, layout=layout,
+                   **check_shared_exchange(shared_tokens, "double_ring" if isinstance(ring_group, tuple) else "usp",
+                                           kv_exchange))
     return ulysses_attention(q, k, v, ulysses_group, segment_ids=segment_ids, window=window, sinks=sinks,
                              softcap=softcap, token_index=token_index,
                              causal=causal, scale=scale, block_backend=block_backend, attend=ring,
