@@ -12,12 +12,25 @@ ring does), merged by LSE. Backward: float32 dK/dV for the whole gathered sequen
 ``psum_scatter`` (reduce-scatter) of each brings every shard's sum home. Memory: the gathered
 K/V (R shards) are kept for the backward — the price of no transfer in the loop; the ring keeps
 one shard in flight instead but needs R-1 dependent hops.
+
+**Shared prefix** (``shared_tokens = P``, ``seqplan.shared``): when every token whose document
+spans shards sits within its shard's first P positions (the per-document hybrid), only those K/V
+are gathered — R·P tokens, independent of the device's queries [P, t) against its own keys
+(documents held whole: no transfer), which XLA may run during the gather — then its queries
+[0, P) attend to the gathered prefixes; each part is one varlen call on ``fa3_varlen`` where the
+one call is eligible (the portable kernel elsewhere, or with an lse cotangent), no merge (every
+query's keys lie in one part). The backward reduce-scatters the prefixes' dK / dV only. The ids
+are traced inside the program, so a P they break cannot raise there: the device computes that
+verdict (the same on every device: the gathered ids) and its outputs become NaN — loud, never
+silently wrong; ``sequence_parallel_attention`` raises the ``ValueError`` first when its ids are
+concrete.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -25,6 +38,7 @@ import seqplan.registry
 from seqplan.axes import RING
 from seqplan.layouts import ring_positions
 from seqplan.schedule import allgather_schedule
+from seqplan.shared import PART_MASK, check_shared_call
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -35,6 +49,7 @@ from .block import device_kind_of, resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .kernels.fa3_varlen import varlen_bwd, varlen_fwd
+from .kernels.reference import reference_block_bwd, reference_block_fwd
 from .kernels.runs import VarlenRuns, prefix_dispatch
 from .kernels.runs import prefix_plans as prefix_plans_of
 from .loop import (
@@ -57,17 +72,22 @@ F32 = jnp.float32
 
 def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = False, layout: str = "zigzag",
                         scale: float | None = None, block_backend: str = "auto", deterministic: bool | None = None,
-                        segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
+                        segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
+                        shared_tokens: int | None = None):
     """All-gather-KV attention over mesh axis ``axis_name`` (``None``: one device). Call inside
     ``shard_map``; inputs are this device's ring shard in layout order, ``segment_ids`` its ids
     [b, t/R] or None; ``window``, ``sinks``, ``softcap`` and ``token_index`` ([b, t/R] or None) as in
-    ``ring_attention``. Returns ``(o, lse)``."""
+    ``ring_attention``; ``shared_tokens``: gather only each shard's first ``shared_tokens`` K/V
+    (module docstring; causal packed documents, no window or softcap). Returns ``(o, lse)``."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale)
     window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
     config = make_config(q, causal=causal, layout=layout, scale=scale, block_backend=block_backend,
                          deterministic=deterministic, window=window, softcap=softcap,
-                         token_index=token_index is not None)
+                         token_index=token_index is not None, shared_tokens=shared_tokens)
+    check_shared_call(config, segment_ids is not None)
+    if shared_tokens is not None and shared_tokens > q.shape[1]:
+        raise ValueError(f"shared_tokens={shared_tokens} exceeds the ring shard's {q.shape[1]} tokens")
     config.backend()  # an unknown or refused kernel fails here
     return _allgather(q, k, v, segment_ids, token_index, sinks, axis_name, config)
 
@@ -131,6 +151,8 @@ def portable_config(config: AttentionConfig) -> AttentionConfig:
 
 def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
     schedule = _schedule(axis_name, config)
+    if schedule.size > 1 and config.shared_tokens is not None:  # only the shared prefixes travel
+        return _split_forward(q, k, v, ids, index, axis_name, config)
     kv_all = tuple(config.comm.gather(x, axis_name) for x in (k, v)) if schedule.size > 1 else None
     ids_all = gather_segment_ids(ids, axis_name, config.comm)
     index_all = gather_token_index(index, axis_name, config.comm)
@@ -162,6 +184,8 @@ def _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config: Attent
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
+    if isinstance(extra, SplitSaved):
+        return _split_backward(q, k, v, o, lse, extra, do, dlse, axis_name, config)
     schedule, kv_all, plans = _schedule(axis_name, config), extra[0], extra[3]
     walk_blocks = lambda cfg: _walk_backward(q, k, v, o, lse, extra[:3], do, dlse, axis_name, cfg)
     if plans is not None and dlse is None:
@@ -204,3 +228,131 @@ def _walk_backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: Attentio
 
 
 _allgather = attention_with_vjp(_forward, _backward)
+
+
+# ---- the shared prefix (module docstring; seqplan.shared) ----------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SplitSaved:
+    """What the shared-prefix forward keeps for its backward (a pytree).
+
+    kv_prefixes:  (k, v) [b, R·P, hk, d], every shard's first P tokens (row, then shard), or None: P = 0.
+    queries:      (ids, positions) of the device's queries [b, t].
+    keys_shared:  (ids, positions) of the gathered prefixes [b, R·P].
+    plans:        (shared, local) one-call plans (``kernels/runs.prefix_plans``), None where the
+                  part is empty or the one call is not eligible (the portable kernel).
+    holds:        bool: the ids keep ``shared_tokens``' promise (every device computes the same)."""
+
+    kv_prefixes: tuple | None
+    queries: tuple
+    keys_shared: tuple
+    plans: tuple
+    holds: jax.Array
+
+
+jax.tree_util.register_dataclass(SplitSaved, data_fields=[f.name for f in dataclasses.fields(SplitSaved)],
+                                 meta_fields=[])
+
+
+def shared_prefix_holds(ids_all, ring: int, p: int):
+    """Whether every token at position ``p`` or later of its shard belongs to a document no other
+    shard holds (traced bool over gathered ids [b, R·t]; ``seqplan.shared.check_shared_tokens``'s
+    verdict on the device)."""
+    b, n = ids_all.shape
+    t = n // ring
+    if p >= t:
+        return jnp.bool_(True)
+    shard = jnp.repeat(jnp.arange(ring, dtype=jnp.int32), t)
+
+    def row(ids):
+        order = jnp.argsort(ids)
+        ranked = ids[order]
+        doc = jnp.cumsum(jnp.concatenate([jnp.zeros(1, jnp.int32), (ranked[1:] != ranked[:-1]).astype(jnp.int32)]))
+        first = jax.ops.segment_min(shard[order], doc, num_segments=n)
+        last = jax.ops.segment_max(shard[order], doc, num_segments=n)
+        spans = jnp.zeros(n, bool).at[order].set((first != last)[doc])
+        return ~jnp.any(spans.reshape(ring, t)[:, p:])
+
+    return jnp.all(jax.vmap(row)(ids_all))
+
+
+def _prefixes(x, ring: int, p: int):
+    """Every shard's first ``p`` positions of a gathered [b, R·t, ...] -> [b, R·p, ...]."""
+    b, n = x.shape[:2]
+    return x.reshape(b, ring, n // ring, *x.shape[2:])[:, :, :p].reshape(b, ring * p, *x.shape[2:])
+
+
+def _part_forward(config: AttentionConfig, q, kv, plans, masks):
+    """(o, lse) of one part: one varlen call on the plan that holds its runs, else (and without
+    plans) the portable kernel; ``masks`` = (segments, positions), each (queries, keys)."""
+    portable = lambda: reference_block_fwd(q, *kv, PART_MASK, config.scale, *masks)
+    if plans is None:
+        return portable()
+    return prefix_dispatch(plans, lambda runs: varlen_fwd(q, *kv, True, config.scale, runs), portable,
+                           keys=kv[0].shape[1])
+
+
+def _part_backward(config: AttentionConfig, saved, kv, plans, masks):
+    """(dq, dk, dv) of one part, dk / dv float32 like ``kv``; ``saved = (q, o, lse, do, dlse)`` of its
+    queries (the varlen backward takes no lse cotangent: the portable kernel then)."""
+    q, o, lse, do, dlse = saved
+    portable = lambda: reference_block_bwd(do, q, *kv, o, lse, PART_MASK, config.scale, dlse, *masks)
+    if plans is None or dlse is not None:
+        dq, dk, dv = portable()
+    else:
+        dq, dk, dv = prefix_dispatch(plans, lambda runs: varlen_bwd(do, q, *kv, o, lse, True, config.scale, runs),
+                                     portable, keys=kv[0].shape[1], lengths=True)
+    return dq, dk.astype(F32), dv.astype(F32)
+
+
+def _split_forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
+    ring, me, (b, t), p = axis_size(axis_name), ring_index(axis_name), q.shape[:2], config.shared_tokens
+    ids_all = gather_segment_ids(ids, axis_name, config.comm)
+    positions = _positions(config, gather_token_index(index, axis_name, config.comm), b, ring, t)
+    mine = lambda x: lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
+    queries = (mine(ids_all), mine(positions))
+    keys_shared = (_prefixes(ids_all, ring, p), _prefixes(positions, ring, p))
+    # [b, R·p, hk, d]: shard r's prefix at rows r·p, as _prefixes orders the ids
+    kv_prefixes = tuple(config.comm.gather(x[:, :p], axis_name) for x in (k, v)) if p else None
+    one_call = prefix_eligible(config, q, True)
+
+    def plan(lo, hi, keys):  # queries [lo, hi) against ``keys`` = (ids, positions)
+        return prefix_plans_of(queries[0][:, lo:hi], keys[0], queries[1][:, lo:hi], keys[1]) if one_call else None
+
+    plans = (plan(0, p, keys_shared) if p else None, plan(p, t, queries) if p < t else None)
+    part_masks = lambda lo, hi, keys: ((queries[0][:, lo:hi], keys[0]), (queries[1][:, lo:hi], keys[1]))
+    parts = []
+    if p:
+        parts.append(_part_forward(config, q[:, :p], kv_prefixes, plans[0], part_masks(0, p, keys_shared)))
+    if p < t:
+        parts.append(_part_forward(config, q[:, p:], (k, v), plans[1], part_masks(p, t, queries)))
+    o = jnp.concatenate([o_part.astype(q.dtype) for o_part, _ in parts], axis=1)
+    lse = jnp.concatenate([lse_part.astype(F32) for _, lse_part in parts], axis=2)
+    holds = shared_prefix_holds(ids_all, ring, p)
+    o = jnp.where(holds, o, jnp.nan)  # a broken promise shows (module docstring)
+    return o, lse, SplitSaved(kv_prefixes, queries, keys_shared, plans, holds)
+
+
+def _split_backward(q, k, v, o, lse, saved: SplitSaved, do, dlse, axis_name, config: AttentionConfig):
+    t, p = q.shape[1], config.shared_tokens
+    queries, keys_shared = saved.queries, saved.keys_shared
+    part = lambda x, lo, hi, axis=1: None if x is None else lax.slice_in_dim(x, lo, hi, axis=axis)
+    rows = lambda lo, hi: (part(q, lo, hi), part(o, lo, hi), part(lse, lo, hi, 2), part(do, lo, hi),
+                           part(dlse, lo, hi, 2))
+    part_masks = lambda lo, hi, keys: ((queries[0][:, lo:hi], keys[0]), (queries[1][:, lo:hi], keys[1]))
+    dq_parts = []
+    dk, dv = (jnp.zeros(x.shape, F32) for x in (k, v))
+    if p:
+        dq_shared, dk_rows, dv_rows = _part_backward(config, rows(0, p), saved.kv_prefixes, saved.plans[0],
+                                                     part_masks(0, p, keys_shared))
+        home = lambda g: config.comm.scatter(g, axis_name)  # [b, R·p] -> this shard's [b, p], summed
+        dk, dv = (d.at[:, :p].add(home(g)) for d, g in ((dk, dk_rows), (dv, dv_rows)))
+        dq_parts.append(dq_shared)
+    if p < t:
+        dq_local, dk_local, dv_local = _part_backward(config, rows(p, t), (k, v), saved.plans[1],
+                                                      part_masks(p, t, queries))
+        dk, dv = dk + dk_local, dv + dv_local
+        dq_parts.append(dq_local)
+    dq = jnp.concatenate([x.astype(F32) for x in dq_parts], axis=1)
+    nan_unless = lambda x: jnp.where(saved.holds, x, jnp.nan)
+    return nan_unless(dq), nan_unless(dk), nan_unless(dv)

@@ -17,12 +17,14 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from seqplan.config import default_check_ranks
+from seqplan.shared import check_shared_exchange, check_shared_tokens, ring_shards
 from seqplan.validation import (
     Decomposition,
     check_segment_ids,
@@ -70,7 +72,7 @@ def _global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
 def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                     kv_exchange: str = "ring", return_lse: bool = False, block_backend: str = "auto",
                     deterministic: bool | None = None, segment_ids=None, window=None, sinks=None,
-                    softcap=None, token_index=None):
+                    softcap=None, token_index=None, shared_tokens: int | None = None):
     """``sequence_parallel_attention`` for code already inside ``jax.shard_map`` over ``mesh``: the
     arguments are THIS device's shards, as torch_impl's entry point takes them —
 
@@ -82,7 +84,8 @@ def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigza
     r·U + u. Validation runs on the global shape the shards imply, at trace time, before any
     collective. The caller's ``shard_map`` must map every sequence axis of ``mesh`` (and "data");
     with a block backend that is not typed for ``shard_map`` (``BlockBackend.typed_for_shard_map``)
-    it must also pass ``check_vma=False``."""
+    it must also pass ``check_vma=False``. ``shared_tokens``: as in ``sequence_parallel_attention``
+    (the ids are tracers here: a broken promise makes the outputs NaN)."""
     deterministic = default_deterministic(deterministic)
     sizes = dict(mesh.shape)
     decomposition: Decomposition = validate(
@@ -93,9 +96,10 @@ def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigza
     window, softcap = check_window(window), check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
+    shared = check_shared_exchange(shared_tokens, decomposition.algorithm, kv_exchange)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic, window=window, softcap=softcap)
+                             deterministic=deterministic, window=window, softcap=softcap, **shared)
     given = {name: x for name, x in (("segment_ids", segment_ids), ("token_index", token_index), ("sinks", sinks))
              if x is not None}
     o, lse = per_device(q, k, v, **given)
@@ -148,7 +152,8 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 scale: float | None = None, kv_exchange: str = "ring",
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
-                                segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
+                                segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
+                                shared_tokens: int | None = None):
     """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
     sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
     sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``.
@@ -188,6 +193,14 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     ``jax.jit``), every value in [0, t). Not the layers' RoPE ``positions``, which restart at every
     document (``seqplan.layouts.rope_positions`` derives them from token_index and segment_ids).
 
+    ``shared_tokens``: with ``kv_exchange="allgather"`` (ring or USP) and causal packed documents,
+    a promise that every token whose document also lies on another ring shard sits within the
+    first ``shared_tokens`` tokens of its ring shard — the per-document hybrid layout's order;
+    ``seqplan.chooser.choose_layout`` gives the value — so only those K/V are gathered and their
+    dK / dV reduce-scattered, the rest attending locally (``seqplan.shared``). Checked for concrete
+    ``segment_ids`` (a ``ValueError``); under ``jax.jit`` the ids are tracers, and a broken
+    promise makes the outputs NaN instead of wrong.
+
     Cotangents are placed on the mesh the way the inputs are: a pullback (``jax.vjp``'s returned
     function) may be given a cotangent of any sharding JAX lets through — sharded like the output,
     freshly made with ``jnp`` outside ``jax.set_mesh``, committed to one device — and it is resharded
@@ -216,10 +229,14 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
             check_token_index_range(int(token_index.min()), int(token_index.max()), q.shape[1])
     window, softcap = check_window(window), check_softcap(softcap)
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
+    shared = check_shared_exchange(shared_tokens, decomposition.algorithm, kv_exchange)
+    if shared and segment_ids is not None and not isinstance(segment_ids, jax.core.Tracer):
+        with jax.ensure_compile_time_eval():  # concrete ids: the promise checked before any collective
+            check_shared_tokens(ring_shards(np.asarray(segment_ids), decomposition.ring), shared_tokens)
     x_spec, lse_spec = partition_specs(mesh)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic, window=window, softcap=softcap)
+                             deterministic=deterministic, window=window, softcap=softcap, **shared)
     optional = {name: (x, spec) for name, x, spec in (("segment_ids", segment_ids, _ids_spec(x_spec)),
                                                      ("token_index", token_index, _ids_spec(x_spec)),
                                                      ("sinks", sinks, P())) if x is not None}

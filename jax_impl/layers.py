@@ -87,7 +87,8 @@ class SequenceParallelAttention(nn.Module):
             if self.mesh is not None:
                 attend = local_attention if self.per_device else sequence_parallel_attention
                 o = attend(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange,
-                           block_backend=c.block_backend, token_index=token_index, **options)
+                           block_backend=c.block_backend, token_index=token_index,
+                           shared_tokens=c.shared_tokens, **options)
             elif self.attention is not None:
                 o = self.attention(q, k, v, **options)
             else:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .layouts import DOCUMENT_HYBRID, hybrid_layout, pad_documents
+from .shared import shared_tokens_for
 
 ALLGATHER, RING_EXCHANGE = "allgather", "ring"
 
@@ -43,7 +44,10 @@ class LayoutChoice:
                   the row's filler id).
     token_index:  [b, seq'] int32, the positions the masks compare (None for a static layout).
     padding:      seq' - seq, the tokens added (computed like real ones).
-    reason:       why this choice, in words (with the memory it costs)."""
+    reason:       why this choice, in words (with the memory it costs).
+    shared_tokens: all-gather KV's shared prefix (``seqplan.shared``): the leading tokens of each
+                  ring shard whose documents span shards, on the bucket ladder — only their K/V
+                  travel; None on the ring exchange."""
 
     layout: str
     row_layout: str | None
@@ -53,6 +57,7 @@ class LayoutChoice:
     token_index: np.ndarray | None
     padding: int
     reason: str
+    shared_tokens: int | None = None
 
     @property
     def real(self) -> np.ndarray:
@@ -81,8 +86,9 @@ class LayoutChoice:
         return out
 
     def layer_config(self, config):
-        """``config`` (a ``seqplan.config.AttentionLayerConfig``) with this choice's layout and exchange."""
-        return replace(config, layout=self.layout, kv_exchange=self.kv_exchange)
+        """``config`` (a ``seqplan.config.AttentionLayerConfig``) with this choice's layout, exchange and
+        shared prefix (per batch: a JAX program compiles once per ``shared_tokens`` bucket)."""
+        return replace(config, layout=self.layout, kv_exchange=self.kv_exchange, shared_tokens=self.shared_tokens)
 
 
 def _check(segment_ids, ring: int, ulysses: int) -> np.ndarray:
@@ -108,11 +114,14 @@ def choose_layout(segment_ids, *, ring: int, ulysses: int = 1, causal: bool = Tr
         padded, source = pad_documents(ids, ring, 2 * ring * ulysses)
         layout = hybrid_layout(padded, ring)
         token_index = layout.token_index.astype(np.int32)
+        laid = np.take_along_axis(padded, layout.perm, 1).astype(np.int32)
+        shared = shared_tokens_for(laid, ring)
         return LayoutChoice(
-            "contiguous", DOCUMENT_HYBRID, ALLGATHER, np.take_along_axis(source, layout.perm, 1),
-            np.take_along_axis(padded, layout.perm, 1).astype(np.int32), token_index, padded.shape[1] - seq,
+            "contiguous", DOCUMENT_HYBRID, ALLGATHER, np.take_along_axis(source, layout.perm, 1), laid, token_index,
+            padded.shape[1] - seq,
             f"causal packed documents over a ring of {ring}: per-document hybrid + all-gather KV (fastest ring-family "
-            f"choice measured, 2026-11-26); each device holds all {ring} K/V shards for the backward")
+            f"choice measured, 2026-11-26) of each shard's first {shared} of {laid.shape[1] // ring} tokens (the "
+            f"documents it shares; seqplan.shared), which each device holds for the backward", shared)
     static = "zigzag" if ring > 1 else "contiguous"
     why = ("no ring: the sequence is split by heads only" if ring == 1 else
            "non-causal: every block is full, nothing to balance" if not causal else

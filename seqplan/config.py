@@ -143,6 +143,8 @@ class AttentionLayerConfig:
     sinks:         one learned attention-sink logit per head (gpt-oss) when True.
     kv_exchange:   "ring" or "allgather" (how K/V reach the ring devices).
     block_backend: the block kernels ("auto" routes per block).
+    shared_tokens: all-gather KV's shared prefix of every ring shard (``seqplan.shared``), or None;
+                   per batch: ``seqplan.chooser.LayoutChoice.layer_config`` sets it.
     """
 
     d_model: int
@@ -156,9 +158,11 @@ class AttentionLayerConfig:
     sinks: bool = False
     kv_exchange: str = "ring"
     block_backend: str = "auto"
+    shared_tokens: int | None = None
 
     def __post_init__(self):
         check_positive_ints(self, ("d_model", "heads", "kv_heads", "head_dim"))
+        object.__setattr__(self, "shared_tokens", check_shared_tokens_value(self.shared_tokens))
         check_rope_heads(self.heads, self.kv_heads, self.head_dim)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")

@@ -80,7 +80,8 @@ class SequenceParallelAttention(nn.Module):
         with torch.profiler.record_function(CORE_SCOPE):  # names the attention's own kernels in a profile
             if self.mesh is not None:
                 o = sequence_parallel_attention(q, k, v, self.mesh, layout=c.layout, kv_exchange=c.kv_exchange,
-                                                block_backend=c.block_backend, token_index=token_index, **options)
+                                                block_backend=c.block_backend, token_index=token_index,
+                                                shared_tokens=c.shared_tokens, **options)
             elif self.attention is not None:
                 o = self.attention(q, k, v, **options)
             else:

@@ -1,18 +1,19 @@
-"""Tier 2 — all-gather KV's shared prefix (``shared_tokens``, seqplan.shared) through the public
-API on 4 devices: packed documents on the per-document hybrid, where only each shard's leading
-shared tokens travel, against the float64 oracle in original order — forward and gradients, at
-the smallest value the ids allow, a larger one, the whole shard and none shared (0 on ids whose
-documents all stay home); a value the ids break refused on every rank; and the one-call kernel
-path (FlashAttention-2's varlen ops emulated in bfloat16) equal to the portable one. Why: the
-split computes each query's keys in one of two parts with no merge, and gathers and
-reduce-scatters only the prefixes — an off-by-one there is a wrong gradient, not a crash."""
+"""Tier 2 — all-gather KV's shared prefix (``shared_tokens``, seqplan.shared) through both public
+APIs on 4 devices (torch: gloo ranks; JAX: simulated devices): packed documents on the
+per-document hybrid, where only each shard's leading shared tokens travel, against the float64
+oracle in original order — forward and gradients, at the smallest value the ids allow, a larger
+one, the whole shard and none shared (0 on ids whose documents all stay home); a value the ids
+break refused on every rank; and the one-call kernel path (the varlen ops emulated in 16-bit)
+equal to the truth. Why: the split computes each query's keys in one of two parts with no merge,
+and gathers and reduce-scatters only the prefixes — an off-by-one there is a wrong gradient, not
+a crash. JAX also: USP 2×2 (the ring shard after the all-to-all), and under ``jax.jit`` with the
+ids as program arguments a broken promise turns the outputs NaN (the ids are tracers: no
+ValueError is possible there)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
 
 from parity.core.reference import attention_backward, attention_forward
 from seqplan.layouts import hybrid_layout, pad_documents
@@ -46,6 +47,7 @@ def _laid(x, perm, seq_axis=1):
 
 
 def _run(worlds, x, ids, layout, **kwargs):
+    torch = pytest.importorskip("torch")
     laid = {n: torch.from_numpy(_laid(a, layout.perm, 2 if n == "dlse" else 1).astype(np.float32))
             for n, a in x.items()}
     laid["segment_ids"] = torch.from_numpy(_laid(ids, layout.perm).astype(np.int32))
@@ -72,7 +74,7 @@ def _rel(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def test_shared_prefix_matches_float64_truth(worlds):
+def test_torch_shared_prefix_matches_float64_truth(worlds):
     ids, layout, x = _problem(seed=0)
     laid_ids = _laid(ids, layout.perm)
     extent = shared_extent(ring_shards(laid_ids, RING))
@@ -85,7 +87,7 @@ def test_shared_prefix_matches_float64_truth(worlds):
             assert _rel(got[name], truth[name]) < 1e-5, (shared_tokens, name, _rel(got[name], truth[name]))
 
 
-def test_nothing_shared_gathers_nothing(worlds):
+def test_torch_nothing_shared_gathers_nothing(worlds):
     """Documents short enough to stay whole: ``shared_tokens=0``, no part gathered, still exact."""
     ids = np.repeat(np.arange(16), 4)[None]  # 16 documents of 4 tokens, 16 a shard
     ids, layout, x = _problem(seed=1, ids=ids, split_at=64)
@@ -95,16 +97,17 @@ def test_nothing_shared_gathers_nothing(worlds):
         assert _rel(got[name], truth[name]) < 1e-5, (name, _rel(got[name], truth[name]))
 
 
-def test_a_broken_promise_is_refused_on_every_rank(worlds):
+def test_torch_a_broken_promise_is_refused_on_every_rank(worlds):
     ids, layout, x = _problem(seed=2)
     extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
     with pytest.raises(Exception, match=f"these ids need shared_tokens >= {extent}"):
         _run(worlds, x, ids, layout, shared_tokens=extent - 1)
 
 
-def test_the_one_call_kernel_path_equals_the_portable_one(worlds):
+def test_torch_the_one_call_kernel_path_equals_the_portable_one(worlds):
     """bfloat16 on ``aten_varlen`` with FA2's varlen ops emulated: each part one varlen call, forward
     and backward (4 ranks x 2 parts each way), equal to the float64 truth at bfloat16's level."""
+    torch = pytest.importorskip("torch")
     ids, layout, x = _problem(seed=3)
     extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
     laid = {n: torch.from_numpy(_laid(a, layout.perm, 2 if n == "dlse" else 1).astype(np.float32))
@@ -126,3 +129,106 @@ def test_the_one_call_kernel_path_equals_the_portable_one(worlds):
         whole = torch.cat([s[name] for s in sorted(shards, key=lambda s: s["block"])], dim=1)
         got = _laid(whole.double().numpy(), inverse)
         assert _rel(got, want) < 2e-2, (name, _rel(got, want))
+
+
+# ---- JAX --------------------------------------------------------------------------------------
+
+def _jax_run(mesh, x, ids, layout, *, traced_ids: bool = False, block_backend: str = "auto", dtype="float32",
+             **kwargs):
+    """o, lse, dq, dk, dv (cotangent ``do`` on o alone) of jax_impl's public API (one jitted
+    program), read back to original order; ``traced_ids``: the ids and token indices enter as program arguments."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import jax_impl
+
+    perm = layout.perm
+    laid = [jnp.asarray(_laid(x[n], perm), dtype) for n in ("q", "k", "v", "do")]
+    masks = (jnp.asarray(_laid(ids, perm).astype(np.int32)), jnp.asarray(layout.token_index.astype(np.int32)))
+
+    def outputs(q, k, v, do, seg, index):
+        def attention(q, k, v):
+            return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=True, layout="contiguous",
+                                                        return_lse=True, kv_exchange="allgather", segment_ids=seg,
+                                                        token_index=index, block_backend=block_backend, **kwargs)
+        o, pullback = jax.vjp(lambda *a: attention(*a)[0], q, k, v)  # no lse cotangent: the varlen backward's case
+        return (o, attention(q, k, v)[1], *pullback(do))
+
+    if traced_ids:
+        got = jax.jit(outputs)(*laid, *masks)
+    else:
+        got = jax.jit(lambda *a: outputs(*a, *masks))(*laid)
+    inverse = np.argsort(perm, axis=1)
+    return {name: (np.take_along_axis(np.asarray(g, np.float64), inverse[:, None, :], 2) if name == "lse"
+                   else _laid(np.asarray(g, np.float64), inverse)) for name, g in zip(NAMES, got)}
+
+
+def _zero_dlse_truth(x, ids):
+    fwd = attention_forward(x["q"], x["k"], x["v"], causal=True, segment_ids=ids)
+    grads = attention_backward(fwd, x["q"], x["k"], x["v"], x["do"], np.zeros_like(x["dlse"]))
+    return dict(zip(NAMES, (fwd.o, fwd.lse, *grads)))
+
+
+@pytest.mark.parametrize("axes", [{"ring": 4}, {"ring": 2, "ulysses": 2}], ids=["ring4", "usp2x2"])
+def test_jax_shared_prefix_matches_float64_truth(axes, jax_devices):
+    jax = pytest.importorskip("jax")
+    ring = axes["ring"]
+    padded, _ = pad_documents(DOCUMENTS, ring, multiple=2 * ring * axes.get("ulysses", 1))
+    layout = hybrid_layout(padded, ring, split_at=20)
+    rng = np.random.default_rng(4)
+    x = {n: rng.standard_normal((2, padded.shape[1], h, DIM)) for n, h in
+         (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS), ("do", HEADS))}
+    x["dlse"] = np.zeros((2, HEADS, padded.shape[1]))
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes))
+    t = padded.shape[1] // ring
+    extent = shared_extent(ring_shards(_laid(padded, layout.perm), ring))
+    assert 0 < extent < t
+    truth = _zero_dlse_truth(x, padded)
+    for shared_tokens, traced in ((extent, True), (extent + 3, False), (t, False)):
+        got = _jax_run(mesh, x, padded, layout, traced_ids=traced, shared_tokens=shared_tokens)
+        for name in NAMES:
+            assert _rel(got[name], truth[name]) < 1e-5, (shared_tokens, name, _rel(got[name], truth[name]))
+
+
+def test_jax_a_broken_promise_raises_or_shows(jax_devices):
+    """Concrete ids: the ValueError before any collective; ids as program arguments (tracers):
+    the outputs and gradients NaN."""
+    jax = pytest.importorskip("jax")
+    ids, layout, x = _problem(seed=5)
+    extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
+    mesh = jax.make_mesh((RING,), ("ring",))
+    with pytest.raises(ValueError, match=f"these ids need shared_tokens >= {extent}"):
+        _jax_run(mesh, x, ids, layout, shared_tokens=extent - 1)
+    got = _jax_run(mesh, x, ids, layout, traced_ids=True, shared_tokens=extent - 1)
+    for name in ("o", "dq", "dk", "dv"):
+        assert np.isnan(got[name]).all(), name
+    assert np.isfinite(_jax_run(mesh, x, ids, layout, traced_ids=True, shared_tokens=extent)["o"]).all()
+
+
+def test_jax_the_one_call_kernel_path_equals_the_truth(jax_devices, monkeypatch):
+    """float16 on ``fa3_varlen`` with FA3's varlen ops emulated: each part one varlen call forward
+    and backward — the portable kernel the parts would fall back to planted with NaNs, so a part
+    that fell back would show — equal to the float64 truth at float16's level."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import fa3_ops
+    from jax_impl import allgather
+    from jax_impl.kernels import runs
+
+    fa3_ops.emulate(monkeypatch)
+    monkeypatch.setattr(runs, "PREFIX_SLOTS", (32,))
+    monkeypatch.setattr(runs, "prefix_length_ladder", lambda n: (n,))
+    nan = lambda *xs: tuple(jnp.full(s.shape, jnp.nan, jnp.float32) for s in xs)
+    monkeypatch.setattr(allgather, "reference_block_fwd", lambda q, k, v, *a, **kw: nan(
+        q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]))))
+    monkeypatch.setattr(allgather, "reference_block_bwd", lambda do, q, k, v, *a, **kw: nan(q, k, v))
+    ids, layout, x = _problem(seed=6)
+    extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
+    mesh = jax.make_mesh((RING,), ("ring",))
+    got = _jax_run(mesh, x, ids, layout, traced_ids=True, block_backend="fa3_varlen", dtype="float16",
+                   shared_tokens=extent)
+    truth = _zero_dlse_truth(x, ids)
+    for name in ("o", "dq", "dk", "dv"):
+        assert np.isfinite(got[name]).all(), f"{name}: a part fell back to the portable kernel (NaN planted there)"
+        assert _rel(got[name], truth[name]) < 2e-2, (name, _rel(got[name], truth[name]))

@@ -55,3 +55,21 @@ def test_bad_input_is_refused_with_the_constraint():
         choose_layout(IDS[0], ring=2)
     with pytest.raises(ValueError, match="first two dimensions"):
         choose_layout(IDS, ring=2).lay_out(np.zeros((2, 5)))
+
+
+def test_the_hybrid_choice_gathers_only_each_shards_shared_prefix():
+    """The choice's ``shared_tokens`` holds every token whose document spans shards (the promise
+    the all-gather checks), on the bucket ladder, below the shard when some documents stay whole;
+    the layer config carries it."""
+    from seqplan.shared import BUCKETS_PER_SHARD, check_shared_tokens, ring_shards, shared_extent
+
+    ids = np.concatenate([np.repeat(np.arange(40), 8), np.full(64, 99)])[None]  # short ones and one long one
+    choice = choose_layout(ids, ring=4)
+    shards = ring_shards(choice.segment_ids, 4)
+    t = shards.shape[2]
+    check_shared_tokens(shards, choice.shared_tokens)
+    assert shared_extent(shards) <= choice.shared_tokens < t
+    assert choice.shared_tokens % -(-t // BUCKETS_PER_SHARD) == 0
+    config = AttentionLayerConfig(d_model=8, heads=2, kv_heads=1, head_dim=4)
+    assert choice.layer_config(config).shared_tokens == choice.shared_tokens
+    assert choose_layout(np.repeat(np.arange(2)[:, None], 64, 1), ring=4).shared_tokens is None  # static: no prefix
