@@ -171,7 +171,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
         def attention(q, k, v, *aux, backend=backend):
             return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal, layout=laid.api_layout,
                                                         kv_exchange=spec.kv_exchange, block_backend=backend,
-                                                        window=problem.window, **dict(zip(names, aux)))
+                                                        window=problem.window, **laid.shared, **dict(zip(names, aux)))
 
         rows.append(_measure(row, problem, attention, NamedSharding(mesh, x_spec), iters, warmup, aux))
     return rows

@@ -185,7 +185,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
                 return torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal,
                                                               layout=laid.api_layout, kv_exchange=spec.kv_exchange,
                                                               block_backend=backend, segment_ids=ids,
-                                                              window=problem.window, token_index=index)
+                                                              window=problem.window, token_index=index, **laid.shared)
             return _train_step(run, q, k, v, do, fwd_only)
 
         rows.append(_measure(row, problem, make_step, iters, warmup))

@@ -232,6 +232,9 @@ def mask_extra(problem: Problem) -> dict:
 
 
 STATIC_LAYOUTS = ("contiguous", "zigzag", "stripe")
+# The per-document hybrid with all-gather KV's shared prefix (seqplan.shared: the call passes the
+# shared_tokens seqplan.chooser gives) — a driver layout name, on all-gather-KV meshes only.
+SHARED_HYBRID = "document-hybrid-shared"
 
 
 def check_layouts(layouts: str, documents: str) -> list[str]:
@@ -239,10 +242,11 @@ def check_layouts(layouts: str, documents: str) -> list[str]:
     from seqplan.layouts import DOCUMENT_LAYOUTS
 
     names = [name for name in layouts.split(",") if name]
+    known = STATIC_LAYOUTS + DOCUMENT_LAYOUTS + (SHARED_HYBRID,)
     for name in names:
-        if name not in STATIC_LAYOUTS + DOCUMENT_LAYOUTS:
-            raise SystemExit(f"--layout takes {', '.join(STATIC_LAYOUTS + DOCUMENT_LAYOUTS)}; got {name!r}")
-        if name in DOCUMENT_LAYOUTS and documents == "none":
+        if name not in known:
+            raise SystemExit(f"--layout takes {', '.join(known)}; got {name!r}")
+        if is_row_layout(name) and documents == "none":
             raise SystemExit(f"--layout {name} lays out packed documents: it needs --documents")
     if not names:
         raise SystemExit("--layout names no layout")
@@ -251,7 +255,7 @@ def check_layouts(layouts: str, documents: str) -> list[str]:
 
 def mesh_layouts(spec: MeshSpec, layouts: str) -> list[str]:
     """The layouts ``spec`` runs under ``--layout`` (a sequence not split over a ring has one)."""
-    names = [name for name in layouts.split(",") if name]
+    names = [name for name in layouts.split(",") if name and (name != SHARED_HYBRID or spec.kv_exchange == "allgather")]
     return names if spec.ring > 1 else ["contiguous"]
 
 
@@ -264,10 +268,18 @@ def mesh_rows(specs, backends: str, layouts: str) -> list[tuple[MeshSpec, str, s
 
 
 def is_row_layout(layout: str) -> bool:
-    """A per-row layout (``seqplan.layouts.row_layout``: per-document zigzag or hybrid)?"""
+    """A per-row layout (``seqplan.layouts.row_layout``: per-document zigzag or hybrid, the hybrid
+    with its shared prefix)?"""
     from seqplan.layouts import DOCUMENT_LAYOUTS
 
-    return layout in DOCUMENT_LAYOUTS
+    return layout in DOCUMENT_LAYOUTS + (SHARED_HYBRID,)
+
+
+def row_layout_name(layout: str) -> str:
+    """The ``seqplan.layouts.row_layout`` a per-row driver layout lays rows out with."""
+    from seqplan.layouts import DOCUMENT_HYBRID
+
+    return DOCUMENT_HYBRID if layout == SHARED_HYBRID else layout
 
 
 def row_problem(problem: Problem, spec: MeshSpec, layout: str) -> Problem:
@@ -285,12 +297,19 @@ def row_problem(problem: Problem, spec: MeshSpec, layout: str) -> Problem:
 class LaidOut:
     """A row's global arrays in layout order, what the public API takes: the static layout name
     the call passes (a per-row layout passes "contiguous", which then only fixes divisibility),
-    the segment ids [b, seq] int32 (None without documents) and the token indices [b, seq]
-    int32 (None for a static layout: the name implies them)."""
+    the segment ids [b, seq] int32 (None without documents), the token indices [b, seq]
+    int32 (None for a static layout: the name implies them) and all-gather KV's shared prefix
+    (``SHARED_HYBRID``: ``seqplan.shared``; else None)."""
 
     api_layout: str
     segment_ids: object = None
     token_index: object = None
+    shared_tokens: int | None = None
+
+    @property
+    def shared(self) -> dict:
+        """The API keyword of the shared prefix, {} without one."""
+        return {} if self.shared_tokens is None else {"shared_tokens": self.shared_tokens}
 
 
 def lay_out(problem: Problem, spec: MeshSpec, layout: str) -> LaidOut:
@@ -300,10 +319,13 @@ def lay_out(problem: Problem, spec: MeshSpec, layout: str) -> LaidOut:
 
     ids = row_problem(problem, spec, layout).segment_ids()
     if is_row_layout(layout):
+        from seqplan.shared import shared_tokens_for
+
         from .documents import layout_keywords
 
-        laid = layout_keywords(ids, spec.ring, layout)
-        return LaidOut("contiguous", laid["segment_ids"].astype(np.int32), laid["token_index"].astype(np.int32))
+        laid = layout_keywords(ids, spec.ring, row_layout_name(layout))
+        shared = shared_tokens_for(laid["segment_ids"], spec.ring) if layout == SHARED_HYBRID else None
+        return LaidOut("contiguous", laid["segment_ids"].astype(np.int32), laid["token_index"].astype(np.int32), shared)
     if ids is None:
         return LaidOut(layout)
     from seqplan.layouts import layout_permutation
@@ -389,9 +411,11 @@ def one_call_record(problem: Problem, spec: MeshSpec, laid: LaidOut, backend: st
     per device: the framework's ``replay.one_call_plan`` on the row's global ids (host side);
     ``make_q()`` a global query array of the row's shape, dtype and device (the plan reads no
     values; built only for such rows), ``to_array`` the framework's array constructor. {} for
-    other rows."""
+    other rows; a shared-prefix row records its ``shared_tokens`` of the shard's tokens instead."""
     if spec.kv_exchange != "allgather" or laid.segment_ids is None:
         return {}
+    if laid.shared_tokens is not None:  # two parts per device (seqplan.shared): no whole-sequence plan to show
+        return {"shared_tokens": laid.shared_tokens, "shard_tokens": problem.seq // spec.ring}
     try:
         q = make_q()
         strategy = replay.Strategy(ring=spec.ring, ulysses=spec.ulysses, kv_exchange=spec.kv_exchange)

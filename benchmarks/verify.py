@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import MeshSpec, Problem, Row, is_row_layout
+from .common import SHARED_HYBRID, MeshSpec, Problem, Row, is_row_layout, row_layout_name
 
 REDUCED_SEQ = 2048  # divisible by 2·R·U for every mesh of up to 8 devices (zigzag's constraint)
 OURS = {"jax_impl": "jax", "jax_impl_mc": "jax", "torch_impl": "torch",
@@ -31,20 +31,24 @@ def reduced_case(shape, layout: str, problem: Problem):
     """The parity ``Case`` of a row's path: the mesh ``shape`` (a ``parity.core.mesh.MeshShape``),
     at ``REDUCED_SEQ`` tokens with 8 query heads (kv heads in the problem's ratio, at least 1), the
     problem's document pattern and its window scaled to the reduced length; a per-row ``layout``
-    (document-zigzag, document-hybrid) as the token-index case of that row layout."""
+    (document-zigzag, document-hybrid, document-hybrid-shared) as the token-index case of that row
+    layout; the backward with o's cotangent alone, as the timed step."""
     from parity.core.cases import Case
 
     heads = 8
     kv_heads = max(1, heads * problem.kv_heads // problem.heads)
-    masks = {}
+    # o's cotangent alone, as the timed step (its backward on the fused varlen kernels takes no dlse)
+    masks = {"lse_cotangent": False}
+    shared = layout == SHARED_HYBRID
     if is_row_layout(layout):  # a per-row layout: explicit token indices, the static name only fixes divisibility
-        masks.update(token_index=True, row_layout=layout)
+        masks.update(token_index=True, row_layout=row_layout_name(layout), shared_prefix=shared)
         layout = "contiguous"
     if getattr(problem, "documents", "none") != "none":
         from .documents import mix_names
 
-        # a balance mix (long documents) has no reduced form: the harness's "mix" pattern stands in
-        masks["documents"] = "mix" if problem.documents in mix_names() else problem.documents
+        # a balance mix (long documents) has no reduced form: the harness's "mix" pattern stands in — or,
+        # for the shared prefix, "short" (under "mix" the reduced hybrid shares every token: one part only)
+        masks["documents"] = ("short" if shared else "mix") if problem.documents in mix_names() else problem.documents
     if getattr(problem, "window", None) is not None:  # the same reach in shards: the same skipped and truncated steps
         masks["window"] = tuple(max(1, round(w * REDUCED_SEQ / problem.seq)) if w else 0 for w in problem.window)
     return Case(ring=shape.ring, ulysses=shape.ulysses, ring_outer=shape.ring_outer, kv_exchange=shape.kv_exchange,

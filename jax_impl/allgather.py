@@ -184,7 +184,7 @@ def _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config: Attent
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
-    if isinstance(extra, SplitSaved):
+    if isinstance(extra, _SplitSaved):
         return _split_backward(q, k, v, o, lse, extra, do, dlse, axis_name, config)
     schedule, kv_all, plans = _schedule(axis_name, config), extra[0], extra[3]
     walk_blocks = lambda cfg: _walk_backward(q, k, v, o, lse, extra[:3], do, dlse, axis_name, cfg)
@@ -233,7 +233,7 @@ _allgather = attention_with_vjp(_forward, _backward)
 # ---- the shared prefix (module docstring; seqplan.shared) ----------------------------------------
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class SplitSaved:
+class _SplitSaved:
     """What the shared-prefix forward keeps for its backward (a pytree).
 
     kv_prefixes:  (k, v) [b, R·P, hk, d], every shard's first P tokens (row, then shard), or None: P = 0.
@@ -250,11 +250,11 @@ class SplitSaved:
     holds: jax.Array
 
 
-jax.tree_util.register_dataclass(SplitSaved, data_fields=[f.name for f in dataclasses.fields(SplitSaved)],
+jax.tree_util.register_dataclass(_SplitSaved, data_fields=[f.name for f in dataclasses.fields(_SplitSaved)],
                                  meta_fields=[])
 
 
-def shared_prefix_holds(ids_all, ring: int, p: int):
+def _shared_prefix_holds(ids_all, ring: int, p: int):
     """Whether every token at position ``p`` or later of its shard belongs to a document no other
     shard holds (traced bool over gathered ids [b, R·t]; ``seqplan.shared.check_shared_tokens``'s
     verdict on the device)."""
@@ -328,12 +328,12 @@ def _split_forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
         parts.append(_part_forward(config, q[:, p:], (k, v), plans[1], part_masks(p, t, queries)))
     o = jnp.concatenate([o_part.astype(q.dtype) for o_part, _ in parts], axis=1)
     lse = jnp.concatenate([lse_part.astype(F32) for _, lse_part in parts], axis=2)
-    holds = shared_prefix_holds(ids_all, ring, p)
+    holds = _shared_prefix_holds(ids_all, ring, p)
     o = jnp.where(holds, o, jnp.nan)  # a broken promise shows (module docstring)
-    return o, lse, SplitSaved(kv_prefixes, queries, keys_shared, plans, holds)
+    return o, lse, _SplitSaved(kv_prefixes, queries, keys_shared, plans, holds)
 
 
-def _split_backward(q, k, v, o, lse, saved: SplitSaved, do, dlse, axis_name, config: AttentionConfig):
+def _split_backward(q, k, v, o, lse, saved: _SplitSaved, do, dlse, axis_name, config: AttentionConfig):
     t, p = q.shape[1], config.shared_tokens
     queries, keys_shared = saved.queries, saved.keys_shared
     part = lambda x, lo, hi, axis=1: None if x is None else lax.slice_in_dim(x, lo, hi, axis=axis)

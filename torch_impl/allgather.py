@@ -141,7 +141,7 @@ def prefix_backward(config: AttentionConfig, saved, kv_packed, plan: PrefixRuns)
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
     backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
-    split = split_plan(config, masks, me) if schedule.size > 1 else None
+    split = _split_plan(config, masks, me) if schedule.size > 1 else None
     if split is not None:  # only the shared prefixes travel
         return _split_forward(q, k, v, groups, config, masks, split)
     plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 else None
@@ -169,7 +169,7 @@ def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
 
 def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig, masks: ShardMasks):
     backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
-    split = split_plan(config, masks, me) if schedule.size > 1 else None
+    split = _split_plan(config, masks, me) if schedule.size > 1 else None
     if split is not None:
         return _split_backward(q, k, v, o, lse, kv_all, do, dlse, groups, config, masks, split)
     plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 and dlse is None else None
@@ -200,7 +200,7 @@ _allgather = attention_with_vjp(_forward, _backward)
 
 # ---- the shared prefix (module docstring; seqplan.shared) ----------------------------------------
 
-def split_plan(config: AttentionConfig, masks: ShardMasks, device: int) -> SplitRuns | None:
+def _split_plan(config: AttentionConfig, masks: ShardMasks, device: int) -> SplitRuns | None:
     """Ring shard ``device``'s two parts (``seqplan.shared.split_runs``, remembered by content), or
     None when the call gathers everything (no ``shared_tokens``). Refuses a ``shared_tokens`` the
     gathered ids break (``seqplan.shared.check_shared_tokens``: every rank sees the same ids)."""

@@ -34,7 +34,7 @@ if [ "$1" = start ]; then
   export PYTHONUNBUFFERED=1
   # torch first (its anchors decide FA2 vs FA4), then JAX: two driver runs, each verifying its own paths
   if [ "${SMOKE:-0}" = 1 ]; then
-    RUNS="python3 -m benchmarks ${COMMON[*]} --parts-dir $R/jax --no-verify"
+    RUNS="python3 -m benchmarks ${COMMON[*]} --parts-dir $R/jax --no-verify;"
   else
     RUNS=""
     # the fa4 block backend's GPU tier first when it is asked for: no timing of an unchecked kernel

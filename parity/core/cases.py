@@ -24,7 +24,18 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from .mesh import MeshShape, ring_position
-from .names import DOCUMENTS, DTYPES, KV_EXCHANGES, LAYOUTS, Documents, Dtype, KvExchange, Layout, check_choice
+from .names import (
+    DOCUMENTS,
+    DTYPES,
+    KV_EXCHANGES,
+    LAYOUTS,
+    MATRIX_DOCUMENTS,
+    Documents,
+    Dtype,
+    KvExchange,
+    Layout,
+    check_choice,
+)
 
 # (ring, ulysses) shapes: pure ring, pure Ulysses, and USP, 1-8 devices; (ring, ulysses,
 # ring_outer): the double ring, ring_outer x (ring / ring_outer) inner, alone and under Ulysses.
@@ -81,6 +92,13 @@ class Case:
     # The per-row layout of a token-index case (seqplan.layouts.row_layout): "document-zigzag" or
     # "document-hybrid" (long documents split as document-zigzag, short ones whole, balanced).
     row_layout: str = "document-zigzag"
+    # All-gather KV's shared prefix (seqplan.shared): the call gets the shared_tokens its laid-out ids
+    # allow (seqplan.shared.shared_tokens_for), so only each ring shard's leading shared tokens travel.
+    # Token-index cases on the per-document hybrid with packed documents, all-gather KV, causal.
+    shared_prefix: bool = False
+    # Whether the backward gets a cotangent for lse too (dlse drawn) or for o alone (dlse zero and not
+    # passed: what a training step does, and the path the fused varlen backwards take).
+    lse_cotangent: bool = True
 
     def __post_init__(self):
         for field in ("batch", "seq", "heads", "kv_heads", "head_dim"):
@@ -101,6 +119,14 @@ class Case:
         check_choice("row_layout", self.row_layout, DOCUMENT_LAYOUTS)
         if self.row_layout != DOCUMENT_LAYOUTS[0] and not self.token_index:
             raise ValueError(f"row_layout={self.row_layout!r} lays rows out for token_index cases only: set token_index=True")
+        for flag in ("shared_prefix", "lse_cotangent"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.shared_prefix and not (self.token_index and self.row_layout == "document-hybrid" and self.causal
+                                       and self.documents != "none" and self.kv_exchange == "allgather"
+                                       and self.window is None and self.softcap is None):
+            raise ValueError("shared_prefix needs a causal token-index case on the document-hybrid row layout with "
+                             "documents, all-gather KV, no window and no softcap")
         if self.token_index and self.seq % (2 * self.ring):
             raise ValueError(f"token_index cases need seq % (2·ring) == 0 (document lengths in units of 2·ring "
                              f"tokens), got seq={self.seq}, ring={self.ring}")
@@ -158,6 +184,7 @@ class Case:
         token_index = "-token-index" if self.token_index else ""
         if self.token_index and self.row_layout != "document-zigzag":
             token_index += "-" + self.row_layout
+        token_index += ("-shared" if self.shared_prefix else "") + ("" if self.lse_cotangent else "-nodlse")
         return (f"{self.mesh.name}-{self.layout}-{'causal' if self.causal else 'full'}-{heads}"
                 f"-d{self.head_dim}-b{self.batch}-t{self.seq}-{self.dtype}{scale}{documents}{token_index}{window}{sinks}"
                 f"{softcap}")
@@ -215,7 +242,8 @@ def full_matrix() -> list[Case]:
     77760 soft-capped (``SOFTCAP``) after them: 155520; then the token-index cases
     (``token_index_cases``: the per-document zigzag is not crossed with everything)."""
     return [_make(c | {"window": window, "sinks": sinks, "documents": documents, "softcap": softcap})
-            for softcap in (None, SOFTCAP) for window in WINDOWS for sinks in (False, True) for documents in DOCUMENTS
+            for softcap in (None, SOFTCAP) for window in WINDOWS for sinks in (False, True)
+            for documents in MATRIX_DOCUMENTS
             for c in _combos(_factors())] + token_index_cases()
 
 
@@ -244,7 +272,7 @@ def pairwise_matrix() -> list[Case]:
 
 # ---- packed documents in the default matrix ------------------------------------------------------
 
-DOCUMENT_PATTERNS = DOCUMENTS[1:]  # every pattern but "none"
+DOCUMENT_PATTERNS = MATRIX_DOCUMENTS[1:]  # every pattern the matrices cross but "none"
 DOCUMENT_BATCH = 2  # document cases run two batch rows, each with its own documents
 RING_SCHEDULES = ("ring", "ring-agkv", "double_ring")  # strategies whose K/V loop skips blocks per layout
 

@@ -14,6 +14,9 @@ original position). Each batch row draws its own documents. The patterns (``name
     interleaved  runs of long-tailed lengths whose ids come from a small pool, so a document is
                  several separate runs and ids do not grow along the sequence (the conservative
                  path of the per-block test: id ranges overlap where no id is shared)
+    short        many short documents (lognormal around t/64) and one of t/4: the per-document
+                 hybrid keeps most whole on one shard and splits the long one (the benchmark's
+                 short balance mix, reduced: the shared prefix's case); not in the case matrices
 
 ``lengths_to_ids`` turns document lengths into ids; the balance probe (parity.probes.balance)
 draws its realistic-size mixes with it.
@@ -85,6 +88,9 @@ def _row(pattern: str, rng: np.random.Generator, seq: int) -> np.ndarray:
         return (int(rng.integers(0, 100)) + 2 * np.arange(seq)).astype(np.int32)
     if pattern == "interleaved":
         return _interleaved(rng, seq)
+    if pattern == "short":
+        lengths = long_tailed_lengths(rng, seq, median=max(seq / 64, 1.0), forced=(max(1, seq // 4),))
+        return lengths_to_ids(lengths, _increasing_ids(rng, len(lengths)))
     lengths = long_tailed_lengths(rng, seq, median=seq / 12, forced=(1, 1, max(2, seq // 3)))
     return lengths_to_ids(lengths, _increasing_ids(rng, len(lengths)))
 

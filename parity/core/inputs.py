@@ -81,6 +81,8 @@ def make_inputs(case: Case, seed: int) -> Inputs:
     q, do = (round_to_dtype(rng.standard_normal((b, t, h, d)), case.dtype) for _ in range(2))
     k, v = (round_to_dtype(rng.standard_normal((b, t, hk, d)), case.dtype) for _ in range(2))
     dlse = round_to_dtype(rng.standard_normal((b, h, t)), "float32")
+    if not case.lse_cotangent:  # drawn all the same: the other inputs stay those of the case with one
+        dlse = np.zeros_like(dlse)
     ids = draw_segment_ids(case.documents, b, t, rng, unit=2 * case.ring if case.token_index else 1)
     sinks = round_to_dtype(rng.standard_normal(h), case.dtype) if case.sinks else None
     index = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy() if case.token_index else None

@@ -17,11 +17,14 @@ __all__ = ["ALGORITHMS", "AXES", "AXIS_ABBREVIATIONS", "DEFAULT_DEVICES", "DEVIC
 
 Device = Literal["cpu", "gpu"]  # where a command runs: simulated CPU devices / gloo, or GPUs / NCCL
 # Packed documents (segment_ids) of a parity case, drawn by parity.core.documents: none (no ids),
-# a long-tailed mix, one document, every token its own, non-contiguous runs reusing earlier ids.
-Documents = Literal["none", "mix", "one", "singletons", "interleaved"]
+# a long-tailed mix, one document, every token its own, non-contiguous runs reusing earlier ids;
+# "short": many short documents around one long one (the benchmark's short balance mix, reduced) —
+# outside the case matrices (MATRIX_DOCUMENTS), the shared-prefix verification's pattern.
+Documents = Literal["none", "mix", "one", "singletons", "interleaved", "short"]
 
 DEVICES: tuple[str, ...] = get_args(Device)
 DOCUMENTS: tuple[str, ...] = get_args(Documents)
+MATRIX_DOCUMENTS: tuple[str, ...] = DOCUMENTS[:-1]  # the patterns the case matrices cross
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_DEVICES: Device = "cpu"  # the one default of every command's --devices
 

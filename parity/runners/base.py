@@ -60,3 +60,13 @@ def load_runner(framework: Framework) -> Runner | Unavailable:
     except ImportError as err:
         return Unavailable(f"{framework} not available: {err}")
     return module.RUNNER
+
+
+def shared_keywords(case, laid_ids) -> dict:
+    """``{"shared_tokens": P}`` for a shared-prefix case — P from its ids in layout order [b, t]
+    (``seqplan.shared.shared_tokens_for`` over the case's ring) — else ``{}``."""
+    if not case.shared_prefix:
+        return {}
+    from seqplan.shared import shared_tokens_for
+
+    return {"shared_tokens": shared_tokens_for(laid_ids, case.ring)}

@@ -8,7 +8,7 @@ import numpy as np
 from ..core.cases import Case
 from ..core.inputs import Inputs, from_layout, permutation, to_layout, without_token_index
 from ..core.names import Device
-from .base import option_keywords
+from .base import option_keywords, shared_keywords
 
 __all__ = ["JaxRunner", "RUNNER", "make_mesh", "measure_attention_traffic"]
 
@@ -59,7 +59,11 @@ def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
         def attention(q, k, v, *sink):
             return fn(q, k, v, **option_keywords(segment_ids=ids, sinks=sink[0] if sink else None, token_index=index))
 
-        out, vjp = jax.vjp(attention, q, k, v, *(() if sinks is None else (sinks,)))
+        primals = (q, k, v, *(() if sinks is None else (sinks,)))
+        if not case.lse_cotangent:  # o's cotangent alone, as a training step: the kernels get no dlse
+            o, vjp = jax.vjp(lambda *a: attention(*a)[0], *primals)
+            return (o, attention(*primals)[1]), vjp(do)
+        out, vjp = jax.vjp(attention, *primals)
         return out, vjp((do, dlse))
 
     (o, lse), grads = forward_backward(_as(x.q, dtype), _as(x.k, dtype), _as(x.v, dtype), _as(x.do, dtype),
@@ -87,14 +91,16 @@ class JaxRunner:
 
         mesh = make_mesh(case)
         perm = permutation(case, x)  # [t], or [b, t] for a token-index case (the per-document zigzag)
+        y = to_layout(x, perm)
+        shared = shared_keywords(case, y.segment_ids)
 
         def fn(q, k, v, **options):  # global ids and token indices in layout order (sharded like q), sinks [h]
             return jax_impl.sequence_parallel_attention(
                 q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale,
                 kv_exchange=case.kv_exchange, return_lse=True, block_backend=self.block_backend,
-                **options, **option_keywords(window=case.window, softcap=case.softcap))
+                **options, **option_keywords(window=case.window, softcap=case.softcap), **shared)
 
-        return from_layout(_vjp_results(fn, case, to_layout(x, perm)), perm)
+        return from_layout(_vjp_results(fn, case, y), perm)
 
     def replay(self, devices: Device = "cpu"):
         """The same backend replaying a case on one device (for cases that need more devices

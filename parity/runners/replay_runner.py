@@ -33,6 +33,8 @@ def strategy_of(case: Case, module):
 
 
 def _keywords(case: Case, strategy, block_backend: str) -> dict:
+    if case.shared_prefix:  # the replays gather every shard: the shared prefix runs on a mesh only
+        raise ValueError("the one-device replay has no shared prefix (shared_prefix): run the case on its mesh")
     return dict(strategy=strategy, causal=case.causal, layout=case.layout, scale=case.scale,
                 block_backend=block_backend, **option_keywords(window=case.window, softcap=case.softcap))
 
@@ -74,7 +76,8 @@ class JaxReplayRunner:
         ids = None if y.segment_ids is None else jnp.asarray(y.segment_ids, jnp.int32)
         sinks = None if y.sinks is None else jnp.asarray(np.asarray(y.sinks, np.float32))
         index = None if y.token_index is None else jnp.asarray(y.token_index, jnp.int32)
-        out = forward_backward(*cast, jnp.asarray(y.dlse, jnp.float32), ids, sinks, index)
+        dlse = jnp.asarray(y.dlse, jnp.float32) if case.lse_cotangent else None  # None: o's cotangent alone
+        out = forward_backward(*cast, dlse, ids, sinks, index)
         got = {n: np.asarray(t).astype(np.float64) for n, t in zip(("o", "lse", *GRADS), out)}
         return from_layout(got, perm)
 
@@ -120,7 +123,7 @@ class TorchReplayRunner:
         perm = permutation(case, x)
         y = to_layout(x, perm)
         q, k, v, do = self._tensors(case, (y.q, y.k, y.v, y.do))
-        dlse = torch.tensor(np.asarray(y.dlse, np.float32), device=q.device)
+        dlse = torch.tensor(np.asarray(y.dlse, np.float32), device=q.device) if case.lse_cotangent else None
         ids = None if y.segment_ids is None else torch.tensor(y.segment_ids, device=q.device)
         sinks = None if y.sinks is None else torch.tensor(np.asarray(y.sinks, np.float32), device=q.device)
         index = None if y.token_index is None else torch.tensor(y.token_index, device=q.device)

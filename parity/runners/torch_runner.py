@@ -27,7 +27,7 @@ from ..core.inputs import (
     without_token_index,
 )
 from ..core.names import Device
-from .base import option_keywords
+from .base import option_keywords, shared_keywords
 from .torch_world import get_world, make_mesh
 
 __all__ = ["TorchRunner", "RUNNER", "make_mesh", "rank_task", "traffic_task", "measure_attention_traffic",
@@ -78,8 +78,12 @@ def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> di
     o, lse = torch_impl.sequence_parallel_attention(
         q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
         return_lse=True, block_backend=block_backend,
-        **option_keywords(segment_ids=ids, window=case.window, sinks=sinks, softcap=case.softcap, token_index=index))
-    torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
+        **option_keywords(segment_ids=ids, window=case.window, sinks=sinks, softcap=case.softcap, token_index=index),
+        **shared_keywords(case, x.segment_ids))  # x: the global arrays in layout order, the same on every rank
+    if case.lse_cotangent:
+        torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
+    else:  # o's cotangent alone, as a training step: the kernels get no dlse
+        o.backward(local(x.do))
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if sinks is not None:  # this rank's contribution (None: its rows never reached the sinks, impossible)
         out["dsinks"] = sinks.grad
