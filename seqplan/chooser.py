@@ -16,6 +16,13 @@ one document per row, no ids, non-causal attention (every block full: no work to
 ring (Ulysses alone) — keeps the static zigzag (contiguous without a ring) on the ring exchange.
 All-gather KV holds every K/V shard of the ring on each device for the backward: R·t·Hk·d·2 values
 where the ring holds two shards; the choice says so in ``reason``.
+
+The hybrid's all-gather moves only each shard's shared prefix (``shared_tokens``, on by default;
+``shared_prefix=False`` gathers everything): measured the same day, JAX 1.18 / 1.08 / 1.12× on the
+short / heavy-tail / few-long mixes (ring of 4), 1.03 / 1.01 / 1.05× under USP 2×2 with
+all-gather; torch 0.4-6.7 % slower than gathering everything — its step is bound by host time,
+not by the transfer (profiled), so torch callers pass ``shared_prefix=False`` until that is cut
+(docs/decisions.md, "All-gather KV's shared prefix").
 """
 
 from __future__ import annotations
@@ -101,12 +108,15 @@ def _check(segment_ids, ring: int, ulysses: int) -> np.ndarray:
     return ids
 
 
-def choose_layout(segment_ids, *, ring: int, ulysses: int = 1, causal: bool = True) -> LayoutChoice:
+def choose_layout(segment_ids, *, ring: int, ulysses: int = 1, causal: bool = True,
+                  shared_prefix: bool = True) -> LayoutChoice:
     """The layout and K/V exchange for ``segment_ids`` [b, seq] (original order) on a mesh of
     ``ring`` × ``ulysses`` devices (module docstring), with the padding the layout needs: the
     per-document hybrid pads every document it splits to a multiple of 2R and the row to a
     multiple of 2R·U (``seqplan.layouts.pad_documents``); a static layout pads nothing (seq must
-    then be a multiple of the layout's own unit, as for any call)."""
+    then be a multiple of the layout's own unit, as for any call). ``shared_prefix``: the hybrid's
+    all-gather moves only each shard's shared prefix (``shared_tokens``; module docstring) —
+    False gathers every shard (``shared_tokens`` None)."""
     ids = _check(segment_ids, ring, ulysses)
     b, seq = ids.shape
     documents = any(len(np.unique(row)) > 1 for row in ids)
@@ -115,13 +125,14 @@ def choose_layout(segment_ids, *, ring: int, ulysses: int = 1, causal: bool = Tr
         layout = hybrid_layout(padded, ring)
         token_index = layout.token_index.astype(np.int32)
         laid = np.take_along_axis(padded, layout.perm, 1).astype(np.int32)
-        shared = shared_tokens_for(laid, ring)
+        shared = shared_tokens_for(laid, ring) if shared_prefix else None
+        gathered = (f"each shard's first {shared} of {laid.shape[1] // ring} tokens (the documents it shares; "
+                    "seqplan.shared)" if shared_prefix else "every shard")
         return LayoutChoice(
             "contiguous", DOCUMENT_HYBRID, ALLGATHER, np.take_along_axis(source, layout.perm, 1), laid, token_index,
             padded.shape[1] - seq,
             f"causal packed documents over a ring of {ring}: per-document hybrid + all-gather KV (fastest ring-family "
-            f"choice measured, 2026-11-26) of each shard's first {shared} of {laid.shape[1] // ring} tokens (the "
-            f"documents it shares; seqplan.shared), which each device holds for the backward", shared)
+            f"choice measured, 2026-11-26) of {gathered}, which each device holds for the backward", shared)
     static = "zigzag" if ring > 1 else "contiguous"
     why = ("no ring: the sequence is split by heads only" if ring == 1 else
            "non-causal: every block is full, nothing to balance" if not causal else

@@ -89,9 +89,9 @@ AUTO_ROUTES: tuple[Route, ...] = (
           "323 (bf16; fp16 verified for d 64 MHA only so far)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=ALL_MASKS, deterministic=False),
     Route("fa4", "document blocks, token-index causal blocks and soft-capped blocks on FlashAttention-4 (the "
-          "extra fa4) where installed: 1.4-1.8x aten_varlen on every packed-document row of the 4-GPU table, "
-          "docs/gpu/documents-2026-11-26-h200x4.md (its GPU tier verified first); plain blocks stay on aten_cudnn "
-          "(the row above); determinism not measured, so not in deterministic mode",
+          "extra fa4) where installed: 1.08-1.81x aten_varlen on all 21 packed-document rows of the 4-GPU table "
+          "(docs/decisions.md; its GPU tier passed first); plain blocks stay on aten_cudnn (the row above); "
+          "determinism not measured, so not in deterministic mode",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
     Route("aten_varlen", "document blocks (full, causal diagonal; ids one run per document) and token-index causal "
           "blocks (seqplan.documents.index_runs) on FA2 varlen: "

@@ -73,3 +73,9 @@ def test_the_hybrid_choice_gathers_only_each_shards_shared_prefix():
     config = AttentionLayerConfig(d_model=8, heads=2, kv_heads=1, head_dim=4)
     assert choice.layer_config(config).shared_tokens == choice.shared_tokens
     assert choose_layout(np.repeat(np.arange(2)[:, None], 64, 1), ring=4).shared_tokens is None  # static: no prefix
+
+
+def test_shared_prefix_off_gathers_every_shard():
+    choice = choose_layout(IDS, ring=4, shared_prefix=False)
+    assert choice.shared_tokens is None and choice.kv_exchange == "allgather"
+    assert "every shard" in choice.reason

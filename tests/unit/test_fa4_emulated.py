@@ -172,7 +172,7 @@ def test_allgather_runs_each_device_as_one_fa4_call(fa4, seed):
 def test_auto_routes_document_and_capped_blocks_to_fa4_where_installed(monkeypatch):
     """Where FA4 is installed (its availability forced here: CI has no FA4), "auto" on CUDA sends
     document blocks, token-index causal blocks and soft-capped blocks to ``fa4`` — measured
-    1.4-1.8x ``aten_varlen`` on the 4-GPU table — while plain blocks stay on ``aten_cudnn``,
+    1.08-1.81x ``aten_varlen`` on the 4-GPU table — while plain blocks stay on ``aten_cudnn``,
     float32 on the portable kernel, and deterministic mode avoids it (its determinism is not
     measured); without FA4 never to it."""
     from seqplan.schedule import UNBOUNDED

@@ -1,0 +1,165 @@
+"""Issue 46: where a device's step goes on the 128k short mix (torch_impl, all-gather KV over 4
+GPUs, the per-document hybrid with and without the shared prefix) — one torch.profiler window
+per layout on every rank, each rank's summary written as it comes. Checked before it is profiled:
+rank 0 compares the same call at 4096 tokens with the float64 oracle (relative error <= 2e-2 on
+o and the gradients), so the profiled path is a verified one.
+
+    torchrun --nproc_per_node 4 benchmarks/sessions/2026-11-26-profile-short.py      # GPUs
+    torchrun --nproc_per_node 4 benchmarks/sessions/2026-11-26-profile-short.py --smoke   # CPU, gloo
+
+Per rank and layout: the step's wall time (CUDA-synchronised, median of 5), the summed device
+time of its kernels by kind (attention kernels, NCCL, copies / index ops, the rest) over the
+profiled steps, the host time spent inside the attention call, and the top 20 operators by
+device time. ``$OUT/profile-short/{layout}-rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SMOKE = "--smoke" in sys.argv
+LAYOUTS = ("document-hybrid", "document-hybrid-shared")
+
+
+def local(array, rank: int, ring: int, device):
+    t = array.shape[1] // ring
+    return torch.as_tensor(np.ascontiguousarray(array[:, rank * t:(rank + 1) * t]), device=device)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    if "nccl" in lowered:
+        return "nccl"
+    if any(s in lowered for s in ("flash", "fmha", "attention", "sm90", "cutlass", "kernel_cutlass")):
+        return "attention"
+    if any(s in lowered for s in ("index", "gather", "scatter", "copy", "memcpy", "memset", "cat", "fill")):
+        return "copies/index"
+    return "other"
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_impl
+    from benchmarks.common import MeshSpec, Problem, lay_out, row_problem
+    from parity.core.reference import attention_backward, attention_forward
+
+    cuda = torch.cuda.is_available() and not SMOKE
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,), mesh_dim_names=("ring",))
+    spec = MeshSpec(f"ring-agkv-r{world}")
+    out = Path(os.environ.get("OUT", "/tmp")) / "profile-short"
+    out.mkdir(parents=True, exist_ok=True)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def call(problem, layout, dtype, seed=0):
+        problem = row_problem(problem, spec, layout)
+        laid = lay_out(problem, spec, layout)
+        ids, index = (local(a, rank, world, device) for a in (laid.segment_ids, laid.token_index))
+        t = problem.seq // world
+        gen = torch.Generator().manual_seed(seed)
+        make = lambda h: torch.randn(problem.batch, problem.seq, h, problem.head_dim, generator=gen)
+        full = {"q": make(problem.heads), "k": make(problem.kv_heads), "v": make(problem.kv_heads),
+                "do": make(problem.heads)}
+        mine = {n: x[:, rank * t:(rank + 1) * t].to(device, dtype).requires_grad_(n != "do") for n, x in full.items()}
+
+        def step():
+            for n in ("q", "k", "v"):
+                mine[n].grad = None
+            with torch.profiler.record_function("attention_call"):
+                o = torch_impl.sequence_parallel_attention(
+                    mine["q"], mine["k"], mine["v"], mesh, causal=True, layout=laid.api_layout, kv_exchange="allgather",
+                    segment_ids=ids, token_index=index, **laid.shared)
+                o.backward(mine["do"])
+            return o
+        return step, mine, full, laid, problem
+
+    def check(layout) -> float:
+        problem = Problem(seq=512 if SMOKE else 4096, heads=8, kv_heads=2, documents="short")
+        step, mine, full, laid, problem = call(problem, layout, torch.float32 if SMOKE else torch.bfloat16, seed=1)
+        o = step()
+        got = {n: torch.empty((world, *x.shape), dtype=x.dtype, device=device) for n, x in
+               (("o", o.detach()), ("dq", mine["q"].grad), ("dk", mine["k"].grad), ("dv", mine["v"].grad))}
+        mine_out = {"o": o.detach(), "dq": mine["q"].grad, "dk": mine["k"].grad, "dv": mine["v"].grad}
+        for n in got:
+            dist.all_gather_into_tensor(got[n].view(-1, *got[n].shape[2:]), mine_out[n].contiguous())
+        if rank:
+            return 0.0
+        laid_np = {n: x.double().numpy() for n, x in full.items()}
+        ids = laid.segment_ids
+        # the truth in original order: undo the per-row layout, attend causally by document, lay out again
+        perm = np.argsort(laid.token_index, axis=1)  # layout position of each original index
+        orig = {n: np.take_along_axis(x, perm[:, :, None, None], 1) for n, x in laid_np.items()}
+        ids_orig = np.take_along_axis(ids, perm, 1)
+        fwd = attention_forward(orig["q"], orig["k"], orig["v"], causal=True, segment_ids=ids_orig)
+        grads = attention_backward(fwd, orig["q"], orig["k"], orig["v"], orig["do"], np.zeros_like(fwd.lse))
+        worst = 0.0
+        for n, want in zip(("o", "dq", "dk", "dv"), (fwd.o, *grads)):
+            x = got[n].float().cpu().numpy()  # [R, b, t, h, d]
+            x = np.concatenate(list(x), axis=1)
+            x = np.take_along_axis(x, perm[:, :, None, None], 1)
+            worst = max(worst, float(np.linalg.norm(x - want) / np.linalg.norm(want)))
+        return worst
+
+    for layout in LAYOUTS:
+        error = check(layout)
+        verdict = torch.tensor([error <= 2e-2], device=device)
+        dist.broadcast(verdict, 0)
+        if not bool(verdict.item()):
+            if rank == 0:
+                (out / f"{layout}-NOT-VERIFIED.txt").write_text(f"relative error {error:.3e}\n")
+            continue
+        problem = Problem(seq=4096 if SMOKE else 131072, heads=4 if SMOKE else 32, kv_heads=2 if SMOKE else 8,
+                          documents="short")
+        step, *_ = call(problem, layout, torch.float32 if SMOKE else torch.bfloat16)
+        for _ in range(3):
+            step()
+        sync()
+        walls = []
+        for _ in range(5):
+            began = time.perf_counter()
+            step()
+            sync()
+            walls.append((time.perf_counter() - began) * 1e3)
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(3):
+                step()
+            sync()
+        events = prof.key_averages()
+        device_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        kinds: dict[str, float] = {}
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CUDA or device_us(e):
+                kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + device_us(e) / 1e3 / 3
+        host = [e for e in events if e.key == "attention_call"]
+        top = sorted(events, key=device_us, reverse=True)[:20]
+        summary = {"layout": layout, "rank": rank, "verified_error_4096": error if rank == 0 else None,
+                   "shared_tokens": lay_out(row_problem(problem, spec, layout), spec, layout).shared_tokens,
+                   "wall_ms_median": statistics.median(walls), "walls_ms": walls,
+                   "device_ms_per_step_by_kind": kinds,
+                   "attention_call_host_ms_per_step": host[0].cpu_time_total / 1e3 / 3 if host else None,
+                   "top_device_ops": [{"name": e.key[:120], "device_ms_per_step": device_us(e) / 1e3 / 3,
+                                       "calls_per_step": e.count / 3} for e in top]}
+        (out / f"{layout}-rank{rank}.json").write_text(json.dumps(summary, indent=1))
+        if rank == 0:
+            print(json.dumps({k: summary[k] for k in ("layout", "shared_tokens", "wall_ms_median",
+                                                      "device_ms_per_step_by_kind", "attention_call_host_ms_per_step",
+                                                      "verified_error_4096")}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
