@@ -149,6 +149,22 @@ def portable_config(config: AttentionConfig) -> AttentionConfig:
     return dataclasses.replace(config, block_backend="reference")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _GatheredSaved:
+    """What the whole-gather forward keeps for its backward (a pytree): ``kv_all`` (k, v)
+    [b, R·t, hk, d] or None (one device), every shard's ids and token indices [b, R·t] (or None),
+    and the one-call ``plans`` (None: the blocks are walked)."""
+
+    kv_all: tuple | None
+    ids_all: object
+    index_all: object
+    plans: list | None
+
+
+jax.tree_util.register_dataclass(_GatheredSaved, data_fields=[f.name for f in dataclasses.fields(_GatheredSaved)],
+                                 meta_fields=[])
+
+
 def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
     schedule = _schedule(axis_name, config)
     if schedule.size > 1 and config.shared_tokens is not None:  # only the shared prefixes travel
@@ -163,7 +179,7 @@ def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
         o, lse = prefix_forward(config, q, kv_all, plans, lambda: walk_blocks(portable_config(config)))
     else:
         o, lse = walk_blocks(config)
-    return o, lse, (kv_all, ids_all, index_all, plans)
+    return o, lse, _GatheredSaved(kv_all, ids_all, index_all, plans)
 
 
 def _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config: AttentionConfig):
@@ -186,8 +202,8 @@ def _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config: Attent
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
     if isinstance(extra, _SplitSaved):
         return _split_backward(q, k, v, o, lse, extra, do, dlse, axis_name, config)
-    schedule, kv_all, plans = _schedule(axis_name, config), extra[0], extra[3]
-    walk_blocks = lambda cfg: _walk_backward(q, k, v, o, lse, extra[:3], do, dlse, axis_name, cfg)
+    schedule, kv_all, plans = _schedule(axis_name, config), extra.kv_all, extra.plans
+    walk_blocks = lambda cfg: _walk_backward(q, k, v, o, lse, extra, do, dlse, axis_name, cfg)
     if plans is not None and dlse is None:
         dq, dk_all, dv_all = prefix_backward(config, (q, o, lse, do), kv_all, plans,
                                              lambda: walk_blocks(portable_config(config)))
@@ -198,10 +214,11 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
     return dq, config.comm.scatter(dk_all, axis_name), config.comm.scatter(dv_all, axis_name)
 
 
-def _walk_backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
+def _walk_backward(q, k, v, o, lse, extra: _GatheredSaved, do, dlse, axis_name, config: AttentionConfig):
     """(dq, dk, dv) of this device's blocks: dk, dv float32 [b, R·t, hk, d] (one shard's own when R = 1)."""
     backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
-    (kv_all, ids_all, index_all), t, saved = extra, k.shape[1], (q, o, lse, do, dlse)
+    kv_all, ids_all, index_all = extra.kv_all, extra.ids_all, extra.index_all
+    t, saved = k.shape[1], (q, o, lse, do, dlse)
 
     def visit(step, j, s, _, state):
         masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -180,10 +181,29 @@ def _concrete(x) -> bool:
 MAX_OFFSET_VARIANTS = 4
 
 
-def _window_decision(block: Block, window: tuple[int, int], shard_positions, own_block: bool, by_offset: bool):
-    """The window's part of :func:`under_masks`: (options, index, reachable, always_reachable,
-    positions). ``options``: the static variants this block can take — None (the window covers
-    it: no window) or ``(offset,)`` (windowed; ``offset`` the parts' static position offset, one
+class _WindowDecision(NamedTuple):
+    """The window's part of :func:`under_masks` for one block (:func:`_window_decision`,
+    :func:`_index_decision`).
+
+    options:          the static variants the block can take: None (the window covers it) or
+                      ``(offset,)`` (windowed; offset None when not static).
+    index:            this block's option (int or traced int32).
+    reachable:        whether the window reaches any pair of it (traced bool).
+    always_reachable: whether it does for every shard pair considered (static: then never skipped).
+    positions:        (q_pos, kv_pos) of the block's parts, the kernel's ``positions``."""
+
+    options: list
+    index: object
+    reachable: object
+    always_reachable: bool
+    positions: tuple
+
+
+def _window_decision(block: Block, window: tuple[int, int], shard_positions, own_block: bool,
+                     by_offset: bool) -> _WindowDecision:
+    """The window's part of :func:`under_masks` (:class:`_WindowDecision`). ``options``: the static
+    variants this block can take — None (the window covers it: no window) or ``(offset,)``
+    (windowed; ``offset`` the parts' static position offset, one
     option per distinct offset when ``by_offset`` and there are at most MAX_OFFSET_VARIANTS, else
     None) — of its one shard pair when both shards are ints, of (r, r) for a device's own block,
     else of every pair (r, src != r) of the ring (a superset of the pairs the block is used for),
@@ -217,18 +237,18 @@ def _window_decision(block: Block, window: tuple[int, int], shard_positions, own
     reachable = jnp.asarray(reach)[q_shard, kv_shard]
     positions = (_part(lax.dynamic_index_in_dim(table, q_shard, keepdims=False), block.q_part, 0),
                  _part(lax.dynamic_index_in_dim(table, kv_shard, keepdims=False), block.kv_part, 0))
-    return options, index, reachable, all(reach[pair] for pair in pairs), positions
+    return _WindowDecision(options, index, reachable, all(reach[pair] for pair in pairs), positions)
 
 
-def _index_decision(block: Block, window: tuple[int, int], token_index, own_block: bool):
+def _index_decision(block: Block, window: tuple[int, int], token_index, own_block: bool) -> _WindowDecision:
     """The window's part of :func:`under_masks` for explicit per-row token indices
-    ``token_index = (q_index [b, t], kv_index [b, t])`` (traced): (options, index, reachable,
-    always_reachable, positions) as :func:`_window_decision`, decided at run time from each
+    ``token_index = (q_index [b, t], kv_index [b, t])`` (traced): a :class:`_WindowDecision` as
+    :func:`_window_decision`'s, decided at run time from each
     batch row's smallest and largest index (reachable in some row; covered in every row), with
     no static offset (a fused kernel takes such a block only when the window covers it)."""
     q_pos, kv_pos = _part(token_index[0], block.q_part, 1), _part(token_index[1], block.kv_part, 1)
     reach, cover = window_flags(q_pos.min(1), q_pos.max(1), kv_pos.min(1), kv_pos.max(1), *window)
-    return [None, (None,)], jnp.where(cover.all(), 0, 1), reach.any(), own_block, (q_pos, kv_pos)
+    return _WindowDecision([None, (None,)], jnp.where(cover.all(), 0, 1), reach.any(), own_block, (q_pos, kv_pos))
 
 
 def under_masks(block: Block, run: Callable, state, *, segments=None, window=None, shard_positions=None,
@@ -253,16 +273,13 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
         keep, doc_options = shared, (False, True)
     win_index, win_options, skippable = 0, (None,), segments is not None and not own_block
     if window is not None:
-        if token_index is not None:
-            win_options, win_index, reachable, always, positions = _index_decision(block, window, token_index,
-                                                                                   own_block)
-        else:
-            win_options, win_index, reachable, always, positions = _window_decision(
-                block, window, shard_positions, own_block, by_offset)
+        decision = (_index_decision(block, window, token_index, own_block) if token_index is not None
+                    else _window_decision(block, window, shard_positions, own_block, by_offset))
+        win_options, win_index, positions = decision.options, decision.index, decision.positions
         if not win_options:  # no device can reach this block: nothing to compile
             return state
-        if not always:
-            keep, skippable = keep & reachable, True
+        if not decision.always_reachable:
+            keep, skippable = keep & decision.reachable, True
     variants = {SKIP: lambda st: st} if skippable else {}
     for documents in doc_options:
         for option in win_options:

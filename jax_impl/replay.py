@@ -53,7 +53,7 @@ from jax import lax
 
 from seqplan.config import resolve_scale
 from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order, token_index_window
-from seqplan.strategy import Strategy
+from seqplan.strategy import DeviceGrads, Strategy
 from seqplan.validation import (
     check_segment_ids,
     check_sinks,
@@ -211,8 +211,9 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                     deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None,
                     token_index=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
-    and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}), and
-    with ``sinks`` a third item, its rows' share of dsinks for its heads ([h/U] float32)."""
+    and optional dlse: a ``seqplan.strategy.DeviceGrads`` — dq in q's dtype, {source shard: (dk, dv)
+    contributions, float32} and, with ``sinks``, its rows' share of dsinks for its heads ([h/U]
+    float32), else None."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
     schedule = _schedule(strategy, config, q.shape[1], token_index)
@@ -269,9 +270,8 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                          for src in range(strategy.ring)}
     else:
         dq, contributions = walk(backend)
-    if sinks is None:
-        return dq.astype(q.dtype), contributions
-    return dq.astype(q.dtype), contributions, sinks_grad(mine[1], lse_d, mine[2], dlse_d, sinks[q_heads])
+    dsinks = None if sinks is None else sinks_grad(mine[1], lse_d, mine[2], dlse_d, sinks[q_heads])
+    return DeviceGrads(dq.astype(q.dtype), contributions, dsinks)
 
 
 def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
@@ -356,7 +356,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
               token_index=token_index)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
-    dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u][0] for u in range(n_uly)], axis=2)
+    dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u].dq for u in range(n_uly)], axis=2)
                           for r in range(n_ring)], axis=1)
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     schedule = (_schedule(strategy, config, q.shape[1], token_index) if token_index is not None else
@@ -368,7 +368,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
         for s in range(n_ring):
             groups = []
             for u in range(n_uly):
-                parts = [outs[r * n_uly + u][1].get(s) for r in summation_order(schedule, s)]
+                parts = [outs[r * n_uly + u].contributions.get(s) for r in summation_order(schedule, s)]
                 parts = [p[which] for p in parts if p is not None]
                 total = parts[0]
                 for part in parts[1:]:
@@ -386,5 +386,5 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
         return dq, grads[0], grads[1]
     dsinks = jnp.zeros(sinks.shape, F32)
     for d in range(strategy.devices):
-        dsinks = dsinks.at[strategy.head_groups(q.shape[2], k.shape[2], d % n_uly)[0]].add(outs[d][2])
+        dsinks = dsinks.at[strategy.head_groups(q.shape[2], k.shape[2], d % n_uly)[0]].add(outs[d].dsinks)
     return dq, grads[0], grads[1], dsinks.astype(sinks.dtype)

@@ -5,6 +5,7 @@ implementations' ``replay.py`` and in the benchmarks that count a device's block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
 from .schedule import Exchange, Schedule, make_schedule, window_reach
@@ -60,3 +61,16 @@ class Strategy:
             return q_heads, slice(u * kv_heads // n, (u + 1) * kv_heads // n), False
         head = u // (n // kv_heads)
         return q_heads, slice(head, head + 1), True
+
+
+class DeviceGrads(NamedTuple):
+    """One virtual device's backward in a one-device replay (both frameworks' ``device_backward``).
+
+    dq:            its queries' gradient [b, t/R, h/U, d] in q's dtype.
+    contributions: {source ring shard: (dk, dv) float32} — the dK/dV it computed against each shard
+                   (shards it computed no block against have none).
+    dsinks:        with sinks, its rows' share of dsinks for its heads ([h/U] float32); else None."""
+
+    dq: object
+    contributions: dict
+    dsinks: object = None

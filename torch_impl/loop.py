@@ -502,6 +502,9 @@ def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: Attention
 class _Attention(torch.autograd.Function):
     """Autograd for a (forward, backward) pair; see :func:`attention_with_vjp`."""
 
+    # forward's arguments after ctx, in order: backward returns one gradient (or None) for each
+    ARGUMENTS = ("forward", "backward", "q", "k", "v", "groups", "config", "segment_ids", "token_index", "sinks")
+
     @staticmethod
     def forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig, segment_ids, token_index, sinks):
         # An unused output's gradient arrives as None rather than zeros, so the kernels know
@@ -532,9 +535,10 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = ctx.backward_fn(q, k, v, o, lse, tuple(extra) or None, do, dlse, ctx.groups, ctx.config,
                                      ctx.masks)
         dsinks = None
-        if sinks is not None and ctx.needs_input_grad[9]:  # this rank's rows' contribution
+        if sinks is not None and ctx.needs_input_grad[_Attention.ARGUMENTS.index("sinks")]:  # this rank's rows
             dsinks = sinks_grad(o, lse, do, dlse, sinks).to(sinks.dtype)
-        return None, None, dq.to(q.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, dsinks
+        grads = {"q": dq.to(q.dtype), "k": dk.to(ctx.kv_dtype), "v": dv.to(ctx.kv_dtype), "sinks": dsinks}
+        return tuple(grads.get(name) for name in _Attention.ARGUMENTS)
 
 
 def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:

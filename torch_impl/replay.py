@@ -36,7 +36,7 @@ import torch
 
 from seqplan.config import resolve_scale
 from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order, token_index_window
-from seqplan.strategy import Strategy
+from seqplan.strategy import DeviceGrads, Strategy
 from seqplan.validation import (
     check_segment_ids,
     check_sinks,
@@ -132,9 +132,10 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                     deterministic: bool = False, segment_ids=None, window=None, sinks=None, softcap=None,
                     token_index=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
-    and optional dlse: (dq in q's dtype, {source shard: (dk, dv) contributions, float32}) —
-    shards it computed no block against (masked, or skipped for documents or the window) have
-    none — and with ``sinks``, third, this device's dsinks [h/U] float32 (its heads, its rows)."""
+    and optional dlse: a ``seqplan.strategy.DeviceGrads`` — dq in q's dtype, {source shard: (dk, dv)
+    contributions, float32} (shards it computed no block against — masked, or skipped for documents
+    or the window — have none) and, with ``sinks``, this device's dsinks [h/U] float32 (its heads,
+    its rows), else None."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
     schedule = _schedule(strategy, config, q.shape[1], token_index)
@@ -161,9 +162,8 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                 dkv = tuple(torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv)
                 add_grads(visit.block, grads, dq, dkv)
                 contributions[visit.source] = dkv
-        if sinks is not None:
-            return dq.to(q.dtype), contributions, sinks_grad(o_d, lse_d, do_d, dlse_d, sinks[q_heads])
-    return dq.to(q.dtype), contributions
+        dsinks = None if sinks is None else sinks_grad(o_d, lse_d, do_d, dlse_d, sinks[q_heads])
+    return DeviceGrads(dq.to(q.dtype), contributions, dsinks)
 
 
 def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
@@ -236,7 +236,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
               token_index=token_index)
     n_ring, n_uly = strategy.ring, strategy.ulysses
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
-    dq = torch.cat([torch.cat([outs[r * n_uly + u][0] for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)
+    dq = torch.cat([torch.cat([outs[r * n_uly + u].dq for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     schedule = (_schedule(strategy, config, q.shape[1], token_index) if token_index is not None else
                 strategy.schedule(layout, causal, kernel_window(check_window(window), causal), q.shape[1] // strategy.ring))
@@ -247,7 +247,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
         for s in range(n_ring):
             groups = []
             for u in range(n_uly):
-                parts = [outs[r * n_uly + u][1].get(s) for r in summation_order(schedule, s)]
+                parts = [outs[r * n_uly + u].contributions.get(s) for r in summation_order(schedule, s)]
                 parts = [p[which] for p in parts if p is not None]
                 total = parts[0].clone()
                 for part in parts[1:]:
@@ -265,5 +265,5 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
         return dq, grads[0], grads[1]
     dsinks = torch.zeros(sinks.shape, dtype=F32, device=sinks.device)
     for d, out in enumerate(outs):
-        dsinks[strategy.head_groups(q.shape[2], k.shape[2], d % n_uly)[0]] += out[2]
+        dsinks[strategy.head_groups(q.shape[2], k.shape[2], d % n_uly)[0]] += out.dsinks
     return dq, grads[0], grads[1], dsinks.to(sinks.dtype)

@@ -111,3 +111,13 @@ def test_in_place_merge_follows_the_merge_formula():
     torch.testing.assert_close(o.double(), want_o, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
     assert torch.equal(o[0, :, 1], o_before[0, :, 1]) and torch.equal(lse[0, 1], lse_before[0, 1])
+
+
+def test_attention_function_names_its_arguments_in_forward_order():
+    """``_Attention.ARGUMENTS`` (backward's gradients and ``needs_input_grad`` are read by these
+    names) is exactly forward's parameter list after ctx."""
+    import inspect
+
+    from torch_impl.loop import _Attention
+
+    assert tuple(inspect.signature(_Attention.forward).parameters)[1:] == _Attention.ARGUMENTS
