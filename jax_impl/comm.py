@@ -14,11 +14,10 @@ transfers it was traced with, inside or outside ``using`` — trace a fresh func
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 from jax import lax
 
+from seqplan.hooks import HookStack
 from seqplan.schedule import Hop
 
 
@@ -90,21 +89,7 @@ class Comm:
         return scatter_shard_sums(x_all, axis_name)
 
 
-_INSTALLED: list[Comm] = [Comm()]
-
-
-def current_comm() -> Comm:
-    """The :class:`Comm` the next attention call picks up (the plain one unless :func:`using`)."""
-    return _INSTALLED[-1]
-
-
-@contextlib.contextmanager
-def using(comm: Comm):
-    """Route the transfers of attention calls traced inside this block through ``comm``."""
-    if not isinstance(comm, Comm):
-        raise TypeError(f"using() takes a Comm, got {type(comm).__name__}")
-    _INSTALLED.append(comm)
-    try:
-        yield comm
-    finally:
-        _INSTALLED.pop()
+_HOOKS: HookStack[Comm] = HookStack(Comm, Comm())
+# current_comm(): the Comm the next attention call picks up (the plain one unless using());
+# using(comm): route the transfers of attention calls traced inside the block through ``comm``.
+current_comm, using = _HOOKS.current, _HOOKS.using

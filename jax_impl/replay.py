@@ -46,13 +46,15 @@ them and assemble global outputs in layout order.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from seqplan.config import resolve_scale
-from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order, token_index_window
+from seqplan.config import replay_config
+from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order
 from seqplan.strategy import DeviceGrads, Strategy
 from seqplan.validation import (
     check_segment_ids,
@@ -73,16 +75,8 @@ from .loop import add_sinks, grad_block, local_backward, local_forward, merge_bl
 F32 = jnp.float32
 
 
-def _config(q, causal, layout, scale, block_backend, deterministic, window, softcap,
-            token_index=None) -> AttentionConfig:
-    """The call's config; with explicit ``token_index`` the causal and window masks are one window
-    on the token indices (``seqplan.schedule.token_index_window``) and the schedule is the
-    non-causal one (every visit one whole-shard block, decided at run time)."""
-    if token_index is not None:
-        window = token_index_window(check_window(window), bool(causal))
-        causal = False
-    return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend, bool(deterministic),
-                           window=window, softcap=softcap, token_index=token_index is not None)
+# The call's config (seqplan.config.replay_config: for_call with this framework's hook)
+_config = partial(replay_config, AttentionConfig)
 
 
 def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:

@@ -99,9 +99,20 @@ class AttentionConfig:
         indices, so ``causal`` and ``window`` become one window on them
         (``schedule.token_index_window``) over the non-causal schedule."""
         if token_index:
-            window, causal = token_index_window(window, bool(causal)), False
-        return cls(bool(causal), layout, resolve_scale(head_dim, scale), block_backend, deterministic, comm, window,
-                   softcap, bool(token_index), shared_tokens)
+            window, causal = token_index_window(check_window(window), bool(causal)), False
+        hook = {} if comm is None else {"comm": comm}  # None: the class's own transfer hook
+        return cls(bool(causal), layout, resolve_scale(head_dim, scale), block_backend, deterministic, window=window,
+                   softcap=softcap, token_index=bool(token_index), shared_tokens=shared_tokens, **hook)
+
+
+def replay_config(cls, q, causal, layout, scale, block_backend, deterministic, window, softcap,
+                  token_index=None):
+    """A one-device replay's config (both frameworks' ``replay._config``): ``cls.for_call`` on q's
+    head_dim with the class's own transfer hook; ``token_index`` the array or None (given, the
+    causal and window masks become one window on the indices and the schedule the non-causal one)."""
+    return cls.for_call(q.shape[-1], causal=causal, layout=layout, scale=scale, block_backend=block_backend,
+                        deterministic=bool(deterministic), comm=None, window=window, softcap=softcap,
+                        token_index=token_index is not None)
 
 
 def default_check_ranks(check_ranks: bool | None) -> bool:

@@ -15,11 +15,10 @@ are not routed through it.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
+from seqplan.hooks import HookStack
 from seqplan.schedule import Hop
 
 
@@ -207,21 +206,7 @@ class Comm:
         return scatter_shard_sums(x_all, group)
 
 
-_INSTALLED: list[Comm] = [Comm()]
-
-
-def current_comm() -> Comm:
-    """The :class:`Comm` the next attention call picks up (the plain one unless :func:`using`)."""
-    return _INSTALLED[-1]
-
-
-@contextlib.contextmanager
-def using(comm: Comm):
-    """Route the transfers of attention calls made inside this block through ``comm``."""
-    if not isinstance(comm, Comm):
-        raise TypeError(f"using() takes a Comm, got {type(comm).__name__}")
-    _INSTALLED.append(comm)
-    try:
-        yield comm
-    finally:
-        _INSTALLED.pop()
+_HOOKS: HookStack[Comm] = HookStack(Comm, Comm())
+# current_comm(): the Comm the next attention call picks up (the plain one unless using());
+# using(comm): route the transfers of attention calls made inside the block through ``comm``.
+current_comm, using = _HOOKS.current, _HOOKS.using

@@ -32,10 +32,12 @@ each row's index range (``loop.ShardMasks``); how an explicit per-row layout suc
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from seqplan.config import resolve_scale
-from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order, token_index_window
+from seqplan.config import replay_config
+from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order
 from seqplan.strategy import DeviceGrads, Strategy
 from seqplan.validation import (
     check_segment_ids,
@@ -56,16 +58,8 @@ from .loop import ShardMasks, add_grads, add_sinks, attend_block, grad_block, me
 F32 = torch.float32
 
 
-def _config(q, causal, layout, scale, block_backend, deterministic, window, softcap,
-            token_index=None) -> AttentionConfig:
-    """The call's config; with explicit ``token_index`` the causal and window masks are one window
-    on the token indices (``seqplan.schedule.token_index_window``) and the schedule is the
-    non-causal one (every visit one whole-shard block, decided per call from the indices)."""
-    if token_index is not None:
-        window = token_index_window(check_window(window), bool(causal))
-        causal = False
-    return AttentionConfig(bool(causal), layout, resolve_scale(q.shape[-1], scale), block_backend, bool(deterministic),
-                           window=window, softcap=softcap, token_index=token_index is not None)
+# The call's config (seqplan.config.replay_config: for_call with this framework's hook)
+_config = partial(replay_config, AttentionConfig)
 
 
 def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:

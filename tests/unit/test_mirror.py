@@ -17,10 +17,6 @@ MIN_STATEMENTS = 3
 # (jax_impl definition, torch_impl definition) -> why it is still there. Each entry is a debt; the
 # test fails on an entry whose pair is no longer a copy, so the list can only shrink.
 KNOWN_COPIES: dict[tuple[str, str], str] = {
-    ("comm.py:using", "comm.py:using"):
-        "the installed-Comm stack: each framework's Comm type; a shared stack is a later step of issue 50",
-    ("replay.py:_config", "replay.py:_config"):
-        "the replays' config (check_window before the token-index rewrite): folded with make_config later",
     ("config.py:AttentionConfig", "config.py:AttentionConfig"):
         "a binding, no logic: seqplan's config with the framework's Comm type and get_backend under mirrored names",
 }
