@@ -24,7 +24,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 from ..core.names import check_choice
 from ..training.traffic_model import FFNStep, ffn_step_flops, ffn_step_traffic
@@ -113,8 +113,21 @@ def ffn_memory_bytes(d_model: int, d_ff: int, x: int, y: int, passes: Passes, dt
     return fixed, per_token
 
 
-def _coefficients(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: float, hw: Hardware, ch: Choices):
-    """(a, c, y_coef, m) per block from the accounting model at 1 and 2 tokens per device."""
+class Coefficients(NamedTuple):
+    """One block's step-time terms per device (seconds), from the accounting model:
+    T(B) = max-or-sum of (m + a·B) and (c + y·B) — ``a`` the compute (and, with the memory term,
+    HBM) time per token, ``c`` the FSDP gathers' fixed time, ``y`` the TP collectives' time per
+    token, ``m`` the fixed memory time (0 without the memory term)."""
+
+    a: float
+    c: float
+    y: float
+    m: float
+
+
+def step_coefficients(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: float, hw: Hardware,
+                      ch: Choices) -> Coefficients:
+    """:class:`Coefficients` per block from the accounting model at 1 and 2 tokens per device."""
     passes = ("fwd",) if ch.passes == "fwd" else ("fwd", "bwd")
 
     def measure(tokens_per_device: int):
@@ -139,14 +152,14 @@ def _coefficients(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: floa
             raise ValueError(f"the memory term needs the hardware's hbm bandwidth; {hw.name} has none")
         fixed, per_token = ffn_memory_bytes(d_model, d_ff, x, y, ch.passes)
         a, m = a + per_token / hw.hbm, fixed / hw.hbm
-    return a, c, y_coef, m
+    return Coefficients(a, c, y_coef, m)
 
 
 def critical_batch(d_model: int, d_ff: int, x: int, y: int, m_x: float, m_y: float, hw: Hardware,
                    choices: Choices = Choices()) -> BStar:
     """B* for a given mesh X (FSDP) × Y (TP); infinite when no batch makes it compute-bound, 0
     when the weights' memory traffic alone outlasts their collectives."""
-    a, c, y_coef, m = _coefficients(d_model, d_ff, x, y, m_x, m_y, hw, choices)
+    a, c, y_coef, m = step_coefficients(d_model, d_ff, x, y, m_x, m_y, hw, choices)
     if choices.overlap == "max":
         b = max(0.0, (c - m) / a) if a >= y_coef else math.inf
     else:  # "sum" (Choices validates the value)
@@ -161,7 +174,7 @@ def optimal_split(d_model: int, d_ff: int, devices: float, m_x: float, m_y: floa
     ``choices.ring_factor`` and ``choices.memory`` are ignored here."""
     # Without the ring factor a, c scale exactly as 1/Y and y_coef not at all: take them at
     # X = Y = 2 once and rescale, so that Y may be continuous.
-    a2, c2, yc, _ = _coefficients(d_model, d_ff, 2, 2, m_x, m_y, hw, replace(choices, ring_factor=False, memory=False))
+    a2, c2, yc, _ = step_coefficients(d_model, d_ff, 2, 2, m_x, m_y, hw, replace(choices, ring_factor=False, memory=False))
 
     def global_b(log_y: float) -> float:
         y = math.exp(log_y)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.cases import Case
-from ..core.inputs import Inputs, from_layout, permutation, to_layout, without_token_index
+from ..core.inputs import Inputs, from_layout, permutation, to_layout
 from ..core.names import Device
 from .base import option_keywords, shared_keywords
+from .jax_control import dense_control, vjp_results
 
 __all__ = ["JaxRunner", "RUNNER", "make_mesh", "measure_attention_traffic"]
 
@@ -23,53 +24,6 @@ def make_mesh(case: Case, devices=None):
     if len(devices) < case.devices:
         raise ValueError(f"case {case.name} needs {case.devices} devices, JAX has {len(devices)}")
     return jax.sharding.Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
-
-
-def _as(x, dtype):
-    """Host-side cast (ml_dtypes), so that no small conversion program is compiled per shape."""
-    import jax.numpy as jnp
-
-    return jnp.asarray(np.asarray(x, np.float32).astype(jnp.dtype(dtype)))
-
-
-def _options(x: Inputs) -> tuple:
-    """The inputs' segment ids (JAX int32), sinks (JAX float32) and token indices (JAX int32),
-    each None when the case has none: ``forward_backward``'s last three arguments."""
-    import jax.numpy as jnp
-
-    ids = None if x.segment_ids is None else jnp.asarray(x.segment_ids, jnp.int32)
-    index = None if x.token_index is None else jnp.asarray(x.token_index, jnp.int32)
-    return ids, None if x.sinks is None else jnp.asarray(np.asarray(x.sinks, np.float32)), index
-
-
-def _vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:
-    """Forward and backward of ``fn(q, k, v, **options)`` compiled as one program, as a training
-    step compiles them (and less compile time than two programs: 0.9 s instead of 1.5 s for a USP
-    r4×u2 case on CPU). ``options`` are the case's segment ids, sinks and token indices when it has them
-    (``option_keywords``): arguments of the program, not constants folded into it. The ids get no
-    cotangent, nor do the token indices; the sinks are differentiated like q, k, v (dsinks: ``jax.vjp``
-    w.r.t. them)."""
-    import jax
-    import jax.numpy as jnp
-
-    dtype = jnp.dtype(case.dtype)
-
-    @jax.jit
-    def forward_backward(q, k, v, do, dlse, ids, sinks, index):
-        def attention(q, k, v, *sink):
-            return fn(q, k, v, **option_keywords(segment_ids=ids, sinks=sink[0] if sink else None, token_index=index))
-
-        primals = (q, k, v, *(() if sinks is None else (sinks,)))
-        if not case.lse_cotangent:  # o's cotangent alone, as a training step: the kernels get no dlse
-            o, vjp = jax.vjp(lambda *a: attention(*a)[0], *primals)
-            return (o, attention(*primals)[1]), vjp(do)
-        out, vjp = jax.vjp(attention, *primals)
-        return out, vjp((do, dlse))
-
-    (o, lse), grads = forward_backward(_as(x.q, dtype), _as(x.k, dtype), _as(x.v, dtype), _as(x.do, dtype),
-                                       _as(x.dlse, jnp.float32), *_options(x))
-    out = {"o": o, "lse": lse} | dict(zip(("dq", "dk", "dv", "dsinks"), grads))
-    return {n: np.asarray(t).astype(np.float64) for n, t in out.items()}
 
 
 class JaxRunner:
@@ -100,7 +54,7 @@ class JaxRunner:
                 kv_exchange=case.kv_exchange, return_lse=True, block_backend=self.block_backend,
                 **options, **option_keywords(window=case.window, softcap=case.softcap), **shared)
 
-        return from_layout(_vjp_results(fn, case, y), perm)
+        return from_layout(vjp_results(fn, case, y), perm)
 
     def replay(self, devices: Device = "cpu"):
         """The same backend replaying a case on one device (for cases that need more devices
@@ -110,16 +64,9 @@ class JaxRunner:
         return JaxReplayRunner(self.block_backend)
 
     def run_control(self, case: Case, x: Inputs) -> dict[str, np.ndarray]:
-        """Dense attention in the case's own dtype on one device: the low-precision control (with
-        the case's documents: dense ids in original order; its window and sinks, dsinks by
-        jax.vjp through it)."""
-        import jax_impl
-
-        def fn(q, k, v, **options):
-            return jax_impl.dense_attention(q, k, v, causal=case.causal, scale=case.scale, **options,
-                                            **option_keywords(window=case.window, softcap=case.softcap))
-
-        return _vjp_results(fn, case, without_token_index(x))
+        """Dense attention in the case's own dtype on one device: the low-precision control
+        (``jax_control.dense_control``)."""
+        return dense_control(case, x)
 
 
 RUNNER = JaxRunner()

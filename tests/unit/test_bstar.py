@@ -63,14 +63,14 @@ def test_memory_term_by_hand():
     backward r2 w1: 96) and the residual over D = 16 (3 + 3 elements): (64 + 48 + 96 + 48)·2 B;
     fixed: the float32 shard 2·16·64/4 = 512 parameters cast (6 B) and stepped by Adam (40 B).
     T_math gains them over W_hbm, and B* = (c − m) / a with the bigger a and the fixed m."""
-    from parity.capacity.bstar import _coefficients, ffn_memory_bytes
+    from parity.capacity.bstar import ffn_memory_bytes, step_coefficients
 
     assert ffn_memory_bytes(16, 64, 2, 2, "fwd") == (512 * 6, (64 + 48) * 2)
     assert ffn_memory_bytes(16, 64, 2, 2, "fwd+bwd") == (512 * 46, (64 + 48 + 96 + 48) * 2)
     hw = Hardware.simple("toy", 1e10, 1e9, hbm=1e11)
     ch = Choices("sum", passes="fwd+bwd", memory=True)
-    a0, c0, y0, m0 = _coefficients(16, 64, 2, 2, 1, 1, hw, Choices("sum", passes="fwd+bwd"))
-    a, c, y, m = _coefficients(16, 64, 2, 2, 1, 1, hw, ch)
+    a0, c0, y0, m0 = step_coefficients(16, 64, 2, 2, 1, 1, hw, Choices("sum", passes="fwd+bwd"))
+    a, c, y, m = step_coefficients(16, 64, 2, 2, 1, 1, hw, ch)
     assert m0 == 0 and (c, y) == (c0, y0)
     assert math.isclose(a, a0 + (64 + 48 + 96 + 48) * 2 / 1e11) and math.isclose(m, 512 * 46 / 1e11)
     r = critical_batch(16, 64, 2, 2, 1, 1, hw, ch)
