@@ -4,6 +4,7 @@ one results table (markdown + JSON) in ``benchmarks/results/<date>-<machine>.md`
     python -m benchmarks [--seqs 32768,131072] [--meshes ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4]
     python -m benchmarks --gpus 1 --machine h100 [...]      # one GPU: per-device work through the replay
     python -m benchmarks report PART.json [PART.json ...]   # table from saved parts
+    python -m benchmarks plot RESULTS.json ... --out docs/figures/   # figures from results files
 
 Every ringbridge row's path is verified before it counts (``benchmarks/verify.py``): the
 ``verified`` column; a failing path is a failing row, not a throughput. ``--gpus 1`` runs
@@ -183,6 +184,11 @@ def _side(name: str, command: list[str], out: Path, env: dict) -> Path | None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        from .plot import plot_main
+
+        plot_main(argv[1:])
+        return
     if argv[:1] == ["report"]:
         report_main(argv[1:])
         return
