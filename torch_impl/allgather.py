@@ -35,6 +35,8 @@ prefixes' dK / dV only.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 import seqplan.registry
@@ -212,19 +214,20 @@ def _split_plan(config: AttentionConfig, masks: ShardMasks, device: int) -> Spli
     return cached_plan(split_runs, masks.ids_host, positions, device=device, shared_tokens=p, layout=config.layout)
 
 
-def _part_masks(config: AttentionConfig, masks: ShardMasks, device: int, p: int, t: int):
-    """The portable kernel's (segments, positions) of both parts: (shared, local) pairs of
-    (query, key) int32 tensors — the shared part's keys every shard's first ``p``, [b, R·p]."""
+def _part_masks(config: AttentionConfig, masks: ShardMasks, device: int, p: int, t: int, shared: bool):
+    """The portable kernel's (segments, positions) of one part — ``shared``: queries [0, p) against
+    every shard's first ``p`` keys [b, R·p]; else queries [p, t) against the shard's own keys —
+    each a (query, key) pair of int32 tensors. Built only when a part falls back to that kernel."""
     ids_all = masks.ids_all
     positions = masks.device_positions if config.token_index else None
     if positions is None:
         ring, b = ids_all.shape[:2]
         positions = torch.from_numpy(ring_positions(config.layout, ring, t)).to(ids_all.device)
         positions = positions[:, None, :].expand(ring, b, t).to(torch.int32)
-    prefixes = lambda x: x[:, :, :p].transpose(0, 1).reshape(x.shape[1], -1)
-    shared = ((ids_all[device][:, :p], prefixes(ids_all)), (positions[device][:, :p], prefixes(positions)))
-    local = ((ids_all[device][:, p:], ids_all[device]), (positions[device][:, p:], positions[device]))
-    return shared, local
+    if shared:
+        prefixes = lambda x: x[:, :, :p].transpose(0, 1).reshape(x.shape[1], -1)
+        return (ids_all[device][:, :p], prefixes(ids_all)), (positions[device][:, :p], prefixes(positions))
+    return (ids_all[device][:, p:], ids_all[device]), (positions[device][:, p:], positions[device])
 
 
 def _kv_rows(kv_all, p: int):
@@ -234,12 +237,13 @@ def _kv_rows(kv_all, p: int):
 
 def _part_forward(config: AttentionConfig, q, kv, runs, part_masks):
     """(o, lse) of one part: ONE varlen call on the one-call kernel (``kv`` packed as ``runs``
-    indexes them), else the portable kernel on ``kv`` unpacked ([b, s, hk, d])."""
+    indexes them), else the portable kernel on ``kv`` unpacked ([b, s, hk, d]) under
+    ``part_masks()`` (:func:`_part_masks`)."""
     kernel = _one_call_kernel(config, q, True)
     if kernel is not None and runs is not None:
         packed = tuple(x.reshape(-1, *x.shape[-2:]) for x in kv)
         return kernel.prefix_forward(q, *packed, runs, config.scale)
-    return reference_block_fwd(q, *kv, PART_MASK, config.scale, *part_masks)
+    return reference_block_fwd(q, *kv, PART_MASK, config.scale, *part_masks())
 
 
 def _part_backward(config: AttentionConfig, saved, kv, runs, part_masks):
@@ -251,13 +255,13 @@ def _part_backward(config: AttentionConfig, saved, kv, runs, part_masks):
         packed = tuple(x.reshape(-1, *x.shape[-2:]) for x in kv)
         dq, dk, dv = kernel.prefix_backward(do, q, *packed, o, lse, runs, config.scale)
     else:
-        dq, dk, dv = reference_block_bwd(do, q, *kv, o, lse, PART_MASK, config.scale, dlse, *part_masks)
+        dq, dk, dv = reference_block_bwd(do, q, *kv, o, lse, PART_MASK, config.scale, dlse, *part_masks())
     return dq, dk.float().reshape(kv[0].shape), dv.float().reshape(kv[1].shape)
 
 
 def _split_forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks, split: SplitRuns):
     me, p, t = ring_index(groups), split.shared_tokens, q.shape[1]
-    shared_masks, local_masks = _part_masks(config, masks, me, p, t)
+    shared_masks, local_masks = (partial(_part_masks, config, masks, me, p, t, shared) for shared in (True, False))
     if p:  # the prefixes travel while the local part computes
         (k_all, k_work), (v_all, v_work) = (config.comm.gather(x[:, :p], groups[1], async_op=True) for x in (k, v))
     parts = []
@@ -276,14 +280,15 @@ def _split_forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks, 
 def _split_backward(q, k, v, o, lse, kv_prefixes, do, dlse, groups, config: AttentionConfig, masks: ShardMasks,
                     split: SplitRuns):
     me, p, t = ring_index(groups), split.shared_tokens, q.shape[1]
-    shared_masks, local_masks = _part_masks(config, masks, me, p, t)
+    shared_masks, local_masks = (partial(_part_masks, config, masks, me, p, t, shared) for shared in (True, False))
     part = lambda x, lo, hi, dim=1: None if x is None else x.narrow(dim, lo, hi - lo).contiguous()
     saved = lambda lo, hi: (part(q, lo, hi), part(o, lo, hi), part(lse, lo, hi, 2), part(do, lo, hi),
                             part(dlse, lo, hi, 2))
     dq = torch.empty(q.shape, dtype=F32, device=q.device)
-    dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (k, v))
-    if p < t:
+    if p < t:  # every local key's gradient (float32); the shared part adds its prefixes' below
         dq[:, p:], dk, dv = _part_backward(config, saved(p, t), (k, v), split.local, local_masks)
+    else:
+        dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (k, v))
     if p:
         kv = tuple(_kv_rows(x, p) for x in kv_prefixes)
         dq[:, :p], dk_rows, dv_rows = _part_backward(config, saved(0, p), kv, split.shared, shared_masks)

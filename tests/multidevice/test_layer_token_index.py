@@ -37,6 +37,19 @@ def _rel(x, ref) -> float:
     return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
 
 
+def _jax_outputs(layer, params, x, positions, ids, dy, **kw):
+    """y and the gradients of Σ y·dy (parameters, x) of a JAX layer, in one jitted program."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(params, x):
+        y = layer.apply(params, x, positions, ids, **kw)
+        return jnp.sum(y * dy), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    return y, grads
+
+
 def test_jax_layer_with_token_index_equals_the_plain_layer(jax_devices):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
@@ -52,21 +65,10 @@ def test_jax_layer_with_token_index_equals_the_plain_layer(jax_devices):
     mesh = jax.make_mesh((RING,), ("ring",), axis_types=(jax.sharding.AxisType.Auto,))
     parallel = SequenceParallelAttention(config, mesh=mesh)
 
-    def outputs(layer, x, positions, ids, dy, token_index=None):
-        """y and the gradients of Σ y·dy (parameters, x), in one jitted program."""
-        kw = {} if token_index is None else {"token_index": token_index}
-
-        def loss(params, x):
-            y = layer.apply(params, x, positions, ids, **kw)
-            return jnp.sum(y * dy), y
-
-        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-        return y, grads
-
-    y_ref, (dp_ref, dx_ref) = outputs(plain, *(jnp.asarray(a) for a in (x, positions, IDS, dy)))
+    y_ref, (dp_ref, dx_ref) = _jax_outputs(plain, params, *(jnp.asarray(a) for a in (x, positions, IDS, dy)))
     perm, inverse = layout.perm, layout.inverse
     laid = [jnp.asarray(_laid(a, perm)) for a in (x, positions, IDS, dy)]
-    y, (dp, dx) = outputs(parallel, *laid, token_index=jnp.asarray(layout.token_index))
+    y, (dp, dx) = _jax_outputs(parallel, params, *laid, token_index=jnp.asarray(layout.token_index))
     assert _rel(_laid(np.asarray(y), inverse), y_ref) < 1e-5
     assert _rel(_laid(np.asarray(dx), inverse), dx_ref) < 1e-5
     for name in ("wq", "wk", "wv", "wo"):
@@ -114,7 +116,22 @@ def test_torch_layer_with_token_index_equals_the_plain_layer(worlds):
 
 # ---- the layout chooser's result, taken by both layers (seqplan.chooser) ----------------------------
 
-CHOOSER_IDS = np.array([[0] * 9 + [1] + [2] * 30 + [3] * 8 + [4] * 16, [7] * 3 + [8] * 45 + [9] * 16])  # odd lengths
+def _short_and_one_long(rng, long: int, n: int = 256) -> list[int]:
+    """Document lengths of one row: one ``long`` document among short ones (1-6 tokens)."""
+    lengths, rest = [long], n - long
+    while rest > 0:
+        lengths.append(min(rest, int(rng.integers(1, 7))))
+        rest -= lengths[-1]
+    rng.shuffle(lengths)
+    return lengths
+
+
+# Two rows of 256 tokens, each one long document of odd length (61, 75) among short ones: the
+# chooser splits the long ones over the ring and keeps the short ones whole — the shared prefix's
+# two parts both run
+_RNG = np.random.default_rng(5)
+CHOOSER_IDS = np.stack([np.repeat(np.arange(len(n)) + 100 * i, n)
+                        for i, n in enumerate(_short_and_one_long(_RNG, long) for long in (61, 75))])
 
 
 def _chosen_problem(seed: int):
@@ -126,6 +143,7 @@ def _chosen_problem(seed: int):
     positions = rope_positions(np.broadcast_to(np.arange(t), (b, t)), CHOOSER_IDS)
     choice = choose_layout(CHOOSER_IDS, ring=RING)
     assert choice.padding > 0 and choice.kv_exchange == "allgather"  # the case the test is for
+    assert 0 < choice.shared_tokens < choice.segment_ids.shape[1] // RING  # both parts of the shared prefix
     laid = {"x": choice.lay_out(x), "positions": choice.lay_out(positions), "segment_ids": choice.segment_ids,
             "dy": choice.lay_out(dy)}  # padding: dy = 0, no loss weight
     return choice, x, dy, positions, laid
@@ -147,17 +165,10 @@ def test_jax_layer_takes_the_layout_chooser_s_choice(jax_devices):
     mesh = jax.make_mesh((RING,), ("ring",), axis_types=(jax.sharding.AxisType.Auto,))
     parallel = SequenceParallelAttention(choice.layer_config(config), mesh=mesh)
 
-    def outputs(layer, x, positions, ids, dy, **kw):
-        def loss(params, x):
-            y = layer.apply(params, x, positions, ids, **kw)
-            return jnp.sum(y * dy), y
-
-        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-        return y, grads
-
-    y_ref, (dp_ref, dx_ref) = outputs(plain, *(jnp.asarray(a) for a in (x, positions, CHOOSER_IDS, dy)))
-    y, (dp, dx) = outputs(parallel, *(jnp.asarray(laid[n]) for n in ("x", "positions", "segment_ids", "dy")),
-                          token_index=jnp.asarray(choice.token_index))
+    y_ref, (dp_ref, dx_ref) = _jax_outputs(plain, params,
+                                           *(jnp.asarray(a) for a in (x, positions, CHOOSER_IDS, dy)))
+    y, (dp, dx) = _jax_outputs(parallel, params, *(jnp.asarray(laid[n]) for n in ("x", "positions", "segment_ids", "dy")),
+                               token_index=jnp.asarray(choice.token_index))
     assert _rel(choice.read_back(np.asarray(y)), y_ref) < 1e-5
     assert _rel(choice.read_back(np.asarray(dx)), dx_ref) < 1e-5
     for name in ("wq", "wk", "wv", "wo"):
@@ -176,7 +187,8 @@ def test_torch_layer_takes_the_layout_chooser_s_choice(worlds):
     xt = torch.from_numpy(x).requires_grad_(True)
     y_ref = plain(xt, torch.from_numpy(positions), torch.from_numpy(CHOOSER_IDS))
     (y_ref * torch.from_numpy(dy)).sum().backward()
-    config = CONFIG | {"layout": choice.layout, "kv_exchange": choice.kv_exchange}
+    config = CONFIG | {"layout": choice.layout, "kv_exchange": choice.kv_exchange,
+                       "shared_tokens": choice.shared_tokens}  # choice.layer_config's fields
     shards = sorted(worlds(RING).run(layer_task, (("ring", RING),), weights, config,
                                      laid | {"token_index": choice.token_index}), key=lambda r: r["rank"])
     y = choice.read_back(np.concatenate([r["y"] for r in shards], 1))
