@@ -9,8 +9,11 @@ o and the gradients), so the profiled path is a verified one.
 
 Per rank and layout: the step's wall time (CUDA-synchronised, median of 5), the summed device
 time of its kernels by kind (attention kernels, NCCL, copies / index ops, the rest) over the
-profiled steps, the host time spent inside the attention call, and the top 20 operators by
-device time. ``$OUT/profile-short/{layout}-rank{r}.json``.
+profiled steps, the host time spent inside the attention call (including any wait for the GPU
+in a device-to-host copy), and the top 20 rows by device time (operators and kernels both).
+(The 2026-11-26 run summed operator rows with kernel rows in ``device_ms_per_step_by_kind``,
+counting kernels twice; docs/gpu/documents-2026-11-26-h200x4.md reads the kernel rows instead.)
+Written to ``$OUT/profile-short/{layout}-rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -141,8 +144,8 @@ def main() -> None:
         events = prof.key_averages()
         device_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
         kinds: dict[str, float] = {}
-        for e in events:
-            if e.device_type == torch.autograd.DeviceType.CUDA or device_us(e):
+        for e in events:  # the kernels' own rows only: an operator's row repeats its kernels' time
+            if e.device_type == torch.autograd.DeviceType.CUDA:
                 kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + device_us(e) / 1e3 / 3
         host = [e for e in events if e.key == "attention_call"]
         top = sorted(events, key=device_us, reverse=True)[:20]
