@@ -112,7 +112,7 @@ def choose_layout(segment_ids, *, ring: int, ulysses: int = 1, causal: bool = Tr
                   shared_prefix: bool = True) -> LayoutChoice:
     """The layout and K/V exchange for ``segment_ids`` [b, seq] (original order) on a mesh of
     ``ring`` × ``ulysses`` devices (module docstring), with the padding the layout needs: the
-    per-document hybrid pads every document it splits to a multiple of 2R and the row to a
+    per-document hybrid pads every document (split or kept whole) to a multiple of 2R and the row to a
     multiple of 2R·U (``seqplan.layouts.pad_documents``); a static layout pads nothing (seq must
     then be a multiple of the layout's own unit, as for any call). ``shared_prefix``: the hybrid's
     all-gather moves only each shard's shared prefix (``shared_tokens``; module docstring) —
