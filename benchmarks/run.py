@@ -203,24 +203,43 @@ def main(argv=None) -> None:
                     help="also run jax_impl with one process per GPU (torchrun + jax.distributed.initialize)")
     a, rest = ap.parse_known_args(argv)
     if a.gpus == 1:
-        from . import bench_replay
-
-        rows = bench_replay.main(rest)
-        if "--smoke" in rest:  # a CPU check of the code path: no results file
-            print(markdown(add_efficiency([r.to_dict() for r in rows]), {"date": "smoke", "machine": "cpu",
-                                                                          "command": " ".join(argv), "versions": {}}))
-        elif "--dry-run" not in rest:
-            print(write([r.to_dict() for r in rows], "python -m benchmarks " + " ".join(argv), f"{a.machine}-1gpu"))
+        _one_gpu(a, rest, argv)
         return
     from .common import check_layouts, shared_arguments
 
     flags, _ = shared_arguments("").parse_known_args(["--out", "-", *rest])
     check_layouts(flags.layout, flags.documents)  # before any GPU work
-    parts_dir = Path(a.parts_dir or f"/tmp/ringbridge-parts-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    rows = _multi_gpu_rows(a, rest, _parts_dir(a.parts_dir))
+    print(write(rows, "python -m benchmarks " + " ".join(argv), a.machine))
+
+
+def _one_gpu(a, rest: list[str], argv: list[str]) -> None:
+    """``--gpus 1``: every strategy's per-device work through the replay (``bench_replay``)."""
+    from . import bench_replay
+
+    rows = bench_replay.main(rest)
+    if "--smoke" in rest:  # a CPU check of the code path: no results file
+        print(markdown(add_efficiency([r.to_dict() for r in rows]), {"date": "smoke", "machine": "cpu",
+                                                                      "command": " ".join(argv), "versions": {}}))
+    elif "--dry-run" not in rest:
+        print(write([r.to_dict() for r in rows], "python -m benchmarks " + " ".join(argv), f"{a.machine}-1gpu"))
+
+
+def _parts_dir(given: str | None) -> Path:
+    """The folder the verdicts and each side's rows are written to as they come: created, or
+    refused when it holds parts already (before any GPU work)."""
+    parts_dir = Path(given or f"/tmp/ringbridge-parts-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     if parts_dir.exists() and any(parts_dir.glob("*.json")):
         raise SystemExit(f"--parts-dir {parts_dir} already holds parts: name an empty or new folder")
     parts_dir.mkdir(parents=True, exist_ok=True)
     print(f"parts in {parts_dir}", flush=True)
+    return parts_dir
+
+
+def _multi_gpu_rows(a, rest: list[str], parts_dir: Path) -> list[dict]:
+    """Every timed path verified first (its own process), then each side in its own processes —
+    JAX single-controller, torch under torchrun, optionally JAX one process per GPU — each side's
+    rows kept if another fails, marked with the verdicts."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     verdicts_path = parts_dir / "verdicts.json"
     if not a.no_verify:  # every path checked before anything is timed, in its own process
@@ -235,22 +254,26 @@ def main(argv=None) -> None:
         out = parts_dir / "torch_rows.json"
         parts.append(_side("torch", [*torchrun, "-m", "benchmarks.bench_torch", "--out", str(out), *rest], out, env))
     if a.jax_multi_controller and a.only in (None, "jax"):  # last: a failure here loses no other part
-        out = parts_dir / "jax_mc_rows.json"
-        done = subprocess.run([*torchrun, "-m", "benchmarks.bench_jax", "--multi-controller", "--out", str(out), *rest],
-                              env=env)
-        mc_rows = json.loads(out.read_text()) if done.returncode == 0 and out.exists() else [
-            Row("jax_impl", "-", "-", 0, a.gpus, 0, 0, False, note=f"multi-controller run failed (exit {done.returncode})"
-                ).to_dict()]
-        for r in mc_rows:
-            r["framework"] = "jax_impl_mc"  # same code, one process per GPU
-        out.write_text(json.dumps(mc_rows))
-        parts.append(out)
+        parts.append(_multi_controller_part(a.gpus, torchrun, rest, parts_dir / "jax_mc_rows.json", env))
     rows = [r for p in parts if p is not None for r in json.loads(p.read_text())]
-    if not a.no_verify:
-        from .verify import mark_rows
+    if a.no_verify:
+        return rows
+    from .verify import mark_rows
 
-        rows = mark_rows(rows, json.loads(verdicts_path.read_text()) if verdicts_path.exists() else {})
-    print(write(rows, "python -m benchmarks " + " ".join(argv), a.machine))
+    return mark_rows(rows, json.loads(verdicts_path.read_text()) if verdicts_path.exists() else {})
+
+
+def _multi_controller_part(gpus: int, torchrun: list[str], rest: list[str], out: Path, env: dict) -> Path:
+    """jax_impl with one process per GPU (framework ``jax_impl_mc``); a failed run is one row saying so."""
+    done = subprocess.run([*torchrun, "-m", "benchmarks.bench_jax", "--multi-controller", "--out", str(out), *rest],
+                          env=env)
+    mc_rows = json.loads(out.read_text()) if done.returncode == 0 and out.exists() else [
+        Row("jax_impl", "-", "-", 0, gpus, 0, 0, False, note=f"multi-controller run failed (exit {done.returncode})"
+            ).to_dict()]
+    for r in mc_rows:
+        r["framework"] = "jax_impl_mc"  # same code, one process per GPU
+    out.write_text(json.dumps(mc_rows))
+    return out
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from .kernels.runs import VarlenRuns, prefix_dispatch
 from .kernels.runs import prefix_plans as prefix_plans_of
 from .loop import (
     alone_dtype,
+    alone_grad_dtypes,
     attention_with_vjp,
     gather_segment_ids,
     gather_token_index,
@@ -98,7 +99,7 @@ def _shard(x_all, src, t: int):
 
 
 def _schedule(axis_name, config: AttentionConfig):
-    return allgather_schedule(config.layout, config.causal, axis_size(axis_name))
+    return allgather_schedule(config.layout, config.schedule_causal, axis_size(axis_name))
 
 
 def prefix_eligible(config: AttentionConfig, q, documents: bool) -> bool:
@@ -224,7 +225,7 @@ def _walk_backward(q, k, v, o, lse, extra: _GatheredSaved, do, dlse, axis_name, 
         masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:
             dq, dk, dv = local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask,
-                                        dq_dtype=alone_dtype(schedule, q.dtype), **masks)
+                                        grad_dtypes=alone_grad_dtypes(schedule, config, q.dtype), **masks)
             if schedule.size == 1:
                 return dq, dk, dv
             return (dq, *(lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, F32), g.astype(F32), me * t, axis=1)

@@ -15,6 +15,7 @@ coordinate r (o·I + i in the double ring) and Ulysses coordinate u holds sequen
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -219,6 +220,41 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     and set of options by construction."""
     default_check_ranks(check_ranks)  # nothing to compare in single-controller JAX (see above)
     deterministic = default_deterministic(deterministic)
+    call = _checked_call(q, k, v, mesh, layout=layout, kv_exchange=kv_exchange, scale=scale, segment_ids=segment_ids,
+                         token_index=token_index, window=window, softcap=softcap, sinks=sinks,
+                         shared_tokens=shared_tokens)
+    per_device = _per_device(call.decomposition.algorithm, layout=layout, causal=causal, scale=scale,
+                             block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
+                             deterministic=deterministic, window=call.window, softcap=call.softcap, **call.shared)
+    x_spec, _ = partition_specs(mesh)
+    optional = {name: (x, spec) for name, x, spec in (("segment_ids", segment_ids, _ids_spec(x_spec)),
+                                                     ("token_index", token_index, _ids_spec(x_spec)),
+                                                     ("sinks", sinks, P())) if x is not None}
+
+    def attention(q, k, v, *given):
+        o, lse = per_device(q, k, v, **dict(zip(optional, given)))
+        return (o, lse) if return_lse else o
+
+    typed = get_backend(block_backend, deterministic=deterministic).typed_for_shard_map
+    return _on_mesh(attention, mesh, (q, k, v), optional, return_lse=return_lse, check_vma=typed)
+
+
+class _CheckedCall(NamedTuple):
+    """What :func:`_checked_call` resolves: the mesh's decomposition, the window as ``(left,
+    right)`` or None, the soft cap, and the shared-prefix keyword (``{}`` or
+    ``{"shared_tokens": n}``)."""
+
+    decomposition: Decomposition
+    window: tuple[int, int] | None
+    softcap: float | None
+    shared: dict
+
+
+def _checked_call(q, k, v, mesh, *, layout, kv_exchange, scale, segment_ids, token_index, window, softcap, sinks,
+                  shared_tokens) -> _CheckedCall:
+    """Every check of a call, before any collective: shapes, dtypes and options against the mesh,
+    the optional arrays, and — for concrete arrays, not tracers — the token indices' range and
+    the shared-prefix promise."""
     decomposition: Decomposition = validate(
         q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), dict(mesh.shape),
         layout=layout, kv_exchange=kv_exchange, scale=scale)
@@ -233,30 +269,25 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     if shared and segment_ids is not None and not isinstance(segment_ids, jax.core.Tracer):
         with jax.ensure_compile_time_eval():  # concrete ids: the promise checked before any collective
             check_shared_tokens(ring_shards(np.asarray(segment_ids), decomposition.ring), shared_tokens)
+    return _CheckedCall(decomposition, window, softcap, shared)
+
+
+def _on_mesh(attention, mesh, qkv, optional: dict, *, return_lse: bool, check_vma: bool):
+    """``attention(q, k, v, *optional arrays)`` as a ``shard_map`` over ``mesh``: the inputs placed
+    with their specs (``optional``: name -> (array, spec)), an eager call jitted, and the
+    cotangents of the outputs placed back onto the mesh (:func:`_cotangents_onto_mesh`)."""
     x_spec, lse_spec = partition_specs(mesh)
-    per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
-                             block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic, window=window, softcap=softcap, **shared)
-    optional = {name: (x, spec) for name, x, spec in (("segment_ids", segment_ids, _ids_spec(x_spec)),
-                                                     ("token_index", token_index, _ids_spec(x_spec)),
-                                                     ("sinks", sinks, P())) if x is not None}
-
-    def attention(q, k, v, *given):
-        o, lse = per_device(q, k, v, **dict(zip(optional, given)))
-        return (o, lse) if return_lse else o
-
-    inputs = (q, k, v, *(x for x, _ in optional.values()))
+    inputs = (*qkv, *(x for x, _ in optional.values()))
     specs_in = (x_spec,) * 3 + tuple(spec for _, spec in optional.values())
-    sharded = jax.shard_map(attention, mesh=mesh, in_specs=specs_in,
-                            out_specs=(x_spec, lse_spec) if return_lse else x_spec,
-                            check_vma=get_backend(block_backend, deterministic=deterministic).typed_for_shard_map)
+    specs = (x_spec, lse_spec) if return_lse else (x_spec,)
+    sharded = jax.shard_map(attention, mesh=mesh, in_specs=specs_in, out_specs=specs if return_lse else x_spec,
+                            check_vma=check_vma)
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     # The kernels' custom_vjp keeps an unused lse cotangent symbolic (fused backward kernels take
     # none); JAX implements that for shard_map under a trace only, so an eager call is jitted.
     traced = any(isinstance(x, jax.core.Tracer) for x in inputs)
     outputs = (sharded if traced else jax.jit(sharded))(
         *(_onto_mesh(x, NamedSharding(mesh, spec), explicit) for x, spec in zip(inputs, specs_in)))
-    specs = (x_spec, lse_spec) if return_lse else (x_spec,)
     outputs = _cotangents_onto_mesh(tuple(outputs) if return_lse else (outputs,),
                                     tuple(NamedSharding(mesh, s) for s in specs), explicit)
     return outputs if return_lse else outputs[0]

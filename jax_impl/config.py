@@ -25,6 +25,9 @@ class AttentionConfig(seqplan.config.AttentionConfig):
 
     COMM_TYPE: ClassVar[type] = Comm
     comm: Comm = Comm()
+    # dK / dV leave a device's only block in float32, not q's dtype: the caller's K/V came in
+    # float32 (Ulysses' replicated KV heads, whose copies' gradients are summed after the call)
+    float32_kv_grads: bool = False
 
     def backend(self) -> BlockBackend:
         """The block kernels (an unknown or refused name raises here), soft-capping every block

@@ -77,7 +77,7 @@ def double_ring_attention(q, k, v, axis_name: tuple[str, str] = DOUBLE_RING, *, 
 
 
 def _schedule(axes, config: AttentionConfig):
-    return double_ring_schedule(config.layout, config.causal, axis_size(axes[0]), axis_size(axes[1]))
+    return double_ring_schedule(config.layout, config.schedule_causal, axis_size(axes[0]), axis_size(axes[1]))
 
 
 def _to_bits(x):

@@ -30,9 +30,10 @@ final (o, lse), and :func:`sinks_grad` is the sinks' cotangent.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -330,15 +331,15 @@ def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=
 
 
 def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, window=None, shard_positions=None,
-                   dq_dtype=F32, token_index=None):
-    """(dq, dk, dv) of a device's own block; ``saved = (q, o, lse, do, dlse)``. ``dq`` in
-    ``dq_dtype`` (as :func:`local_forward`'s o: the caller's dtype when no other block adds to
-    it); dk, dv float32 (they may still be summed over replicated heads or devices)."""
+                   grad_dtypes: GradDtypes = None, token_index=None):
+    """(dq, dk, dv) of a device's own block; ``saved = (q, o, lse, do, dlse)``, in
+    ``grad_dtypes`` (:func:`alone_grad_dtypes`; None: all float32, for blocks that add up)."""
     q, o, lse, do, dlse = saved
+    dq_dtype, kv_dtype = grad_dtypes or (F32, F32)
 
     def run(m, arrays, _):
         dq, dk, dv = backend.bwd(do, q, *kv, o, lse, m, scale, dlse, **arrays)
-        return dq.astype(dq_dtype), dk.astype(F32), dv.astype(F32)
+        return dq.astype(dq_dtype), dk.astype(kv_dtype), dv.astype(kv_dtype)
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
                        shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets,
@@ -396,8 +397,8 @@ def visit_masks(schedule: Schedule, config: AttentionConfig, ids_all, device, j,
     source = schedule.source(device, j, s)
     if ids_all is not None:
         masks["segments"] = shard_ids(ids_all, device, t), shard_ids(ids_all, source, t)
-    if index_all is not None:  # explicit token indices [b, R·t]: config.window is token_index_window's
-        masks["window"] = config.window
+    if index_all is not None:  # explicit token indices [b, R·t]: the masks' window is on them
+        masks["window"] = config.mask_window
         masks["token_index"] = shard_ids(index_all, device, t), shard_ids(index_all, source, t)
     elif config.window is not None:
         masks["window"] = config.window
@@ -433,6 +434,22 @@ def alone_dtype(schedule: Schedule, dtype):
     """The dtype a device's own block returns o / dq in: ``dtype`` when the schedule has no other
     step (nothing merges into it: one device on the ring, Ulysses), else float32."""
     return dtype if len(schedule.steps) == 1 else F32
+
+
+class GradDtypes(NamedTuple):
+    """The dtypes a device's own block returns its gradients in (:func:`local_backward`)."""
+
+    dq: Any
+    dkv: Any
+
+
+def alone_grad_dtypes(schedule: Schedule, config: AttentionConfig, dtype) -> GradDtypes:
+    """:func:`alone_dtype` for dq and for dK / dV: the inputs' ``dtype`` when the block is the
+    device's only one — a fused kernel's gradients are already in it, and a float32 copy at the
+    block's ``lax.switch`` would be one more pass over each — except dK / dV when
+    ``config.float32_kv_grads`` (replicated KV heads, summed in float32 after the call)."""
+    alone = alone_dtype(schedule, dtype)
+    return GradDtypes(alone, F32 if config.float32_kv_grads else alone)
 
 
 def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids_all=None, index_all=None):
@@ -508,6 +525,8 @@ def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
         # so the block kernels know there is none — fused kernels take no lse cotangent.
         do = jnp.zeros_like(o) if isinstance(do, SymbolicZero) else do
         dlse = None if isinstance(dlse, SymbolicZero) else dlse
+        if kv_dtype_of.dtype == F32 and q.dtype != F32:  # K/V replicated in float32: keep their dK / dV so
+            config = dataclasses.replace(config, float32_kv_grads=True)
         dq, dk, dv = backward(q, k, v, o, lse, extra, do, dlse, axes, config)
         dsinks = None if sinks is None else sinks_grad(o, lse, do, dlse, sinks).astype(sinks.dtype)
         return dq.astype(q.dtype), dk.astype(kv_dtype_of.dtype), dv.astype(kv_dtype_of.dtype), None, None, dsinks

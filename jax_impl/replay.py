@@ -70,7 +70,7 @@ from seqplan.validation import (
 
 from .allgather import portable_config, prefix_backward, prefix_eligible, prefix_forward, prefix_plan
 from .config import AttentionConfig
-from .loop import add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
+from .loop import GradDtypes, add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
 
 F32 = jnp.float32
 
@@ -82,7 +82,7 @@ _config = partial(replay_config, AttentionConfig)
 def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:
     """The schedule the devices walk: with token indices no static reach (the layout's positions
     say nothing), so never a truncated ring."""
-    return strategy.schedule(config.layout, config.causal, None if token_index is not None else config.window,
+    return strategy.schedule(config.layout, config.schedule_causal, None if token_index is not None else config.window,
                              seq // strategy.ring)
 
 
@@ -206,8 +206,8 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                     token_index=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: a ``seqplan.strategy.DeviceGrads`` — dq in q's dtype, {source shard: (dk, dv)
-    contributions, float32} and, with ``sinks``, its rows' share of dsinks for its heads ([h/U]
-    float32), else None."""
+    contributions, float32 — q's dtype where the device's own block is its only one} and, with
+    ``sinks``, its rows' share of dsinks for its heads ([h/U] float32), else None."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
     schedule = _schedule(strategy, config, q.shape[1], token_index)
@@ -217,7 +217,8 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     lse_d, dlse_d = (None if x is None else _shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (mine[0], mine[1], lse_d, mine[2], dlse_d)
     visits = device_visits(schedule, r)
-    dq_dtype = _alone_dtype(visits, q.dtype)
+    alone = _alone_dtype(visits, q.dtype)  # replicated KV heads: their copies' dK / dV are summed below in float32
+    grad_dtypes = GradDtypes(alone, F32 if strategy.head_groups(q.shape[2], k.shape[2], u)[2] else alone)
 
     def walk(backend):
         dq, contributions = None, {}
@@ -238,7 +239,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
             kv, masks = _visit(visit, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype, segment_ids,
                                token_index)
             if visit.step.local:
-                dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, dq_dtype=dq_dtype,
+                dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, grad_dtypes=grad_dtypes,
                                             **masks)
                 contributions[visit.source] = (dk, dv)
             elif visit.block is not None:
@@ -369,7 +370,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
                     total = total + part
                 # The real attention hands back dK/dV in the K/V dtype it was given: float32 for
                 # Ulysses-replicated heads (summed below), the caller's dtype otherwise.
-                groups.append(total if replicated else total.astype(k.dtype))
+                groups.append(total.astype(F32) if replicated else total.astype(k.dtype))
             shards.append(jnp.concatenate(groups, axis=2))  # [b, T/R, hk·reps or hk, d]
         full = jnp.concatenate(shards, axis=1)
         if replicated:  # each KV head's replicas, summed in float32 (ulysses.gather_kv_heads)

@@ -26,7 +26,7 @@ from seqplan.validation import (
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
-    alone_dtype,
+    alone_grad_dtypes,
     attention_with_vjp,
     gather_segment_ids,
     gather_token_index,
@@ -75,8 +75,8 @@ def _schedule(axis_name, config: AttentionConfig, shard_len: int):
     token indices, which the layout's positions say nothing about)."""
     size = axis_size(axis_name)
     window = None if config.token_index else config.window
-    return ring_schedule(config.layout, config.causal, size,
-                         window_reach(config.layout, config.causal, window, shard_len, size))
+    return ring_schedule(config.layout, config.schedule_causal, size,
+                         window_reach(config.layout, config.schedule_causal, window, shard_len, size))
 
 
 def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
@@ -97,7 +97,7 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
         masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:
             return local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask,
-                                  dq_dtype=alone_dtype(schedule, q.dtype), **masks)
+                                  grad_dtypes=alone_grad_dtypes(schedule, config, q.dtype), **masks)
         return visit_block(schedule, me, j, s,
                            lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, **masks), state)
 

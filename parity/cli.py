@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +34,9 @@ from .core.cases import Case, full_matrix, pairwise_matrix
 from .core.devices import configure_jax_devices
 from .core.inputs import ALL_TENSORS
 from .core.names import DEFAULT_DEVICES, DEVICES
-from .runners.base import FRAMEWORKS, Unavailable, load_runner
-from .runners.pipeline import STATUSES, CaseResult, Side, run_case_everywhere
+from .matrix_run import SweepOptions, run_matrix
+from .runners.base import FRAMEWORKS, load_runner
+from .runners.pipeline import STATUSES, CaseResult, Side
 
 COMMANDS = ("run", "list", "accounting", "bstar", "calibrate", "scaling", "determinism", "peers", "balance")
 
@@ -158,30 +158,15 @@ def run_report(args, parser) -> int:
     print(f"ringbridge parity: {len(cases)} cases x {frameworks} on {args.devices}, seed {seed} "
           f"(reproduce with --seed {seed})")
     runners = {f: load_runner(f) for f in frameworks}
-    available = [f for f, r in runners.items() if not isinstance(r, Unavailable)]
     from rich.progress import track
 
-    from .runners.torch_world import close_worlds
-
-    start = time.time()
-    mismatches, verdicts, sweep = 0, [], None
-    try:
-        results = [run_case_everywhere(c, runners, seed, args.devices) for c in track(cases, description="cases")]
-        # written now and again at the end, so that a run cut short (a device-time limit) keeps its cases
-        _write_reports(args.out, results, seed, time.time() - start, args.devices)
-        if args.backend_sweep == "on" or (args.backend_sweep == "auto" and args.devices == "gpu"):
-            from .probes.backend_sweep import SWEEP_BACKENDS, run_sweep, sweep_cases
-
-            sweep = run_sweep(sweep_cases(seq=args.sweep_seq, head_dim=args.sweep_head_dim),
-                              {f: SWEEP_BACKENDS[f] for f in frameworks}, args.devices, seed)
-        if not args.no_accounting and available:
-            from .checks.traffic import run_all
-
-            limit = min(runners[f].device_count(args.devices) for f in available)
-            verdicts = run_all(available, args.devices, args.filter, limit, every_config=False)
-    finally:
-        close_worlds()
-    seconds = time.time() - start
+    sweep = (SweepOptions(args.sweep_seq, args.sweep_head_dim)
+             if args.backend_sweep == "on" or (args.backend_sweep == "auto" and args.devices == "gpu") else None)
+    run = run_matrix(cases, runners, seed, args.devices, sweep=sweep, accounting=not args.no_accounting,
+                     name_filter=args.filter, progress=track,
+                     checkpoint=lambda results, seconds: _write_reports(args.out, results, seed, seconds, args.devices))
+    results, sweep, verdicts, seconds = run.results, run.sweep, run.verdicts, run.seconds
+    mismatches = 0
     _print_table(results)
     if verdicts:
         from .checks.traffic import print_verdicts

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .schedule import LAYOUTS, kernel_window, token_index_window
+from .schedule import LAYOUTS, kernel_window, one_call_mask, token_index_window
 from .shared import check_shared_tokens_value
 from .validation import KV_EXCHANGES, check_softcap, check_window
 
@@ -60,8 +60,10 @@ class AttentionConfig:
                    and backward (``validation.check_softcap``; ``backend()`` gives kernels that apply it).
     token_index:   the causal and window masks compare explicit per-row token indices (the call's
                    ``token_index`` array, gathered like segment ids) instead of the layout's
-                   positions: ``causal`` is then False and ``window`` the token-index window
-                   (``schedule.token_index_window``: causal = ``(UNBOUNDED, 0)``), every visit one
+                   positions — a mode of its own: ``causal`` and ``window`` stay as the caller
+                   gave them, and the call runs the non-causal schedule (:attr:`schedule_causal`)
+                   with both masks as one window on the indices (:attr:`mask_window`:
+                   ``schedule.token_index_window``, causal = ``(UNBOUNDED, 0)``), every visit one
                    whole-shard block decided at run time, and the ring is never truncated.
     shared_tokens: all-gather KV only: every token whose document also lies on another ring shard
                    sits within its shard's first ``shared_tokens`` positions (the per-document
@@ -96,13 +98,27 @@ class AttentionConfig:
         """The config of a per-device call on queries of ``head_dim``, ``scale`` defaulted
         (:func:`resolve_scale`). ``deterministic`` and ``comm`` come resolved: each framework's
         ``make_config`` reads its own defaults. ``token_index``: the call passes explicit token
-        indices, so ``causal`` and ``window`` become one window on them
-        (``schedule.token_index_window``) over the non-causal schedule."""
-        if token_index:
-            window, causal = token_index_window(check_window(window), bool(causal)), False
+        indices (the mode of the same name: :attr:`schedule_causal`, :attr:`mask_window`)."""
         hook = {} if comm is None else {"comm": comm}  # None: the class's own transfer hook
         return cls(bool(causal), layout, resolve_scale(head_dim, scale), block_backend, deterministic, window=window,
                    softcap=softcap, token_index=bool(token_index), shared_tokens=shared_tokens, **hook)
+
+    @property
+    def schedule_causal(self) -> bool:
+        """Whether the call walks the causal schedule (blocks shaped by the layout's positions):
+        ``causal``, except with token indices, whose blocks are all decided at run time."""
+        return self.causal and not self.token_index
+
+    @property
+    def mask_window(self) -> tuple[int, int] | None:
+        """The window the blocks' masks apply: ``window`` (as the kernels take it); with token
+        indices the causal and window masks as one window on them (``schedule.token_index_window``)."""
+        return token_index_window(self.window, self.causal) if self.token_index else self.window
+
+    def one_call_mask(self, documents: bool):
+        """``schedule.one_call_mask`` of this call: the mask all-gather-KV's one varlen call per
+        device must take, or None."""
+        return one_call_mask(self.schedule_causal, self.mask_window, self.token_index, documents)
 
 
 def replay_config(cls, q, causal, layout, scale, block_backend, deterministic, window, softcap,

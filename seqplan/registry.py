@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from .config import AttentionConfig
 from .routing import Route, as_block_mask, first_route, reachable
-from .schedule import BlockMask, one_call_mask
+from .schedule import BlockMask
 
 Backend = TypeVar("Backend")
 
@@ -124,7 +124,7 @@ def one_call_backend(config: AttentionConfig, documents: bool, *, device_kind: s
     the block mask resolved by ``resolve_backend`` (a registry's :meth:`BackendRegistry.resolve`)
     on ``device_kind`` and ``dtype``. None: not such a call. The framework decides whether that
     backend has a one-call kernel (:func:`prefix_eligible`)."""
-    mask = one_call_mask(config.causal, config.window, config.token_index, documents)
+    mask = config.one_call_mask(documents)
     if config.softcap is not None or mask is None:
         return None
     return resolve_backend(config.block_backend, device_kind=device_kind, dtype=dtype, mask=mask,

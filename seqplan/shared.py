@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .documents import PREFIX_KEY_FACTOR, PrefixRuns, prefix_runs, shard_prefix_runs
-from .schedule import UNBOUNDED, BlockMask, MaskKind, one_call_mask
+from .schedule import UNBOUNDED, BlockMask, MaskKind
 
 # Both parts' mask: key visible when it shares the query's document and its token index is <= the
 # query's (seqplan.schedule.by_token_index's causal window, the one call's mask on token indices).
@@ -69,7 +69,7 @@ def check_shared_call(config, documents: bool) -> None:
     if config.shared_tokens is None:
         return
     if not documents or config.softcap is not None or \
-            one_call_mask(config.causal, config.window, config.token_index, documents) is None:
+            config.one_call_mask(documents) is None:
         raise ValueError("shared_tokens needs causal packed documents (segment_ids; causal by the layout or by "
                          "token_index) with no other window and no softcap")
 

@@ -67,8 +67,9 @@ class DeviceGrads(NamedTuple):
     """One virtual device's backward in a one-device replay (both frameworks' ``device_backward``).
 
     dq:            its queries' gradient [b, t/R, h/U, d] in q's dtype.
-    contributions: {source ring shard: (dk, dv) float32} — the dK/dV it computed against each shard
-                   (shards it computed no block against have none).
+    contributions: {source ring shard: (dk, dv)} — the dK/dV it computed against each shard
+                   (shards it computed no block against have none); float32 where blocks add
+                   up, JAX's in q's dtype where the device's own block is its only one.
     dsinks:        with sinks, its rows' share of dsinks for its heads ([h/U] float32); else None."""
 
     dq: object

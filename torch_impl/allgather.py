@@ -83,7 +83,7 @@ def allgather_attention(q, k, v, group=None, *, segment_ids=None, window=None, s
 
 
 def _visits(groups, config: AttentionConfig):
-    schedule = allgather_schedule(config.layout, config.causal, axis_size(groups[1]))
+    schedule = allgather_schedule(config.layout, config.schedule_causal, axis_size(groups[1]))
     return schedule, device_visits(schedule, ring_index(groups))
 
 

@@ -60,7 +60,7 @@ def double_ring_attention(q, k, v, group=None, *, segment_ids=None, window=None,
 
 
 def _schedule(groups, config: AttentionConfig):
-    return double_ring_schedule(config.layout, config.causal, axis_size(groups[0]), axis_size(groups[1]))
+    return double_ring_schedule(config.layout, config.schedule_causal, axis_size(groups[0]), axis_size(groups[1]))
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks):

@@ -254,7 +254,7 @@ class ShardMasks:
     def build(cls, config: AttentionConfig, ring_size: int, t: int, ids_all, device, index_all=None) -> ShardMasks:
         """The masks of a call on a ring of ``ring_size`` shards of ``t`` tokens (in
         ``config.layout``; positions from :func:`ring_positions`) — or, given ``index_all``
-        (every shard's token indices, int [R, b, t]; ``config.window`` then the token-index window),
+        (every shard's token indices, int [R, b, t]; the window then ``config.mask_window``, on them),
         per-row positions [R, b, t] from them (one host copy per call)."""
         positions = device_positions = None
         if index_all is not None:
@@ -264,7 +264,7 @@ class ShardMasks:
             positions = ring_positions(config.layout, ring_size, t)
             device_positions = torch.from_numpy(positions).to(device)
         ids_host = None if ids_all is None else ids_all.cpu().numpy()
-        return cls(ids_all, config.window, positions, device_positions, ids_host)
+        return cls(ids_all, config.mask_window, positions, device_positions, ids_host)
 
     def visit(self, device: int, source: int) -> VisitMasks | None:
         """Ring shard ``device``'s queries meeting shard ``source``'s keys (None without documents

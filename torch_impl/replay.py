@@ -65,7 +65,7 @@ _config = partial(replay_config, AttentionConfig)
 def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:
     """The schedule the devices walk: with token indices no static reach (the layout's positions
     say nothing), so never a truncated ring."""
-    return strategy.schedule(config.layout, config.causal, None if token_index is not None else config.window,
+    return strategy.schedule(config.layout, config.schedule_causal, None if token_index is not None else config.window,
                              seq // strategy.ring)
 
 

@@ -71,8 +71,8 @@ def _schedule(groups, config: AttentionConfig, shard_len: int):
     token indices, which the layout's positions say nothing about)."""
     size = axis_size(groups[1])
     window = None if config.token_index else config.window
-    return ring_schedule(config.layout, config.causal, size,
-                         window_reach(config.layout, config.causal, window, shard_len, size))
+    return ring_schedule(config.layout, config.schedule_causal, size,
+                         window_reach(config.layout, config.schedule_causal, window, shard_len, size))
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks):

@@ -76,8 +76,10 @@ class VarlenRuns:
     (scalar bool: the runs are exact), ``covered_kv`` [b, s] (None: not tracked — the keys are
     gathered, never the block's own), ``longest`` (the longest run's keys, for the backward's
     bound; None where the caller computes it). Static: ``identity`` (the packed keys are the
-    block's own keys in order: no gather, no scatter), ``max_q`` / ``max_k`` (the backward's
-    ``max_seqlen`` bounds; None: the block's own lengths)."""
+    block's own keys in order: no gather, no scatter), ``covers_block`` (every query and every
+    key of the block is in a run — a causal diagonal block's own runs, when ``ok`` — so
+    ``covered_q`` / ``covered_kv`` are all true and the kernels skip their masked selects),
+    ``max_q`` / ``max_k`` (the backward's ``max_seqlen`` bounds; None: the block's own lengths)."""
 
     cu_q: jax.Array
     cu_k: jax.Array
@@ -87,6 +89,7 @@ class VarlenRuns:
     covered_kv: jax.Array | None = None
     longest: jax.Array | None = None
     identity: bool = False
+    covers_block: bool = False
     max_q: int | None = None
     max_k: int | None = None
 
@@ -99,7 +102,7 @@ jax.tree_util.register_dataclass(
     PackedSegments, data_fields=[f.name for f in dataclasses.fields(PackedSegments)], meta_fields=[])
 jax.tree_util.register_dataclass(
     VarlenRuns, data_fields=["cu_q", "cu_k", "kv_index", "covered_q", "ok", "covered_kv", "longest"],
-    meta_fields=["identity", "max_q", "max_k"])  # static: the kernels branch and compile on them
+    meta_fields=["identity", "covers_block", "max_q", "max_k"])  # static: the kernels branch and compile on them
 
 
 def index_length_ladder(n: int) -> tuple[int, ...]:
@@ -199,11 +202,15 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
 
 def switch_with_fallback(variants: dict, choice: branches.Choice, portable):
     """One ``lax.switch`` over ``variants`` and ``portable`` (named PORTABLE, taken when
-    ``choice`` selects nothing), the portable kernel's float32 results cast to the fused
-    variants' dtypes (a kernel's o / dq may stay in the inputs' dtype)."""
-    like = jax.eval_shape(next(iter(variants.values())))
-    fallback = lambda: jax.tree.map(lambda x, y: x.astype(y.dtype), portable(), like)
-    return branches.select({**variants, PORTABLE: fallback}, with_fallback(choice)).switch()
+    ``choice`` selects nothing). Every branch returns each output in the widest dtype any fused
+    variant gives it: the inputs' dtype when every variant keeps it (a causal diagonal block's
+    runs cover the block: its gradients are the kernel's own), float32 when one accumulates
+    (scattered dK / dV); the portable kernel's float32 results are cast to it."""
+    shapes = [jax.eval_shape(variant) for variant in variants.values()]
+    like = jax.tree.map(lambda *xs: jnp.result_type(*(x.dtype for x in xs)), *shapes)
+    cast = lambda fn: lambda: jax.tree.map(lambda x, dtype: x.astype(dtype), fn(), like)
+    return branches.select({**{name: cast(fn) for name, fn in variants.items()}, PORTABLE: cast(portable)},
+                           with_fallback(choice)).switch()
 
 
 def with_fallback(choice: branches.Choice) -> branches.Choice:
@@ -328,7 +335,7 @@ def varlen_offsets(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS) -> VarlenRuns
     run = jnp.clip(jnp.searchsorted(cu_k, p, side="right") - 1, 0, b * m - 1)
     kv_index = jnp.where(p < cu_k[-1], kv_start[run] + p - cu_k[run], b * s).astype(jnp.int32)
     return VarlenRuns(cu_q=cu_q, cu_k=cu_k, kv_index=kv_index, covered_q=seg.covered_q, ok=seg.ok,
-                      covered_kv=seg.covered_kv, identity=causal)
+                      covered_kv=seg.covered_kv, identity=causal, covers_block=causal)
 
 
 # ---- blocks masked by token index (``token_index`` calls) ----------------------------------------

@@ -142,37 +142,38 @@ def test_deterministic_xla_flag_refuses_fa3(monkeypatch):
 
 
 def test_a_devices_only_block_is_never_widened_to_float32():
-    """A kernel's o and dq stay in the inputs' dtype when the block is the device's only one (one
-    device on the ring, Ulysses): the loops cast inside each block variant — here the document
-    mask's ``lax.switch`` between a plain and a document-masked block — so the compiled program
-    holds no float32 copy of o / dq, while two blocks do merge in float32 (the check can fail).
-    The kernel passes its inputs through, bf16 in, bf16 out, for every mask."""
+    """A kernel's o, dq, dK and dV stay in the inputs' dtype when the block is the device's only
+    one (one device on the ring, Ulysses): the loops cast inside each block variant — here the
+    document mask's ``lax.switch`` between a plain and a document-masked block — so the compiled
+    program holds no float32 copy of o / dq / dK / dV, while two blocks do merge in float32 (the
+    check can fail). The kernel passes its inputs through, bf16 in, bf16 out, for every mask."""
     import jax
     import jax.numpy as jnp
 
     from jax_impl import replay
     from jax_impl.block import BlockBackend, register_backend
 
-    b, t, h, d = 1, 64, 4, 8
+    b, t, h, hk, d = 1, 64, 4, 2, 8
     lse_of = lambda q: jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
     register_backend(BlockBackend("passthrough_cpu", lambda q, k, v, mask, scale, **_: (q, lse_of(q)),
                                   lambda do, q, k, v, o, lse, mask, scale, dlse=None, **_: (do, k, v)))
-    q = jnp.ones((b, t, h, d), jnp.bfloat16)
+    q, kv = jnp.ones((b, t, h, d), jnp.bfloat16), jnp.ones((b, t, hk, d), jnp.bfloat16)
     ids = jnp.asarray(np.repeat([0, 1], t // 2)[None], jnp.int32)
 
-    def float32_copies(ring: int) -> int:
+    def float32_copies(ring: int, heads: int) -> int:
         strategy = replay.Strategy(ring=ring)
         kw = {"strategy": strategy, "causal": True, "layout": "zigzag", "block_backend": "passthrough_cpu"}
         fwd = jax.jit(lambda q, k, v, ids: replay.device_forward(0, q, k, v, segment_ids=ids, **kw))
         bwd = jax.jit(lambda q, k, v, o, lse, do, ids: replay.device_backward(0, q, k, v, o, lse, do, segment_ids=ids,
-                                                                               **kw)[0])
-        o, lse = fwd(q, q, q, ids)
-        shape = f"f32[{b},{t // ring},{h},{d}]"
+                                                                               **kw)[:2])
+        o, lse = fwd(q, kv, kv, ids)
+        shape = f"f32[{b},{t // ring},{heads},{d}]"
         return sum(fn.lower(*args).compile().as_text().count(shape)
-                   for fn, args in ((fwd, (q, q, q, ids)), (bwd, (q, q, q, o, lse, q, ids))))
+                   for fn, args in ((fwd, (q, kv, kv, ids)), (bwd, (q, kv, kv, o, lse, q, ids))))
 
-    assert float32_copies(1) == 0
-    assert float32_copies(2) > 0
+    for heads in (h, hk):  # o / dq, then dK / dV
+        assert float32_copies(1, heads) == 0
+        assert float32_copies(2, heads) > 0
 
 
 def test_a_replayed_backward_reads_only_its_own_rows_of_o_and_lse():

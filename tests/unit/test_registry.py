@@ -87,4 +87,4 @@ def test_the_one_call_needs_documents_or_token_indices_and_the_frameworks_varlen
     assert not eligible(AttentionConfig(True, "zigzag", 0.5, block_backend="varlen", window=(4, 0)), documents=True)
     by_index = AttentionConfig.for_call(16, causal=True, layout="zigzag", scale=None, block_backend="varlen",
                                         deterministic=False, comm=None, token_index=True)
-    assert by_index.window is not None and not by_index.causal and eligible(by_index, documents=False)
+    assert by_index.mask_window is not None and not by_index.schedule_causal and eligible(by_index, documents=False)

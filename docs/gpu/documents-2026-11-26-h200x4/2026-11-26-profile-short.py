@@ -4,8 +4,8 @@ per layout on every rank, each rank's summary written as it comes. Checked befor
 rank 0 compares the same call at 4096 tokens with the float64 oracle (relative error <= 2e-2 on
 o and the gradients), so the profiled path is a verified one.
 
-    torchrun --nproc_per_node 4 benchmarks/sessions/2026-11-26-profile-short.py      # GPUs
-    torchrun --nproc_per_node 4 benchmarks/sessions/2026-11-26-profile-short.py --smoke   # CPU, gloo
+    torchrun --nproc_per_node 4 docs/gpu/documents-2026-11-26-h200x4/2026-11-26-profile-short.py      # GPUs
+    torchrun --nproc_per_node 4 docs/gpu/documents-2026-11-26-h200x4/2026-11-26-profile-short.py --smoke   # CPU, gloo
 
 Per rank and layout: the step's wall time (CUDA-synchronised, median of 5), the summed device
 time of its kernels by kind (attention kernels, NCCL, copies / index ops, the rest) over the
@@ -14,15 +14,26 @@ in a device-to-host copy), and the top 20 rows by device time (operators and ker
 (The 2026-11-26 run summed operator rows with kernel rows in ``device_ms_per_step_by_kind``,
 counting kernels twice; docs/gpu/documents-2026-11-26-h200x4.md reads the kernel rows instead.)
 Written to ``$OUT/profile-short/{layout}-rank{r}.json``.
+
+Host side (rank 0, after the timed steps): the synchronising CUDA calls of one step
+(``torch.cuda.set_sync_debug_mode``: each with the frames of this project that made it) and a
+cProfile of five steps (the 40 functions with the most own time, and the 40 with the most time
+inside them), to ``{layout}-rank0-host.txt``. ``SEQ`` sets the global tokens (default 131072;
+65536 over two GPUs keeps a rank's 32k), ``LAYOUTS`` a comma list of the layouts.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +41,40 @@ import torch
 import torch.distributed as dist
 
 SMOKE = "--smoke" in sys.argv
-LAYOUTS = ("document-hybrid", "document-hybrid-shared")
+LAYOUTS = tuple(os.environ.get("LAYOUTS", "document-hybrid,document-hybrid-shared").split(","))
+SEQ = int(os.environ.get("SEQ", "131072"))
+
+
+def host_report(step, sync, cuda: bool) -> str:
+    """The synchronising CUDA calls of one step (where in this project each was made) and a
+    cProfile of five steps."""
+    lines = []
+    if cuda:
+        caught = []  # (message, this project's frames at the moment of the warning)
+        ours = lambda: [f"{f.filename.rsplit('/', 2)[-2]}/{f.name}:{f.lineno}" for f in traceback.extract_stack()
+                        if "/torch_impl/" in f.filename or "/seqplan/" in f.filename]
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *_args, **_kw: caught.append((str(message)[:90], ours()))
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        sync()
+        lines.append(f"synchronising calls in one step: {len(caught)}")
+        lines += [f"  {message} @ {' < '.join(reversed(frames))}" for message, frames in caught]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        step()
+    sync()
+    profiler.disable()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(40)
+        lines.append(text.getvalue())
+    return "\n".join(lines)
 
 
 def local(array, rank: int, ring: int, device):
@@ -124,7 +168,7 @@ def main() -> None:
             if rank == 0:
                 (out / f"{layout}-NOT-VERIFIED.txt").write_text(f"relative error {error:.3e}\n")
             continue
-        problem = Problem(seq=4096 if SMOKE else 131072, heads=4 if SMOKE else 32, kv_heads=2 if SMOKE else 8,
+        problem = Problem(seq=4096 if SMOKE else SEQ, heads=4 if SMOKE else 32, kv_heads=2 if SMOKE else 8,
                           documents="short")
         step, *_ = call(problem, layout, torch.float32 if SMOKE else torch.bfloat16)
         for _ in range(3):
@@ -157,6 +201,9 @@ def main() -> None:
                    "top_device_ops": [{"name": e.key[:120], "device_ms_per_step": device_us(e) / 1e3 / 3,
                                        "calls_per_step": e.count / 3} for e in top]}
         (out / f"{layout}-rank{rank}.json").write_text(json.dumps(summary, indent=1))
+        host_text = host_report(step, sync, cuda)  # every rank steps (the collectives); rank 0 writes
+        if rank == 0:
+            (out / f"{layout}-rank0-host.txt").write_text(host_text)
         if rank == 0:
             print(json.dumps({k: summary[k] for k in ("layout", "shared_tokens", "wall_ms_median",
                                                       "device_ms_per_step_by_kind", "attention_call_host_ms_per_step",

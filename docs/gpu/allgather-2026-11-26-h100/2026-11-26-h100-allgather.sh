@@ -5,8 +5,8 @@
 # backward: torch_impl/allgather.prefix_plan, jax_impl/allgather.prefix_plan) — every replay verified
 # first against the float64 oracle — beside each framework's fused varlen anchor on the whole
 # sequence (same call).
-#   bash benchmarks/sessions/2026-11-26-h100-allgather.sh torch            # anchors + torch rows
-#   bash benchmarks/sessions/2026-11-26-h100-allgather.sh jax [MIXES]       # JAX rows
+#   bash docs/gpu/allgather-2026-11-26-h100/2026-11-26-h100-allgather.sh torch            # anchors + torch rows
+#   bash docs/gpu/allgather-2026-11-26-h100/2026-11-26-h100-allgather.sh jax [MIXES]       # JAX rows
 # Run from the repository root with $OUT set; SMOKE=1: the CPU at 2048 tokens (the code path).
 set -u
 PART=${1:-torch}; MIXES=${2:-short,heavy-tail,few-long}

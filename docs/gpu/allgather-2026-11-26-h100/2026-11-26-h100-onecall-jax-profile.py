@@ -4,7 +4,7 @@ timed alone — the traced plan (``runs.prefix_runs``), the key gather, FA3's va
 backward on the plan, the dK scatter (the sentinel row, and dropped out-of-range indices). The
 bare forward's o is compared with the replay's (same kernel, same plan); the replay's own rows
 were verified by the benchmark.
-    python benchmarks/sessions/2026-11-26-h100-onecall-jax-profile.py [--smoke]"""
+    python docs/gpu/allgather-2026-11-26-h100/2026-11-26-h100-onecall-jax-profile.py [--smoke]"""
 # ruff: noqa: B023  (every lambda here is timed where it is made)
 
 import dataclasses

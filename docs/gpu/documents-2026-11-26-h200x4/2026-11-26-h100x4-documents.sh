@@ -6,8 +6,8 @@
 # ids (torch: the faster of FA2 and FlashAttention-4). One background run spans several device
 # calls (each ≤ 10 min; the machine must not idle 30 s between them):
 #   call 1 (carry .fa4a):         mkdir -p /root/keep && cp .fa4a/* /root/keep/
-#   call 2 (carry .fa4b, .whl):   bash benchmarks/sessions/2026-11-26-h100x4-documents.sh start
-#   call 3, 4 (no carry):         bash benchmarks/sessions/2026-11-26-h100x4-documents.sh wait
+#   call 2 (carry .fa4b, .whl):   bash docs/gpu/documents-2026-11-26-h200x4/2026-11-26-h100x4-documents.sh start
+#   call 3, 4 (no carry):         bash docs/gpu/documents-2026-11-26-h200x4/2026-11-26-h100x4-documents.sh wait
 # SMOKE=1 start: the CPU path (JAX side only, 1024 tokens). Results and logs under $OUT each call.
 set -u
 R=/tmp/rb-documents; LOG=$R/run.log

@@ -9,8 +9,8 @@
    32768 and 131072) against flash_attn3_jax's ``flash_mha_varlen`` on the same ids
    (``benchmarks.masked.jax_anchor``), fwd+bwd, 32 / 8 heads.
 
-    JAX_PLATFORMS=cuda PYTHONPATH=/tmp/site:. python benchmarks/sessions/2026-11-26-h200-run-slots.py
-    SMOKE=1 PYTHONPATH=. python benchmarks/sessions/2026-11-26-h200-run-slots.py    # CPU, reference only
+    JAX_PLATFORMS=cuda PYTHONPATH=/tmp/site:. python docs/gpu/documents-2026-11-26-h200x4/2026-11-26-h200-run-slots.py
+    SMOKE=1 PYTHONPATH=. python docs/gpu/documents-2026-11-26-h200x4/2026-11-26-h200-run-slots.py    # CPU, reference only
 Rows go to $OUT/run-slots.json as they come.
 """
 

@@ -4,7 +4,7 @@ same FA2 varlen calls alone on pre-made offsets and gathered keys, (b) torch.pro
 kernel totals, (c) the host planning. Checked first: the one call's o against the portable
 kernel's block walk at 2048 tokens is the benchmark's job (its rows say verified); here the
 bare calls' o is compared with the replay's o on the same inputs (same kernel, same plan).
-    python benchmarks/sessions/2026-11-26-h100-onecall-profile.py [--smoke]   (EMULATE=1: FA2's ops emulated)"""
+    python docs/gpu/allgather-2026-11-26-h100/2026-11-26-h100-onecall-profile.py [--smoke]   (EMULATE=1: FA2's ops emulated)"""
 # ruff: noqa: B023  (every lambda here is timed where it is made, inside its loop iteration)
 
 import json

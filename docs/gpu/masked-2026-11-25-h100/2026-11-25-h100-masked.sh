@@ -5,7 +5,7 @@
 # then the default path's replay rows — one device at 32k, every device of R 8 at 128k — for
 # packed documents (zigzag) and window (4096, 0) (contiguous). Each step has its own limit, so a
 # slow compilation cuts that step only. Started in the background by benchmarks/device_run.sh's
-# pattern: `bash benchmarks/sessions/2026-11-25-h100-masked.sh start`, then `... wait SECONDS`.
+# pattern: `bash docs/gpu/masked-2026-11-25-h100/2026-11-25-h100-masked.sh start`, then `... wait SECONDS`.
 set -u
 LOG=/tmp/ringbridge-session
 if [ "${1:-}" = start ]; then

@@ -9,7 +9,7 @@
 # run, both in one call, cut both short at 150 s / 290 s); each step has its own limit and every
 # row is written as it finishes, so a cut-short step keeps its rows. Run from the repository
 # root with $OUT set:
-#     FRAMEWORKS=torch bash benchmarks/sessions/2026-11-25-h100-stepmodel.sh
+#     FRAMEWORKS=torch bash docs/gpu/stepmodel-2026-11-25-h100/2026-11-25-h100-stepmodel.sh
 # Everything lands in $OUT/stepmodel-<frameworks>.tgz; the table is printed last. SMOKE=1 runs
 # the same script on the CPU with the tiny models (--smoke), to check it before GPU time is spent.
 set -u

@@ -3,8 +3,8 @@
 # device timed, the three balance mixes, three layouts (the static zigzag, the per-document zigzag,
 # the per-document hybrid) — each replay verified first against the float64 oracle — beside each
 # framework's fused varlen anchor on the whole sequence (same call).
-#   bash benchmarks/sessions/2026-11-26-h100-layouts.sh torch            # anchors + torch rows
-#   bash benchmarks/sessions/2026-11-26-h100-layouts.sh jax MIX [LAYOUTS]  # JAX rows of one mix
+#   bash docs/gpu/layouts-2026-11-26-h100/2026-11-26-h100-layouts.sh torch            # anchors + torch rows
+#   bash docs/gpu/layouts-2026-11-26-h100/2026-11-26-h100-layouts.sh jax MIX [LAYOUTS]  # JAX rows of one mix
 # Run from the repository root with $OUT set; SMOKE=1: the CPU at 2048 tokens (the code path).
 set -u
 PART=${1:-torch}; MIX=${2:-heavy-tail}; LAYOUTS=${3:-zigzag,document-zigzag,document-hybrid}
