@@ -86,11 +86,15 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns
     dtype = q.dtype
     nseq = runs.cu_q.shape[0] - 1
     k_p, v_p = _packed_kv(k, runs), _packed_kv(v, runs)
-    # the forward's lse layout: [h, b·t] at the front of an [nseq, h, t] buffer; rows with no key
+    # the forward's lse layout: [h, b·t] at the front of the buffer; rows with no key
     # here get any finite value (their gradients are zeroed below)
     lse_t = lse.astype(F32) if runs.covers_block else jnp.where(runs.covered_q[:, None, :], lse.astype(F32), 0.0)
     lse_t = lse_t.transpose(1, 0, 2).reshape(-1)
-    lse_buffer = jnp.zeros((nseq * h * t,), F32).at[: h * b * t].set(lse_t).reshape(nseq, h, t)
+    # The kernel reads [h, b·t] at the front of the buffer, whatever its declared shape: declared
+    # [nseq, h, ceil(b·t / nseq)] (b·t and a few rows), not the library's [nseq, h, t] — at 256
+    # slots over 128k tokens that was 4.3 GB of float32 written per backward call.
+    per_slot = -(-(b * t) // nseq)
+    lse_buffer = jnp.pad(lse_t, (0, nseq * h * per_slot - h * b * t)).reshape(nseq, h, per_slot)
     rows = b * t + (nseq + 1) * MAX_TILE_ROWS
     result_types = [jax.ShapeDtypeStruct((b * t, h, d), dtype), jax.ShapeDtypeStruct(k_p.shape, dtype),
                     jax.ShapeDtypeStruct(v_p.shape, dtype), jax.ShapeDtypeStruct((h, rows), F32),

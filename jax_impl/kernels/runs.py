@@ -28,11 +28,14 @@ from . import branches
 
 RUN_SLOTS = (4, 16, 64)  # static run slots per row the kernels are compiled for
 MAX_RUNS = RUN_SLOTS[-1]
-# FlashAttention-3's varlen forms take one more size: a block of a whole 128k sequence (Ulysses, or
-# USP's ring shard) holds 84-163 documents of the balance mixes, and past 64 runs it went to the
-# portable kernel — 5-10 s a step against 40-60 ms fused (4x H200, 2026-11-26). Only the slots'
-# offsets grow with it (cuDNN's packed form keeps RUN_SLOTS: its workspace grows with the slots).
-VARLEN_RUN_SLOTS = (*RUN_SLOTS, 256)
+# FlashAttention-3's varlen forms hold up to 256 runs (a block of a whole 128k sequence — Ulysses,
+# or USP's ring shard — holds 84-163 documents of the balance mixes; past 64 runs it went to the
+# portable kernel: 5-10 s a step against 40-60 ms fused, 4x H200, 2026-11-26), in powers of two:
+# the varlen backward launches its grid for every slot, empty or not, at a cost that grows with the
+# length bound — on the whole 128k few-long sequence (84 documents, H100, 2026-11-26) 94.3 ms with
+# 256 slots, 81.8 with 128, 78.2 with the exact 84. Only the slots' offsets grow with them (cuDNN's
+# packed form keeps RUN_SLOTS: its workspace grows with the slots).
+VARLEN_RUN_SLOTS = (4, 8, 16, 32, 64, 128, 256)
 VARLEN_MAX_RUNS = VARLEN_RUN_SLOTS[-1]
 # A token-index block compiles two forms (causal diagonal, FULL on new ids) in every block of a
 # device's program, whose blocks all take them (a non-causal schedule): fewer static variants
@@ -138,11 +141,15 @@ def _longest_run(ids):
 
 
 def length_ladder(n: int) -> tuple[int, ...]:
-    """Static run-length bounds a kernel is compiled for (``max_seqlen``): n/8, n/4, 3n/8, n/2,
-    3n/4 and n, none below 256. FA3's varlen backward launches its grid for ``max_seqlen``
-    whatever the runs' real lengths (measured on H100: 8.92 ms with max_seqlen = the block's 32k
-    against 7.5 ms for the anchor's exact maximum), so a tighter static bound saves idle tiles."""
-    return tuple(sorted({max(min(n, 256), n * eighths // 8) for eighths in (1, 2, 3, 4, 6, 8)}))
+    """Static run-length bounds a kernel is compiled for (``max_seqlen``): the powers of two from
+    256 up to n, 3n/8, 3n/4 and n (n itself when below 256). FA3's varlen backward launches its
+    grid for ``max_seqlen`` whatever the runs' real lengths, for every run slot, so a tighter
+    static bound saves idle tiles — measured on an H100 (2026-11-26) on the whole 128k short mix
+    (163 documents, the longest 7,668): 25.0 ms with the bound 16,384 (the former ladder's
+    smallest, n/8), 19.5 with the exact bound, over 256 slots."""
+    floor = min(n, 256)
+    powers = {floor << k for k in range(n.bit_length()) if floor << k <= n}
+    return tuple(sorted(powers | {max(floor, 3 * n // 8), max(floor, 3 * n // 4), n}))
 
 
 # The names of the dispatchers' variants (kernels/branches.py): the portable fallback, the boundary

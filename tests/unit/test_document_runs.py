@@ -194,7 +194,7 @@ def test_jax_dispatch_picks_the_fewest_slots_or_the_portable_kernel():
 
 def test_fa3_varlen_forms_hold_more_runs_than_the_packed_form():
     """A block of more than 64 documents (a whole 128k sequence under Ulysses: 84-163 for the
-    balance mixes) runs FA3's varlen form on ``VARLEN_RUN_SLOTS`` up to 256 runs, the forward and
+    balance mixes) runs FA3's varlen form on ``VARLEN_RUN_SLOTS`` (powers of two) up to 256 runs, the forward and
     the backward; past that, and on cuDNN's packed form (``RUN_SLOTS``) past 64, the portable kernel."""
     pytest.importorskip("jax")
     import jax.numpy as jnp
@@ -208,7 +208,7 @@ def test_fa3_varlen_forms_hold_more_runs_than_the_packed_form():
         return int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.cu_q.shape[0] - 1),
                                  lambda: jnp.int32(-1), slots, lengths=lengths))
 
-    for n_runs, want in ((64, 64), (65, 256), (256, 256)):
+    for n_runs, want in ((10, 16), (64, 64), (65, 128), (129, 256), (256, 256)):
         assert chosen(n_runs, runs.VARLEN_RUN_SLOTS) == want
         assert chosen(n_runs, runs.VARLEN_RUN_SLOTS, lengths=True) == want
     assert chosen(257, runs.VARLEN_RUN_SLOTS) == -1
@@ -278,8 +278,9 @@ def test_jax_length_ladder_bounds_the_longest_run():
 
     from jax_impl.kernels import runs
 
-    assert runs.length_ladder(32768) == (4096, 8192, 12288, 16384, 24576, 32768)
+    assert runs.length_ladder(32768) == (256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768)
     assert runs.length_ladder(1024) == (256, 384, 512, 768, 1024) and runs.length_ladder(16) == (16,)
+    assert runs.length_ladder(300) == (256, 300)
     t = 4096
     for longest in (1, 511, 512, 513, 1500, 2500, 4096):
         ids = np.concatenate([np.zeros(longest), 1 + np.arange(t - longest)]).astype(np.int32)[None]

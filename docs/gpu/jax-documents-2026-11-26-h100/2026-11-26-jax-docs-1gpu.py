@@ -12,6 +12,8 @@ and its one-GPU target): 32k tokens, 32 / 8 heads, d 128, bf16, causal, fwd+bwd,
 - an XLA profile (``jax.profiler``) of three library steps and three anchor steps: GPU time per
   kernel name, written as it comes.
 
+``SEQ`` (default 32768) and ``MIXES`` (default ``mix,heavy-tail``) pick the problems;
+``PROFILE=0`` and ``PARTS=0`` leave out the profiles and the backward taken apart.
 ``BASE=dir`` also times the library path of another checkout (``dir`` first on the path) in a
 child process, so before / after come from one machine. Rows go to $OUT/jax-docs-1gpu.jsonl as
 they are measured.
@@ -44,9 +46,9 @@ from jax_impl.kernels import runs as runs_mod  # noqa: E402
 from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd  # noqa: E402
 from seqplan.schedule import BlockMask, MaskKind  # noqa: E402
 
-T, CHECK_T, H, HK, D = (1024, 256, 4, 2, 16) if smoke else (32768, 4096, 32, 8, 128)
+T, CHECK_T, H, HK, D = (1024, 256, 4, 2, 16) if smoke else (int(os.environ.get("SEQ", 32768)), 4096, 32, 8, 128)
 DT = jnp.float16 if smoke else jnp.bfloat16
-MIXES = ("mix", "heavy-tail")
+MIXES = tuple(os.environ.get("MIXES", "mix,heavy-tail").split(","))
 OUT = os.environ.get("OUT", "/tmp")
 gpu = not smoke
 if os.environ.get("EMULATE") == "1":  # the CPU smoke of the GPU branch: FA3's varlen ops emulated
@@ -151,6 +153,12 @@ def backward_parts(ids: np.ndarray, q, k, v, do) -> dict:
                     ("bwd_slots_ladder_bound_ms", planned.bounded(bound, bound)),
                     ("bwd_slots_no_bound_ms", planned)):
         row[name] = ms(bwd, do, q, k, v, o, lse, r)
+    pow2 = 1 << (n_docs - 1).bit_length()  # a finer slot ladder's size for this block
+    if pow2 != slots:
+        finer = jax.jit(lambda s: runs_mod.varlen_offsets(s, s, True, pow2))(seg)
+        row["pow2_slots"] = pow2
+        row["fwd_pow2_slots_ms"] = ms(fwd, q, k, v, finer)
+        row["bwd_pow2_slots_ladder_bound_ms"] = ms(bwd, do, q, k, v, o, lse, finer.bounded(bound, bound))
     expressible = jax.jit(lambda s: (runs_mod.expressible(s, s, True), runs_mod.varlen_offsets(s, s, True, slots)))
     row["plan_ms"] = ms(expressible, seg)
     return row
@@ -190,10 +198,16 @@ def library_row(mix: str, tag: str) -> None:
     q, k, v, do = inputs(T)
     fwd, step = library_programs()
     seg = jnp.asarray(ids)
+    began = time.perf_counter()
+    o, grads = jax.block_until_ready(step(q, k, v, do, seg))  # the compilation (and one step)
+    compile_s = time.perf_counter() - began
+    # a digest of the outputs, to compare two checkouts' paths (equal kernels and runs: equal sums)
+    digest = [float(jnp.abs(x.astype(jnp.float32)).sum()) for x in (o, *grads)]
     fwd_ms, step_ms = ms(fwd, q, k, v, seg), ms(step, q, k, v, do, seg)
-    emit({"part": "library", "code": tag, "module": jax_impl.__file__, "mix": mix, "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
-          "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9})
-    if "--library-only" not in sys.argv and gpu and not smoke:
+    emit({"part": "library", "code": tag, "module": jax_impl.__file__, "mix": mix, "seq": T, "fwd_ms": fwd_ms,
+          "fwd_bwd_ms": step_ms, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9,
+          "step_compile_s": round(compile_s, 2), "digest_o_dq_dk_dv": digest})
+    if "--library-only" not in sys.argv and gpu and not smoke and os.environ.get("PROFILE", "1") == "1":
         emit({"part": "profile", "code": tag, "mix": mix, "what": "library", **profile(f"lib-{tag}-{mix}", step, q, k,
                                                                                           v, do, seg)})
 
@@ -215,9 +229,12 @@ def main() -> None:
         problem = Problem(seq=T, documents=mix)
         if not smoke:
             row, step = anchor(ids, q, k, v, do)
-            emit({"part": "anchor", "mix": mix, **row, "tflops_fwd_bwd": problem.flops(False) / row["fwd_bwd_ms"] / 1e9})
-            emit({"part": "profile", "mix": mix, "what": "anchor", **profile(f"anchor-{mix}", step, q, k, v, do)})
-        emit({"part": "backward_parts", "mix": mix, **backward_parts(ids, q, k, v, do)})
+            emit({"part": "anchor", "mix": mix, "seq": T, **row,
+                  "tflops_fwd_bwd": problem.flops(False) / row["fwd_bwd_ms"] / 1e9})
+            if os.environ.get("PROFILE", "1") == "1":
+                emit({"part": "profile", "mix": mix, "what": "anchor", **profile(f"anchor-{mix}", step, q, k, v, do)})
+        if os.environ.get("PARTS", "1") == "1":
+            emit({"part": "backward_parts", "mix": mix, "seq": T, **backward_parts(ids, q, k, v, do)})
     base = os.environ.get("BASE")
     if base:  # the other checkout's library path, same machine, a child process
         env = {**os.environ, "PYTHONPATH": f"{base}:{os.environ.get('PYTHONPATH', '')}", "CODE": "base"}
