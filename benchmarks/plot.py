@@ -6,10 +6,13 @@ Per results file, one PNG per kind of rows it holds (deterministic names, ``<fil
   beside the same run's single-GPU ceilings and other projects' rows (torch context_parallel...),
   at the file's longest sequence;
 - ``documents``: the packed-document rows — per balance mix, the verified ringbridge rows
-  (framework, strategy, layout) as a fraction of their framework's same-run varlen anchor.
+  (framework, strategy, layout) as a fraction of their framework's same-run varlen anchor;
+- ``scaling``: the weak-scaling rows (``--weak``: the same tokens per GPU on 1, 2, 4 … GPUs) —
+  fwd+bwd TFLOP/s per GPU against the GPU count, one line per framework, strategy and tokens per GPU.
 
-Only rows with a throughput are drawn; a ringbridge row that is not verified has none (the driver
-removes it), so nothing unverified reaches a figure.
+Only rows with a throughput are drawn, and of ringbridge's only those marked ``verified`` (the
+driver gives an unverified row no throughput; files written before the check existed carry no
+mark, so their ringbridge rows are never drawn).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ OURS = ("jax_impl", "torch_impl")
 def _rows(path: Path) -> list[dict]:
     data = json.loads(path.read_text())
     rows = data["rows"] if isinstance(data, dict) else data
-    return [r for r in rows if r.get("tflops_per_gpu") and not r.get("fwd_only")]
+    return [r for r in rows if r.get("tflops_per_gpu") and not r.get("fwd_only")
+            and (r["framework"] not in OURS or r.get("verified") is True)]
 
 
 def _label(row: dict) -> str:
@@ -35,8 +39,9 @@ def _label(row: dict) -> str:
 
 def _throughput(rows: list[dict], title: str, out: Path, plt) -> Path | None:
     plain = [r for r in rows if (r.get("extra") or {}).get("documents", "none") == "none"
-             and not (r.get("extra") or {}).get("window") and not (r.get("extra") or {}).get("variant")]
-    if not plain:
+             and not (r.get("extra") or {}).get("window") and not (r.get("extra") or {}).get("variant")
+             and not (r.get("extra") or {}).get("weak_scaling")]
+    if not any(r["framework"] in OURS for r in plain):
         return None
     longest = max(r["seq_len"] for r in plain)
     plain = sorted((r for r in plain if r["seq_len"] == longest), key=lambda r: r["tflops_per_gpu"])
@@ -73,6 +78,29 @@ def _documents(rows: list[dict], title: str, out: Path, plt) -> Path | None:
     return _save(fig, out, plt)
 
 
+def _scaling(rows: list[dict], title: str, out: Path, plt) -> Path | None:
+    weak = [r for r in rows if r["framework"] in OURS and (r.get("extra") or {}).get("weak_scaling")]
+    lines: dict[str, dict[int, float]] = {}
+    for r in weak:
+        name = f"{r['framework']} {r['strategy']}, {r['seq_len'] // r['devices']:,} tokens per GPU"
+        points = lines.setdefault(name, {})
+        points[r["devices"]] = max(points.get(r["devices"], 0.0), r["tflops_per_gpu"])
+    lines = {name: points for name, points in sorted(lines.items()) if len(points) > 1}
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, points in lines.items():
+        gpus = sorted(points)
+        ax.plot(gpus, [points[g] for g in gpus], marker="o", label=name)
+    ax.set_xticks(sorted({g for points in lines.values() for g in points}))
+    ax.set_xlabel("GPUs (the same tokens per GPU)")
+    ax.set_ylabel("fwd+bwd TFLOP/s per GPU")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{title}: weak scaling (verified rows)", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, out, plt)
+
+
 def _save(fig, out: Path, plt) -> Path:
     fig.tight_layout()
     fig.savefig(out, dpi=110, metadata={"Software": None})  # no version stamp: the same rows, the same bytes
@@ -91,7 +119,7 @@ def plot(paths: list[Path], out_dir: Path) -> list[Path]:
     written = []
     for path in paths:
         rows, stem = _rows(path), path.stem
-        for kind, draw in (("throughput", _throughput), ("documents", _documents)):
+        for kind, draw in (("throughput", _throughput), ("documents", _documents), ("scaling", _scaling)):
             figure = draw(rows, stem, out_dir / f"{stem}-{kind}.png", plt)
             if figure is not None:
                 written.append(figure)

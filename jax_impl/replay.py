@@ -55,7 +55,7 @@ from jax import lax
 
 from seqplan.config import replay_config
 from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order
-from seqplan.strategy import DeviceGrads, Strategy
+from seqplan.strategy import DeviceGrads, Strategy, ring_shard
 from seqplan.validation import (
     check_segment_ids,
     check_sinks,
@@ -79,22 +79,8 @@ F32 = jnp.float32
 _config = partial(replay_config, AttentionConfig)
 
 
-def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:
-    """The schedule the devices walk: with token indices no static reach (the layout's positions
-    say nothing), so never a truncated ring."""
-    return strategy.schedule(config.layout, config.schedule_causal, None if token_index is not None else config.window,
-                             seq // strategy.ring)
 
 
-def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
-    """Ring shard ``r`` of ``size`` along the sequence (axis 1; lse: axis 2), heads ``heads``."""
-    axis = 1 if head_axis == 2 else 2
-    t = x.shape[axis] // size
-    index = [slice(None)] * x.ndim
-    index[axis] = slice(r * t, (r + 1) * t)
-    if heads is not None:
-        index[head_axis] = heads
-    return x[tuple(index)]
 
 
 def _steps(group):
@@ -113,7 +99,7 @@ def _scanned_visit(at, schedule: Schedule, config: AttentionConfig, r: int, kv, 
 def _visit(visit, schedule: Schedule, config: AttentionConfig, r: int, kv, ring: int, kv_heads, dtype, ids,
            token_index):
     """(K/V shard, mask keywords) of device r's visit ``visit`` (static: :func:`_scanned_visit`'s twin)."""
-    shard = tuple(_shard(x, visit.source, ring, kv_heads).astype(dtype) for x in kv)
+    shard = tuple(ring_shard(x, visit.source, ring, kv_heads).astype(dtype) for x in kv)
     return shard, _masks(config, schedule, ids, r, (visit.step.round, visit.step.inner), kv[0].shape[1], token_index)
 
 
@@ -163,10 +149,10 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     docstring)."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
-    schedule = _schedule(strategy, config, q.shape[1], token_index)
+    schedule = strategy.replay_schedule(config, q.shape[1])
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
-    q_d = _shard(q, r, strategy.ring, q_heads)
+    q_d = ring_shard(q, r, strategy.ring, q_heads)
     visits = device_visits(schedule, r)
     o_dtype = _alone_dtype(visits, q.dtype)
 
@@ -210,11 +196,11 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     ``sinks``, its rows' share of dsinks for its heads ([h/U] float32), else None."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
-    schedule = _schedule(strategy, config, q.shape[1], token_index)
+    schedule = strategy.replay_schedule(config, q.shape[1])
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
-    mine = [_shard(x, r, strategy.ring, q_heads) for x in (q, o, do)]
-    lse_d, dlse_d = (None if x is None else _shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
+    mine = [ring_shard(x, r, strategy.ring, q_heads) for x in (q, o, do)]
+    lse_d, dlse_d = (None if x is None else ring_shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (mine[0], mine[1], lse_d, mine[2], dlse_d)
     visits = device_visits(schedule, r)
     alone = _alone_dtype(visits, q.dtype)  # replicated KV heads: their copies' dK / dV are summed below in float32
@@ -282,7 +268,7 @@ def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, l
 
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     r = device // strategy.ulysses
-    if not _one_call(strategy, config, _shard(q, r, strategy.ring), segment_ids):
+    if not _one_call(strategy, config, ring_shard(q, r, strategy.ring), segment_ids):
         return None
     b, seq = q.shape[:2]
     ring, t = strategy.ring, seq // strategy.ring
@@ -354,7 +340,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
     dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u].dq for u in range(n_uly)], axis=2)
                           for r in range(n_ring)], axis=1)
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    schedule = (_schedule(strategy, config, q.shape[1], token_index) if token_index is not None else
+    schedule = (strategy.replay_schedule(config, q.shape[1]) if token_index is not None else
                 strategy.schedule(layout, causal, kernel_window(check_window(window), causal), q.shape[1] // strategy.ring))
     replicated = strategy.head_groups(q.shape[2], k.shape[2], 0)[2]
     grads = []

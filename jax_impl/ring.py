@@ -74,9 +74,8 @@ def _schedule(axis_name, config: AttentionConfig, shard_len: int):
     (``schedule.window_reach``: the contiguous layout under a causal or right-0 window; never on
     token indices, which the layout's positions say nothing about)."""
     size = axis_size(axis_name)
-    window = None if config.token_index else config.window
     return ring_schedule(config.layout, config.schedule_causal, size,
-                         window_reach(config.layout, config.schedule_causal, window, shard_len, size))
+                         window_reach(config.layout, config.schedule_causal, config.reach_window, shard_len, size))
 
 
 def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):

@@ -115,6 +115,13 @@ class AttentionConfig:
         indices the causal and window masks as one window on them (``schedule.token_index_window``)."""
         return token_index_window(self.window, self.causal) if self.token_index else self.window
 
+    @property
+    def reach_window(self) -> tuple[int, int] | None:
+        """The window the static schedule may truncate the ring by (``schedule.window_reach``):
+        ``window`` on the layout's positions; None with token indices, whose positions the layout
+        does not know."""
+        return None if self.token_index else self.window
+
     def one_call_mask(self, documents: bool):
         """``schedule.one_call_mask`` of this call: the mask all-gather-KV's one varlen call per
         device must take, or None."""

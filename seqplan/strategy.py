@@ -52,6 +52,12 @@ class Strategy:
         return make_schedule(Exchange.RING, layout, causal, 1, self.ring,
                              window_reach(layout, causal, window, shard_len, self.ring))
 
+    def replay_schedule(self, config, seq: int) -> Schedule:
+        """The schedule a replay of a call with ``config`` (an AttentionConfig) over ``seq`` tokens
+        walks: the call's static schedule, its ring truncated only by a window on the layout's
+        positions (``config.reach_window``)."""
+        return self.schedule(config.layout, config.schedule_causal, config.reach_window, seq // self.ring)
+
     def head_groups(self, heads: int, kv_heads: int, u: int) -> tuple[slice, slice, bool]:
         """(query heads, KV heads, replicated) of Ulysses coordinate ``u``: with kv_heads < U each
         KV head is replicated U / kv_heads times and device u reads replica u of the result."""
@@ -75,3 +81,16 @@ class DeviceGrads(NamedTuple):
     dq: object
     contributions: dict
     dsinks: object = None
+
+
+def ring_shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
+    """Ring shard ``r`` of ``size`` of a global array or tensor (any framework: plain slicing)
+    along the sequence — axis 1 for [b, t, h, d] arrays, axis 2 for an lse [b, h, t]
+    (``head_axis=1``) — and, given ``heads``, those heads."""
+    axis = 1 if head_axis == 2 else 2
+    t = x.shape[axis] // size
+    index = [slice(None)] * len(x.shape)
+    index[axis] = slice(r * t, (r + 1) * t)
+    if heads is not None:
+        index[head_axis] = heads
+    return x[tuple(index)]

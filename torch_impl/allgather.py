@@ -40,7 +40,7 @@ from functools import partial
 import torch
 
 import seqplan.registry
-from seqplan.documents import PREFIX_KEY_FACTOR, PrefixRuns, cached_plan, shard_prefix_runs
+from seqplan.documents import PREFIX_KEY_FACTOR, PrefixRuns, shard_prefix_runs
 from seqplan.layouts import ring_positions
 from seqplan.schedule import allgather_schedule, device_visits
 from seqplan.shared import PART_MASK, SplitRuns, check_shared_call, check_shared_tokens, shared_extent, split_runs
@@ -124,8 +124,8 @@ def prefix_plan(config: AttentionConfig, masks: ShardMasks | None, device: int, 
         return None
     ids, positions = masks.ids_host, masks.positions if config.token_index else None  # None: the layout's
     ring, b, t = ids.shape if ids is not None else positions.shape
-    return cached_plan(shard_prefix_runs, ids, positions, device=device, shard_major=shard_major,
-                       layout=config.layout, max_keys=PREFIX_KEY_FACTOR * b * ring * t)
+    return masks.plan(shard_prefix_runs, ids, positions, device=device, shard_major=shard_major,
+                      layout=config.layout, max_keys=PREFIX_KEY_FACTOR * b * ring * t)
 
 
 def prefix_forward(config: AttentionConfig, q, kv_packed, plan: PrefixRuns):
@@ -209,9 +209,9 @@ def _split_plan(config: AttentionConfig, masks: ShardMasks, device: int) -> Spli
     if config.shared_tokens is None:
         return None
     p, positions = config.shared_tokens, masks.positions if config.token_index else None
-    if p > masks.ids_host.shape[2] or cached_plan(shared_extent, masks.ids_host) > p:
+    if p > masks.ids_host.shape[2] or masks.plan(shared_extent, masks.ids_host) > p:
         check_shared_tokens(masks.ids_host, p)  # raises, naming the token
-    return cached_plan(split_runs, masks.ids_host, positions, device=device, shared_tokens=p, layout=config.layout)
+    return masks.plan(split_runs, masks.ids_host, positions, device=device, shared_tokens=p, layout=config.layout)
 
 
 def _part_masks(config: AttentionConfig, masks: ShardMasks, device: int, p: int, t: int, shared: bool):

@@ -37,8 +37,8 @@ from functools import partial
 import torch
 
 from seqplan.config import replay_config
-from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order
-from seqplan.strategy import DeviceGrads, Strategy
+from seqplan.schedule import device_visits, kernel_window, summation_order
+from seqplan.strategy import DeviceGrads, Strategy, ring_shard
 from seqplan.validation import (
     check_segment_ids,
     check_sinks,
@@ -62,22 +62,8 @@ F32 = torch.float32
 _config = partial(replay_config, AttentionConfig)
 
 
-def _schedule(strategy: Strategy, config: AttentionConfig, seq: int, token_index) -> Schedule:
-    """The schedule the devices walk: with token indices no static reach (the layout's positions
-    say nothing), so never a truncated ring."""
-    return strategy.schedule(config.layout, config.schedule_causal, None if token_index is not None else config.window,
-                             seq // strategy.ring)
 
 
-def _shard(x, r: int, size: int, heads: slice | None = None, head_axis: int = 2):
-    """Ring shard ``r`` of ``size`` along the sequence (dim 1; lse: dim 2), heads ``heads``."""
-    axis = 1 if head_axis == 2 else 2
-    t = x.shape[axis] // size
-    index = [slice(None)] * x.dim()
-    index[axis] = slice(r * t, (r + 1) * t)
-    if heads is not None:
-        index[head_axis] = heads
-    return x[tuple(index)]
 
 
 def _masks(config: AttentionConfig, segment_ids, ring: int, seq: int, device, token_index=None) -> ShardMasks:
@@ -100,17 +86,17 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     [b, T] or None, ``window``, the full ``sinks`` [h] or None): its (o, lse), o in q's dtype."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
-    schedule = _schedule(strategy, config, q.shape[1], token_index)
+    schedule = strategy.replay_schedule(config, q.shape[1])
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
-    q_d = _shard(q, r, strategy.ring, q_heads)
+    q_d = ring_shard(q, r, strategy.ring, q_heads)
     plan = _prefix_plan(strategy, config, masks, r, q_d)
     with torch.no_grad():
         if plan is not None:  # all-gather-KV's one call against every key (allgather.prefix_plan)
             o, lse = prefix_forward(config, q_d, _packed_kv((k, v), kv_heads, q.dtype), plan)
         for visit in device_visits(schedule, r) if plan is None else ():
-            kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
+            kv = tuple(ring_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
             visit_masks = masks.visit(r, visit.source)
             if visit.step.local:
                 o, lse = attend_block(backend, config.scale, q_d, visit.block, kv, visit_masks)
@@ -132,12 +118,12 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     its rows), else None."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     backend = config.backend()
-    schedule = _schedule(strategy, config, q.shape[1], token_index)
+    schedule = strategy.replay_schedule(config, q.shape[1])
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
     r, u = divmod(device, strategy.ulysses)
     q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
-    q_d, o_d, do_d = (_shard(x, r, strategy.ring, q_heads) for x in (q, o, do))
-    lse_d, dlse_d = (None if x is None else _shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
+    q_d, o_d, do_d = (ring_shard(x, r, strategy.ring, q_heads) for x in (q, o, do))
+    lse_d, dlse_d = (None if x is None else ring_shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (q_d, o_d, lse_d, do_d, dlse_d)
     contributions = {}
     plan = _prefix_plan(strategy, config, masks, r, q_d) if dlse is None else None
@@ -147,7 +133,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
             dq, shards = dq.float(), lambda g: g.reshape(q.shape[0], strategy.ring, -1, *g.shape[1:])
             contributions = {src: (shards(dk)[:, src], shards(dv)[:, src]) for src in range(strategy.ring)}
         for visit in device_visits(schedule, r) if plan is None else ():
-            kv = tuple(_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
+            kv = tuple(ring_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
             grads = grad_block(backend, config.scale, saved, visit.block, kv, masks.visit(r, visit.source))
             if visit.step.local:
                 dq, dk, dv = grads
@@ -168,7 +154,7 @@ def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, l
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
     r = device // strategy.ulysses
-    return _prefix_plan(strategy, config, masks, r, _shard(q, r, strategy.ring))
+    return _prefix_plan(strategy, config, masks, r, ring_shard(q, r, strategy.ring))
 
 
 def _prefix_plan(strategy: Strategy, config: AttentionConfig, masks: ShardMasks, r: int, q_d):
@@ -232,7 +218,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = torch.cat([torch.cat([outs[r * n_uly + u].dq for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    schedule = (_schedule(strategy, config, q.shape[1], token_index) if token_index is not None else
+    schedule = (strategy.replay_schedule(config, q.shape[1]) if token_index is not None else
                 strategy.schedule(layout, causal, kernel_window(check_window(window), causal), q.shape[1] // strategy.ring))
     replicated = strategy.head_groups(q.shape[2], k.shape[2], 0)[2]
     grads = []

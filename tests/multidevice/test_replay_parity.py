@@ -26,7 +26,7 @@ CASES = [
     Case(ring=2, ulysses=2, layout="stripe", causal=True, kv_heads=2, batch=2, documents="mix"),
     # windows and sinks: the replays pass window= and the float32 sinks; their grads end with dsinks, summed over
     # the virtual devices (the mesh: JAX's cotangent, torch's ranks' sinks.grad summed by the runner)
-    Case(ring=4, ring_outer=2, ulysses=2, layout="contiguous", causal=True, kv_heads=2, window=(20, 9), sinks=True),
+    Case(ring=4, ring_outer=2, layout="contiguous", causal=True, kv_heads=2, window=(20, 9), sinks=True),
     # logit soft-capping: the replays pass softcap= (their configs' kernels cap every block)
     Case(ring=2, layout="zigzag", causal=True, kv_heads=2, softcap=1.5),
     # explicit token indices: the per-document zigzag (per-row layout); the replays pass the global token_index

@@ -14,10 +14,12 @@ pytest.importorskip("matplotlib")
 from benchmarks.plot import plot
 
 
-def _row(framework, strategy, tflops, *, documents="none", efficiency=None, fwd_only=False, ring=4):
-    return {"framework": framework, "strategy": strategy, "layout": "zigzag", "seq_len": 4096, "devices": ring,
+def _row(framework, strategy, tflops, *, documents="none", efficiency=None, fwd_only=False, ring=4, verified=True,
+         weak=False):
+    return {"framework": framework, "strategy": strategy, "layout": "zigzag", "seq_len": 4096 * ring, "devices": ring,
             "ulysses": 1, "ring": ring, "fwd_only": fwd_only, "tflops_per_gpu": tflops, "efficiency": efficiency,
-            "extra": {"documents": documents}}
+            "verified": verified if framework in ("jax_impl", "torch_impl") else None,
+            "extra": {"documents": documents, **({"weak_scaling": True} if weak else {})}}
 
 
 def test_plot_draws_each_kind_the_rows_hold_and_is_deterministic(tmp_path):
@@ -34,3 +36,17 @@ def test_plot_draws_each_kind_the_rows_hold_and_is_deterministic(tmp_path):
     only_plain = tmp_path / "plain.json"
     only_plain.write_text(json.dumps({"meta": {}, "rows": rows[:2]}))
     assert [p.name for p in plot([only_plain], tmp_path / "c")] == ["plain-throughput.png"]
+
+
+def test_plot_draws_weak_scaling_and_never_an_unmarked_ringbridge_row(tmp_path):
+    """The weak-scaling rows make a GPU-count figure; a ringbridge row with a throughput but no
+    ``verified`` mark (a file from before the check) is never drawn — alone with ceilings, the
+    file draws no throughput figure."""
+    weak = [_row("jax_impl", "ring", tflops, ring=n, weak=True) for n, tflops in ((1, 580.0), (2, 550.0))]
+    results = tmp_path / "weak.json"
+    results.write_text(json.dumps({"meta": {}, "rows": weak}))
+    assert [p.name for p in plot([results], tmp_path / "a")] == ["weak-scaling.png"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"meta": {}, "rows": [_row("jax_impl", "ring", 500.0, verified=None),
+                                                      _row("fa3_jax_ceiling", "single", 600.0, ring=1)]}))
+    assert plot([old], tmp_path / "b") == []

@@ -42,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_impl  # noqa: E402
 from benchmarks.common import Problem  # noqa: E402
+from benchmarks.masked import jax_ms  # noqa: E402
 from jax_impl.kernels import runs as runs_mod  # noqa: E402
 from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd  # noqa: E402
 from seqplan.schedule import BlockMask, MaskKind  # noqa: E402
@@ -69,15 +70,9 @@ def emit(row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def ms(fn, *args, iters=10, warmup=2) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(1e3 * (time.perf_counter() - start))
-    return float(np.median(times))
+def ms(fn, *args) -> float:
+    """Median wall ms of ten calls after two warm-ups (``benchmarks.masked.jax_ms``)."""
+    return jax_ms(fn, *args, iters=10, warmup=2)
 
 
 def inputs(t: int):
