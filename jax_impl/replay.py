@@ -54,7 +54,7 @@ import numpy as np
 from jax import lax
 
 from seqplan.config import replay_config
-from seqplan.schedule import Schedule, device_visits, kernel_window, summation_order
+from seqplan.schedule import Schedule, device_visits, summation_order
 from seqplan.strategy import DeviceGrads, Strategy, ring_shard
 from seqplan.validation import (
     check_segment_ids,
@@ -340,8 +340,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
     dq = jnp.concatenate([jnp.concatenate([outs[r * n_uly + u].dq for u in range(n_uly)], axis=2)
                           for r in range(n_ring)], axis=1)
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    schedule = (strategy.replay_schedule(config, q.shape[1]) if token_index is not None else
-                strategy.schedule(layout, causal, kernel_window(check_window(window), causal), q.shape[1] // strategy.ring))
+    schedule = strategy.replay_schedule(config, q.shape[1])
     replicated = strategy.head_groups(q.shape[2], k.shape[2], 0)[2]
     grads = []
     for which in (0, 1):  # dk, dv

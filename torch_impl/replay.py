@@ -37,7 +37,7 @@ from functools import partial
 import torch
 
 from seqplan.config import replay_config
-from seqplan.schedule import device_visits, kernel_window, summation_order
+from seqplan.schedule import device_visits, summation_order
 from seqplan.strategy import DeviceGrads, Strategy, ring_shard
 from seqplan.validation import (
     check_segment_ids,
@@ -218,8 +218,7 @@ def replay_attention_grads(q, k, v, o, lse, do, dlse=None, *, strategy: Strategy
     outs = [device_backward(d, q, k, v, o, lse, do, dlse, **kw) for d in range(strategy.devices)]
     dq = torch.cat([torch.cat([outs[r * n_uly + u].dq for u in range(n_uly)], dim=2) for r in range(n_ring)], dim=1)
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    schedule = (strategy.replay_schedule(config, q.shape[1]) if token_index is not None else
-                strategy.schedule(layout, causal, kernel_window(check_window(window), causal), q.shape[1] // strategy.ring))
+    schedule = strategy.replay_schedule(config, q.shape[1])
     replicated = strategy.head_groups(q.shape[2], k.shape[2], 0)[2]
     grads = []
     for which in (0, 1):  # dk, dv

@@ -212,12 +212,25 @@ def switch_with_fallback(variants: dict, choice: branches.Choice, portable):
     ``choice`` selects nothing). Every branch returns each output in the widest dtype any fused
     variant gives it: the inputs' dtype when every variant keeps it (a causal diagonal block's
     runs cover the block: its gradients are the kernel's own), float32 when one accumulates
-    (scattered dK / dV); the portable kernel's float32 results are cast to it."""
-    shapes = [jax.eval_shape(variant) for variant in variants.values()]
+    (scattered dK / dV); the portable kernel's float32 results are cast to it. One variant of each
+    form is traced for its dtypes (:func:`_form`: the sizes of a form's variants never change them;
+    tracing all of them cost 1.3-1.5 s a block at 8k tokens on 2 cores)."""
+    forms = {}
+    for name, variant in variants.items():
+        forms.setdefault(_form(name), variant)
+    shapes = [jax.eval_shape(variant) for variant in forms.values()]
     like = jax.tree.map(lambda *xs: jnp.result_type(*(x.dtype for x in xs)), *shapes)
     cast = lambda fn: lambda: jax.tree.map(lambda x, dtype: x.astype(dtype), fn(), like)
     return branches.select({**{name: cast(fn) for name, fn in variants.items()}, PORTABLE: cast(portable)},
                            with_fallback(choice)).switch()
+
+
+def _form(name: tuple) -> tuple:
+    """A variant's name without its trailing static sizes (run slots, length bound): the variants
+    of one form — ``(*prefix, RUNS)``, ``(PLAN,)`` or ``(*prefix, BOUNDARY)`` — run the same code."""
+    while name and (name[-1] is None or isinstance(name[-1], int)):
+        name = name[:-1]
+    return name
 
 
 def with_fallback(choice: branches.Choice) -> branches.Choice:

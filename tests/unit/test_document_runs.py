@@ -338,3 +338,24 @@ def test_token_index_blocks_hold_as_many_runs_as_the_varlen_forms():
     assert chosen(82, 0) == chosen(82, 1) == runs.VARLEN_MAX_RUNS
     assert chosen(10, 1) == 16
     assert chosen(runs.VARLEN_MAX_RUNS + 1, 0) == -1
+
+
+def test_one_switch_returns_the_widest_dtype_of_its_forms():
+    """``runs.switch_with_fallback``: the branches of one ``lax.switch`` agree on each output's
+    dtype — the widest any form returns (a covering causal form keeps bf16, a gathered one
+    accumulates dK in float32), each form traced once for it (``runs._form`` drops the sizes)."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    assert runs._form(("causal", runs.RUNS, 16, 4096)) == ("causal", runs.RUNS)
+    assert runs._form((runs.RUNS, 4, None)) == (runs.RUNS,) and runs._form(("full", runs.BOUNDARY)) == ("full", runs.BOUNDARY)
+    bf16 = lambda: jnp.ones((2,), jnp.bfloat16)
+    f32 = lambda: jnp.ones((2,))
+    variants = {(runs.BOUNDARY,): bf16, (runs.RUNS, 4, None): f32, (runs.RUNS, 16, None): f32}
+    for pick in ((runs.BOUNDARY,), (runs.RUNS, 16, None)):
+        out = runs.switch_with_fallback(variants, pick, lambda: jnp.zeros((2,)))
+        assert out.dtype == jnp.float32
+    same = {(runs.RUNS, 4, None): bf16, (runs.RUNS, 16, None): bf16}
+    assert runs.switch_with_fallback(same, (runs.RUNS, 4, None), lambda: jnp.zeros((2,))).dtype == jnp.bfloat16
