@@ -314,3 +314,12 @@ def shard_prefix_runs(ids_all, index_all, *, device: int, shard_major: bool, lay
     row, s = np.divmod(plan.key_index, ring * t)
     source, j = np.divmod(s, t)
     return PrefixRuns(plan.cu_q, plan.cu_k, source * (b * t) + row * t + j, plan.max_q, plan.max_k)
+
+
+def one_document_per_row(ids_all: np.ndarray) -> bool:
+    """Whether every row of the gathered ids [R, b, t] is one document (one id over all shards):
+    the document mask then allows every pair — it is the mask without ids, and a framework may
+    mask the call so (torch does: a one-document batch, ``parity.training.llama_gpu.one_document``,
+    took all-gather KV's one varlen call on FA2 at 1.44x the cuDNN walk's step, 2x H100,
+    2026-11-26; docs/decisions.md)."""
+    return bool((ids_all == ids_all[:1, :, :1]).all())

@@ -1,4 +1,4 @@
-"""FlashAttention-3's varlen forward (flash_attn3_jax) and its FFI backward target emulated on the
+"""FlashAttention-3's varlen forward and backward (flash_attn3_jax's FFI targets) emulated on the
 CPU from their contract — cumulative offsets, bottom-right causal per run, ``max_seqlen``
 bounding the tiles a run gets, the backward taking the given o and lse — for the tests that
 drive ``jax_impl.kernels.fa3_varlen`` without a GPU (tests/unit/test_fa3_varlen_emulated.py,
@@ -11,6 +11,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 F32 = jnp.float32
 
@@ -48,7 +49,29 @@ def _fake_fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, is
 
 
 def _fake_ffi_call(name, result_types, **_):
-    assert name == "flash_mha_bwd"
+    assert name in ("flash_mha_fwd", "flash_mha_bwd")
+    return _ffi_fwd(result_types) if name == "flash_mha_fwd" else _ffi_bwd(result_types)
+
+
+def _ffi_fwd(result_types):
+    """The forward target: writes o and the lse ``[h, total_q]`` at the front of the buffer of
+    whatever shape the caller declared (too small a declaration fails here)."""
+
+    def call(q, k, v, _k_new, _v_new, _q_v, cu_q, cu_k, *_optional, max_seqlen_q, max_seqlen_k, softmax_scale_val,
+             is_causal, **_attrs):
+        assert len(_optional) == 13, "flash_mha_fwd takes 21 buffers"
+        o, lse = _fake_fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale_val, is_causal)
+        declared = result_types[1].shape
+        flat = lse.reshape(-1)[: q.shape[0] * q.shape[1]]
+        assert flat.size <= np.prod(declared), f"lse buffer {declared} smaller than [h, total_q]"
+        buffer = jnp.zeros(int(np.prod(declared)), F32).at[: flat.size].set(flat).reshape(declared)
+        return (o, buffer, *(jnp.zeros(r.shape, r.dtype) for r in result_types[2:]))
+
+    return call
+
+
+def _ffi_bwd(result_types):
+    """The backward target: reads the lse ``[h, total_q]`` at the front of the given buffer."""
 
     def call(do, q, k, v, o, lse_buffer, cu_q, cu_k, _a, _b, *, max_seqlen_q_val, max_seqlen_k_val,
              softmax_scale_val, is_causal, **_attrs):
@@ -75,11 +98,8 @@ def _fake_ffi_call(name, result_types, **_):
 def emulate(monkeypatch):
     """Install the emulation (undone with ``monkeypatch``); returns ``jax_impl.kernels.fa3_varlen``."""
     package = types.ModuleType("flash_attn3_jax")
-    varlen = types.ModuleType("flash_attn3_jax.varlen_fwd")
-    varlen.flash_mha_varlen_fwd = _fake_fwd
     hlo = types.ModuleType("flash_attn3_jax.flash_hlo")
-    for name, module in (("flash_attn3_jax", package), ("flash_attn3_jax.varlen_fwd", varlen),
-                         ("flash_attn3_jax.flash_hlo", hlo)):
+    for name, module in (("flash_attn3_jax", package), ("flash_attn3_jax.flash_hlo", hlo)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(jax.ffi, "ffi_call", _fake_ffi_call)
     from jax_impl.kernels import fa3_varlen

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from seqplan.bands import part_offset
-from seqplan.documents import HostPair, cached_plan
+from seqplan.documents import HostPair, cached_plan, one_document_per_row
 from seqplan.layouts import ring_positions
 from seqplan.schedule import (
     Block,
@@ -276,6 +276,8 @@ class ShardMasks:
             positions = ring_positions(config.layout, ring_size, t)
             device_positions = torch.from_numpy(positions).to(device)
         ids_host = None if ids_all is None else ids_all.cpu().numpy()
+        if ids_host is not None and config.shared_tokens is None and one_document_per_row(ids_host):
+            ids_all = ids_host = None  # the same mask without documents: blocks route as plain ones
         return cls(ids_all, config.mask_window, positions, device_positions, ids_host)
 
     def visit(self, device: int, source: int) -> VisitMasks | None:

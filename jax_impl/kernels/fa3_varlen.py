@@ -19,17 +19,20 @@ of their document, keys in it). A block
 that is not expressible as runs goes to the portable kernel (the same ``lax.switch``); a window,
 a strict block or an lse cotangent go there statically — never guessed, never unmasked.
 
-**Why the library's internals**, as ``fa3.py``: the ring needs the varlen forward's lse
-(``flash_attn3_jax.varlen_fwd.flash_mha_varlen_fwd`` returns it; the public ``flash_mha_varlen``
-does not) and a backward with the *global* o and lse. The library's varlen forward declares its
-lse ``[nseq, h, max_seqlen_q]`` while the kernel writes ``[h, total_q]`` into the front of that
-buffer (read back by :func:`_lse_tokens`). Its varlen backward sizes the two float32 workspaces
+**Why the library's FFI targets**, as ``fa3.py``: the ring needs the varlen forward's lse (the
+public ``flash_mha_varlen`` does not return it) and a backward with the *global* o and lse. The
+library's own varlen forward (``flash_attn3_jax.varlen_fwd``) declares its lse
+``[nseq, h, max_seqlen_q]`` while the kernel writes ``[h, total_q]`` at the front of that buffer
+(read back by :func:`_lse_tokens`): at 256 slots over a 128k-token block that is 4.3 GB of float32
+per call, where ``total_q`` needs 16 MB. Its varlen backward sizes the two float32 workspaces
 ``[h, round_up(total_q + nseq·128, 128)]``; the kernel's own rounding is
 ``round_up(total_q + nseq·m, m)`` for its tile height m (80 for a non-causal block on sm90), which
 that can miss by up to m − 1 rows — the out-of-bounds write ``fa3.py`` documents for the
-non-varlen call. So :func:`varlen_bwd` binds the library's FFI target ``flash_mha_bwd`` itself,
-with workspaces of ``total_q + (nseq + 1)·128`` rows. Both calls need flash_attn3_jax
-== ``fa3.VERIFIED_VERSION`` (``available``).
+non-varlen call. So :func:`varlen_fwd` and :func:`varlen_bwd` bind the library's FFI targets
+``flash_mha_fwd`` / ``flash_mha_bwd`` themselves: the lse buffers declared
+``[nseq, h, ceil(total_q / nseq)]`` (:func:`_lse_buffer_shape`), the backward's workspaces
+``total_q + (nseq + 1)·128`` rows. Both need flash_attn3_jax == ``fa3.VERIFIED_VERSION``
+(``available``).
 """
 
 from __future__ import annotations
@@ -62,14 +65,35 @@ def _lse_tokens(lse_buffer, b: int, h: int, t: int):
     return lse_buffer.reshape(-1)[: h * b * t].reshape(h, b, t).transpose(1, 0, 2)
 
 
+def _lse_buffer_shape(nseq: int, h: int, total_q: int) -> tuple[int, int, int]:
+    """The declared shape of a varlen lse buffer: ``[nseq, h, ceil(total_q / nseq)]`` — room for
+    the ``[h, total_q]`` the kernels read and write at its front (module docstring), not the
+    library's ``[nseq, h, max_seqlen_q]`` (at 256 slots over 128k tokens: 4.3 GB per call)."""
+    return nseq, h, -(-total_q // nseq)
+
+
 def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns):
-    """FA3 varlen forward on an expressible block: (o [b, t, h, d] in q's dtype, lse [b, h, t] float32)."""
-    from flash_attn3_jax.varlen_fwd import flash_mha_varlen_fwd  # internal: returns the lse
+    """FA3 varlen forward on an expressible block: (o [b, t, h, d] in q's dtype, lse [b, h, t] float32),
+    through the library's FFI target ``flash_mha_fwd`` with the lse buffer at its real size."""
+    import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
 
     b, t, h, d = q.shape
-    o, lse = flash_mha_varlen_fwd(q.reshape(b * t, h, d), _packed_kv(k, runs), _packed_kv(v, runs), runs.cu_q,
-                                  runs.cu_k, max_seqlen_q=t, max_seqlen_k=k.shape[1], softmax_scale=scale,
-                                  is_causal=causal)
+    nseq = runs.cu_q.shape[0] - 1
+    k_p, v_p = _packed_kv(k, runs), _packed_kv(v, runs)
+    result_types = [jax.ShapeDtypeStruct((b * t, h, d), q.dtype),
+                    jax.ShapeDtypeStruct(_lse_buffer_shape(nseq, h, b * t), F32),
+                    jax.ShapeDtypeStruct((1, 1, 1, 1), F32), jax.ShapeDtypeStruct((1, 1, 1), F32)]  # no split
+    none_i32, none_f32, none_q = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), F32), jnp.zeros((0,), q.dtype)
+    o, lse, _, _ = jax.ffi.ffi_call(
+        "flash_mha_fwd", result_types, has_side_effect=False, input_layouts=[None] * 21, output_layouts=[None] * 4,
+    )(q.reshape(b * t, h, d), k_p, v_p, none_q, none_q, none_q,  # k_new, v_new, q_v
+      runs.cu_q, runs.cu_k, none_i32, none_i32, none_i32,  # cu_seqlens_k_new, seqused_q, seqused_k
+      none_i32, none_i32, none_i32, none_q, none_q, none_i32,  # page table, kv batch, left pad, rotary
+      none_f32, none_f32, none_f32, none_i32,  # q / k / v descale, scheduler metadata
+      max_seqlen_q=t, max_seqlen_q_has_value=True, max_seqlen_k=k.shape[1], max_seqlen_k_has_value=True,
+      softmax_scale_val=float(scale), softmax_scale_has_value=True, pack_gqa_val=False, pack_gqa_has_value=False,
+      is_causal=bool(causal), window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0,
+      is_rotary_interleaved=False, num_splits=1, sm_margin=0)
     o, lse = o.reshape(b, t, h, d), _lse_tokens(lse, b, h, t)
     if runs.covers_block:  # every query is in a run: nothing to blank (a select is a pass over o)
         return o, lse
@@ -90,11 +114,9 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns
     # here get any finite value (their gradients are zeroed below)
     lse_t = lse.astype(F32) if runs.covers_block else jnp.where(runs.covered_q[:, None, :], lse.astype(F32), 0.0)
     lse_t = lse_t.transpose(1, 0, 2).reshape(-1)
-    # The kernel reads [h, b·t] at the front of the buffer, whatever its declared shape: declared
-    # [nseq, h, ceil(b·t / nseq)] (b·t and a few rows), not the library's [nseq, h, t] — at 256
-    # slots over 128k tokens that was 4.3 GB of float32 written per backward call.
-    per_slot = -(-(b * t) // nseq)
-    lse_buffer = jnp.pad(lse_t, (0, nseq * h * per_slot - h * b * t)).reshape(nseq, h, per_slot)
+    # The kernel reads [h, b·t] at the front of the buffer, whatever its declared shape
+    shape = _lse_buffer_shape(nseq, h, b * t)
+    lse_buffer = jnp.pad(lse_t, (0, shape[0] * h * shape[2] - h * b * t)).reshape(shape)
     rows = b * t + (nseq + 1) * MAX_TILE_ROWS
     result_types = [jax.ShapeDtypeStruct((b * t, h, d), dtype), jax.ShapeDtypeStruct(k_p.shape, dtype),
                     jax.ShapeDtypeStruct(v_p.shape, dtype), jax.ShapeDtypeStruct((h, rows), F32),

@@ -15,19 +15,24 @@ Per strategy and sequence length, on a world of N ranks (every GPU; 2 gloo ranks
 - **predicted**: T_math = matmul FLOPs / N / C + attention FLOPs / N / C_attn + memory bytes /
   W_hbm (``parity.training.step_model``: torch's memory-bound kernels — norms, RoPE, SwiGLU, the
   casts, the loss over [tokens, vocab], Adam on the device's 1/N of the weights); T_comm = Σ over
-  kinds of bytes / W[kind]; ``overlap`` = max(T_math, T_comm), ``serial`` = their sum
-  (``predicted_s``). C (bf16 n³ matmul), W_hbm (a large elementwise copy) and W (per collective
-  kind, bytes per device as docs/contract.md counts them) come from ``calibrate.profile_task`` on
-  the same world; C_attn is the resolved causal block kernel alone on T/N tokens
-  (``llama_gpu.attention_rate``, run on the same ranks, rank 0's rate).
+  kinds of bytes / W[kind]; ``predicted_s`` = max(host floor, T_math + Σ T_comm[kind] × the
+  kind's exposed fraction), the bounds ``bound_overlap_s`` = max(T_math, T_comm) and
+  ``bound_serial_s`` = their sum. Calibrated in the same run, never on a row it predicts: C (bf16
+  n³ matmul), W_hbm (a large elementwise copy) and W (per collective kind, bytes per device as
+  docs/contract.md counts them) by ``calibrate.profile_task``; C_attn, the resolved causal block
+  kernel alone on the row's B rows of T/N tokens (``llama_gpu.attention_rate``, rank 0's rate);
+  the exposed fractions from a CUDA profile of each strategy's step at ``exposure_seq``
+  (``exposure``); the host floor, each strategy's step at ``host_seq`` tokens.
 
 B* (``critical_batch``): with B rows of T tokens, FLOPs, the activations' memory traffic and the
 attention's K/V bytes grow with B while the FSDP weight bytes and Adam's traffic do not, so
 T_math = m + a·B and T_comm = c + y·B (affine: checked on the model itself, ``affine_in_batch``).
 The step turns compute-bound at B* = (c − m) / (a − y) ("sum": all traffic serial on the links,
 compute overlapping it) or (c − m) / a ("max": each kind on its own link), 0 when m ≥ c already,
-infinite when a ≤ y (attention traffic alone outgrows compute). The sweep times B = 1, 2, 4, …
-rows of ``bstar_seq`` tokens and reports measured / T_math per B: the knee should sit near B*.
+infinite when a ≤ y (attention traffic alone outgrows compute). The host floor adds its own
+B* (T_math reaching it); ``predicted_bstar`` is the larger. The sweep times B = 1, 2, 4, … rows of
+``bstar_seq`` tokens; its knee (:func:`knee`) is measured and predicted alike. Rows go to
+``emit`` (the CLI: a ``-rows.jsonl`` file) as each finishes.
 
 Rows are one-document batches (``llama_gpu.one_document``): every block runs the fused kernels
 and FLOPs are exactly affine in B. docs/model.md says how to read the file.
@@ -49,6 +54,7 @@ from ..training.llama import LlamaConfig, ModelCase, TokenBatch, packed_corpus, 
 from ..training.llama_gpu import GPU_MODEL, attention_rate, one_document
 from ..training.llama_traffic import llama_step_traffic
 from .calibrate import SMALL, Sizes, median_seconds, profile_task, slowest
+from .exposure import SERIAL, fractions
 
 LAYOUTS = {"zigzag": "zigzag", "stripe": "stripe", "contiguous": "contiguous", "ulysses": "zigzag",
            "allgather": "zigzag"}  # strategy -> the layout its tokens are permuted into
@@ -78,6 +84,11 @@ class ScaleRun:
     block_backend: the attention's block kernel ("auto": the routing table).
     warmup, iters: steps not timed, and timed (the median is reported).
     sizes:      calibration sizes (``calibrate.Sizes``) for C and W.
+    exposure_seq: T of each strategy's calibration step for the exposed fractions (one row; default
+                half the shortest of ``seqs``; never a timed row's T).
+    host_seq:   T of each strategy's host-floor step (one row; never a timed row's T): eager torch
+                issues every kernel from Python, and FSDP2 adds hooks per unit, so a step is never
+                shorter than its host's work — measured on a row too short to keep the GPUs busy.
     """
 
     model: LlamaConfig = GPU_MODEL
@@ -90,11 +101,13 @@ class ScaleRun:
     warmup: int = 2
     iters: int = 5
     sizes: Sizes = Sizes()
+    exposure_seq: int | None = None
+    host_seq: int = 256
 
 
 SMALL_RUN = ScaleRun(model=LlamaConfig(vocab=64, d_model=32, layers=2, heads=4, kv_heads=2, head_dim=8, d_ff=64),
                      strategies=("zigzag", "ulysses"), seqs=(64,), bstar_seq=32, batches=(1, 2), dtype="float32",
-                     warmup=1, iters=2, sizes=SMALL)
+                     warmup=1, iters=2, sizes=SMALL, exposure_seq=16, host_seq=8)
 
 
 def model_case(run: ScaleRun, strategy: str, seq: int, batch: int, world: int) -> ModelCase:
@@ -125,17 +138,43 @@ def timed_step_task(case: ModelCase, device_type: str, dtype: str, warmup: int, 
     return {"seconds": seconds, "peak_bytes": peak, "traffic": tracer.traffic.rows()}
 
 
+def exposure_task(case: ModelCase, device_type: str, dtype: str, warmup: int) -> dict:
+    """Runs on every rank: ``warmup`` steps, then one step's collectives against its compute
+    (``exposure.exposed_times``; on gloo nothing to profile: ``None``)."""
+    import torch
+
+    from ..accounting.torch_trace import CommTracer
+    from ..training.llama_torch import Rig
+    from .exposure import exposed_times, profiled_kernels, send_recv_kinds
+
+    rig = Rig(case, device_type, dtype, rows_of_one_document(case))
+    untraced = CommTracer()
+    for _ in range(max(1, warmup)):
+        rig.step(untraced, keep_grads=False)
+    if device_type != "cuda":
+        return None
+    kinds = {kind for _, kind in llama_step_traffic(case, "torch", dtype).rows()}
+    kernels = profiled_kernels(lambda: rig.step(untraced, keep_grads=False), torch.cuda.synchronize)
+    return exposed_times(kernels, send_recv_kinds(kinds))
+
+
 def traffic_equal(model_rows: dict, traced_rows: dict) -> bool:
     """The model's (calls, bytes) per (pass, kind) equal the trace's, exactly."""
     nonzero = lambda rows: {k: (int(c), float(b)) for k, (c, b) in rows.items() if c or b}
     return nonzero(model_rows) == nonzero(traced_rows)
 
 
-def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float) -> dict:
+def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, exposed: dict | None = None,
+            host_s: float = 0.0) -> dict:
     """T_math, T_comm (seconds per device) of one step of ``case`` from the model's FLOPs and
     bytes: T_math = matmul FLOPs / N / C + attention FLOPs / N / C_attn + memory bytes / W_hbm
     (``step_model``: torch's memory-bound kernels on the device's tokens, Adam on its 1/N of the
-    weights — FSDP; ``profile["hbm"]``, measured by ``calibrate.profile_task``)."""
+    weights — FSDP; ``profile["hbm"]``, measured by ``calibrate.profile_task``); T_comm = Σ over
+    kinds of bytes / W[kind]. Bounds: ``bound_overlap_s`` = max(T_math, T_comm) (every transfer
+    hidden), ``bound_serial_s`` = their sum (none hidden); ``predicted_s`` = T_math + Σ over kinds
+    of T_comm[kind] × ``exposed[kind]`` — the fraction a calibration step left exposed
+    (``exposure``; a kind without one counts whole) — or the host's floor ``host_s`` where that
+    is longer (``step_model.StepPrediction``'s rule)."""
     from ..training import step_model as sm
 
     if "hbm" not in profile:
@@ -149,28 +188,34 @@ def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float) -> d
     memory = sm.memory_bytes(sm.memory_passes(case.model, tokens, "torch", dtype, shards=n))["total"]
     memory_s = memory / profile["hbm"]
     math_s = matmul_s + attention_s + memory_s
-    rows = llama_step_traffic(case, "torch", dtype).rows()
-    comm_s = sum(float(b) / profile["bandwidth"][kind] for (_, kind), (_, b) in rows.items())
+    comm_by_kind: dict[str, float] = {}
+    for (_, kind), (_, b) in llama_step_traffic(case, "torch", dtype).rows().items():
+        comm_by_kind[kind] = comm_by_kind.get(kind, 0.0) + float(b) / profile["bandwidth"][kind]
+    comm_s = sum(comm_by_kind.values())
+    exposed_s = sum(t * (exposed or {}).get(kind, 1.0) for kind, t in comm_by_kind.items())
     return {"t_math_s": math_s, "t_matmul_s": matmul_s, "t_attention_s": attention_s, "t_memory_s": memory_s,
-            "memory_bytes_per_device": memory, "t_comm_s": comm_s, "overlap_s": max(math_s, comm_s),
-            "serial_s": math_s + comm_s, "predicted_s": math_s + comm_s, "flops_per_device": sum(flops.values()) / n}
+            "memory_bytes_per_device": memory, "t_comm_s": comm_s, "t_comm_by_kind_s": comm_by_kind,
+            "t_comm_exposed_s": exposed_s, "bound_overlap_s": max(math_s, comm_s), "bound_serial_s": math_s + comm_s,
+            "host_floor_s": host_s, "predicted_s": max(host_s, math_s + exposed_s), "flops_per_device": sum(flops.values()) / n}
 
 
 def affine_in_batch(run: ScaleRun, strategy: str, seq: int, world: int, profile: dict, c_attention: float,
-                    batches=(1, 2, 3)) -> tuple[float, float, float, float]:
+                    batches=(1, 2, 3), exposed: dict | None = None) -> tuple[float, float, float, float]:
     """(m, a, c, y) with T_math = m + a·B and T_comm = c + y·B from B = 1 and 2, after checking
     the model is exactly affine in B at every other B of ``batches`` (ValueError otherwise). m:
     the memory-bound work that does not grow with the batch (Adam over the device's weights, the
-    embedding's gradient buffer)."""
-    p = {b: predict(model_case(run, strategy, seq, b, world), run.dtype, profile, c_attention)
+    embedding's gradient buffer). ``exposed``: fractions per kind — T_comm is then the exposed
+    part (``predict``'s ``t_comm_exposed_s``)."""
+    p = {b: predict(model_case(run, strategy, seq, b, world), run.dtype, profile, c_attention, exposed)
          for b in sorted({1, 2, *batches})}
+    comm = "t_comm_s" if exposed is None else "t_comm_exposed_s"
     a = p[2]["t_math_s"] - p[1]["t_math_s"]
     m = p[1]["t_math_s"] - a
-    y = p[2]["t_comm_s"] - p[1]["t_comm_s"]
-    c = p[1]["t_comm_s"] - y
+    y = p[2][comm] - p[1][comm]
+    c = p[1][comm] - y
     for b in p:
         if not (math.isclose(p[b]["t_math_s"], m + a * b, rel_tol=1e-9)
-                and math.isclose(p[b]["t_comm_s"], c + y * b, rel_tol=1e-9)):
+                and math.isclose(p[b][comm], c + y * b, rel_tol=1e-9)):
             raise ValueError(f"the step's model is not affine in the batch at B={b}: {p[b]}")
     return m, a, c, y
 
@@ -191,47 +236,134 @@ def critical_batch(a: float, c: float, y: float, overlap: str = "sum", m: float 
     raise ValueError(f"overlap must be 'sum' or 'max', got {overlap!r}")
 
 
-def measure(run: ScaleRun, devices: str, world: int | None = None) -> dict:
-    """Calibrate, time every strategy × T at one row, then the B* sweep. The result dict."""
+def _calibration_seqs(run: ScaleRun) -> tuple[int, int]:
+    """(exposure T, host-floor T) of the calibration steps: ``run.exposure_seq`` (else half the
+    shortest timed T) and ``run.host_seq`` — never a row the run predicts (``ValueError``)."""
+    exposure = run.exposure_seq or min(run.seqs) // 2
+    timed = {*run.seqs, run.bstar_seq}
+    for name, seq in (("exposure_seq", exposure), ("host_seq", run.host_seq)):
+        if seq in timed:
+            raise ValueError(f"{name} {seq} is a timed row's T ({run.seqs}, B* sweep {run.bstar_seq}): a "
+                             "prediction must come from steps it is not checked against")
+    return exposure, run.host_seq
+
+
+def knee(batches, seconds) -> int:
+    """The smallest B whose time per row is within 10 % of the sweep's best time per row."""
+    per_row = [s / b for b, s in zip(batches, seconds)]
+    return next(b for b, t in zip(batches, per_row) if t <= 1.1 * min(per_row))
+
+
+def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) -> dict:
+    """Calibrate, time every strategy × T at one row, then the B* sweep. The result dict; each
+    row also goes to ``emit(row)`` as it is measured. A row that fails is kept as
+    ``{"error": ...}`` and the run goes on."""
     import torch
 
     backend, device_type = world_backend(devices)
     world = world or (torch.cuda.device_count() if devices == "gpu" else 2)
     if world < 2:
         raise ValueError(f"the whole model over several devices needs at least 2, found {world}")
+    exposure_seq, host_seq = _calibration_seqs(run)
+    emit = emit or (lambda row: None)
     ranks = get_world(world, backend)
     profile = ranks.run(profile_task, run.sizes, device_type)[0]
     c = run.model
-    # on the ranks, each on its own device, as C was: the parent never holds GPU memory
-    kernels = {seq: ranks.run(attention_rate, run.block_backend, seq // world, c.heads, c.head_dim, device_type,
-                              run.dtype)[0] for seq in (*run.seqs, run.bstar_seq)}
+    device_name = torch.cuda.get_device_name(0) if devices == "gpu" else "CPU"
+    kernels: dict[tuple[int, int], tuple[str, float]] = {}
+
+    def kernel(seq: int, batch: int) -> tuple[str, float]:
+        """(kernel, C_attn) of one device's causal block of ``batch`` rows of seq / N tokens, timed
+        alone — on the ranks, each on its own device, as C was (the parent holds no GPU memory)."""
+        if (seq, batch) not in kernels:
+            kernels[seq, batch] = ranks.run(attention_rate, run.block_backend, seq // world, c.heads, c.head_dim,
+                                            device_type, run.dtype, batch)[0]
+        return kernels[seq, batch]
+    calibrated = {"c_flops": profile["flops"], "w_hbm": profile["hbm"], "w_by_kind": profile["bandwidth"]}
+    exposures: dict[str, dict] = {}
+    floors: dict[str, float] = {}
+
+    def host_floor(strategy: str) -> float:
+        """The strategy's step at ``host_seq`` tokens (one row): the host's floor."""
+        if strategy not in floors:
+            case = model_case(run, strategy, host_seq, 1, world)
+            floors[strategy] = ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters)[0][
+                "seconds"]
+            emit({"host_floor": strategy, "seq": host_seq, "seconds": floors[strategy]})
+        return floors[strategy]
+
+    def exposure(strategy: str) -> dict:
+        """The strategy's exposed fraction per kind, from its own step at ``exposure_seq``."""
+        if strategy not in exposures:
+            case = model_case(run, strategy, exposure_seq, 1, world)
+            kinds = sorted({kind for _, kind in llama_step_traffic(case, "torch", run.dtype).rows()})
+            per_rank = ranks.run(exposure_task, case, device_type, run.dtype, run.warmup)
+            if any(r is None for r in per_rank):  # gloo: nothing overlaps
+                exposures[strategy] = {"fractions": {k: 1.0 for k in kinds}, "source": SERIAL, "seq": exposure_seq}
+            else:
+                exposures[strategy] = {"fractions": fractions(per_rank, kinds), "seq": exposure_seq,
+                                       "source": "CUDA profile of one step, mean over ranks", "per_rank": per_rank}
+            emit({"exposure": strategy, **exposures[strategy]})
+        return exposures[strategy]
 
     def row(strategy: str, seq: int, batch: int) -> dict:
-        case = model_case(run, strategy, seq, batch, world)
-        measured = ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters)[0]
-        model_rows = llama_step_traffic(case, "torch", run.dtype).rows()
-        pred = predict(case, run.dtype, profile, kernels[seq][1])
-        s = measured["seconds"]
-        return {"strategy": strategy, "mesh": case.mesh.name, "layout": case.layout, "seq": seq, "batch": batch,
-                "framework": "torch", "measured_s": s,
-                "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
-                "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
-                "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
-                "measured_over_overlap": s / pred["overlap_s"], "measured_over_serial": s / pred["serial_s"],
-                "achieved_tflops": pred["flops_per_device"] / s / 1e12}
+        head = {"strategy": strategy, "seq": seq, "batch": batch, "framework": "torch", "devices": world,
+                "device": device_name}
+        try:
+            case = model_case(run, strategy, seq, batch, world)
+            exposed, host_s = exposure(strategy), host_floor(strategy)
+            measured = ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters)[0]
+            model_rows = llama_step_traffic(case, "torch", run.dtype).rows()
+            pred = predict(case, run.dtype, profile, kernel(seq, batch)[1], exposed["fractions"], host_s)
+            s = measured["seconds"]
+            out = {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
+                   "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
+                   "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
+                   "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
+                   "measured_over_predicted": s / pred["predicted_s"],
+                   "measured_over_overlap": s / pred["bound_overlap_s"],
+                   "measured_over_serial": s / pred["bound_serial_s"],
+                   "achieved_tflops": pred["flops_per_device"] / s / 1e12, **calibrated,
+                   "c_attention": kernel(seq, batch)[1], "attention_kernel": kernel(seq, batch)[0],
+                   "exposed_fraction": exposed["fractions"], "exposure_seq": exposed["seq"]}
+        except Exception as err:  # noqa: BLE001 — one failing row must not lose the others
+            out = {**head, "error": f"{type(err).__name__}: {err}"[:500]}
+        emit(out)
+        return out
 
     rows = [row(st, seq, 1) for st in run.strategies for seq in run.seqs]
     first, seq0 = run.strategies[0], run.bstar_seq
-    m, a, c_, y = affine_in_batch(run, first, seq0, world, profile, kernels[seq0][1])
     sweep = [row(first, seq0, b) for b in run.batches]
-    env = {"devices": f"{world}x {torch.cuda.get_device_name(0) if devices == 'gpu' else 'CPU'}",
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    env = {"devices": f"{world}x {device_name}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     return {"env": env, "run": {**asdict(run), "sizes": repr(run.sizes)}, "profile": profile,
-            "attention_kernel": {str(s): {"kernel": k, "tflops": r / 1e12} for s, (k, r) in kernels.items()},
-            "rows": rows, "bstar": {"strategy": first, "seq": seq0, "m_s": m, "a_s_per_row": a, "c_s": c_,
-                                    "y_s_per_row": y, "rows_sum": critical_batch(a, c_, y, "sum", m),
-                                    "rows_max": critical_batch(a, c_, y, "max", m),
-                                    "sweep": sweep}}
+            "attention_kernel": {f"{s}x{b}": {"kernel": k, "tflops": r / 1e12} for (s, b), (k, r) in kernels.items()},
+            "exposure": exposures, "host_floor_s": floors, "rows": rows,
+            # the closed form's one C_attn: the sweep's largest batch (the rate B* is approached at)
+            "bstar": bstar_summary(run, world, profile, kernel(seq0, max(run.batches))[1], exposures.get(first),
+                                   floors.get(first), sweep)}
+
+
+def bstar_summary(run: ScaleRun, world: int, profile: dict, c_attention: float, exposure: dict | None,
+                  host_s: float | None, sweep: list[dict]) -> dict:
+    """The sweep's predicted B* and its knees. ``rows_sum`` / ``rows_max``: the links' B*
+    (:func:`critical_batch` on all of T_comm); ``rows_exposed``: the same on the exposed part;
+    ``rows_host``: where T_math = m + a·B reaches the host's floor; ``predicted_bstar``: the larger
+    of the last two (compute then outlasts both). ``measured_knee`` / ``predicted_knee``: :func:`knee`
+    of the measured / predicted times."""
+    first, seq0 = run.strategies[0], run.bstar_seq
+    m, a, c, y = affine_in_batch(run, first, seq0, world, profile, c_attention)
+    fractions_ = None if exposure is None else exposure["fractions"]
+    _, _, c_e, y_e = affine_in_batch(run, first, seq0, world, profile, c_attention, exposed=fractions_)
+    rows_exposed = critical_batch(a, c_e, y_e, "sum", m)
+    rows_host = max(0.0, ((host_s or 0.0) - m) / a)
+    done = [r for r in sweep if "error" not in r]
+    batches = [r["batch"] for r in done]
+    return {"strategy": first, "seq": seq0, "m_s": m, "a_s_per_row": a, "c_s": c, "y_s_per_row": y,
+            "c_exposed_s": c_e, "y_exposed_s_per_row": y_e, "host_floor_s": host_s,
+            "rows_sum": critical_batch(a, c, y, "sum", m), "rows_max": critical_batch(a, c, y, "max", m),
+            "rows_exposed": rows_exposed, "rows_host": rows_host, "predicted_bstar": max(rows_exposed, rows_host),
+            "measured_knee": knee(batches, [r["measured_s"] for r in done]) if done else None,
+            "predicted_knee": knee(batches, [r["predicted_s"] for r in done]) if done else None, "sweep": sweep}
 
 
 def markdown(result: dict) -> str:
@@ -240,19 +372,34 @@ def markdown(result: dict) -> str:
              f"torch {result['env']['torch']}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W_hbm = "
              f"{result['profile']['hbm'] / 1e9:.0f} GB/s; W (GB/s per device): "
              + ", ".join(f"{k} {w / 1e9:.1f}" for k, w in result["profile"]["bandwidth"].items()), "",
-             "| strategy | T | B | measured ms | T_math ms (of it memory) | T_comm ms | measured / overlap "
-             "| measured / serial | TFLOP/s | peak GiB | bytes == trace |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Exposed fraction per kind (each strategy's calibration step): "
+             + "; ".join(f"{st} at T = {e['seq']}: " + ", ".join(f"{k} {f:.2f}" for k, f in e["fractions"].items())
+                         for st, e in result["exposure"].items()), "",
+             "Host floor (each strategy's step at T = " + str(result["run"]["host_seq"]) + "): "
+             + ", ".join(f"{st} {t * 1e3:.1f} ms" for st, t in result["host_floor_s"].items()), "",
+             "| strategy | T | B | measured ms | predicted ms | measured / predicted | T_math ms (of it memory) "
+             "| T_comm ms (exposed) | host floor ms | bounds: overlap / serial ms | TFLOP/s | peak GiB "
+             "| bytes == trace |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: "—" if x is None else f"{x:.2f}"
     for r in result["rows"] + result["bstar"]["sweep"]:
-        lines.append(f"| {r['strategy']} ({r['mesh']}) | {r['seq']} | {r['batch']} | {r['measured_s'] * 1e3:.1f} "
-                     f"| {r['t_math_s'] * 1e3:.1f} ({r['t_memory_s'] * 1e3:.1f}) | {r['t_comm_s'] * 1e3:.1f} "
-                     f"| {r['measured_over_overlap']:.2f} "
-                     f"| {r['measured_over_serial']:.2f} | {r['achieved_tflops']:.1f} | {fmt(r['peak_gib'])} "
-                     f"| {r['traffic_equal']} |")
+        if "error" in r:
+            lines.append(f"| {r['strategy']} | {r['seq']} | {r['batch']} | failed: {r['error'][:120]} |"
+                         + " |" * 9)
+            continue
+        ms = lambda key, r=r: f"{r[key] * 1e3:.1f}"
+        lines.append(f"| {r['strategy']} ({r['mesh']}) | {r['seq']} | {r['batch']} | {ms('measured_s')} "
+                     f"| {ms('predicted_s')} | {r['measured_over_predicted']:.2f} "
+                     f"| {ms('t_math_s')} ({ms('t_memory_s')}) | {ms('t_comm_s')} ({ms('t_comm_exposed_s')}) "
+                     f"| {ms('host_floor_s')} "
+                     f"| {ms('bound_overlap_s')} / {ms('bound_serial_s')} | {r['achieved_tflops']:.1f} "
+                     f"| {fmt(r['peak_gib'])} | {r['traffic_equal']} |")
     b = result["bstar"]
-    lines += ["", f"B* ({b['strategy']}, T = {b['seq']}): {b['rows_sum']:.2f} rows (sum), {b['rows_max']:.2f} rows "
-              f"(max); T_math = m + a·B with m = {b['m_s'] * 1e3:.2f} ms, a = {b['a_s_per_row'] * 1e3:.2f} ms/row; "
-              f"T_comm = c + y·B with c = {b['c_s'] * 1e3:.2f} ms, y = {b['y_s_per_row'] * 1e3:.2f} ms/row."]
+    lines += ["", f"B* ({b['strategy']}, T = {b['seq']}): links {b['rows_sum']:.2f} rows (sum, all of T_comm), "
+              f"{b['rows_exposed']:.2f} (the exposed part); host floor {b['rows_host']:.2f}; predicted B* = "
+              f"{b['predicted_bstar']:.2f} rows. Knee (time per row within 10 % of the best): measured "
+              f"{b['measured_knee']}, predicted {b['predicted_knee']}. T_math = m + a·B with m = {b['m_s'] * 1e3:.2f} ms, "
+              f"a = {b['a_s_per_row'] * 1e3:.2f} ms/row; T_comm = c + y·B with c = {b['c_s'] * 1e3:.2f} ms, "
+              f"y = {b['y_s_per_row'] * 1e3:.2f} ms/row."]
     return "\n".join(lines) + "\n"
 
 
@@ -266,23 +413,35 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default=None, help="comma-separated rows per step (the B* sweep)")
     ap.add_argument("--bstar-seq", type=int, default=None, help="tokens per row of the B* sweep")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--exposure-seq", type=int, default=None,
+                    help="tokens per row of each strategy's calibration step (default: half the shortest --seq)")
+    ap.add_argument("--host-seq", type=int, default=None, help="tokens per row of each strategy's host-floor step")
     a = ap.parse_args(argv)
     run = SMALL_RUN if a.small else ScaleRun()
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)
     run = replace(run, **{k: v for k, v in (("strategies", a.strategies and tuple(a.strategies.split(","))),
                                              ("seqs", a.seq and ints(a.seq)),
                                              ("batches", a.batches and ints(a.batches)),
-                                             ("bstar_seq", a.bstar_seq)) if v})
+                                             ("bstar_seq", a.bstar_seq), ("exposure_seq", a.exposure_seq),
+                                             ("host_seq", a.host_seq)) if v})
+    _calibration_seqs(run)  # a bad --exposure-seq fails before any rank starts
+    a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
+    stem = f"llama-scale-{time.strftime('%Y-%m-%d')}"
+    rows_file = a.out / f"{stem}-rows.jsonl"
+
+    def emit(row: dict) -> None:
+        with rows_file.open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
     try:
-        result = measure(run, a.devices, a.world)
+        result = measure(run, a.devices, a.world, emit)
     finally:
         close_worlds()
-    a.out.mkdir(parents=True, exist_ok=True)
-    stem = f"llama-scale-{result['env']['date']}"
     (a.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     (a.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
-    return 0 if all(r["traffic_equal"] for r in result["rows"]) else 1
+    rows = result["rows"] + result["bstar"]["sweep"]
+    return 0 if all(r.get("traffic_equal") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -28,19 +28,43 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
     the equality can fail."""
     worlds(2)  # the session's gloo world of 2 (measure uses the same one)
     run = llama_scale.SMALL_RUN
-    result = llama_scale.measure(run, "cpu", world=2)
+    emitted = []
+    result = llama_scale.measure(run, "cpu", world=2, emit=emitted.append)
+    # every row handed out as it was measured (a killed run keeps them), each strategy's exposure first
+    calibration = ("exposure", "host_floor")
+    assert [r for r in emitted if not set(calibration) & set(r)] == result["rows"] + result["bstar"]["sweep"]
+    for key in calibration:  # each strategy's two calibration steps, each once
+        assert [r[key] for r in emitted if key in r] == list(run.strategies)
     assert [(r["strategy"], r["seq"], r["batch"]) for r in result["rows"]] == [(s, run.seqs[0], 1)
                                                                                  for s in run.strategies]
     for r in result["rows"] + result["bstar"]["sweep"]:
         assert r["traffic_equal"], r
         assert r["measured_s"] > 0 and r["t_math_s"] > 0 and r["t_comm_s"] > 0 and r["t_memory_s"] > 0
-        assert r["framework"] == "torch" and r["predicted_s"] == r["serial_s"]
+        # gloo blocks the calling thread in every collective: nothing hides, the GPU-side prediction is
+        # the serial bound, and the host's floor (a step of host_seq tokens) where that is longer
+        assert r["framework"] == "torch" and r["devices"] == 2 and set(r["exposed_fraction"].values()) == {1.0}
+        assert r["predicted_s"] == max(r["bound_serial_s"], result["host_floor_s"][r["strategy"]])
+        assert r["bound_overlap_s"] < r["bound_serial_s"]
+    assert result["bstar"]["predicted_bstar"] == max(result["bstar"]["rows_exposed"], result["bstar"]["rows_host"])
     assert [(r["seq"], r["batch"]) for r in result["bstar"]["sweep"]] == [(run.bstar_seq, b) for b in run.batches]
     case = llama_scale.model_case(run, "zigzag", run.seqs[0], 1, 2)
     traced = worlds(2).run(llama_scale.timed_step_task, case, "cpu", "float32", 0, 1)[0]["traffic"]
     assert llama_scale.traffic_equal(llama_step_traffic(case, "torch", "float32").rows(), traced)
     assert not llama_scale.traffic_equal(llama_step_traffic(case, "torch", "bfloat16").rows(), traced)
     assert "2x CPU" in llama_scale.markdown(result)
+
+
+def test_the_knee_is_the_smallest_batch_within_ten_percent_of_the_best_time_per_row():
+    assert llama_scale.knee([1, 2, 4, 8], [1.0, 1.0, 1.2, 2.3]) == 4  # per row 1, .5, .3, .2875
+    assert llama_scale.knee([1, 2, 4], [1.0, 2.0, 4.0]) == 1  # compute-bound from the first row
+
+
+def test_calibration_steps_are_never_rows_the_run_predicts():
+    run = llama_scale.SMALL_RUN
+    with pytest.raises(ValueError, match="exposure_seq"):
+        llama_scale._calibration_seqs(llama_scale.replace(run, exposure_seq=run.seqs[0]))
+    with pytest.raises(ValueError, match="host_seq"):
+        llama_scale._calibration_seqs(llama_scale.replace(run, host_seq=run.bstar_seq))
 
 
 def test_the_step_model_is_affine_in_the_batch_and_bstar_balances_it():

@@ -242,3 +242,33 @@ def test_one_call_backward_bound_holds_the_longest_run():
 
     longest, bound = jax.jit(choose)(ids, index)
     assert (int(longest), int(bound)) == (300, 512)
+
+
+def test_varlen_lse_buffers_are_declared_at_the_tokens_size(emulated_fa3, monkeypatch):
+    """Both FFI calls size their lse buffer [nseq, h, ceil(total_q / nseq)] — room for the
+    [h, total_q] the kernels use — not the library's [nseq, h, max_seqlen_q] (at 256 slots over a
+    128k-token block that was 4.3 GB of float32 per call). The emulated targets read and write at
+    the front of whatever they are given, so the adapter's results are checked above; here the sizes."""
+    lse_shapes = {}
+    emulated_call = jax.ffi.ffi_call
+
+    def spy(name, result_types, **kw):
+        call = emulated_call(name, result_types, **kw)
+        if name == "flash_mha_fwd":  # the lse is the forward's second result
+            lse_shapes[name] = result_types[1].shape
+            return call
+
+        def backward(*args, **attrs):  # ... and the backward's sixth input
+            lse_shapes[name] = args[5].shape
+            return call(*args, **attrs)
+        return backward
+
+    monkeypatch.setattr(jax.ffi, "ffi_call", spy)
+    b, t, h, d = 1, 1024, 4, 8
+    ids = jnp.asarray(np.arange(t, dtype=np.int32)[None] // 4)  # 256 documents of 4 tokens: the 256-run slot
+    q = jnp.ones((b, t, h, d), jnp.float16)
+    kv, mask, seg = q[:, :, :2], BlockMask(MaskKind.CAUSAL, documents=True), (ids, ids)
+    o, lse = emulated_fa3.fa3_varlen_block_fwd(q, kv, kv, mask, 0.5, segments=seg)
+    emulated_fa3.fa3_varlen_block_bwd(q, q, kv, kv, o, lse, mask, 0.5, segments=seg)
+    for name in ("flash_mha_fwd", "flash_mha_bwd"):
+        assert lse_shapes[name] == (256, h, -(-b * t // 256)), (name, lse_shapes[name])

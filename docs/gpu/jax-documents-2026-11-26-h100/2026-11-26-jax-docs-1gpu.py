@@ -15,7 +15,8 @@ and its one-GPU target): 32k tokens, 32 / 8 heads, d 128, bf16, causal, fwd+bwd,
 ``SEQ`` (default 32768) and ``MIXES`` (default ``mix,heavy-tail``) pick the problems;
 ``PROFILE=0`` and ``PARTS=0`` leave out the profiles and the backward taken apart.
 ``BASE=dir`` also times the library path of another checkout (``dir`` first on the path) in a
-child process, so before / after come from one machine. Rows go to $OUT/jax-docs-1gpu.jsonl as
+child process, so before / after come from one machine. Library rows carry the step's
+temporary buffers as XLA plans them (``step_temp_gib``; added for the lse-buffer change). Rows go to $OUT/jax-docs-1gpu.jsonl as
 they are measured.
 
     python docs/gpu/jax-documents-2026-11-26-h100/2026-11-26-jax-docs-1gpu.py [--smoke] [--library-only]"""
@@ -199,7 +200,10 @@ def library_row(mix: str, tag: str) -> None:
     # a digest of the outputs, to compare two checkouts' paths (equal kernels and runs: equal sums)
     digest = [float(jnp.abs(x.astype(jnp.float32)).sum()) for x in (o, *grads)]
     fwd_ms, step_ms = ms(fwd, q, k, v, seg), ms(step, q, k, v, do, seg)
-    emit({"part": "library", "code": tag, "module": jax_impl.__file__, "mix": mix, "seq": T, "fwd_ms": fwd_ms,
+    memory = step.lower(q, k, v, do, seg).compile().memory_analysis()  # XLA's plan for the step's buffers
+    temp_gb = None if memory is None else round(memory.temp_size_in_bytes / 2**30, 3)
+    emit({"step_temp_gib": temp_gb,
+          "part": "library", "code": tag, "module": jax_impl.__file__, "mix": mix, "seq": T, "fwd_ms": fwd_ms,
           "fwd_bwd_ms": step_ms, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9,
           "step_compile_s": round(compile_s, 2), "digest_o_dq_dk_dv": digest})
     if "--library-only" not in sys.argv and gpu and not smoke and os.environ.get("PROFILE", "1") == "1":
