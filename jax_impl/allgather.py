@@ -53,18 +53,14 @@ from .kernels.reference import reference_block_bwd, reference_block_fwd
 from .kernels.runs import VarlenRuns, prefix_dispatch
 from .kernels.runs import prefix_plans as prefix_plans_of
 from .loop import (
-    alone_dtype,
-    alone_grad_dtypes,
     attention_with_vjp,
+    backward_visit,
+    forward_visit,
     gather_segment_ids,
     gather_token_index,
-    grad_block,
-    local_backward,
-    local_forward,
-    merge_block,
+    per_shard_accumulation,
+    resident_kv,
     ring_index,
-    visit_block,
-    visit_masks,
     walk,
 )
 
@@ -91,11 +87,6 @@ def allgather_attention(q, k, v, axis_name: str | None = RING, *, causal: bool =
         raise ValueError(f"shared_tokens={shared_tokens} exceeds the ring shard's {q.shape[1]} tokens")
     config.backend()  # an unknown or refused kernel fails here
     return _allgather(q, k, v, segment_ids, token_index, sinks, axis_name, config)
-
-
-def _shard(x_all, src, t: int):
-    """Ring shard ``src`` of a gathered [b, R·t, ...] array."""
-    return lax.dynamic_slice_in_dim(x_all, src * t, t, axis=1)
 
 
 def _schedule(axis_name, config: AttentionConfig):
@@ -185,18 +176,9 @@ def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
 
 def _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config: AttentionConfig):
     """(o, lse) of this device's blocks against every gathered shard, merged by LSE."""
-    backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
-    t = k.shape[1]
-
-    def visit(step, j, s, _, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
-        if step.local:  # own K/V
-            return local_forward(backend, config.scale, q, (k, v), schedule.plan.local.mask,
-                                 out_dtype=alone_dtype(schedule, q.dtype), **masks)
-        kv = tuple(_shard(x, schedule.source(me, j, s), t) for x in kv_all)
-        return visit_block(schedule, me, j, s,
-                           lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, **masks), state)
-
+    schedule, me, t = _schedule(axis_name, config), ring_index(axis_name), k.shape[1]
+    visit = forward_visit(q, config, schedule, me, t, ids_all, index_all, own_kv=(k, v),
+                          kv_of=resident_kv(kv_all, schedule, me, t))
     return walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
 
 
@@ -217,31 +199,10 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
 
 def _walk_backward(q, k, v, o, lse, extra: _GatheredSaved, do, dlse, axis_name, config: AttentionConfig):
     """(dq, dk, dv) of this device's blocks: dk, dv float32 [b, R·t, hk, d] (one shard's own when R = 1)."""
-    backend, schedule, me = config.backend(), _schedule(axis_name, config), ring_index(axis_name)
-    kv_all, ids_all, index_all = extra.kv_all, extra.ids_all, extra.index_all
-    t, saved = k.shape[1], (q, o, lse, do, dlse)
-
-    def visit(step, j, s, _, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
-        if step.local:
-            dq, dk, dv = local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask,
-                                        grad_dtypes=alone_grad_dtypes(schedule, config, q.dtype), **masks)
-            if schedule.size == 1:
-                return dq, dk, dv
-            return (dq, *(lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, F32), g.astype(F32), me * t, axis=1)
-                          for x, g in zip(kv_all, (dk, dv))))
-        src = schedule.source(me, j, s)
-        kv = tuple(_shard(x, src, t) for x in kv_all)
-
-        def on_block(blk, st):
-            dq, dk_all, dv_all = st
-            dq, dk_s, dv_s = grad_block(backend, config.scale, saved, blk, kv,
-                                        (dq, _shard(dk_all, src, t), _shard(dv_all, src, t)), **masks)
-            return (dq, lax.dynamic_update_slice_in_dim(dk_all, dk_s, src * t, axis=1),
-                    lax.dynamic_update_slice_in_dim(dv_all, dv_s, src * t, axis=1))
-
-        return visit_block(schedule, me, j, s, on_block, state)
-
+    schedule, me, t = _schedule(axis_name, config), ring_index(axis_name), k.shape[1]
+    visit = backward_visit((q, o, lse, do, dlse), config, schedule, me, t, extra.ids_all, extra.index_all,
+                           own_kv=(k, v), kv_of=resident_kv(extra.kv_all, schedule, me, t),
+                           dkv=per_shard_accumulation(schedule, me, t))
     return walk(schedule, None, None, visit, comm=config.comm, axes=axis_name)
 
 

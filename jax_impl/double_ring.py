@@ -41,13 +41,10 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
     attention_with_vjp,
+    backward_visit,
     gather_segment_ids,
     gather_token_index,
-    grad_block,
-    local_backward,
     ring_index,
-    visit_block,
-    visit_masks,
     walk,
     walk_forward,
 )
@@ -98,16 +95,11 @@ def _forward(q, k, v, ids, index, axes, config: AttentionConfig):
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axes, config: AttentionConfig):
-    backend, schedule, me = config.backend(), _schedule(axes, config), ring_index(axes)
-    (ids_all, index_all), saved, t = extra, (q, o, lse, do, dlse), k.shape[1]
-
-    def visit(step, j, s, kv_bits, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
-        if step.local:
-            return local_backward(backend, config.scale, saved, (k, v), schedule.plan.local.mask, **masks)
-        kv = tuple(_from_bits(x, like) for x, like in zip(kv_bits, (k, v)))
-        return visit_block(schedule, me, j, s,
-                           lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, **masks), state)
+    schedule = _schedule(axes, config)
+    ids_all, index_all = extra
+    kv_of = lambda kv_bits, j, s: tuple(_from_bits(x, like) for x, like in zip(kv_bits, (k, v)))
+    visit = backward_visit((q, o, lse, do, dlse), config, schedule, ring_index(axes), k.shape[1], ids_all, index_all,
+                           own_kv=(k, v), kv_of=kv_of)
 
     def send_dkv(step, state):  # the visited shard's dK/dV follow it to its next holder
         if step.dkv_hop is None:

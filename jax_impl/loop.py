@@ -73,16 +73,19 @@ def ring_index(axes):
     return lax.axis_index(axes)
 
 
-def _repeat(body: Callable, carry: tuple, positions: range) -> tuple:
-    """``carry = body(*carry, p)`` for p in ``positions``: inline for one, else one ``lax.scan``."""
-    if len(positions) == 1:
-        return body(*carry, positions.start)
+def _repeat(body: Callable, carry: tuple, positions: range, scan: bool = True) -> tuple:
+    """``carry = body(*carry, p)`` for p in ``positions``: inline for one (or all, without
+    ``scan``), else one ``lax.scan``."""
+    if len(positions) == 1 or not scan:
+        for p in positions:
+            carry = body(*carry, p)
+        return carry
     carry, _ = lax.scan(lambda c, p: (body(*c, p), None), carry, jnp.arange(positions.start, positions.stop))
     return carry
 
 
 def walk(schedule: Schedule, kv, state, visit: Callable, *, comm: Comm, axes, after_step: Callable | None = None,
-         kv_first=None):
+         kv_first=None, scan: bool = True):
     """Run every step of ``schedule`` on this device, K/V moving as it says, and return ``state``.
 
     ``visit(step, j, s, kv, state) -> state`` computes step (j, s) against the K/V in hand;
@@ -91,7 +94,9 @@ def walk(schedule: Schedule, kv, state, visit: Callable, *, comm: Comm, axes, af
     (the backward sends the visited shard's dK/dV by ``step.dkv_hop``). ``kv_first``: the K/V of
     step 1, already received (the single ring's backward), so the first hop is not sent again.
     Consecutive steps (and rounds) of one kind run as one ``lax.scan`` whose body is traced
-    once, so the program's size does not grow with the ring's."""
+    once, so the program's size does not grow with the ring's; ``scan=False`` runs every step
+    inline with concrete (j, s) — the eager replay's form, where a scan or a ``lax.cond`` would be
+    compiled on every call."""
 
     def shift(hop, tree):
         return comm.shift(tree, hop, axes, **return_distance(schedule, hop))
@@ -110,11 +115,11 @@ def walk(schedule: Schedule, kv, state, visit: Callable, *, comm: Comm, axes, af
         kv_next_round = shift(rnd.kv_hop, kv_round) if rnd.kv_hop is not None else None  # hidden by the round
         kv = kv_round
         for step, positions in runs(rnd.steps):
-            kv, state = _repeat(partial(one_step, step, j), (kv, state), positions)
+            kv, state = _repeat(partial(one_step, step, j), (kv, state), positions, scan)
         return kv_next_round, state
 
     for rnd, positions in runs(schedule.rounds):
-        kv, state = _repeat(partial(one_round, rnd), (kv, state), positions)
+        kv, state = _repeat(partial(one_round, rnd), (kv, state), positions, scan)
     return state
 
 
@@ -129,7 +134,10 @@ def visit_block(schedule: Schedule, device, j, s, on_block: Callable, state):
 
     if plan.uniform:
         return branch(plan.from_earlier)(state)
-    return lax.cond(schedule.is_earlier(device, j, s), branch(plan.from_earlier), branch(plan.from_later), state)
+    earlier = schedule.is_earlier(device, j, s)
+    if isinstance(earlier, (bool, np.bool_)):  # a concrete device and step (the replay): no lax.cond
+        return branch(plan.from_earlier if earlier else plan.from_later)(state)
+    return lax.cond(earlier, branch(plan.from_earlier), branch(plan.from_later), state)
 
 
 def _part(x, which: Part, axis: int):
@@ -168,9 +176,9 @@ def gather_token_index(token_index, axes, comm: Comm):
     return gather_segment_ids(token_index, axes, comm)
 
 
-def shard_ids(ids_all, src, t: int):
-    """Ring shard ``src`` (traced or int) of gathered ids [b, R·t] -> [b, t]."""
-    return lax.dynamic_slice_in_dim(ids_all, src * t, t, axis=1)
+def shard_of(x_all, src, t: int):
+    """Ring shard ``src`` (traced or int) of a gathered [b, R·t, ...] array -> [b, t, ...]."""
+    return lax.dynamic_slice_in_dim(x_all, src * t, t, axis=1)
 
 
 def _concrete(x) -> bool:
@@ -396,10 +404,10 @@ def visit_masks(schedule: Schedule, config: AttentionConfig, ids_all, device, j,
     masks = {}
     source = schedule.source(device, j, s)
     if ids_all is not None:
-        masks["segments"] = shard_ids(ids_all, device, t), shard_ids(ids_all, source, t)
+        masks["segments"] = shard_of(ids_all, device, t), shard_of(ids_all, source, t)
     if index_all is not None:  # explicit token indices [b, R·t]: the masks' window is on them
         masks["window"] = config.mask_window
-        masks["token_index"] = shard_ids(index_all, device, t), shard_ids(index_all, source, t)
+        masks["token_index"] = shard_of(index_all, device, t), shard_of(index_all, source, t)
     elif config.window is not None:
         masks["window"] = config.window
         masks["shard_positions"] = ring_positions(config.layout, schedule.size, t), device, source
@@ -452,25 +460,114 @@ def alone_grad_dtypes(schedule: Schedule, config: AttentionConfig, dtype) -> Gra
     return GradDtypes(alone, F32 if config.float32_kv_grads else alone)
 
 
-def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids_all=None, index_all=None):
-    """One device's forward over ``schedule`` (ring or double ring): its own block, then every
-    visiting K/V merged by LSE. ``ids_all``: every shard's segment ids (:func:`gather_segment_ids`) or
-    None; ``index_all``: every shard's token indices (:func:`gather_token_index`) or None.
-    Returns (o, lse, kv_first): kv_first, the K/V of step 1 (in flight while step 0 computes),
-    is kept for the backward when the schedule's backward reuses it (the single ring: R-2
-    backward K/V hops, not R-1), else None."""
-    backend, me, t = config.backend(), ring_index(axes), k.shape[1]
-    kv_first = (config.comm.shift((k, v), schedule.steps[0].kv_hop, axes)
-                if schedule.backward_reuses_first_kv else None)
-    o_dtype = alone_dtype(schedule, q.dtype)
+def forward_visit(q, config: AttentionConfig, schedule: Schedule, me, t: int, ids_all=None, index_all=None, *,
+                  own_kv=None, kv_of: Callable | None = None, o_dtype=None) -> Callable:
+    """The ``visit`` of :func:`walk` for device ``me``'s forward: its own block, then every
+    visiting K/V merged by LSE into ``state = (o, lse)``. ``t``: tokens per shard; ``ids_all`` /
+    ``index_all``: every shard's segment ids / token indices [b, R·t] or None. Where the K/V come
+    from: ``own_kv`` for the own block (None: what the walk carries then) and ``kv_of(kv, j, s)``
+    for a visit (None: the carried K/V themselves — all-gather KV and the replay carry nothing
+    and slice a resident shard, :func:`resident_kv`). ``o_dtype``: the own block's o dtype
+    (default :func:`alone_dtype`)."""
+    backend = config.backend()
+    o_dtype = alone_dtype(schedule, q.dtype) if o_dtype is None else o_dtype
 
     def visit(step, j, s, kv, state):
+        kv = _visit_kv(step, j, s, kv, own_kv, kv_of)
         masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:  # own K/V, never empty
             return local_forward(backend, config.scale, q, kv, schedule.plan.local.mask, out_dtype=o_dtype, **masks)
         return visit_block(schedule, me, j, s,
                            lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, **masks), state)
 
+    return visit
+
+
+class DKVAccumulation(NamedTuple):
+    """How a backward walk keeps dK / dV: ``take(state, j, s)`` -> the ``(dq, dk_acc, dv_acc)`` a
+    visited block adds into, ``keep(state, j, s, grads)`` -> the state after it (own block: ``state``
+    None, ``grads`` its fresh gradients). The mesh's (:data:`TRAVELLING`): one accumulator travels
+    with the K/V it belongs to; the replay's: one per source shard, kept apart."""
+
+    take: Callable
+    keep: Callable
+
+
+TRAVELLING = DKVAccumulation(take=lambda state, j, s: state, keep=lambda state, j, s, grads: grads)
+
+
+def per_shard_accumulation(schedule: Schedule, me, t: int) -> DKVAccumulation:
+    """dK / dV of every shard in one float32 [b, R·t] accumulator each, a visited block adding
+    into its source's slice — all-gather KV's (a reduce-scatter then sums the devices') and the
+    replay's (it sums them in the mesh's order). One shard (R = 1): the own block's gradients as
+    they are."""
+    def take(state, j, s):
+        dq, dk_all, dv_all = state
+        src = schedule.source(me, j, s)
+        return dq, shard_of(dk_all, src, t), shard_of(dv_all, src, t)
+
+    def keep(state, j, s, grads):
+        dq, dk, dv = grads
+        if state is None and schedule.size == 1:
+            return grads
+        if state is None:  # the own block's gradients start the accumulators
+            whole = lambda g: jnp.zeros((g.shape[0], schedule.size * t, *g.shape[2:]), F32)
+            state, j, s = (dq, whole(dk), whole(dv)), 0, 0
+        at = schedule.source(me, j, s) * t
+        return (dq, lax.dynamic_update_slice_in_dim(state[1], dk.astype(F32), at, axis=1),
+                lax.dynamic_update_slice_in_dim(state[2], dv.astype(F32), at, axis=1))
+
+    return DKVAccumulation(take, keep)
+
+
+def resident_kv(kv_all, schedule: Schedule, me, t: int) -> Callable:
+    """``kv_of`` for K/V resident whole (all-gather KV's gathered shards, the replay's global
+    arrays): the visit's source shard sliced from ``kv_all`` [b, R·t, ...] each."""
+    return lambda _, j, s: tuple(shard_of(x, schedule.source(me, j, s), t) for x in kv_all)
+
+
+def _visit_kv(step, j, s, carried, own_kv, kv_of):
+    """The K/V of visit (j, s) (:func:`forward_visit`'s ``own_kv`` and ``kv_of``)."""
+    if step.local and own_kv is not None:
+        return own_kv
+    return carried if kv_of is None else kv_of(carried, j, s)
+
+
+def backward_visit(saved, config: AttentionConfig, schedule: Schedule, me, t: int, ids_all=None, index_all=None, *,
+                   own_kv=None, kv_of: Callable | None = None, grad_dtypes: GradDtypes | None = None,
+                   dkv: DKVAccumulation = TRAVELLING) -> Callable:
+    """The ``visit`` of :func:`walk` for device ``me``'s backward (``saved = (q, o, lse, do, dlse)``):
+    its own block's gradients, then every visited block's added (``dkv``). ``own_kv``, ``kv_of``,
+    ``ids_all``, ``index_all``, ``t``: as :func:`forward_visit`; ``grad_dtypes``: the own block's
+    (default :func:`alone_grad_dtypes`)."""
+    backend = config.backend()
+    grad_dtypes = alone_grad_dtypes(schedule, config, saved[0].dtype) if grad_dtypes is None else grad_dtypes
+
+    def visit(step, j, s, kv, state):
+        kv = _visit_kv(step, j, s, kv, own_kv, kv_of)
+        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
+        if step.local:
+            grads = local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask,
+                                   grad_dtypes=grad_dtypes, **masks)
+            return dkv.keep(None, j, s, grads)
+        grads = visit_block(schedule, me, j, s,
+                            lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, **masks),
+                            dkv.take(state, j, s))
+        return dkv.keep(state, j, s, grads)
+
+    return visit
+
+
+def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids_all=None, index_all=None):
+    """One device's forward over ``schedule`` (ring or double ring): :func:`forward_visit` walked
+    with K/V travelling. ``ids_all``: every shard's segment ids (:func:`gather_segment_ids`) or
+    None; ``index_all``: every shard's token indices (:func:`gather_token_index`) or None.
+    Returns (o, lse, kv_first): kv_first, the K/V of step 1 (in flight while step 0 computes),
+    is kept for the backward when the schedule's backward reuses it (the single ring: R-2
+    backward K/V hops, not R-1), else None."""
+    kv_first = (config.comm.shift((k, v), schedule.steps[0].kv_hop, axes)
+                if schedule.backward_reuses_first_kv else None)
+    visit = forward_visit(q, config, schedule, ring_index(axes), k.shape[1], ids_all, index_all)
     o, lse = walk(schedule, (k, v), None, visit, comm=config.comm, axes=axes, kv_first=kv_first)
     return o, lse, kv_first
 

@@ -1,10 +1,10 @@
 """Every virtual device's work of a strategy, replayed on ONE device, device after device.
 
 What a mesh of R·U devices would compute, computed on the one device the inputs live on: for each
-virtual device, the block kernels, ``loop.merge_block`` / ``loop.grad_block``, casts and float32
-accumulators of the real loops, walking :func:`schedule.device_visits` of the same
-:class:`schedule.Schedule` the real loops walk (no re-derivation of which block meets which K/V);
-only the communication is replaced — by indexing into the resident global arrays. It is the
+virtual device, the real loops' own walk (``loop.walk`` over the same :class:`schedule.Schedule`,
+with ``loop.forward_visit`` / ``loop.backward_visit``: their kernels, merges, casts and float32
+accumulators); only the communication is replaced — K/V sliced from the resident global arrays
+(``loop.resident_kv``), dK / dV kept per source shard (``loop.per_shard_accumulation``). It is the
 check (and, one device at a time, the benchmark) of the per-device path when fewer devices are
 present than the mesh needs, and it catches a kernel that is wrong only for some block kinds.
 
@@ -24,7 +24,7 @@ code casts (Ulysses-replicated heads: summed over replicas in float32, then cast
     window None | w | (left, right), sinks [h] or None, softcap None | float, token_index [b, T] or None
                                                          ->  o [b, T, h, d], lse [b, h, T]
     device_forward -> (o [b, T/R, h/U, d], lse [b, h/U, T/R])
-    device_backward -> (dq [b, T/R, h/U, d], {source shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
+    device_backward -> (dq [b, T/R, h/U, d], {every shard: (dk, dv) [b, T/R, max(hk, U)/U, d] f32})
                        and, with sinks, a third item: dsinks [h/U] f32 of its rows and heads
     replay_attention_grads -> (dq, dk, dv), and with sinks (dq, dk, dv, dsinks [h] like sinks)
 
@@ -51,10 +51,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from seqplan.config import replay_config
-from seqplan.schedule import Schedule, device_visits, summation_order
+from seqplan.schedule import summation_order
 from seqplan.strategy import DeviceGrads, Strategy, ring_shard
 from seqplan.validation import (
     check_segment_ids,
@@ -69,8 +68,20 @@ from seqplan.validation import (
 )
 
 from .allgather import portable_config, prefix_backward, prefix_eligible, prefix_forward, prefix_plan
+from .comm import Comm
 from .config import AttentionConfig
-from .loop import GradDtypes, add_sinks, grad_block, local_backward, local_forward, merge_block, sinks_grad, visit_masks
+from .loop import (
+    GradDtypes,
+    add_sinks,
+    alone_dtype,
+    backward_visit,
+    forward_visit,
+    per_shard_accumulation,
+    resident_kv,
+    shard_of,
+    sinks_grad,
+    walk,
+)
 
 F32 = jnp.float32
 
@@ -83,62 +94,30 @@ _config = partial(replay_config, AttentionConfig)
 
 
 
-def _steps(group):
-    """The (round, inner step) of each visit of a group, int32 [n, 2]: the scan's input."""
-    return jnp.asarray([(v.step.round, v.step.inner) for v in group], jnp.int32)
+class _Resident(Comm):
+    """The replay's transfers: none. Every shard's K/V are resident (the global arrays, sliced by
+    ``loop.resident_kv``), so a hop moves nothing and the walk carries nothing."""
+
+    def shift(self, tree, hop, axes, back: int = 0):
+        return tree
 
 
-def _scanned_visit(at, schedule: Schedule, config: AttentionConfig, r: int, kv, ring: int, kv_heads, dtype, ids,
-                   token_index):
-    """(K/V shard, mask keywords) of device r's visit at the traced ``at = (round, inner)``."""
-    source = schedule.source(r, at[0], at[1])
-    shard = tuple(_dynamic_shard(x, source, ring, kv_heads).astype(dtype) for x in kv)
-    return shard, _masks(config, schedule, ids, r, (at[0], at[1]), kv[0].shape[1], token_index)
+_RESIDENT = _Resident()
 
 
-def _visit(visit, schedule: Schedule, config: AttentionConfig, r: int, kv, ring: int, kv_heads, dtype, ids,
-           token_index):
-    """(K/V shard, mask keywords) of device r's visit ``visit`` (static: :func:`_scanned_visit`'s twin)."""
-    shard = tuple(ring_shard(x, visit.source, ring, kv_heads).astype(dtype) for x in kv)
-    return shard, _masks(config, schedule, ids, r, (visit.step.round, visit.step.inner), kv[0].shape[1], token_index)
+# The walk scans a block's consecutive visits only with token indices (as the former replay did):
+# their blocks' varlen forms are many, and a scan compiles them once per block when the device's
+# work is jitted; otherwise every visit runs inline with concrete steps — eagerly, a scan or a
+# lax.cond would be compiled on every call.
 
 
-def _masks(config: AttentionConfig, schedule: Schedule, ids, r: int, step, seq: int, token_index=None) -> dict:
-    """The run-time mask keywords of device r's visit at ``step = (round, inner)`` (ints or traced):
-    the real loops' ``loop.visit_masks``,
-    given the global ids [b, T] (layout order: what the real loops gather) or None, and the global
-    token indices [b, T] or None."""
-    ids = None if ids is None else ids.astype(jnp.int32)
-    index = None if token_index is None else token_index.astype(jnp.int32)
-    return visit_masks(schedule, config, ids, r, *step, seq // schedule.size, index)
-
-
-def _dynamic_shard(x, r, size: int, heads: slice | None = None):
-    """:func:`_shard` for a traced shard index ``r`` (K/V: axis 1, heads on axis 2)."""
-    t = x.shape[1] // size
-    x = lax.dynamic_slice_in_dim(x, r * t, t, axis=1)
-    return x if heads is None else x[:, :, heads]
-
-
-def _visit_groups(visits, scanned: bool):
-    """The visits in order, consecutive visits of one block off the device's own shard grouped
-    when ``scanned`` (then each group of two or more runs as one ``lax.scan``, as the real loops
-    run a ring's steps: the block's kernels are compiled once, not once per visit), else each
-    visit alone."""
-    groups: list[list] = []
-    for visit in visits:
-        joins = (scanned and groups and not visit.step.local and visit.block is not None
-                 and not groups[-1][0].step.local and groups[-1][0].block == visit.block)
-        if joins:
-            groups[-1].append(visit)
-        else:
-            groups.append([visit])
-    return groups
-
-
-def _alone_dtype(visits, dtype):
-    """``loop.alone_dtype`` of one device's visits: ``dtype`` when its own block is its only one."""
-    return dtype if all(v.step.local or v.block is None for v in visits) else F32
+def _device(device: int, q, k, v, strategy: Strategy, config: AttentionConfig):
+    """(schedule, ring coordinate r, query heads, KV heads, tokens per shard, the K/V of its KV
+    heads [b, T, ., d] in q's dtype, as the device holds them after every hop)."""
+    schedule = strategy.replay_schedule(config, q.shape[1])
+    r, u = divmod(device, strategy.ulysses)
+    q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
+    return schedule, r, q_heads, kv_heads, q.shape[1] // strategy.ring, _kv_heads((k, v), kv_heads, q.dtype)
 
 
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
@@ -146,42 +125,21 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
                    segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """Virtual device ``device``'s forward on the global q, k, v (and segment ids, window, sinks
     [h], softcap): its (o, lse), o in q's dtype, lse with the sinks of its heads (shapes in the module
-    docstring)."""
+    docstring) — ``loop.walk`` over the schedule with ``loop.forward_visit``, the K/V resident."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    backend = config.backend()
-    schedule = strategy.replay_schedule(config, q.shape[1])
-    r, u = divmod(device, strategy.ulysses)
-    q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
+    schedule, r, q_heads, kv_heads, t, kv_all = _device(device, q, k, v, strategy, config)
     q_d = ring_shard(q, r, strategy.ring, q_heads)
-    visits = device_visits(schedule, r)
-    o_dtype = _alone_dtype(visits, q.dtype)
 
-    def walk(backend):
-        o = lse = None
-        for group in _visit_groups(visits, scanned=token_index is not None):
-            if len(group) > 1:  # one block over several visiting shards: one scanned body
-                def step(state, at, block=group[0].block):
-                    kv, masks = _scanned_visit(at, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype,
-                                               segment_ids, token_index)
-                    return merge_block(backend, config.scale, q_d, block, kv, state, **masks), None
-
-                (o, lse), _ = lax.scan(step, (o, lse), _steps(group))
-                continue
-            visit = group[0]
-            kv, masks = _visit(visit, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype, segment_ids,
-                               token_index)
-            if visit.step.local:
-                o, lse = local_forward(backend, config.scale, q_d, kv, visit.block.mask, out_dtype=o_dtype, **masks)
-            elif visit.block is not None:
-                o, lse = merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), **masks)
-        return o, lse
+    def walked(cfg: AttentionConfig):
+        visit = forward_visit(q_d, cfg, schedule, r, t, _int32(segment_ids), _int32(token_index),
+                              kv_of=resident_kv(kv_all, schedule, r, t))
+        return walk(schedule, None, None, visit, comm=_RESIDENT, axes=None, scan=token_index is not None)
 
     if _one_call(strategy, config, q_d, segment_ids):  # all-gather-KV's one varlen call (allgather.prefix_forward)
         plans = prefix_plan(config, q_d, _int32(segment_ids), _int32(token_index), r)
-        o, lse = prefix_forward(config, q_d, _kv_heads((k, v), kv_heads, q.dtype), plans,
-                                lambda: walk(portable_config(config).backend()))
+        o, lse = prefix_forward(config, q_d, kv_all, plans, lambda: walked(portable_config(config)))
     else:
-        o, lse = walk(backend)
+        o, lse = walked(config)
     o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])
     return o.astype(q.dtype), lse
 
@@ -192,65 +150,32 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                     token_index=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: a ``seqplan.strategy.DeviceGrads`` — dq in q's dtype, {source shard: (dk, dv)
-    contributions, float32 — q's dtype where the device's own block is its only one} and, with
-    ``sinks``, its rows' share of dsinks for its heads ([h/U] float32), else None."""
+    contribution} for every shard (zero where it computed no block; float32 — q's dtype where the
+    device's own block is the schedule's only one) and, with ``sinks``, its rows' share of dsinks
+    for its heads ([h/U] float32), else None. ``loop.walk`` with ``loop.backward_visit``, every
+    shard's dK / dV kept apart (``loop.per_shard_accumulation``, as all-gather KV keeps them)."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    backend = config.backend()
-    schedule = strategy.replay_schedule(config, q.shape[1])
-    r, u = divmod(device, strategy.ulysses)
-    q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
+    schedule, r, q_heads, kv_heads, t, kv_all = _device(device, q, k, v, strategy, config)
     mine = [ring_shard(x, r, strategy.ring, q_heads) for x in (q, o, do)]
     lse_d, dlse_d = (None if x is None else ring_shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (mine[0], mine[1], lse_d, mine[2], dlse_d)
-    visits = device_visits(schedule, r)
-    alone = _alone_dtype(visits, q.dtype)  # replicated KV heads: their copies' dK / dV are summed below in float32
-    grad_dtypes = GradDtypes(alone, F32 if strategy.head_groups(q.shape[2], k.shape[2], u)[2] else alone)
+    alone = alone_dtype(schedule, q.dtype)  # replicated KV heads: their copies' dK / dV are summed in float32
+    replicated = strategy.head_groups(q.shape[2], k.shape[2], device % strategy.ulysses)[2]
+    grad_dtypes = GradDtypes(alone, F32 if replicated else alone)
 
-    def walk(backend):
-        dq, contributions = None, {}
-        for group in _visit_groups(visits, scanned=token_index is not None):
-            if len(group) > 1:  # one block over several visiting shards: one scanned body
-                def step(dq, at, block=group[0].block):
-                    kv, masks = _scanned_visit(at, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype,
-                                               segment_ids, token_index)
-                    zeros = jnp.zeros(kv[0].shape, F32)
-                    dq, dk, dv = grad_block(backend, config.scale, saved, block, kv, (dq, zeros, zeros), **masks)
-                    return dq, (dk, dv)
-
-                dq, (dks, dvs) = lax.scan(step, dq, _steps(group))
-                for n, visit in enumerate(group):
-                    contributions[visit.source] = (dks[n], dvs[n])
-                continue
-            visit = group[0]
-            kv, masks = _visit(visit, schedule, config, r, (k, v), strategy.ring, kv_heads, q.dtype, segment_ids,
-                               token_index)
-            if visit.step.local:
-                dq, dk, dv = local_backward(backend, config.scale, saved, kv, visit.block.mask, grad_dtypes=grad_dtypes,
-                                            **masks)
-                contributions[visit.source] = (dk, dv)
-            elif visit.block is not None:
-                zeros = jnp.zeros(kv[0].shape, F32)
-                dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, (dq, zeros, zeros), **masks)
-                contributions[visit.source] = (dk, dv)
-        return dq, contributions
+    def walked(cfg: AttentionConfig):
+        visit = backward_visit(saved, cfg, schedule, r, t, _int32(segment_ids), _int32(token_index),
+                               kv_of=resident_kv(kv_all, schedule, r, t), grad_dtypes=grad_dtypes,
+                               dkv=per_shard_accumulation(schedule, r, t))
+        return walk(schedule, None, None, visit, comm=_RESIDENT, axes=None, scan=token_index is not None)
 
     if dlse is None and _one_call(strategy, config, mine[0], segment_ids):  # every shard's dK / dV from one call
-        def walked():  # the fallback, as one [b, T] pair of float32 accumulators like the one call's
-            dq, parts = walk(portable_config(config).backend())
-            t = q.shape[1] // strategy.ring
-            whole = [jnp.zeros((k.shape[0], q.shape[1], *parts[r][0].shape[2:]), F32) for _ in range(2)]
-            for src, grads in parts.items():
-                whole = [lax.dynamic_update_slice_in_dim(w, g.astype(F32), src * t, axis=1) for w, g in zip(whole, grads)]
-            return dq, *whole
-
         # a program of its own here, so the plans are made again (the real backward keeps the forward's)
         plans = prefix_plan(config, mine[0], _int32(segment_ids), _int32(token_index), r)
-        dq, dk, dv = prefix_backward(config, tuple(saved[:4]), _kv_heads((k, v), kv_heads, q.dtype), plans, walked)
-        t = q.shape[1] // strategy.ring
-        contributions = {src: (dk[:, src * t:(src + 1) * t], dv[:, src * t:(src + 1) * t])
-                         for src in range(strategy.ring)}
+        dq, dk, dv = prefix_backward(config, tuple(saved[:4]), kv_all, plans, lambda: walked(portable_config(config)))
     else:
-        dq, contributions = walk(backend)
+        dq, dk, dv = walked(config)
+    contributions = {src: (shard_of(dk, src, t), shard_of(dv, src, t)) for src in range(strategy.ring)}
     dsinks = None if sinks is None else sinks_grad(mine[1], lse_d, mine[2], dlse_d, sinks[q_heads])
     return DeviceGrads(dq.astype(q.dtype), contributions, dsinks)
 

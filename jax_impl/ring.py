@@ -26,15 +26,11 @@ from seqplan.validation import (
 from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .loop import (
-    alone_grad_dtypes,
     attention_with_vjp,
+    backward_visit,
     gather_segment_ids,
     gather_token_index,
-    grad_block,
-    local_backward,
     ring_index,
-    visit_block,
-    visit_masks,
     walk,
     walk_forward,
 )
@@ -89,16 +85,10 @@ def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
 
 
 def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConfig):
-    backend, schedule, me = config.backend(), _schedule(axis_name, config, k.shape[1]), ring_index(axis_name)
-    (kv_first, ids_all, index_all), saved, t = extra, (q, o, lse, do, dlse), k.shape[1]
-
-    def visit(step, j, s, kv, state):
-        masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
-        if step.local:
-            return local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask,
-                                  grad_dtypes=alone_grad_dtypes(schedule, config, q.dtype), **masks)
-        return visit_block(schedule, me, j, s,
-                           lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, **masks), state)
+    schedule = _schedule(axis_name, config, k.shape[1])
+    kv_first, ids_all, index_all = extra
+    visit = backward_visit((q, o, lse, do, dlse), config, schedule, ring_index(axis_name), k.shape[1], ids_all,
+                           index_all)
 
     def send_dkv(step, state):  # dK/dV of the shard just visited move on with it; R hops bring them home
         if step.dkv_hop is None:

@@ -55,7 +55,7 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .kernels import fa4, varlen
 from .kernels.reference import reference_block_bwd, reference_block_fwd
-from .loop import ShardMasks, add_grads, attend_block, attention_with_vjp, grad_block, merge_block, ring_index
+from .loop import ShardGrads, ShardMasks, attend_visits, attention_with_vjp, grad_visits, ring_index
 
 F32 = torch.float32
 
@@ -142,7 +142,7 @@ def prefix_backward(config: AttentionConfig, saved, kv_packed, plan: PrefixRuns)
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
-    backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
+    (schedule, visits), me = _visits(groups, config), ring_index(groups)
     split = _split_plan(config, masks, me) if schedule.size > 1 else None
     if split is not None:  # only the shared prefixes travel
         return _split_forward(q, k, v, groups, config, masks, split)
@@ -152,25 +152,26 @@ def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
         packed = lambda x: x.reshape(-1, *x.shape[-2:])
         o, lse = prefix_forward(config, q, (packed(k_all), packed(v_all)), plan)
         return o, lse, (k_all, v_all)
-    if schedule.size > 1:
-        (k_all, k_work), (v_all, v_work) = (config.comm.gather(x, groups[1], async_op=True) for x in (k, v))
-    for visit in visits:
-        visit_masks = masks.visit(me, visit.source)
-        if visit.step.local:  # own K/V, while K/V gather
-            o, lse = attend_block(backend, config.scale, q, visit.block, (k, v), visit_masks)
-            if schedule.size == 1:
-                return o, lse, None
-            o = o.float()  # the float32 accumulator (kernels may return the input dtype)
-            k_work.wait()
-            v_work.wait()
-        else:
-            merge_block(backend, config.scale, q, visit.block, (k_all[visit.source], v_all[visit.source]), (o, lse),
-                        visit_masks)
+    if schedule.size == 1:
+        o, lse = attend_visits(q, config, schedule, masks, me, ((visit, (k, v)) for visit in visits))
+        return o, lse, None
+    (k_all, k_work), (v_all, v_work) = (config.comm.gather(x, groups[1], async_op=True) for x in (k, v))
+
+    def gathered():  # own K/V first, while the K/V gather
+        for visit in visits:
+            if visit.step.local:
+                yield visit, (k, v)
+                k_work.wait()
+                v_work.wait()
+            else:
+                yield visit, (k_all[visit.source], v_all[visit.source])
+
+    o, lse = attend_visits(q, config, schedule, masks, me, gathered())
     return o, lse, (k_all, v_all)
 
 
 def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig, masks: ShardMasks):
-    backend, (schedule, visits), me = config.backend(), _visits(groups, config), ring_index(groups)
+    (schedule, visits), me = _visits(groups, config), ring_index(groups)
     split = _split_plan(config, masks, me) if schedule.size > 1 else None
     if split is not None:
         return _split_backward(q, k, v, o, lse, kv_all, do, dlse, groups, config, masks, split)
@@ -180,21 +181,13 @@ def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig
         dq, dk_all, dv_all = prefix_backward(config, (q, o, lse, do), tuple(packed(x) for x in kv_all), plan)
         shards = lambda g: g.reshape(kv_all[0].shape)
         return dq, config.comm.scatter(shards(dk_all), groups[1]), config.comm.scatter(shards(dv_all), groups[1])
-    saved = (q, o, lse, do, dlse)
-    for visit in visits:
-        src = visit.source
-        visit_masks = masks.visit(me, src)
-        if visit.step.local:
-            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, (k, v), visit_masks)
-            if schedule.size == 1:
-                return dq, dk, dv
-            dq = dq.float()  # the float32 accumulator (kernels may return bf16)
-            dk_all, dv_all = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv_all)
-            dk_all[src], dv_all[src] = dk, dv
-        else:
-            grads = grad_block(backend, config.scale, saved, visit.block, (kv_all[0][src], kv_all[1][src]), visit_masks)
-            add_grads(visit.block, grads, dq, (dk_all[src], dv_all[src]))
-    return dq, config.comm.scatter(dk_all, groups[1]), config.comm.scatter(dv_all, groups[1])
+    resident = ((visit, (k, v) if visit.step.local else (kv_all[0][visit.source], kv_all[1][visit.source]))
+                for visit in visits)
+    start = lambda dk, dv, source: ShardGrads(schedule.size, dk, dv, source)
+    dq, dkv = grad_visits((q, o, lse, do, dlse), config, schedule, masks, me, resident, start)
+    if schedule.size == 1:
+        return dq, *dkv
+    return dq, config.comm.scatter(dkv.dk, groups[1]), config.comm.scatter(dkv.dv, groups[1])
 
 
 _allgather = attention_with_vjp(_forward, _backward)

@@ -145,8 +145,8 @@ class DKVTrail:
         self._shifts: dict[Hop, RingShift] = {}
         self._in_flight: RingShift | None = None
 
-    def current(self) -> list:
-        """[dk, dv] of the shard in hand (waits for them)."""
+    def current(self, source: int | None = None) -> list:
+        """[dk, dv] of the shard in hand (waits for them; ``source``: for :class:`ShardGrads`'s interface)."""
         if self._in_flight is not None:
             self._in_flight.wait()
             self._in_flight = None
@@ -385,6 +385,22 @@ def crop_block(block: Block, masks: VisitMasks | None) -> Block | None:
     return Block(Span(q_lo + i0, q_lo + i1), Span(kv_lo + j0, kv_lo + j1), block.mask)
 
 
+class ShardGrads:
+    """Float32 dK/dV of every ring shard side by side ([R, b, t, hk, d] each; the own block's at
+    ``source``): all-gather KV's (one reduce-scatter then sums the ranks') and the replay's (it
+    sums the devices' in the mesh's order). :class:`DKVTrail`'s interface; nothing travels."""
+
+    def __init__(self, ring: int, dk, dv, source: int):
+        self.dk, self.dv = (torch.zeros((ring, *x.shape), dtype=torch.float32, device=x.device) for x in (dk, dv))
+        self.dk[source], self.dv[source] = dk, dv
+
+    def current(self, source: int | None = None) -> list:
+        return [self.dk[source], self.dv[source]]
+
+    def send(self, hop: Hop | None) -> None:
+        return None
+
+
 class BlockGrads(tuple):
     """(dq, dk, dv) of a block with the block they belong to (``block``: cropped or not)."""
 
@@ -471,21 +487,52 @@ def sinks_grad(o, lse, do, dlse, sinks):
     return -(p_sink * delta).sum(dim=(0, 2))
 
 
-def walk_forward(q, k, v, groups, config: AttentionConfig, schedule: Schedule, masks: ShardMasks):
-    """One rank's forward over ``schedule`` (ring or double ring): its own block, then every
-    visiting K/V merged by LSE into a float32 accumulator. Returns (o, lse, kv_first), kv_first
-    the K/V received for step 1 when the schedule's backward reuses them (else None).
-    ``masks``: packed documents and window of the call (:class:`ShardMasks`)."""
-    backend, me = config.backend(), ring_index(groups)
-    k, v = k.contiguous(), v.contiguous()  # they are sent as they are
-    walk = KVWalk(schedule, config.comm, groups, (k, v), keep_first=schedule.backward_reuses_first_kv)
-    for visit, kv in walk:
+def attend_visits(q, config: AttentionConfig, schedule: Schedule, masks: ShardMasks, me: int, visits):
+    """(o, lse) of rank ``me``'s visits, ``visits`` yielding ``(visit, kv)`` in the schedule's
+    order (:class:`KVWalk`; all-gather KV's and the replay's resident shards): its own block, then
+    every visiting K/V merged by LSE into a float32 accumulator (one step: the kernel's dtype)."""
+    backend = config.backend()
+    for visit, kv in visits:
         visit_masks = masks.visit(me, visit.source)
         if visit.step.local:  # own K/V, never empty
             o, lse = attend_block(backend, config.scale, q, visit.block, kv, visit_masks)
             o = o.float() if schedule.size > 1 else o  # the float32 accumulator (kernels may return the input dtype)
         else:
             merge_block(backend, config.scale, q, visit.block, kv, (o, lse), visit_masks)
+    return o, lse
+
+
+def grad_visits(saved, config: AttentionConfig, schedule: Schedule, masks: ShardMasks, me: int, visits,
+                start_dkv: Callable):
+    """(dq, dkv) of rank ``me``'s visits (``saved = (q, o, lse, do, dlse)``; ``visits`` as
+    :func:`attend_visits`'s): its own block's gradients start the float32 dK/dV accumulators
+    ``start_dkv(dk, dv, source)`` (:class:`DKVTrail`: they travel; :class:`ShardGrads`: they stay),
+    every visited block adds into the ``current(source)`` ones, then ``send(step.dkv_hop)``. With
+    one step: (dq, (dk, dv)) as the kernel returned them. Blocks the forward skipped are skipped again."""
+    backend = config.backend()
+    for visit, kv in visits:
+        visit_masks = masks.visit(me, visit.source)
+        grads = grad_block(backend, config.scale, saved, visit.block, kv, visit_masks)
+        if visit.step.local:
+            dq, dk, dv = grads
+            if schedule.size == 1:
+                return dq, (dk, dv)
+            dq = dq.float()  # the float32 accumulators (kernels may return bf16)
+            dkv = start_dkv(dk.float(), dv.float(), visit.source)
+        else:
+            add_grads(visit.block, grads, dq, dkv.current(visit.source))  # once the shard's dK/dV have arrived
+        dkv.send(visit.step.dkv_hop)  # dK/dV of the shard just visited move on with it (a DKVTrail)
+    return dq, dkv
+
+
+def walk_forward(q, k, v, groups, config: AttentionConfig, schedule: Schedule, masks: ShardMasks):
+    """One rank's forward over ``schedule`` (ring or double ring): :func:`attend_visits` with K/V
+    travelling (:class:`KVWalk`). Returns (o, lse, kv_first), kv_first the K/V received for step
+    1 when the schedule's backward reuses them (else None). ``masks``: packed documents and
+    window of the call (:class:`ShardMasks`)."""
+    k, v = k.contiguous(), v.contiguous()  # they are sent as they are
+    walk = KVWalk(schedule, config.comm, groups, (k, v), keep_first=schedule.backward_reuses_first_kv)
+    o, lse = attend_visits(q, config, schedule, masks, ring_index(groups), walk)
     return o, lse, walk.first
 
 
@@ -493,24 +540,14 @@ def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: Attention
                   masks: ShardMasks):
     """One rank's backward over ``schedule``: K/V travel again (from ``kv_first`` when the
     forward kept it), the visited shard's float32 dK/dV follow it one hop behind (the step's
-    ``dkv_hop``: ring, inner, or diagonal after a double-ring round), dq stays local; blocks the
-    forward skipped (``masks``, kept by the forward) are skipped again."""
-    backend, me = config.backend(), ring_index(groups)
-    saved = (q, o, lse, do, dlse)
-    for visit, kv in KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous()), first=kv_first):
-        visit_masks = masks.visit(me, visit.source)
-        if visit.step.local:
-            dq, dk, dv = grad_block(backend, config.scale, saved, visit.block, kv, visit_masks)
-            if schedule.size == 1:
-                return dq, dk, dv
-            dq = dq.float()  # the float32 accumulators (kernels may return bf16)
-            trail = DKVTrail(config.comm, groups, dk.float(), dv.float(), schedule)
-        else:
-            grads = grad_block(backend, config.scale, saved, visit.block, kv, visit_masks)
-            add_grads(visit.block, grads, dq, trail.current())  # once the shard's dK/dV have arrived
-        trail.send(visit.step.dkv_hop)  # dK/dV of the shard just visited move on with it
-    dk, dv = trail.current()  # after R hops, this shard's own
-    return dq, dk, dv
+    ``dkv_hop``: ring, inner, or diagonal after a double-ring round; :class:`DKVTrail`), dq stays
+    local (:func:`grad_visits`)."""
+    walk = KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous()), first=kv_first)
+    trail = lambda dk, dv, source: DKVTrail(config.comm, groups, dk, dv, schedule)
+    dq, dkv = grad_visits((q, o, lse, do, dlse), config, schedule, masks, ring_index(groups), walk, trail)
+    if schedule.size == 1:
+        return dq, *dkv
+    return dq, *dkv.current()  # after R hops, this shard's own
 
 
 class _Attention(torch.autograd.Function):

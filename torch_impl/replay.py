@@ -1,15 +1,15 @@
 """Every virtual device's work of a strategy, replayed on ONE device, device after device.
 
 The mirror of ``jax_impl/replay.py`` (read its docstring): for each virtual device of a mesh of
-R·U, the block kernels, ``loop.merge_block`` / ``loop.grad_block`` / ``loop.add_grads``, casts and
-float32 accumulators of the real loops, walking :func:`schedule.device_visits` of the same
-:class:`schedule.Schedule` the real loops walk; only the communication is replaced, by indexing
-into the resident global tensors. dK/dV contributions are summed in the order the real exchange
+R·U, the real loops' own walk bodies (``loop.attend_visits`` / ``loop.grad_visits``: their
+kernels, merges, casts and float32 accumulators) over :func:`schedule.device_visits` of the same
+:class:`schedule.Schedule`; only the communication is replaced — K/V indexed from the resident
+global tensors, dK/dV kept per source shard (``loop.ShardGrads``, as all-gather KV keeps them). dK/dV contributions are summed in the order the real exchange
 sums them (ring and double ring: step order; all-gather: device order) and cast as the real code
 casts them. Packed documents (``segment_ids``, GLOBAL ids like the global q, unlike the real
 torch entry points' local shards): each virtual device reads its ring shard's ids and the visited
 shard's, and the same ``loop`` functions decide per block to skip it, run it plain or with the
-document mask — so a skipped block contributes nothing here, as in the real loops. A ``window``
+document mask — so a skipped block contributes nothing (a zero) here, as in the real loops. A ``window``
 builds the same per-call :class:`loop.ShardMasks` (every shard's original positions) the real
 loops build, so the same blocks are skipped or windowed. ``sinks`` ([h], the full tensor) are
 merged into each virtual device's final (o, lse) of its head block, as the real autograd
@@ -53,7 +53,7 @@ from seqplan.validation import (
 
 from .allgather import prefix_backward, prefix_forward, prefix_plan
 from .config import AttentionConfig
-from .loop import ShardMasks, add_grads, add_sinks, attend_block, grad_block, merge_block, sinks_grad
+from .loop import ShardGrads, ShardMasks, add_sinks, attend_visits, grad_visits, sinks_grad
 
 F32 = torch.float32
 
@@ -83,9 +83,9 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
                    scale: float | None = None, block_backend: str = "auto", deterministic: bool = False,
                    segment_ids=None, window=None, sinks=None, softcap=None, token_index=None):
     """Virtual device ``device``'s forward on the global q, k, v (and global ``segment_ids``
-    [b, T] or None, ``window``, the full ``sinks`` [h] or None): its (o, lse), o in q's dtype."""
+    [b, T] or None, ``window``, the full ``sinks`` [h] or None): its (o, lse), o in q's dtype —
+    ``loop.attend_visits`` over its visits with every shard resident."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    backend = config.backend()
     schedule = strategy.replay_schedule(config, q.shape[1])
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
     r, u = divmod(device, strategy.ulysses)
@@ -95,16 +95,17 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     with torch.no_grad():
         if plan is not None:  # all-gather-KV's one call against every key (allgather.prefix_plan)
             o, lse = prefix_forward(config, q_d, _packed_kv((k, v), kv_heads, q.dtype), plan)
-        for visit in device_visits(schedule, r) if plan is None else ():
-            kv = tuple(ring_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
-            visit_masks = masks.visit(r, visit.source)
-            if visit.step.local:
-                o, lse = attend_block(backend, config.scale, q_d, visit.block, kv, visit_masks)
-                o = o.float() if schedule.size > 1 else o  # the float32 accumulator
-            else:
-                merge_block(backend, config.scale, q_d, visit.block, kv, (o, lse), visit_masks)
+        else:
+            o, lse = attend_visits(q_d, config, schedule, masks, r, _resident(schedule, r, (k, v), strategy, kv_heads,
+                                                                               q.dtype))
         o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])  # once per row, after the last block
     return o.to(q.dtype), lse
+
+
+def _resident(schedule, r: int, kv, strategy: Strategy, kv_heads: slice, dtype):
+    """(visit, K/V of its source shard) of device r's visits: every shard resident, nothing sent."""
+    for visit in device_visits(schedule, r):
+        yield visit, tuple(ring_shard(x, visit.source, strategy.ring, kv_heads).to(dtype) for x in kv)
 
 
 def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: Strategy, causal: bool = False,
@@ -113,11 +114,11 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                     token_index=None):
     """Virtual device ``device``'s backward, given the global o, lse (the forward's outputs), do
     and optional dlse: a ``seqplan.strategy.DeviceGrads`` — dq in q's dtype, {source shard: (dk, dv)
-    contributions, float32} (shards it computed no block against — masked, or skipped for documents
-    or the window — have none) and, with ``sinks``, this device's dsinks [h/U] float32 (its heads,
-    its rows), else None."""
+    contributions, float32} for every shard (zero where it computed no block: masked, or skipped for
+    documents or the window) and, with ``sinks``, this device's dsinks [h/U] float32 (its heads,
+    its rows), else None. ``loop.grad_visits`` over its visits with every shard resident and
+    their dK / dV kept apart (``loop.ShardGrads``, as all-gather KV keeps them)."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    backend = config.backend()
     schedule = strategy.replay_schedule(config, q.shape[1])
     masks = _masks(config, segment_ids, strategy.ring, q.shape[1], q.device, token_index)
     r, u = divmod(device, strategy.ulysses)
@@ -125,23 +126,20 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     q_d, o_d, do_d = (ring_shard(x, r, strategy.ring, q_heads) for x in (q, o, do))
     lse_d, dlse_d = (None if x is None else ring_shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (q_d, o_d, lse_d, do_d, dlse_d)
-    contributions = {}
     plan = _prefix_plan(strategy, config, masks, r, q_d) if dlse is None else None
     with torch.no_grad():
         if plan is not None:  # all-gather-KV's one call: every shard's dK / dV from it
             dq, dk, dv = prefix_backward(config, (q_d, o_d, lse_d, do_d), _packed_kv((k, v), kv_heads, q.dtype), plan)
             dq, shards = dq.float(), lambda g: g.reshape(q.shape[0], strategy.ring, -1, *g.shape[1:])
             contributions = {src: (shards(dk)[:, src], shards(dv)[:, src]) for src in range(strategy.ring)}
-        for visit in device_visits(schedule, r) if plan is None else ():
-            kv = tuple(ring_shard(x, visit.source, strategy.ring, kv_heads).to(q.dtype) for x in (k, v))
-            grads = grad_block(backend, config.scale, saved, visit.block, kv, masks.visit(r, visit.source))
-            if visit.step.local:
-                dq, dk, dv = grads
-                dq, contributions[visit.source] = dq.float(), (dk.float(), dv.float())
-            elif grads is not None:
-                dkv = tuple(torch.zeros(x.shape, dtype=F32, device=x.device) for x in kv)
-                add_grads(visit.block, grads, dq, dkv)
-                contributions[visit.source] = dkv
+        else:  # every shard's dK / dV kept apart (ShardGrads, as all-gather KV keeps them)
+            start = lambda dk, dv, source: ShardGrads(strategy.ring, dk, dv, source)
+            visits = _resident(schedule, r, (k, v), strategy, kv_heads, q.dtype)
+            dq, dkv = grad_visits(saved, config, schedule, masks, r, visits, start)
+            if schedule.size == 1:  # float32 like the per-shard sums (the step model counts these casts)
+                dq, contributions = dq.float(), {r: tuple(x.float() for x in dkv)}
+            else:
+                contributions = {src: tuple(dkv.current(src)) for src in range(strategy.ring)}
         dsinks = None if sinks is None else sinks_grad(o_d, lse_d, do_d, dlse_d, sinks[q_heads])
     return DeviceGrads(dq.to(q.dtype), contributions, dsinks)
 

@@ -150,10 +150,10 @@ def test_mirrors_have_the_same_files_and_public_names():
         # Packed documents: both gather the ids once (gather_segment_ids) and decide per block with
         # schedule.document_flags. JAX decides inside the traced program — under_masks (one
         # lax.switch: skip / static mask / + documents / + window), local_forward / local_backward (the own
-        # block's switch), shard_ids / visit_masks (slices of the gathered [b, R·t] and the
+        # block's switch), shard_of / visit_masks (slices of the gathered [b, R·t] and the
         # traced shard pair); torch decides in Python — block_work (the DocumentWork of a concrete
         # block) and attend_block (a block's (o, lse), or None when skipped).
-        jax_only |= {"under_masks", "local_forward", "local_backward", "shard_ids", "visit_masks"}
+        jax_only |= {"under_masks", "local_forward", "local_backward", "shard_of", "visit_masks"}
         torch_only |= {"block_work", "attend_block"}
         # Windows (and documents) per visit: JAX builds a visit's mask keywords inside the traced
         # program (visit_masks: a dict; under_masks: one lax.switch over skip / mask variants);
@@ -182,4 +182,14 @@ def test_mirrors_have_the_same_files_and_public_names():
         # masked / mask_choice: the names of under_masks' lax.switch variants and which one a block
         # takes (kernels/branches.py turns them into the switch's index); torch decides in Python.
         jax_only |= {"masked", "mask_choice"}
+        # One walk per framework, shared by ring, double ring, all-gather KV and the replay. JAX's
+        # walk is traced and calls a visit per step: forward_visit / backward_visit build those
+        # callbacks, resident_kv slices a resident shard (all-gather, replay) for them, and
+        # DKVAccumulation (TRAVELLING, per_shard_accumulation) says how a traced backward's dK / dV
+        # state is kept. torch's walk is an eager loop over (visit, kv) pairs: attend_visits /
+        # grad_visits consume any such iterator (KVWalk, all-gather's gathered shards, the replay's
+        # resident ones) and ShardGrads is the in-place per-shard twin of DKVTrail.
+        jax_only |= {"forward_visit", "backward_visit", "resident_kv", "DKVAccumulation", "TRAVELLING",
+                     "per_shard_accumulation"}
+        torch_only |= {"attend_visits", "grad_visits", "ShardGrads"}
         assert jax_names - jax_only == torch_names - torch_only, name
