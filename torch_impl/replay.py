@@ -4,17 +4,18 @@ The mirror of ``jax_impl/replay.py`` (read its docstring): for each virtual devi
 R·U, the real loops' own walk bodies (``loop.attend_visits`` / ``loop.grad_visits``: their
 kernels, merges, casts and float32 accumulators) over :func:`schedule.device_visits` of the same
 :class:`schedule.Schedule`; only the communication is replaced — K/V indexed from the resident
-global tensors, dK/dV kept per source shard (``loop.ShardGrads``, as all-gather KV keeps them). dK/dV contributions are summed in the order the real exchange
-sums them (ring and double ring: step order; all-gather: device order) and cast as the real code
-casts them. Packed documents (``segment_ids``, GLOBAL ids like the global q, unlike the real
-torch entry points' local shards): each virtual device reads its ring shard's ids and the visited
-shard's, and the same ``loop`` functions decide per block to skip it, run it plain or with the
-document mask — so a skipped block contributes nothing (a zero) here, as in the real loops. A ``window``
-builds the same per-call :class:`loop.ShardMasks` (every shard's original positions) the real
-loops build, so the same blocks are skipped or windowed. ``sinks`` ([h], the full tensor) are
-merged into each virtual device's final (o, lse) of its head block, as the real autograd
-Function does; the backward then also returns dsinks, the SUM of every virtual device's
-contribution (what summing ``sinks.grad`` over a world's ranks gives).
+global tensors, dK/dV kept per source shard (``loop.ShardGrads``, as all-gather KV keeps them).
+The contributions are summed in the order the real exchange sums them (ring and double ring: step
+order; all-gather: device order) and cast as the real code casts them. Packed documents
+(``segment_ids``, GLOBAL ids like the global q, unlike the real torch entry points' local shards):
+each virtual device reads its ring shard's ids and the visited shard's, and the same ``loop``
+functions decide per block to skip it, run it plain or with the document mask — so a skipped block
+contributes nothing (a zero) here, as in the real loops. A ``window`` builds the same per-call
+:class:`loop.ShardMasks` (every shard's original positions) the real loops build, so the same
+blocks are skipped or windowed. ``sinks`` ([h], the full tensor) are merged into each virtual
+device's final (o, lse) of its head block, as the real autograd Function does; the backward then
+also returns dsinks, the SUM of every virtual device's contribution (what summing ``sinks.grad``
+over a world's ranks gives).
 
 Token indices (``token_index`` [b, T] ints, layout order, or None: the static layout's): the
 causal and window masks compare them instead of the layout's positions — one window on them
