@@ -140,19 +140,19 @@ def timed_step_task(case: ModelCase, device_type: str, dtype: str, warmup: int, 
 
 def exposure_task(case: ModelCase, device_type: str, dtype: str, warmup: int) -> dict:
     """Runs on every rank: ``warmup`` steps, then one step's collectives against its compute
-    (``exposure.exposed_times``; on gloo nothing to profile: ``None``)."""
+    (``exposure.exposed_times``); on gloo nothing to profile (``None``, no step run)."""
     import torch
 
     from ..accounting.torch_trace import CommTracer
     from ..training.llama_torch import Rig
     from .exposure import exposed_times, profiled_kernels, send_recv_kinds
 
+    if device_type != "cuda":
+        return None
     rig = Rig(case, device_type, dtype, rows_of_one_document(case))
     untraced = CommTracer()
     for _ in range(max(1, warmup)):
         rig.step(untraced, keep_grads=False)
-    if device_type != "cuda":
-        return None
     kinds = {kind for _, kind in llama_step_traffic(case, "torch", dtype).rows()}
     kernels = profiled_kernels(lambda: rig.step(untraced, keep_grads=False), torch.cuda.synchronize)
     return exposed_times(kernels, send_recv_kinds(kinds))

@@ -264,11 +264,17 @@ def test_varlen_lse_buffers_are_declared_at_the_tokens_size(emulated_fa3, monkey
         return backward
 
     monkeypatch.setattr(jax.ffi, "ffi_call", spy)
+    from jax_impl.kernels import runs
+
     b, t, h, d = 1, 1024, 4, 8
     ids = jnp.asarray(np.arange(t, dtype=np.int32)[None] // 4)  # 256 documents of 4 tokens: the 256-run slot
-    q = jnp.ones((b, t, h, d), jnp.float16)
-    kv, mask, seg = q[:, :, :2], BlockMask(MaskKind.CAUSAL, documents=True), (ids, ids)
-    o, lse = emulated_fa3.fa3_varlen_block_fwd(q, kv, kv, mask, 0.5, segments=seg)
-    emulated_fa3.fa3_varlen_block_bwd(q, q, kv, kv, o, lse, mask, 0.5, segments=seg)
+    plan = runs.varlen_offsets(ids, ids, True, 256)
+    q = jax.ShapeDtypeStruct((b, t, h, d), jnp.float16)
+    kv = jax.ShapeDtypeStruct((b, t, 2, d), jnp.float16)
+    lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+    # traced only (eval_shape): the declared sizes are what this test reads, and tracing one form is fast
+    jax.eval_shape(lambda q, k, v: emulated_fa3.varlen_fwd(q, k, v, True, 0.5, plan), q, kv, kv)
+    jax.eval_shape(lambda do, q, k, v, o, lse: emulated_fa3.varlen_bwd(do, q, k, v, o, lse, True, 0.5, plan),
+                   q, q, kv, kv, q, lse)
     for name in ("flash_mha_fwd", "flash_mha_bwd"):
         assert lse_shapes[name] == (256, h, -(-b * t // 256)), (name, lse_shapes[name])
