@@ -461,16 +461,15 @@ def alone_grad_dtypes(schedule: Schedule, config: AttentionConfig, dtype) -> Gra
 
 
 def forward_visit(q, config: AttentionConfig, schedule: Schedule, me, t: int, ids_all=None, index_all=None, *,
-                  own_kv=None, kv_of: Callable | None = None, o_dtype=None) -> Callable:
+                  own_kv=None, kv_of: Callable | None = None) -> Callable:
     """The ``visit`` of :func:`walk` for device ``me``'s forward: its own block, then every
     visiting K/V merged by LSE into ``state = (o, lse)``. ``t``: tokens per shard; ``ids_all`` /
     ``index_all``: every shard's segment ids / token indices [b, R·t] or None. Where the K/V come
     from: ``own_kv`` for the own block (None: what the walk carries then) and ``kv_of(kv, j, s)``
     for a visit (None: the carried K/V themselves — all-gather KV and the replay carry nothing
-    and slice a resident shard, :func:`resident_kv`). ``o_dtype``: the own block's o dtype
-    (default :func:`alone_dtype`)."""
-    backend = config.backend()
-    o_dtype = alone_dtype(schedule, q.dtype) if o_dtype is None else o_dtype
+    and slice a resident shard, :func:`resident_kv`). The own block's o is in
+    :func:`alone_dtype`."""
+    backend, o_dtype = config.backend(), alone_dtype(schedule, q.dtype)
 
     def visit(step, j, s, kv, state):
         kv = _visit_kv(step, j, s, kv, own_kv, kv_of)

@@ -90,10 +90,6 @@ F32 = jnp.float32
 _config = partial(replay_config, AttentionConfig)
 
 
-
-
-
-
 class _Resident(Comm):
     """The replay's transfers: none. Every shard's K/V are resident (the global arrays, sliced by
     ``loop.resident_kv``), so a hop moves nothing and the walk carries nothing."""
@@ -112,12 +108,12 @@ _RESIDENT = _Resident()
 
 
 def _device(device: int, q, k, v, strategy: Strategy, config: AttentionConfig):
-    """(schedule, ring coordinate r, query heads, KV heads, tokens per shard, the K/V of its KV
-    heads [b, T, ., d] in q's dtype, as the device holds them after every hop)."""
+    """(schedule, ring coordinate r, query heads, whether its KV heads are replicated, tokens per
+    shard, the K/V of its KV heads [b, T, ., d] in q's dtype, as the device holds them after every hop)."""
     schedule = strategy.replay_schedule(config, q.shape[1])
     r, u = divmod(device, strategy.ulysses)
-    q_heads, kv_heads, _ = strategy.head_groups(q.shape[2], k.shape[2], u)
-    return schedule, r, q_heads, kv_heads, q.shape[1] // strategy.ring, _kv_heads((k, v), kv_heads, q.dtype)
+    q_heads, kv_heads, replicated = strategy.head_groups(q.shape[2], k.shape[2], u)
+    return schedule, r, q_heads, replicated, q.shape[1] // strategy.ring, _kv_heads((k, v), kv_heads, q.dtype)
 
 
 def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",
@@ -127,7 +123,7 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
     [h], softcap): its (o, lse), o in q's dtype, lse with the sinks of its heads (shapes in the module
     docstring) — ``loop.walk`` over the schedule with ``loop.forward_visit``, the K/V resident."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    schedule, r, q_heads, kv_heads, t, kv_all = _device(device, q, k, v, strategy, config)
+    schedule, r, q_heads, _, t, kv_all = _device(device, q, k, v, strategy, config)
     q_d = ring_shard(q, r, strategy.ring, q_heads)
 
     def walked(cfg: AttentionConfig):
@@ -155,12 +151,11 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     for its heads ([h/U] float32), else None. ``loop.walk`` with ``loop.backward_visit``, every
     shard's dK / dV kept apart (``loop.per_shard_accumulation``, as all-gather KV keeps them)."""
     config = _config(q, causal, layout, scale, block_backend, deterministic, window, softcap, token_index)
-    schedule, r, q_heads, kv_heads, t, kv_all = _device(device, q, k, v, strategy, config)
+    schedule, r, q_heads, replicated, t, kv_all = _device(device, q, k, v, strategy, config)
     mine = [ring_shard(x, r, strategy.ring, q_heads) for x in (q, o, do)]
     lse_d, dlse_d = (None if x is None else ring_shard(x, r, strategy.ring, q_heads, head_axis=1) for x in (lse, dlse))
     saved = (mine[0], mine[1], lse_d, mine[2], dlse_d)
     alone = alone_dtype(schedule, q.dtype)  # replicated KV heads: their copies' dK / dV are summed in float32
-    replicated = strategy.head_groups(q.shape[2], k.shape[2], device % strategy.ulysses)[2]
     grad_dtypes = GradDtypes(alone, F32 if replicated else alone)
 
     def walked(cfg: AttentionConfig):

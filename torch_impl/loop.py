@@ -392,7 +392,7 @@ class ShardGrads:
 
     def __init__(self, ring: int, dk, dv, source: int):
         self.dk, self.dv = (torch.zeros((ring, *x.shape), dtype=torch.float32, device=x.device) for x in (dk, dv))
-        self.dk[source], self.dv[source] = dk, dv
+        self.dk[source], self.dv[source] = dk, dv  # widened as they are copied in
 
     def current(self, source: int | None = None) -> list:
         return [self.dk[source], self.dv[source]]
@@ -506,7 +506,8 @@ def grad_visits(saved, config: AttentionConfig, schedule: Schedule, masks: Shard
                 start_dkv: Callable):
     """(dq, dkv) of rank ``me``'s visits (``saved = (q, o, lse, do, dlse)``; ``visits`` as
     :func:`attend_visits`'s): its own block's gradients start the float32 dK/dV accumulators
-    ``start_dkv(dk, dv, source)`` (:class:`DKVTrail`: they travel; :class:`ShardGrads`: they stay),
+    ``start_dkv(dk, dv, source)`` in the kernel's dtype (:class:`DKVTrail`: they travel;
+    :class:`ShardGrads`: they stay; each stores them in float32),
     every visited block adds into the ``current(source)`` ones, then ``send(step.dkv_hop)``. With
     one step: (dq, (dk, dv)) as the kernel returned them. Blocks the forward skipped are skipped again."""
     backend = config.backend()
@@ -518,7 +519,7 @@ def grad_visits(saved, config: AttentionConfig, schedule: Schedule, masks: Shard
             if schedule.size == 1:
                 return dq, (dk, dv)
             dq = dq.float()  # the float32 accumulators (kernels may return bf16)
-            dkv = start_dkv(dk.float(), dv.float(), visit.source)
+            dkv = start_dkv(dk, dv, visit.source)  # each accumulator widens them as it stores them
         else:
             add_grads(visit.block, grads, dq, dkv.current(visit.source))  # once the shard's dK/dV have arrived
         dkv.send(visit.step.dkv_hop)  # dK/dV of the shard just visited move on with it (a DKVTrail)
@@ -543,7 +544,7 @@ def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: Attention
     ``dkv_hop``: ring, inner, or diagonal after a double-ring round; :class:`DKVTrail`), dq stays
     local (:func:`grad_visits`)."""
     walk = KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous()), first=kv_first)
-    trail = lambda dk, dv, source: DKVTrail(config.comm, groups, dk, dv, schedule)
+    trail = lambda dk, dv, source: DKVTrail(config.comm, groups, dk.float(), dv.float(), schedule)
     dq, dkv = grad_visits((q, o, lse, do, dlse), config, schedule, masks, ring_index(groups), walk, trail)
     if schedule.size == 1:
         return dq, *dkv

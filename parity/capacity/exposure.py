@@ -25,7 +25,7 @@ import tempfile
 KINDS = ("p2p", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")
 SERIAL = "serial (gloo: a collective blocks the calling thread)"
 _NCCL_NAMES = {"allgather": ("all-gather",), "reducescatter": ("reduce-scatter",), "allreduce": ("all-reduce",),
-               "alltoall": ("all-to-all",), "broadcast": ("all-gather",)}
+               "alltoall": ("all-to-all",)}
 
 
 def send_recv_kinds(traffic_kinds) -> tuple[str, ...]:
