@@ -20,9 +20,10 @@ where the ring holds two shards; the choice says so in ``reason``.
 The hybrid's all-gather moves only each shard's shared prefix (``shared_tokens``, on by default;
 ``shared_prefix=False`` gathers everything): measured the same day, JAX 1.18 / 1.08 / 1.12× on the
 short / heavy-tail / few-long mixes (ring of 4), 1.03 / 1.01 / 1.05× under USP 2×2 with
-all-gather; torch 0.4-6.7 % slower than gathering everything — its step is bound by host time,
-not by the transfer (profiled), so torch callers pass ``shared_prefix=False`` until that is cut
-(docs/decisions.md, "All-gather KV's shared prefix").
+all-gather; torch 0.4-6.7 % slower than gathering everything (its split step leaves the GPU idle
+for a cause not yet measured; docs/decisions.md, "All-gather KV's shared prefix"), so torch
+callers pass ``shared_prefix=False`` until it is re-measured. At 512k tokens (heavy-tail, 4× H200)
+the choice runs at 0.90 (torch) and 0.89 (JAX) of the one-GPU varlen kernel on the same ids.
 """
 
 from __future__ import annotations

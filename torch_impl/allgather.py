@@ -30,7 +30,8 @@ issued asynchronously while the rank's queries [P, t) attend to its own keys (do
 whole: no transfer) — then its queries [0, P) attend to the gathered prefixes; each part is one
 varlen call on the one-call kernel (the portable kernel where there is none, or with an lse
 cotangent), no merge (every query's keys lie in one part). The backward reduce-scatters the
-prefixes' dK / dV only.
+prefixes' dK / dV only, computing that part first so the reduce-scatter runs while the local part
+computes (issued after it, nothing would be left to hide it behind).
 """
 
 from __future__ import annotations
@@ -278,14 +279,17 @@ def _split_backward(q, k, v, o, lse, kv_prefixes, do, dlse, groups, config: Atte
     saved = lambda lo, hi: (part(q, lo, hi), part(o, lo, hi), part(lse, lo, hi, 2), part(do, lo, hi),
                             part(dlse, lo, hi, 2))
     dq = torch.empty(q.shape, dtype=F32, device=q.device)
-    if p < t:  # every local key's gradient (float32); the shared part adds its prefixes' below
-        dq[:, p:], dk, dv = _part_backward(config, saved(p, t), (k, v), split.local, local_masks)
-    else:
-        dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (k, v))
-    if p:
+    homes = ()
+    if p:  # the prefixes' part first: their dK / dV travel home while the local part computes
         kv = tuple(_kv_rows(x, p) for x in kv_prefixes)
         dq[:, :p], dk_rows, dv_rows = _part_backward(config, saved(0, p), kv, split.shared, shared_masks)
         shards = lambda g: g.reshape(g.shape[0], -1, p, *g.shape[2:]).transpose(0, 1).contiguous()  # [R, b, p, ..]
-        for d_local, g in ((dk, dk_rows), (dv, dv_rows)):
-            d_local[:, :p] += config.comm.scatter(shards(g), groups[1])
+        homes = tuple(config.comm.scatter(shards(g), groups[1], async_op=True) for g in (dk_rows, dv_rows))
+    if p < t:  # every local key's gradient (float32); the prefixes' sums are added below
+        dq[:, p:], dk, dv = _part_backward(config, saved(p, t), (k, v), split.local, local_masks)
+    else:
+        dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (k, v))
+    for d_local, (home, work) in zip((dk, dv), homes):
+        work.wait()
+        d_local[:, :p] += home
     return dq, dk, dv

@@ -26,6 +26,8 @@ from __future__ import annotations
 import struct
 from functools import partial
 
+import torch
+
 from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
 from seqplan.config import default_check_ranks
 from seqplan.layouts import LAYOUTS
@@ -117,7 +119,7 @@ def _check_segment_ids(segment_ids, q) -> None:
 
 def _check_token_index(token_index, q, seq_len: int) -> None:
     """This rank's token indices against its q (local shapes), on q's device, every value in
-    [0, seq_len) — the global sequence length (device-to-host copies of their min and max; the
+    [0, seq_len) — the global sequence length (one device-to-host copy of their min and max; the
     other ranks' values are not compared: that would take a collective)."""
     if token_index is None:
         return
@@ -125,7 +127,7 @@ def _check_token_index(token_index, q, seq_len: int) -> None:
     if token_index.device != q.device:
         raise ValueError(f"token_index must be on q's device {q.device}, got {token_index.device}")
     if token_index.numel():
-        lo, hi = (int(x) for x in token_index.long().aminmax())
+        lo, hi = torch.stack(token_index.long().aminmax()).tolist()  # one host copy: each one is a sync
         check_token_index_range(lo, hi, seq_len, what="local ")
 
 

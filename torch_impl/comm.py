@@ -134,12 +134,13 @@ def gather_shards(x, group, async_op: bool = False):
     return (out, work) if async_op else out
 
 
-def scatter_shard_sums(x_all, group):
-    """Reduce-scatter: ``x_all: [R, ...]`` summed over ranks; this rank's slice ``[...]``."""
+def scatter_shard_sums(x_all, group, async_op: bool = False):
+    """Reduce-scatter: ``x_all: [R, ...]`` summed over ranks; this rank's slice ``[...]`` (with
+    ``async_op``, ``(result, work)``: wait on ``work`` before reading the result)."""
     out = torch.empty(x_all.shape[1:], dtype=x_all.dtype, device=x_all.device)
-    _single("reduce_scatter_single", "reduce_scatter_tensor")(out, x_all.reshape(-1, *x_all.shape[2:]).contiguous(),
-                                                              group=group)
-    return out
+    work = _single("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, x_all.reshape(-1, *x_all.shape[2:]).contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def check_ranks_agree(fields: dict[str, tuple[int, ...]], mesh) -> None:
@@ -201,9 +202,9 @@ class Comm:
         """All-gather KV: :func:`gather_shards`."""
         return gather_shards(x, group, async_op=async_op)
 
-    def scatter(self, x_all, group):
+    def scatter(self, x_all, group, async_op: bool = False):
         """All-gather KV's dK/dV home: :func:`scatter_shard_sums`."""
-        return scatter_shard_sums(x_all, group)
+        return scatter_shard_sums(x_all, group, async_op=async_op)
 
 
 _HOOKS: HookStack[Comm] = HookStack(Comm, Comm())

@@ -269,13 +269,13 @@ class ShardMasks:
         (every shard's token indices, int [R, b, t]; the window then ``config.mask_window``, on them),
         per-row positions [R, b, t] from them (one host copy per call)."""
         positions = device_positions = None
+        host = _host_copies(ids_all, None if index_all is None else index_all.to(torch.int32))
+        ids_host = host[0]
         if index_all is not None:
-            device_positions = index_all.to(torch.int32)
-            positions = device_positions.cpu().numpy()
+            device_positions, positions = index_all.to(torch.int32), host[1]
         elif config.window is not None:
             positions = ring_positions(config.layout, ring_size, t)
             device_positions = torch.from_numpy(positions).to(device)
-        ids_host = None if ids_all is None else ids_all.cpu().numpy()
         if ids_host is not None and config.shared_tokens is None and one_document_per_row(ids_host):
             ids_all = ids_host = None  # the same mask without documents: blocks route as plain ones
         return cls(ids_all, config.mask_window, positions, device_positions, ids_host)
@@ -291,6 +291,16 @@ class ShardMasks:
 
         return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions),
                           pair(self.ids_host))
+
+
+def _host_copies(*tensors) -> tuple:
+    """NumPy copies of int32 tensors of one shape (None stays None) in ONE device-to-host copy:
+    each copy makes the host wait for the GPU's queued work, once per call is enough."""
+    given = [x for x in tensors if x is not None]
+    if not given:
+        return (None,) * len(tensors)
+    stacked = iter(torch.stack(given).cpu().numpy() if len(given) > 1 else [given[0].cpu().numpy()])
+    return tuple(None if x is None else next(stacked) for x in tensors)
 
 
 def _window_reach(block: Block, masks: VisitMasks) -> tuple[bool, bool]:

@@ -134,9 +134,9 @@ def recorded_transfers_task() -> dict:
             seen.append("gather")
             return super().gather(x, group, async_op=async_op)
 
-        def scatter(self, x_all, group):
+        def scatter(self, x_all, group, async_op=False):
             seen.append("scatter")
-            return super().scatter(x_all, group)
+            return super().scatter(x_all, group, async_op=async_op)
 
     out = {}
     meshes = {"double_ring": (((2, 2), ("ring_outer", "ring_inner")), "ring"),

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One 4-GPU hold (nvidia-h100-x4, or the H200s it may come as), issues 46 / 48 / 47 in priority
+# order; each part writes its rows as it goes, a part that fails leaves the next to run. One
+# background job spans several device calls (each ≤ 10 min; the machine must not idle 30 s):
+#   call 1 (carry .fa4a):         mkdir -p /root/keep && cp .fa4a/* /root/keep/
+#   call 2 (carry .fa4b, .whl):   bash docs/gpu/2026-11-26-x4-runlist.sh start
+#   call 3, 4 (no carry):         bash docs/gpu/2026-11-26-x4-runlist.sh wait
+# Parts (PARTS selects, default all, in this order):
+#   torchprof  issue 46: torch_impl all-gather KV on the hybrid, short and heavy-tail, profiled
+#              (device kernels by kind, the synchronising calls, a cProfile of the host side)
+#   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
+#              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid), anchors beside
+#   llama      issue 48: the whole model on 4 GPUs (torch): ring / Ulysses / all-gather rows at
+#              32k and 64k, predicted vs measured, and a B* sweep at 512 tokens a row
+#   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
+#   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
+# SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
+set -u
+R=/tmp/rb-x4; LOG=$R/run.log; HERE=docs/gpu; DEST=${OUT:-}  # the device call's $OUT (the parts get $R)
+PARTS=${PARTS:-torchprof,d512k,llama,jaxprof,mc}
+if [ "$1" = start ]; then
+  mkdir -p $R
+  if [ "${SMOKE:-0}" != 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    [ -d .fa4b ] && { bash .fa4b/install.sh || echo "fa4 not installed" >> $R/notes.txt; }
+    export PYTHONPATH=/tmp/site:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PWD
+    export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/gpus.txt
+    python3 -c "import torch, jax; print('torch', torch.__version__, 'jax', jax.__version__)" >> $R/gpus.txt 2>&1
+    SEQ=131072; BIG=524288; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"; LLAMA="--seq 32768,65536 --batches 1,4,16,64"
+    DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}
+  else
+    export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke
+    SEQ=4096; BIG=2048; DEV=cpu; TORCHRUN="torchrun --nproc_per_node 4"; LLAMA="--small --world 2"
+    DRV="--heads 4 --kv-heads 2 --passes fwd+bwd --no-verify"; SIDES=jax  # torch's driver side needs GPUs
+  fi
+  export PYTHONUNBUFFERED=1 OUT=$R
+  S=${SMOKE_FLAG:-}
+  declare -A CMD
+  CMD[torchprof]="MIXES=short,heavy-tail LAYOUTS=document-hybrid SEQ=$SEQ $TORCHRUN $HERE/documents-2026-11-26-h200x4/2026-11-26-profile-short.py $S"
+  # the API's default (the static zigzag ring), then the chooser's pick: all-gather KV on the hybrid,
+  # with the shared prefix in JAX, without in torch (docs/decisions.md); anchors on the same ids
+  D512="python3 -m benchmarks --gpus 4 --seqs $BIG --documents heavy-tail $DRV --iters 3 --warmup 1"
+  CMD[d512k]="for side in $SIDES; do pick=document-hybrid; [ \$side = jax ] && pick=document-hybrid-shared;
+    $D512 --meshes ring-r4 --layout zigzag --machine x4-512k-ring --only \$side --parts-dir $R/d512k-ring-\$side;
+    $D512 --meshes ring-agkv-r4 --layout \$pick --machine x4-512k-pick --only \$side --parts-dir $R/d512k-pick-\$side; done"
+  CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
+  CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
+    python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
+  CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x4-mc --parts-dir $R/mc \
+    --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
+  RUNS=""
+  for part in ${PARTS//,/ }; do
+    [ "${SMOKE:-0}" = 1 ] && [ $part = mc ] && continue  # needs GPUs (one process per GPU)
+    RUNS="$RUNS echo \"== $part \$(date +%T)\"; ( ${CMD[$part]} ) > $R/$part.log 2>&1; echo \"== $part rc \$? \$(date +%T)\";"
+  done
+  date > $R/started
+  setsid nohup bash -c "$RUNS date > $R/finished" > $LOG 2>&1 < /dev/null &
+  set -- wait
+fi
+if [ "$1" = wait ]; then
+  [ -e $R/started ] || { echo "nothing started on this machine (a fresh one: the last hold was given back)"; exit 1; }
+  end=$((SECONDS + ${WAIT_S:-540}))
+  while [ ! -e $R/finished ] && [ $SECONDS -lt $end ]; do sleep 5; done
+  [ -e $R/finished ] && echo FINISHED || echo "STILL RUNNING"
+  cp -r benchmarks/results/*x4-512k* benchmarks/results/*x4-mc* $R/ 2>/dev/null
+  [ -n "$DEST" ] && tar czf $DEST/runlist.tgz -C $R .
+  cat $LOG
+  for f in $R/*.log; do echo "--- $f"; grep -E "verify|anchor|_impl |wall|rc |Error|error|predicted|measured" $f | cut -c1-240 | tail -25; done
+fi

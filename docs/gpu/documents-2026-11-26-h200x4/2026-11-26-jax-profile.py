@@ -1,0 +1,173 @@
+"""Issue 46: where a device's step goes in jax_impl on the 4-GPU mesh, packed documents — the
+JAX twin of ``2026-11-26-profile-short.py``. One process drives the mesh (single controller);
+every (mix, mesh, layout) path is first verified on the mesh (``benchmarks.verify.verify_one``:
+the reduced problem against the float64 oracle), then the full-size fwd+bwd program (ids and token
+indices as program arguments, as the driver times it) is compiled, timed (median of 5) and traced
+over 3 steps with ``jax.profiler``.
+
+Per GPU, from the trace: kernel time by kind (attention kernels, NCCL, the rest: XLA fusions,
+copies, scatters), the time any kernel runs (the union: the rest of the step the GPU idles), and
+the exposed share of each collective kind (``parity.capacity.exposure.exposed_times``: NCCL time
+no other kernel covers). Each row is written to ``$OUT/jax-profile/{mix}-{mesh}-{layout}.json`` as
+it finishes, with the top kernels of GPU 0.
+
+    JAX_PLATFORMS=cuda python docs/gpu/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py
+    JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+        python docs/gpu/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py --smoke   # CPU: the path only
+
+``MIXES`` (default ``short,heavy-tail``), ``PATHS`` (``mesh:layout`` comma list, default the
+chooser's all-gather hybrid with the shared prefix and the static zigzag ring), ``SEQ`` (131072).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+SMOKE = "--smoke" in sys.argv
+MIXES = os.environ.get("MIXES", "short,heavy-tail").split(",")
+PATHS = [p.split(":") for p in os.environ.get(
+    "PATHS", "ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag,usp-agkv-r2xu2:document-hybrid-shared").split(",")]
+SEQ = int(os.environ.get("SEQ", "131072"))
+OUT = Path(os.environ.get("OUT", "/tmp")) / "jax-profile"
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    if "nccl" in lowered:
+        return "nccl"
+    if any(s in lowered for s in ("flash", "fmha", "cudnn", "sm90", "attention")):
+        return "attention"
+    return "other"
+
+
+def device_kernels(trace_dir: str) -> dict[str, list[tuple[str, float, float]]]:
+    """{GPU process name: [(kernel name, start ms, end ms)]} from the profile's trace."""
+    found = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not found:
+        raise FileNotFoundError(f"no trace under {trace_dir}")
+    with gzip.open(found[0]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    kernels: dict[str, list] = defaultdict(list)
+    for e in events:
+        process = names.get(e.get("pid"), "")
+        if e.get("ph") == "X" and "/device:GPU" in process and "dur" in e:
+            kernels[process].append((e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3))
+    return kernels
+
+
+def union_ms(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted((lo, hi) for _, lo, hi in intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def summarize(kernels: dict, steps: int, send_recv) -> dict:
+    from parity.capacity.exposure import exposed_times
+
+    per_gpu = {}
+    for process, rows in sorted(kernels.items()):
+        by_kind: dict[str, float] = defaultdict(float)
+        for name, lo, hi in rows:
+            by_kind[kind_of(name)] += (hi - lo) / steps
+        exposed = exposed_times(rows, send_recv)
+        per_gpu[process] = {"kernel_ms_per_step": dict(by_kind), "busy_ms_per_step": union_ms(rows) / steps,
+                            "exposed": {k: {n: v / steps * 1e3 if n.endswith("_s") else v for n, v in x.items()}
+                                        for k, x in exposed.items()}}
+    first = sorted(kernels)[0] if kernels else None
+    top: dict[str, float] = defaultdict(float)
+    for name, lo, hi in kernels.get(first, []):
+        top[name[:100]] += (hi - lo) / steps
+    return {"per_gpu": per_gpu, "top_kernels_gpu0": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25])}
+
+
+def main() -> None:
+    import jax.numpy as jnp
+
+    import jax_impl
+    from benchmarks.bench_jax import _inputs, _mesh, _programs
+    from benchmarks.common import MeshSpec, Problem, lay_out, row_problem
+    from benchmarks.verify import verify_one
+    from jax_impl.api import partition_specs
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    verdicts: dict[tuple, dict] = {}
+    for mix in MIXES:
+        for mesh_name, layout in PATHS:
+            spec = MeshSpec(mesh_name)
+            base = Problem(seq=1024 if SMOKE else SEQ, heads=4 if SMOKE else 32, kv_heads=2 if SMOKE else 8,
+                           documents=mix)
+            key = (mesh_name, layout)
+            if key not in verdicts:
+                verdicts[key] = verify_one("jax", mesh_name, layout, "auto", base, "cpu" if SMOKE else "gpu")
+                print("verify", key, verdicts[key], flush=True)
+            row = {"mix": mix, "mesh": mesh_name, "layout": layout, "seq": base.seq, "verified": verdicts[key]}
+            path = OUT / f"{mix}-{mesh_name}-{layout}.json"
+            if not verdicts[key].get("passed"):
+                path.write_text(json.dumps(row, indent=1, default=str))
+                continue
+            problem = row_problem(base, spec, layout)
+            laid = lay_out(problem, spec, layout)
+            mesh = _mesh(spec.axes, jax.devices())
+            x_spec, _ = partition_specs(mesh)
+            place = NamedSharding(mesh, P(*x_spec[:2]))
+            names = [n for n, a in (("segment_ids", laid.segment_ids), ("token_index", laid.token_index)) if a is not None]
+            aux = tuple(jax.device_put(a, place) for a in (laid.segment_ids, laid.token_index) if a is not None)
+
+            def attention(q, k, v, *aux, laid=laid, mesh=mesh, spec=spec, names=names):
+                return jax_impl.sequence_parallel_attention(
+                    q, k, v, mesh, causal=True, layout=laid.api_layout, kv_exchange=spec.kv_exchange,
+                    block_backend="auto", **laid.shared, **dict(zip(names, aux)))
+
+            _, both = _programs(attention)
+            args = (*_inputs(problem, NamedSharding(mesh, x_spec)), *aux)
+            began = time.perf_counter()
+            jax.block_until_ready(both(*args))
+            row["compile_s"] = round(time.perf_counter() - began, 1)
+            for _ in range(2):
+                jax.block_until_ready(both(*args))
+            walls = []
+            for _ in range(5):
+                began = time.perf_counter()
+                jax.block_until_ready(both(*args))
+                walls.append((time.perf_counter() - began) * 1e3)
+            row["wall_ms_median"], row["walls_ms"] = statistics.median(walls), walls
+            row["tflops_per_gpu"] = problem.flops(False) / (row["wall_ms_median"] * 1e-3) / spec.devices / 1e12
+            trace_dir = f"/tmp/jaxprof-4gpu/{mix}-{mesh_name}-{layout}"
+            try:
+                with jax.profiler.trace(trace_dir):
+                    for _ in range(3):
+                        jax.block_until_ready(both(*args))
+                kernels = device_kernels(trace_dir)
+                send_recv = ("p2p",) if spec.kv_exchange == "ring" and spec.ring > 1 else ("all-to-all",)
+                row.update(summarize(kernels, 3, send_recv))
+            except Exception as err:  # noqa: BLE001 — a profiler that cannot start is a row, not a crash
+                row["profile_error"] = f"{type(err).__name__}: {err}"[:300]
+            del args
+            jnp.zeros(1).block_until_ready()
+            path.write_text(json.dumps(row, indent=1, default=str))
+            gpus = row.get("per_gpu", {})
+            print(mix, mesh_name, layout, f"wall {row['wall_ms_median']:.2f} ms compile {row['compile_s']} s",
+                  {p[-6:]: {k: round(v, 2) for k, v in g["kernel_ms_per_step"].items()}
+                   | {"busy": round(g["busy_ms_per_step"], 2)} for p, g in gpus.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
