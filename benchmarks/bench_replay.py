@@ -401,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--full", action="store_true", help="non-causal (default: causal)")
     ap.add_argument("--documents", default="none",
                     help="packed documents: a parity.core.documents pattern drawn at seed 0 (e.g. mix) or a "
-                         "parity.probes.balance.MIXES name (short, heavy-tail, few-long); TFLOP/s count the mask area")
+                         "parity.probes.balance.BENCHMARK_MIXES name (short, heavy-tail, few-long, quarter-capped); "
+                         "TFLOP/s count the mask area")
     ap.add_argument("--layout", default=None,
                     help="comma-separated layouts every strategy runs in instead of its own: contiguous, zigzag, "
                          "stripe, document-zigzag, document-hybrid (the per-row layouts pass explicit token "

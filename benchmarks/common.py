@@ -22,7 +22,7 @@ class Problem:
     causal: bool = True
     dtype: str = "bfloat16"
     documents: str = "none"  # packed documents: a parity.core.documents pattern drawn at seed 0 ("mix")
-    # or a parity.probes.balance.MIXES name ("short", "heavy-tail", "few-long")
+    # or a parity.probes.balance.BENCHMARK_MIXES name ("short", "heavy-tail", "few-long", "quarter-capped")
     window: tuple[int, int] | None = None  # sliding window (left, right) on original positions
     fit_ring: int = 0  # > 0: the ids fitted to the per-document zigzag of this R (benchmarks.documents)
     fit_multiple: int = 1  # ... at a length multiple of this (2·R·U)
@@ -358,9 +358,10 @@ def shared_arguments(description: str):
     ap.add_argument("--kv-heads", type=int, default=32)
     ap.add_argument("--documents", default="none",
                     help="packed documents, comma-separated, each its own problem: a parity.core.documents pattern "
-                         "drawn at seed 0 (e.g. mix) or a parity.probes.balance.MIXES name (short, heavy-tail, "
-                         "few-long); TFLOP/s count the mask area; the single-GPU ceilings are then each framework's "
-                         "fused varlen kernel on the same ids (the *_varlen_anchor rows)")
+                         "drawn at seed 0 (e.g. mix) or a parity.probes.balance.BENCHMARK_MIXES name (short, "
+                         "heavy-tail, few-long, quarter-capped); TFLOP/s count the mask area; the single-GPU "
+                         "ceilings are then each framework's fused varlen kernel on the same ids (the *_varlen_anchor "
+                         "rows)")
     ap.add_argument("--passes", choices=("both", "fwd+bwd", "fwd"), default="both",
                     help="time the forward, forward+backward, or both (default)")
     ap.add_argument("--window", type=int, default=None, help="sliding window left extent (right 0)")

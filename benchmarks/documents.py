@@ -18,16 +18,17 @@ from seqplan.layouts import DOCUMENT_HYBRID, DOCUMENT_LAYOUTS, DOCUMENT_ZIGZAG  
 
 
 def mix_names() -> tuple[str, ...]:
-    from parity.probes.balance import MIXES
+    from parity.probes.balance import BENCHMARK_MIXES
 
-    return tuple(m.name for m in MIXES)
+    return tuple(m.name for m in BENCHMARK_MIXES)
 
 
 def mix_ids(name: str, batch: int, seq: int) -> np.ndarray:
-    """[batch, seq] int32: the balance probe's mix ``name`` at ``seq`` tokens in every row."""
-    from parity.probes.balance import MIXES
+    """[batch, seq] int32: the balance probe's mix ``name`` (or the driver's extra ones,
+    ``BENCHMARK_MIXES``) at ``seq`` tokens in every row."""
+    from parity.probes.balance import BENCHMARK_MIXES
 
-    mix = {m.name: m for m in MIXES}[name]
+    mix = {m.name: m for m in BENCHMARK_MIXES}[name]
     return np.broadcast_to(mix.segment_ids(seq).astype(np.int32), (batch, seq)).copy()
 
 

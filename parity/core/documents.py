@@ -43,16 +43,16 @@ def lengths_to_ids(lengths, ids=None) -> np.ndarray:
 
 
 def long_tailed_lengths(rng: np.random.Generator, seq: int, *, median: float, sigma: float = 1.0,
-                        forced=()) -> np.ndarray:
+                        forced=(), cap: int | None = None) -> np.ndarray:
     """Document lengths summing to exactly ``seq``: the ``forced`` lengths (those that fit) at random
-    places among lognormal(log ``median``, ``sigma``) draws (rounded, at least 1; the last draw is
-    cut to fit)."""
+    places among lognormal(log ``median``, ``sigma``) draws (rounded, at least 1, at most ``cap``
+    when given; the last draw is cut to fit)."""
     forced = list(forced)
     while sum(forced) > seq:
         forced.pop()
-    drawn, room = [], seq - sum(forced)
+    drawn, room, longest = [], seq - sum(forced), seq if cap is None else max(1, int(cap))
     while room > 0:
-        length = min(room, max(1, int(round(rng.lognormal(np.log(max(median, 1.0)), sigma)))))
+        length = min(room, longest, max(1, int(round(rng.lognormal(np.log(max(median, 1.0)), sigma)))))
         drawn.append(length)
         room -= length
     for length in forced:
