@@ -53,7 +53,7 @@ from ..runners.torch_world import close_worlds, get_world
 from ..training.llama import LlamaConfig, ModelCase, TokenBatch, packed_corpus, step_flops
 from ..training.llama_gpu import GPU_MODEL, attention_rate, one_document
 from ..training.llama_traffic import llama_step_traffic
-from .calibrate import SMALL, Sizes, median_seconds, profile_task, slowest
+from .calibrate import SMALL, Sizes, hardware_profile, median_seconds, profile_task, slowest
 from .exposure import SERIAL, fractions
 
 LAYOUTS = {"zigzag": "zigzag", "stripe": "stripe", "contiguous": "contiguous", "ulysses": "zigzag",
@@ -280,6 +280,8 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
                                             device_type, run.dtype, batch)[0]
         return kernels[seq, batch]
     calibrated = {"c_flops": profile["flops"], "w_hbm": profile["hbm"], "w_by_kind": profile["bandwidth"]}
+    emit({"hardware": hardware_profile(f"llama-scale-{devices}{world}", "python -m parity.capacity.llama_scale",
+                                       profile, devices, world, run.sizes)})
     exposures: dict[str, dict] = {}
     floors: dict[str, float] = {}
 
@@ -430,6 +432,8 @@ def main(argv=None) -> int:
     rows_file = a.out / f"{stem}-rows.jsonl"
 
     def emit(row: dict) -> None:
+        if "hardware" in row:  # the calibrated profile, as `python -m parity bstar --hardware FILE` reads it
+            (a.out / f"{stem}-hardware.json").write_text(json.dumps(row["hardware"], indent=1) + "\n")
         with rows_file.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
 

@@ -8,6 +8,7 @@ the CPU mean nothing; the traffic equality, the affine model and the B* formula 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parity.capacity import llama_scale
+from parity.capacity.bstar import PRESETS, Hardware, table
 from parity.training.llama_traffic import llama_step_traffic
 
 PROFILE = {"flops": 1e12, "hbm": 1e11, "bandwidth": {k: 1e9 for k in ("p2p", "all-to-all", "all-gather",
@@ -32,7 +34,15 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
     result = llama_scale.measure(run, "cpu", world=2, emit=emitted.append)
     # every row handed out as it was measured (a killed run keeps them), each strategy's exposure first
     calibration = ("exposure", "host_floor")
-    assert [r for r in emitted if not set(calibration) & set(r)] == result["rows"] + result["bstar"]["sweep"]
+    assert [r for r in emitted if not {*calibration, "hardware"} & set(r)] == result["rows"] + result["bstar"]["sweep"]
+    # first of all the calibrated profile, in the form `python -m parity bstar --hardware FILE` reads
+    assert "hardware" in emitted[0] and sum("hardware" in r for r in emitted) == 1
+    path = tmp_path / "hardware.json"
+    path.write_text(json.dumps(emitted[0]["hardware"]))
+    hardware = Hardware.load(str(path))
+    assert (hardware.flops, hardware.hbm, hardware.bandwidth) == tuple(result["profile"][k] for k in ("flops", "hbm",
+                                                                                                       "bandwidth"))
+    assert table(next(iter(PRESETS)), hardware=hardware)  # the B* table runs on it
     for key in calibration:  # each strategy's two calibration steps, each once
         assert [r[key] for r in emitted if key in r] == list(run.strategies)
     assert [(r["strategy"], r["seq"], r["batch"]) for r in result["rows"]] == [(s, run.seqs[0], 1)
