@@ -5,9 +5,14 @@
 #   call 1 (carry .fa4a):         mkdir -p /root/keep && cp .fa4a/* /root/keep/
 #   call 2 (carry .fa4b, .whl):   bash docs/gpu/2026-11-26-x4-runlist.sh start
 #   call 3, 4 (no carry):         bash docs/gpu/2026-11-26-x4-runlist.sh wait
-# Parts (PARTS selects, default all, in this order):
-#   torchprof  issue 46: torch_impl all-gather KV on the hybrid, short and heavy-tail, profiled
-#              (device kernels by kind, the synchronising calls, a cProfile of the host side)
+# Issue each call the moment the last returns: the returned files' transfer counts toward the 30 s
+# idle limit, and a machine given back loses the background job (the 11-26 run lost a whole call
+# so; `wait` on a fresh machine now says so at once instead of waiting out its time).
+# Parts (PARTS selects; default the ones not yet run — d512k ran 2026-11-26, fourth run of
+# docs/gpu/documents-2026-11-26-h200x4.md; torchprof then profiled the whole gather only):
+#   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
+#              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
+#              a cProfile of the host side)
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
 #              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid), anchors beside
 #   llama      issue 48: the whole model on 4 GPUs (torch): ring / Ulysses / all-gather rows at
@@ -17,7 +22,7 @@
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
 set -u
 R=/tmp/rb-x4; LOG=$R/run.log; HERE=docs/gpu; DEST=${OUT:-}  # the device call's $OUT (the parts get $R)
-PARTS=${PARTS:-torchprof,d512k,llama,jaxprof,mc}
+PARTS=${PARTS:-torchprof,llama,jaxprof,mc}
 if [ "$1" = start ]; then
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
@@ -37,7 +42,7 @@ if [ "$1" = start ]; then
   export PYTHONUNBUFFERED=1 OUT=$R
   S=${SMOKE_FLAG:-}
   declare -A CMD
-  CMD[torchprof]="MIXES=short,heavy-tail LAYOUTS=document-hybrid SEQ=$SEQ $TORCHRUN $HERE/documents-2026-11-26-h200x4/2026-11-26-profile-short.py $S"
+  CMD[torchprof]="MIXES=short,heavy-tail LAYOUTS=document-hybrid,document-hybrid-shared SEQ=$SEQ $TORCHRUN $HERE/documents-2026-11-26-h200x4/2026-11-26-profile-short.py $S"
   # the API's default (the static zigzag ring), then the chooser's pick: all-gather KV on the hybrid,
   # with the shared prefix in JAX, without in torch (docs/decisions.md); anchors on the same ids
   D512="python3 -m benchmarks --gpus 4 --seqs $BIG --documents heavy-tail $DRV --iters 3 --warmup 1"
