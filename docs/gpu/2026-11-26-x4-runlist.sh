@@ -32,7 +32,8 @@ if [ "$1" = start ]; then
     export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/gpus.txt
     python3 -c "import torch, jax; print('torch', torch.__version__, 'jax', jax.__version__)" >> $R/gpus.txt 2>&1
-    SEQ=131072; BIG=524288; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"; LLAMA="--seq 32768,65536 --batches 1,4,16,64"
+    SEQ=131072; BIG=524288; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"
+    LLAMA="--strategies zigzag,ulysses,allgather,usp --seq 32768,65536 --batches 1,4,16,64"
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke

@@ -57,15 +57,22 @@ from .calibrate import SMALL, Sizes, hardware_profile, median_seconds, profile_t
 from .exposure import SERIAL, fractions
 
 LAYOUTS = {"zigzag": "zigzag", "stripe": "stripe", "contiguous": "contiguous", "ulysses": "zigzag",
-           "allgather": "zigzag"}  # strategy -> the layout its tokens are permuted into
+           "allgather": "zigzag", "usp": "zigzag"}  # strategy -> the layout its tokens are permuted into
+USP_ULYSSES = 2  # USP's Ulysses degree: the rest of the devices form its ring (4 devices: 2 × 2)
 
 
 def strategy_mesh(name: str, world: int) -> MeshShape:
-    """The attention mesh of strategy ``name`` over ``world`` devices (no data axis: B* grows B)."""
+    """The attention mesh of strategy ``name`` over ``world`` devices (no data axis: B* grows B);
+    USP: Ulysses over :data:`USP_ULYSSES` devices, a zigzag ring over the rest (at least 2)."""
     if name not in LAYOUTS:
         raise ValueError(f"strategy must be one of {sorted(LAYOUTS)}, got {name!r}")
     if name == "ulysses":
         return MeshShape(ulysses=world)
+    if name == "usp":
+        if world % USP_ULYSSES or world // USP_ULYSSES < 2:
+            raise ValueError(f"usp needs a multiple of {USP_ULYSSES} devices, at least {2 * USP_ULYSSES} "
+                             f"(Ulysses {USP_ULYSSES} × a ring of 2 or more), got {world}")
+        return MeshShape(ring=world // USP_ULYSSES, ulysses=USP_ULYSSES)
     return MeshShape(ring=world, kv_exchange="allgather" if name == "allgather" else "ring")
 
 
@@ -74,7 +81,8 @@ class ScaleRun:
     """What one invocation measures.
 
     model:      the decoder (default: the GPU-sized one of ``llama_gpu``; ``--small``: the tiny one).
-    strategies: names of ``LAYOUTS`` (zigzag, stripe, contiguous ring; ulysses; all-gather KV).
+    strategies: names of ``LAYOUTS`` (zigzag, stripe, contiguous ring; ulysses; all-gather KV; usp,
+                from 4 devices).
     seqs:       tokens per row T (global, over all devices); each strategy × T timed at one row.
     bstar_seq, batches: the B* sweep — the first strategy at T = ``bstar_seq`` with B rows. Short
                 rows: the GPU-sized model is compute-bound at one row of 16k tokens already
@@ -264,6 +272,8 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
     world = world or (torch.cuda.device_count() if devices == "gpu" else 2)
     if world < 2:
         raise ValueError(f"the whole model over several devices needs at least 2, found {world}")
+    for strategy in run.strategies:  # a strategy the world cannot hold fails before any rank starts
+        strategy_mesh(strategy, world)
     exposure_seq, host_seq = _calibration_seqs(run)
     emit = emit or (lambda row: None)
     ranks = get_world(world, backend)

@@ -8,6 +8,7 @@ the CPU mean nothing; the traffic equality, the affine model and the B* formula 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -15,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from helpers import FULL
 from parity.capacity import llama_scale
 from parity.capacity.bstar import PRESETS, Hardware, table
 from parity.training.llama_traffic import llama_step_traffic
@@ -110,3 +112,27 @@ def test_the_step_model_is_affine_in_the_batch_and_bstar_balances_it():
 def test_bad_strategy_is_refused_by_name():
     with pytest.raises(ValueError, match="strategy must be one of"):
         llama_scale.strategy_mesh("ring-of-rings", 2)
+
+
+def test_usp_is_ulysses_two_times_a_ring_and_refused_on_worlds_that_cannot_hold_it():
+    assert llama_scale.strategy_mesh("usp", 4) == llama_scale.MeshShape(ring=2, ulysses=2)
+    assert llama_scale.strategy_mesh("usp", 8) == llama_scale.MeshShape(ring=4, ulysses=2)
+    for world in (2, 6 - 1):
+        with pytest.raises(ValueError, match="usp needs a multiple of 2 devices, at least 4"):
+            llama_scale.strategy_mesh("usp", world)
+    with pytest.raises(ValueError, match="usp needs"):  # before any rank starts
+        llama_scale.measure(dataclasses.replace(llama_scale.SMALL_RUN, strategies=("zigzag", "usp")), "cpu", world=2)
+
+
+@pytest.mark.skipif(not FULL, reason="a world of four for one more row (11 s): --full")
+@pytest.mark.slow
+def test_a_usp_row_moves_the_bytes_the_model_counts(worlds):
+    """USP's row on four gloo ranks (Ulysses 2 × ring 2 under FSDP over all four): its traffic —
+    the all-to-alls, the ring's hops, FSDP's gathers — equals the step's trace. The default tier
+    keeps USP's whole-step traffic against the trace in test_llama.py (its data × ring × Ulysses
+    case, FSDP on); this is the command's own row on it."""
+    worlds(4)
+    run = dataclasses.replace(llama_scale.SMALL_RUN, strategies=("usp",), batches=(1,))
+    result = llama_scale.measure(run, "cpu", world=4)
+    (row,) = result["rows"]
+    assert row["strategy"] == "usp" and row["devices"] == 4 and row["traffic_equal"], row
