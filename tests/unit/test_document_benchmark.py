@@ -14,12 +14,12 @@ from seqplan.layouts import document_layout, document_runs
 
 
 def test_mixes_are_accepted_by_name():
-    assert set(mix_names()) == {"short", "heavy-tail", "few-long"}
+    assert set(mix_names()) == {"short", "heavy-tail", "few-long", "quarter-capped"}
     ids = Problem(seq=4096, documents="few-long").segment_ids()
     np.testing.assert_array_equal(ids, mix_ids("few-long", 1, 4096))
 
 
-@pytest.mark.parametrize("name", ["short", "heavy-tail", "few-long"])
+@pytest.mark.parametrize("name", ["short", "heavy-tail", "few-long", "quarter-capped"])
 def test_fitted_mix_keeps_its_length_and_fits_the_layout(name):
     ring, seq = 8, 16384
     raw = mix_ids(name, 1, seq)
