@@ -63,13 +63,16 @@ def _dense_in_layout(q, k, v):
     return o[:, perm], lse[:, :, perm]
 
 
+@jax.jit  # one program per form, shared by every test here (eagerly, each op compiled on its own)
+def _dense_gradients(q, k, v, do, dlse):
+    outputs, pullback = jax.vjp(_dense_in_layout, q, k, v)
+    return pullback((do, jnp.zeros_like(outputs[1]) if dlse is None else dlse))
+
+
 def _truth(qkv, do, dlse=None):
     """(dq, dk, dv) of the dense attention for cotangents do (and dlse, when given), on one device."""
     device = jax.devices()[0]
-    qkv = [jax.device_put(x, device) for x in qkv]
-    outputs, pullback = jax.vjp(_dense_in_layout, *qkv)
-    return pullback((jax.device_put(do, device),
-                     jnp.zeros_like(outputs[1]) if dlse is None else jax.device_put(dlse, device)))
+    return _dense_gradients(*(None if x is None else jax.device_put(x, device) for x in (*qkv, do, dlse)))
 
 
 def _assert_gradients(got, want):

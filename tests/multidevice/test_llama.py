@@ -199,6 +199,7 @@ def test_planted_regressions_fail_the_traffic_audit_or_the_equality(jax_devices,
     import jax_impl.layers
     from jax_impl.comm import Comm, using
     from jax_impl.dense import dense_attention
+    from parity.accounting.model import PASSES
     from parity.checks.traffic import LLAMA_CONFIGS
     from parity.training import llama_jax
     from parity.training.jax_step import GATHERED
@@ -206,20 +207,31 @@ def test_planted_regressions_fail_the_traffic_audit_or_the_equality(jax_devices,
 
     case = LLAMA_CONFIGS[0]  # ring 2, FSDP (its unplanted traffic equals the model: the test above)
     model = llama_step_traffic(case, "jax")
+    # Each planted step is measured on its forward (loss) program by default: every planted bug
+    # shows there already, and the audit fails on any pass that differs. The loss+grads and
+    # full-step programs of the planted steps (their backward and optimizer passes; ≈ 10 s of
+    # compiling on 2 cores) with --full; every pass of the unplanted step against the model stays in
+    # the default run (test_step_traffic_model_equals_xla_hlo_and_torch_trace, the same case).
+    programs = (0, 1, 2) if FULL else (0,)
+    passes = PASSES[:len(programs)]
+    measured = lambda t: {k: v for k, v in t.rows().items() if k[0] in passes}
+
+    def planted_traffic():
+        return llama_jax.measure_traffic(case, llama_jax.compiled_texts(case, which=programs))
 
     class StaleKV(Comm):  # the hop never happens: each device keeps the K/V it has
         def shift(self, tree, hop, axes, back=0):
             return tree
 
     with using(StaleKV()):
-        stale = llama_jax.measure_traffic(case)
-    assert stale != model and ("fwd", "p2p") not in stale.rows()
+        stale = planted_traffic()
+    assert measured(stale) != measured(model) and ("fwd", "p2p") not in stale.rows()
 
     with monkeypatch.context() as m:
         m.setattr(jax_impl.layers, "local_attention", lambda q, k, v, mesh, *, causal, segment_ids, window, sinks,
                   **_: dense_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, sinks=sinks)[0])
-        off = llama_jax.measure_traffic(case)
-    assert off != model and not any(kind == "p2p" for _, kind in off.rows())
+        off = planted_traffic()
+    assert measured(off) != measured(model) and not any(kind == "p2p" for _, kind in off.rows())
 
     def wrong_dimension(self, params):  # gather the columns' shards, then reshape to the weight's shape
         def gather(w):
@@ -232,6 +244,6 @@ def test_planted_regressions_fail_the_traffic_audit_or_the_equality(jax_devices,
     with monkeypatch.context() as m:
         m.setattr(llama_jax.Step, "_gather", wrong_dimension)
         forward = lambda t: {k: v for k, v in t.rows().items() if k[0] == "fwd"}
-        assert forward(llama_jax.measure_traffic(case)) == forward(model)  # the gathers: same bytes, same calls
+        assert forward(planted_traffic()) == forward(model)  # the gathers: same bytes, same calls
         with pytest.raises(AssertionError, match="jax vs float64"):
             assert_same_run(llama_jax.train(case, steps=1), llama_oracle.train(case, steps=1), "jax vs float64")

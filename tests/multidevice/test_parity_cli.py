@@ -20,8 +20,14 @@ from parity.runners.jax_runner import JaxRunner
 from parity.runners.pipeline import run_case_everywhere
 
 
-def test_cli_runs_both_frameworks_and_writes_reports(tmp_path, jax_devices, worlds, capsys):
+def test_cli_runs_both_frameworks_and_writes_reports(tmp_path, jax_devices, worlds, capsys, monkeypatch):
     """A filtered run: every case passes for jax, torch and jax-vs-torch; both reports written."""
+    from parity.runners import torch_world
+
+    # The command closes every cached gloo world when it ends (parity.matrix_run), the session's
+    # too: every later test would start its worlds again (≈ 10 s on 2 cores). Here they stay open;
+    # the session's worlds fixture closes them at its end.
+    monkeypatch.setattr(torch_world, "close_worlds", lambda: None)
     code = cli.main(["--filter", "ring r2 causal", "--seed", "3", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "report.json").read_text())

@@ -5,6 +5,8 @@ block) allows, and blocks it cannot express are refused (None), never approximat
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -196,17 +198,20 @@ def test_fa3_varlen_forms_hold_more_runs_than_the_packed_form():
     """A block of more than 64 documents (a whole 128k sequence under Ulysses: 84-163 for the
     balance mixes) runs FA3's varlen form on ``VARLEN_RUN_SLOTS`` (powers of two) up to 256 runs, the forward and
     the backward; past that, and on cuDNN's packed form (``RUN_SLOTS``) past 64, the portable kernel."""
-    pytest.importorskip("jax")
+    jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
     from jax_impl.kernels import fa3_varlen, runs
 
     seen = []
 
+    @functools.partial(jax.jit, static_argnums=(1, 2))  # as the kernels call it (eagerly, every op compiles alone)
+    def dispatch(ids, slots, lengths):
+        return runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.cu_q.shape[0] - 1), lambda: jnp.int32(-1), slots,
+                             lengths=lengths)
+
     def chosen(n_runs, slots, lengths=False):
-        ids = jnp.asarray(np.repeat(np.arange(n_runs, dtype=np.int32), 4)[None])  # t = 4 runs: no cap at t
-        return int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.cu_q.shape[0] - 1),
-                                 lambda: jnp.int32(-1), slots, lengths=lengths))
+        return int(dispatch(np.repeat(np.arange(n_runs, dtype=np.int32), 4)[None], slots, lengths))  # t = 4 runs
 
     # the forward's forms at a power of two and past one; the backward's (each slot count compiled
     # with every length bound: the slowest to trace) across the largest step
@@ -304,8 +309,11 @@ def test_jax_run_lists_are_pytrees_with_static_flags():
 
     ids = jnp.asarray([[0, 0, 1, 1, 2, 2, 2, 3]], jnp.int32)
     index = jnp.arange(8, dtype=jnp.int32)[None]
-    records = [varlen_offsets(ids, ids, True, 4).bounded(256, 128), packed_segments(ids, ids, True, 4),
-               *prefix_plans(ids, ids, index, index)]
+    # built in one program, as the kernels build them, and returned from it: only pytrees of arrays
+    # can be (eagerly, each op of the builders compiles alone: 164 programs, 5 s on 2 cores)
+    records = jax.jit(lambda ids, index: [varlen_offsets(ids, ids, True, 4).bounded(256, 128),
+                                          packed_segments(ids, ids, True, 4), *prefix_plans(ids, ids, index, index)])(
+        ids, index)
     for record in records:
         leaves, tree = jax.tree.flatten(record)
         assert leaves and all(isinstance(x, jax.Array) for x in leaves), type(record).__name__
@@ -319,22 +327,24 @@ def test_token_index_blocks_hold_as_many_runs_as_the_varlen_forms():
     """A token-index block (the per-row layouts) of 65-256 documents — USP 2×2's shard of the 128k
     short mix holds ≈ 82 — runs a fused form, diagonal (causal) and off the diagonal (FULL on new
     ids); past 256 runs the portable kernel."""
-    pytest.importorskip("jax")
+    jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
     from jax_impl.kernels import runs
 
+    @jax.jit  # as the kernels call it: one program per block size (eagerly, every op compiles alone: 7 s)
+    def dispatch(ids, q_index, kv_index):
+        return runs.index_dispatch((ids, ids), (q_index, kv_index),
+                                   lambda causal, r: jnp.int32(r.cu_q.shape[0] - 1), lambda: jnp.int32(-1))
+
     def chosen(n_runs, later):
-        ids = jnp.asarray(np.repeat(np.arange(n_runs, dtype=np.int32), 4)[None])
+        ids = np.repeat(np.arange(n_runs, dtype=np.int32), 4)[None]
         t = ids.shape[1]
-        q_index = jnp.arange(t, dtype=jnp.int32)[None] + later * t
-        kv_index = jnp.arange(t, dtype=jnp.int32)[None]
-        return int(runs.index_dispatch((ids, ids), (q_index, kv_index),
-                                       lambda causal, r: jnp.int32(r.cu_q.shape[0] - 1), lambda: jnp.int32(-1)))
+        return int(dispatch(ids, np.arange(t, dtype=np.int32)[None] + later * t, np.arange(t, dtype=np.int32)[None]))
 
     assert runs.INDEX_RUN_SLOTS[-1] == runs.VARLEN_MAX_RUNS
-    # the diagonal block, then one whose queries all follow its keys (FULL); each form traced at
-    # 82 runs (the large slot) and one size on either side of it (2 s a trace on 2 cores)
+    # the diagonal block, then one whose queries all follow its keys (FULL: the same program, other
+    # indices); each form traced at 82 runs (the large slot) and one size on either side of it
     assert chosen(82, 0) == chosen(82, 1) == runs.VARLEN_MAX_RUNS
     assert chosen(10, 1) == 16
     assert chosen(runs.VARLEN_MAX_RUNS + 1, 0) == -1

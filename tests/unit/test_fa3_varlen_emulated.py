@@ -62,11 +62,16 @@ def test_fa3_varlen_adapter_matches_the_portable_kernel(name, emulated_fa3):
     k, v = (jax.random.normal(kk, (b, t, hk, d), F32) for kk in keys[2:])
     mask, scale = BlockMask(kind, documents=True), d ** -0.5
     seg = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    o_r, lse_r = reference_block_fwd(q, k, v, mask, scale, seg)
+
+    @jax.jit  # the portable kernel's forward and backward as one program (eagerly, each op compiles alone)
+    def reference(q, k, v, do, seg):
+        o, lse = reference_block_fwd(q, k, v, mask, scale, seg)
+        return o, lse, reference_block_bwd(do, q, k, v, o, lse, mask, scale, None, seg)
+
+    o_r, lse_r, grads_r = reference(q, k, v, do, seg)
     # float16 through the adapter (its dtypes), compared in float32 at float16's level
     q16, k16, v16, do16 = (x.astype(jnp.float16) for x in (q, k, v, do))
     o_f, lse_f = jax.jit(lambda *a: emulated_fa3.fa3_varlen_block_fwd(*a, mask, scale, segments=seg))(q16, k16, v16)
-    grads_r = reference_block_bwd(do, q, k, v, o_r, lse_r, mask, scale, None, seg)
     grads_f = jax.jit(lambda *a: emulated_fa3.fa3_varlen_block_bwd(*a, mask, scale, segments=seg))(
         do16, q16, k16, v16, o_r.astype(jnp.float16), lse_r)
     empty = ~np.isfinite(np.asarray(lse_r))
@@ -147,12 +152,18 @@ def test_token_index_block_form_or_fallback(shuffled, emulated_fa3):
     keys = jax.random.split(jax.random.key(2), 4)
     q, do = (jax.random.normal(kk, (1, t, 4, 8), F32) for kk in keys[:2])
     k, v = (jax.random.normal(kk, (1, t, 2, 8), F32) for kk in keys[2:])
-    o_r, lse_r = reference_block_fwd(q, k, v, mask, scale, seg, pos)
-    grads_r = reference_block_bwd(do, q, k, v, o_r, lse_r, mask, scale, None, seg, pos)
-    q16, k16, v16, do16 = (x.astype(jnp.float16) for x in (q, k, v, do))
-    o_f, lse_f = emulated_fa3.fa3_varlen_block_fwd(q16, k16, v16, mask, scale, segments=seg, positions=pos)
-    grads_f = emulated_fa3.fa3_varlen_block_bwd(do16, q16, k16, v16, o_r.astype(jnp.float16), lse_r, mask, scale,
-                                                segments=seg, positions=pos)
+
+    @jax.jit  # one program, as a kernel runs it (eagerly, each op compiles alone); the indices are its inputs
+    def both(q, k, v, do, seg, pos):
+        o_r, lse_r = reference_block_fwd(q, k, v, mask, scale, seg, pos)
+        grads_r = reference_block_bwd(do, q, k, v, o_r, lse_r, mask, scale, None, seg, pos)
+        q16, k16, v16, do16 = (x.astype(jnp.float16) for x in (q, k, v, do))
+        o_f, lse_f = emulated_fa3.fa3_varlen_block_fwd(q16, k16, v16, mask, scale, segments=seg, positions=pos)
+        grads_f = emulated_fa3.fa3_varlen_block_bwd(do16, q16, k16, v16, o_r.astype(jnp.float16), lse_r, mask, scale,
+                                                    segments=seg, positions=pos)
+        return o_r, lse_r, grads_r, o_f, lse_f, grads_f
+
+    o_r, lse_r, grads_r, o_f, lse_f, grads_f = both(q, k, v, do, seg, pos)
     empty = ~np.isfinite(np.asarray(lse_r))
     assert np.array_equal(~np.isfinite(np.asarray(lse_f)), empty)
     for got, want in zip((o_f, *grads_f), (o_r, *grads_r)):
