@@ -4,7 +4,6 @@ and each other: the all-pairs parity matrix, the harness itself, communication a
 training steps, determinism, numerics at the edge and at scale, validation before collectives,
 and the notebooks. It is the bulk of the suite's time (budget in docs/testing.md)."""
 
-
 _NOTEBOOKS: list = []  # the test module whose notebooks were started
 
 
