@@ -38,6 +38,9 @@ if jax is not None and os.environ.get("JAX_PLATFORMS") == "cpu":
     jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # the key includes source locations and name scopes: parity.accounting.hlo_cost classifies
+    # by scope name, so two programs differing only there must not share the first one's HLO
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 TIERS = ("unit", "multidevice", "gpu", "property")  # folder name == marker name
 
