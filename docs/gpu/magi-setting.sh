@@ -8,7 +8,7 @@
 # forward / backward / both beside MagiAttention's figures (python -m benchmarks.magi).
 #   GPUS=8 (nvidia-h100-x8: the comparison)   GPUS=4 (nvidia-h100-x4: the same 8k per GPU)
 #   ONLY=jax | torch   one framework per device call (each ≤ 10 min); carry .whl (flash_attn3_jax);
-#   for torch's FA4 blocks and anchor first stash .fa4a (/root/keep, as docs/gpu/2026-11-26-x4-runlist.sh
+#   for torch's FA4 blocks and anchor first stash .fa4a (/root/keep, as docs/gpu/x4-runlist.sh
 #   says) and carry .fa4b in the torch call.
 set -eu
 GPUS=${GPUS:-8}; ONLY=${ONLY:-jax}; SEQ=$((8192 * GPUS)); MACHINE=h100x$GPUS-magi-$ONLY
@@ -17,11 +17,7 @@ case $GPUS in
   4) MESHES=ring-r4,ring-agkv-r4,usp-r2xu2,ulysses-u4 ;;
   *) echo "GPUS must be 8 or 4" >&2; exit 2 ;;
 esac
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-fi
-[ -d .fa4b ] && bash .fa4b/install.sh
-export PYTHONPATH=/tmp/site:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
+. docs/gpu/install-wheels.sh ${OUT:-/tmp}
 python3 -m benchmarks --gpus $GPUS --seqs $SEQ --documents quarter-capped --heads 64 --kv-heads 8 --passes both \
   --layout zigzag,document-hybrid,document-hybrid-shared --meshes $MESHES --iters 10 --warmup 3 \
   --machine $MACHINE --only $ONLY --parts-dir ${OUT:-/tmp}/magi-$ONLY

@@ -20,12 +20,7 @@ COMMON=(--gpus 4 --seqs $SEQ --documents $MIXES --layout $LAYOUTS --meshes $MESH
 if [ "$1" = start ]; then
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    [ -d .fa4b ] && { bash .fa4b/install.sh || echo "fa4 not installed: the torch anchor is FA2 only" >> $R/notes.txt; }
-    export PYTHONPATH=/tmp/site:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PWD
-    export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/gpus.txt
-    python3 -c "import torch, jax; print('torch', torch.__version__, 'jax', jax.__version__)" >> $R/gpus.txt 2>&1
+    . docs/gpu/install-wheels.sh $R
   else
     COMMON=(--gpus 4 --seqs 1024 --documents short --layout $LAYOUTS --meshes ring-r4,ring-agkv-r4 --heads 4
             --kv-heads 2 --passes fwd+bwd --iters 1 --warmup 0 --machine cpu-smoke --only jax)

@@ -1,37 +1,33 @@
 #!/usr/bin/env bash
-# One 4-GPU hold (nvidia-h100-x4, or the H200s it may come as), issues 46 / 48 / 47 in priority
+# One 4-GPU hold (nvidia-h100-x4, or the H200s it may come as), issues 46 / 47 / 48 / 51 in priority
 # order; each part writes its rows as it goes, a part that fails leaves the next to run. One
 # background job spans several device calls (each ≤ 10 min; the machine must not idle 30 s):
 #   call 1 (carry .fa4a):         mkdir -p /root/keep && cp .fa4a/* /root/keep/
-#   call 2 (carry .fa4b, .whl):   bash docs/gpu/2026-11-26-x4-runlist.sh start
-#   call 3, 4 (no carry):         bash docs/gpu/2026-11-26-x4-runlist.sh wait
+#   call 2 (carry .fa4b, .whl):   bash docs/gpu/x4-runlist.sh start
+#   call 3, 4, ... (no carry):    bash docs/gpu/x4-runlist.sh wait
 # Issue each call the moment the last returns: the returned files' transfer counts toward the 30 s
-# idle limit, and a machine given back loses the background job (the 11-26 run lost a whole call
-# so; `wait` on a fresh machine now says so at once instead of waiting out its time).
-# Parts (PARTS selects; default the ones not yet run — d512k ran 2026-11-26, fourth run of
-# docs/gpu/documents-2026-11-26-h200x4.md; torchprof then profiled the whole gather only):
+# idle limit, and a machine given back loses the background job (`wait` on a fresh machine says so
+# at once). Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
 #              a cProfile of the host side)
-#   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
-#              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid), anchors beside
-#   llama      issue 48: the whole model on 4 GPUs (torch): ring / Ulysses / all-gather rows at
-#              32k and 64k, predicted vs measured, and a B* sweep at 512 tokens a row
+#   d128       issue 46: 128k tokens, the three balance mixes, both frameworks: all-gather KV and
+#              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
+#   llama      issue 48: the whole model on 4 GPUs (torch): ring / Ulysses / all-gather / USP rows
+#              at 32k and 64k, predicted vs measured, and a B* sweep
+#   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
+#   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
+#              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid)
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
 set -u
 R=/tmp/rb-x4; LOG=$R/run.log; HERE=docs/gpu; DEST=${OUT:-}  # the device call's $OUT (the parts get $R)
-PARTS=${PARTS:-torchprof,llama,jaxprof,mc}
+PARTS=${PARTS:-torchprof,d128,jaxprof,llama,magi4,mc}
 if [ "$1" = start ]; then
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    [ -d .fa4b ] && { bash .fa4b/install.sh || echo "fa4 not installed" >> $R/notes.txt; }
-    export PYTHONPATH=/tmp/site:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PWD
-    export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/gpus.txt
-    python3 -c "import torch, jax; print('torch', torch.__version__, 'jax', jax.__version__)" >> $R/gpus.txt 2>&1
+    . docs/gpu/install-wheels.sh $R
     SEQ=131072; BIG=524288; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"
     LLAMA="--strategies zigzag,ulysses,allgather,usp --seq 32768,65536 --batches 1,4,16,64"
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}
@@ -50,6 +46,11 @@ if [ "$1" = start ]; then
   CMD[d512k]="for side in $SIDES; do pick=document-hybrid; [ \$side = jax ] && pick=document-hybrid-shared;
     $D512 --meshes ring-r4 --layout zigzag --machine x4-512k-ring --only \$side --parts-dir $R/d512k-ring-\$side;
     $D512 --meshes ring-agkv-r4 --layout \$pick --machine x4-512k-pick --only \$side --parts-dir $R/d512k-pick-\$side; done"
+  MIX3=short,heavy-tail,few-long; [ "${SMOKE:-0}" = 1 ] && MIX3=short
+  D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
+    --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2 --machine x4-documents-run5"
+  CMD[d128]="for side in $SIDES; do $D128 --only \$side --parts-dir $R/d128-\$side; done"
+  CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
@@ -57,7 +58,7 @@ if [ "$1" = start ]; then
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""
   for part in ${PARTS//,/ }; do
-    [ "${SMOKE:-0}" = 1 ] && [ $part = mc ] && continue  # needs GPUs (one process per GPU)
+    [ "${SMOKE:-0}" = 1 ] && case $part in mc|magi4) continue ;; esac  # GPUs only (mc: a process per GPU)
     RUNS="$RUNS echo \"== $part \$(date +%T)\"; ( ${CMD[$part]} ) > $R/$part.log 2>&1; echo \"== $part rc \$? \$(date +%T)\";"
   done
   date > $R/started
@@ -69,7 +70,7 @@ if [ "$1" = wait ]; then
   end=$((SECONDS + ${WAIT_S:-540}))
   while [ ! -e $R/finished ] && [ $SECONDS -lt $end ]; do sleep 5; done
   [ -e $R/finished ] && echo FINISHED || echo "STILL RUNNING"
-  cp -r benchmarks/results/*x4-512k* benchmarks/results/*x4-mc* $R/ 2>/dev/null
+  cp -r benchmarks/results/$(date +%F)-* $R/ 2>/dev/null
   [ -n "$DEST" ] && tar czf $DEST/runlist.tgz -C $R .
   cat $LOG
   for f in $R/*.log; do echo "--- $f"; grep -E "verify|anchor|_impl |wall|rc |Error|error|predicted|measured" $f | cut -c1-240 | tail -25; done
