@@ -88,8 +88,9 @@ def summarize(kernels: dict, steps: int, send_recv) -> dict:
             by_kind[kind_of(name)] += (hi - lo) / steps
         exposed = exposed_times(rows, send_recv)
         per_gpu[process] = {"kernel_ms_per_step": dict(by_kind), "busy_ms_per_step": union_ms(rows) / steps,
-                            "exposed": {k: {n: v / steps * 1e3 if n.endswith("_s") else v for n, v in x.items()}
-                                        for k, x in exposed.items()}}
+                            # exposed_times keeps its input's unit (ms here): "_s" names, ms per step
+                            "exposed_ms_per_step": {k: {n.removesuffix("_s"): v / steps for n, v in x.items()}
+                                                    for k, x in exposed.items()}}
     first = sorted(kernels)[0] if kernels else None
     top: dict[str, float] = defaultdict(float)
     for name, lo, hi in kernels.get(first, []):
