@@ -18,12 +18,12 @@ All-gather KV holds every K/V shard of the ring on each device for the backward:
 where the ring holds two shards; the choice says so in ``reason``.
 
 The hybrid's all-gather moves only each shard's shared prefix (``shared_tokens``, on by default;
-``shared_prefix=False`` gathers everything): measured the same day, JAX 1.18 / 1.08 / 1.12× on the
-short / heavy-tail / few-long mixes (ring of 4), 1.03 / 1.01 / 1.05× under USP 2×2 with
-all-gather; torch 0.4-6.7 % slower than gathering everything (its split step leaves the GPU idle
-for a cause not yet measured; docs/decisions.md, "All-gather KV's shared prefix"), so torch
-callers pass ``shared_prefix=False`` until it is re-measured. At 512k tokens (heavy-tail, 4× H200)
-the choice runs at 0.90 (torch) and 0.89 (JAX) of the one-GPU varlen kernel on the same ids.
+``shared_prefix=False`` gathers everything), in both frameworks: on 4× H200 at 128k (2026-11-27,
+ring of 4) it runs 1.26 / 1.08 / 1.10× the whole gather in JAX and 1.19 / 1.02 / 1.00× in torch on
+the short / heavy-tail / few-long mixes (torch's split step had been 0.4-6.7 % slower until its
+backward reduce-scattered under the local part and two host syncs a call went; docs/decisions.md,
+"All-gather KV's shared prefix"). At 512k tokens (heavy-tail, 4× H200) the choice runs at 0.90
+(torch, whole gather) and 0.89 (JAX) of the one-GPU varlen kernel on the same ids.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 # GQA 64 : 8, head_dim 128, bf16, causal packed documents capped at a quarter of the tokens (the
 # driver's `quarter-capped` mix: lognormal(log 1024, 1.5) lengths, seed 51), forward alone and
 # forward + backward (the slowest rank's), every strategy family and the chooser's pick (all-gather
-# KV on the per-document hybrid; the shared prefix in JAX), each path verified on the mesh first,
+# KV on the per-document hybrid with the shared prefix), each path verified on the mesh first,
 # each framework's varlen anchor on one GPU of the same machine in the same run; then the table of
 # forward / backward / both beside MagiAttention's figures (python -m benchmarks.magi).
 #   GPUS=8 (nvidia-h100-x8: the comparison)   GPUS=4 (nvidia-h100-x4: the same 8k per GPU)

@@ -40,12 +40,12 @@ if [ "$1" = start ]; then
   S=${SMOKE_FLAG:-}
   declare -A CMD
   CMD[torchprof]="MIXES=short,heavy-tail LAYOUTS=document-hybrid,document-hybrid-shared SEQ=$SEQ $TORCHRUN $HERE/documents-2026-11-26-h200x4/2026-11-26-profile-short.py $S"
-  # the API's default (the static zigzag ring), then the chooser's pick: all-gather KV on the hybrid,
-  # with the shared prefix in JAX, without in torch (docs/decisions.md); anchors on the same ids
+  # the API's default (the static zigzag ring), then the chooser's pick: all-gather KV on the hybrid
+  # with the shared prefix (docs/decisions.md; 11-26 ran torch's pick with the whole gather)
   D512="python3 -m benchmarks --gpus 4 --seqs $BIG --documents heavy-tail $DRV --iters 3 --warmup 1"
-  CMD[d512k]="for side in $SIDES; do pick=document-hybrid; [ \$side = jax ] && pick=document-hybrid-shared;
+  CMD[d512k]="for side in $SIDES; do
     $D512 --meshes ring-r4 --layout zigzag --machine x4-512k-ring --only \$side --parts-dir $R/d512k-ring-\$side;
-    $D512 --meshes ring-agkv-r4 --layout \$pick --machine x4-512k-pick --only \$side --parts-dir $R/d512k-pick-\$side; done"
+    $D512 --meshes ring-agkv-r4 --layout document-hybrid-shared --machine x4-512k-pick --only \$side --parts-dir $R/d512k-pick-\$side; done"
   MIX3=short,heavy-tail,few-long; [ "${SMOKE:-0}" = 1 ] && MIX3=short
   D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2 --machine x4-documents-run5"

@@ -22,7 +22,8 @@ Per strategy and sequence length, on a world of N ranks (every GPU; 2 gloo ranks
   docs/contract.md counts them) by ``calibrate.profile_task``; C_attn, the resolved causal block
   kernel alone on the row's B rows of T/N tokens (``llama_gpu.attention_rate``, rank 0's rate);
   the exposed fractions from a CUDA profile of each strategy's step at ``exposure_seq``
-  (``exposure``); the host floor, each strategy's step at ``host_seq`` tokens.
+  (``exposure``); the host floor, each strategy's step at ``host_seq`` tokens (with one more
+  step under cProfile on rank 0: ``-host-STRATEGY.txt``, where a floor's time goes).
 
 B* (``critical_batch``): with B rows of T tokens, FLOPs, the activations' memory traffic and the
 attention's K/V bytes grow with B while the FSDP weight bytes and Adam's traffic do not, so
@@ -128,9 +129,30 @@ def rows_of_one_document(case: ModelCase) -> TokenBatch:
     return one_document(packed_corpus(case.model, case.batch, case.seq, case.seed + 1))
 
 
-def timed_step_task(case: ModelCase, device_type: str, dtype: str, warmup: int, iters: int) -> dict:
-    """Runs on every rank: the first step traced, then ``iters`` steps timed (slowest rank)."""
+def host_profile(step, sync, top: int = 30) -> str:
+    """One ``step`` under cProfile (``sync`` after it, inside the profile: the time the host waits
+    for the device shows as the sync's): the functions by own time, then by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    sync()
+    profiler.disable()
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+    return text.getvalue()
+
+
+def timed_step_task(case: ModelCase, device_type: str, dtype: str, warmup: int, iters: int,
+                    profile_host: bool = False) -> dict:
+    """Runs on every rank: the first step traced, then ``iters`` steps timed (slowest rank);
+    ``profile_host``: then one more step under cProfile (``host_profile``, rank 0's kept)."""
     import torch
+    import torch.distributed as dist
 
     from ..accounting.torch_trace import CommTracer
     from ..training.llama_torch import Rig
@@ -143,7 +165,12 @@ def timed_step_task(case: ModelCase, device_type: str, dtype: str, warmup: int, 
         torch.cuda.reset_peak_memory_stats()
     seconds = slowest(median_seconds(lambda: rig.step(untraced, keep_grads=False), device_type, warmup, iters))
     peak = torch.cuda.max_memory_allocated() if device_type == "cuda" else None
-    return {"seconds": seconds, "peak_bytes": peak, "traffic": tracer.traffic.rows()}
+    out = {"seconds": seconds, "peak_bytes": peak, "traffic": tracer.traffic.rows()}
+    if profile_host:
+        sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+        text = host_profile(lambda: rig.step(untraced, keep_grads=False), sync)
+        out["host_profile"] = text if dist.get_rank() == 0 else None
+    return out
 
 
 def exposure_task(case: ModelCase, device_type: str, dtype: str, warmup: int) -> dict:
@@ -299,9 +326,10 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
         """The strategy's step at ``host_seq`` tokens (one row): the host's floor."""
         if strategy not in floors:
             case = model_case(run, strategy, host_seq, 1, world)
-            floors[strategy] = ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters)[0][
-                "seconds"]
-            emit({"host_floor": strategy, "seq": host_seq, "seconds": floors[strategy]})
+            timed = ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters, True)[0]
+            floors[strategy] = timed["seconds"]
+            emit({"host_floor": strategy, "seq": host_seq, "seconds": floors[strategy],
+                  "host_profile": timed["host_profile"]})
         return floors[strategy]
 
     def exposure(strategy: str) -> dict:
@@ -444,6 +472,8 @@ def main(argv=None) -> int:
     def emit(row: dict) -> None:
         if "hardware" in row:  # the calibrated profile, as `python -m parity bstar --hardware FILE` reads it
             (a.out / f"{stem}-hardware.json").write_text(json.dumps(row["hardware"], indent=1) + "\n")
+        if row.get("host_profile"):  # the host-floor step's cProfile (rank 0), readable as it is
+            (a.out / f"{stem}-host-{row['host_floor']}.txt").write_text(row.pop("host_profile"))
         with rows_file.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
 

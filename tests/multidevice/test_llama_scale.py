@@ -47,6 +47,9 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
     assert table(next(iter(PRESETS)), hardware=hardware)  # the B* table runs on it
     for key in calibration:  # each strategy's two calibration steps, each once
         assert [r[key] for r in emitted if key in r] == list(run.strategies)
+    for r in emitted:  # the host-floor step's own cProfile (rank 0): where the floor's time goes
+        if "host_floor" in r:
+            assert "llama_torch.py" in r["host_profile"] and "(step)" in r["host_profile"], r["host_profile"][:500]
     assert [(r["strategy"], r["seq"], r["batch"]) for r in result["rows"]] == [(s, run.seqs[0], 1)
                                                                                  for s in run.strategies]
     for r in result["rows"] + result["bstar"]["sweep"]:
