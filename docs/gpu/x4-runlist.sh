@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One 4-GPU hold (nvidia-h100-x4, or the H200s it may come as), issues 46 / 47 / 48 / 51 in priority
-# order; each part writes its rows as it goes, a part that fails leaves the next to run. One
-# background job spans several device calls (each ≤ 10 min; the machine must not idle 30 s):
+# order; each part writes its rows as it goes, a part that fails leaves the next to run:
 #   call 1 (carry .fa4a):         mkdir -p /root/keep && cp .fa4a/* /root/keep/
-#   call 2 (carry .fa4b, .whl):   bash docs/gpu/x4-runlist.sh start
-#   call 3, 4, ... (no carry):    bash docs/gpu/x4-runlist.sh wait
-# Issue each call the moment the last returns: the returned files' transfer counts toward the 30 s
-# idle limit, and a machine given back loses the background job (`wait` on a fresh machine says so
-# at once). Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
+#   call 2 (carry .fa4b, .whl):   PARTS=... WAIT_S=550 bash docs/gpu/x4-runlist.sh start
+#   then (carry .whl):            PARTS=... SIDES=jax WAIT_S=550 bash docs/gpu/x4-runlist.sh start
+#   or, if the machine is held:   bash docs/gpu/x4-runlist.sh wait
+# Choose each `start`'s PARTS to finish within its own call: on 11-26 and again on 11-27 the hold
+# was given back between two calls issued back to back (the returned files' transfer counts toward
+# the 30 s idle limit), and the background job went with it (`wait` on a fresh machine says so
+# at once). Measured part times on 4x H200: torchprof 4 min, d128 torch ≈ 3 min / JAX 5 min (with
+# compiles), jaxprof 6 min, llama (32k rows, 4 strategies, 3-row sweep) 4 min, mc 1 min.
+# Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
 #              a cProfile of the host side)
@@ -15,7 +18,8 @@
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
 #   llama      issue 48: the whole model on 4 GPUs (torch): ring / Ulysses / all-gather / USP rows
-#              at 32k and 64k, predicted vs measured, and a B* sweep
+#              at 32k and 64k, predicted vs measured, the host floor's cProfile, and a B* sweep at
+#              16k-token rows (predicted B* between 2 and 8: docs/gpu/llama-scale-2026-11-27-h200x4.md)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
@@ -29,7 +33,7 @@ if [ "$1" = start ]; then
   if [ "${SMOKE:-0}" != 1 ]; then
     . docs/gpu/install-wheels.sh $R
     SEQ=131072; BIG=524288; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"
-    LLAMA="--strategies zigzag,ulysses,allgather,usp --seq 32768,65536 --batches 1,4,16,64"
+    LLAMA="--strategies zigzag,ulysses,allgather,usp --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8,16"
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke
