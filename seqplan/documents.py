@@ -25,6 +25,7 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -229,6 +230,17 @@ class PrefixRuns:
     def keys(self) -> int:
         """How many keys the call gathers (m)."""
         return int(self.key_index.shape[0])
+
+    @cached_property
+    def key_range(self) -> tuple[int, int] | None:
+        """(lo, hi) when the call reads packed keys lo, lo + 1, … hi − 1 in order, each once (a
+        device's own documents: the shared prefix's local part) — a kernel then takes a view of
+        the packed keys and writes their gradients back by slice, no gather and no scatter-add;
+        None otherwise."""
+        k = self.key_index
+        if k.shape[0] == 0 or not np.array_equal(k, np.arange(k[0], k[0] + k.shape[0], dtype=k.dtype)):
+            return None
+        return int(k[0]), int(k[0]) + int(k.shape[0])
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

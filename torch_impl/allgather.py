@@ -278,18 +278,22 @@ def _split_backward(q, k, v, o, lse, kv_prefixes, do, dlse, groups, config: Atte
     part = lambda x, lo, hi, dim=1: None if x is None else x.narrow(dim, lo, hi - lo).contiguous()
     saved = lambda lo, hi: (part(q, lo, hi), part(o, lo, hi), part(lse, lo, hi, 2), part(do, lo, hi),
                             part(dlse, lo, hi, 2))
-    dq = torch.empty(q.shape, dtype=F32, device=q.device)
-    homes = ()
+    dq_parts, homes = [], ()
     if p:  # the prefixes' part first: their dK / dV travel home while the local part computes
         kv = tuple(_kv_rows(x, p) for x in kv_prefixes)
-        dq[:, :p], dk_rows, dv_rows = _part_backward(config, saved(0, p), kv, split.shared, shared_masks)
+        dq_shared, dk_rows, dv_rows = _part_backward(config, saved(0, p), kv, split.shared, shared_masks)
+        dq_parts.append(dq_shared)
         shards = lambda g: g.reshape(g.shape[0], -1, p, *g.shape[2:]).transpose(0, 1).contiguous()  # [R, b, p, ..]
         homes = tuple(config.comm.scatter(shards(g), groups[1], async_op=True) for g in (dk_rows, dv_rows))
     if p < t:  # every local key's gradient (float32); the prefixes' sums are added below
-        dq[:, p:], dk, dv = _part_backward(config, saved(p, t), (k, v), split.local, local_masks)
+        dq_local, dk, dv = _part_backward(config, saved(p, t), (k, v), split.local, local_masks)
+        dq_parts.append(dq_local)
     else:
         dk, dv = (torch.zeros(x.shape, dtype=F32, device=x.device) for x in (k, v))
     for d_local, (home, work) in zip((dk, dv), homes):
         work.wait()
         d_local[:, :p] += home
-    return dq, dk, dv
+    # dq in the wider of its parts' dtypes (a fused part's is q's, the portable kernel's float32):
+    # the caller casts it to q's dtype, so the result is the same bits as a float32 buffer's
+    wide = F32 if any(d.dtype == F32 for d in dq_parts) else q.dtype
+    return torch.cat([d.to(wide) for d in dq_parts], 1), dk, dv

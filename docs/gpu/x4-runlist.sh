@@ -20,6 +20,7 @@
 #   llama      issue 48: the whole model on 4 GPUs (torch): ring / Ulysses / all-gather / USP rows
 #              at 32k and 64k, predicted vs measured, the host floor's cProfile, and a B* sweep at
 #              16k-token rows (predicted B* between 2 and 8: docs/gpu/llama-scale-2026-11-27-h200x4.md)
+#   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
@@ -27,7 +28,7 @@
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
 set -u
 R=/tmp/rb-x4; LOG=$R/run.log; HERE=docs/gpu; DEST=${OUT:-}  # the device call's $OUT (the parts get $R)
-PARTS=${PARTS:-torchprof,d128,jaxprof,llama,magi4,mc}
+PARTS=${PARTS:-llama,llamajax,torchprof,d128,jaxprof,magi4,mc}
 if [ "$1" = start ]; then
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
@@ -56,6 +57,7 @@ if [ "$1" = start ]; then
   CMD[d128]="for side in $SIDES; do $D128 --only \$side --parts-dir $R/d128-\$side; done"
   CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
+  CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMA"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x4-mc --parts-dir $R/mc \

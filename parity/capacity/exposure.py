@@ -105,6 +105,29 @@ def profiled_kernels(step, sync) -> list[tuple[str, float, float]]:
             if e.get("ph") == "X" and e.get("cat") == "kernel"]
 
 
+def xla_trace_kernels(trace_dir: str, unit: float = 1e-3) -> dict[str, list[tuple[str, float, float]]]:
+    """The GPU kernels of a ``jax.profiler`` trace under ``trace_dir``, per GPU process name:
+    (name, start, end) in seconds × 1 / ``unit`` (default ms; the trace holds µs). A JAX step is
+    one process for every GPU (single controller): each GPU is one ``/device:GPU:N`` process."""
+    import glob
+    import gzip
+    from collections import defaultdict
+
+    found = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not found:
+        raise FileNotFoundError(f"no trace under {trace_dir}")
+    with gzip.open(found[0]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    kernels: dict[str, list] = defaultdict(list)
+    scale = 1e-6 / unit
+    for e in events:
+        process = names.get(e.get("pid"), "")
+        if e.get("ph") == "X" and "/device:GPU" in process and "dur" in e:
+            kernels[process].append((e["name"], e["ts"] * scale, (e["ts"] + e["dur"]) * scale))
+    return dict(kernels)
+
+
 def fractions(per_rank: list[dict[str, dict]], kinds) -> dict[str, float]:
     """Exposed fraction per kind of ``kinds``, averaged over the ranks' :func:`exposed_times`: the
     ranks' exposed time over their kernel time (1.0 for a kind no rank's profile shows: nothing

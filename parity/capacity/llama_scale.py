@@ -4,6 +4,7 @@ accounting model's prediction from C and W measured in the same run, and the B* 
     python -m parity.capacity.llama_scale --devices gpu --out DIR
         [--strategies zigzag,ulysses,allgather] [--seq 65536,131072] [--batches 1,2,4]
     python -m parity.capacity.llama_scale --devices cpu --small --out DIR   # the same code on gloo
+    python -m parity.capacity.llama_scale --framework jax ...   # the JAX twin (llama_scale_jax)
 
 Per strategy and sequence length, on a world of N ranks (every GPU; 2 gloo ranks on the CPU):
 - **measured**: the median step (forward, backward, FSDP reduce-scatter, Adam) of
@@ -200,7 +201,7 @@ def traffic_equal(model_rows: dict, traced_rows: dict) -> bool:
 
 
 def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, exposed: dict | None = None,
-            host_s: float = 0.0) -> dict:
+            host_s: float = 0.0, framework: str = "torch") -> dict:
     """T_math, T_comm (seconds per device) of one step of ``case`` from the model's FLOPs and
     bytes: T_math = matmul FLOPs / N / C + attention FLOPs / N / C_attn + memory bytes / W_hbm
     (``step_model``: torch's memory-bound kernels on the device's tokens, Adam on its 1/N of the
@@ -220,11 +221,11 @@ def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, expo
     matmul_s = (flops["matmul_fwd"] + flops["matmul_bwd"]) / n / profile["flops"]
     attention_s = (flops["attention_fwd"] + flops["attention_bwd"]) / n / c_attention
     tokens = case.batch * case.seq // n
-    memory = sm.memory_bytes(sm.memory_passes(case.model, tokens, "torch", dtype, shards=n))["total"]
+    memory = sm.memory_bytes(sm.memory_passes(case.model, tokens, framework, dtype, shards=n))["total"]
     memory_s = memory / profile["hbm"]
     math_s = matmul_s + attention_s + memory_s
     comm_by_kind: dict[str, float] = {}
-    for (_, kind), (_, b) in llama_step_traffic(case, "torch", dtype).rows().items():
+    for (_, kind), (_, b) in llama_step_traffic(case, framework, dtype).rows().items():
         comm_by_kind[kind] = comm_by_kind.get(kind, 0.0) + float(b) / profile["bandwidth"][kind]
     comm_s = sum(comm_by_kind.values())
     exposed_s = sum(t * (exposed or {}).get(kind, 1.0) for kind, t in comm_by_kind.items())
@@ -235,14 +236,15 @@ def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, expo
 
 
 def affine_in_batch(run: ScaleRun, strategy: str, seq: int, world: int, profile: dict, c_attention: float,
-                    batches=(1, 2, 3), exposed: dict | None = None) -> tuple[float, float, float, float]:
+                    batches=(1, 2, 3), exposed: dict | None = None,
+                    framework: str = "torch") -> tuple[float, float, float, float]:
     """(m, a, c, y) with T_math = m + a·B and T_comm = c + y·B from B = 1 and 2, after checking
     the model is exactly affine in B at every other B of ``batches`` (ValueError otherwise). m:
     the memory-bound work that does not grow with the batch (Adam over the device's weights, the
     embedding's gradient buffer). ``exposed``: fractions per kind — T_comm is then the exposed
     part (``predict``'s ``t_comm_exposed_s``)."""
-    p = {b: predict(model_case(run, strategy, seq, b, world), run.dtype, profile, c_attention, exposed)
-         for b in sorted({1, 2, *batches})}
+    p = {b: predict(model_case(run, strategy, seq, b, world), run.dtype, profile, c_attention, exposed,
+                    framework=framework) for b in sorted({1, 2, *batches})}
     comm = "t_comm_s" if exposed is None else "t_comm_exposed_s"
     a = p[2]["t_math_s"] - p[1]["t_math_s"]
     m = p[1]["t_math_s"] - a
@@ -384,16 +386,17 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
 
 
 def bstar_summary(run: ScaleRun, world: int, profile: dict, c_attention: float, exposure: dict | None,
-                  host_s: float | None, sweep: list[dict]) -> dict:
+                  host_s: float | None, sweep: list[dict], framework: str = "torch") -> dict:
     """The sweep's predicted B* and its knees. ``rows_sum`` / ``rows_max``: the links' B*
     (:func:`critical_batch` on all of T_comm); ``rows_exposed``: the same on the exposed part;
     ``rows_host``: where T_math = m + a·B reaches the host's floor; ``predicted_bstar``: the larger
     of the last two (compute then outlasts both). ``measured_knee`` / ``predicted_knee``: :func:`knee`
     of the measured / predicted times."""
     first, seq0 = run.strategies[0], run.bstar_seq
-    m, a, c, y = affine_in_batch(run, first, seq0, world, profile, c_attention)
+    m, a, c, y = affine_in_batch(run, first, seq0, world, profile, c_attention, framework=framework)
     fractions_ = None if exposure is None else exposure["fractions"]
-    _, _, c_e, y_e = affine_in_batch(run, first, seq0, world, profile, c_attention, exposed=fractions_)
+    _, _, c_e, y_e = affine_in_batch(run, first, seq0, world, profile, c_attention, exposed=fractions_,
+                                     framework=framework)
     rows_exposed = critical_batch(a, c_e, y_e, "sum", m)
     rows_host = max(0.0, ((host_s or 0.0) - m) / a)
     done = [r for r in sweep if "error" not in r]
@@ -406,10 +409,16 @@ def bstar_summary(run: ScaleRun, world: int, profile: dict, c_attention: float, 
             "predicted_knee": knee(batches, [r["predicted_s"] for r in done]) if done else None, "sweep": sweep}
 
 
+def framework_of(result: dict) -> str:
+    """The framework a result was measured in ("torch" unless its env says otherwise)."""
+    return result["env"].get("framework", "torch")
+
+
 def markdown(result: dict) -> str:
     """The result as the tables a dated results file holds."""
+    framework = framework_of(result)
     lines = [f"# Whole model on {result['env']['devices']} — {result['env']['date']}", "",
-             f"torch {result['env']['torch']}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W_hbm = "
+             f"{framework} {result['env'][framework]}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W_hbm = "
              f"{result['profile']['hbm'] / 1e9:.0f} GB/s; W (GB/s per device): "
              + ", ".join(f"{k} {w / 1e9:.1f}" for k, w in result["profile"]["bandwidth"].items()), "",
              "Exposed fraction per kind (each strategy's calibration step): "
@@ -446,6 +455,8 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parity.capacity.llama_scale", description=__doc__.splitlines()[0])
     ap.add_argument("--devices", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--framework", choices=("torch", "jax"), default="torch",
+                    help="jax: the same rows through llama_jax.Step, one process for every device (llama_scale_jax)")
     ap.add_argument("--world", type=int, default=None, help="ranks (default: every GPU; 2 on the CPU)")
     ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU check of the command)")
     ap.add_argument("--strategies", default=None, help=f"comma-separated, of {sorted(LAYOUTS)}")
@@ -466,7 +477,7 @@ def main(argv=None) -> int:
                                              ("host_seq", a.host_seq)) if v})
     _calibration_seqs(run)  # a bad --exposure-seq fails before any rank starts
     a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
-    stem = f"llama-scale-{time.strftime('%Y-%m-%d')}"
+    stem = f"llama-scale-{'jax-' if a.framework == 'jax' else ''}{time.strftime('%Y-%m-%d')}"
     rows_file = a.out / f"{stem}-rows.jsonl"
 
     def emit(row: dict) -> None:
@@ -477,10 +488,18 @@ def main(argv=None) -> int:
         with rows_file.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
 
-    try:
-        result = measure(run, a.devices, a.world, emit)
-    finally:
-        close_worlds()
+    if a.framework == "jax":
+        from ..core.devices import configure_jax_devices
+
+        configure_jax_devices(a.devices, autotune=True)  # before JAX starts: XLA's GEMM autotuning on
+        from .llama_scale_jax import measure_jax
+
+        result = measure_jax(run, a.devices, a.world, emit)
+    else:
+        try:
+            result = measure(run, a.devices, a.world, emit)
+        finally:
+            close_worlds()
     (a.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     (a.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))

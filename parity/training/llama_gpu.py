@@ -357,18 +357,18 @@ def attention_rate(backend: str, seq: int, heads: int, head_dim: int, device: st
     return name, batch * 3.5 * 4 * heads * seq * seq * head_dim / 2 / (_median_ms(block, 2, 5, device) * 1e-3)
 
 
-def jax_attention_rate(backend: str, seq: int, heads: int, head_dim: int) -> tuple[str, float]:
-    """(kernel, FLOP/s) of jax_impl's block kernel ``backend`` resolves to for one causal bf16
-    block of ``seq`` tokens, forward + backward (4·h·s²·d/2 × 3.5 FLOPs), jitted and timed alone
-    — the mirror of :func:`attention_rate`."""
+def jax_attention_rate(backend: str, seq: int, heads: int, head_dim: int, batch: int = 1,
+                       dtype: str = "bfloat16") -> tuple[str, float]:
+    """(kernel, FLOP/s) of jax_impl's block kernel ``backend`` resolves to for one causal block
+    of ``batch`` rows of ``seq`` tokens in ``dtype``, forward + backward (4·h·s²·d/2 × 3.5 FLOPs a
+    row), jitted and timed alone — the mirror of :func:`attention_rate`."""
     import jax
-    import jax.numpy as jnp
 
     from jax_impl.block import device_kind_of, get_backend, resolve_backend
     from seqplan.schedule import BlockMask
 
     mask, scale = BlockMask("causal"), head_dim**-0.5
-    q, k, v, do = (jax.random.normal(jax.random.key(i), (1, seq, heads, head_dim), jnp.bfloat16) for i in range(4))
+    q, k, v, do = (jax.random.normal(jax.random.key(i), (batch, seq, heads, head_dim), dtype) for i in range(4))
     name = resolve_backend(backend, device_kind=device_kind_of(q), dtype=q.dtype, mask=mask)
     kernel = get_backend(name)
 
@@ -377,8 +377,8 @@ def jax_attention_rate(backend: str, seq: int, heads: int, head_dim: int) -> tup
         o, lse = kernel.fwd(q, k, v, mask, scale)
         return kernel.bwd(do, q, k, v, o, lse, mask, scale)
 
-    return name, 3.5 * 4 * heads * seq * seq * head_dim / 2 / (_jax_median_ms(lambda: block(q, k, v, do), 2, 5,
-                                                                                repeat=5) * 1e-3)
+    return name, batch * 3.5 * 4 * heads * seq * seq * head_dim / 2 / (
+        _jax_median_ms(lambda: block(q, k, v, do), 2, 5, repeat=5) * 1e-3)
 
 
 HOST_FLOOR_SEQ = 256  # tokens of the host-floor step (torch): its GPU work is a few ms, its Python the step's

@@ -139,3 +139,32 @@ def test_a_usp_row_moves_the_bytes_the_model_counts(worlds):
     result = llama_scale.measure(run, "cpu", world=4)
     (row,) = result["rows"]
     assert row["strategy"] == "usp" and row["devices"] == 4 and row["traffic_equal"], row
+
+
+def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_compiled_program(jax_devices):
+    """``--framework jax`` (``llama_scale_jax``): the same row schema through ``llama_jax.Step`` on
+    the simulated devices — every row's bytes equal the compiled HLO's collectives (a model in the
+    wrong wire dtype does not), each strategy's calibration steps once, the sweep over every B,
+    the calibrated profile first. On XLA:CPU nothing is profiled: every fraction is 1 and the
+    prediction is the serial bound or the host's floor."""
+    from parity.capacity import llama_scale_jax
+
+    run = dataclasses.replace(llama_scale.SMALL_RUN, strategies=("zigzag",))
+    emitted = []
+    result = llama_scale_jax.measure_jax(run, "cpu", world=2, emit=emitted.append)
+    assert "hardware" in emitted[0] and set(emitted[0]["hardware"]["bandwidth"]) == set(PROFILE["bandwidth"])
+    assert [r["exposure"] for r in emitted if "exposure" in r] == ["zigzag"]
+    assert [r["host_floor"] for r in emitted if "host_floor" in r] == ["zigzag"]
+    rows = result["rows"] + result["bstar"]["sweep"]
+    assert [(r["seq"], r["batch"]) for r in rows] == [(run.seqs[0], 1)] + [(run.bstar_seq, b) for b in run.batches]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["framework"] == "jax" and r["devices"] == 2 and r["traffic_equal"], r
+        assert set(r["exposed_fraction"].values()) == {1.0}
+        assert r["predicted_s"] == max(r["bound_serial_s"], result["host_floor_s"]["zigzag"])
+    assert result["bstar"]["predicted_bstar"] == max(result["bstar"]["rows_exposed"], result["bstar"]["rows_host"])
+    case = llama_scale.model_case(run, "zigzag", run.seqs[0], 1, 2)
+    traced = llama_scale_jax.JaxRig(case, run.dtype, run.block_backend).traffic().rows()
+    assert llama_scale.traffic_equal(llama_step_traffic(case, "jax", run.dtype).rows(), traced)
+    assert not llama_scale.traffic_equal(llama_step_traffic(case, "jax", "bfloat16").rows(), traced)
+    assert "jax " in llama_scale.markdown(result) and "2x cpu" in llama_scale.markdown(result)

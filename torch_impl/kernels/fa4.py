@@ -39,7 +39,17 @@ from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
-from .varlen import block_runs, nothing_seen, pack_lse, prefix_offsets, run_offsets, unpack_forward, unpack_grads
+from .varlen import (
+    block_runs,
+    nothing_seen,
+    pack_lse,
+    plan_key_grads,
+    plan_keys,
+    prefix_offsets,
+    run_offsets,
+    unpack_forward,
+    unpack_grads,
+)
 
 F32 = torch.float32
 # FA4's head dims: 8..256 and a multiple of 8 in bf16 / fp16 (its own check asserts, mid-call), the
@@ -164,7 +174,7 @@ def prefix_forward(q, k_packed, v_packed, plan: PrefixRuns, scale: float):
     keys ``plan`` gathers, each run bottom-right causal over its document's key prefix."""
     b, t, h, d = q.shape
     cu_q, cu_k, index = prefix_offsets(plan, q.device)
-    o, lse = fa4_forward(q.reshape(b * t, h, d), k_packed.index_select(0, index), v_packed.index_select(0, index),
+    o, lse = fa4_forward(q.reshape(b * t, h, d), *plan_keys(plan, index, k_packed, v_packed),
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **_prefix_bounds(plan, b * t, len(index)),
                          softmax_scale=scale, causal=True, return_lse=True)[:2]
     return o.reshape(b, t, h, d), lse.float().reshape(h, b, t).transpose(0, 1).contiguous()
@@ -176,8 +186,7 @@ def prefix_backward(do, q, k_packed, v_packed, o, lse, plan: PrefixRuns, scale: 
     b, t, h, d = q.shape
     cu_q, cu_k, index = prefix_offsets(plan, q.device)
     flat = lambda x: x.to(q.dtype).reshape(b * t, h, d)
-    dq, dk, dv = fa4_backward(flat(q), k_packed.index_select(0, index), v_packed.index_select(0, index), flat(o),
+    dq, dk, dv = fa4_backward(flat(q), *plan_keys(plan, index, k_packed, v_packed), flat(o),
                               flat(do), pack_lse(lse), scale, True, 0.0, cu_seqlens_q=cu_q,
                               cu_seqlens_k=cu_k, **_prefix_bounds(plan, b * t, len(index)))[:3]
-    scatter = lambda g: torch.zeros(k_packed.shape, dtype=F32, device=g.device).index_add_(0, index, g.float())
-    return dq.reshape(q.shape), scatter(dk), scatter(dv)
+    return dq.reshape(q.shape), *plan_key_grads(plan, index, k_packed.shape, dk, dv)

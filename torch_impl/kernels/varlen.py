@@ -192,6 +192,31 @@ def prefix_offsets(plan: PrefixRuns, device):
     return held[device]
 
 
+def plan_keys(plan: PrefixRuns, index, *packed):
+    """The keys (and values) ``plan`` reads from the packed [n, hk, d] tensors, in its order: a
+    view where they are one range in order (``PrefixRuns.key_range``), else a gather."""
+    if plan.key_range is not None:
+        lo, hi = plan.key_range
+        return tuple(x.narrow(0, lo, hi - lo) for x in packed)
+    return tuple(x.index_select(0, index) for x in packed)
+
+
+def plan_key_grads(plan: PrefixRuns, index, shape, *grads):
+    """Each of ``grads`` (one row per key ``plan`` read) back at its packed key [n, hk, d] in
+    float32, summed where a key was read for several runs — a slice copy where the plan reads one
+    range in order (bitwise the same as the scatter-add into zeros)."""
+    out = []
+    for g in grads:
+        full = torch.zeros(shape, dtype=F32, device=g.device)
+        if plan.key_range is not None:
+            lo, hi = plan.key_range
+            full[lo:hi] = g
+        else:
+            full.index_add_(0, index, g.float())
+        out.append(full)
+    return tuple(out)
+
+
 def prefix_forward(q, k_packed, v_packed, plan: PrefixRuns, scale: float):
     """ONE FA2 varlen forward of ``q`` [b, t, h, d] against the keys ``plan`` gathers from
     ``k_packed`` / ``v_packed`` [n, hk, d] (every key of the sequence, packed; ``plan.key_index``
@@ -199,7 +224,7 @@ def prefix_forward(q, k_packed, v_packed, plan: PrefixRuns, scale: float):
     (o [b, t, h, d] in q's dtype, lse [b, h, t] float32) — every query sees at least its own key."""
     b, t, h, d = q.shape
     cu_q, cu_k, index = prefix_offsets(plan, q.device)
-    o, lse = flash_forward(q.reshape(b * t, h, d), k_packed.index_select(0, index), v_packed.index_select(0, index),
+    o, lse = flash_forward(q.reshape(b * t, h, d), *plan_keys(plan, index, k_packed, v_packed),
                            cu_q, cu_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale)[:2]
     return o.reshape(b, t, h, d), lse.float().reshape(h, b, t).transpose(0, 1).contiguous()
 
@@ -214,8 +239,7 @@ def prefix_backward(do, q, k_packed, v_packed, o, lse, plan: PrefixRuns, scale: 
     rng, unused = _rng_state(q.device, dtype, d)
     flat = lambda x: x.to(dtype).reshape(b * t, h, d)
     lse_packed = pack_lse(lse)
-    dq, dk, dv = flash_backward(flat(do), flat(q), k_packed.index_select(0, index), v_packed.index_select(0, index),
+    dq, dk, dv = flash_backward(flat(do), flat(q), *plan_keys(plan, index, k_packed, v_packed),
                                 flat(o), lse_packed, cu_q, cu_k, plan.max_q, plan.max_k, 0.0, True, rng, unused,
                                 scale=scale)
-    scatter = lambda g: torch.zeros(k_packed.shape, dtype=F32, device=g.device).index_add_(0, index, g.float())
-    return dq.reshape(q.shape), scatter(dk), scatter(dv)
+    return dq.reshape(q.shape), *plan_key_grads(plan, index, k_packed.shape, dk, dv)

@@ -21,8 +21,6 @@ chooser's all-gather hybrid with the shared prefix and the static zigzag ring), 
 
 from __future__ import annotations
 
-import glob
-import gzip
 import json
 import os
 import statistics
@@ -55,18 +53,9 @@ def kind_of(name: str) -> str:
 
 def device_kernels(trace_dir: str) -> dict[str, list[tuple[str, float, float]]]:
     """{GPU process name: [(kernel name, start ms, end ms)]} from the profile's trace."""
-    found = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    if not found:
-        raise FileNotFoundError(f"no trace under {trace_dir}")
-    with gzip.open(found[0]) as f:
-        events = json.load(f)["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    kernels: dict[str, list] = defaultdict(list)
-    for e in events:
-        process = names.get(e.get("pid"), "")
-        if e.get("ph") == "X" and "/device:GPU" in process and "dur" in e:
-            kernels[process].append((e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3))
-    return kernels
+    from parity.capacity.exposure import xla_trace_kernels
+
+    return xla_trace_kernels(trace_dir)
 
 
 def union_ms(intervals) -> float:

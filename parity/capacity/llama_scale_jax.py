@@ -1,0 +1,251 @@
+"""The JAX twin of :mod:`llama_scale`: the same whole-model step on several devices, timed and
+predicted from C and W measured in the same run, with the same row schema and the same B* sweep.
+
+    python -m parity.capacity.llama_scale --framework jax --devices gpu --out DIR [...]
+    python -m parity.capacity.llama_scale --framework jax --devices cpu --small --out DIR
+
+One process drives every device (single controller): ``llama_jax.Step`` — FSDP over every device,
+the attention's mesh the strategy's — compiled with XLA's GEMM autotuning on (untuned it ran 12×
+slower), parameters and Adam states donated and fed back; the median step over ``iters`` after
+``warmup``. Per strategy and T, as ``llama_scale`` does for torch:
+
+- **measured**: the step's median wall time (one program: no per-rank skew to take the max of);
+  peak memory from the first device's allocator (GPU only);
+- **the model's bytes**: ``llama_step_traffic(case, "jax", dtype)`` against the compiled HLO's
+  collectives (``llama_jax.measure_traffic``: the loss, loss-and-grads and step programs split
+  into passes) — ``traffic_equal``;
+- **predicted**: :func:`llama_scale.predict` with ``framework="jax"`` (the JAX memory table); C
+  (jitted bf16 matmul), W_hbm (a jitted elementwise pass) and W per collective kind (a jitted
+  ``shard_map`` of each kind over every device, bytes per device as docs/contract.md counts them)
+  calibrated here; C_attn, jax_impl's resolved causal block kernel alone at the row's B rows of T/N
+  tokens; the exposed fractions from an XLA trace of each strategy's step at ``exposure_seq``
+  (GPU; on the CPU every fraction is 1); the host floor, the step at ``host_seq`` tokens (a JAX
+  step is one dispatch: the floor is the dispatch and the smallest kernels' time).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from fractions import Fraction
+
+from ..accounting.model import KINDS
+from ..training.llama import ModelCase
+from ..training.llama_traffic import llama_step_traffic
+from .calibrate import Sizes
+from .exposure import SERIAL, exposed_times, fractions, send_recv_kinds, xla_trace_kernels
+from .llama_scale import (
+    ScaleRun,
+    bstar_summary,
+    model_case,
+    predict,
+    rows_of_one_document,
+    strategy_mesh,
+    traffic_equal,
+)
+
+
+def collective_bandwidth(buffer_mib: int, warmup: int, iters: int) -> dict[str, float]:
+    """W per collective kind (bytes per device per second, docs/contract.md's bytes as
+    ``calibrate.profile_task`` counts them) of jitted ``shard_map`` collectives over every device
+    on a 1-D mesh, each on a ``buffer_mib`` MiB bf16 buffer per device."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ..training.llama_gpu import _jax_median_ms
+
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    elems = buffer_mib * 2**20 // 2 // n * n  # per device, a multiple of n (the all-to-all's split)
+    buf = jax.device_put(jnp.ones((n * elems,), jnp.bfloat16), NamedSharding(mesh, P("x")))
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    calls = {  # kind -> (per-device function, bytes per device)
+        "p2p": (lambda x: lax.ppermute(x, "x", shift), elems * 2),
+        "all-to-all": (lambda x: lax.all_to_all(x.reshape(n, -1), "x", 0, 0, tiled=True).reshape(-1),
+                       Fraction(elems * 2 * (n - 1), n)),
+        "all-gather": (lambda x: lax.all_gather(x, "x", tiled=True), elems * 2 * (n - 1)),
+        "reduce-scatter": (lambda x: lax.psum_scatter(x, "x", tiled=True), Fraction(elems * 2 * (n - 1), n)),
+        "all-reduce": (lambda x: lax.psum(x, "x"), Fraction(2 * elems * 2 * (n - 1), n)),
+    }
+    out = {}
+    for kind in KINDS:
+        fn, moved = calls[kind]
+        program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        out[kind] = float(moved) / (_jax_median_ms(lambda program=program: program(buf), warmup, iters) * 1e-3)
+    return out
+
+
+def jax_profile(sizes: Sizes) -> dict:
+    """C, W_hbm and W per kind as XLA compiles them, on this process's devices."""
+    import jax
+
+    from ..training.llama_gpu import jax_hbm_bandwidth, jax_matmul_rate
+
+    return {"flops": jax_matmul_rate(sizes.matmul), "hbm": jax_hbm_bandwidth(sizes.buffer_mib),
+            "bandwidth": collective_bandwidth(sizes.buffer_mib, sizes.warmup, sizes.iters),
+            "devices": len(jax.devices())}
+
+
+class JaxRig:
+    """One case's compiled step on the first ``case.mesh.devices`` devices, its batch one document
+    per row (ids given, as the torch rig passes them: the traffic model's program)."""
+
+    def __init__(self, case: ModelCase, dtype: str, block_backend: str):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+
+        from ..training.llama_jax import Step, make_mesh, to_params
+
+        self.case = case
+        self.step = step = Step(case, make_mesh(case), dtype=getattr(jnp, dtype), block_backend=block_backend)
+        batch = rows_of_one_document(case).permuted(case.permutation())
+        put = lambda a, spec: jax.device_put(a, NamedSharding(step.mesh, spec))
+        params = jax.tree.map(lambda a: put(jnp.asarray(a), step.weight_spec), to_params(case.inputs()[0], case.model))
+        opt_state = step.opt.init(params)
+        self.batch = tuple(put(jnp.asarray(a), step.tokens_spec)
+                           for a in (batch.tokens, batch.labels, batch.positions, batch.segment_ids))
+        self.programs = step.programs(params, opt_state, donate=True)
+        self.compiled = self.programs[2].lower(params, opt_state, *self.batch).compile()
+        self.state = [params, opt_state]
+
+    def run(self):
+        _, _, self.state[0], self.state[1] = self.compiled(*self.state, *self.batch)
+        return self.state[0]
+
+    def traffic(self):
+        """The compiled programs' collectives per pass (``llama_jax.measure_traffic``)."""
+        from ..training.llama_jax import measure_traffic
+
+        params, opt_state = self.state
+        loss, grads, _ = self.programs
+        texts = [loss.lower(params, *self.batch).compile().as_text(),
+                 grads.lower(params, *self.batch).compile().as_text(), self.compiled.as_text()]
+        return measure_traffic(self.case, texts)
+
+
+def _peak_bytes() -> float | None:
+    """The first device's peak allocation so far in this process (XLA keeps no per-step peak: a
+    row's figure is the largest of it and every row before it); None where none is reported."""
+    import jax
+
+    try:
+        return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use") or None
+    except Exception:  # noqa: BLE001 — the CPU reports no memory
+        return None
+
+
+def timed_step(case: ModelCase, dtype: str, block_backend: str, warmup: int, iters: int,
+               traced: bool = True) -> dict:
+    """The case's step: median seconds, peak bytes, and (``traced``) its compiled collectives."""
+    from ..training.llama_gpu import _jax_median_ms
+
+    rig = JaxRig(case, dtype, block_backend)
+    seconds = _jax_median_ms(rig.run, warmup, iters) * 1e-3
+    return {"seconds": seconds, "peak_bytes": _peak_bytes(), "traffic": rig.traffic().rows() if traced else None}
+
+
+def exposure_of(case: ModelCase, dtype: str, block_backend: str, warmup: int) -> dict:
+    """Exposed fractions per kind from an XLA trace of one step (after ``warmup``), every GPU of
+    the mesh one "rank"; on the CPU nothing is profiled (every fraction 1, :data:`SERIAL`)."""
+    import jax
+
+    kinds = sorted({kind for _, kind in llama_step_traffic(case, "jax", dtype).rows()})
+    if jax.devices()[0].platform == "cpu":
+        return {"fractions": {k: 1.0 for k in kinds}, "source": SERIAL.replace("gloo", "XLA:CPU"), "seq": case.seq}
+    rig = JaxRig(case, dtype, block_backend)
+    for _ in range(max(1, warmup)):
+        jax.block_until_ready(rig.run())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(rig.run())
+        per_gpu = xla_trace_kernels(trace_dir, unit=1.0)  # seconds
+    per_rank = [exposed_times(rows, send_recv_kinds(kinds)) for _, rows in sorted(per_gpu.items())]
+    return {"fractions": fractions(per_rank, kinds), "seq": case.seq, "per_rank": per_rank,
+            "source": "XLA trace of one step, mean over the GPUs"}
+
+
+def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None) -> dict:
+    """``llama_scale.measure`` in JAX: calibrate, every strategy × T at one row, the B* sweep;
+    the same result dict (``env["framework"] == "jax"``), each row to ``emit`` as measured."""
+    import jax
+
+    from ..training.llama_gpu import jax_attention_rate
+    from .calibrate import hardware_profile
+    from .llama_scale import _calibration_seqs
+
+    world = world or (len(jax.devices()) if devices == "gpu" else 2)
+    if world < 2 or world > len(jax.devices()):
+        raise ValueError(f"the whole model over several devices needs 2 to {len(jax.devices())}, got {world}")
+    for strategy in run.strategies:
+        strategy_mesh(strategy, world)
+    exposure_seq, host_seq = _calibration_seqs(run)
+    emit = emit or (lambda row: None)
+    profile = jax_profile(run.sizes)
+    device_name = jax.devices()[0].device_kind
+    emit({"hardware": hardware_profile(f"llama-scale-jax-{devices}{world}", "python -m parity.capacity.llama_scale "
+                                       "--framework jax", profile, devices, world, run.sizes)})
+    calibrated = {"c_flops": profile["flops"], "w_hbm": profile["hbm"], "w_by_kind": profile["bandwidth"]}
+    kernels: dict[tuple[int, int], tuple[str, float]] = {}
+    exposures: dict[str, dict] = {}
+    floors: dict[str, float] = {}
+
+    def kernel(seq: int, batch: int) -> tuple[str, float]:
+        if (seq, batch) not in kernels:
+            c = run.model
+            kernels[seq, batch] = jax_attention_rate(run.block_backend, seq // world, c.heads, c.head_dim, batch,
+                                                     run.dtype)
+        return kernels[seq, batch]
+
+    def calibration(strategy: str) -> tuple[dict, float]:
+        if strategy not in exposures:
+            exposures[strategy] = exposure_of(model_case(run, strategy, exposure_seq, 1, world), run.dtype,
+                                              run.block_backend, run.warmup)
+            emit({"exposure": strategy, **exposures[strategy]})
+            case = model_case(run, strategy, host_seq, 1, world)
+            floors[strategy] = timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters, False)["seconds"]
+            emit({"host_floor": strategy, "seq": host_seq, "seconds": floors[strategy]})
+        return exposures[strategy], floors[strategy]
+
+    def row(strategy: str, seq: int, batch: int) -> dict:
+        head = {"strategy": strategy, "seq": seq, "batch": batch, "framework": "jax", "devices": world,
+                "device": device_name}
+        try:
+            case = model_case(run, strategy, seq, batch, world)
+            exposed, host_s = calibration(strategy)
+            measured = timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters)
+            model_rows = llama_step_traffic(case, "jax", run.dtype).rows()
+            name, c_attention = kernel(seq, batch)
+            pred = predict(case, run.dtype, profile, c_attention, exposed["fractions"], host_s, framework="jax")
+            s = measured["seconds"]
+            out = {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
+                   "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
+                   "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
+                   "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
+                   "measured_over_predicted": s / pred["predicted_s"],
+                   "measured_over_overlap": s / pred["bound_overlap_s"],
+                   "measured_over_serial": s / pred["bound_serial_s"],
+                   "achieved_tflops": pred["flops_per_device"] / s / 1e12, **calibrated,
+                   "c_attention": c_attention, "attention_kernel": name,
+                   "exposed_fraction": exposed["fractions"], "exposure_seq": exposed["seq"]}
+        except Exception as err:  # noqa: BLE001 — one failing row must not lose the others
+            out = {**head, "error": f"{type(err).__name__}: {err}"[:500]}
+        emit(out)
+        return out
+
+    rows = [row(st, seq, 1) for st in run.strategies for seq in run.seqs]
+    first, seq0 = run.strategies[0], run.bstar_seq
+    sweep = [row(first, seq0, b) for b in run.batches]
+    env = {"devices": f"{world}x {device_name}", "framework": "jax", "jax": jax.__version__,
+           "date": time.strftime("%Y-%m-%d")}
+    from dataclasses import asdict
+
+    return {"env": env, "run": {**asdict(run), "sizes": repr(run.sizes)}, "profile": profile,
+            "attention_kernel": {f"{s}x{b}": {"kernel": k, "tflops": r / 1e12} for (s, b), (k, r) in kernels.items()},
+            "exposure": exposures, "host_floor_s": floors, "rows": rows,
+            "bstar": bstar_summary(run, world, profile, kernel(seq0, max(run.batches))[1], exposures.get(first),
+                                   floors.get(first), sweep, framework="jax")}
