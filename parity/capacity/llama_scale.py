@@ -273,7 +273,7 @@ def critical_batch(a: float, c: float, y: float, overlap: str = "sum", m: float 
     raise ValueError(f"overlap must be 'sum' or 'max', got {overlap!r}")
 
 
-def _calibration_seqs(run: ScaleRun) -> tuple[int, int]:
+def calibration_seqs(run: ScaleRun) -> tuple[int, int]:
     """(exposure T, host-floor T) of the calibration steps: ``run.exposure_seq`` (else half the
     shortest timed T) and ``run.host_seq`` — never a row the run predicts (``ValueError``)."""
     exposure = run.exposure_seq or min(run.seqs) // 2
@@ -303,7 +303,7 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
         raise ValueError(f"the whole model over several devices needs at least 2, found {world}")
     for strategy in run.strategies:  # a strategy the world cannot hold fails before any rank starts
         strategy_mesh(strategy, world)
-    exposure_seq, host_seq = _calibration_seqs(run)
+    exposure_seq, host_seq = calibration_seqs(run)
     emit = emit or (lambda row: None)
     ranks = get_world(world, backend)
     profile = ranks.run(profile_task, run.sizes, device_type)[0]
@@ -475,7 +475,7 @@ def main(argv=None) -> int:
                                              ("batches", a.batches and ints(a.batches)),
                                              ("bstar_seq", a.bstar_seq), ("exposure_seq", a.exposure_seq),
                                              ("host_seq", a.host_seq)) if v})
-    _calibration_seqs(run)  # a bad --exposure-seq fails before any rank starts
+    calibration_seqs(run)  # a bad --exposure-seq fails before any rank starts
     a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
     stem = f"llama-scale-{'jax-' if a.framework == 'jax' else ''}{time.strftime('%Y-%m-%d')}"
     rows_file = a.out / f"{stem}-rows.jsonl"

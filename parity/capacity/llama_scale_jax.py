@@ -55,7 +55,7 @@ def collective_bandwidth(buffer_mib: int, warmup: int, iters: int) -> dict[str, 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..training.llama_gpu import _jax_median_ms
+    from ..training.llama_gpu import jax_median_ms
 
     devices = jax.devices()
     n = len(devices)
@@ -75,7 +75,7 @@ def collective_bandwidth(buffer_mib: int, warmup: int, iters: int) -> dict[str, 
     for kind in KINDS:
         fn, moved = calls[kind]
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-        out[kind] = float(moved) / (_jax_median_ms(lambda program=program: program(buf), warmup, iters) * 1e-3)
+        out[kind] = float(moved) / (jax_median_ms(lambda program=program: program(buf), warmup, iters) * 1e-3)
     return out
 
 
@@ -142,10 +142,10 @@ def _peak_bytes() -> float | None:
 def timed_step(case: ModelCase, dtype: str, block_backend: str, warmup: int, iters: int,
                traced: bool = True) -> dict:
     """The case's step: median seconds, peak bytes, and (``traced``) its compiled collectives."""
-    from ..training.llama_gpu import _jax_median_ms
+    from ..training.llama_gpu import jax_median_ms
 
     rig = JaxRig(case, dtype, block_backend)
-    seconds = _jax_median_ms(rig.run, warmup, iters) * 1e-3
+    seconds = jax_median_ms(rig.run, warmup, iters) * 1e-3
     return {"seconds": seconds, "peak_bytes": _peak_bytes(), "traffic": rig.traffic().rows() if traced else None}
 
 
@@ -176,14 +176,14 @@ def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None
 
     from ..training.llama_gpu import jax_attention_rate
     from .calibrate import hardware_profile
-    from .llama_scale import _calibration_seqs
+    from .llama_scale import calibration_seqs
 
     world = world or (len(jax.devices()) if devices == "gpu" else 2)
     if world < 2 or world > len(jax.devices()):
         raise ValueError(f"the whole model over several devices needs 2 to {len(jax.devices())}, got {world}")
     for strategy in run.strategies:
         strategy_mesh(strategy, world)
-    exposure_seq, host_seq = _calibration_seqs(run)
+    exposure_seq, host_seq = calibration_seqs(run)
     emit = emit or (lambda row: None)
     profile = jax_profile(run.sizes)
     device_name = jax.devices()[0].device_kind

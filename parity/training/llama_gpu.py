@@ -254,7 +254,7 @@ def _median_ms(fn, warmup: int, iters: int, device: str = "cuda") -> float:
     return statistics.median(times)
 
 
-def _jax_median_ms(fn, warmup: int, iters: int, repeat: int = 1) -> float:
+def jax_median_ms(fn, warmup: int, iters: int, repeat: int = 1) -> float:
     """Median ms of one ``fn()``; ``repeat``: calls dispatched back to back per timing (the time
     over ``repeat``), so a kernel's rate excludes the ~0.2 ms of dispatch and sync one call adds
     (a bf16 8192³ matmul timed one call at a time read 629 TFLOP/s on an H100 where torch read 731)."""
@@ -318,7 +318,7 @@ def jax_matmul_rate(n: int) -> float:
 
     a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in range(2))
     mm = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / (_jax_median_ms(lambda: mm(a, b), 3, 10, repeat=10) * 1e-3)
+    return 2 * n**3 / (jax_median_ms(lambda: mm(a, b), 3, 10, repeat=10) * 1e-3)
 
 
 def jax_hbm_bandwidth(mib: int) -> float:
@@ -330,7 +330,7 @@ def jax_hbm_bandwidth(mib: int) -> float:
     n = mib * 2**20 // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     scale = jax.jit(lambda v: v * 2)
-    return 2 * n * 2 / (_jax_median_ms(lambda: scale(x), 3, 10, repeat=10) * 1e-3)
+    return 2 * n * 2 / (jax_median_ms(lambda: scale(x), 3, 10, repeat=10) * 1e-3)
 
 
 def attention_rate(backend: str, seq: int, heads: int, head_dim: int, device: str = "cuda",
@@ -378,7 +378,7 @@ def jax_attention_rate(backend: str, seq: int, heads: int, head_dim: int, batch:
         return kernel.bwd(do, q, k, v, o, lse, mask, scale)
 
     return name, batch * 3.5 * 4 * heads * seq * seq * head_dim / 2 / (
-        _jax_median_ms(lambda: block(q, k, v, do), 2, 5, repeat=5) * 1e-3)
+        jax_median_ms(lambda: block(q, k, v, do), 2, 5, repeat=5) * 1e-3)
 
 
 HOST_FLOOR_SEQ = 256  # tokens of the host-floor step (torch): its GPU work is a few ms, its Python the step's
@@ -588,7 +588,7 @@ def time_jax(config: LlamaConfig, seq: int, backend: str, timing: Timing, rates:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"hlo-{_model_name(config)}-{seq}.txt.gz").write_bytes(gzip.compress(text.encode()))
-    measured = _jax_median_ms(run, timing.warmup, timing.iters) * 1e-3
+    measured = jax_median_ms(run, timing.warmup, timing.iters) * 1e-3
     kernel_name, c_attention = rates["attention"][seq]
     r = sm.Rates(rates["matmul"], c_attention, rates["hbm"], hbm_curve=rates["hbm_curve"])
     pred = sm.predict_step(config, seq, seq * (seq + 1) / 2, "jax", "bfloat16", r)

@@ -77,9 +77,9 @@ def test_the_knee_is_the_smallest_batch_within_ten_percent_of_the_best_time_per_
 def test_calibration_steps_are_never_rows_the_run_predicts():
     run = llama_scale.SMALL_RUN
     with pytest.raises(ValueError, match="exposure_seq"):
-        llama_scale._calibration_seqs(llama_scale.replace(run, exposure_seq=run.seqs[0]))
+        llama_scale.calibration_seqs(llama_scale.replace(run, exposure_seq=run.seqs[0]))
     with pytest.raises(ValueError, match="host_seq"):
-        llama_scale._calibration_seqs(llama_scale.replace(run, host_seq=run.bstar_seq))
+        llama_scale.calibration_seqs(llama_scale.replace(run, host_seq=run.bstar_seq))
 
 
 def test_the_step_model_is_affine_in_the_batch_and_bstar_balances_it():
