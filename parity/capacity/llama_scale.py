@@ -318,7 +318,6 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
             kernels[seq, batch] = ranks.run(attention_rate, run.block_backend, seq // world, c.heads, c.head_dim,
                                             device_type, run.dtype, batch)[0]
         return kernels[seq, batch]
-    calibrated = {"c_flops": profile["flops"], "w_hbm": profile["hbm"], "w_by_kind": profile["bandwidth"]}
     emit({"hardware": hardware_profile(f"llama-scale-{devices}{world}", "python -m parity.capacity.llama_scale",
                                        profile, devices, world, run.sizes)})
     exposures: dict[str, dict] = {}
@@ -348,26 +347,31 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
             emit({"exposure": strategy, **exposures[strategy]})
         return exposures[strategy]
 
+    def timed(strategy: str, case: ModelCase) -> tuple[dict, dict, float]:
+        exposed, host_s = exposure(strategy), host_floor(strategy)
+        return ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters)[0], exposed, host_s
+
+    env = {"devices": f"{world}x {device_name}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    return scale_result(run, world, "torch", env, profile, timed, kernel, kernels, exposures, floors, emit)
+
+
+def scale_result(run: ScaleRun, world: int, framework: str, env: dict, profile: dict, timed, kernel, kernels: dict,
+                 exposures: dict, floors: dict, emit) -> dict:
+    """Every strategy × T at one row, then the B* sweep, each row to ``emit`` as measured (a row
+    that fails is kept as ``{"error": ...}``), and the result dict — one body for both frameworks:
+    ``timed(strategy, case)`` -> (measured, exposure, host floor s) runs the step; ``kernel(seq, batch)`` ->
+    (name, C_attn) fills ``kernels``; ``exposures`` and ``floors`` fill as ``timed`` calibrates."""
+    calibrated = {"c_flops": profile["flops"], "w_hbm": profile["hbm"], "w_by_kind": profile["bandwidth"]}
+
     def row(strategy: str, seq: int, batch: int) -> dict:
-        head = {"strategy": strategy, "seq": seq, "batch": batch, "framework": "torch", "devices": world,
-                "device": device_name}
+        head = {"strategy": strategy, "seq": seq, "batch": batch, "framework": framework, "devices": world,
+                "device": env["devices"].split("x ", 1)[1]}
         try:
             case = model_case(run, strategy, seq, batch, world)
-            exposed, host_s = exposure(strategy), host_floor(strategy)
-            measured = ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters)[0]
-            model_rows = llama_step_traffic(case, "torch", run.dtype).rows()
-            pred = predict(case, run.dtype, profile, kernel(seq, batch)[1], exposed["fractions"], host_s)
-            s = measured["seconds"]
-            out = {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
-                   "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
-                   "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
-                   "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
-                   "measured_over_predicted": s / pred["predicted_s"],
-                   "measured_over_overlap": s / pred["bound_overlap_s"],
-                   "measured_over_serial": s / pred["bound_serial_s"],
-                   "achieved_tflops": pred["flops_per_device"] / s / 1e12, **calibrated,
-                   "c_attention": kernel(seq, batch)[1], "attention_kernel": kernel(seq, batch)[0],
-                   "exposed_fraction": exposed["fractions"], "exposure_seq": exposed["seq"]}
+            measured, exposed, host_s = timed(strategy, case)
+            pred = predict(case, run.dtype, profile, kernel(seq, batch)[1], exposed["fractions"], host_s,
+                           framework=framework)
+            out = row_record(head, case, run.dtype, measured, pred, calibrated, kernel(seq, batch), exposed)
         except Exception as err:  # noqa: BLE001 — one failing row must not lose the others
             out = {**head, "error": f"{type(err).__name__}: {err}"[:500]}
         emit(out)
@@ -376,13 +380,31 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
     rows = [row(st, seq, 1) for st in run.strategies for seq in run.seqs]
     first, seq0 = run.strategies[0], run.bstar_seq
     sweep = [row(first, seq0, b) for b in run.batches]
-    env = {"devices": f"{world}x {device_name}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     return {"env": env, "run": {**asdict(run), "sizes": repr(run.sizes)}, "profile": profile,
             "attention_kernel": {f"{s}x{b}": {"kernel": k, "tflops": r / 1e12} for (s, b), (k, r) in kernels.items()},
             "exposure": exposures, "host_floor_s": floors, "rows": rows,
             # the closed form's one C_attn: the sweep's largest batch (the rate B* is approached at)
             "bstar": bstar_summary(run, world, profile, kernel(seq0, max(run.batches))[1], exposures.get(first),
-                                   floors.get(first), sweep)}
+                                   floors.get(first), sweep, framework=framework)}
+
+
+def row_record(head: dict, case: ModelCase, dtype: str, measured: dict, pred: dict, calibrated: dict,
+               kernel: tuple[str, float], exposed: dict) -> dict:
+    """One timed row: ``head`` (strategy, T, B, framework, devices, device), the measured step
+    (``measured``: seconds, peak_bytes, the traced traffic rows), its prediction and the bytes the
+    model says it moves (``llama_step_traffic`` in ``head["framework"]``) against that trace."""
+    model_rows = llama_step_traffic(case, head["framework"], dtype).rows()
+    s = measured["seconds"]
+    return {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
+            "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
+            "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
+            "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
+            "measured_over_predicted": s / pred["predicted_s"],
+            "measured_over_overlap": s / pred["bound_overlap_s"],
+            "measured_over_serial": s / pred["bound_serial_s"],
+            "achieved_tflops": pred["flops_per_device"] / s / 1e12, **calibrated,
+            "c_attention": kernel[1], "attention_kernel": kernel[0],
+            "exposed_fraction": exposed["fractions"], "exposure_seq": exposed["seq"]}
 
 
 def bstar_summary(run: ScaleRun, world: int, profile: dict, c_attention: float, exposure: dict | None,

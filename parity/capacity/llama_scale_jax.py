@@ -36,12 +36,10 @@ from .calibrate import Sizes
 from .exposure import SERIAL, exposed_times, fractions, send_recv_kinds, xla_trace_kernels
 from .llama_scale import (
     ScaleRun,
-    bstar_summary,
     model_case,
-    predict,
     rows_of_one_document,
+    scale_result,
     strategy_mesh,
-    traffic_equal,
 )
 
 
@@ -189,7 +187,6 @@ def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None
     device_name = jax.devices()[0].device_kind
     emit({"hardware": hardware_profile(f"llama-scale-jax-{devices}{world}", "python -m parity.capacity.llama_scale "
                                        "--framework jax", profile, devices, world, run.sizes)})
-    calibrated = {"c_flops": profile["flops"], "w_hbm": profile["hbm"], "w_by_kind": profile["bandwidth"]}
     kernels: dict[tuple[int, int], tuple[str, float]] = {}
     exposures: dict[str, dict] = {}
     floors: dict[str, float] = {}
@@ -211,41 +208,10 @@ def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None
             emit({"host_floor": strategy, "seq": host_seq, "seconds": floors[strategy]})
         return exposures[strategy], floors[strategy]
 
-    def row(strategy: str, seq: int, batch: int) -> dict:
-        head = {"strategy": strategy, "seq": seq, "batch": batch, "framework": "jax", "devices": world,
-                "device": device_name}
-        try:
-            case = model_case(run, strategy, seq, batch, world)
-            exposed, host_s = calibration(strategy)
-            measured = timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters)
-            model_rows = llama_step_traffic(case, "jax", run.dtype).rows()
-            name, c_attention = kernel(seq, batch)
-            pred = predict(case, run.dtype, profile, c_attention, exposed["fractions"], host_s, framework="jax")
-            s = measured["seconds"]
-            out = {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
-                   "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
-                   "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
-                   "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
-                   "measured_over_predicted": s / pred["predicted_s"],
-                   "measured_over_overlap": s / pred["bound_overlap_s"],
-                   "measured_over_serial": s / pred["bound_serial_s"],
-                   "achieved_tflops": pred["flops_per_device"] / s / 1e12, **calibrated,
-                   "c_attention": c_attention, "attention_kernel": name,
-                   "exposed_fraction": exposed["fractions"], "exposure_seq": exposed["seq"]}
-        except Exception as err:  # noqa: BLE001 — one failing row must not lose the others
-            out = {**head, "error": f"{type(err).__name__}: {err}"[:500]}
-        emit(out)
-        return out
+    def timed(strategy: str, case: ModelCase) -> tuple[dict, dict, float]:
+        exposed, host_s = calibration(strategy)
+        return timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters), exposed, host_s
 
-    rows = [row(st, seq, 1) for st in run.strategies for seq in run.seqs]
-    first, seq0 = run.strategies[0], run.bstar_seq
-    sweep = [row(first, seq0, b) for b in run.batches]
     env = {"devices": f"{world}x {device_name}", "framework": "jax", "jax": jax.__version__,
            "date": time.strftime("%Y-%m-%d")}
-    from dataclasses import asdict
-
-    return {"env": env, "run": {**asdict(run), "sizes": repr(run.sizes)}, "profile": profile,
-            "attention_kernel": {f"{s}x{b}": {"kernel": k, "tflops": r / 1e12} for (s, b), (k, r) in kernels.items()},
-            "exposure": exposures, "host_floor_s": floors, "rows": rows,
-            "bstar": bstar_summary(run, world, profile, kernel(seq0, max(run.batches))[1], exposures.get(first),
-                                   floors.get(first), sweep, framework="jax")}
+    return scale_result(run, world, "jax", env, profile, timed, kernel, kernels, exposures, floors, emit)
