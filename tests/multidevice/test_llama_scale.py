@@ -143,13 +143,15 @@ def test_a_usp_row_moves_the_bytes_the_model_counts(worlds):
 
 def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_compiled_program(jax_devices):
     """``--framework jax`` (``llama_scale_jax``): the same row schema through ``llama_jax.Step`` on
-    the simulated devices — every row's bytes equal the compiled HLO's collectives (a model in the
-    wrong wire dtype does not), each strategy's calibration steps once, the sweep over every B,
+    the simulated devices — every row's bytes equal the compiled HLO's collectives (the equality
+    itself fails on a wrong wire dtype: the torch test above), each strategy's calibration steps
+    once, the sweep's rows,
     the calibrated profile first. On XLA:CPU nothing is profiled: every fraction is 1 and the
     prediction is the serial bound or the host's floor."""
     from parity.capacity import llama_scale_jax
 
-    run = dataclasses.replace(llama_scale.SMALL_RUN, strategies=("zigzag",))
+    # one row and a one-row sweep: the test's cost is JAX's compiles (≈ 2.5 s a step program)
+    run = dataclasses.replace(llama_scale.SMALL_RUN, strategies=("zigzag",), seqs=(32,), batches=(1,))
     emitted = []
     result = llama_scale_jax.measure_jax(run, "cpu", world=2, emit=emitted.append)
     assert "hardware" in emitted[0] and set(emitted[0]["hardware"]["bandwidth"]) == set(PROFILE["bandwidth"])
@@ -163,8 +165,7 @@ def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_com
         assert set(r["exposed_fraction"].values()) == {1.0}
         assert r["predicted_s"] == max(r["bound_serial_s"], result["host_floor_s"]["zigzag"])
     assert result["bstar"]["predicted_bstar"] == max(result["bstar"]["rows_exposed"], result["bstar"]["rows_host"])
-    case = llama_scale.model_case(run, "zigzag", run.seqs[0], 1, 2)
-    traced = llama_scale_jax.JaxRig(case, run.dtype, run.block_backend).traffic().rows()
-    assert llama_scale.traffic_equal(llama_step_traffic(case, "jax", run.dtype).rows(), traced)
-    assert not llama_scale.traffic_equal(llama_step_traffic(case, "jax", "bfloat16").rows(), traced)
+    case = llama_scale.model_case(run, "zigzag", run.seqs[0], 1, 2)  # the bytes it compared are not nothing
+    assert rows[0]["comm_bytes_per_device"] == sum(float(b) for _, b in llama_step_traffic(case, "jax", run.dtype)
+                                                   .rows().values()) > 0
     assert "jax " in llama_scale.markdown(result) and "2x cpu" in llama_scale.markdown(result)
