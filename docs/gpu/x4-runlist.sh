@@ -35,10 +35,11 @@ if [ "$1" = start ]; then
     . docs/gpu/install-wheels.sh $R
     SEQ=131072; BIG=524288; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"
     LLAMA="--strategies zigzag,ulysses,allgather,usp --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8,16"
+    LLAMAJAX="--strategies zigzag,ulysses --seq 32768 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8"
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke
-    SEQ=4096; BIG=2048; DEV=cpu; TORCHRUN="torchrun --nproc_per_node 4"; LLAMA="--small --world 2"
+    SEQ=4096; BIG=2048; DEV=cpu; TORCHRUN="torchrun --nproc_per_node 4"; LLAMA="--small --world 2"; LLAMAJAX=$LLAMA
     DRV="--heads 4 --kv-heads 2 --passes fwd+bwd --no-verify"; SIDES=jax  # torch's driver side needs GPUs
   fi
   export PYTHONUNBUFFERED=1 OUT=$R
@@ -57,7 +58,8 @@ if [ "$1" = start ]; then
   CMD[d128]="for side in $SIDES; do $D128 --only \$side --parts-dir $R/d128-\$side; done"
   CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
-  CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMA"
+  # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
+  CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x4-mc --parts-dir $R/mc \
