@@ -27,6 +27,7 @@
 #              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid)
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
 set -u
+. docs/gpu/background.sh
 R=/tmp/rb-x4; LOG=$R/run.log; HERE=docs/gpu; DEST=${OUT:-}  # the device call's $OUT (the parts get $R)
 PARTS=${PARTS:-llama,llamajax,torchprof,d128,jaxprof,magi4,mc}
 if [ "$1" = start ]; then
@@ -69,15 +70,12 @@ if [ "$1" = start ]; then
     [ "${SMOKE:-0}" = 1 ] && case $part in mc|magi4) continue ;; esac  # GPUs only (mc: a process per GPU)
     RUNS="$RUNS echo \"== $part \$(date +%T)\"; ( ${CMD[$part]} ) > $R/$part.log 2>&1; echo \"== $part rc \$? \$(date +%T)\";"
   done
-  date > $R/started
-  setsid nohup bash -c "$RUNS date > $R/finished" > $LOG 2>&1 < /dev/null &
+  rb_start $R "$RUNS"
   set -- wait
 fi
 if [ "$1" = wait ]; then
   [ -e $R/started ] || { echo "nothing started on this machine (a fresh one: the last hold was given back)"; exit 1; }
-  end=$((SECONDS + ${WAIT_S:-540}))
-  while [ ! -e $R/finished ] && [ $SECONDS -lt $end ]; do sleep 5; done
-  [ -e $R/finished ] && echo FINISHED || echo "STILL RUNNING"
+  rb_wait $R
   cp -r benchmarks/results/$(date +%F)-* $R/ 2>/dev/null
   [ -n "$DEST" ] && tar czf $DEST/runlist.tgz -C $R .
   cat $LOG

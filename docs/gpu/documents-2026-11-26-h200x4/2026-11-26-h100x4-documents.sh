@@ -10,6 +10,7 @@
 #   call 3, 4 (no carry):         bash docs/gpu/documents-2026-11-26-h200x4/2026-11-26-h100x4-documents.sh wait
 # SMOKE=1 start: the CPU path (JAX side only, 1024 tokens). Results and logs under $OUT each call.
 set -u
+. docs/gpu/background.sh
 R=/tmp/rb-documents; LOG=$R/run.log
 SEQ=${SEQ:-131072}; MIXES=${MIXES:-short,heavy-tail,few-long}; LAYOUTS=${LAYOUTS:-zigzag,document-hybrid}
 MESHES=${MESHES:-ring-r4,ring-agkv-r4,usp-r2xu2,ulysses-u4}; ITERS=${ITERS:-5}
@@ -39,14 +40,11 @@ if [ "$1" = start ]; then
       RUNS="$RUNS python3 -m benchmarks ${COMMON[*]} $extra --only $side --parts-dir $R/$side;"
     done
   fi
-  date > $R/started
-  setsid nohup bash -c "$RUNS date > $R/finished" > $LOG 2>&1 < /dev/null &
+  rb_start $R "$RUNS"
   set -- wait
 fi
 if [ "$1" = wait ]; then
-  end=$((SECONDS + ${WAIT_S:-540}))
-  while [ ! -e $R/finished ] && [ $SECONDS -lt $end ]; do sleep 5; done
-  [ -e $R/finished ] && echo FINISHED || echo "STILL RUNNING"
+  rb_wait $R
   cp -r benchmarks/results/*documents* $R/ 2>/dev/null
   [ -n "${OUT:-}" ] && tar czf $OUT/documents.tgz -C $R .
   grep -E "verify |anchor|_impl |seq .* done|Error|error|exited|parts in" $LOG | cut -c1-220 | tail -60

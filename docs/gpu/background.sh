@@ -1,0 +1,13 @@
+# Sourced by the GPU run scripts: one background job per machine that outlives the device call
+# which started it (a later call on the same hold can wait for it; a machine given back loses it).
+#   rb_start DIR "COMMANDS"   runs COMMANDS detached, its output in DIR/run.log, DIR/finished at the end
+#   rb_wait DIR               waits up to WAIT_S seconds (default 540) for DIR/finished
+rb_start() {
+  date > "$1/started"
+  setsid nohup bash -c "$2 date > $1/finished" > "$1/run.log" 2>&1 < /dev/null &
+}
+rb_wait() {
+  local end=$((SECONDS + ${WAIT_S:-540}))
+  while [ ! -e "$1/finished" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+  if [ -e "$1/finished" ]; then echo FINISHED; else echo "STILL RUNNING"; fi
+}
