@@ -42,6 +42,7 @@ from .common import (
     problem_masks,
     row_problem,
     shared_arguments,
+    weak_paths,
 )
 from .overlap import jax_variant, probe_rows
 
@@ -266,14 +267,10 @@ def main(argv=None) -> None:
             if lead:
                 _save(rows, args.out)
                 print(f"jax seq {seq} documents {documents} done", flush=True)
-    base = dict(heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args))
-    for per_gpu in (int(t) for t in args.weak.split(",") if t):
-        for n in (n for n in (1, 2, 4, 8) if n <= len(jax.devices())):
-            spec = MeshSpec(f"ring-r{n}")
-            for row in impl_rows(Problem(seq=per_gpu * n, **base), spec, args.layout.split(",")[0] if n > 1 else "contiguous",
-                                 args.jax_backends.split(",")[0], args.iters, args.warmup, fwd_modes=(False,)):
-                row.extra["weak_scaling"] = True
-                rows.append(row)
+    for spec, layout, backend, problem in weak_paths(args, len(jax.devices())):  # verified as benchmarks.verify plans
+        for row in impl_rows(problem, spec, layout, backend, args.iters, args.warmup, fwd_modes=(False,)):
+            row.extra["weak_scaling"] = True
+            rows.append(row)
     if not lead:
         return
     _save(rows, args.out)

@@ -259,6 +259,20 @@ def mesh_layouts(spec: MeshSpec, layouts: str) -> list[str]:
     return names if spec.ring > 1 else ["contiguous"]
 
 
+def weak_paths(args, devices: int) -> list[tuple[MeshSpec, str, str, Problem]]:
+    """``--weak``'s rows (JAX): per tokens-per-GPU value, a ring over 1, 2, 4, 8 of the
+    ``devices`` at that many tokens per device — (spec, layout, backend, problem), the first of
+    ``--layout`` (contiguous on one device) and of ``--jax-backends``. The driver times these and
+    ``benchmarks.verify`` checks the same paths."""
+    out = []
+    for per_gpu in (int(t) for t in (getattr(args, "weak", "") or "").split(",") if t):
+        for n in (n for n in (1, 2, 4, 8) if n <= devices):
+            problem = Problem(seq=per_gpu * n, heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args))
+            out.append((MeshSpec(f"ring-r{n}"), args.layout.split(",")[0] if n > 1 else "contiguous",
+                        args.jax_backends.split(",")[0], problem))
+    return out
+
+
 def mesh_rows(specs, backends: str, layouts: str) -> list[tuple[MeshSpec, str, str]]:
     """(spec, backend, layout) of every mesh row, the static layouts first: a per-row layout's
     programs compile longest, so a run cut short keeps every static row."""

@@ -153,7 +153,7 @@ def mark_rows(rows: list[dict], verdicts: dict) -> list[dict]:
 
 def planned_paths(args) -> list[tuple[str, str, str, str, Problem]]:
     """(framework, mesh, layout, backend, problem) of every mesh row the driver's flags time."""
-    from .common import documents_names, mesh_layouts, problem_masks
+    from .common import documents_names, mesh_layouts, problem_masks, weak_paths
 
     frameworks = [f for f in ("jax", "torch") if args.only in (None, f)]
     backends = {"jax": args.jax_backends.split(","), "torch": args.torch_backends.split(",")}
@@ -171,6 +171,11 @@ def planned_paths(args) -> list[tuple[str, str, str, str, Problem]]:
                         path = (framework, mesh, layout, backend, problem)
                         if all(path_key(*p) != path_key(*path) for p in out):
                             out.append(path)
+    if "jax" in frameworks:  # --weak's rings over 1, 2, 4 … of the GPUs (JAX times them)
+        for spec, layout, backend, problem in weak_paths(args, args.gpus):
+            path = ("jax", spec.name, layout, backend, problem)
+            if all(path_key(*p) != path_key(*path) for p in out):
+                out.append(path)
     return out
 
 
@@ -183,6 +188,7 @@ def main(argv=None) -> None:
     ap.add_argument("--jax-backends", default="auto")
     ap.add_argument("--torch-backends", default="auto")
     ap.add_argument("--devices", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--weak", default="", help="as the JAX side's --weak: its rings are verified too")
     args, _ = ap.parse_known_args(argv)
     check_layouts(args.layout, args.documents)
     from parity.core.devices import configure_jax_devices
