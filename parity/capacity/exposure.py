@@ -105,10 +105,10 @@ def profiled_kernels(step, sync) -> list[tuple[str, float, float]]:
             if e.get("ph") == "X" and e.get("cat") == "kernel"]
 
 
-def xla_trace_kernels(trace_dir: str, unit: float = 1e-3) -> dict[str, list[tuple[str, float, float]]]:
+def xla_trace_kernels(trace_dir: str) -> dict[str, list[tuple[str, float, float]]]:
     """The GPU kernels of a ``jax.profiler`` trace under ``trace_dir``, per GPU process name:
-    (name, start, end) in seconds × 1 / ``unit`` (default ms; the trace holds µs). A JAX step is
-    one process for every GPU (single controller): each GPU is one ``/device:GPU:N`` process."""
+    (name, start_s, end_s), as :func:`profiled_kernels` gives torch's. A JAX step is one process
+    for every GPU (single controller): each GPU is one ``/device:GPU:N`` process of the trace."""
     import glob
     import gzip
     from collections import defaultdict
@@ -120,11 +120,10 @@ def xla_trace_kernels(trace_dir: str, unit: float = 1e-3) -> dict[str, list[tupl
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     kernels: dict[str, list] = defaultdict(list)
-    scale = 1e-6 / unit
     for e in events:
         process = names.get(e.get("pid"), "")
         if e.get("ph") == "X" and "/device:GPU" in process and "dur" in e:
-            kernels[process].append((e["name"], e["ts"] * scale, (e["ts"] + e["dur"]) * scale))
+            kernels[process].append((e["name"], e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
     return dict(kernels)
 
 

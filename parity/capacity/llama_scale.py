@@ -99,6 +99,8 @@ class ScaleRun:
     host_seq:   T of each strategy's host-floor step (one row; never a timed row's T): eager torch
                 issues every kernel from Python, and FSDP2 adds hooks per unit, so a step is never
                 shorter than its host's work — measured on a row too short to keep the GPUs busy.
+    verify_seq: T of each strategy's check before it is timed (one row): the same step — mesh,
+                FSDP, dtype, kernels — against the float64 non-parallel step (``verdict``).
     """
 
     model: LlamaConfig = GPU_MODEL
@@ -113,11 +115,12 @@ class ScaleRun:
     sizes: Sizes = Sizes()
     exposure_seq: int | None = None
     host_seq: int = 256
+    verify_seq: int = 1024
 
 
 SMALL_RUN = ScaleRun(model=LlamaConfig(vocab=64, d_model=32, layers=2, heads=4, kv_heads=2, head_dim=8, d_ff=64),
                      strategies=("zigzag", "ulysses"), seqs=(64,), bstar_seq=32, batches=(1, 2), dtype="float32",
-                     warmup=1, iters=2, sizes=SMALL, exposure_seq=16, host_seq=8)
+                     warmup=1, iters=2, sizes=SMALL, exposure_seq=16, host_seq=8, verify_seq=16)
 
 
 def model_case(run: ScaleRun, strategy: str, seq: int, batch: int, world: int) -> ModelCase:
@@ -192,6 +195,40 @@ def exposure_task(case: ModelCase, device_type: str, dtype: str, warmup: int) ->
     kinds = {kind for _, kind in llama_step_traffic(case, "torch", dtype).rows()}
     kernels = profiled_kernels(lambda: rig.step(untraced, keep_grads=False), torch.cuda.synchronize)
     return exposed_times(kernels, send_recv_kinds(kinds))
+
+
+def verify_task(case: ModelCase, device_type: str, dtype: str) -> dict:
+    """Runs on every rank: one step of the timed rig with its gradients kept — this rank's loss
+    share, and on rank 0 the full gradients by weight name (for :func:`verdict`)."""
+    import torch.distributed as dist
+
+    from ..accounting.torch_trace import CommTracer
+    from ..training.llama_torch import Rig, full_grads
+
+    rig = Rig(case, device_type, dtype, rows_of_one_document(case))
+    loss, grads = rig.step(CommTracer(), keep_grads=True)  # the tracer is never entered: its phases only label
+    grads = full_grads(grads, case.model)  # every rank: FSDP's gathers are collectives
+    return {"loss": loss, "grads": grads if dist.get_rank() == 0 else None}
+
+
+def verdict(case: ModelCase, dtype: str, loss: float, grads: dict) -> dict:
+    """A parallel step's loss and gradients (``case``'s one-document batch) against the float64
+    non-parallel torch step on the same ``dtype``-rounded weights, under the numerics policy for
+    ``dtype`` (its control: the same non-parallel step in ``dtype``). On the host's CPU."""
+    import torch
+
+    from ..core.numerics import check_tensor
+    from ..training.llama_gpu import loss_and_grads, rounded
+
+    weights, batch = rounded(case.inputs()[0], dtype), rows_of_one_document(case)
+    step = lambda torch_dtype: loss_and_grads(case, weights, torch_dtype, packed=False, device="cpu", batch=batch)
+    ref_loss, ref = step(torch.float64)
+    ctl_loss, ctl = (None, {}) if dtype == "float32" else step(getattr(torch, dtype))
+    checks = [check_tensor("loss", [loss], [ref_loss], dtype, control=None if ctl_loss is None else [ctl_loss])]
+    checks += [check_tensor(n, grads[n], ref[n], dtype, control=ctl.get(n)) for n in ref]
+    worst = max(checks, key=lambda c: c.error / c.tolerance)
+    return {"passed": all(c.ok for c in checks), "seq": case.seq, "tensors": len(checks), "worst": worst.name,
+            "worst_ratio": worst.error / worst.tolerance, "loss": loss, "loss_ref": ref_loss}
 
 
 def traffic_equal(model_rows: dict, traced_rows: dict) -> bool:
@@ -351,21 +388,40 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
         exposed, host_s = exposure(strategy), host_floor(strategy)
         return ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters)[0], exposed, host_s
 
-    env = {"devices": f"{world}x {device_name}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    return scale_result(run, world, "torch", env, profile, timed, kernel, kernels, exposures, floors, emit)
+    def verify(case: ModelCase) -> dict:
+        shares = ranks.run(verify_task, case, device_type, run.dtype)
+        return verdict(case, run.dtype, sum(r["loss"] for r in shares), shares[0]["grads"])
+
+    versions = {"framework": "torch", "torch": torch.__version__}
+    return scale_result(run, world, versions, device_name, profile, verify, timed, kernel, kernels, exposures, floors,
+                        emit)
 
 
-def scale_result(run: ScaleRun, world: int, framework: str, env: dict, profile: dict, timed, kernel, kernels: dict,
-                 exposures: dict, floors: dict, emit) -> dict:
+def scale_result(run: ScaleRun, world: int, versions: dict, device_name: str, profile: dict, verify, timed, kernel,
+                 kernels: dict, exposures: dict, floors: dict, emit) -> dict:
     """Every strategy × T at one row, then the B* sweep, each row to ``emit`` as measured (a row
-    that fails is kept as ``{"error": ...}``), and the result dict — one body for both frameworks:
-    ``timed(strategy, case)`` -> (measured, exposure, host floor s) runs the step; ``kernel(seq, batch)`` ->
-    (name, C_attn) fills ``kernels``; ``exposures`` and ``floors`` fill as ``timed`` calibrates."""
+    that fails is kept as ``{"error": ...}``), and the result dict — one body for both frameworks
+    (``versions["framework"]``): ``verify(case)`` -> :func:`verdict` checks each strategy's step
+    at ``run.verify_seq`` before its first row is timed (its rows carry ``verified``);
+    ``timed(strategy, case)`` -> (measured, exposure, host floor s) runs the step;
+    ``kernel(seq, batch)`` -> (name, C_attn) fills ``kernels``; ``exposures`` and ``floors`` fill as
+    ``timed`` calibrates."""
+    framework = versions["framework"]
     calibrated = {"c_flops": profile["flops"], "w_hbm": profile["hbm"], "w_by_kind": profile["bandwidth"]}
+    verdicts: dict[str, dict] = {}
+
+    def checked(strategy: str) -> dict:
+        if strategy not in verdicts:
+            try:
+                verdicts[strategy] = verify(model_case(run, strategy, run.verify_seq, 1, world))
+            except Exception as err:  # noqa: BLE001 — a check that cannot run is a failed check
+                verdicts[strategy] = {"passed": False, "error": f"{type(err).__name__}: {err}"[:500]}
+            emit({"verify": strategy, **verdicts[strategy]})
+        return verdicts[strategy]
 
     def row(strategy: str, seq: int, batch: int) -> dict:
         head = {"strategy": strategy, "seq": seq, "batch": batch, "framework": framework, "devices": world,
-                "device": env["devices"].split("x ", 1)[1]}
+                "device": device_name, "verified": checked(strategy)["passed"]}
         try:
             case = model_case(run, strategy, seq, batch, world)
             measured, exposed, host_s = timed(strategy, case)
@@ -380,7 +436,8 @@ def scale_result(run: ScaleRun, world: int, framework: str, env: dict, profile: 
     rows = [row(st, seq, 1) for st in run.strategies for seq in run.seqs]
     first, seq0 = run.strategies[0], run.bstar_seq
     sweep = [row(first, seq0, b) for b in run.batches]
-    return {"env": env, "run": {**asdict(run), "sizes": repr(run.sizes)}, "profile": profile,
+    env = {"devices": f"{world}x {device_name}", **versions, "date": time.strftime("%Y-%m-%d")}
+    return {"env": env, "verified": verdicts, "run": {**asdict(run), "sizes": repr(run.sizes)}, "profile": profile,
             "attention_kernel": {f"{s}x{b}": {"kernel": k, "tflops": r / 1e12} for (s, b), (k, r) in kernels.items()},
             "exposure": exposures, "host_floor_s": floors, "rows": rows,
             # the closed form's one C_attn: the sweep's largest batch (the rate B* is approached at)
@@ -448,6 +505,11 @@ def markdown(result: dict) -> str:
                          for st, e in result["exposure"].items()), "",
              "Host floor (each strategy's step at T = " + str(result["run"]["host_seq"]) + "): "
              + ", ".join(f"{st} {t * 1e3:.1f} ms" for st, t in result["host_floor_s"].items()), "",
+             "Verified (each strategy's step at T = " + str(result["run"]["verify_seq"]) + " against the float64 "
+             "step; worst tensor's error / tolerance): "
+             + ", ".join(f"{st} {'passed' if v['passed'] else 'FAILED'}"
+                         + (f" ({v['worst']} {v['worst_ratio']:.2f})" if "worst" in v else f" ({v.get('error')})")
+                         for st, v in result.get("verified", {}).items()), "",
              "| strategy | T | B | measured ms | predicted ms | measured / predicted | T_math ms (of it memory) "
              "| T_comm ms (exposed) | host floor ms | bounds: overlap / serial ms | TFLOP/s | peak GiB "
              "| bytes == trace |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

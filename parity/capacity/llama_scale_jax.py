@@ -26,27 +26,30 @@ slower), parameters and Adam states donated and fed back; the median step over `
 from __future__ import annotations
 
 import tempfile
-import time
 from fractions import Fraction
+from functools import cached_property
 
 from ..accounting.model import KINDS
 from ..training.llama import ModelCase
 from ..training.llama_traffic import llama_step_traffic
 from .calibrate import Sizes
-from .exposure import SERIAL, exposed_times, fractions, send_recv_kinds, xla_trace_kernels
+from .exposure import exposed_times, fractions, send_recv_kinds, xla_trace_kernels
 from .llama_scale import (
     ScaleRun,
     model_case,
     rows_of_one_document,
     scale_result,
     strategy_mesh,
+    verdict,
 )
 
+UNPROFILED = "not profiled (XLA:CPU): every fraction 1, the serial bound"
 
-def collective_bandwidth(buffer_mib: int, warmup: int, iters: int) -> dict[str, float]:
+
+def collective_bandwidth(devices: list, buffer_mib: int, warmup: int, iters: int) -> dict[str, float]:
     """W per collective kind (bytes per device per second, docs/contract.md's bytes as
-    ``calibrate.profile_task`` counts them) of jitted ``shard_map`` collectives over every device
-    on a 1-D mesh, each on a ``buffer_mib`` MiB bf16 buffer per device."""
+    ``calibrate.profile_task`` counts them) of jitted ``shard_map`` collectives over ``devices``
+    (the run's world) on a 1-D mesh, each on a ``buffer_mib`` MiB bf16 buffer per device."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -55,7 +58,6 @@ def collective_bandwidth(buffer_mib: int, warmup: int, iters: int) -> dict[str, 
 
     from ..training.llama_gpu import jax_median_ms
 
-    devices = jax.devices()
     n = len(devices)
     mesh = jax.sharding.Mesh(devices, ("x",))
     elems = buffer_mib * 2**20 // 2 // n * n  # per device, a multiple of n (the all-to-all's split)
@@ -77,15 +79,13 @@ def collective_bandwidth(buffer_mib: int, warmup: int, iters: int) -> dict[str, 
     return out
 
 
-def jax_profile(sizes: Sizes) -> dict:
-    """C, W_hbm and W per kind as XLA compiles them, on this process's devices."""
-    import jax
-
+def jax_profile(sizes: Sizes, devices: list) -> dict:
+    """C and W_hbm as XLA compiles them (on the first device), W per kind over ``devices``."""
     from ..training.llama_gpu import jax_hbm_bandwidth, jax_matmul_rate
 
     return {"flops": jax_matmul_rate(sizes.matmul), "hbm": jax_hbm_bandwidth(sizes.buffer_mib),
-            "bandwidth": collective_bandwidth(sizes.buffer_mib, sizes.warmup, sizes.iters),
-            "devices": len(jax.devices())}
+            "bandwidth": collective_bandwidth(devices, sizes.buffer_mib, sizes.warmup, sizes.iters),
+            "devices": len(devices)}
 
 
 class JaxRig:
@@ -93,23 +93,30 @@ class JaxRig:
     per row (ids given, as the torch rig passes them: the traffic model's program)."""
 
     def __init__(self, case: ModelCase, dtype: str, block_backend: str):
-        import jax
         import jax.numpy as jnp
-        from jax.sharding import NamedSharding
 
-        from ..training.llama_jax import Step, make_mesh, to_params
+        from ..training.llama_jax import Step, make_mesh
 
         self.case = case
-        self.step = step = Step(case, make_mesh(case), dtype=getattr(jnp, dtype), block_backend=block_backend)
-        batch = rows_of_one_document(case).permuted(case.permutation())
-        put = lambda a, spec: jax.device_put(a, NamedSharding(step.mesh, spec))
-        params = jax.tree.map(lambda a: put(jnp.asarray(a), step.weight_spec), to_params(case.inputs()[0], case.model))
-        opt_state = step.opt.init(params)
-        self.batch = tuple(put(jnp.asarray(a), step.tokens_spec)
-                           for a in (batch.tokens, batch.labels, batch.positions, batch.segment_ids))
+        step = Step(case, make_mesh(case), dtype=getattr(jnp, dtype), block_backend=block_backend)
+        params, opt_state, *self.batch = step.arguments(rows_of_one_document(case))
         self.programs = step.programs(params, opt_state, donate=True)
-        self.compiled = self.programs[2].lower(params, opt_state, *self.batch).compile()
         self.state = [params, opt_state]
+
+    @cached_property
+    def compiled(self):
+        """The full step (parameters and Adam states donated), compiled on first use."""
+        return self.programs[2].lower(*self.state, *self.batch).compile()
+
+    def loss_and_grads(self) -> tuple[float, dict]:
+        """One step's loss and full gradients by weight name (the loss+grads program)."""
+        import jax
+        import numpy as np
+
+        from ..training.llama_jax import from_params
+
+        loss, grads = self.programs[1](self.state[0], *self.batch)
+        return float(np.sum(np.asarray(loss, np.float64))), from_params(jax.device_get(grads), self.case.model)
 
     def run(self):
         _, _, self.state[0], self.state[1] = self.compiled(*self.state, *self.batch)
@@ -154,14 +161,14 @@ def exposure_of(case: ModelCase, dtype: str, block_backend: str, warmup: int) ->
 
     kinds = sorted({kind for _, kind in llama_step_traffic(case, "jax", dtype).rows()})
     if jax.devices()[0].platform == "cpu":
-        return {"fractions": {k: 1.0 for k in kinds}, "source": SERIAL.replace("gloo", "XLA:CPU"), "seq": case.seq}
+        return {"fractions": {k: 1.0 for k in kinds}, "source": UNPROFILED, "seq": case.seq}
     rig = JaxRig(case, dtype, block_backend)
     for _ in range(max(1, warmup)):
         jax.block_until_ready(rig.run())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready(rig.run())
-        per_gpu = xla_trace_kernels(trace_dir, unit=1.0)  # seconds
+        per_gpu = xla_trace_kernels(trace_dir)
     per_rank = [exposed_times(rows, send_recv_kinds(kinds)) for _, rows in sorted(per_gpu.items())]
     return {"fractions": fractions(per_rank, kinds), "seq": case.seq, "per_rank": per_rank,
             "source": "XLA trace of one step, mean over the GPUs"}
@@ -183,7 +190,7 @@ def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None
         strategy_mesh(strategy, world)
     exposure_seq, host_seq = calibration_seqs(run)
     emit = emit or (lambda row: None)
-    profile = jax_profile(run.sizes)
+    profile = jax_profile(run.sizes, jax.devices()[:world])  # the world's devices, as the steps use
     device_name = jax.devices()[0].device_kind
     emit({"hardware": hardware_profile(f"llama-scale-jax-{devices}{world}", "python -m parity.capacity.llama_scale "
                                        "--framework jax", profile, devices, world, run.sizes)})
@@ -212,6 +219,9 @@ def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None
         exposed, host_s = calibration(strategy)
         return timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters), exposed, host_s
 
-    env = {"devices": f"{world}x {device_name}", "framework": "jax", "jax": jax.__version__,
-           "date": time.strftime("%Y-%m-%d")}
-    return scale_result(run, world, "jax", env, profile, timed, kernel, kernels, exposures, floors, emit)
+    def verify(case: ModelCase) -> dict:
+        return verdict(case, run.dtype, *JaxRig(case, run.dtype, run.block_backend).loss_and_grads())
+
+    versions = {"framework": "jax", "jax": jax.__version__}
+    return scale_result(run, world, versions, device_name, profile, verify, timed, kernel, kernels, exposures, floors,
+                        emit)

@@ -95,10 +95,12 @@ def replay_attention_fn(mesh: MeshShape, layout: str, block_backend: str = "auto
     return attention
 
 
-def _bf16_rounded(weights: dict) -> dict:
+def rounded(weights: dict, dtype: str = "bfloat16") -> dict:
+    """``weights`` rounded to ``dtype`` and held in float64: the weights a ``dtype`` model computes
+    with, for a float64 reference of it."""
     import torch
 
-    return {n: torch.from_numpy(w).to(torch.bfloat16).double().numpy() for n, w in weights.items()}
+    return {n: torch.from_numpy(w).to(getattr(torch, dtype)).double().numpy() for n, w in weights.items()}
 
 
 def one_document(batch: TokenBatch) -> TokenBatch:
@@ -108,16 +110,18 @@ def one_document(batch: TokenBatch) -> TokenBatch:
     return TokenBatch(batch.tokens, next_in_document(batch.tokens, ids), positions, ids)
 
 
-def _loss_and_grads(case: ModelCase, weights: dict, dtype, attention=None, layout_order: bool = False,
-                    packed: bool = True, device: str = "cuda"):
-    """(loss, {name: grad}) of one step of the non-parallel torch model on ``device``."""
+def loss_and_grads(case: ModelCase, weights: dict, dtype, attention=None, layout_order: bool = False,
+                   packed: bool = True, device: str = "cuda", batch: TokenBatch | None = None):
+    """(loss, {name: grad}) of one step of the non-parallel torch model on ``device``; ``batch``
+    (original order; default the case's corpus, as one document per row unless ``packed``)."""
     import torch
 
     from .llama import IGNORE
     from .llama_torch import build_model, export, loss_sum
 
-    _, batch = case.inputs()
-    batch = batch if packed else one_document(batch)
+    if batch is None:
+        batch = case.inputs()[1]
+        batch = batch if packed else one_document(batch)
     if layout_order:
         batch = batch.permuted(case.permutation())
     model = build_model(case.model, weights, dtype=dtype, attention=attention, device=device)
@@ -143,10 +147,10 @@ def check(strategies: list[str], seq: int, config: LlamaConfig, backend: str, pa
     for name in strategies:
         mesh, layout = STRATEGIES[name]
         case = ModelCase(config, mesh, layout=layout, batch=2, seq=seq, fsdp=False)
-        weights = _bf16_rounded(case.inputs()[0])
-        ref_loss, ref = _loss_and_grads(case, weights, torch.float64, packed=packed, **on)
-        ctl_loss, ctl = _loss_and_grads(case, weights, torch.bfloat16, packed=packed, **on)
-        got_loss, got = _loss_and_grads(case, weights, torch.bfloat16, replay_attention_fn(mesh, layout, backend),
+        weights = rounded(case.inputs()[0])
+        ref_loss, ref = loss_and_grads(case, weights, torch.float64, packed=packed, **on)
+        ctl_loss, ctl = loss_and_grads(case, weights, torch.bfloat16, packed=packed, **on)
+        got_loss, got = loss_and_grads(case, weights, torch.bfloat16, replay_attention_fn(mesh, layout, backend),
                                         layout_order=True, packed=packed, **on)
         checks = [check_tensor("loss", [got_loss], [ref_loss], "bfloat16", control=[ctl_loss])]
         checks += [check_tensor(n, got[n], ref[n], "bfloat16", control=ctl[n]) for n in ref]
@@ -172,10 +176,10 @@ def check_jax(seq: int, config: LlamaConfig, backend: str) -> dict:
     from .llama_jax import Llama, Step, from_params, loss_sum, make_mesh, to_params
 
     case = ModelCase(config, MeshShape(ring=1), layout="contiguous", batch=2, seq=seq, fsdp=False)
-    weights = _bf16_rounded(case.inputs()[0])
+    weights = rounded(case.inputs()[0])
     import torch
 
-    ref_loss, ref = _loss_and_grads(case, weights, torch.float64, packed=False, device="cpu")
+    ref_loss, ref = loss_and_grads(case, weights, torch.float64, packed=False, device="cpu")
     batch = one_document(case.inputs()[1])
     # one document per row: no segment ids, the causal mask alone — the path ``time`` runs
     arrays = (*(jnp.asarray(a) for a in (batch.tokens, batch.labels, batch.positions)), None)

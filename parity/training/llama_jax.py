@@ -32,7 +32,7 @@ from jax_impl.block import get_backend
 from jax_impl.layers import AttentionLayerConfig, SequenceParallelAttention
 
 from .jax_step import COMPILER_OPTIONS, GATHERED, GPU_COMPILER_OPTIONS, fsdp_remat_policy
-from .llama import IGNORE, LlamaConfig, ModelCase, TrainResult, weight_shapes
+from .llama import IGNORE, LlamaConfig, ModelCase, TokenBatch, TrainResult, weight_shapes
 
 
 def rms_norm(x, weight, eps: float):
@@ -214,10 +214,11 @@ class Step:
                 self._shard_map(self._loss_and_grads, (w, *batch), (share, w)),
                 self._shard_map(step, (w, o, *batch), (share, w, w, o), donate=(0, 1) if donate else ()))
 
-    def arguments(self):
-        """(params, opt_state, tokens, labels, positions, ids) as sharded global arrays."""
-        weights, batch = self.case.inputs()
-        batch = batch.permuted(self.case.permutation())
+    def arguments(self, batch: TokenBatch | None = None):
+        """(params, opt_state, tokens, labels, positions, ids) as sharded global arrays; ``batch``
+        in original order (default the case's corpus)."""
+        weights, corpus = self.case.inputs()
+        batch = (corpus if batch is None else batch).permuted(self.case.permutation())
         put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
         params = jax.tree.map(lambda a: put(jnp.asarray(a), self.weight_spec), to_params(weights, self.case.model))
         opt_state = self.opt.init(params)

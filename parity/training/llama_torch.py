@@ -228,6 +228,12 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def full_grads(grads: dict, config) -> dict[str, np.ndarray]:
+    """A rank's gradients by parameter path (FSDP's shards gathered: a collective, every rank
+    calls it) as the exported full arrays by weight name."""
+    return export({n: _full(g) for n, g in grads.items()}, config)
+
+
 def train_task(case: ModelCase, steps: int, device_type: str) -> dict:
     """Runs on every rank: ``steps`` traced training steps. Returns the loss shares and the first
     step's traffic; rank 0 also the first step's full gradients and the final full weights."""
@@ -241,14 +247,14 @@ def train_task(case: ModelCase, steps: int, device_type: str) -> dict:
         if i == 0:
             with CommTracer() as tracer:
                 loss, grads = rig.step(tracer)
-            traffic, first_grads = tracer.traffic.rows(), {n: _full(g) for n, g in grads.items()}
+            traffic, first_grads = tracer.traffic.rows(), full_grads(grads, case.model)
         else:
             loss, _ = rig.step(CommTracer())  # never entered: its phases only label
         losses.append(loss)
     weights = {n: _full(p) for n, p in rig.model.named_parameters()}
     out = {"losses": losses, "traffic": traffic}
     if dist.get_rank() == 0:
-        out["grads"], out["weights"] = export(first_grads, case.model), export(weights, case.model)
+        out["grads"], out["weights"] = first_grads, export(weights, case.model)
     return out
 
 

@@ -35,7 +35,7 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
     emitted = []
     result = llama_scale.measure(run, "cpu", world=2, emit=emitted.append)
     # every row handed out as it was measured (a killed run keeps them), each strategy's exposure first
-    calibration = ("exposure", "host_floor")
+    calibration = ("exposure", "host_floor", "verify")
     assert [r for r in emitted if not {*calibration, "hardware"} & set(r)] == result["rows"] + result["bstar"]["sweep"]
     # first of all the calibrated profile, in the form `python -m parity bstar --hardware FILE` reads
     assert "hardware" in emitted[0] and sum("hardware" in r for r in emitted) == 1
@@ -45,15 +45,16 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
     assert (hardware.flops, hardware.hbm, hardware.bandwidth) == tuple(result["profile"][k] for k in ("flops", "hbm",
                                                                                                        "bandwidth"))
     assert table(next(iter(PRESETS)), hardware=hardware)  # the B* table runs on it
-    for key in calibration:  # each strategy's two calibration steps, each once
+    for key in calibration:  # each strategy's two calibration steps and its check, each once
         assert [r[key] for r in emitted if key in r] == list(run.strategies)
     for r in emitted:  # the host-floor step's own cProfile (rank 0): where the floor's time goes
         if "host_floor" in r:
             assert "llama_torch.py" in r["host_profile"] and "(step)" in r["host_profile"], r["host_profile"][:500]
     assert [(r["strategy"], r["seq"], r["batch"]) for r in result["rows"]] == [(s, run.seqs[0], 1)
                                                                                  for s in run.strategies]
+    assert all(v["passed"] for v in result["verified"].values()), result["verified"]
     for r in result["rows"] + result["bstar"]["sweep"]:
-        assert r["traffic_equal"], r
+        assert r["traffic_equal"] and r["verified"], r
         assert r["measured_s"] > 0 and r["t_math_s"] > 0 and r["t_comm_s"] > 0 and r["t_memory_s"] > 0
         # gloo blocks the calling thread in every collective: nothing hides, the GPU-side prediction is
         # the serial bound, and the host's floor (a step of host_seq tokens) where that is longer
@@ -150,18 +151,20 @@ def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_com
     prediction is the serial bound or the host's floor."""
     from parity.capacity import llama_scale_jax
 
-    # one row and a one-row sweep: the test's cost is JAX's compiles (≈ 2.5 s a step program)
-    run = dataclasses.replace(llama_scale.SMALL_RUN, strategies=("zigzag",), seqs=(32,), batches=(1,))
+    # one row and a one-row sweep: the test's cost is JAX's compiles (≈ 2.5 s a step program); the
+    # check at the rows' T, so its loss-and-grads program is the one the rows' traffic compiles
+    run = dataclasses.replace(llama_scale.SMALL_RUN, strategies=("zigzag",), seqs=(32,), batches=(1,), verify_seq=32)
     emitted = []
     result = llama_scale_jax.measure_jax(run, "cpu", world=2, emit=emitted.append)
     assert "hardware" in emitted[0] and set(emitted[0]["hardware"]["bandwidth"]) == set(PROFILE["bandwidth"])
-    assert [r["exposure"] for r in emitted if "exposure" in r] == ["zigzag"]
-    assert [r["host_floor"] for r in emitted if "host_floor" in r] == ["zigzag"]
+    for key in ("exposure", "host_floor", "verify"):  # each calibration step and the check, once
+        assert [r[key] for r in emitted if key in r] == ["zigzag"], key
+    assert result["verified"]["zigzag"]["passed"], result["verified"]
     rows = result["rows"] + result["bstar"]["sweep"]
     assert [(r["seq"], r["batch"]) for r in rows] == [(run.seqs[0], 1)] + [(run.bstar_seq, b) for b in run.batches]
     for r in rows:
         assert "error" not in r, r
-        assert r["framework"] == "jax" and r["devices"] == 2 and r["traffic_equal"], r
+        assert r["framework"] == "jax" and r["devices"] == 2 and r["traffic_equal"] and r["verified"], r
         assert set(r["exposed_fraction"].values()) == {1.0}
         assert r["predicted_s"] == max(r["bound_serial_s"], result["host_floor_s"]["zigzag"])
     assert result["bstar"]["predicted_bstar"] == max(result["bstar"]["rows_exposed"], result["bstar"]["rows_host"])
@@ -169,3 +172,20 @@ def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_com
     assert rows[0]["comm_bytes_per_device"] == sum(float(b) for _, b in llama_step_traffic(case, "jax", run.dtype)
                                                    .rows().values()) > 0
     assert "jax " in llama_scale.markdown(result) and "2x cpu" in llama_scale.markdown(result)
+
+
+def test_the_check_before_timing_fails_a_wrong_gradient():
+    """``verdict`` (each strategy's step at ``verify_seq`` against the float64 non-parallel step,
+    before its rows are timed) passes the truth itself and fails a 1 % error in one gradient."""
+    import torch
+
+    from parity.training.llama_gpu import loss_and_grads, rounded
+
+    run = llama_scale.SMALL_RUN
+    case = llama_scale.model_case(run, "zigzag", run.verify_seq, 1, 2)
+    loss, grads = loss_and_grads(case, rounded(case.inputs()[0], run.dtype), torch.float64, packed=False,
+                                 device="cpu", batch=llama_scale.rows_of_one_document(case))
+    assert llama_scale.verdict(case, run.dtype, loss, grads)["passed"]
+    name = next(iter(grads))
+    wrong = llama_scale.verdict(case, run.dtype, loss, {**grads, name: grads[name] * 1.01})
+    assert not wrong["passed"] and wrong["worst"] == name, wrong

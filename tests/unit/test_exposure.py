@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity.capacity.exposure import collective_kinds, exposed_times, fractions, send_recv_kinds
+from parity.capacity.exposure import collective_kinds, exposed_times, fractions, send_recv_kinds, xla_trace_kernels
 
 
 def test_collective_kinds_from_nccl_kernel_names():
@@ -39,3 +39,28 @@ def test_fractions_average_over_ranks_and_count_an_unseen_kind_whole():
     got = fractions(ranks, ["all-gather", "p2p"])
     assert got["all-gather"] == pytest.approx(0.5)
     assert got["p2p"] == 1.0
+
+
+def test_an_xla_trace_gives_each_gpus_kernels_in_seconds(tmp_path):
+    """``jax.profiler``'s trace (µs, one process per GPU, host threads beside them) read as the
+    torch profile is: per GPU, (name, start_s, end_s) — only complete events on a GPU process."""
+    import gzip
+    import json
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:1"}},
+              {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "name": "ncclDevKernel_AllGather", "ts": 1000.0, "dur": 500.0},
+              {"ph": "X", "pid": 2, "name": "fusion", "ts": 2000.0, "dur": 250.0},
+              {"ph": "X", "pid": 3, "name": "host op", "ts": 0.0, "dur": 9.0},
+              {"ph": "i", "pid": 1, "name": "an instant", "ts": 5.0}]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    kernels = xla_trace_kernels(str(tmp_path))
+    assert kernels == {"/device:GPU:0": [("ncclDevKernel_AllGather", 1e-3, 1.5e-3)],
+                       "/device:GPU:1": [("fusion", 2e-3, 2.25e-3)]}
+    assert exposed_times(kernels["/device:GPU:0"], ("p2p",))["all-gather"]["exposed_s"] == pytest.approx(5e-4)
+    with pytest.raises(FileNotFoundError, match="no trace"):
+        xla_trace_kernels(str(tmp_path / "plugins" / "missing"))

@@ -55,7 +55,7 @@ def device_kernels(trace_dir: str) -> dict[str, list[tuple[str, float, float]]]:
     """{GPU process name: [(kernel name, start ms, end ms)]} from the profile's trace."""
     from parity.capacity.exposure import xla_trace_kernels
 
-    return xla_trace_kernels(trace_dir)
+    return {gpu: [(name, lo * 1e3, hi * 1e3) for name, lo, hi in rows] for gpu, rows in xla_trace_kernels(trace_dir).items()}
 
 
 def union_ms(intervals) -> float:
