@@ -3,6 +3,7 @@
 #   rb_start DIR "COMMANDS"   runs COMMANDS detached, its output in DIR/run.log, DIR/finished at the end
 #   rb_wait DIR               waits up to WAIT_S seconds (default 540) for DIR/finished
 rb_start() {
+  rm -f "$1/finished"  # a finished mark left by an earlier run would end the wait at once
   date > "$1/started"
   setsid nohup bash -c "$2 date > $1/finished" > "$1/run.log" 2>&1 < /dev/null &
 }

@@ -214,13 +214,12 @@ def predict(sizes: Sizes, profile: dict, backend: str, device_type: str) -> list
     return rows
 
 
-def hardware_profile(name: str, command: str, measured: dict, devices: Device, world: int, sizes: Sizes) -> dict:
+def hardware_profile(name: str, command: str, measured: dict, device_name: str, world: int, sizes: Sizes,
+                     software: str) -> dict:
     """:func:`profile_task`'s measurement as a hardware profile — the JSON ``python -m parity bstar
-    --hardware FILE`` reads (``bstar.Hardware.load``): name, source, C, W_hbm, W per kind."""
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if devices == "gpu" else "CPU"
-    return {"name": name, "source": f"{command} on {world}x {gpu}, torch {torch.__version__}, "
+    --hardware FILE`` reads (``bstar.Hardware.load``): name, source, C, W_hbm, W per kind.
+    ``software``: the framework that measured it and its version ("torch 2.11.0", "jax 0.11.2")."""
+    return {"name": name, "source": f"{command} on {world}x {device_name}, {software}, "
             f"{time.strftime('%Y-%m-%d')}; W per device, {sizes.buffer_mib} MiB bf16 buffers",
             "flops": measured["flops"], "hbm": measured["hbm"], "bandwidth": measured["bandwidth"]}
 
@@ -240,7 +239,9 @@ def calibrate(devices: Device, world: int | None = None, small: bool = False, pr
     try:
         result = get_world(world, backend).run(profile_task, sizes, device_type)[0]
         name = name or f"calibrated-{devices}{world}"
-        profile = hardware_profile(name, "python -m parity calibrate", result, devices, world, sizes)
+        gpu = torch.cuda.get_device_name(0) if devices == "gpu" else "CPU"
+        profile = hardware_profile(name, "python -m parity calibrate", result, gpu, world, sizes,
+                                   f"torch {torch.__version__}")
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(profile, indent=1) + "\n")
         print(f"C = {profile['flops'] / 1e12:.1f} TFLOP/s (bf16 matmul {sizes.matmul}³); W_hbm = "

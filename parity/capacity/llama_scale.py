@@ -52,7 +52,7 @@ from pathlib import Path
 from ..core.mesh import MeshShape
 from ..runners.torch_runner import world_backend
 from ..runners.torch_world import close_worlds, get_world
-from ..training.llama import LlamaConfig, ModelCase, TokenBatch, packed_corpus, step_flops
+from ..training.llama import FSDP_UNITS, LlamaConfig, ModelCase, TokenBatch, packed_corpus, step_flops
 from ..training.llama_gpu import GPU_MODEL, attention_rate, one_document
 from ..training.llama_traffic import llama_step_traffic
 from .calibrate import SMALL, Sizes, hardware_profile, median_seconds, profile_task, slowest
@@ -91,6 +91,9 @@ class ScaleRun:
                 (predicted B* ≈ 0.1 row there, ≈ 7 rows of 512, on the 2026-11-22 H200
                 calibration), so the knee is only visible where B·T is a few thousand tokens.
     dtype:      the model's dtype (weights, activations, gradients on the wire).
+    fsdp_units: torch's FSDP2 units (``ModelCase.fsdp_units``): ``"block"``, as torchtitan wraps a
+                model (the 2026-11-26/27 GPU rows ran ``"weight"``, 39 units: a 180–230 ms host
+                floor on 4 GPUs); ``--fsdp-units weight`` repeats those.
     block_backend: the attention's block kernel ("auto": the routing table).
     warmup, iters: steps not timed, and timed (the median is reported).
     sizes:      calibration sizes (``calibrate.Sizes``) for C and W.
@@ -109,6 +112,7 @@ class ScaleRun:
     bstar_seq: int = 512
     batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     dtype: str = "bfloat16"
+    fsdp_units: str = "block"
     block_backend: str = "auto"
     warmup: int = 2
     iters: int = 5
@@ -125,7 +129,7 @@ SMALL_RUN = ScaleRun(model=LlamaConfig(vocab=64, d_model=32, layers=2, heads=4, 
 
 def model_case(run: ScaleRun, strategy: str, seq: int, batch: int, world: int) -> ModelCase:
     return ModelCase(run.model, strategy_mesh(strategy, world), fsdp=True, layout=LAYOUTS[strategy], batch=batch,
-                     seq=seq)
+                     seq=seq, fsdp_units=run.fsdp_units)
 
 
 def rows_of_one_document(case: ModelCase) -> TokenBatch:
@@ -356,7 +360,7 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
                                             device_type, run.dtype, batch)[0]
         return kernels[seq, batch]
     emit({"hardware": hardware_profile(f"llama-scale-{devices}{world}", "python -m parity.capacity.llama_scale",
-                                       profile, devices, world, run.sizes)})
+                                       profile, device_name, world, run.sizes, f"torch {torch.__version__}")})
     exposures: dict[str, dict] = {}
     floors: dict[str, float] = {}
 
@@ -385,8 +389,9 @@ def measure(run: ScaleRun, devices: str, world: int | None = None, emit=None) ->
         return exposures[strategy]
 
     def timed(strategy: str, case: ModelCase) -> tuple[dict, dict, float]:
+        """The row's step, and one more under cProfile (rank 0's): the host's share at the row's size."""
         exposed, host_s = exposure(strategy), host_floor(strategy)
-        return ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters)[0], exposed, host_s
+        return ranks.run(timed_step_task, case, device_type, run.dtype, run.warmup, run.iters, True)[0], exposed, host_s
 
     def verify(case: ModelCase) -> dict:
         shares = ranks.run(verify_task, case, device_type, run.dtype)
@@ -429,8 +434,8 @@ def scale_result(run: ScaleRun, world: int, versions: dict, device_name: str, pr
                            framework=framework)
             out = row_record(head, case, run.dtype, measured, pred, calibrated, kernel(seq, batch), exposed)
         except Exception as err:  # noqa: BLE001 — one failing row must not lose the others
-            out = {**head, "error": f"{type(err).__name__}: {err}"[:500]}
-        emit(out)
+            out, measured = {**head, "error": f"{type(err).__name__}: {err}"[:500]}, {}
+        emit({**out, "host_profile": measured.get("host_profile")})  # the profile to its own file, not the result
         return out
 
     rows = [row(st, seq, 1) for st in run.strategies for seq in run.seqs]
@@ -452,7 +457,7 @@ def row_record(head: dict, case: ModelCase, dtype: str, measured: dict, pred: di
     model says it moves (``llama_step_traffic`` in ``head["framework"]``) against that trace."""
     model_rows = llama_step_traffic(case, head["framework"], dtype).rows()
     s = measured["seconds"]
-    return {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
+    return {**head, "mesh": case.mesh.name, "layout": case.layout, "fsdp_units": case.fsdp_units, "measured_s": s,
             "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
             "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
             "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
@@ -496,8 +501,9 @@ def framework_of(result: dict) -> str:
 def markdown(result: dict) -> str:
     """The result as the tables a dated results file holds."""
     framework = framework_of(result)
+    units = f"; FSDP2 units: {result['run']['fsdp_units']}" if framework == "torch" else ""
     lines = [f"# Whole model on {result['env']['devices']} — {result['env']['date']}", "",
-             f"{framework} {result['env'][framework]}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W_hbm = "
+             f"{framework} {result['env'][framework]}{units}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W_hbm = "
              f"{result['profile']['hbm'] / 1e9:.0f} GB/s; W (GB/s per device): "
              + ", ".join(f"{k} {w / 1e9:.1f}" for k, w in result["profile"]["bandwidth"].items()), "",
              "Exposed fraction per kind (each strategy's calibration step): "
@@ -551,6 +557,8 @@ def main(argv=None) -> int:
     ap.add_argument("--exposure-seq", type=int, default=None,
                     help="tokens per row of each strategy's calibration step (default: half the shortest --seq)")
     ap.add_argument("--host-seq", type=int, default=None, help="tokens per row of each strategy's host-floor step")
+    ap.add_argument("--fsdp-units", choices=FSDP_UNITS, default=None,
+                    help="torch's FSDP2 units: block (default, as torchtitan) or weight (one per weight-holding module)")
     a = ap.parse_args(argv)
     run = SMALL_RUN if a.small else ScaleRun()
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)
@@ -558,17 +566,23 @@ def main(argv=None) -> int:
                                              ("seqs", a.seq and ints(a.seq)),
                                              ("batches", a.batches and ints(a.batches)),
                                              ("bstar_seq", a.bstar_seq), ("exposure_seq", a.exposure_seq),
-                                             ("host_seq", a.host_seq)) if v})
+                                             ("host_seq", a.host_seq), ("fsdp_units", a.fsdp_units)) if v})
     calibration_seqs(run)  # a bad --exposure-seq fails before any rank starts
     a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
     stem = f"llama-scale-{'jax-' if a.framework == 'jax' else ''}{time.strftime('%Y-%m-%d')}"
     rows_file = a.out / f"{stem}-rows.jsonl"
 
     def emit(row: dict) -> None:
+        row = {**row, "at": time.strftime("%H:%M:%S")}  # the gaps between rows: where a run's time went
+        first = next(iter(row))
+        print(f"{row['at']} {first} {row[first] if first != 'hardware' else ''}"
+              + (f" T={row['seq']}" if "seq" in row else ""), flush=True)
         if "hardware" in row:  # the calibrated profile, as `python -m parity bstar --hardware FILE` reads it
             (a.out / f"{stem}-hardware.json").write_text(json.dumps(row["hardware"], indent=1) + "\n")
-        if row.get("host_profile"):  # the host-floor step's cProfile (rank 0), readable as it is
-            (a.out / f"{stem}-host-{row['host_floor']}.txt").write_text(row.pop("host_profile"))
+        profile = row.pop("host_profile", None)
+        if profile:  # a step's cProfile (rank 0), readable as it is: the host floor's, or a row's
+            what = row.get("host_floor") or f"{row['strategy']}-T{row['seq']}-B{row['batch']}"
+            (a.out / f"{stem}-host-{what}.txt").write_text(profile)
         with rows_file.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
 

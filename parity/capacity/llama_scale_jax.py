@@ -26,6 +26,7 @@ slower), parameters and Adam states donated and fed back; the median step over `
 from __future__ import annotations
 
 import tempfile
+import time
 from fractions import Fraction
 from functools import cached_property
 
@@ -162,16 +163,22 @@ def exposure_of(case: ModelCase, dtype: str, block_backend: str, warmup: int) ->
     kinds = sorted({kind for _, kind in llama_step_traffic(case, "jax", dtype).rows()})
     if jax.devices()[0].platform == "cpu":
         return {"fractions": {k: 1.0 for k in kinds}, "source": UNPROFILED, "seq": case.seq}
+    start = time.perf_counter()
     rig = JaxRig(case, dtype, block_backend)
+    rig.compiled  # noqa: B018 — compiled here, so its time is told apart from the trace's
+    compiled = time.perf_counter()
     for _ in range(max(1, warmup)):
         jax.block_until_ready(rig.run())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready(rig.run())
+        traced = time.perf_counter()
         per_gpu = xla_trace_kernels(trace_dir)
     per_rank = [exposed_times(rows, send_recv_kinds(kinds)) for _, rows in sorted(per_gpu.items())]
     return {"fractions": fractions(per_rank, kinds), "seq": case.seq, "per_rank": per_rank,
-            "source": "XLA trace of one step, mean over the GPUs"}
+            "source": "XLA trace of one step, mean over the GPUs",
+            "seconds": {"compile": compiled - start, "warmup_and_trace": traced - compiled,
+                        "read_trace": time.perf_counter() - traced}}
 
 
 def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None) -> dict:
@@ -193,7 +200,8 @@ def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None
     profile = jax_profile(run.sizes, jax.devices()[:world])  # the world's devices, as the steps use
     device_name = jax.devices()[0].device_kind
     emit({"hardware": hardware_profile(f"llama-scale-jax-{devices}{world}", "python -m parity.capacity.llama_scale "
-                                       "--framework jax", profile, devices, world, run.sizes)})
+                                       "--framework jax", profile, device_name, world, run.sizes,
+                                       f"jax {jax.__version__}")})
     kernels: dict[tuple[int, int], tuple[str, float]] = {}
     exposures: dict[str, dict] = {}
     floors: dict[str, float] = {}

@@ -68,14 +68,15 @@ TRAINING_CONFIGS = [
 ]
 
 # The whole model's step (parity.training.llama_traffic): attention CP in every layer + FSDP or
-# replicated weights, every strategy, tied embeddings and all-gather KV among them.
+# replicated weights, every strategy, tied embeddings and all-gather KV among them; torch's FSDP2
+# units per weight and per decoder block (tied: the embedding in the root unit).
 LLAMA_CONFIGS = [
     ModelCase(LlamaConfig(window=(6, 0)), MeshShape(ring=2)),
     ModelCase(LlamaConfig(), MeshShape(ulysses=2), fsdp=False),
     ModelCase(LlamaConfig(), MeshShape(data=2, ring=2, ulysses=2), layout="stripe"),
     ModelCase(LlamaConfig(tie_embeddings=True, kv_heads=1), MeshShape(ring=4, ring_outer=2), fsdp=False,
               layout="contiguous"),
-    ModelCase(LlamaConfig(tie_embeddings=True), MeshShape(ring=4, kv_exchange="allgather")),
+    ModelCase(LlamaConfig(tie_embeddings=True), MeshShape(ring=4, kv_exchange="allgather"), fsdp_units="block"),
 ]
 
 

@@ -179,12 +179,7 @@ class Rig:
             from torch.distributed.fsdp import fully_shard
 
             flat = make_mesh(device_type, (("fsdp", case.mesh.devices),))  # every rank, built once per process
-            # children before parents: a parent's unit then holds only its own direct parameters
-            # (the attention layer: its sinks), never a child's. A tied embedding stays with the root
-            # unit, which holds it gathered from the lookup to the logits.
-            units = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))
-                     and not (case.model.tie_embeddings and m is model.embed)]
-            for unit in reversed(units):
+            for unit in fsdp_modules(model, case):
                 fully_shard(unit, mesh=flat)
             fully_shard(model, mesh=flat)
             for module in model.modules():  # each unit reduces its own gradients: sum, not mean
@@ -192,14 +187,16 @@ class Rig:
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         self.model = model
-        self.opt = torch.optim.Adam(model.parameters(), lr=case.lr, foreach=False)
+        # on the GPU Adam's list form: per parameter, each of its ops on FSDP's DTensors is a
+        # host-side dispatch of its own (the CPU checks keep the per-parameter loop they were built on)
+        self.opt = torch.optim.Adam(model.parameters(), lr=case.lr, foreach=device_type == "cuda")
+        as_tensor = lambda a: torch.as_tensor(a, device=self.device)
+        b = self.batch  # on the device once: every step feeds the same batch
+        self._tensors = as_tensor(b.tokens), as_tensor(b.labels), as_tensor(b.positions), as_tensor(b.segment_ids)
+        self._labelled = float((b.labels != IGNORE).sum())  # from the host copy: no device sync a step
 
     def tensors(self):
-        import torch
-
-        as_tensor = lambda a: torch.as_tensor(a, device=self.device)
-        b = self.batch
-        return as_tensor(b.tokens), as_tensor(b.labels), as_tensor(b.positions), as_tensor(b.segment_ids)
+        return self._tensors
 
     def step(self, tracer, keep_grads: bool = True):
         """One training step, each pass under ``tracer.phase``; (this rank's loss share, grads by
@@ -210,7 +207,7 @@ class Rig:
         tokens, labels, positions, ids = self.tensors()
         self.opt.zero_grad(set_to_none=True)
         with tracer.phase("fwd"):
-            count = torch.tensor([float((labels != IGNORE).sum())], device=self.device)
+            count = torch.tensor([self._labelled], device=self.device)
             dist.all_reduce(count)  # the global batch's labelled tokens: the loss's denominator
             loss = loss_sum(self.model(tokens, positions, ids), labels) / count[0]
         with tracer.phase("bwd"):
@@ -222,6 +219,20 @@ class Rig:
         with tracer.phase("step"):
             self.opt.step()
         return loss.item(), grads
+
+
+def fsdp_modules(model, case: ModelCase) -> list:
+    """The modules wrapped as FSDP2 units before the root, children before parents (a parent's
+    unit then holds only what no child unit holds), as ``llama.fsdp_groups`` lists their weights:
+    ``"weight"`` — every module holding weights of its own (the attention layer: its sinks);
+    ``"block"`` — each decoder block and the embedding. A tied embedding stays with the root unit,
+    which holds it gathered from the lookup to the logits."""
+    tied = case.model.tie_embeddings
+    if case.fsdp_units == "block":
+        return ([] if tied else [model.embed]) + list(model.layers)
+    units = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))
+             and not (tied and m is model.embed)]
+    return units[::-1]
 
 
 def _full(t):

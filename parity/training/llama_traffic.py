@@ -11,8 +11,10 @@ activations are all bf16, 2):
 - FSDP: forward all-gather of every weight ((N-1)/N of it); backward all-gather again and one
   reduce-scatter of its gradient; replicated: one all-reduce of every gradient (backward).
 The frameworks differ where their machinery differs, each difference measured, not assumed:
-- torch (FSDP2) re-gathers every weight before its unit's backward (a tied embedding lives in
-  the root unit and is gathered once per step); each attention call gathers
+- torch (FSDP2) moves a unit's weights in one collective (``ModelCase.fsdp_units``: a unit per
+  weight, or per decoder block as torchtitan wraps) and re-gathers every unit but the root before
+  its backward (the root, which holds a tied embedding, is gathered once per step); each attention
+  call gathers
   the segment ids in its forward and reuses them in its backward;
 - JAX (XLA under ``jax.checkpoint``) re-gathers only the layers' matrices — not the embedding
   (tied or not) and not the norm vectors (XLA keeps the forward's gather of those: measured,
@@ -26,13 +28,14 @@ each framework's FSDP; ``attention_traffic`` covers them for the attention call 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from fractions import Fraction
 
 from ..accounting.model import FRAMEWORKS, KINDS, Traffic, allreduce_bytes, attention_traffic
 from ..core.cases import Case
 from ..core.names import DTYPE_BYTES
-from .llama import ModelCase, weight_shapes
+from .llama import ModelCase, fsdp_groups, weight_shapes
 
 
 def attention_case(case: ModelCase, dtype: str = "float32") -> Case:
@@ -41,13 +44,6 @@ def attention_case(case: ModelCase, dtype: str = "float32") -> Case:
     return Case(ring=m.ring, ulysses=m.ulysses, data=m.data, ring_outer=m.ring_outer, kv_exchange=m.kv_exchange,
                 batch=case.batch, seq=case.seq, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
                 layout=case.layout, causal=True, dtype=dtype, documents="mix", window=c.window)
-
-
-def _rebuilt_in_backward(name: str, shape: tuple, case: ModelCase, framework: str) -> bool:
-    """Whether the backward gathers this weight again (FSDP)."""
-    if name == "embed":  # torch: a tied embedding lives in the root unit, gathered once per step
-        return framework == "torch" and not case.model.tie_embeddings
-    return framework == "torch" or len(shape) == 2
 
 
 def llama_step_traffic(case: ModelCase, framework: str, dtype: str = "float32") -> Traffic:
@@ -80,21 +76,29 @@ def llama_step_traffic(case: ModelCase, framework: str, dtype: str = "float32") 
             t.add("bwd", "all-gather", case.model.layers * nbytes, case.model.layers * calls)
     if n > 1:
         t.add("fwd", "all-reduce", allreduce_bytes(4, n))  # the global labelled count
-    ring = Fraction(n - 1, n)
-    for name, shape in weight_shapes(case.model).items():
-        size = DTYPE_BYTES[dtype]
-        for dim in shape:
-            size *= dim
-        if n == 1:
-            continue
-        if case.fsdp:
-            t.add("fwd", "all-gather", ring * size)
-            if _rebuilt_in_backward(name, shape, case, framework):
-                t.add("bwd", "all-gather", ring * size)
-            t.add("bwd", "reduce-scatter", ring * size)
-        else:
+    if n == 1:
+        return t
+    ring, shapes = Fraction(n - 1, n), weight_shapes(case.model)
+    size = {name: DTYPE_BYTES[dtype] * math.prod(shape) for name, shape in shapes.items()}
+    if not case.fsdp:
+        for name in shapes:
             # XLA transposes each use of a replicated weight into its own all-reduce: a tied
             # embedding (lookup and logits) has two (measured, jax 0.10); torch sums it first.
             uses = 2 if framework == "jax" and name == "embed" and case.model.tie_embeddings else 1
-            t.add("bwd", "all-reduce", uses * allreduce_bytes(size, n), calls=uses)
+            t.add("bwd", "all-reduce", uses * allreduce_bytes(size[name], n), calls=uses)
+    elif framework == "torch":  # one gather / reduce-scatter per FSDP2 unit; the root's kept gathered
+        *units, root = fsdp_groups(case.model, case.fsdp_units)
+        for group, regathered in [(u, True) for u in units] + [(root, False)]:
+            nbytes = ring * sum(size[name] for name in group)
+            if group:
+                t.add("fwd", "all-gather", nbytes)
+                if regathered:
+                    t.add("bwd", "all-gather", nbytes)
+                t.add("bwd", "reduce-scatter", nbytes)
+    else:  # XLA: per weight; the backward re-gathers the matrices alone (not the embedding, not norms)
+        for name, shape in shapes.items():
+            t.add("fwd", "all-gather", ring * size[name])
+            if len(shape) == 2 and name != "embed":
+                t.add("bwd", "all-gather", ring * size[name])
+            t.add("bwd", "reduce-scatter", ring * size[name])
     return t

@@ -26,8 +26,8 @@ TOL = 1e-5  # float32 against float64, relative by norm per tensor (DESIGN.md's 
 MASKED = LlamaConfig(window=(6, 0), sinks=True)
 TIED = LlamaConfig(tie_embeddings=True, kv_heads=1)
 
-CASES = [  # every strategy; layouts, FSDP / replicated, data axis, masks and tied embeddings spread over them
-    ModelCase(MASKED, MeshShape(ring=2), fsdp=True, layout="zigzag"),
+CASES = [  # every strategy; layouts, FSDP (both unit kinds) / replicated, data axis, masks and tied embeddings
+    ModelCase(MASKED, MeshShape(ring=2), fsdp=True, layout="zigzag", fsdp_units="block"),
     ModelCase(LlamaConfig(), MeshShape(ulysses=2), fsdp=False),
     ModelCase(LlamaConfig(), MeshShape(data=2, ring=2, ulysses=2), fsdp=True, layout="stripe", seq=32),
     ModelCase(TIED, MeshShape(ring=4, ring_outer=2), fsdp=False, layout="contiguous"),
@@ -36,7 +36,7 @@ SLOW = [
     ModelCase(LlamaConfig(), MeshShape(ring=4, kv_exchange="allgather"), fsdp=True, layout="zigzag"),
     ModelCase(MASKED, MeshShape(ring=2, ulysses=2), fsdp=False, layout="contiguous"),
     ModelCase(LlamaConfig(heads=8, kv_heads=2), MeshShape(data=2, ring=4, ring_outer=2), fsdp=True, layout="stripe"),
-    ModelCase(TIED, MeshShape(data=4, ring=2), fsdp=True, layout="zigzag", batch=4),
+    ModelCase(TIED, MeshShape(data=4, ring=2), fsdp=True, layout="zigzag", batch=4, fsdp_units="block"),
 ]
 PARAMS = [pytest.param(c, id=c.name) for c in CASES] + (
     [pytest.param(c, id=c.name, marks=pytest.mark.slow) for c in SLOW] if FULL else [])
