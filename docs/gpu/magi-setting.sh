@@ -8,15 +8,19 @@
 # forward / backward / both beside MagiAttention's figures (python -m benchmarks.magi).
 #   GPUS=8 (nvidia-h100-x8: the comparison)   GPUS=4 (nvidia-h100-x4: the same 8k per GPU)
 #   ONLY=jax | torch   one framework per device call (each ≤ 10 min); carry .whl (flash_attn3_jax);
+#   MESHES=a,b         a part of the meshes per call: on 4x H200 (2026-11-27) JAX's 8 verified paths
+#                      and 3 anchors alone took 6.5 minutes, so the four meshes need two calls
+#                      (MESHES=ring-r4,ring-agkv-r4 then MESHES=usp-r2xu2,ulysses-u4 with GPUS=4);
 #   for torch's FA4 blocks and anchor first stash .fa4a (/root/keep, as docs/gpu/x4-runlist.sh
 #   says) and carry .fa4b in the torch call.
 set -eu
 GPUS=${GPUS:-8}; ONLY=${ONLY:-jax}; SEQ=$((8192 * GPUS)); MACHINE=h100x$GPUS-magi-$ONLY
 case $GPUS in
-  8) MESHES=ring-r8,ring-agkv-r8,usp-r2xu4,ulysses-u8 ;;
-  4) MESHES=ring-r4,ring-agkv-r4,usp-r2xu2,ulysses-u4 ;;
+  8) ALL=ring-r8,ring-agkv-r8,usp-r2xu4,ulysses-u8 ;;
+  4) ALL=ring-r4,ring-agkv-r4,usp-r2xu2,ulysses-u4 ;;
   *) echo "GPUS must be 8 or 4" >&2; exit 2 ;;
 esac
+MESHES=${MESHES:-$ALL}
 . docs/gpu/install-wheels.sh ${OUT:-/tmp}
 python3 -m benchmarks --gpus $GPUS --seqs $SEQ --documents quarter-capped --heads 64 --kv-heads 8 --passes both \
   --layout zigzag,document-hybrid,document-hybrid-shared --meshes $MESHES --iters 10 --warmup 3 \

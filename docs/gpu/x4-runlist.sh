@@ -8,8 +8,12 @@
 # Choose each `start`'s PARTS to finish within its own call: on 11-26 and again on 11-27 the hold
 # was given back between two calls issued back to back (the returned files' transfer counts toward
 # the 30 s idle limit), and the background job went with it (`wait` on a fresh machine says so
-# at once). Measured part times on 4x H200: torchprof 4 min, d128 torch ≈ 3 min / JAX 5 min (with
-# compiles), jaxprof 6 min, llama (32k rows, 4 strategies, 3-row sweep) 4 min, mc 1 min.
+# at once). Measured part times on 4x H200: torchprof 4 min, d128 torch 2.4 min / JAX 5 min (with
+# compiles), jaxprof 6 min, mc 1 min; llama: ≈ 3 min a strategy (its check at 1024 tokens against
+# float64 on the host's CPU, exposure and host-floor steps, a 32k and a 64k row: 2026-11-27,
+# weight units) — the sweep needs a call of its own; llamajax: calibration and the first check
+# 4 min, then its exposure step (compile with autotuning + XLA trace) over 5 min — one strategy a
+# call; magi4 JAX: 8 verified paths and 3 anchors 6.5 min — two calls (MAGI_MESHES, below).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -17,10 +21,12 @@
 #   d128       issue 46: 128k tokens, the three balance mixes, both frameworks: all-gather KV and
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
-#   llama      issue 48: the whole model on 4 GPUs (torch): ring / Ulysses / all-gather / USP rows
-#              at 32k and 64k, predicted vs measured, the host floor's cProfile, and a B* sweep at
+#   llama      issue 48: the whole model on 4 GPUs (torch; LLAMA overrides the arguments, e.g.
+#              "--strategies allgather,usp --seq 32768,65536 --batches 1"): rows at 32k and 64k,
+#              predicted vs measured, each row's and the host floor's cProfile, and a B* sweep at
 #              16k-token rows (predicted B* between 2 and 8: docs/gpu/llama-scale-2026-11-27-h200x4.md)
-#   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU)
+#   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU;
+#              LLAMAJAX overrides the arguments)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
@@ -35,8 +41,8 @@ if [ "$1" = start ]; then
   if [ "${SMOKE:-0}" != 1 ]; then
     . docs/gpu/install-wheels.sh $R
     SEQ=131072; BIG=524288; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"
-    LLAMA="--strategies zigzag,ulysses,allgather,usp --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8,16"
-    LLAMAJAX="--strategies zigzag,ulysses --seq 32768 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8"
+    LLAMA=${LLAMA:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8"}
+    LLAMAJAX=${LLAMAJAX:-"--strategies zigzag --seq 32768 --bstar-seq 16384 --exposure-seq 8192 --batches 1,4"}
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke
@@ -57,7 +63,8 @@ if [ "$1" = start ]; then
   D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2 --machine x4-documents-run5"
   CMD[d128]="for side in $SIDES; do $D128 --only \$side --parts-dir $R/d128-\$side; done"
-  CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side OUT=$R bash $HERE/magi-setting.sh; done"
+  MAGI_MESHES=${MAGI_MESHES:-ring-r4,ring-agkv-r4}  # then usp-r2xu2,ulysses-u4 in a second call
+  CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side MESHES=$MAGI_MESHES OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
