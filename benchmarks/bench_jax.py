@@ -236,8 +236,6 @@ def main(argv=None) -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip flash_attn3_jax's ring")
     ap.add_argument("--jax-backends", default="auto",
                     help="jax_impl block backends to run (auto, cudnn, fa3, reference; default auto)")
-    ap.add_argument("--weak", default="",
-                    help="weak scaling: tokens per GPU (comma-separated); ring over 1, 2, 4, 8 GPUs (as many as there are)")
     ap.add_argument("--multi-controller", action="store_true",
                     help="one process per GPU under torchrun (jax.distributed.initialize); no ceilings or peers")
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides

@@ -36,6 +36,7 @@ from .common import (
     problem_masks,
     row_problem,
     shared_arguments,
+    weak_paths,
 )
 from .overlap import probe_rows, torch_variant
 
@@ -320,11 +321,16 @@ def main(argv=None) -> None:
     ap = shared_arguments(__doc__.splitlines()[0])
     ap.add_argument("--torch-backends", default="auto", help="torch_impl block backends to run (default auto)")
     ap.add_argument("--peers", default="cp,yunchang")
+    ap.add_argument("--weak-only", action="store_true",
+                    help="time only --weak's ring over this world's ranks (the driver starts a world per ring size)")
     args, _ = ap.parse_known_args(argv)  # the driver passes one flag set to both sides
     check_layouts(args.layout, args.documents)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if args.weak_only:
+        weak_main(args)
+        return
     masked = args.documents != "none" or args.window is not None
     rows = ceiling_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads), args.iters,
                         args.warmup) if args.ceiling_seq and not masked else []
@@ -353,6 +359,24 @@ def main(argv=None) -> None:
             print(f"{r.framework:20s} {r.strategy:12s} {r.layout:16s} {r.seq_len:7d} fwd_only={r.fwd_only!s:5s} "
                   f"{r.extra.get('documents', '')!s:10s} {r.ms_per_iter or float('nan'):9.2f} ms "
                   f"{r.tflops_per_gpu or float('nan'):6.1f} TFLOP/s/GPU {r.note[:90]}")
+    dist.destroy_process_group()
+
+
+def weak_main(args) -> None:
+    """``--weak-only``: the weak-scaling ring over this world's ranks (``common.weak_paths`` of this
+    world's size), fwd+bwd, each row marked ``weak_scaling``; the world is one of several the driver
+    starts (1, 2, 4 … ranks), as JAX's one process times its rings on 1, 2, 4 … of the GPUs."""
+    n, rows = dist.get_world_size(), []
+    for spec, layout, backend, problem in weak_paths(args, n, "torch"):
+        if spec.devices != n:
+            continue
+        for row in impl_rows(problem, spec, layout, backend, args.iters, args.warmup, (False,)):
+            row.extra["weak_scaling"] = True
+            rows.append(row)
+        if _rank() == 0:
+            _save(rows, args.out)
+    if _rank() == 0:
+        _save(rows, args.out)
     dist.destroy_process_group()
 
 

@@ -259,18 +259,24 @@ def mesh_layouts(spec: MeshSpec, layouts: str) -> list[str]:
     return names if spec.ring > 1 else ["contiguous"]
 
 
-def weak_paths(args, devices: int) -> list[tuple[MeshSpec, str, str, Problem]]:
-    """``--weak``'s rows (JAX): per tokens-per-GPU value, a ring over 1, 2, 4, 8 of the
-    ``devices`` at that many tokens per device — (spec, layout, backend, problem), the first of
-    ``--layout`` (contiguous on one device) and of ``--jax-backends``. The driver times these and
-    ``benchmarks.verify`` checks the same paths."""
+def weak_paths(args, devices: int, framework: str = "jax") -> list[tuple[MeshSpec, str, str, Problem]]:
+    """``--weak``'s rows: per tokens-per-GPU value, a ring over 1, 2, 4, 8 of the ``devices`` at
+    that many tokens per device — (spec, layout, backend, problem), the first of ``--layout``
+    (contiguous on one device) and of ``framework``'s backends (``--jax-backends`` /
+    ``--torch-backends``). The JAX side times them on one process; the torch side under one
+    torchrun world per ring size (``benchmarks.run``); ``benchmarks.verify`` checks the same paths."""
+    backend = getattr(args, f"{framework}_backends", "auto").split(",")[0]
     out = []
     for per_gpu in (int(t) for t in (getattr(args, "weak", "") or "").split(",") if t):
         for n in (n for n in (1, 2, 4, 8) if n <= devices):
             problem = Problem(seq=per_gpu * n, heads=args.heads, kv_heads=args.kv_heads, **problem_masks(args))
-            out.append((MeshSpec(f"ring-r{n}"), args.layout.split(",")[0] if n > 1 else "contiguous",
-                        args.jax_backends.split(",")[0], problem))
+            out.append((MeshSpec(f"ring-r{n}"), args.layout.split(",")[0] if n > 1 else "contiguous", backend, problem))
     return out
+
+
+def weak_worlds(args, devices: int) -> list[int]:
+    """The ring sizes ``--weak`` times (1, 2, 4, 8 up to ``devices``): one torchrun world each."""
+    return sorted({spec.devices for spec, *_ in weak_paths(args, devices)})
 
 
 def mesh_rows(specs, backends: str, layouts: str) -> list[tuple[MeshSpec, str, str]]:
@@ -379,6 +385,8 @@ def shared_arguments(description: str):
     ap.add_argument("--passes", choices=("both", "fwd+bwd", "fwd"), default="both",
                     help="time the forward, forward+backward, or both (default)")
     ap.add_argument("--window", type=int, default=None, help="sliding window left extent (right 0)")
+    ap.add_argument("--weak", default="", help="weak scaling: tokens per GPU (comma-separated); a ring over 1, 2, 4, "
+                    "8 GPUs (as many as there are), each side (torch: a torchrun world per ring size)")
     ap.add_argument("--overlap", action="store_true",
                     help="also time ring meshes with compute only / communication only (benchmarks/overlap.py)")
     return ap

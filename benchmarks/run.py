@@ -209,7 +209,7 @@ def main(argv=None) -> None:
 
     flags, _ = shared_arguments("").parse_known_args(["--out", "-", *rest])
     check_layouts(flags.layout, flags.documents)  # before any GPU work
-    rows = _multi_gpu_rows(a, rest, _parts_dir(a.parts_dir))
+    rows = _multi_gpu_rows(a, rest, _parts_dir(a.parts_dir), flags)
     print(write(rows, "python -m benchmarks " + " ".join(argv), a.machine))
 
 
@@ -236,10 +236,13 @@ def _parts_dir(given: str | None) -> Path:
     return parts_dir
 
 
-def _multi_gpu_rows(a, rest: list[str], parts_dir: Path) -> list[dict]:
+def _multi_gpu_rows(a, rest: list[str], parts_dir: Path, flags) -> list[dict]:
     """Every timed path verified first (its own process), then each side in its own processes —
     JAX single-controller, torch under torchrun, optionally JAX one process per GPU — each side's
-    rows kept if another fails, marked with the verdicts."""
+    rows kept if another fails, marked with the verdicts; ``flags``: the sides' shared flags
+    (``--weak``'s ring sizes each start a torch world of their own)."""
+    from .common import weak_worlds
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     verdicts_path = parts_dir / "verdicts.json"
     if not a.no_verify:  # every path checked before anything is timed, in its own process
@@ -253,6 +256,11 @@ def _multi_gpu_rows(a, rest: list[str], parts_dir: Path) -> list[dict]:
     if a.only in (None, "torch"):
         out = parts_dir / "torch_rows.json"
         parts.append(_side("torch", [*torchrun, "-m", "benchmarks.bench_torch", "--out", str(out), *rest], out, env))
+        for n in weak_worlds(flags, a.gpus):  # --weak: a world of n ranks for the ring over n GPUs
+            out = parts_dir / f"torch_weak_{n}_rows.json"
+            weak_run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+            parts.append(_side(f"torch --weak on {n}", [*weak_run, "-m", "benchmarks.bench_torch", "--weak-only",
+                                                        "--out", str(out), *rest], out, env))
     if a.jax_multi_controller and a.only in (None, "jax"):  # last: a failure here loses no other part
         parts.append(_multi_controller_part(a.gpus, torchrun, rest, parts_dir / "jax_mc_rows.json", env))
     rows = [r for p in parts if p is not None for r in json.loads(p.read_text())]

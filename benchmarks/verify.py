@@ -171,9 +171,9 @@ def planned_paths(args) -> list[tuple[str, str, str, str, Problem]]:
                         path = (framework, mesh, layout, backend, problem)
                         if all(path_key(*p) != path_key(*path) for p in out):
                             out.append(path)
-    if "jax" in frameworks:  # --weak's rings over 1, 2, 4 … of the GPUs (JAX times them)
-        for spec, layout, backend, problem in weak_paths(args, args.gpus):
-            path = ("jax", spec.name, layout, backend, problem)
+    for framework in frameworks:  # --weak's rings over 1, 2, 4 … of the GPUs (both sides time them)
+        for spec, layout, backend, problem in weak_paths(args, args.gpus, framework):
+            path = (framework, spec.name, layout, backend, problem)
             if all(path_key(*p) != path_key(*path) for p in out):
                 out.append(path)
     return out
@@ -188,7 +188,6 @@ def main(argv=None) -> None:
     ap.add_argument("--jax-backends", default="auto")
     ap.add_argument("--torch-backends", default="auto")
     ap.add_argument("--devices", choices=("gpu", "cpu"), default="gpu")
-    ap.add_argument("--weak", default="", help="as the JAX side's --weak: its rings are verified too")
     args, _ = ap.parse_known_args(argv)
     check_layouts(args.layout, args.documents)
     from parity.core.devices import configure_jax_devices

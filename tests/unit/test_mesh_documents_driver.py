@@ -115,16 +115,21 @@ def test_every_sequence_length_is_planned_when_a_window_changes_the_path():
         assert path_key("jax", "ring-r4", "zigzag", "auto", problem) in keys, seq
 
 
-def test_weak_scaling_rings_are_planned_for_verification_as_the_jax_side_times_them():
-    """``--weak``: the JAX side times a ring over 1, 2 and 4 of the GPUs (``common.weak_paths``);
-    each must have a verdict, or its rows lose their throughput (they had none before 11-27)."""
-    from benchmarks.common import weak_paths
+def test_weak_scaling_rings_are_planned_for_verification_as_both_sides_time_them():
+    """``--weak``: each side times a ring over 1, 2 and 4 of the GPUs (``common.weak_paths``; torch
+    in a torchrun world per ring size, ``weak_worlds``); each must have a verdict, or its rows lose
+    their throughput (JAX's had none before 11-27), on the backend that side times."""
+    from benchmarks.common import weak_paths, weak_worlds
 
-    args = _args(documents="none", layout="zigzag", meshes="ring-r4", seqs="131072", weak="32768")
+    args = _args(documents="none", layout="zigzag", meshes="ring-r4", seqs="131072", weak="32768",
+                 torch_backends="aten_cudnn")
     keys = {path_key(*p) for p in planned_paths(args)}
-    timed = weak_paths(args, args.gpus)
-    assert [(spec.name, layout, problem.seq) for spec, layout, _, problem in timed] == [
-        ("ring-r1", "contiguous", 32768), ("ring-r2", "zigzag", 65536), ("ring-r4", "zigzag", 131072)]
-    for spec, layout, backend, problem in timed:
-        assert path_key("jax", spec.name, layout, backend, problem) in keys, spec.name
-    assert not weak_paths(_args(), 4)  # no --weak: no rings of its own
+    for framework, backend in (("jax", "auto"), ("torch", "aten_cudnn")):
+        timed = weak_paths(args, args.gpus, framework)
+        assert [(spec.name, layout, b, problem.seq) for spec, layout, b, problem in timed] == [
+            ("ring-r1", "contiguous", backend, 32768), ("ring-r2", "zigzag", backend, 65536),
+            ("ring-r4", "zigzag", backend, 131072)]
+        for spec, layout, b, problem in timed:
+            assert path_key(framework, spec.name, layout, b, problem) in keys, (framework, spec.name)
+    assert weak_worlds(args, 4) == [1, 2, 4] and weak_worlds(args, 2) == [1, 2]
+    assert not weak_paths(_args(), 4) and not weak_worlds(_args(), 4)  # no --weak: no rings of its own
