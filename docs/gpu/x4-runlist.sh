@@ -29,6 +29,8 @@
 #              LLAMAJAX overrides the arguments)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
+#   weak       issue 47: weak scaling, 32k tokens per GPU, a ring over 1, 2, 4 GPUs (torch: a
+#              torchrun world per ring size), the single-GPU ceiling at 32k in the same run
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
 #              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid)
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
@@ -70,6 +72,9 @@ if [ "$1" = start ]; then
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
+  # weak scaling at 32k tokens per GPU, a ring over 1, 2, 4 GPUs, each side; the ceiling at 32k beside
+  CMD[weak]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs '' --meshes '' \
+    --weak $((SEQ / 4)) $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2 --machine x4-weak --parts-dir $R/weak-\$side; done"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x4-mc --parts-dir $R/mc \
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""
