@@ -1,0 +1,217 @@
+"""The FSDP × TP B* sweep on real devices: the calculator's own setting measured.
+
+    python -m parity.capacity.tp_sweep --devices gpu --out DIR            # 4 GPUs: FSDP 2 × TP 2
+    python -m parity.capacity.tp_sweep --devices cpu --small --out DIR    # the same code on gloo
+
+``python -m parity bstar`` answers "how many tokens per device before an FSDP × TP step stops
+waiting for its weights" from a closed form (``bstar.step_coefficients``: per FFN block and device,
+T(B) = (m + a·B) against (c + y·B) — compute and memory against the FSDP gathers and the TP
+all-reduces — overlapped or in sequence). This command holds that form against the step it
+describes: the FFN training step of ``parity.training.torch_step`` (FSDP2 + DTensor TP, bf16,
+float32 master weights and Adam) over X·Y devices, timed at growing tokens per device B, with C,
+W_hbm and W per collective calibrated on the same world first.
+
+- **Checked before timed**: the same step (same world, mesh and dtype) at ``check`` size against
+  the float64 unsharded step, every tensor within the low-precision policy of the same code's
+  one-device step (``parity.core.numerics``; updated weights are compared in float32 runs only:
+  Adam's first step is ≈ lr·sign(g)). Rows carry ``verified``.
+- **Rows**: B, ``measured_s`` (the slowest rank's median step), ``bound_overlap_s`` = L·max(m + a·B,
+  c + y·B), ``bound_serial_s`` = L·(m + a·B + c + y·B), ``predicted_s`` = the serial bound (no
+  profile splits this step's exposed traffic yet; docs/accounting.md's 4-GPU FFN step at 16k
+  tokens measured 1.23× it), the coefficients and the calibrated C / W.
+- **The knee**: ``measured_knee`` — the smallest B whose time per token is within 10 % of the
+  sweep's best (``llama_scale.knee``) — beside the same rule on each bound's times and the closed
+  form's ``predicted_bstar`` (tokens per device; the "sum" and the "max" forms).
+
+Every row is handed to ``emit`` as it is measured (the CLI appends it to ``-rows.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ..core.numerics import check_tensor
+from ..runners.torch_runner import world_backend
+from ..runners.torch_world import close_worlds, get_world
+from ..training.reference import TrainCase, make_train_inputs, reference_step
+from .bstar import Choices, Hardware, critical_batch, step_coefficients
+from .calibrate import SMALL, Sizes, hardware_profile, profile_task
+from .llama_scale import knee
+
+CHECKED = ("loss", "dx", "dw1", "dw2")  # new weights: float32 runs only (Adam's first step ≈ lr·sign(g))
+
+
+@dataclass(frozen=True)
+class TPSweep:
+    """What one invocation measures: an FFN stack of ``blocks`` blocks (``d_model`` → ``d_ff`` →
+    ``d_model``, gelu) over an FSDP ``fsdp`` × TP ``tp`` mesh, in ``dtype``, at ``tokens`` per device
+    (B; the global batch is B·fsdp tokens: the TP ranks share theirs); ``check`` the same mesh and
+    dtype at a size a float64 reference computes quickly; ``warmup`` / ``iters`` steps untimed /
+    timed (median); ``sizes`` the calibration's."""
+
+    d_model: int = 8192
+    d_ff: int = 32768
+    blocks: int = 2
+    fsdp: int = 2
+    tp: int = 2
+    # around the closed form's B* on 4x H200's calibration (2026-11-27: ≈ 340 tokens per device)
+    tokens: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    dtype: str = "bfloat16"
+    warmup: int = 2
+    iters: int = 5
+    sizes: Sizes = Sizes()
+    check_d_model: int = 256
+    check_d_ff: int = 1024
+    check_tokens: int = 128
+
+    def case(self, tokens_per_device: int) -> TrainCase:
+        return TrainCase("fsdp_tp", fsdp=self.fsdp, tp=self.tp, blocks=self.blocks, d_model=self.d_model,
+                         d_ff=self.d_ff, tokens=tokens_per_device * self.fsdp, dtype=self.dtype)
+
+    def check(self) -> TrainCase:
+        return TrainCase("fsdp_tp", fsdp=self.fsdp, tp=self.tp, blocks=self.blocks, d_model=self.check_d_model,
+                         d_ff=self.check_d_ff, tokens=self.check_tokens * self.fsdp, dtype=self.dtype)
+
+
+SMALL_SWEEP = TPSweep(d_model=64, d_ff=256, tokens=(8, 16, 32), warmup=1, iters=2, sizes=SMALL, check_d_model=32,
+                      check_d_ff=128, check_tokens=16)
+
+
+def verify(check: TrainCase, devices: str) -> dict:
+    """``check``'s step on ``devices`` against the float64 unsharded step (module docstring)."""
+    from ..training import torch_step
+
+    inputs = make_train_inputs(check)
+    ref = reference_step(check, inputs)
+    got = torch_step.run_step(check, inputs, devices=devices)
+    control = None if check.dtype == "float32" else torch_step.run_step(replace(check, fsdp=1, tp=1), inputs,
+                                                                         devices=devices)
+    keys = CHECKED if control is not None else CHECKED + ("new_w1", "new_w2")
+    checks = [check_tensor(k, got[k], ref[k], check.dtype, None if control is None else control[k]) for k in keys]
+    worst = max(checks, key=lambda c: c.error / c.tolerance)
+    return {"passed": all(c.ok for c in checks), "case": check.name, "d_model": check.d_model, "d_ff": check.d_ff,
+            "tokens": check.tokens, "worst": worst.name, "worst_ratio": worst.error / worst.tolerance}
+
+
+def bounds(sweep: TPSweep, hw: Hardware, tokens_per_device: int) -> dict:
+    """The closed form's step at B tokens per device (``bstar.step_coefficients``, forward and
+    backward, the memory term on): both bounds, the coefficients per block."""
+    a, c, y, m = step_coefficients(sweep.d_model, sweep.d_ff, sweep.fsdp, sweep.tp, 1.0, 1.0, hw,
+                                   Choices("sum", passes="fwd+bwd", memory=True))
+    b, n = tokens_per_device, sweep.blocks
+    return {"bound_overlap_s": n * max(m + a * b, c + y * b), "bound_serial_s": n * (m + a * b + c + y * b),
+            "coefficients_per_block": {"a_s_per_token": a, "c_s": c, "y_s_per_token": y, "m_s": m}}
+
+
+def measure(sweep: TPSweep, devices: str, emit=None) -> dict:
+    """Calibrate, check, then time every B; the result dict (rows also to ``emit`` as measured)."""
+    import torch
+
+    from ..training import torch_step
+
+    emit = emit or (lambda row: None)
+    backend, device_type = world_backend(devices)
+    n = sweep.fsdp * sweep.tp
+    if devices == "gpu" and torch.cuda.device_count() < n:
+        raise ValueError(f"FSDP {sweep.fsdp} × TP {sweep.tp} needs {n} GPUs, found {torch.cuda.device_count()}")
+    for b in sweep.tokens:  # a size the mesh cannot shard fails before any rank starts
+        sweep.case(b)
+    ranks = get_world(n, backend)
+    profile = ranks.run(profile_task, sweep.sizes, device_type)[0]
+    device_name = torch.cuda.get_device_name(0) if devices == "gpu" else "CPU"
+    hardware = hardware_profile(f"tp-sweep-{devices}{n}", "python -m parity.capacity.tp_sweep", profile, device_name,
+                                n, sweep.sizes, f"torch {torch.__version__}")
+    emit({"hardware": hardware})
+    hw = Hardware(hardware["name"], profile["flops"], profile["bandwidth"], profile["hbm"])
+    checked = verify(sweep.check(), devices)
+    emit({"verify": sweep.check().name, **checked})
+    rows = []
+    for b in sweep.tokens:
+        head = {"tokens_per_device": b, "fsdp": sweep.fsdp, "tp": sweep.tp, "blocks": sweep.blocks,
+                "verified": checked["passed"], "device": device_name}
+        try:
+            measured = max(ranks.run(torch_step.timed_step_task, sweep.case(b), device_type, sweep.warmup,
+                                     sweep.iters))
+            pred = bounds(sweep, hw, b)
+            row = {**head, "measured_s": measured, **pred, "predicted_s": pred["bound_serial_s"],
+                   "measured_over_predicted": measured / pred["bound_serial_s"],
+                   "measured_over_overlap": measured / pred["bound_overlap_s"]}
+        except Exception as err:  # noqa: BLE001 — one failing row (memory) must not lose the others
+            row = {**head, "error": f"{type(err).__name__}: {err}"[:500]}
+        emit(row)
+        rows.append(row)
+    good = [r for r in rows if "error" not in r]
+    tokens = [r["tokens_per_device"] for r in good]
+    knees = {f"knee_{key}": knee(tokens, [r[key] for r in good]) if good else None
+             for key in ("measured_s", "bound_serial_s", "bound_overlap_s")}
+    bstar = {f"predicted_bstar_{form}": critical_batch(sweep.d_model, sweep.d_ff, sweep.fsdp, sweep.tp, 1.0, 1.0, hw,
+                                                       Choices(form, passes="fwd+bwd", memory=True)).tokens_per_device
+             for form in ("sum", "max")}
+    summary = {"measured_knee": knees["knee_measured_s"], **knees, **bstar}
+    emit({"summary": "fsdp_tp", **summary})
+    env = {"devices": f"{n}x {device_name}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    return {"env": env, "sweep": {**asdict(sweep), "sizes": repr(sweep.sizes)}, "profile": profile,
+            "verified": checked, "rows": rows, "summary": summary}
+
+
+def markdown(result: dict) -> str:
+    s, p, v = result["sweep"], result["profile"], result["verified"]
+    lines = [f"# FSDP {s['fsdp']} × TP {s['tp']} B* sweep on {result['env']['devices']} — {result['env']['date']}", "",
+             f"torch {result['env']['torch']}; FFN D {s['d_model']}, F {s['d_ff']}, {s['blocks']} blocks, {s['dtype']}; "
+             f"C = {p['flops'] / 1e12:.0f} TFLOP/s, W_hbm = {p['hbm'] / 1e9:.0f} GB/s, W (GB/s per device): "
+             + ", ".join(f"{k} {w / 1e9:.0f}" for k, w in p["bandwidth"].items()), "",
+             f"Checked ({v['case']}, D {v['d_model']}, F {v['d_ff']}, {v['tokens']} tokens, against the float64 step): "
+             f"{'passed' if v['passed'] else 'FAILED'} (worst {v['worst']} {v['worst_ratio']:.2f} of its tolerance)", "",
+             "| B (tokens / device) | measured ms | predicted (serial) ms | overlap bound ms | measured / predicted "
+             "| ms per 1k tokens |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['tokens_per_device']} | failed: {r['error'][:100]} | | | | |")
+            continue
+        lines.append(f"| {r['tokens_per_device']} | {r['measured_s'] * 1e3:.2f} | {r['bound_serial_s'] * 1e3:.2f} "
+                     f"| {r['bound_overlap_s'] * 1e3:.2f} | {r['measured_over_predicted']:.2f} "
+                     f"| {r['measured_s'] * 1e6 / r['tokens_per_device']:.3f} |")
+    m = result["summary"]
+    lines += ["", f"Knee (time per token within 10 % of the best): measured {m['measured_knee']}, on the serial bound "
+              f"{m['knee_bound_serial_s']}, on the overlap bound {m['knee_bound_overlap_s']}; the closed form's B* "
+              f"{m['predicted_bstar_sum']:.0f} (sum) / {m['predicted_bstar_max']:.0f} (max) tokens per device."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m parity.capacity.tp_sweep", description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU check of the command)")
+    ap.add_argument("--tokens", default=None, help="comma-separated tokens per device")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    sweep = SMALL_SWEEP if a.small else TPSweep()
+    if a.tokens:
+        sweep = replace(sweep, tokens=tuple(int(t) for t in a.tokens.split(",") if t))
+    a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
+    stem = f"tp-sweep-{time.strftime('%Y-%m-%d')}"
+
+    def emit(row: dict) -> None:
+        row = {**row, "at": time.strftime("%H:%M:%S")}
+        if "hardware" in row:  # the calibrated profile, as `python -m parity bstar --hardware FILE` reads it
+            (a.out / f"{stem}-hardware.json").write_text(json.dumps(row["hardware"], indent=1) + "\n")
+        print(json.dumps(row, default=str)[:300], flush=True)
+        with (a.out / f"{stem}-rows.jsonl").open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    try:
+        result = measure(sweep, a.devices, emit)
+    finally:
+        close_worlds()
+    (a.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (a.out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0 if result["verified"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""The FSDP × TP B* sweep (``parity.capacity.tp_sweep``) on gloo: the command the GPUs run.
+
+Why: the calculator's FSDP × TP closed form is what ``python -m parity bstar`` answers with; this
+command is its only check against a measured step, so its rows, its knee and its check before
+timing must be right before any GPU time is spent on them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("torch")
+
+from parity.capacity import tp_sweep
+
+
+def test_the_sweep_checks_the_step_then_times_every_batch_beside_the_closed_form(worlds, tmp_path):
+    worlds(4)
+    emitted = []
+    result = tp_sweep.measure(tp_sweep.SMALL_SWEEP, "cpu", emit=emitted.append)
+    assert "hardware" in emitted[0] and emitted[1]["verify"] and emitted[-1]["summary"] == "fsdp_tp"
+    assert result["verified"]["passed"], result["verified"]
+    rows = result["rows"]
+    assert [r["tokens_per_device"] for r in rows] == list(tp_sweep.SMALL_SWEEP.tokens)
+    assert emitted[2:-1] == rows  # handed out one by one, as measured
+    for r in rows:
+        assert r["verified"] and r["measured_s"] > 0
+        assert 0 < r["bound_overlap_s"] <= r["bound_serial_s"] == r["predicted_s"]
+    s = result["summary"]
+    per_token = [r["measured_s"] / r["tokens_per_device"] for r in rows]
+    assert per_token[rows.index(next(r for r in rows if r["tokens_per_device"] == s["measured_knee"]))] <= 1.1 * min(
+        per_token)
+    assert all(s[f"predicted_bstar_{form}"] >= 0 or math.isinf(s[f"predicted_bstar_{form}"]) for form in ("sum", "max"))
+    assert "B* sweep" in tp_sweep.markdown(result)
+
+
+def test_a_wrong_gradient_fails_the_check_before_timing(worlds, monkeypatch):
+    """A planted error in one gradient (a real bug's shape: a TP shard's dW summed twice) fails."""
+    from parity.training import torch_step
+
+    worlds(4)
+    honest = torch_step.run_step
+
+    def doubled(case, inputs, devices="cpu"):
+        out = honest(case, inputs, devices=devices)
+        return out if case.devices == 1 else {**out, "dw1": out["dw1"] * 2}
+
+    monkeypatch.setattr(torch_step, "run_step", doubled)
+    verdict = tp_sweep.verify(tp_sweep.SMALL_SWEEP.check(), "cpu")
+    assert not verdict["passed"] and verdict["worst"] == "dw1", verdict
