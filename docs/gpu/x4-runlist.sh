@@ -27,8 +27,8 @@
 #              16k-token rows (predicted B* between 2 and 8: docs/gpu/llama-scale-2026-11-27-h200x4.md)
 #   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU;
 #              LLAMAJAX overrides the arguments)
-#   tp         issue 48: the FSDP 2 x TP 2 B* sweep (parity.capacity.tp_sweep: the FFN step checked,
-#              then timed at 64 … 8192 tokens per device beside the closed form's B*)
+#   tp         issue 48: the FSDP 2 x TP 2 B* sweep, each side (parity.capacity.tp_sweep: the FFN step
+#              checked, then timed at 64 … 8192 tokens per device beside the closed form's B*)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
 #   weak       issue 47: weak scaling, 32k tokens per GPU, a ring over 1, 2, 4 GPUs (torch: a
@@ -71,7 +71,7 @@ if [ "$1" = start ]; then
   MAGI_MESHES=${MAGI_MESHES:-ring-r4,ring-agkv-r4}  # then usp-r2xu2,ulysses-u4 in a second call
   CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side MESHES=$MAGI_MESHES OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
-  CMD[tp]="python3 -m parity.capacity.tp_sweep --devices $DEV --out $R/tp $TPSWEEP"
+  CMD[tp]="for side in $SIDES; do python3 -m parity.capacity.tp_sweep --framework \$side --devices $DEV --out $R/tp $TPSWEEP; done"
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \

@@ -1,15 +1,17 @@
 """The FSDP × TP B* sweep on real devices: the calculator's own setting measured.
 
-    python -m parity.capacity.tp_sweep --devices gpu --out DIR            # 4 GPUs: FSDP 2 × TP 2
-    python -m parity.capacity.tp_sweep --devices cpu --small --out DIR    # the same code on gloo
+    python -m parity.capacity.tp_sweep --devices gpu --out DIR [--framework jax]   # 4 GPUs: FSDP 2 × TP 2
+    python -m parity.capacity.tp_sweep --devices cpu --small --out DIR             # the same code on the CPU
 
 ``python -m parity bstar`` answers "how many tokens per device before an FSDP × TP step stops
 waiting for its weights" from a closed form (``bstar.step_coefficients``: per FFN block and device,
 T(B) = (m + a·B) against (c + y·B) — compute and memory against the FSDP gathers and the TP
 all-reduces — overlapped or in sequence). This command holds that form against the step it
-describes: the FFN training step of ``parity.training.torch_step`` (FSDP2 + DTensor TP, bf16,
-float32 master weights and Adam) over X·Y devices, timed at growing tokens per device B, with C,
-W_hbm and W per collective calibrated on the same world first.
+describes: the FFN training step — torch: ``parity.training.torch_step`` (FSDP2 + DTensor TP);
+JAX: ``parity.training.jax_step`` (``shard_map`` over an fsdp × tp mesh, one process for every
+device, XLA's GEMM autotuning on) — bf16, float32 master weights and Adam, over X·Y devices,
+timed at growing tokens per device B, with C, W_hbm and W per collective calibrated on the same
+devices first (JAX: ``llama_scale_jax.jax_profile``).
 
 - **Checked before timed**: the same step (same world, mesh and dtype) at ``check`` size against
   the float64 unsharded step, every tensor within the low-precision policy of the same code's
@@ -81,20 +83,56 @@ SMALL_SWEEP = TPSweep(d_model=64, d_ff=256, tokens=(8, 16, 32), warmup=1, iters=
                       check_d_ff=128, check_tokens=16)
 
 
-def verify(check: TrainCase, devices: str) -> dict:
+def verify(check: TrainCase, devices: str, framework: str = "torch") -> dict:
     """``check``'s step on ``devices`` against the float64 unsharded step (module docstring)."""
-    from ..training import torch_step
+    if framework == "jax":
+        from ..training.jax_step import run_step
 
+        run = run_step
+    else:
+        from ..training import torch_step
+
+        run = lambda case, inputs: torch_step.run_step(case, inputs, devices=devices)
     inputs = make_train_inputs(check)
     ref = reference_step(check, inputs)
-    got = torch_step.run_step(check, inputs, devices=devices)
-    control = None if check.dtype == "float32" else torch_step.run_step(replace(check, fsdp=1, tp=1), inputs,
-                                                                         devices=devices)
+    got = run(check, inputs)
+    control = None if check.dtype == "float32" else run(replace(check, fsdp=1, tp=1), inputs)
     keys = CHECKED if control is not None else CHECKED + ("new_w1", "new_w2")
     checks = [check_tensor(k, got[k], ref[k], check.dtype, None if control is None else control[k]) for k in keys]
     worst = max(checks, key=lambda c: c.error / c.tolerance)
     return {"passed": all(c.ok for c in checks), "case": check.name, "d_model": check.d_model, "d_ff": check.d_ff,
             "tokens": check.tokens, "worst": worst.name, "worst_ratio": worst.error / worst.tolerance}
+
+
+def jax_timed_step(case: TrainCase, warmup: int, iters: int) -> float:
+    """Median seconds of ``case``'s whole jitted step (random weights and tokens), its master
+    weights and Adam state fed back as a training loop does."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ..training.jax_step import FSDP, Step, make_mesh
+    from ..training.llama_gpu import jax_median_ms
+
+    step = Step(case, make_mesh(case))
+    rng = np.random.default_rng(case.seed)
+    shape = {"w1": (case.d_model, case.d_ff), "w2": (case.d_ff, case.d_model)}
+    put = lambda a, spec: jax.device_put(a, NamedSharding(step.mesh, spec))
+    master = {f"block_{i}": {k: jnp.asarray(rng.standard_normal(v, np.float32) / np.sqrt(v[0])) for k, v in shape.items()}
+              for i in range(case.blocks)}
+    opt_state = step.opt.init(master)
+    state = [jax.tree.map(put, master, step.master_specs), jax.tree.map(put, opt_state, step._opt_specs(opt_state))]
+    x, y = (put(jnp.asarray(rng.standard_normal((case.tokens, case.d_model), np.float32)), P(FSDP, None))
+            for _ in range(2))
+    program = step.programs(opt_state)[2]
+
+    def one():
+        _, _, _, state[0], state[1] = program(state[0], state[0], state[1], x, y)
+        return state[0]
+
+    return jax_median_ms(one, warmup, iters) * 1e-3
 
 
 def bounds(sweep: TPSweep, hw: Hardware, tokens_per_device: int) -> dict:
@@ -107,36 +145,49 @@ def bounds(sweep: TPSweep, hw: Hardware, tokens_per_device: int) -> dict:
             "coefficients_per_block": {"a_s_per_token": a, "c_s": c, "y_s_per_token": y, "m_s": m}}
 
 
-def measure(sweep: TPSweep, devices: str, emit=None) -> dict:
-    """Calibrate, check, then time every B; the result dict (rows also to ``emit`` as measured)."""
-    import torch
-
-    from ..training import torch_step
-
-    emit = emit or (lambda row: None)
-    backend, device_type = world_backend(devices)
+def measure(sweep: TPSweep, devices: str, emit=None, framework: str = "torch") -> dict:
+    """Calibrate, check, then time every B in ``framework``; the result dict (rows also to ``emit``
+    as measured)."""
     n = sweep.fsdp * sweep.tp
-    if devices == "gpu" and torch.cuda.device_count() < n:
-        raise ValueError(f"FSDP {sweep.fsdp} × TP {sweep.tp} needs {n} GPUs, found {torch.cuda.device_count()}")
-    for b in sweep.tokens:  # a size the mesh cannot shard fails before any rank starts
+    for b in sweep.tokens:  # a size the mesh cannot shard fails before any device is touched
         sweep.case(b)
-    ranks = get_world(n, backend)
-    profile = ranks.run(profile_task, sweep.sizes, device_type)[0]
-    device_name = torch.cuda.get_device_name(0) if devices == "gpu" else "CPU"
-    hardware = hardware_profile(f"tp-sweep-{devices}{n}", "python -m parity.capacity.tp_sweep", profile, device_name,
-                                n, sweep.sizes, f"torch {torch.__version__}")
+    if framework == "jax":
+        import jax
+
+        from .llama_scale_jax import jax_profile
+
+        if len(jax.devices()) < n:
+            raise ValueError(f"FSDP {sweep.fsdp} × TP {sweep.tp} needs {n} devices, JAX has {len(jax.devices())}")
+        profile, device_name = jax_profile(sweep.sizes, jax.devices()[:n]), jax.devices()[0].device_kind
+        software = f"jax {jax.__version__}"
+        timer = lambda case: jax_timed_step(case, sweep.warmup, sweep.iters)
+    else:
+        import torch
+
+        from ..training import torch_step
+
+        backend, device_type = world_backend(devices)
+        if devices == "gpu" and torch.cuda.device_count() < n:
+            raise ValueError(f"FSDP {sweep.fsdp} × TP {sweep.tp} needs {n} GPUs, found {torch.cuda.device_count()}")
+        ranks = get_world(n, backend)
+        profile = ranks.run(profile_task, sweep.sizes, device_type)[0]
+        device_name = torch.cuda.get_device_name(0) if devices == "gpu" else "CPU"
+        software = f"torch {torch.__version__}"
+        timer = lambda case: max(ranks.run(torch_step.timed_step_task, case, device_type, sweep.warmup,
+                                           sweep.iters))
+    emit = emit or (lambda row: None)
+    hardware = hardware_profile(f"tp-sweep-{framework}-{devices}{n}", "python -m parity.capacity.tp_sweep", profile,
+                                device_name, n, sweep.sizes, software)
     emit({"hardware": hardware})
     hw = Hardware(hardware["name"], profile["flops"], profile["bandwidth"], profile["hbm"])
-    checked = verify(sweep.check(), devices)
+    checked = verify(sweep.check(), devices, framework)
     emit({"verify": sweep.check().name, **checked})
     rows = []
     for b in sweep.tokens:
         head = {"tokens_per_device": b, "fsdp": sweep.fsdp, "tp": sweep.tp, "blocks": sweep.blocks,
-                "verified": checked["passed"], "device": device_name}
+                "framework": framework, "verified": checked["passed"], "device": device_name}
         try:
-            measured = max(ranks.run(torch_step.timed_step_task, sweep.case(b), device_type, sweep.warmup,
-                                     sweep.iters))
-            pred = bounds(sweep, hw, b)
+            measured, pred = timer(sweep.case(b)), bounds(sweep, hw, b)
             row = {**head, "measured_s": measured, **pred, "predicted_s": pred["bound_serial_s"],
                    "measured_over_predicted": measured / pred["bound_serial_s"],
                    "measured_over_overlap": measured / pred["bound_overlap_s"]}
@@ -153,7 +204,8 @@ def measure(sweep: TPSweep, devices: str, emit=None) -> dict:
              for form in ("sum", "max")}
     summary = {"measured_knee": knees["knee_measured_s"], **knees, **bstar}
     emit({"summary": "fsdp_tp", **summary})
-    env = {"devices": f"{n}x {device_name}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    env = {"devices": f"{n}x {device_name}", "framework": framework, "software": software,
+           "date": time.strftime("%Y-%m-%d")}
     return {"env": env, "sweep": {**asdict(sweep), "sizes": repr(sweep.sizes)}, "profile": profile,
             "verified": checked, "rows": rows, "summary": summary}
 
@@ -161,7 +213,7 @@ def measure(sweep: TPSweep, devices: str, emit=None) -> dict:
 def markdown(result: dict) -> str:
     s, p, v = result["sweep"], result["profile"], result["verified"]
     lines = [f"# FSDP {s['fsdp']} × TP {s['tp']} B* sweep on {result['env']['devices']} — {result['env']['date']}", "",
-             f"torch {result['env']['torch']}; FFN D {s['d_model']}, F {s['d_ff']}, {s['blocks']} blocks, {s['dtype']}; "
+             f"{result['env']['software']}; FFN D {s['d_model']}, F {s['d_ff']}, {s['blocks']} blocks, {s['dtype']}; "
              f"C = {p['flops'] / 1e12:.0f} TFLOP/s, W_hbm = {p['hbm'] / 1e9:.0f} GB/s, W (GB/s per device): "
              + ", ".join(f"{k} {w / 1e9:.0f}" for k, w in p["bandwidth"].items()), "",
              f"Checked ({v['case']}, D {v['d_model']}, F {v['d_ff']}, {v['tokens']} tokens, against the float64 step): "
@@ -185,6 +237,7 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parity.capacity.tp_sweep", description=__doc__.splitlines()[0])
     ap.add_argument("--devices", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--framework", choices=("torch", "jax"), default="torch")
     ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU check of the command)")
     ap.add_argument("--tokens", default=None, help="comma-separated tokens per device")
     ap.add_argument("--out", type=Path, required=True)
@@ -193,7 +246,7 @@ def main(argv=None) -> int:
     if a.tokens:
         sweep = replace(sweep, tokens=tuple(int(t) for t in a.tokens.split(",") if t))
     a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
-    stem = f"tp-sweep-{time.strftime('%Y-%m-%d')}"
+    stem = f"tp-sweep-{'jax-' if a.framework == 'jax' else ''}{time.strftime('%Y-%m-%d')}"
 
     def emit(row: dict) -> None:
         row = {**row, "at": time.strftime("%H:%M:%S")}
@@ -203,8 +256,12 @@ def main(argv=None) -> int:
         with (a.out / f"{stem}-rows.jsonl").open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
 
+    if a.framework == "jax":
+        from ..core.devices import configure_jax_devices
+
+        configure_jax_devices(a.devices, autotune=True)  # before JAX starts: XLA's GEMM autotuning on
     try:
-        result = measure(sweep, a.devices, emit)
+        result = measure(sweep, a.devices, emit, a.framework)
     finally:
         close_worlds()
     (a.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")

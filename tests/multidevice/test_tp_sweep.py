@@ -15,17 +15,19 @@ pytest.importorskip("torch")
 from parity.capacity import tp_sweep
 
 
-def test_the_sweep_checks_the_step_then_times_every_batch_beside_the_closed_form(worlds, tmp_path):
-    worlds(4)
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_the_sweep_checks_the_step_then_times_every_batch_beside_the_closed_form(framework, worlds, jax_devices):
+    if framework == "torch":
+        worlds(4)
     emitted = []
-    result = tp_sweep.measure(tp_sweep.SMALL_SWEEP, "cpu", emit=emitted.append)
+    result = tp_sweep.measure(tp_sweep.SMALL_SWEEP, "cpu", emit=emitted.append, framework=framework)
     assert "hardware" in emitted[0] and emitted[1]["verify"] and emitted[-1]["summary"] == "fsdp_tp"
     assert result["verified"]["passed"], result["verified"]
     rows = result["rows"]
     assert [r["tokens_per_device"] for r in rows] == list(tp_sweep.SMALL_SWEEP.tokens)
     assert emitted[2:-1] == rows  # handed out one by one, as measured
     for r in rows:
-        assert r["verified"] and r["measured_s"] > 0
+        assert r["verified"] and r["measured_s"] > 0 and r["framework"] == framework
         assert 0 < r["bound_overlap_s"] <= r["bound_serial_s"] == r["predicted_s"]
     s = result["summary"]
     per_token = [r["measured_s"] / r["tokens_per_device"] for r in rows]
