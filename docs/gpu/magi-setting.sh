@@ -21,9 +21,11 @@ case $GPUS in
   *) echo "GPUS must be 8 or 4" >&2; exit 2 ;;
 esac
 MESHES=${MESHES:-$ALL}
+# a part of the meshes has names of its own: two calls' results never overwrite each other
+[ "$MESHES" = "$ALL" ] || MACHINE=$MACHINE-${MESHES//,/_}
 . docs/gpu/install-wheels.sh ${OUT:-/tmp}
 python3 -m benchmarks --gpus $GPUS --seqs $SEQ --documents quarter-capped --heads 64 --kv-heads 8 --passes both \
   --layout zigzag,document-hybrid,document-hybrid-shared --meshes $MESHES --iters 10 --warmup 3 \
-  --machine $MACHINE --only $ONLY --parts-dir ${OUT:-/tmp}/magi-$ONLY
-python3 -m benchmarks.magi benchmarks/results/$(date +%F)-$MACHINE.json | tee ${OUT:-/tmp}/magi-$ONLY-table.md
+  --machine $MACHINE --only $ONLY --parts-dir ${OUT:-/tmp}/$MACHINE
+python3 -m benchmarks.magi benchmarks/results/$(date +%F)-$MACHINE.json | tee ${OUT:-/tmp}/$MACHINE-table.md
 cp benchmarks/results/$(date +%F)-$MACHINE.* ${OUT:-/tmp}/ 2>/dev/null || true

@@ -457,7 +457,8 @@ def row_record(head: dict, case: ModelCase, dtype: str, measured: dict, pred: di
     model says it moves (``llama_step_traffic`` in ``head["framework"]``) against that trace."""
     model_rows = llama_step_traffic(case, head["framework"], dtype).rows()
     s = measured["seconds"]
-    return {**head, "mesh": case.mesh.name, "layout": case.layout, "fsdp_units": case.fsdp_units, "measured_s": s,
+    return {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
+            "fsdp_units": case.fsdp_units if head["framework"] == "torch" else None,  # JAX: no units (XLA)
             "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
             "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
             "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,

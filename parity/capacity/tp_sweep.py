@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..core.numerics import check_tensor
 from ..runners.torch_runner import world_backend
-from ..runners.torch_world import close_worlds, get_world
+from ..runners.torch_world import close_world, close_worlds, get_world
 from ..training.reference import TrainCase, make_train_inputs, reference_step
 from .bstar import Choices, Hardware, critical_batch, step_coefficients
 from .calibrate import SMALL, Sizes, hardware_profile, profile_task
@@ -97,6 +97,8 @@ def verify(check: TrainCase, devices: str, framework: str = "torch") -> dict:
     ref = reference_step(check, inputs)
     got = run(check, inputs)
     control = None if check.dtype == "float32" else run(replace(check, fsdp=1, tp=1), inputs)
+    if framework == "torch":  # the one-device control's world: not left holding a GPU through the timing
+        close_world(1, world_backend(devices)[0])
     keys = CHECKED if control is not None else CHECKED + ("new_w1", "new_w2")
     checks = [check_tensor(k, got[k], ref[k], check.dtype, None if control is None else control[k]) for k in keys]
     worst = max(checks, key=lambda c: c.error / c.tolerance)
@@ -108,7 +110,6 @@ def jax_timed_step(case: TrainCase, warmup: int, iters: int) -> float:
     """Median seconds of ``case``'s whole jitted step (random weights and tokens), its master
     weights and Adam state fed back as a training loop does."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -120,13 +121,15 @@ def jax_timed_step(case: TrainCase, warmup: int, iters: int) -> float:
     rng = np.random.default_rng(case.seed)
     shape = {"w1": (case.d_model, case.d_ff), "w2": (case.d_ff, case.d_model)}
     put = lambda a, spec: jax.device_put(a, NamedSharding(step.mesh, spec))
-    master = {f"block_{i}": {k: jnp.asarray(rng.standard_normal(v, np.float32) / np.sqrt(v[0])) for k, v in shape.items()}
-              for i in range(case.blocks)}
-    opt_state = step.opt.init(master)
-    state = [jax.tree.map(put, master, step.master_specs), jax.tree.map(put, opt_state, step._opt_specs(opt_state))]
-    x, y = (put(jnp.asarray(rng.standard_normal((case.tokens, case.d_model), np.float32)), P(FSDP, None))
-            for _ in range(2))
+    # host arrays put sharded: no whole copy of the weights (or of Adam's zeros) on the first device
+    master = jax.tree.map(put, {f"block_{i}": {k: rng.standard_normal(v, np.float32) / np.sqrt(v[0])
+                                               for k, v in shape.items()} for i in range(case.blocks)},
+                          step.master_specs)
+    opt_state = step.opt.init(master)  # zeros shaped and sharded like the master
+    state = [master, jax.tree.map(put, opt_state, step._opt_specs(opt_state))]
+    x, y = (put(rng.standard_normal((case.tokens, case.d_model), np.float32), P(FSDP, None)) for _ in range(2))
     program = step.programs(opt_state)[2]
+    del master, opt_state
 
     def one():
         _, _, _, state[0], state[1] = program(state[0], state[0], state[1], x, y)

@@ -140,6 +140,13 @@ def get_world(size: int, backend: str = "gloo", timeout_s: float = 120.0) -> Wor
     return _WORLDS[key]
 
 
+def close_world(size: int, backend: str = "gloo") -> None:
+    """Close the cached world of ``size`` ranks, if any (its workers exit and free their devices)."""
+    world = _WORLDS.pop((size, backend), None)
+    if world is not None:
+        world.close()
+
+
 def close_worlds() -> None:
     """Close every cached world (their workers exit)."""
     while _WORLDS:
