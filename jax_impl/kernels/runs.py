@@ -461,7 +461,11 @@ def index_choice(diagonal, causal: branches.Choice | None, full: branches.Choice
 # Static run slots (all rows together) the one call is compiled for, over at most
 # seqplan.documents.PREFIX_KEY_FACTOR times the sequence's keys; a plan beyond them goes to the
 # caller's fallback. The balance mixes' per-document hybrid at 128k over 8 devices needs at most 41 runs.
-PREFIX_SLOTS = (32, 64, 256)
+# Finer than the per-block ladders: a device makes one or two such calls (not R² blocks), so more
+# variants cost seconds of compile, while FA3's backward launches its grid for every slot — the
+# short mix's shared-prefix part (7–11 runs) sat on 32 slots and its local part (34–43) on 64:
+# 1.8–5.9× the real runs' grid (128k, 4 devices; docs/gpu/documents-2026-11-27-h200x4.md).
+PREFIX_SLOTS = (8, 16, 32, 48, 64, 128, 256)
 
 
 def _row_prefix(q_ids, kv_ids, q_index, kv_index):
@@ -525,11 +529,12 @@ def prefix_plans(q_ids, kv_ids, q_index, kv_index) -> list[VarlenRuns]:
 
 
 def prefix_length_ladder(n: int) -> tuple[int, ...]:
-    """The one call's backward ``max_seqlen`` bounds: n/32, n/16, n/8, n/4, n/2 and n, none below
-    256 — finer at the short end than :func:`length_ladder`, where a device of short documents
-    sits (the short mix at 128k: its longest run 7.7k keys; FA3's backward launches its grid for
-    the bound)."""
-    return tuple(sorted({max(min(n, 256), n // parts) for parts in (32, 16, 8, 4, 2, 1)}))
+    """The one call's backward ``max_seqlen`` bounds: n/32 to n in steps of 1.5× and 4/3× (n/32,
+    3n/64, n/16, 3n/32 … 3n/4, n), none below 256 — finer than :func:`length_ladder`, where a
+    device of short documents sits (the short mix at 128k: its longest run 7.7k of 24.8k keys took
+    the bound n/2 when the steps were powers of two; FA3's backward launches its grid for the
+    bound)."""
+    return tuple(sorted({max(min(n, 256), n * k // 64) for k in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)}))
 
 
 def prefix_dispatch(plans: list[VarlenRuns], kernel, fallback, *, keys: int, lengths: bool = False):

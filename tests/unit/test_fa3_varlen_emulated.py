@@ -237,12 +237,13 @@ def test_one_call_backward_bound_holds_the_longest_run():
     longest run: FA3's backward launches tiles up to ``max_seqlen`` only (the emulated kernel
     above drops the rest, so a bound too small loses gradients). Here device 0 of a contiguous
     ring of 2 over 1024 tokens holds 300 tokens of one document and 212 of the next: its longest
-    run is 300 keys, its bound 512 — not 256. The kernel stands in as its static bound (no
+    run is 300 keys, its bound 384 — not 256. The kernel stands in as its static bound (no
     attention compiled: the choice is what is tested)."""
     from jax_impl.kernels import runs
 
-    assert runs.prefix_length_ladder(1024) == (256, 512, 1024)
-    assert runs.prefix_length_ladder(131072) == (4096, 8192, 16384, 32768, 65536, 131072)
+    assert runs.prefix_length_ladder(1024) == (256, 384, 512, 768, 1024)
+    assert runs.prefix_length_ladder(131072) == (4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536,
+                                                 98304, 131072)
     ids = jnp.asarray(_docs([300, 500, 224])[None])
     index = jnp.arange(1024, dtype=jnp.int32)[None]
     def choose(ids, index):
@@ -252,7 +253,7 @@ def test_one_call_backward_bound_holds_the_longest_run():
         return plans[0].longest, bound
 
     longest, bound = jax.jit(choose)(ids, index)
-    assert (int(longest), int(bound)) == (300, 512)
+    assert (int(longest), int(bound)) == (300, 384)
 
 
 def test_varlen_lse_buffers_are_declared_at_the_tokens_size(emulated_fa3, monkeypatch):
