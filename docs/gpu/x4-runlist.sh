@@ -31,6 +31,9 @@
 #              checked, then timed at 64 … 8192 tokens per device beside the closed form's B*)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
+#   prof47     issue 47: torch_impl's five strategies at 128k, no documents, profiled per rank (kernels by
+#              kind, NCCL, copies, the host's syncs and cProfile), each checked at 4096 tokens first
+#   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
 #   weak       issue 47: weak scaling, 32k tokens per GPU, a ring over 1, 2, 4 GPUs (torch: a
 #              torchrun world per ring size), the single-GPU ceiling at 32k in the same run
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
@@ -74,6 +77,9 @@ if [ "$1" = start ]; then
   CMD[tp]="for side in $SIDES; do python3 -m parity.capacity.tp_sweep --framework \$side --devices $DEV --out $R/tp $TPSWEEP; done"
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
+  P47=ring-r4:zigzag,ulysses-u4:contiguous,usp-r2xu2:zigzag,double_ring-ro2xri2:zigzag,ring-agkv-r4:zigzag
+  CMD[prof47]="MIXES=none PATHS=$P47 SEQ=$SEQ $TORCHRUN $HERE/documents-2026-11-26-h200x4/2026-11-26-profile-short.py $S"
+  CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
   # weak scaling at 32k tokens per GPU, a ring over 1, 2, 4 GPUs, each side; the ceiling at 32k beside

@@ -1,8 +1,10 @@
-"""Issue 46: where a device's step goes on the 128k short mix (``MIXES``: any balance mixes) (torch_impl, all-gather KV over 4
-GPUs, the per-document hybrid with and without the shared prefix) — one torch.profiler window
-per layout on every rank, each rank's summary written as it comes. Checked before it is profiled:
-rank 0 compares the same call at 4096 tokens with the float64 oracle (relative error <= 2e-2 on
-o and the gradients), so the profiled path is a verified one.
+"""Issues 46 and 47: where a device's step goes (torch_impl) — by default on the 128k short mix
+(``MIXES``: any balance mixes, or ``none`` for no documents) over all-gather KV on 4 GPUs, the
+per-document hybrid with and without the shared prefix; ``PATHS`` (``mesh:layout`` pairs, e.g.
+``ring-r4:zigzag,ulysses-u4:contiguous``) any mesh strategy — one torch.profiler window per path
+on every rank, each rank's summary written as it comes. Checked before it is profiled:
+rank 0 compares the same call at 4096 tokens (the short mix, or no documents) with the float64
+oracle (relative error <= 2e-2 on o and the gradients), so the profiled path is a verified one.
 
     torchrun --nproc_per_node 4 docs/gpu/documents-2026-11-26-h200x4/2026-11-26-profile-short.py      # GPUs
     torchrun --nproc_per_node 4 docs/gpu/documents-2026-11-26-h200x4/2026-11-26-profile-short.py --smoke   # CPU, gloo
@@ -14,7 +16,7 @@ in a device-to-host copy), and the top 20 rows by device time (operators and ker
 (The 2026-11-26 runs summed operator and annotation rows with kernel rows in
 ``device_ms_per_step_by_kind``, counting kernels twice; docs/gpu/documents-2026-11-26-h200x4.md reads
 the kernel rows instead; :func:`is_kernel` now keeps kernels only.)
-Written to ``$OUT/profile-short/{layout}-rank{r}.json``.
+Written to ``$OUT/profile-short/{mix}-{mesh}-{layout}-rank{r}.json``.
 
 Host side (rank 0, after the timed steps): the synchronising CUDA calls of one step
 (``torch.cuda.set_sync_debug_mode``: each with the frames of this project that made it) and a
@@ -44,7 +46,10 @@ import torch.distributed as dist
 SMOKE = "--smoke" in sys.argv
 LAYOUTS = tuple(os.environ.get("LAYOUTS", "document-hybrid,document-hybrid-shared").split(","))
 SEQ = int(os.environ.get("SEQ", "131072"))
-MIXES = tuple(os.environ.get("MIXES", "short").split(","))  # the balance mixes profiled (full size only)
+# the balance mixes profiled (full size only), or "none": no documents (issue 47's unmasked strategies)
+MIXES = tuple(os.environ.get("MIXES", "short").split(","))
+# mesh:layout pairs (default: all-gather KV over every rank in each of LAYOUTS)
+PATHS = os.environ.get("PATHS", "")
 
 
 def host_report(step, sync, cuda: bool) -> str:
@@ -79,9 +84,20 @@ def host_report(step, sync, cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def local(array, rank: int, ring: int, device):
-    t = array.shape[1] // ring
-    return torch.as_tensor(np.ascontiguousarray(array[:, rank * t:(rank + 1) * t]), device=device)
+def local(array, spec, mesh, device):
+    """This rank's shard of a global [b, seq, ...] array in layout order: the sequence block r·U + u
+    of its ring and Ulysses coordinates (torch_impl's contract); None stays None."""
+    if array is None:
+        return None
+    block, t = _block(spec, mesh), array.shape[1] // spec.devices
+    return torch.as_tensor(np.ascontiguousarray(array[:, block * t:(block + 1) * t]), device=device)
+
+
+def _block(spec, mesh) -> int:
+    from parity.core.mesh import ring_position
+
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    return ring_position(coords, spec.axes)[0] * spec.ulysses + coords.get("ulysses", 0)
 
 
 def is_kernel(name: str) -> bool:
@@ -107,59 +123,77 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_impl
-    from benchmarks.common import MeshSpec, Problem, lay_out, row_problem
+    from benchmarks.common import MeshSpec, Problem, check_layouts, lay_out, row_problem
     from parity.core.reference import attention_backward, attention_forward
+    from seqplan.layouts import layout_permutation
 
     cuda = torch.cuda.is_available() and not SMOKE
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,), mesh_dim_names=("ring",))
-    spec = MeshSpec(f"ring-agkv-r{world}")
+    paths = [tuple(p.split(":")) for p in PATHS.split(",") if p] or [(f"ring-agkv-r{world}", la) for la in LAYOUTS]
+    for mix in MIXES:  # a per-row layout without documents, or an unknown name: refused before any work
+        check_layouts(",".join(layout for _, layout in paths), mix)
+    meshes = {}  # mesh name -> DeviceMesh, built once
+
+    def mesh_of(spec):
+        if spec.name not in meshes:
+            meshes[spec.name] = init_device_mesh("cuda" if cuda else "cpu", tuple(spec.axes.values()),
+                                                 mesh_dim_names=tuple(spec.axes))
+        return meshes[spec.name]
+
     out = Path(os.environ.get("OUT", "/tmp")) / "profile-short"
     out.mkdir(parents=True, exist_ok=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def call(problem, layout, dtype, seed=0):
+    def call(problem, spec, layout, dtype, seed=0):
         problem = row_problem(problem, spec, layout)
         laid = lay_out(problem, spec, layout)
-        ids, index = (local(a, rank, world, device) for a in (laid.segment_ids, laid.token_index))
-        t = problem.seq // world
+        mesh = mesh_of(spec)
+        ids, index = (local(a, spec, mesh, device) for a in (laid.segment_ids, laid.token_index))
         gen = torch.Generator().manual_seed(seed)
         make = lambda h: torch.randn(problem.batch, problem.seq, h, problem.head_dim, generator=gen)
         full = {"q": make(problem.heads), "k": make(problem.kv_heads), "v": make(problem.kv_heads),
                 "do": make(problem.heads)}
-        mine = {n: x[:, rank * t:(rank + 1) * t].to(device, dtype).requires_grad_(n != "do") for n, x in full.items()}
+        mine = {n: local(x, spec, mesh, device).to(dtype).requires_grad_(n != "do") for n, x in full.items()}
 
         def step():
             for n in ("q", "k", "v"):
                 mine[n].grad = None
             with torch.profiler.record_function("attention_call"):
                 o = torch_impl.sequence_parallel_attention(
-                    mine["q"], mine["k"], mine["v"], mesh, causal=True, layout=laid.api_layout, kv_exchange="allgather",
-                    segment_ids=ids, token_index=index, **laid.shared)
+                    mine["q"], mine["k"], mine["v"], mesh, causal=True, layout=laid.api_layout,
+                    kv_exchange=spec.kv_exchange, segment_ids=ids, token_index=index, **laid.shared)
                 o.backward(mine["do"])
             return o
         return step, mine, full, laid, problem
 
-    def check(layout) -> float:
-        problem = Problem(seq=512 if SMOKE else 4096, heads=8, kv_heads=2, documents="short")
-        step, mine, full, laid, problem = call(problem, layout, torch.float32 if SMOKE else torch.bfloat16, seed=1)
+    def check(spec, layout, documents) -> float:
+        problem = Problem(seq=512 if SMOKE else 4096, heads=8, kv_heads=2, documents=documents)
+        step, mine, full, laid, problem = call(problem, spec, layout, torch.float32 if SMOKE else torch.bfloat16, seed=1)
         o = step()
         got = {n: torch.empty((world, *x.shape), dtype=x.dtype, device=device) for n, x in
                (("o", o.detach()), ("dq", mine["q"].grad), ("dk", mine["k"].grad), ("dv", mine["v"].grad))}
         mine_out = {"o": o.detach(), "dq": mine["q"].grad, "dk": mine["k"].grad, "dv": mine["v"].grad}
         for n in got:
             dist.all_gather_into_tensor(got[n].view(-1, *got[n].shape[2:]), mine_out[n].contiguous())
+        if spec.ulysses > 1:  # rank order -> sequence-block order (block r·U + u of each rank's coordinates)
+            blocks = torch.tensor([_block(spec, mesh_of(spec))], device=device)
+            order = torch.empty(world, dtype=blocks.dtype, device=device)
+            dist.all_gather_into_tensor(order, blocks)
+            got = {n: x[torch.argsort(order)] for n, x in got.items()}
         if rank:
             return 0.0
         laid_np = {n: x.double().numpy() for n, x in full.items()}
         ids = laid.segment_ids
-        # the truth in original order: undo the per-row layout, attend causally by document, lay out again
-        perm = np.argsort(laid.token_index, axis=1)  # layout position of each original index
+        # the truth in original order: undo the layout (per-row token indices, or the static layout's
+        # permutation), attend causally (by document), compare in the same order
+        index = laid.token_index if laid.token_index is not None else np.broadcast_to(
+            layout_permutation(problem.seq, laid.api_layout, spec.ring, spec.ulysses), (problem.batch, problem.seq))
+        perm = np.argsort(index, axis=1)  # layout position of each original index
         orig = {n: np.take_along_axis(x, perm[:, :, None, None], 1) for n, x in laid_np.items()}
-        ids_orig = np.take_along_axis(ids, perm, 1)
+        ids_orig = None if ids is None else np.take_along_axis(ids, perm, 1)
         fwd = attention_forward(orig["q"], orig["k"], orig["v"], causal=True, segment_ids=ids_orig)
         grads = attention_backward(fwd, orig["q"], orig["k"], orig["v"], orig["do"], np.zeros_like(fwd.lse))
         worst = 0.0
@@ -170,18 +204,21 @@ def main() -> None:
             worst = max(worst, float(np.linalg.norm(x - want) / np.linalg.norm(want)))
         return worst
 
-    checked: dict[str, float] = {}  # one check per layout (the 4096-token short mix), every mix reuses it
-    for mix, layout in [(m, la) for m in MIXES for la in LAYOUTS]:
-        error = checked[layout] if layout in checked else checked.setdefault(layout, check(layout))
+    checked: dict[tuple, float] = {}  # one check per path (4096 tokens: the short mix, or none), mixes reuse it
+    for mix, (mesh_name, layout) in [(m, p) for m in MIXES for p in paths]:
+        spec = MeshSpec(mesh_name)
+        key = (mesh_name, layout, mix == "none")
+        error = checked[key] if key in checked else checked.setdefault(
+            key, check(spec, layout, "none" if mix == "none" else "short"))
         verdict = torch.tensor([error <= 2e-2], device=device)
         dist.broadcast(verdict, 0)
         if not bool(verdict.item()):
             if rank == 0:
-                (out / f"{mix}-{layout}-NOT-VERIFIED.txt").write_text(f"relative error {error:.3e}\n")
+                (out / f"{mix}-{mesh_name}-{layout}-NOT-VERIFIED.txt").write_text(f"relative error {error:.3e}\n")
             continue
         problem = Problem(seq=4096 if SMOKE else SEQ, heads=4 if SMOKE else 32, kv_heads=2 if SMOKE else 8,
                           documents=mix)
-        step, *_ = call(problem, layout, torch.float32 if SMOKE else torch.bfloat16)
+        step, *_ = call(problem, spec, layout, torch.float32 if SMOKE else torch.bfloat16)
         for _ in range(3):
             step()
         sync()
@@ -204,19 +241,20 @@ def main() -> None:
                 kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + device_us(e) / 1e3 / 3
         host = [e for e in events if e.key == "attention_call"]
         top = sorted(events, key=device_us, reverse=True)[:20]
-        summary = {"mix": mix, "layout": layout, "rank": rank, "verified_error_4096": error if rank == 0 else None,
+        summary = {"mix": mix, "mesh": mesh_name, "layout": layout, "rank": rank,
+                   "verified_error_4096": error if rank == 0 else None,
                    "shared_tokens": lay_out(row_problem(problem, spec, layout), spec, layout).shared_tokens,
                    "wall_ms_median": statistics.median(walls), "walls_ms": walls,
                    "device_ms_per_step_by_kind": kinds,
                    "attention_call_host_ms_per_step": host[0].cpu_time_total / 1e3 / 3 if host else None,
                    "top_device_ops": [{"name": e.key[:120], "device_ms_per_step": device_us(e) / 1e3 / 3,
                                        "calls_per_step": e.count / 3} for e in top]}
-        (out / f"{mix}-{layout}-rank{rank}.json").write_text(json.dumps(summary, indent=1))
+        (out / f"{mix}-{mesh_name}-{layout}-rank{rank}.json").write_text(json.dumps(summary, indent=1))
         host_text = host_report(step, sync, cuda)  # every rank steps (the collectives); rank 0 writes
         if rank == 0:
-            (out / f"{mix}-{layout}-rank0-host.txt").write_text(host_text)
+            (out / f"{mix}-{mesh_name}-{layout}-rank0-host.txt").write_text(host_text)
         if rank == 0:
-            print(json.dumps({k: summary[k] for k in ("mix", "layout", "shared_tokens", "wall_ms_median",
+            print(json.dumps({k: summary[k] for k in ("mix", "mesh", "layout", "shared_tokens", "wall_ms_median",
                                                       "device_ms_per_step_by_kind", "attention_call_host_ms_per_step",
                                                       "verified_error_4096")}), flush=True)
     dist.destroy_process_group()
