@@ -99,6 +99,8 @@ if [ "$1" = wait ]; then
   [ -e $R/started ] || { echo "nothing started on this machine (a fresh one: the last hold was given back)"; exit 1; }
   rb_wait $R
   cp -r benchmarks/results/$(date +%F)-* $R/ 2>/dev/null
+  # a CPU smoke run's tables are not results: the untracked ones go (they would travel with the tree)
+  [ "${SMOKE:-0}" = 1 ] && git ls-files --others --exclude-standard -- benchmarks/results | xargs -r rm -f
   [ -n "$DEST" ] && tar czf $DEST/runlist.tgz -C $R .
   cat $LOG
   for f in $R/*.log; do echo "--- $f"; grep -E "verify|anchor|_impl |wall|rc |Error|error|predicted|measured" $f | cut -c1-240 | tail -25; done
