@@ -207,12 +207,13 @@ def plan_key_grads(plan: PrefixRuns, index, shape, *grads):
     range in order (bitwise the same as the scatter-add into zeros)."""
     out = []
     for g in grads:
-        full = torch.zeros(shape, dtype=F32, device=g.device)
-        if plan.key_range is not None:
+        if plan.key_range is not None:  # only the keys outside the range need zeros
             lo, hi = plan.key_range
+            full = torch.empty(shape, dtype=F32, device=g.device)
+            full[:lo], full[hi:] = 0, 0
             full[lo:hi] = g
         else:
-            full.index_add_(0, index, g.float())
+            full = torch.zeros(shape, dtype=F32, device=g.device).index_add_(0, index, g.float())
         out.append(full)
     return tuple(out)
 
