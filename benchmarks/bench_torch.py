@@ -142,11 +142,9 @@ def _local_shard(array, spec: MeshSpec, mesh):
     sequence block r·U + u of its ring and Ulysses coordinates (torch_impl's contract)."""
     if array is None:
         return None
-    from parity.core.mesh import ring_position
+    from parity.core.mesh import sequence_block
 
-    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    r, _ = ring_position(coords, spec.axes)
-    block = r * spec.ulysses + coords.get("ulysses", 0)
+    block = sequence_block(dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())), spec.axes)
     t = array.shape[1] // (spec.ring * spec.ulysses)
     return torch.as_tensor(array[:, block * t:(block + 1) * t], device="cuda")
 

@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-from .mesh import MeshShape, ring_position
+from .mesh import MeshShape, ring_position, sequence_block
 from .names import (
     DOCUMENTS,
     DTYPES,
@@ -171,7 +171,7 @@ class Case:
 
     def sequence_block(self, coords: dict) -> int:
         """Which of the ring·ulysses sequence blocks (layout order) the device at ``coords`` holds."""
-        return self.ring_coordinate(coords) * self.ulysses + coords.get("ulysses", 0)
+        return sequence_block(coords, self.mesh_axes)
 
     @property
     def name(self) -> str:

@@ -112,3 +112,9 @@ def ring_position(coords: dict, sizes: dict) -> tuple[int, int]:
     inner = sizes.get("ring_inner", 1)
     index = coords.get("ring", 0) + coords.get("ring_outer", 0) * inner + coords.get("ring_inner", 0)
     return index, sizes.get("ring", 1) * sizes.get("ring_outer", 1) * inner
+
+
+def sequence_block(coords: dict, sizes: dict) -> int:
+    """Which of the ring·Ulysses sequence blocks (layout order) the device at mesh ``coords``
+    holds: r·U + u, r its combined ring index (:func:`ring_position`)."""
+    return ring_position(coords, sizes)[0] * sizes.get("ulysses", 1) + coords.get("ulysses", 0)

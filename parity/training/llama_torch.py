@@ -145,11 +145,9 @@ def loss_sum(logits, labels):
 
 def local_batch(case: ModelCase, batch: TokenBatch, coords: dict) -> TokenBatch:
     """This rank's shard of the layout-ordered ``batch``: its data rows and sequence block r·U + u."""
-    from ..core.mesh import ring_position
+    from ..core.mesh import sequence_block
 
-    sizes = case.mesh.axes
-    r, _ = ring_position(coords, sizes)
-    block = r * case.mesh.ulysses + coords.get("ulysses", 0)
+    block = sequence_block(coords, case.mesh.axes)
     rows = case.batch // case.mesh.data
     t = case.seq // (case.mesh.ring * case.mesh.ulysses)
     d = coords.get("data", 0)

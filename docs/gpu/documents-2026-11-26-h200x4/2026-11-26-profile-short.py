@@ -94,10 +94,9 @@ def local(array, spec, mesh, device):
 
 
 def _block(spec, mesh) -> int:
-    from parity.core.mesh import ring_position
+    from parity.core.mesh import sequence_block
 
-    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    return ring_position(coords, spec.axes)[0] * spec.ulysses + coords.get("ulysses", 0)
+    return sequence_block(dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())), spec.axes)
 
 
 def is_kernel(name: str) -> bool:
