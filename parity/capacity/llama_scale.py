@@ -221,7 +221,7 @@ def verdict(case: ModelCase, dtype: str, loss: float, grads: dict) -> dict:
     ``dtype`` (its control: the same non-parallel step in ``dtype``). On the host's CPU."""
     import torch
 
-    from ..core.numerics import check_tensor
+    from ..core.numerics import check_tensor, step_verdict
     from ..training.llama_gpu import loss_and_grads, rounded
 
     weights, batch = rounded(case.inputs()[0], dtype), rows_of_one_document(case)
@@ -230,9 +230,7 @@ def verdict(case: ModelCase, dtype: str, loss: float, grads: dict) -> dict:
     ctl_loss, ctl = (None, {}) if dtype == "float32" else step(getattr(torch, dtype))
     checks = [check_tensor("loss", [loss], [ref_loss], dtype, control=None if ctl_loss is None else [ctl_loss])]
     checks += [check_tensor(n, grads[n], ref[n], dtype, control=ctl.get(n)) for n in ref]
-    worst = max(checks, key=lambda c: c.error / c.tolerance)
-    return {"passed": all(c.ok for c in checks), "seq": case.seq, "tensors": len(checks), "worst": worst.name,
-            "worst_ratio": worst.error / worst.tolerance, "loss": loss, "loss_ref": ref_loss}
+    return {"seq": case.seq, **step_verdict(checks), "loss": loss, "loss_ref": ref_loss}
 
 
 def traffic_equal(model_rows: dict, traced_rows: dict) -> bool:
@@ -543,6 +541,27 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rows_emitter(out: Path, stem: str, files=None):
+    """A command's ``emit``: each record stamped with its wall time (``at``: the gaps between
+    records say where a run's time went) and printed as one line of progress; a calibrated
+    profile (``hardware``) written as ``{stem}-hardware.json``, as ``python -m parity bstar
+    --hardware FILE`` reads it; ``files(record)`` for the command's own files (it may pop what
+    they take); then the record appended to ``{stem}-rows.jsonl`` — a killed run keeps every
+    record before it."""
+    def emit(row: dict) -> None:
+        row = {**row, "at": time.strftime("%H:%M:%S")}
+        first = next(iter(row))
+        print(f"{row['at']} {first} {row[first] if first != 'hardware' else ''}"
+              + (f" T={row['seq']}" if "seq" in row else ""), flush=True)
+        if "hardware" in row:
+            (out / f"{stem}-hardware.json").write_text(json.dumps(row["hardware"], indent=1) + "\n")
+        if files is not None:
+            files(row)
+        with (out / f"{stem}-rows.jsonl").open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+    return emit
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parity.capacity.llama_scale", description=__doc__.splitlines()[0])
     ap.add_argument("--devices", choices=("gpu", "cpu"), default="gpu")
@@ -561,6 +580,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fsdp-units", choices=FSDP_UNITS, default=None,
                     help="torch's FSDP2 units: block (default, as torchtitan) or weight (one per weight-holding module)")
     a = ap.parse_args(argv)
+    if a.framework == "jax" and a.fsdp_units is not None:  # XLA groups the gathers: no units to choose
+        ap.error("--fsdp-units is torch's FSDP2 wrapping; --framework jax has no units")
     run = SMALL_RUN if a.small else ScaleRun()
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)
     run = replace(run, **{k: v for k, v in (("strategies", a.strategies and tuple(a.strategies.split(","))),
@@ -571,21 +592,14 @@ def main(argv=None) -> int:
     calibration_seqs(run)  # a bad --exposure-seq fails before any rank starts
     a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
     stem = f"llama-scale-{'jax-' if a.framework == 'jax' else ''}{time.strftime('%Y-%m-%d')}"
-    rows_file = a.out / f"{stem}-rows.jsonl"
 
-    def emit(row: dict) -> None:
-        row = {**row, "at": time.strftime("%H:%M:%S")}  # the gaps between rows: where a run's time went
-        first = next(iter(row))
-        print(f"{row['at']} {first} {row[first] if first != 'hardware' else ''}"
-              + (f" T={row['seq']}" if "seq" in row else ""), flush=True)
-        if "hardware" in row:  # the calibrated profile, as `python -m parity bstar --hardware FILE` reads it
-            (a.out / f"{stem}-hardware.json").write_text(json.dumps(row["hardware"], indent=1) + "\n")
+    def host_profile_file(row: dict) -> None:
         profile = row.pop("host_profile", None)
         if profile:  # a step's cProfile (rank 0), readable as it is: the host floor's, or a row's
             what = row.get("host_floor") or f"{row['strategy']}-T{row['seq']}-B{row['batch']}"
             (a.out / f"{stem}-host-{what}.txt").write_text(profile)
-        with rows_file.open("a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+
+    emit = rows_emitter(a.out, stem, host_profile_file)
 
     if a.framework == "jax":
         from ..core.devices import configure_jax_devices

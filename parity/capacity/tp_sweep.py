@@ -36,13 +36,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..core.numerics import check_tensor
+from ..core.numerics import check_tensor, step_verdict
 from ..runners.torch_runner import world_backend
 from ..runners.torch_world import close_world, close_worlds, get_world
 from ..training.reference import TrainCase, make_train_inputs, reference_step
 from .bstar import Choices, Hardware, critical_batch, step_coefficients
 from .calibrate import SMALL, Sizes, hardware_profile, profile_task
-from .llama_scale import knee
+from .llama_scale import knee, rows_emitter
 
 CHECKED = ("loss", "dx", "dw1", "dw2")  # new weights: float32 runs only (Adam's first step ≈ lr·sign(g))
 
@@ -101,39 +101,24 @@ def verify(check: TrainCase, devices: str, framework: str = "torch") -> dict:
         close_world(1, world_backend(devices)[0])
     keys = CHECKED if control is not None else CHECKED + ("new_w1", "new_w2")
     checks = [check_tensor(k, got[k], ref[k], check.dtype, None if control is None else control[k]) for k in keys]
-    worst = max(checks, key=lambda c: c.error / c.tolerance)
-    return {"passed": all(c.ok for c in checks), "case": check.name, "d_model": check.d_model, "d_ff": check.d_ff,
-            "tokens": check.tokens, "worst": worst.name, "worst_ratio": worst.error / worst.tolerance}
+    return {"case": check.name, "d_model": check.d_model, "d_ff": check.d_ff, "tokens": check.tokens,
+            **step_verdict(checks)}
 
 
 def jax_timed_step(case: TrainCase, warmup: int, iters: int) -> float:
-    """Median seconds of ``case``'s whole jitted step (random weights and tokens), its master
-    weights and Adam state fed back as a training loop does."""
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ..training.jax_step import FSDP, Step, make_mesh
+    """Median seconds of ``case``'s whole jitted step, its master weights and Adam state fed back
+    as a training loop does (``jax_step.Step.arguments``: put sharded from the host)."""
+    from ..training.jax_step import Step, make_mesh
     from ..training.llama_gpu import jax_median_ms
 
     step = Step(case, make_mesh(case))
-    rng = np.random.default_rng(case.seed)
-    shape = {"w1": (case.d_model, case.d_ff), "w2": (case.d_ff, case.d_model)}
-    put = lambda a, spec: jax.device_put(a, NamedSharding(step.mesh, spec))
-    # host arrays put sharded: no whole copy of the weights (or of Adam's zeros) on the first device
-    master = jax.tree.map(put, {f"block_{i}": {k: rng.standard_normal(v, np.float32) / np.sqrt(v[0])
-                                               for k, v in shape.items()} for i in range(case.blocks)},
-                          step.master_specs)
-    opt_state = step.opt.init(master)  # zeros shaped and sharded like the master
-    state = [master, jax.tree.map(put, opt_state, step._opt_specs(opt_state))]
-    x, y = (put(rng.standard_normal((case.tokens, case.d_model), np.float32), P(FSDP, None)) for _ in range(2))
+    weights, master, opt_state, x, y = step.arguments(make_train_inputs(case))
     program = step.programs(opt_state)[2]
-    del master, opt_state
+    state = [weights, master, opt_state]
 
-    def one():
-        _, _, _, state[0], state[1] = program(state[0], state[0], state[1], x, y)
-        return state[0]
+    def one():  # zero1 computes with weights of its own; the others with the master (weights is master)
+        _, _, state[0], state[1], state[2] = program(*state, x, y)
+        return state[1]
 
     return jax_median_ms(one, warmup, iters) * 1e-3
 
@@ -250,14 +235,7 @@ def main(argv=None) -> int:
         sweep = replace(sweep, tokens=tuple(int(t) for t in a.tokens.split(",") if t))
     a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
     stem = f"tp-sweep-{'jax-' if a.framework == 'jax' else ''}{time.strftime('%Y-%m-%d')}"
-
-    def emit(row: dict) -> None:
-        row = {**row, "at": time.strftime("%H:%M:%S")}
-        if "hardware" in row:  # the calibrated profile, as `python -m parity bstar --hardware FILE` reads it
-            (a.out / f"{stem}-hardware.json").write_text(json.dumps(row["hardware"], indent=1) + "\n")
-        print(json.dumps(row, default=str)[:300], flush=True)
-        with (a.out / f"{stem}-rows.jsonl").open("a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+    emit = rows_emitter(a.out, stem)
 
     if a.framework == "jax":
         from ..core.devices import configure_jax_devices

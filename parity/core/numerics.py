@@ -60,6 +60,14 @@ class TensorCheck:
         return f"{self.name}: error {self.error:.3e} (tol {self.tolerance:.3e}) {mark}"
 
 
+def step_verdict(checks: list[TensorCheck]) -> dict:
+    """A whole step's verdict from its tensors' checks: ``passed`` (every tensor within its
+    tolerance), ``tensors``, and the ``worst`` tensor by error / tolerance with that ``worst_ratio``."""
+    worst = max(checks, key=lambda c: c.error / c.tolerance)
+    return {"passed": all(c.ok for c in checks), "tensors": len(checks), "worst": worst.name,
+            "worst_ratio": worst.error / worst.tolerance}
+
+
 def check_tensor(name: str, got, ref, dtype: str, control=None, ideal=None) -> TensorCheck:
     """Compare ``got`` with the float64 ``ref`` under the policy for inputs of ``dtype``.
     ``control`` (dense attention in the same low-precision dtype) is required unless float32;

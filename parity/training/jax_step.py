@@ -196,15 +196,15 @@ class Step:
     def arguments(self, inputs: TrainInputs):
         """(weights, master, opt_state, x, y) as sharded global arrays."""
         put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
-        master = {f"block_{i}": {"w1": jnp.asarray(inputs.w1[i]), "w2": jnp.asarray(inputs.w2[i])}
-                  for i in range(self.case.blocks)}
+        # host arrays put sharded, Adam's zeros made from the shards: no whole copy on one device
+        master = jax.tree.map(put, {f"block_{i}": {"w1": inputs.w1[i], "w2": inputs.w2[i]}
+                                    for i in range(self.case.blocks)}, self.master_specs)
         opt_state = self.opt.init(master)
-        master = jax.tree.map(put, master, self.master_specs)
         opt_state = jax.tree.map(put, opt_state, self._opt_specs(opt_state))
         weights = master
         if self.case.strategy == "zero1":
             weights = jax.tree.map(put, self._cast(master), self.compute_specs)
-        x, y = (put(jnp.asarray(a), P(FSDP, None)) for a in (inputs.x, inputs.y))
+        x, y = (put(a, P(FSDP, None)) for a in (inputs.x, inputs.y))
         return weights, master, opt_state, x, y
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.mesh import MeshShape
-from ..core.numerics import check_tensor
+from ..core.numerics import check_tensor, step_verdict
 from .llama import LlamaConfig, ModelCase, TokenBatch, next_in_document
 
 STRATEGIES = {  # name -> (mesh, layout); ring-r1: one device, the path the timed step runs
@@ -154,13 +154,11 @@ def check(strategies: list[str], seq: int, config: LlamaConfig, backend: str, pa
                                         layout_order=True, packed=packed, **on)
         checks = [check_tensor("loss", [got_loss], [ref_loss], "bfloat16", control=[ctl_loss])]
         checks += [check_tensor(n, got[n], ref[n], "bfloat16", control=ctl[n]) for n in ref]
-        worst = max(checks, key=lambda c: c.error / c.tolerance)
         rows.append({"strategy": name, "layout": layout, "mesh": mesh.name, "seq": seq, "backend": backend,
-                     "packed": packed,
-                     "passed": all(c.ok for c in checks), "tensors": len(checks), "worst": worst.name,
-                     "worst_ratio": worst.error / worst.tolerance, "loss": got_loss, "loss_ref": ref_loss,
+                     "packed": packed, **step_verdict(checks), "loss": got_loss, "loss_ref": ref_loss,
                      "loss_error": abs(got_loss - ref_loss), "loss_tolerance": checks[0].tolerance})
-        print(f"{name}: {'passed' if rows[-1]['passed'] else 'FAILED'} worst {worst}", flush=True)
+        print(f"{name}: {'passed' if rows[-1]['passed'] else 'FAILED'} worst {rows[-1]['worst']} "
+              f"({rows[-1]['worst_ratio']:.2f} of its tolerance)", flush=True)
     return rows
 
 
@@ -201,11 +199,10 @@ def check_jax(seq: int, config: LlamaConfig, backend: str) -> dict:
     got_loss = float(np.sum(np.asarray(loss, np.float64)))
     checks = [check_tensor("loss", [got_loss], [ref_loss], "bfloat16", control=[float(ctl_loss)])]
     checks += [check_tensor(n, got[n], ref[n], "bfloat16", control=ctl[n]) for n in ref]
-    worst = max(checks, key=lambda c: c.error / c.tolerance)
     row = {"framework": "jax", "strategy": "ring-r1", "seq": seq, "backend": backend, "packed": False,
-           "passed": all(c.ok for c in checks), "tensors": len(checks), "worst": worst.name,
-           "worst_ratio": worst.error / worst.tolerance, "loss": got_loss, "loss_ref": ref_loss}
-    print(f"jax ring-r1: {'passed' if row['passed'] else 'FAILED'} worst {worst}", flush=True)
+           **step_verdict(checks), "loss": got_loss, "loss_ref": ref_loss}
+    print(f"jax ring-r1: {'passed' if row['passed'] else 'FAILED'} worst {row['worst']} "
+          f"({row['worst_ratio']:.2f} of its tolerance)", flush=True)
     return row
 
 

@@ -121,6 +121,15 @@ def test_bad_strategy_is_refused_by_name():
         llama_scale.strategy_mesh("ring-of-rings", 2)
 
 
+def test_fsdp_units_are_refused_for_the_jax_twin_by_name(tmp_path, capsys):
+    """JAX has no FSDP2 units (XLA groups the gathers): the flag would be silently ignored."""
+    with pytest.raises(SystemExit):
+        llama_scale.main(["--framework", "jax", "--fsdp-units", "weight", "--devices", "cpu", "--small",
+                          "--out", str(tmp_path)])
+    assert "--framework jax has no units" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any work
+
+
 def test_usp_is_ulysses_two_times_a_ring_and_refused_on_worlds_that_cannot_hold_it():
     assert llama_scale.strategy_mesh("usp", 4) == llama_scale.MeshShape(ring=2, ulysses=2)
     assert llama_scale.strategy_mesh("usp", 8) == llama_scale.MeshShape(ring=4, ulysses=2)
