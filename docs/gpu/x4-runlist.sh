@@ -14,6 +14,9 @@
 # weight units) — the sweep needs a call of its own; llamajax: calibration and the first check
 # 4 min, then its exposure step (compile with autotuning + XLA trace) over 5 min — one strategy a
 # call; magi4 JAX: 8 verified paths and 3 anchors 6.5 min — two calls (MAGI_MESHES, below).
+# 2026-11-27 (second machine): d128 JAX 6 min (the hybrid now compiles 26-30 s a path), jaxprof
+# 6.6 min, tp JAX 3.6 min (≈ 22 s a size: compile with autotuning) / torch 0.6 min, weak both
+# sides 2.5 min, llama one strategy with its B* sweep 3 min.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -60,17 +63,17 @@ if [ "$1" = start ]; then
   export PYTHONUNBUFFERED=1 OUT=$R
   S=${SMOKE_FLAG:-}
   declare -A CMD
-  CMD[torchprof]="MIXES=short,heavy-tail LAYOUTS=document-hybrid,document-hybrid-shared SEQ=$SEQ $TORCHRUN $HERE/documents-2026-11-26-h200x4/2026-11-26-profile-short.py $S"
+  CMD[torchprof]="MIXES=short,heavy-tail LAYOUTS=document-hybrid,document-hybrid-shared SEQ=$SEQ $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   # the API's default (the static zigzag ring), then the chooser's pick: all-gather KV on the hybrid
   # with the shared prefix (docs/decisions.md; 11-26 ran torch's pick with the whole gather)
   D512="python3 -m benchmarks --gpus 4 --seqs $BIG --documents heavy-tail $DRV --iters 3 --warmup 1"
   CMD[d512k]="for side in $SIDES; do
-    $D512 --meshes ring-r4 --layout zigzag --machine x4-512k-ring --only \$side --parts-dir $R/d512k-ring-\$side;
-    $D512 --meshes ring-agkv-r4 --layout document-hybrid-shared --machine x4-512k-pick --only \$side --parts-dir $R/d512k-pick-\$side; done"
+    $D512 --meshes ring-r4 --layout zigzag --machine x4-512k-ring-\$side --only \$side --parts-dir $R/d512k-ring-\$side;
+    $D512 --meshes ring-agkv-r4 --layout document-hybrid-shared --machine x4-512k-pick-\$side --only \$side --parts-dir $R/d512k-pick-\$side; done"
   MIX3=short,heavy-tail,few-long; [ "${SMOKE:-0}" = 1 ] && MIX3=short
   D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
-    --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2 --machine x4-documents-run5"
-  CMD[d128]="for side in $SIDES; do $D128 --only \$side --parts-dir $R/d128-\$side; done"
+    --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
+  CMD[d128]="for side in $SIDES; do $D128 --machine x4-documents-\$side --only \$side --parts-dir $R/d128-\$side; done"
   MAGI_MESHES=${MAGI_MESHES:-ring-r4,ring-agkv-r4}  # then usp-r2xu2,ulysses-u4 in a second call
   CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side MESHES=$MAGI_MESHES OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
@@ -78,13 +81,13 @@ if [ "$1" = start ]; then
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
   P47=ring-r4:zigzag,ulysses-u4:contiguous,usp-r2xu2:zigzag,double_ring-ro2xri2:zigzag,ring-agkv-r4:zigzag
-  CMD[prof47]="MIXES=none PATHS=$P47 SEQ=$SEQ $TORCHRUN $HERE/documents-2026-11-26-h200x4/2026-11-26-profile-short.py $S"
-  CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
+  CMD[prof47]="MIXES=none PATHS=$P47 SEQ=$SEQ $TORCHRUN benchmarks/mesh_profile_torch.py $S"
+  CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 benchmarks/mesh_profile_jax.py $S"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
-    python3 $HERE/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py $S"
+    python3 benchmarks/mesh_profile_jax.py $S"
   # weak scaling at 32k tokens per GPU, a ring over 1, 2, 4 GPUs, each side; the ceiling at 32k beside
   CMD[weak]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs '' --meshes '' \
-    --weak $((SEQ / 4)) $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2 --machine x4-weak --parts-dir $R/weak-\$side; done"
+    --weak $((SEQ / 4)) $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2 --machine x4-weak-\$side --parts-dir $R/weak-\$side; done"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x4-mc --parts-dir $R/mc \
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""

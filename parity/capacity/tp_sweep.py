@@ -18,12 +18,20 @@ devices first (JAX: ``llama_scale_jax.jax_profile``).
   one-device step (``parity.core.numerics``; updated weights are compared in float32 runs only:
   Adam's first step is ≈ lr·sign(g)). Rows carry ``verified``.
 - **Rows**: B, ``measured_s`` (the slowest rank's median step), ``bound_overlap_s`` = L·max(m + a·B,
-  c + y·B), ``bound_serial_s`` = L·(m + a·B + c + y·B), ``predicted_s`` = the serial bound (no
-  profile splits this step's exposed traffic yet; docs/accounting.md's 4-GPU FFN step at 16k
-  tokens measured 1.23× it), the coefficients and the calibrated C / W.
+  c + y·B), ``bound_serial_s`` = L·(m + a·B + c + y·B), ``predicted_s`` = max(the host floor, the
+  serial bound) — no profile splits this step's exposed traffic yet (4× H200, 2026-11-27: measured
+  0.94–1.13× the serial bound from 4k tokens per device up, both frameworks); the host floor is
+  the same step timed at ``host_tokens`` (below every row), as ``llama_scale`` takes its own — on
+  4× H200 torch's FSDP2 + DTensor step took 26 ms whatever its size up to 2k tokens per device,
+  against a 9–18 ms serial bound.
 - **The knee**: ``measured_knee`` — the smallest B whose time per token is within 10 % of the
-  sweep's best (``llama_scale.knee``) — beside the same rule on each bound's times and the closed
-  form's ``predicted_bstar`` (tokens per device; the "sum" and the "max" forms).
+  sweep's best (``llama_scale.knee``) — beside the same rule on ``predicted_s`` (``predicted_knee``)
+  and on each bound, the closed form's B* (tokens per device; the "sum" and the "max" forms: where
+  compute would cover the traffic), ``bstar_host`` (where the serial bound reaches the host floor)
+  and ``predicted_bstar`` = the larger of the "sum" form and ``bstar_host``. On a step that runs
+  its traffic in sequence (the serial bound) the time per token keeps falling past the closed
+  form's B* — c/B against a — so the 10 % knee sits near 10× it: the two answer different
+  questions (docs/bstar.md).
 
 Every row is handed to ``emit`` as it is measured (the CLI appends it to ``-rows.jsonl``).
 """
@@ -60,8 +68,10 @@ class TPSweep:
     blocks: int = 2
     fsdp: int = 2
     tp: int = 2
-    # around the closed form's B* on 4x H200's calibration (2026-11-27: ≈ 340 tokens per device)
-    tokens: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    # around the closed form's B* on 4x H200's calibration (2026-11-27: ≈ 340 tokens per device) and
+    # one past 8192, where the knee fell on that day's sweeps (the last row cannot show a knee's end)
+    tokens: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    host_tokens: int = 8  # the host floor's step: below every row
     dtype: str = "bfloat16"
     warmup: int = 2
     iters: int = 5
@@ -79,8 +89,8 @@ class TPSweep:
                          d_ff=self.check_d_ff, tokens=self.check_tokens * self.fsdp, dtype=self.dtype)
 
 
-SMALL_SWEEP = TPSweep(d_model=64, d_ff=256, tokens=(8, 16, 32), warmup=1, iters=2, sizes=SMALL, check_d_model=32,
-                      check_d_ff=128, check_tokens=16)
+SMALL_SWEEP = TPSweep(d_model=64, d_ff=256, tokens=(8, 16, 32), host_tokens=4, warmup=1, iters=2, sizes=SMALL,
+                      check_d_model=32, check_d_ff=128, check_tokens=16)
 
 
 def verify(check: TrainCase, devices: str, framework: str = "torch") -> dict:
@@ -133,11 +143,19 @@ def bounds(sweep: TPSweep, hw: Hardware, tokens_per_device: int) -> dict:
             "coefficients_per_block": {"a_s_per_token": a, "c_s": c, "y_s_per_token": y, "m_s": m}}
 
 
+def host_bstar(sweep: TPSweep, hw: Hardware, host_s: float) -> float:
+    """Tokens per device where the serial bound L·(m + c + (a + y)·B) reaches the host floor
+    (0 when it starts above it): below it the step waits for the host, whatever B."""
+    k = bounds(sweep, hw, 0)["coefficients_per_block"]
+    fixed, slope = sweep.blocks * (k["m_s"] + k["c_s"]), sweep.blocks * (k["a_s_per_token"] + k["y_s_per_token"])
+    return max(0.0, (host_s - fixed) / slope)
+
+
 def measure(sweep: TPSweep, devices: str, emit=None, framework: str = "torch") -> dict:
     """Calibrate, check, then time every B in ``framework``; the result dict (rows also to ``emit``
     as measured)."""
     n = sweep.fsdp * sweep.tp
-    for b in sweep.tokens:  # a size the mesh cannot shard fails before any device is touched
+    for b in (sweep.host_tokens, *sweep.tokens):  # a size the mesh cannot shard fails before any device is touched
         sweep.case(b)
     if framework == "jax":
         import jax
@@ -170,14 +188,18 @@ def measure(sweep: TPSweep, devices: str, emit=None, framework: str = "torch") -
     hw = Hardware(hardware["name"], profile["flops"], profile["bandwidth"], profile["hbm"])
     checked = verify(sweep.check(), devices, framework)
     emit({"verify": sweep.check().name, **checked})
+    host_s = timer(sweep.case(sweep.host_tokens))
+    emit({"host_floor": "fsdp_tp", "tokens_per_device": sweep.host_tokens, "seconds": host_s})
     rows = []
     for b in sweep.tokens:
         head = {"tokens_per_device": b, "fsdp": sweep.fsdp, "tp": sweep.tp, "blocks": sweep.blocks,
                 "framework": framework, "verified": checked["passed"], "device": device_name}
         try:
             measured, pred = timer(sweep.case(b)), bounds(sweep, hw, b)
-            row = {**head, "measured_s": measured, **pred, "predicted_s": pred["bound_serial_s"],
-                   "measured_over_predicted": measured / pred["bound_serial_s"],
+            predicted = max(host_s, pred["bound_serial_s"])
+            row = {**head, "measured_s": measured, **pred, "host_floor_s": host_s, "predicted_s": predicted,
+                   "measured_over_predicted": measured / predicted,
+                   "measured_over_serial": measured / pred["bound_serial_s"],
                    "measured_over_overlap": measured / pred["bound_overlap_s"]}
         except Exception as err:  # noqa: BLE001 — one failing row (memory) must not lose the others
             row = {**head, "error": f"{type(err).__name__}: {err}"[:500]}
@@ -186,11 +208,14 @@ def measure(sweep: TPSweep, devices: str, emit=None, framework: str = "torch") -
     good = [r for r in rows if "error" not in r]
     tokens = [r["tokens_per_device"] for r in good]
     knees = {f"knee_{key}": knee(tokens, [r[key] for r in good]) if good else None
-             for key in ("measured_s", "bound_serial_s", "bound_overlap_s")}
+             for key in ("measured_s", "predicted_s", "bound_serial_s", "bound_overlap_s")}
     bstar = {f"predicted_bstar_{form}": critical_batch(sweep.d_model, sweep.d_ff, sweep.fsdp, sweep.tp, 1.0, 1.0, hw,
                                                        Choices(form, passes="fwd+bwd", memory=True)).tokens_per_device
              for form in ("sum", "max")}
-    summary = {"measured_knee": knees["knee_measured_s"], **knees, **bstar}
+    bstar["bstar_host"] = host_bstar(sweep, hw, host_s)
+    summary = {"measured_knee": knees["knee_measured_s"], "predicted_knee": knees["knee_predicted_s"], **knees,
+               **bstar, "predicted_bstar": max(bstar["predicted_bstar_sum"], bstar["bstar_host"]),
+               "host_floor_s": host_s}
     emit({"summary": "fsdp_tp", **summary})
     env = {"devices": f"{n}x {device_name}", "framework": framework, "software": software,
            "date": time.strftime("%Y-%m-%d")}
@@ -206,19 +231,24 @@ def markdown(result: dict) -> str:
              + ", ".join(f"{k} {w / 1e9:.0f}" for k, w in p["bandwidth"].items()), "",
              f"Checked ({v['case']}, D {v['d_model']}, F {v['d_ff']}, {v['tokens']} tokens, against the float64 step): "
              f"{'passed' if v['passed'] else 'FAILED'} (worst {v['worst']} {v['worst_ratio']:.2f} of its tolerance)", "",
-             "| B (tokens / device) | measured ms | predicted (serial) ms | overlap bound ms | measured / predicted "
-             "| ms per 1k tokens |", "|---|---|---|---|---|---|"]
+             f"Host floor (the step at {s['host_tokens']} tokens per device): "
+             f"{result['summary']['host_floor_s'] * 1e3:.2f} ms; predicted = max(host floor, serial bound)", "",
+             "| B (tokens / device) | measured ms | predicted ms | serial bound ms | overlap bound ms "
+             "| measured / predicted | measured / serial | ms per 1k tokens |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['tokens_per_device']} | failed: {r['error'][:100]} | | | | |")
+            lines.append(f"| {r['tokens_per_device']} | failed: {r['error'][:100]} | | | | | | |")
             continue
-        lines.append(f"| {r['tokens_per_device']} | {r['measured_s'] * 1e3:.2f} | {r['bound_serial_s'] * 1e3:.2f} "
-                     f"| {r['bound_overlap_s'] * 1e3:.2f} | {r['measured_over_predicted']:.2f} "
+        lines.append(f"| {r['tokens_per_device']} | {r['measured_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} "
+                     f"| {r['bound_serial_s'] * 1e3:.2f} | {r['bound_overlap_s'] * 1e3:.2f} "
+                     f"| {r['measured_over_predicted']:.2f} | {r['measured_over_serial']:.2f} "
                      f"| {r['measured_s'] * 1e6 / r['tokens_per_device']:.3f} |")
     m = result["summary"]
-    lines += ["", f"Knee (time per token within 10 % of the best): measured {m['measured_knee']}, on the serial bound "
-              f"{m['knee_bound_serial_s']}, on the overlap bound {m['knee_bound_overlap_s']}; the closed form's B* "
-              f"{m['predicted_bstar_sum']:.0f} (sum) / {m['predicted_bstar_max']:.0f} (max) tokens per device."]
+    lines += ["", f"Knee (time per token within 10 % of the best): measured {m['measured_knee']}, predicted "
+              f"{m['predicted_knee']} (on the serial bound {m['knee_bound_serial_s']}, on the overlap bound "
+              f"{m['knee_bound_overlap_s']}). B* (tokens per device): the closed form's {m['predicted_bstar_sum']:.0f} "
+              f"(sum) / {m['predicted_bstar_max']:.0f} (max), the host floor's {m['bstar_host']:.0f}; predicted "
+              f"B* {m['predicted_bstar']:.0f}."]
     return "\n".join(lines) + "\n"
 
 

@@ -25,11 +25,15 @@ def test_the_sweep_checks_the_step_then_times_every_batch_beside_the_closed_form
     assert result["verified"]["passed"], result["verified"]
     rows = result["rows"]
     assert [r["tokens_per_device"] for r in rows] == list(tp_sweep.SMALL_SWEEP.tokens)
-    assert emitted[2:-1] == rows  # handed out one by one, as measured
+    host = emitted[2]
+    assert host["host_floor"] == "fsdp_tp" and host["tokens_per_device"] == tp_sweep.SMALL_SWEEP.host_tokens
+    assert emitted[3:-1] == rows  # handed out one by one, as measured
     for r in rows:
         assert r["verified"] and r["measured_s"] > 0 and r["framework"] == framework
-        assert 0 < r["bound_overlap_s"] <= r["bound_serial_s"] == r["predicted_s"]
+        assert 0 < r["bound_overlap_s"] <= r["bound_serial_s"] <= r["predicted_s"]
+        assert r["host_floor_s"] == host["seconds"] and r["predicted_s"] == max(host["seconds"], r["bound_serial_s"])
     s = result["summary"]
+    assert s["predicted_bstar"] == max(s["predicted_bstar_sum"], s["bstar_host"])
     per_token = [r["measured_s"] / r["tokens_per_device"] for r in rows]
     assert per_token[rows.index(next(r for r in rows if r["tokens_per_device"] == s["measured_knee"]))] <= 1.1 * min(
         per_token)
@@ -51,3 +55,16 @@ def test_a_wrong_gradient_fails_the_check_before_timing(worlds, monkeypatch):
     monkeypatch.setattr(torch_step, "run_step", doubled)
     verdict = tp_sweep.verify(tp_sweep.SMALL_SWEEP.check(), "cpu")
     assert not verdict["passed"] and verdict["worst"] == "dw1", verdict
+
+
+def test_the_host_floor_moves_b_star_to_where_the_serial_bound_reaches_it():
+    """The host floor's B*: 0 below the bound's start, else the B where L·(m + c + (a + y)·B) equals it."""
+    from parity.capacity.bstar import Hardware
+
+    hw = Hardware("toy", 100e12, {k: 50e9 for k in ("all-gather", "reduce-scatter", "all-reduce", "p2p",
+                                                     "all-to-all")}, 1e12)
+    sweep = tp_sweep.TPSweep()
+    at = lambda b: tp_sweep.bounds(sweep, hw, b)["bound_serial_s"]
+    assert tp_sweep.host_bstar(sweep, hw, 0.5 * at(0)) == 0.0
+    b = tp_sweep.host_bstar(sweep, hw, at(3000))
+    assert math.isclose(b, 3000, rel_tol=1e-9), b

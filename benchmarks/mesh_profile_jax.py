@@ -1,19 +1,24 @@
 """Issue 46: where a device's step goes in jax_impl on the 4-GPU mesh, packed documents — the
-JAX twin of ``2026-11-26-profile-short.py``. One process drives the mesh (single controller);
+JAX twin of ``mesh_profile_torch.py``. One process drives the mesh (single controller);
 every (mix, mesh, layout) path is first verified on the mesh (``benchmarks.verify.verify_one``:
 the reduced problem against the float64 oracle), then the full-size fwd+bwd program (ids and token
-indices as program arguments, as the driver times it) is compiled, timed (median of 5) and traced
-over 3 steps with ``jax.profiler``.
+indices as program arguments, as the driver times it) is compiled, timed (median of 5, each step
+waited for, as the driver times it; beside it the host's dispatch time and the step time with 5
+steps queued before one wait) and traced over 3 steps with ``jax.profiler``, 30 ms of host sleep
+between them so the trace splits into steps unambiguously.
 
 Per GPU, from the trace: kernel time by kind (attention kernels, NCCL, the rest: XLA fusions,
 copies, scatters), the time any kernel runs (the union: the rest of the step the GPU idles), and
 the exposed share of each collective kind (``parity.capacity.exposure.exposed_times``: NCCL time
-no other kernel covers). Each row is written to ``$OUT/jax-profile/{mix}-{mesh}-{layout}.json`` as
+no other kernel covers), and where the idle time sits: per step, the device span (first kernel
+to last) against the busy time, and the longest gaps inside a step with the kernels on either
+side (a gap after a small kernel that returns a value to the host — a ``lax.switch`` index, a
+sync — reads differently from one after a collective). Each row is written to ``$OUT/jax-profile/{mix}-{mesh}-{layout}.json`` as
 it finishes, with the top kernels of GPU 0.
 
-    JAX_PLATFORMS=cuda python docs/gpu/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py
+    JAX_PLATFORMS=cuda python benchmarks/mesh_profile_jax.py
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \
-        python docs/gpu/documents-2026-11-26-h200x4/2026-11-26-jax-profile.py --smoke   # CPU: the path only
+        python benchmarks/mesh_profile_jax.py --smoke   # CPU: the path only
 
 ``MIXES`` (default ``short,heavy-tail``), ``PATHS`` (``mesh:layout`` comma list, default the
 chooser's all-gather hybrid with the shared prefix and the static zigzag ring), ``SEQ`` (131072).
@@ -67,6 +72,39 @@ def union_ms(intervals) -> float:
     return total
 
 
+STEP_BREAK_MS = 10.0  # the traced steps are 30 ms of host sleep apart: no gap inside a step is this long
+GAP_MS = 0.02  # gaps shorter than this are launch spacing, not listed
+
+
+def idle_inside_steps(rows, steps: int, top: int = 10) -> dict:
+    """Per GPU: its kernels split into steps at gaps over ``STEP_BREAK_MS``; each step's device span
+    and busy time (ms), the idle inside the steps per step, and the ``top`` longest gaps inside any
+    step with the kernels before and after (names cut to 80 characters)."""
+    ordered = sorted(rows, key=lambda r: r[1])
+    groups, end = [], float("-inf")
+    for row in ordered:
+        if row[1] - end > STEP_BREAK_MS:
+            groups.append([])
+        groups[-1].append(row)
+        end = max(end, row[2])
+    spans, gaps = [], []
+    for group in groups:
+        busy, last = union_ms(group), group[0]
+        spans.append((max(r[2] for r in group) - group[0][1], busy))
+        reach = group[0][2]
+        for row in group[1:]:
+            if row[1] - reach > GAP_MS:
+                gaps.append((row[1] - reach, last[0][:80], row[0][:80]))
+            if row[2] >= reach:
+                reach, last = row[2], row
+    gaps.sort(reverse=True)
+    return {"steps_found": len(groups), "span_ms": [round(a, 3) for a, _ in spans],
+            "busy_in_span_ms": [round(b, 3) for _, b in spans],
+            "idle_inside_ms_per_step": sum(a - b for a, b in spans) / max(1, len(spans)),
+            "gaps_over_20us_per_step": len(gaps) / max(1, len(spans)),
+            "longest_gaps": [{"ms": round(g, 3), "after": a, "before": b} for g, a, b in gaps[:top]]}
+
+
 def summarize(kernels: dict, steps: int, send_recv) -> dict:
     from parity.capacity.exposure import exposed_times
 
@@ -80,6 +118,7 @@ def summarize(kernels: dict, steps: int, send_recv) -> dict:
                             # exposed_times keeps its input's unit (ms here): "_s" names, ms per step
                             "exposed_ms_per_step": {k: {n.removesuffix("_s"): v / steps for n, v in x.items()}
                                                     for k, x in exposed.items()}}
+        per_gpu[process].update(idle_inside_steps(rows, steps))
     first = sorted(kernels)[0] if kernels else None
     top: dict[str, float] = defaultdict(float)
     for name, lo, hi in kernels.get(first, []):
@@ -138,12 +177,23 @@ def main() -> None:
                 jax.block_until_ready(both(*args))
                 walls.append((time.perf_counter() - began) * 1e3)
             row["wall_ms_median"], row["walls_ms"] = statistics.median(walls), walls
+            dispatch = []
+            for _ in range(5):  # the host's share: how long the call takes to return (no wait)
+                began = time.perf_counter()
+                out = both(*args)
+                dispatch.append((time.perf_counter() - began) * 1e3)
+                jax.block_until_ready(out)
+            began = time.perf_counter()
+            jax.block_until_ready([both(*args) for _ in range(5)])  # queued: the host runs ahead
+            row["dispatch_ms_median"] = statistics.median(dispatch)
+            row["queued_ms_per_step"] = (time.perf_counter() - began) * 1e3 / 5
             row["tflops_per_gpu"] = problem.flops(False) / (row["wall_ms_median"] * 1e-3) / spec.devices / 1e12
             trace_dir = f"/tmp/jaxprof-4gpu/{mix}-{mesh_name}-{layout}"
             try:
                 with jax.profiler.trace(trace_dir):
                     for _ in range(3):
                         jax.block_until_ready(both(*args))
+                        time.sleep(0.03)  # STEP_BREAK_MS splits the trace here
                 kernels = device_kernels(trace_dir)
                 send_recv = ("p2p",) if spec.kv_exchange == "ring" and spec.ring > 1 else ("all-to-all",)
                 row.update(summarize(kernels, 3, send_recv))
@@ -153,9 +203,11 @@ def main() -> None:
             jnp.zeros(1).block_until_ready()
             path.write_text(json.dumps(row, indent=1, default=str))
             gpus = row.get("per_gpu", {})
-            print(mix, mesh_name, layout, f"wall {row['wall_ms_median']:.2f} ms compile {row['compile_s']} s",
+            print(mix, mesh_name, layout, f"wall {row['wall_ms_median']:.2f} ms (queued {row['queued_ms_per_step']:.2f}, "
+                  f"dispatch {row['dispatch_ms_median']:.2f}) compile {row['compile_s']} s",
                   {p[-6:]: {k: round(v, 2) for k, v in g["kernel_ms_per_step"].items()}
-                   | {"busy": round(g["busy_ms_per_step"], 2)} for p, g in gpus.items()}, flush=True)
+                   | {"busy": round(g["busy_ms_per_step"], 2), "idle_inside": round(g["idle_inside_ms_per_step"], 2)}
+                   for p, g in gpus.items()}, flush=True)
 
 
 if __name__ == "__main__":

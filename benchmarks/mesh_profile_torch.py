@@ -6,8 +6,8 @@ on every rank, each rank's summary written as it comes. Checked before it is pro
 rank 0 compares the same call at 4096 tokens (the short mix, or no documents) with the float64
 oracle (relative error <= 2e-2 on o and the gradients), so the profiled path is a verified one.
 
-    torchrun --nproc_per_node 4 docs/gpu/documents-2026-11-26-h200x4/2026-11-26-profile-short.py      # GPUs
-    torchrun --nproc_per_node 4 docs/gpu/documents-2026-11-26-h200x4/2026-11-26-profile-short.py --smoke   # CPU, gloo
+    torchrun --nproc_per_node 4 benchmarks/mesh_profile_torch.py      # GPUs
+    torchrun --nproc_per_node 4 benchmarks/mesh_profile_torch.py --smoke   # CPU, gloo
 
 Per rank and layout: the step's wall time (CUDA-synchronised, median of 5), the summed device
 time of its kernels by kind (attention kernels, NCCL, copies / index ops, the rest) over the
