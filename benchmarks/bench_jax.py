@@ -66,7 +66,8 @@ def _compiled_bytes(fn, args) -> float | None:
         return None
 
 
-def _inputs(problem: Problem, sharding, seed: int = 0):
+def random_inputs(problem: Problem, sharding, seed: int = 0):
+    """q, k, v and the output cotangent of ``problem``, drawn on the devices of ``sharding``."""
     key = jax.random.key(seed)
     kq, kk, kv, kd = jax.random.split(key, 4)
     b, s, h, hk, d = problem.batch, problem.seq, problem.heads, problem.kv_heads, problem.head_dim
@@ -78,7 +79,7 @@ def _inputs(problem: Problem, sharding, seed: int = 0):
     return make(kq, h), make(kk, hk), make(kv, hk), make(kd, h)
 
 
-def _programs(attention):
+def attention_programs(attention):
     """(forward, forward+backward) jitted programs of ``attention(q, k, v, *aux) -> o``; ``aux``
     (segment ids, token indices) are arguments of the program, never constants folded into it."""
     fwd = jax.jit(lambda q, k, v, do, *aux: attention(q, k, v, *aux))
@@ -92,8 +93,8 @@ def _programs(attention):
 
 def _measure(row: Row, problem: Problem, attention, sharding, iters: int, warmup: int, aux=()) -> Row:
     try:
-        args = (*_inputs(problem, sharding), *aux)
-        fwd, both = _programs(attention)
+        args = (*random_inputs(problem, sharding), *aux)
+        fwd, both = attention_programs(attention)
         fn = fwd if row.fwd_only else both
         began = time.perf_counter()
         jax.block_until_ready(fn(*args))  # the compilation, timed apart from the warmup
@@ -106,7 +107,8 @@ def _measure(row: Row, problem: Problem, attention, sharding, iters: int, warmup
     return row
 
 
-def _mesh(axes: dict, devices):
+def device_mesh(axes: dict, devices):
+    """The first prod(axes) of ``devices`` as a mesh of ``axes`` (name -> size; none: one "ring" of one)."""
     names = tuple(axes) or ("ring",)
     shape = tuple(axes.values()) or (1,)
     n = int(np.prod(shape))
@@ -114,7 +116,7 @@ def _mesh(axes: dict, devices):
 
 
 def ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
-    one = NamedSharding(_mesh({}, jax.devices()), P())
+    one = NamedSharding(device_mesh({}, jax.devices()), P())
     rows = []
     for fwd_only in (True, False):
         row = Row("jax_cudnn_ceiling", "single", "-", problem.seq, 1, 1, 1, fwd_only)
@@ -151,7 +153,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
 
     problem = row_problem(problem, spec, layout)
     laid = lay_out(problem, spec, layout)
-    mesh = _mesh(spec.axes, jax.devices())
+    mesh = device_mesh(spec.axes, jax.devices())
     x_spec, _ = partition_specs(mesh)
     place = NamedSharding(mesh, P(*x_spec[:2]))  # like q's first two dimensions
     names = [n for n, a in (("segment_ids", laid.segment_ids), ("token_index", laid.token_index)) if a is not None]
@@ -203,7 +205,7 @@ def fa3_ring_rows(problem: Problem, ring: int, iters: int, warmup: int) -> list[
             row.note = f"not installed: {err}"
             rows.append(row)
             continue
-        mesh = _mesh({"ring": ring}, jax.devices())
+        mesh = device_mesh({"ring": ring}, jax.devices())
         rows.append(_measure(row, problem, lambda q, k, v: flash_mha(q, k, v, is_causal=problem.causal),
                              NamedSharding(mesh, P(None, "ring", None, None)), iters, warmup))
     return rows

@@ -130,7 +130,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     import jax_impl
-    from benchmarks.bench_jax import _inputs, _mesh, _programs
+    from benchmarks.bench_jax import attention_programs, device_mesh, random_inputs
     from benchmarks.common import MeshSpec, Problem, lay_out, row_problem
     from benchmarks.verify import verify_one
     from jax_impl.api import partition_specs
@@ -153,7 +153,7 @@ def main() -> None:
                 continue
             problem = row_problem(base, spec, layout)
             laid = lay_out(problem, spec, layout)
-            mesh = _mesh(spec.axes, jax.devices())
+            mesh = device_mesh(spec.axes, jax.devices())
             x_spec, _ = partition_specs(mesh)
             place = NamedSharding(mesh, P(*x_spec[:2]))
             names = [n for n, a in (("segment_ids", laid.segment_ids), ("token_index", laid.token_index)) if a is not None]
@@ -164,8 +164,8 @@ def main() -> None:
                     q, k, v, mesh, causal=True, layout=laid.api_layout, kv_exchange=spec.kv_exchange,
                     block_backend="auto", **laid.shared, **dict(zip(names, aux)))
 
-            _, both = _programs(attention)
-            args = (*_inputs(problem, NamedSharding(mesh, x_spec)), *aux)
+            _, both = attention_programs(attention)
+            args = (*random_inputs(problem, NamedSharding(mesh, x_spec)), *aux)
             began = time.perf_counter()
             jax.block_until_ready(both(*args))
             row["compile_s"] = round(time.perf_counter() - began, 1)

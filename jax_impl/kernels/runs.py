@@ -47,6 +47,21 @@ VARLEN_MAX_RUNS = VARLEN_RUN_SLOTS[-1]
 INDEX_RUN_SLOTS = (16, VARLEN_MAX_RUNS)
 
 
+def search_method() -> str:
+    """How :func:`searchsorted` searches. ``jnp.searchsorted``'s default (``scan``) is a while loop
+    of log2(n) steps: on a GPU every step is a few tiny kernels launched one after another, and a
+    step plans its blocks with a dozen such searches (forward and backward, per ring hop) — while
+    JAX's documents steps on 4x H200 sat idle 2.4-6.5 ms a step (2026-11-27). ``scan_unrolled``
+    traces the same steps as straight-line code XLA fuses; the CPU keeps ``scan`` (its faster
+    method, and cheaper to compile for the test suite). Every method returns the same indices."""
+    return "scan" if jax.default_backend() == "cpu" else "scan_unrolled"
+
+
+def searchsorted(a, v, side: str = "left"):
+    """``jnp.searchsorted(a, v, side)`` by :func:`search_method` — the only search this module uses."""
+    return jnp.searchsorted(a, v, side=side, method=search_method())
+
+
 # ---- the run lists: typed records (pytrees: a forward keeps a plan for its backward) ----------
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -168,7 +183,7 @@ def runs_choice(ok, most, sizes, longest=0, ladder=(None,), boundary_ok=False, p
     boundary form when ``boundary_ok``, else, when ``ok`` (expressible), the runs form with the
     smallest of ``sizes`` holding ``most`` runs a row and the smallest of ``ladder`` bounding the
     ``longest`` run; nothing (the caller's fallback) when no size holds them."""
-    at_least = lambda options, value: jnp.searchsorted(jnp.asarray(options), value)  # the smallest option >= value
+    at_least = lambda options, value: searchsorted(jnp.asarray(options), value)  # the smallest option >= value
     bound_at = at_least(ladder, longest) if ladder != (None,) else 0
     runs = branches.Grid((*prefix, RUNS), ((sizes, at_least(sizes, most)), (ladder, bound_at)))
     return branches.First([(boundary_ok, (*prefix, BOUNDARY)), (ok, runs)])
@@ -258,7 +273,7 @@ def _isin_rows(x, table):
     """Per row, whether each of ``x`` [b, n] occurs in ``table`` [b, m] (sort + search, not n·m)."""
     def row(a, c):
         c = jnp.sort(c)
-        at = jnp.clip(jnp.searchsorted(c, a), 0, c.shape[0] - 1)
+        at = jnp.clip(searchsorted(c, a), 0, c.shape[0] - 1)
         return c[at] == a
     return jax.vmap(row)(x, table)
 
@@ -352,7 +367,7 @@ def varlen_offsets(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS) -> VarlenRuns
     cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kv_len).astype(jnp.int32)])
     kv_start = (rows * s + jnp.maximum(seg.kv_offsets[:, :-1], 0)).reshape(-1)
     p = jnp.arange(b * s)
-    run = jnp.clip(jnp.searchsorted(cu_k, p, side="right") - 1, 0, b * m - 1)
+    run = jnp.clip(searchsorted(cu_k, p, side="right") - 1, 0, b * m - 1)
     kv_index = jnp.where(p < cu_k[-1], kv_start[run] + p - cu_k[run], b * s).astype(jnp.int32)
     return VarlenRuns(cu_q=cu_q, cu_k=cu_k, kv_index=kv_index, covered_q=seg.covered_q, ok=seg.ok,
                       covered_kv=seg.covered_kv, identity=causal, covers_block=causal)
@@ -379,10 +394,10 @@ def _row_index_segments(q_ids, kv_ids, q_index, kv_index):
     t = q_ids.shape[0]
     # ids as their rank among the row's ids (< t + s): 3·rank + 2 cannot overflow where 3·id could
     ranked = jnp.sort(jnp.concatenate([q_ids, kv_ids]))
-    q_ids, kv_ids = (jnp.searchsorted(ranked, x, side="left").astype(jnp.int32) for x in (q_ids, kv_ids))
+    q_ids, kv_ids = (searchsorted(ranked, x, side="left").astype(jnp.int32) for x in (q_ids, kv_ids))
     order = jnp.lexsort((kv_index, kv_ids))
     k_ids, k_index = kv_ids[order], kv_index[order]
-    count = lambda ids, index: _bisect_right(k_ids, k_index, ids, index) - jnp.searchsorted(k_ids, ids, side="left")
+    count = lambda ids, index: _bisect_right(k_ids, k_index, ids, index) - searchsorted(k_ids, ids, side="left")
     seen = count(q_ids, q_index)  # keys of each query's document with index <= its own
     q_order = jnp.argsort(q_ids, stable=True)
     sorted_q = q_ids[q_order]
@@ -392,7 +407,7 @@ def _row_index_segments(q_ids, kv_ids, q_index, kv_index):
     least = jax.ops.segment_min(jnp.where(seen[q_order] > 0, seen[q_order], never), document, num_segments=t)
     real = jnp.arange(t) <= document[-1]
     ok = jnp.all(~real | (most == 0) | (most == least))
-    at = jnp.minimum(jnp.searchsorted(sorted_q, kv_ids, side="left"), t - 1)
+    at = jnp.minimum(searchsorted(sorted_q, kv_ids, side="left"), t - 1)
     prefix = jnp.where(sorted_q[at] == kv_ids, most[document[at]], 0)  # the keys its document's queries see
     visible = count(kv_ids, kv_index) <= prefix
     return jnp.where(seen > 0, 3 * q_ids, 3 * q_ids + 1), jnp.where(visible, 3 * kv_ids, 3 * kv_ids + 2), ok
@@ -470,11 +485,11 @@ PREFIX_SLOTS = (8, 16, 32, 48, 64, 128, 256)
 
 def _row_prefix(q_ids, kv_ids, q_index, kv_index):
     ranked = jnp.sort(jnp.concatenate([q_ids, kv_ids]))
-    q_doc, kv_doc = (jnp.searchsorted(ranked, x, side="left").astype(jnp.int32) for x in (q_ids, kv_ids))
+    q_doc, kv_doc = (searchsorted(ranked, x, side="left").astype(jnp.int32) for x in (q_ids, kv_ids))
     order = jnp.lexsort((kv_index, kv_doc))
     k_doc, k_index = kv_doc[order], kv_index[order]
     upper = _bisect_right(k_doc, k_index, q_doc, q_index)  # the query's document's keys up to its index end here
-    first = jnp.searchsorted(k_doc, q_doc, side="left").astype(jnp.int32)
+    first = searchsorted(k_doc, q_doc, side="left").astype(jnp.int32)
     start = jnp.concatenate([jnp.ones((1,), bool), (q_doc[1:] != q_doc[:-1]) | (upper[1:] != upper[:-1] + 1)])
     return order.astype(jnp.int32), upper, first, start
 
@@ -503,7 +518,7 @@ def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int, rows=None) -
     cu_q = jnp.concatenate([starts, jnp.full((1,), b * t, jnp.int32)])
     cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(k_len).astype(jnp.int32)])
     p = jnp.arange(cap)
-    run = jnp.clip(jnp.searchsorted(cu_k, p, side="right") - 1, 0, m - 1)
+    run = jnp.clip(searchsorted(cu_k, p, side="right") - 1, 0, m - 1)
     at = jnp.clip(k_start[run] + p - cu_k[run], 0, s - 1)
     kv_packed = row[run] * s + order[row[run], at]
     kv_index_out = jnp.where(p < cu_k[-1], kv_packed, b * s).astype(jnp.int32)
@@ -551,7 +566,7 @@ def prefix_dispatch(plans: list[VarlenRuns], kernel, fallback, *, keys: int, len
     slot_counts = [plan.cu_q.shape[0] - 1 for plan in plans]
     variants = {plan_variant(m, bound): lambda runs=runs, bound=bound: kernel(bounded(runs, bound))
                 for m, runs in zip(slot_counts, plans) for bound in ladder}
-    step = 0 if not lengths else jnp.minimum(jnp.searchsorted(jnp.asarray(ladder), plans[-1].longest), len(ladder) - 1)
+    step = 0 if not lengths else jnp.minimum(searchsorted(jnp.asarray(ladder), plans[-1].longest), len(ladder) - 1)
     return switch_with_fallback(variants, prefix_choice(slot_counts, [plan.ok for plan in plans], ladder, step),
                                 fallback)
 
