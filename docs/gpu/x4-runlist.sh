@@ -37,6 +37,8 @@
 #   prof47     issue 47: torch_impl's five strategies at 128k, no documents, profiled per rank (kernels by
 #              kind, NCCL, copies, the host's syncs and cProfile), each checked at 4096 tokens first
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
+#   strong     issue 47: strong scaling, 32k tokens over 4 GPUs, four strategies, the ceiling at 8k
+#   m1         issue 47: 1M tokens over 4 GPUs, USP 2x2 and ring 4, peak memory, the ceiling at 256k
 #   weak       issue 47: weak scaling, 32k tokens per GPU, a ring over 1, 2, 4 GPUs (torch: a
 #              torchrun world per ring size), the single-GPU ceiling at 32k in the same run
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
@@ -50,13 +52,13 @@ if [ "$1" = start ]; then
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
     . docs/gpu/install-wheels.sh $R
-    SEQ=131072; BIG=524288; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"
+    SEQ=131072; BIG=524288; HUGE=1048576; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"
     LLAMA=${LLAMA:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8"}
     LLAMAJAX=${LLAMAJAX:-"--strategies zigzag --seq 32768 --bstar-seq 16384 --exposure-seq 8192 --batches 1,4"}
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}; TPSWEEP=""
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke
-    SEQ=4096; BIG=2048; DEV=cpu; TORCHRUN="torchrun --nproc_per_node 4"; LLAMA="--small --world 2"; LLAMAJAX=$LLAMA
+    SEQ=4096; BIG=2048; HUGE=4096; DEV=cpu; TORCHRUN="torchrun --nproc_per_node 4"; LLAMA="--small --world 2"; LLAMAJAX=$LLAMA
     DRV="--heads 4 --kv-heads 2 --passes fwd+bwd --no-verify"; SIDES=jax  # torch's driver side needs GPUs
     TPSWEEP=--small
   fi
@@ -88,6 +90,13 @@ if [ "$1" = start ]; then
   # weak scaling at 32k tokens per GPU, a ring over 1, 2, 4 GPUs, each side; the ceiling at 32k beside
   CMD[weak]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs '' --meshes '' \
     --weak $((SEQ / 4)) $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2 --machine x4-weak-\$side --parts-dir $R/weak-\$side; done"
+  # strong scaling: 32k tokens over 4 GPUs (8k each), four strategies; the single-GPU ceiling at 8k beside
+  CMD[strong]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs $((SEQ / 4)) \
+    --meshes ring-r4,ulysses-u4,usp-r2xu2,ring-agkv-r4 $DRV --ceiling-seq $((SEQ / 16)) --iters 10 --warmup 3 \
+    --machine x4-strong-\$side --parts-dir $R/strong-\$side; done"
+  # 1M tokens over 4 GPUs, USP 2x2 and ring 4 with their peak memory; the ceiling at 256k beside
+  CMD[m1]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs $HUGE --meshes usp-r2xu2,ring-r4 \
+    $DRV --ceiling-seq $((HUGE / 4)) --iters 3 --warmup 1 --machine x4-1m-\$side --parts-dir $R/m1-\$side; done"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x4-mc --parts-dir $R/mc \
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""
