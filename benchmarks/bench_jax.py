@@ -16,8 +16,10 @@ import os
 import time
 import traceback
 
+from parity.core.devices import OVERLAP_FLAG
+
 # Set before JAX starts: overlap collectives with compute (the latency-hiding scheduler).
-os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+os.environ.setdefault("XLA_FLAGS", OVERLAP_FLAG)
 
 import jax
 import jax.numpy as jnp
