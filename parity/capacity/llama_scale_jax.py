@@ -124,13 +124,18 @@ class JaxRig:
         return self.state[0]
 
     def traffic(self):
-        """The compiled programs' collectives per pass (``llama_jax.measure_traffic``)."""
+        """The compiled programs' collectives per pass (``llama_jax.measure_traffic``). The loss and
+        loss+grads programs are compiled only to be read, never run: without GEMM autotuning (which
+        picks kernels, not collectives), so a row costs one tuned compile, not three — on 4x H200
+        the JAX twin's calibration and first rows did not fit a 10-minute call (2026-11-27)."""
         from ..training.llama_jax import measure_traffic
 
         params, opt_state = self.state
         loss, grads, _ = self.programs
-        texts = [loss.lower(params, *self.batch).compile().as_text(),
-                 grads.lower(params, *self.batch).compile().as_text(), self.compiled.as_text()]
+        untuned = {"xla_gpu_autotune_level": 0}
+        texts = [loss.lower(params, *self.batch).compile(compiler_options=untuned).as_text(),
+                 grads.lower(params, *self.batch).compile(compiler_options=untuned).as_text(),
+                 self.compiled.as_text()]
         return measure_traffic(self.case, texts)
 
 

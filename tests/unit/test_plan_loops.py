@@ -62,29 +62,20 @@ def _inputs():
     return jnp.asarray(ids), jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
 
 
-@pytest.mark.parametrize("method", ["scan", "scan_unrolled"])
-def test_the_plans_hold_a_loop_only_under_the_cpu_search(method, monkeypatch):
-    monkeypatch.setattr(runs, "search_method", lambda: method)
-    jax.clear_caches()  # the plans' jitted helpers were traced under the other method (a real run has one)
-    loops = _loops(jax.make_jaxpr(_plans)(*_inputs()).jaxpr)
-    if method == "scan_unrolled":  # the GPU's: straight-line code
-        assert loops == [], loops
-    else:  # the CPU's (the check above could not fail if this found none)
-        assert loops, "the scan method traced no loop: the GPU check above proves nothing"
-    # and what XLA compiles from it
-    compiled = jax.jit(_plans).lower(*_inputs()).compile().as_text()
-    assert (" while(" in compiled) == (method == "scan"), method
-
-
-def test_both_searches_give_the_same_plans(monkeypatch):
-    ids, index = _inputs()
-    got = {}
+def test_the_plans_hold_a_loop_only_under_the_cpu_search_and_are_the_same_under_both(monkeypatch):
+    traced = {}
     for method in ("scan", "scan_unrolled"):
         monkeypatch.setattr(runs, "search_method", lambda method=method: method)
-        jax.clear_caches()
-        got[method] = jax.tree.leaves(jax.jit(_plans)(ids, index))
-    assert len(got["scan"]) == len(got["scan_unrolled"]) > 0
-    for a, b in zip(got["scan"], got["scan_unrolled"]):
+        jax.clear_caches()  # the plans' jitted helpers were traced under the other method (a real run has one)
+        loops = _loops(jax.make_jaxpr(_plans)(*_inputs()).jaxpr)
+        compiled = jax.jit(_plans).lower(*_inputs()).compile()
+        if method == "scan_unrolled":  # the GPU's: straight-line code, in the jaxpr and what XLA compiles
+            assert loops == [] and " while(" not in compiled.as_text(), loops
+        else:  # the CPU's (the checks above could not fail if this found none)
+            assert loops and " while(" in compiled.as_text(), "the scan method traced no loop: nothing is proved"
+        traced[method] = jax.tree.leaves(compiled(*_inputs()))
+    assert len(traced["scan"]) == len(traced["scan_unrolled"]) > 0
+    for a, b in zip(traced["scan"], traced["scan_unrolled"]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
