@@ -45,6 +45,7 @@ from .common import (
     row_problem,
     shared_arguments,
     weak_paths,
+    window_anchored,
 )
 from .overlap import jax_variant, probe_rows
 
@@ -235,6 +236,22 @@ def anchor_rows(problems: list[Problem]) -> list[Row]:
     return rows
 
 
+def window_anchor_rows(problem: Problem) -> list[Row]:
+    """flash_attn3_jax's own sliding window on one GPU at ``problem``'s length and window, checked
+    at 4096 tokens first (``benchmarks.masked.jax_window_anchor``): the ``jax_window_anchor`` row a
+    windowed run's efficiency is taken over."""
+    from .masked import jax_window_anchor
+
+    try:
+        result = jax_window_anchor(problem.seq, problem.window[0], problem.heads, problem.kv_heads, problem.head_dim)
+    except Exception as err:  # noqa: BLE001 — a failing anchor is a row, not a crash
+        traceback.print_exc()
+        result = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    row = anchor_row("jax_window_anchor", problem, result)
+    print(f"jax window anchor {problem.window}: {row.tflops_per_gpu} TFLOP/s {row.note}", flush=True)
+    return [row]
+
+
 def main(argv=None) -> None:
     ap = shared_arguments(__doc__.splitlines()[0])
     ap.add_argument("--no-peers", action="store_true", help="skip flash_attn3_jax's ring")
@@ -251,6 +268,9 @@ def main(argv=None) -> None:
     masked = args.documents != "none" or args.window is not None
     rows = ceiling_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads), args.iters,
                         args.warmup) if args.ceiling_seq and not masked else []
+    if window_anchored(args) and lead:
+        rows += window_anchor_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads,
+                                           window=(args.window, 0)))
     specs = [MeshSpec(name) for name in filter(None, args.meshes.split(","))]
     for seq in (int(s) for s in args.seqs.split(",") if s):
         for documents in documents_names(args.documents):

@@ -37,6 +37,7 @@ from .common import (
     row_problem,
     shared_arguments,
     weak_paths,
+    window_anchored,
 )
 from .overlap import probe_rows, torch_variant
 
@@ -287,31 +288,54 @@ def _save(rows: list[Row], path: str) -> None:
         json.dump([r.to_dict() for r in rows], f, indent=1)
 
 
+def best_anchor(framework: str, problem: Problem, candidates: dict) -> Row:
+    """The fastest verified of ``candidates`` (name -> ``benchmarks.masked`` anchor function of
+    (seq, heads, kv_heads, head_dim) and its problem) as a ``framework`` row on ``problem``: each
+    candidate checked at 4096 tokens by its function, a failing one kept as an error; ``extra.kernel``
+    names the faster, ``extra.candidates`` has them all."""
+    results = {}
+    for name, fn in candidates.items():
+        try:
+            results[name] = fn(problem)
+        except Exception as err:  # noqa: BLE001 — one kernel failing must not lose the other
+            traceback.print_exc()
+            results[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    usable = [c for c in results.values() if c.get("verified") and c.get("fwd_bwd_ms")]
+    best = min(usable, key=lambda c: c["fwd_bwd_ms"]) if usable else next(iter(results.values()))
+    best = dict(best, candidates={n: {k: c.get(k) for k in ("kernel", "fwd_bwd_ms", "verified", "error")}
+                                  for n, c in results.items()})
+    row = anchor_row(framework, problem, best)
+    print(f"{framework} {problem.documents} window {problem.window} fit {problem.fit_ring}: {row.tflops_per_gpu} "
+          f"TFLOP/s ({best.get('kernel')}) {row.note}", flush=True)
+    return row
+
+
 def anchor_rows(problems: list[Problem]) -> list[Row]:
     """On rank 0 (the others wait): torch's fastest fused varlen kernel on one GPU over each
     problem's ids — FA2 varlen (``aten``), and FlashAttention-4 when installed — each checked at
-    4096 tokens first (``benchmarks.masked``): the ``torch_varlen_anchor`` rows (``extra.kernel``
-    names the faster; ``extra.candidates`` has both)."""
+    4096 tokens first (``benchmarks.masked``): the ``torch_varlen_anchor`` rows."""
     from .masked import anchor, fa4_anchor
 
+    candidates = {name: (lambda p, fn=fn: fn(p.seq, p.heads, p.kv_heads, p.head_dim, problem=p))
+                  for name, fn in (("fa2", anchor), ("fa4", fa4_anchor))}
     rows = []
     for p in problems:
         if _rank() == 0:
-            candidates = {}
-            for name, fn in (("fa2", anchor), ("fa4", fa4_anchor)):
-                try:
-                    candidates[name] = fn(p.seq, p.heads, p.kv_heads, p.head_dim, problem=p)
-                except Exception as err:  # noqa: BLE001 — one kernel failing must not lose the other
-                    traceback.print_exc()
-                    candidates[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-            usable = [c for c in candidates.values() if c.get("verified") and c.get("fwd_bwd_ms")]
-            best = min(usable, key=lambda c: c["fwd_bwd_ms"]) if usable else candidates["fa2"]
-            best = dict(best, candidates={n: {k: c.get(k) for k in ("kernel", "fwd_bwd_ms", "verified", "error")}
-                                          for n, c in candidates.items()})
-            rows.append(anchor_row("torch_varlen_anchor", p, best))
-            print(f"torch anchor {p.documents} fit {p.fit_ring}: {rows[-1].tflops_per_gpu} TFLOP/s "
-                  f"({best.get('kernel')}) {rows[-1].note}", flush=True)
+            rows.append(best_anchor("torch_varlen_anchor", p, candidates))
         dist.barrier()
+    return rows
+
+
+def window_anchor_rows(problem: Problem) -> list[Row]:
+    """On rank 0 (the others wait): torch's fastest fused sliding window on one GPU at ``problem``'s
+    length and window — FA2's (``aten_window``) and FlashAttention-4's when installed — each checked
+    at 4096 tokens first: the ``torch_window_anchor`` row a windowed run's efficiency is taken over."""
+    from .masked import fa4_window_anchor, window_anchor
+
+    candidates = {name: (lambda p, fn=fn: fn(p.seq, p.window[0], p.heads, p.kv_heads, p.head_dim))
+                  for name, fn in (("fa2", window_anchor), ("fa4", fa4_window_anchor))}
+    rows = [best_anchor("torch_window_anchor", problem, candidates)] if _rank() == 0 else []
+    dist.barrier()
     return rows
 
 
@@ -332,6 +356,9 @@ def main(argv=None) -> None:
     masked = args.documents != "none" or args.window is not None
     rows = ceiling_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads), args.iters,
                         args.warmup) if args.ceiling_seq and not masked else []
+    if window_anchored(args):
+        rows += window_anchor_rows(Problem(seq=args.ceiling_seq, heads=args.heads, kv_heads=args.kv_heads,
+                                           window=(args.window, 0)))
     n = dist.get_world_size()
     peers = [p for p in args.peers.split(",") if p]
     specs = [spec for spec in (MeshSpec(name) for name in filter(None, args.meshes.split(","))) if spec.devices == n]

@@ -225,6 +225,15 @@ def documents_names(value: str) -> list[str]:
     return names
 
 
+def window_anchored(args) -> bool:
+    """Whether a run times its frameworks' window anchors (``*_window_anchor`` rows, at
+    ``--ceiling-seq``): a sliding window without documents — a masked run skips the unmasked
+    ceilings, and documents get the varlen anchors on their ids — with a ceiling length, and not a
+    JAX multi-controller run (which times no single-GPU rows)."""
+    return (args.window is not None and args.documents == "none" and bool(args.ceiling_seq)
+            and not getattr(args, "multi_controller", False))
+
+
 def mask_extra(problem: Problem) -> dict:
     """What a row records of its problem's masks (``verify.mark_rows`` rebuilds the problem from it)."""
     return {"documents": problem.documents, "window": problem.window, "fit_ring": problem.fit_ring,

@@ -122,9 +122,28 @@ def window_checks(heads=32, kv_heads=8, d=128, t=4096) -> list[dict]:
     return rows
 
 
+WINDOW_CHECK = 1000  # the window every window anchor is checked with at 4096 tokens
+
+
+def _torch_window_errors(q, k, v, do, o, dq, window: int) -> dict:
+    """o and dq of a causal ``window`` over [1, t, ...] inputs against the portable kernel's."""
+    import torch
+
+    from seqplan.schedule import UNBOUNDED
+    from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+
+    d = q.shape[-1]
+    pos = torch.arange(q.shape[1], device=q.device, dtype=torch.int32)
+    mask = BlockMask(MaskKind.CAUSAL, window=(window, UNBOUNDED))
+    o_r, lse_r = reference_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos))
+    g_r = reference_block_bwd(do, q, k, v, o_r.bfloat16(), lse_r, mask, d**-0.5, positions=(pos, pos))
+    return {"o": _rel(o.float(), o_r), "dq": _rel(dq.float(), g_r[0])}
+
+
 def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -> dict:
     """FA2's own sliding window (``aten._flash_attention_forward`` / ``_backward``, window
-    (w - 1, 0) — Hugging Face's w) on the whole sequence: torch's fastest fused window kernel."""
+    (w - 1, 0) — Hugging Face's w) on the whole sequence: torch_impl's ``aten_window`` path, checked
+    at 4096 tokens (window :data:`WINDOW_CHECK`) against the portable kernel, then timed."""
     import torch
 
     from benchmarks.common import Problem
@@ -132,21 +151,78 @@ def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, ite
     from torch_impl.kernels.window import window_block_bwd, window_block_fwd
 
     gen = torch.Generator(device="cuda").manual_seed(3)
-    q, do = (torch.randn(1, seq, heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    k, v = (torch.randn(1, seq, kv_heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    pos = torch.arange(seq, device="cuda", dtype=torch.int32)
-    mask = BlockMask(MaskKind.CAUSAL, window=(window, UNBOUNDED))
 
-    def step():
-        o, lse = window_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos))
-        return window_block_bwd(do, q, k, v, o, lse, mask, d**-0.5, positions=(pos, pos))
+    def inputs(t):
+        q, do = (torch.randn(1, t, heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        k, v = (torch.randn(1, t, kv_heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        return q, k, v, do, torch.arange(t, device="cuda", dtype=torch.int32)
 
-    fwd_ms = _cuda_ms(lambda: window_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos)), iters, warmup)
-    step_ms = _cuda_ms(step, iters, warmup)
+    def calls(q, k, v, do, pos, w):
+        mask = BlockMask(MaskKind.CAUSAL, window=(w, UNBOUNDED))
+        fwd = lambda: window_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos))
+
+        def step():
+            o, lse = fwd()
+            return o, window_block_bwd(do, q, k, v, o, lse, mask, d**-0.5, positions=(pos, pos))
+
+        return fwd, step
+
+    q, k, v, do, pos = inputs(4096)
+    o, grads = calls(q, k, v, do, pos, WINDOW_CHECK)[1]()
+    errors = _torch_window_errors(q, k, v, do, o, grads[0], WINDOW_CHECK)
+    fwd, step = calls(*inputs(seq), window)
+    fwd_ms, step_ms = _cuda_ms(fwd, iters, warmup), _cuda_ms(step, iters, warmup)
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
     return {"kernel": "FA2 sliding window (aten._flash_attention_*, through aten_window on the whole sequence)",
-            "seq": seq, "window": window, "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
+            "seq": seq, "window": window, "verified_at_4096": errors,
+            "verified": all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
             "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+
+
+def fa4_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -> dict:
+    """FlashAttention-4's own sliding window (``flash_attn_varlen_func(window_size=(w, 0))`` over one
+    run, through its own autograd) on the whole sequence, checked at 4096 tokens (window
+    :data:`WINDOW_CHECK`) against the portable kernel, then timed. Raises ImportError where it is
+    not installed."""
+    import torch
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    from benchmarks.common import Problem
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def inputs(t):
+        q, do = (torch.randn(t, heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        k, v = (torch.randn(t, kv_heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        return [x.requires_grad_() for x in (q, k, v)], do
+
+    def call(qkv, w):
+        cu = torch.tensor([0, qkv[0].shape[0]], device="cuda", dtype=torch.int32)
+        t = qkv[0].shape[0]
+        return lambda: flash_attn_varlen_func(*qkv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t, max_seqlen_k=t,
+                                              softmax_scale=d**-0.5, causal=True, window_size=(w, 0))[0]
+
+    (q, k, v), do = inputs(4096)
+    o = call((q, k, v), WINDOW_CHECK)()
+    dq = torch.autograd.grad(o, q, do)[0]
+    errors = _torch_window_errors(q[None].detach(), k[None].detach(), v[None].detach(), do[None], o[None], dq[None],
+                                  WINDOW_CHECK)
+    qkv, do = inputs(seq)
+    fwd = call(qkv, window)
+
+    def step():
+        for x in qkv:
+            x.grad = None
+        fwd().backward(do)
+
+    with torch.no_grad():
+        fwd_ms = _cuda_ms(fwd, iters, warmup)
+    step_ms = _cuda_ms(step, iters, warmup)
+    problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
+    return {"kernel": f"FlashAttention-4 sliding window (flash_attn.cute, window_size=({window}, 0))", "seq": seq,
+            "window": window, "verified_at_4096": errors, "verified": all(e <= 2e-2 for e in errors.values()),
+            "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms, "tflops_fwd": problem.flops(True) / fwd_ms / 1e9,
+            "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
 
 
 def _cuda_ms(fn, iters: int, warmup: int) -> float:
@@ -465,7 +541,7 @@ def _jax_errors(o_r, lse_r, g_r, o_f, lse_f, g_f) -> dict:
 def jax_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128) -> dict:
     """flash_attn3_jax's ``flash_mha`` with its own sliding window ``(window, 0)`` and its own vjp
     on the whole sequence (causal windows: 64-row tiles, the library's workspaces suffice),
-    checked at 4096 tokens with window 1000 against the portable kernel, then timed."""
+    checked at 4096 tokens (window :data:`WINDOW_CHECK`) against the portable kernel, then timed."""
     import jax
     import jax.numpy as jnp
     from flash_attn3_jax import flash_mha
@@ -490,10 +566,10 @@ def jax_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128)
         return jax.jit(fwd), jax.jit(step)
 
     q, k, v, do = inputs(4096)
-    _, step = programs(1000)
+    _, step = programs(WINDOW_CHECK)
     o, (dq, _, _) = step(q, k, v, do)
     pos = jnp.arange(4096, dtype=jnp.int32)
-    mask = BlockMask(MaskKind.CAUSAL, window=(1000, UNBOUNDED))
+    mask = BlockMask(MaskKind.CAUSAL, window=(WINDOW_CHECK, UNBOUNDED))
     o_r, lse_r = reference_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos))
     dq_r = reference_block_bwd(do, q, k, v, o_r.astype(jnp.bfloat16), lse_r, mask, d**-0.5, positions=(pos, pos))[0]
     rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())

@@ -30,7 +30,8 @@ from pathlib import Path
 from .common import Row
 
 RESULTS = Path(__file__).parent / "results"
-JAX_FRAMEWORKS = ("jax_impl", "jax_impl_mc", "fa3_jax", "jax_cudnn_ceiling", "fa3_jax_ceiling", "jax_varlen_anchor")
+JAX_FRAMEWORKS = ("jax_impl", "jax_impl_mc", "fa3_jax", "jax_cudnn_ceiling", "fa3_jax_ceiling", "jax_varlen_anchor",
+                  "jax_window_anchor")
 
 
 def _versions() -> dict:
@@ -51,7 +52,9 @@ def _versions() -> dict:
 def add_efficiency(rows: list[dict]) -> list[dict]:
     """efficiency = TFLOP/s/GPU over the best same-mode single-GPU ceiling of the row's framework;
     with packed documents, over its framework's varlen anchor on the same ids (same documents,
-    same fitting) — both counted on the visible pairs."""
+    same fitting); with a sliding window (no documents), over its framework's window anchor with
+    the same window (timed at the ceiling's length: a window's work per token does not grow with
+    the length) — all counted on the visible pairs."""
     def family(r):
         return "jax" if r["framework"] in JAX_FRAMEWORKS else "torch"
 
@@ -59,16 +62,29 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
         e = r.get("extra", {})
         return family(r), r["seq_len"], e.get("documents"), e.get("fit_ring", 0), e.get("fit_multiple", 1)
 
-    best, anchors = {}, {}
+    def window_key(r):
+        return family(r), tuple(r.get("extra", {}).get("window") or ())
+
+    best, anchors, windows = {}, {}, {}
     for r in rows:
         if r["framework"].endswith("_ceiling") and r.get("tflops_per_gpu"):
             key = (family(r), r["fwd_only"])
             best[key] = max(best.get(key, 0.0), r["tflops_per_gpu"])
         if r["framework"].endswith("_varlen_anchor") and r.get("tflops_per_gpu"):
             anchors[ids_key(r)] = r["tflops_per_gpu"]
+        if r["framework"].endswith("_window_anchor") and r.get("tflops_per_gpu"):
+            windows[window_key(r)] = r["tflops_per_gpu"]
     for r in rows:
         documents = r.get("extra", {}).get("documents") not in (None, "none")
-        ceiling = anchors.get(ids_key(r)) if documents and not r["fwd_only"] else best.get((family(r), r["fwd_only"]))
+        windowed = not documents and bool(r.get("extra", {}).get("window"))
+        if r["fwd_only"] and (documents or windowed):
+            ceiling = None  # the anchors are timed forward + backward only
+        elif documents:
+            ceiling = anchors.get(ids_key(r))
+        elif windowed:
+            ceiling = windows.get(window_key(r))
+        else:
+            ceiling = best.get((family(r), r["fwd_only"]))
         r["efficiency"] = r["tflops_per_gpu"] / ceiling if ceiling and r.get("tflops_per_gpu") else None
     return rows
 

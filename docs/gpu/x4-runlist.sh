@@ -39,6 +39,7 @@
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
 #   strong     issue 47: strong scaling, 32k tokens over 4 GPUs, four strategies, the ceiling at 8k
 #   m1         issue 47: 1M tokens over 4 GPUs, USP 2x2 and ring 4, peak memory, the ceiling at 256k
+#   win        issue 47: window (4096, 0) at 128k, ring 4 and USP 2x2, over each framework's window anchor
 #   weak       issue 47: weak scaling, 32k tokens per GPU, a ring over 1, 2, 4 GPUs (torch: a
 #              torchrun world per ring size), the single-GPU ceiling at 32k in the same run
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
@@ -97,6 +98,10 @@ if [ "$1" = start ]; then
   # 1M tokens over 4 GPUs, USP 2x2 and ring 4 with their peak memory; the ceiling at 256k beside
   CMD[m1]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs $HUGE --meshes usp-r2xu2,ring-r4 \
     $DRV --ceiling-seq $((HUGE / 4)) --iters 3 --warmup 1 --machine x4-1m-\$side --parts-dir $R/m1-\$side; done"
+  # a sliding window (4096, 0), contiguous, ring 4 and USP 2x2, over each framework's window anchor
+  CMD[win]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs $SEQ --window 4096 \
+    --layout contiguous --meshes ring-r4,usp-r2xu2 $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2 \
+    --machine x4-window-\$side --parts-dir $R/win-\$side; done"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x4-mc --parts-dir $R/mc \
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""
