@@ -10,7 +10,9 @@ between them so the trace splits into steps unambiguously.
 Per GPU, from the trace: kernel time by kind (attention kernels, NCCL, the rest: XLA fusions,
 copies, scatters), the time any kernel runs (the union: the rest of the step the GPU idles), and
 the exposed share of each collective kind (``parity.capacity.exposure.exposed_times``: NCCL time
-no other kernel covers), and where the idle time sits: per step, the device span (first kernel
+no other kernel covers), the "other" kernels' time by the phase that launched them (their op names
+from the compiled program's HLO, which XLA dumps; the shared-prefix call names its phases:
+``jax_impl.allgather.SCOPES``), and where the idle time sits: per step, the device span (first kernel
 to last) against the busy time, and the longest gaps inside a step with the kernels on either
 side (a gap after a small kernel that returns a value to the host — a ``lax.switch`` index, a
 sync — reads differently from one after a collective). Each row is written to ``$OUT/jax-profile/{mix}-{mesh}-{layout}.json`` as
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -45,6 +48,49 @@ PATHS = [p.split(":") for p in os.environ.get(
     "PATHS", "ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag,usp-agkv-r2xu2:document-hybrid-shared").split(",")]
 SEQ = int(os.environ.get("SEQ", "131072"))
 OUT = Path(os.environ.get("OUT", "/tmp")) / "jax-profile"
+HLO_DUMP = Path("/tmp/jaxprof-hlo")  # the compiled programs' HLO, for the kernels' op names (large: not in $OUT)
+
+
+def dump_compiled_hlo() -> None:
+    """Have XLA write each compiled ``both`` program's optimized HLO (set before JAX starts a
+    backend; the latency-hiding scheduler kept on, as the driver has it)."""
+    from parity.core.devices import OVERLAP_FLAG
+
+    flags = os.environ.get("XLA_FLAGS", OVERLAP_FLAG)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={HLO_DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*both.*"
+
+
+def new_hlo(before: set[str]) -> str:
+    """The optimized HLO text of the ``both`` program XLA dumped since ``before`` (the file names
+    then), or "" if none."""
+    fresh = [p for p in HLO_DUMP.glob("*jit_both*after_optimizations.txt") if p.name not in before]
+    return max(fresh, key=lambda p: p.stat().st_size).read_text() if fresh else ""  # the program, not a report
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """Kernel name -> JAX op name, from an optimized HLO module: an instruction's name with "." and
+    "-" as "_" (the name XLA gives the GPU kernel of a fusion) -> its metadata's ``op_name``."""
+    found = re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text, re.M)
+    return {re.sub(r"[.\-]", "_", m.group(1)): m.group(2) for m in found}
+
+
+def scope_of(op_name: str) -> str:
+    """What a kernel's time is summed under: forward or backward (``transpose(`` in the op name),
+    then the first named scope of a phase (``jax_impl.allgather.SCOPES``), else the op name's last
+    two components."""
+    scoped = re.search(r"shared_prefix\.\w+", op_name)  # as "jvp(shared_prefix.plan)" too
+    phase = scoped.group(0) if scoped else "/".join(op_name.split("/")[-2:])
+    return ("bwd " if "transpose(" in op_name else "fwd ") + phase
+
+
+def other_by_scope(rows, names: dict[str, str], steps: int, top: int = 20) -> dict[str, float]:
+    """The "other" kernels' ms per step by :func:`scope_of` their op name ("unmapped": no HLO name)."""
+    sums: dict[str, float] = defaultdict(float)
+    for name, lo, hi in rows:
+        if kind_of(name) == "other":
+            op = names.get(name)
+            sums[scope_of(op) if op else "unmapped"] += (hi - lo) / steps
+    return dict(sorted(sums.items(), key=lambda kv: -kv[1])[:top])
 
 
 def kind_of(name: str) -> str:
@@ -105,7 +151,7 @@ def idle_inside_steps(rows, steps: int, top: int = 10) -> dict:
             "longest_gaps": [{"ms": round(g, 3), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
-def summarize(kernels: dict, steps: int, send_recv) -> dict:
+def summarize(kernels: dict, steps: int, send_recv, names: dict[str, str] | None = None) -> dict:
     from parity.capacity.exposure import exposed_times
 
     per_gpu = {}
@@ -119,6 +165,8 @@ def summarize(kernels: dict, steps: int, send_recv) -> dict:
                             "exposed_ms_per_step": {k: {n.removesuffix("_s"): v / steps for n, v in x.items()}
                                                     for k, x in exposed.items()}}
         per_gpu[process].update(idle_inside_steps(rows, steps))
+        if names:
+            per_gpu[process]["other_by_scope_ms_per_step"] = other_by_scope(rows, names, steps)
     first = sorted(kernels)[0] if kernels else None
     top: dict[str, float] = defaultdict(float)
     for name, lo, hi in kernels.get(first, []):
@@ -135,6 +183,7 @@ def main() -> None:
     from benchmarks.verify import verify_one
     from jax_impl.api import partition_specs
 
+    dump_compiled_hlo()
     OUT.mkdir(parents=True, exist_ok=True)
     verdicts: dict[tuple, dict] = {}
     for mix in MIXES:
@@ -166,9 +215,12 @@ def main() -> None:
 
             _, both = attention_programs(attention)
             args = (*random_inputs(problem, NamedSharding(mesh, x_spec)), *aux)
+            before = {p.name for p in HLO_DUMP.glob("*")}
             began = time.perf_counter()
             jax.block_until_ready(both(*args))
             row["compile_s"] = round(time.perf_counter() - began, 1)
+            names = op_names(new_hlo(before))
+            row["hlo_kernels_named"] = len(names)
             for _ in range(2):
                 jax.block_until_ready(both(*args))
             walls = []
@@ -196,7 +248,7 @@ def main() -> None:
                         time.sleep(0.03)  # STEP_BREAK_MS splits the trace here
                 kernels = device_kernels(trace_dir)
                 send_recv = ("p2p",) if spec.kv_exchange == "ring" and spec.ring > 1 else ("all-to-all",)
-                row.update(summarize(kernels, 3, send_recv))
+                row.update(summarize(kernels, 3, send_recv, names))
             except Exception as err:  # noqa: BLE001 — a profiler that cannot start is a row, not a crash
                 row["profile_error"] = f"{type(err).__name__}: {err}"[:300]
             del args

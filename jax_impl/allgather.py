@@ -211,6 +211,24 @@ _allgather = attention_with_vjp(_forward, _backward)
 
 # ---- the shared prefix (module docstring; seqplan.shared) ----------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class SplitScopes:
+    """The ``jax.named_scope`` of each phase of the shared-prefix call (its kernels' op names in the
+    compiled program and in a profile: ``benchmarks/mesh_profile_jax.py`` sums the time by them)."""
+
+    ids: str = "shared_prefix.ids"  # gather the ids and token indices
+    gather: str = "shared_prefix.gather"  # all-gather the prefixes' K / V
+    plan: str = "shared_prefix.plan"  # both parts' one-call plans, on the device
+    shared: str = "shared_prefix.shared_part"  # queries [0, P) against the gathered prefixes
+    local: str = "shared_prefix.local_part"  # queries [P, t) against the device's own keys
+    scatter: str = "shared_prefix.reduce_scatter"  # the prefixes' dK / dV home (backward)
+    combine: str = "shared_prefix.combine"  # the parts' outputs and gradients joined
+    holds: str = "shared_prefix.holds"  # the shared_tokens promise checked on the gathered ids
+
+
+SCOPES = SplitScopes()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _SplitSaved:
     """What the shared-prefix forward keeps for its backward (a pytree).
@@ -286,29 +304,35 @@ def _part_backward(config: AttentionConfig, saved, kv, plans, masks):
 
 def _split_forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
     ring, me, (b, t), p = axis_size(axis_name), ring_index(axis_name), q.shape[:2], config.shared_tokens
-    ids_all = gather_segment_ids(ids, axis_name, config.comm)
-    positions = _positions(config, gather_token_index(index, axis_name, config.comm), b, ring, t)
+    with jax.named_scope(SCOPES.ids):
+        ids_all = gather_segment_ids(ids, axis_name, config.comm)
+        positions = _positions(config, gather_token_index(index, axis_name, config.comm), b, ring, t)
     mine = lambda x: lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
     queries = (mine(ids_all), mine(positions))
     keys_shared = (_prefixes(ids_all, ring, p), _prefixes(positions, ring, p))
-    # [b, R·p, hk, d]: shard r's prefix at rows r·p, as _prefixes orders the ids
-    kv_prefixes = tuple(config.comm.gather(x[:, :p], axis_name) for x in (k, v)) if p else None
+    with jax.named_scope(SCOPES.gather):  # [b, R·p, hk, d]: shard r's prefix at rows r·p, as _prefixes orders the ids
+        kv_prefixes = tuple(config.comm.gather(x[:, :p], axis_name) for x in (k, v)) if p else None
     one_call = prefix_eligible(config, q, True)
 
     def plan(lo, hi, keys):  # queries [lo, hi) against ``keys`` = (ids, positions)
         return prefix_plans_of(queries[0][:, lo:hi], keys[0], queries[1][:, lo:hi], keys[1]) if one_call else None
 
-    plans = (plan(0, p, keys_shared) if p else None, plan(p, t, queries) if p < t else None)
+    with jax.named_scope(SCOPES.plan):
+        plans = (plan(0, p, keys_shared) if p else None, plan(p, t, queries) if p < t else None)
     part_masks = lambda lo, hi, keys: ((queries[0][:, lo:hi], keys[0]), (queries[1][:, lo:hi], keys[1]))
     parts = []
     if p:
-        parts.append(_part_forward(config, q[:, :p], kv_prefixes, plans[0], part_masks(0, p, keys_shared)))
+        with jax.named_scope(SCOPES.shared):
+            parts.append(_part_forward(config, q[:, :p], kv_prefixes, plans[0], part_masks(0, p, keys_shared)))
     if p < t:
-        parts.append(_part_forward(config, q[:, p:], (k, v), plans[1], part_masks(p, t, queries)))
-    o = jnp.concatenate([o_part.astype(q.dtype) for o_part, _ in parts], axis=1)
-    lse = jnp.concatenate([lse_part.astype(F32) for _, lse_part in parts], axis=2)
-    holds = _shared_prefix_holds(ids_all, ring, p)
-    o = jnp.where(holds, o, jnp.nan)  # a broken promise shows (module docstring)
+        with jax.named_scope(SCOPES.local):
+            parts.append(_part_forward(config, q[:, p:], (k, v), plans[1], part_masks(p, t, queries)))
+    with jax.named_scope(SCOPES.combine):
+        o = jnp.concatenate([o_part.astype(q.dtype) for o_part, _ in parts], axis=1)
+        lse = jnp.concatenate([lse_part.astype(F32) for _, lse_part in parts], axis=2)
+    with jax.named_scope(SCOPES.holds):
+        holds = _shared_prefix_holds(ids_all, ring, p)
+        o = jnp.where(holds, o, jnp.nan)  # a broken promise shows (module docstring)
     return o, lse, _SplitSaved(kv_prefixes, queries, keys_shared, plans, holds)
 
 
@@ -322,16 +346,22 @@ def _split_backward(q, k, v, o, lse, saved: _SplitSaved, do, dlse, axis_name, co
     dq_parts = []
     dk, dv = (jnp.zeros(x.shape, F32) for x in (k, v))
     if p:
-        dq_shared, dk_rows, dv_rows = _part_backward(config, rows(0, p), saved.kv_prefixes, saved.plans[0],
-                                                     part_masks(0, p, keys_shared))
-        home = lambda g: config.comm.scatter(g, axis_name)  # [b, R·p] -> this shard's [b, p], summed
-        dk, dv = (d.at[:, :p].add(home(g)) for d, g in ((dk, dk_rows), (dv, dv_rows)))
+        with jax.named_scope(SCOPES.shared):
+            dq_shared, dk_rows, dv_rows = _part_backward(config, rows(0, p), saved.kv_prefixes, saved.plans[0],
+                                                         part_masks(0, p, keys_shared))
+        with jax.named_scope(SCOPES.scatter):
+            home = lambda g: config.comm.scatter(g, axis_name)  # [b, R·p] -> this shard's [b, p], summed
+            dk, dv = (d.at[:, :p].add(home(g)) for d, g in ((dk, dk_rows), (dv, dv_rows)))
         dq_parts.append(dq_shared)
     if p < t:
-        dq_local, dk_local, dv_local = _part_backward(config, rows(p, t), (k, v), saved.plans[1],
-                                                      part_masks(p, t, queries))
-        dk, dv = dk + dk_local, dv + dv_local
+        with jax.named_scope(SCOPES.local):
+            dq_local, dk_local, dv_local = _part_backward(config, rows(p, t), (k, v), saved.plans[1],
+                                                          part_masks(p, t, queries))
+        with jax.named_scope(SCOPES.combine):
+            dk, dv = dk + dk_local, dv + dv_local
         dq_parts.append(dq_local)
-    dq = jnp.concatenate([x.astype(F32) for x in dq_parts], axis=1)
-    nan_unless = lambda x: jnp.where(saved.holds, x, jnp.nan)
-    return nan_unless(dq), nan_unless(dk), nan_unless(dv)
+    with jax.named_scope(SCOPES.combine):
+        dq = jnp.concatenate([x.astype(F32) for x in dq_parts], axis=1)
+    with jax.named_scope(SCOPES.holds):
+        nan_unless = lambda x: jnp.where(saved.holds, x, jnp.nan)
+        return nan_unless(dq), nan_unless(dk), nan_unless(dv)

@@ -232,3 +232,46 @@ def test_jax_the_one_call_kernel_path_equals_the_truth(jax_devices, monkeypatch)
     for name in ("o", "dq", "dk", "dv"):
         assert np.isfinite(got[name]).all(), f"{name}: a part fell back to the portable kernel (NaN planted there)"
         assert _rel(got[name], truth[name]) < 2e-2, (name, _rel(got[name], truth[name]))
+
+
+def test_jax_every_phase_of_the_call_is_named_for_the_profile(jax_devices, monkeypatch):
+    """The shared-prefix call's phases carry their ``jax.named_scope`` (``allgather.SCOPES``) into
+    the traced program, forward and backward: the 4-GPU profile sums XLA's fusion time by them.
+    On the GPU's path (``fa3_varlen``, emulated here), where the plans are built on the device."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import fa3_ops
+    import jax_impl
+    from jax_impl.allgather import SCOPES
+
+    fa3_ops.emulate(monkeypatch)
+
+    ids, layout, x = _problem(seed=7)
+    extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
+    mesh = jax.make_mesh((RING,), ("ring",))
+    q, k, v, do = (jnp.asarray(_laid(x[n], layout.perm), jnp.float16) for n in ("q", "k", "v", "do"))
+    seg, index = jnp.asarray(_laid(ids, layout.perm).astype(np.int32)), jnp.asarray(layout.token_index.astype(np.int32))
+
+    def step(q, k, v, do, seg, index):
+        attention = lambda q, k, v: jax_impl.sequence_parallel_attention(
+            q, k, v, mesh, causal=True, layout="contiguous", kv_exchange="allgather", segment_ids=seg,
+            token_index=index, shared_tokens=extent, block_backend="fa3_varlen")
+        o, pullback = jax.vjp(attention, q, k, v)
+        return o, pullback(do)
+
+    stacks = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            stacks.add(str(eqn.source_info.name_stack))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(step)(q, k, v, do, seg, index).jaxpr)
+    named = " ".join(stacks)
+    missing = [s for s in vars(SCOPES).values() if s not in named]
+    assert not missing, missing

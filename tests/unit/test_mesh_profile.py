@@ -1,0 +1,43 @@
+"""Tier 1 — what the 4-GPU profile script (``benchmarks/mesh_profile_jax.py``) reads from a trace.
+
+Why: its numbers decide the next cut on the GPUs, where nothing can be debugged — the idle time
+split into steps and gaps, and the XLA-fusion time attributed to the phase that launched it must
+be right before a device minute is spent on them. (The GPU trace itself cannot be made here; the
+HLO op names can, from a CPU compile of the same named scopes.)"""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp
+
+from benchmarks import mesh_profile_jax as mp
+
+
+def test_the_idle_is_split_into_steps_and_the_gaps_inside_them():
+    rows = [("a", 0.0, 1.0), ("b", 1.5, 2.0), ("c", 1.6, 1.9), ("d", 2.5, 3.0),  # step 1: span 3, busy 2
+            ("a", 50.0, 51.0), ("b", 51.01, 52.0), ("d", 53.0, 54.0)]  # step 2 (a 30 ms host sleep before it)
+    got = mp.idle_inside_steps(rows, 2)
+    assert got["steps_found"] == 2 and got["span_ms"] == [3.0, 4.0] and got["busy_in_span_ms"] == [2.0, 2.99]
+    assert got["idle_inside_ms_per_step"] == pytest.approx((1.0 + 1.01) / 2)
+    first = got["longest_gaps"][0]
+    assert first == {"ms": 1.0, "after": "b", "before": "d"}  # step 2's gap, between the kernels either side
+    assert all(g["ms"] > mp.GAP_MS for g in got["longest_gaps"])  # 10 µs between a and b: launch spacing, unlisted
+
+
+def test_fusion_time_is_summed_by_the_phase_that_launched_it():
+    def f(x):
+        with jax.named_scope("shared_prefix.plan"):
+            y = jnp.sin(x) * 2
+        with jax.named_scope("shared_prefix.local_part"):
+            return jnp.sum(jnp.cos(y) ** 2)
+
+    names = mp.op_names(jax.jit(jax.grad(f)).lower(jnp.ones(1000)).compile().as_text())
+    scopes = {mp.scope_of(op) for op in names.values()}
+    assert {"fwd shared_prefix.plan", "fwd shared_prefix.local_part", "bwd shared_prefix.plan"} <= scopes, scopes
+    kernel = next(k for k, op in names.items() if mp.scope_of(op) == "bwd shared_prefix.plan")
+    rows = [(kernel, 0.0, 2.0), (kernel, 10.0, 12.0), ("MemcpyD2D", 3.0, 4.0),
+            ("flash::FlashAttnFwdSm90 kernel", 5.0, 9.0)]  # attention: not "other"
+    assert mp.other_by_scope(rows, names, steps=2) == {"bwd shared_prefix.plan": 2.0, "unmapped": 0.5}
