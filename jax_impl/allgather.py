@@ -212,7 +212,7 @@ _allgather = attention_with_vjp(_forward, _backward)
 # ---- the shared prefix (module docstring; seqplan.shared) ----------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class SplitScopes:
+class _SplitScopes:
     """The ``jax.named_scope`` of each phase of the shared-prefix call (its kernels' op names in the
     compiled program and in a profile: ``benchmarks/mesh_profile_jax.py`` sums the time by them)."""
 
@@ -226,7 +226,7 @@ class SplitScopes:
     holds: str = "shared_prefix.holds"  # the shared_tokens promise checked on the gathered ids
 
 
-SCOPES = SplitScopes()
+SCOPES = _SplitScopes()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
