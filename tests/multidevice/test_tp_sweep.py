@@ -68,3 +68,10 @@ def test_the_host_floor_moves_b_star_to_where_the_serial_bound_reaches_it():
     assert tp_sweep.host_bstar(sweep, hw, 0.5 * at(0)) == 0.0
     b = tp_sweep.host_bstar(sweep, hw, at(3000))
     assert math.isclose(b, 3000, rel_tol=1e-9), b
+
+
+def test_a_row_at_or_below_the_host_floors_size_is_refused_before_any_work():
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="must be below every row"):
+        tp_sweep.measure(replace(tp_sweep.SMALL_SWEEP, tokens=(4, 8)), "cpu")
