@@ -32,7 +32,7 @@ from .common import (
     Problem,
     Row,
     anchor_problems,
-    anchor_row,
+    best_anchor,
     check_layouts,
     documents_names,
     finish,
@@ -224,16 +224,8 @@ def anchor_rows(problems: list[Problem]) -> list[Row]:
     first (``benchmarks.masked.jax_anchor``): the ``jax_varlen_anchor`` rows."""
     from .masked import jax_anchor
 
-    rows = []
-    for p in problems:
-        try:
-            result = jax_anchor(p.seq, p.heads, p.kv_heads, p.head_dim, problem=p)
-        except Exception as err:  # noqa: BLE001 — one anchor failing must not lose the others
-            traceback.print_exc()
-            result = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-        rows.append(anchor_row("jax_varlen_anchor", p, result))
-        print(f"jax anchor {p.documents} fit {p.fit_ring}: {rows[-1].tflops_per_gpu} TFLOP/s {rows[-1].note}", flush=True)
-    return rows
+    fa3 = {"fa3": lambda p: jax_anchor(p.seq, p.heads, p.kv_heads, p.head_dim, problem=p)}
+    return [best_anchor("jax_varlen_anchor", p, fa3) for p in problems]
 
 
 def window_anchor_rows(problem: Problem) -> list[Row]:
@@ -242,14 +234,8 @@ def window_anchor_rows(problem: Problem) -> list[Row]:
     windowed run's efficiency is taken over."""
     from .masked import jax_window_anchor
 
-    try:
-        result = jax_window_anchor(problem.seq, problem.window[0], problem.heads, problem.kv_heads, problem.head_dim)
-    except Exception as err:  # noqa: BLE001 — a failing anchor is a row, not a crash
-        traceback.print_exc()
-        result = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-    row = anchor_row("jax_window_anchor", problem, result)
-    print(f"jax window anchor {problem.window}: {row.tflops_per_gpu} TFLOP/s {row.note}", flush=True)
-    return [row]
+    fa3 = {"fa3": lambda p: jax_window_anchor(p.seq, p.window[0], p.heads, p.kv_heads, p.head_dim)}
+    return [best_anchor("jax_window_anchor", problem, fa3)]
 
 
 def main(argv=None) -> None:

@@ -24,7 +24,7 @@ from .common import (
     Problem,
     Row,
     anchor_problems,
-    anchor_row,
+    best_anchor,
     check_layouts,
     documents_names,
     finish,
@@ -138,8 +138,8 @@ def _local_shape(problem: Problem, devices: int, heads: int):
     return problem.batch, problem.seq // devices, heads, problem.head_dim
 
 
-def _local_shard(array, spec: MeshSpec, mesh):
-    """This rank's shard of a global [b, seq] array in layout order (None stays None): the
+def local_shard(array, spec: MeshSpec, mesh, device="cuda"):
+    """This rank's shard of a global [b, seq, ...] array in layout order (None stays None): the
     sequence block r·U + u of its ring and Ulysses coordinates (torch_impl's contract)."""
     if array is None:
         return None
@@ -147,7 +147,7 @@ def _local_shard(array, spec: MeshSpec, mesh):
 
     block = sequence_block(dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())), spec.axes)
     t = array.shape[1] // (spec.ring * spec.ulysses)
-    return torch.as_tensor(array[:, block * t:(block + 1) * t], device="cuda")
+    return torch.as_tensor(array[:, block * t:(block + 1) * t], device=device)
 
 
 def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters: int, warmup: int,
@@ -161,7 +161,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     problem = row_problem(problem, spec, layout)
     laid = lay_out(problem, spec, layout)
     mesh = init_device_mesh("cuda", tuple(spec.axes.values()), mesh_dim_names=tuple(spec.axes))
-    ids, index = _local_shard(laid.segment_ids, spec, mesh), _local_shard(laid.token_index, spec, mesh)
+    ids, index = local_shard(laid.segment_ids, spec, mesh), local_shard(laid.token_index, spec, mesh)
     from torch_impl import replay
 
     # the plan reads q's shape, dtype and device only: one head stands in for all of them
@@ -286,28 +286,6 @@ def yunchang_rows(problem: Problem, ulysses: int, ring: int, iters: int, warmup:
 def _save(rows: list[Row], path: str) -> None:
     with open(path, "w") as f:
         json.dump([r.to_dict() for r in rows], f, indent=1)
-
-
-def best_anchor(framework: str, problem: Problem, candidates: dict) -> Row:
-    """The fastest verified of ``candidates`` (name -> ``benchmarks.masked`` anchor function of
-    (seq, heads, kv_heads, head_dim) and its problem) as a ``framework`` row on ``problem``: each
-    candidate checked at 4096 tokens by its function, a failing one kept as an error; ``extra.kernel``
-    names the faster, ``extra.candidates`` has them all."""
-    results = {}
-    for name, fn in candidates.items():
-        try:
-            results[name] = fn(problem)
-        except Exception as err:  # noqa: BLE001 — one kernel failing must not lose the other
-            traceback.print_exc()
-            results[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-    usable = [c for c in results.values() if c.get("verified") and c.get("fwd_bwd_ms")]
-    best = min(usable, key=lambda c: c["fwd_bwd_ms"]) if usable else next(iter(results.values()))
-    best = dict(best, candidates={n: {k: c.get(k) for k in ("kernel", "fwd_bwd_ms", "verified", "error")}
-                                  for n, c in results.items()})
-    row = anchor_row(framework, problem, best)
-    print(f"{framework} {problem.documents} window {problem.window} fit {problem.fit_ring}: {row.tflops_per_gpu} "
-          f"TFLOP/s ({best.get('kernel')}) {row.note}", flush=True)
-    return row
 
 
 def anchor_rows(problems: list[Problem]) -> list[Row]:

@@ -4,6 +4,7 @@ row format (one JSON object per measured configuration)."""
 from __future__ import annotations
 
 import statistics
+import traceback
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -435,6 +436,28 @@ def anchor_row(framework: str, problem: Problem, result: dict) -> Row:
         return row
     row.ms_per_iter = result["fwd_bwd_ms"]
     row.tflops_per_gpu = problem.flops(False) / (row.ms_per_iter * 1e-3) / 1e12
+    return row
+
+
+def best_anchor(framework: str, problem: Problem, candidates: dict) -> Row:
+    """The fastest verified of ``candidates`` (name -> a ``benchmarks.masked`` anchor of
+    ``problem``, each checked at 4096 tokens by its function; one that raises kept as its error)
+    as a ``framework`` row on ``problem`` (:func:`anchor_row`); ``extra.kernel`` names the one
+    chosen, ``extra.candidates`` has them all."""
+    results = {}
+    for name, fn in candidates.items():
+        try:
+            results[name] = fn(problem)
+        except Exception as err:  # noqa: BLE001 — one kernel failing must not lose the other
+            traceback.print_exc()
+            results[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    usable = [c for c in results.values() if c.get("verified") and c.get("fwd_bwd_ms")]
+    best = min(usable, key=lambda c: c["fwd_bwd_ms"]) if usable else next(iter(results.values()))
+    best = dict(best, candidates={n: {k: c.get(k) for k in ("kernel", "fwd_bwd_ms", "verified", "error")}
+                                  for n, c in results.items()})
+    row = anchor_row(framework, problem, best)
+    print(f"{framework} {problem.documents} window {problem.window} fit {problem.fit_ring}: {row.tflops_per_gpu} "
+          f"TFLOP/s ({best.get('kernel')}) {row.note}", flush=True)
     return row
 
 

@@ -148,7 +148,7 @@ def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, ite
 
     from benchmarks.common import Problem
     from seqplan.schedule import UNBOUNDED
-    from torch_impl.kernels.window import window_block_bwd, window_block_fwd
+    from torch_impl.kernels.window import block_band, window_block_bwd, window_block_fwd
 
     gen = torch.Generator(device="cuda").manual_seed(3)
 
@@ -157,8 +157,10 @@ def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, ite
         k, v = (torch.randn(1, t, kv_heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
         return q, k, v, do, torch.arange(t, device="cuda", dtype=torch.int32)
 
+    band = lambda w: BlockMask(MaskKind.CAUSAL, window=(w, UNBOUNDED))
+
     def calls(q, k, v, do, pos, w):
-        mask = BlockMask(MaskKind.CAUSAL, window=(w, UNBOUNDED))
+        mask = band(w)
         fwd = lambda: window_block_fwd(q, k, v, mask, d**-0.5, positions=(pos, pos))
 
         def step():
@@ -167,15 +169,13 @@ def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, ite
 
         return fwd, step
 
-    from torch_impl.kernels.window import block_band
-
     q, k, v, do, pos = inputs(4096)
     o, grads = calls(q, k, v, do, pos, WINDOW_CHECK)[1]()
     errors = _torch_window_errors(q, k, v, do, o, grads[0], WINDOW_CHECK)
     timed = inputs(seq)
     # the fused band, not the portable fallback, at both sizes: else the check compares the portable
     # kernel with itself and the anchor times it
-    fused = all(block_band(BlockMask(MaskKind.CAUSAL, window=(w, UNBOUNDED)), t, t, (p, p)) != "portable"
+    fused = all(block_band(band(w), t, t, (p, p)) != "portable"
                 for w, t, p in ((WINDOW_CHECK, 4096, pos), (window, seq, timed[-1])))
     fwd, step = calls(*timed, window)
     fwd_ms, step_ms = _cuda_ms(fwd, iters, warmup), _cuda_ms(step, iters, warmup)

@@ -84,15 +84,6 @@ def host_report(step, sync, cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def local(array, spec, mesh, device):
-    """This rank's shard of a global [b, seq, ...] array in layout order: the sequence block r·U + u
-    of its ring and Ulysses coordinates (torch_impl's contract); None stays None."""
-    if array is None:
-        return None
-    block, t = _block(spec, mesh), array.shape[1] // spec.devices
-    return torch.as_tensor(np.ascontiguousarray(array[:, block * t:(block + 1) * t]), device=device)
-
-
 def _block(spec, mesh) -> int:
     from parity.core.mesh import sequence_block
 
@@ -122,6 +113,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_impl
+    from benchmarks.bench_torch import local_shard
     from benchmarks.common import MeshSpec, Problem, check_layouts, lay_out, row_problem
     from parity.core.reference import attention_backward, attention_forward
     from seqplan.layouts import layout_permutation
@@ -150,12 +142,12 @@ def main() -> None:
         problem = row_problem(problem, spec, layout)
         laid = lay_out(problem, spec, layout)
         mesh = mesh_of(spec)
-        ids, index = (local(a, spec, mesh, device) for a in (laid.segment_ids, laid.token_index))
+        ids, index = (local_shard(a, spec, mesh, device) for a in (laid.segment_ids, laid.token_index))
         gen = torch.Generator().manual_seed(seed)
         make = lambda h: torch.randn(problem.batch, problem.seq, h, problem.head_dim, generator=gen)
         full = {"q": make(problem.heads), "k": make(problem.kv_heads), "v": make(problem.kv_heads),
                 "do": make(problem.heads)}
-        mine = {n: local(x, spec, mesh, device).to(dtype).requires_grad_(n != "do") for n, x in full.items()}
+        mine = {n: local_shard(x, spec, mesh, device).to(dtype).requires_grad_(n != "do") for n, x in full.items()}
 
         def step():
             for n in ("q", "k", "v"):
