@@ -16,7 +16,10 @@
 # call; magi4 JAX: 8 verified paths and 3 anchors 6.5 min — two calls (MAGI_MESHES, below).
 # 2026-11-27 (second machine): d128 JAX 6 min (the hybrid now compiles 26-30 s a path), jaxprof
 # 6.6 min, tp JAX 3.6 min (≈ 22 s a size: compile with autotuning) / torch 0.6 min, weak both
-# sides 2.5 min, llama one strategy with its B* sweep 3 min.
+# sides 2.5 min, llama one strategy with its B* sweep 3 min. 2026-11-27 (third machine, 10:06):
+# jaxprof 7 min (the zigzag ring with documents compiles 158 s), d128 JAX 5 min, tp both sides
+# 4.7 min, win + strong both sides 3 min, m1 JAX 5.5 min (torch's rows then 2 min more; its
+# context_parallel row did not finish inside the call: give m1 torch a call of its own).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
