@@ -162,6 +162,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     names = [n for n, a in (("segment_ids", laid.segment_ids), ("token_index", laid.token_index)) if a is not None]
     aux = tuple(jax.device_put(a, place) for a in (laid.segment_ids, laid.token_index) if a is not None)
     from jax_impl import replay
+    from jax_impl.kernels.fa3_varlen import backward_groups
 
     path = one_call_record(problem, spec, laid, backend, replay, lambda: jnp.zeros(
         (problem.batch, problem.seq, problem.heads, problem.head_dim), jnp.dtype(problem.dtype),
@@ -171,6 +172,8 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
                          **mask_extra(problem), **path,
+                         # the one call's backward: one call or two groups of runs (RINGBRIDGE_BACKWARD_GROUPS)
+                         **({"backward_calls": backward_groups()} if path else {}),
                          **({"variant": variant} if variant else {}),
                          **({"controllers": jax.process_count()} if jax.process_count() > 1 else {})})
 

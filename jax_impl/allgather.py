@@ -48,7 +48,7 @@ from seqplan.validation import (
 from .block import device_kind_of, resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .kernels.fa3_varlen import varlen_bwd, varlen_fwd
+from .kernels.fa3_varlen import one_call_backward, varlen_fwd
 from .kernels.reference import reference_block_bwd, reference_block_fwd
 from .kernels.runs import VarlenRuns, prefix_dispatch
 from .kernels.runs import prefix_plans as prefix_plans_of
@@ -132,8 +132,7 @@ def prefix_backward(config: AttentionConfig, saved, kv_all, plans, fallback):
     """The backward of :func:`prefix_forward` given ``saved = (q, o, lse, do)`` (the GLOBAL o, lse):
     (dq, dk, dv) with dk, dv float32 [b, R·t, hk, d] — every key's gradient from this device's rows."""
     q, o, lse, do = saved
-    kernel = lambda runs: varlen_bwd(do, q, *kv_all, o, lse, True, config.scale, runs)
-    return prefix_dispatch(plans, kernel, fallback, keys=kv_all[0].shape[1], lengths=True)
+    return one_call_backward(do, q, *kv_all, o, lse, config.scale, plans, fallback)
 
 
 def portable_config(config: AttentionConfig) -> AttentionConfig:
@@ -297,8 +296,7 @@ def _part_backward(config: AttentionConfig, saved, kv, plans, masks):
     if plans is None or dlse is not None:
         dq, dk, dv = portable()
     else:
-        dq, dk, dv = prefix_dispatch(plans, lambda runs: varlen_bwd(do, q, *kv, o, lse, True, config.scale, runs),
-                                     portable, keys=kv[0].shape[1], lengths=True)
+        dq, dk, dv = one_call_backward(do, q, *kv, o, lse, config.scale, plans, portable)
     return dq, dk.astype(F32), dv.astype(F32)
 
 

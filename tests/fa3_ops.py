@@ -16,16 +16,24 @@ import numpy as np
 F32 = jnp.float32
 
 
-def _visible(cu_q, cu_k, total_q: int, total_k: int, causal: bool, max_q: int, max_k: int):
-    """[total_q, total_k] pairs FA3 varlen computes: same run, causal aligned bottom-right, and
-    only positions inside the first max_q queries / max_k keys of a run (tiles past max_seqlen
-    are never launched)."""
-    run_q = jnp.searchsorted(cu_q, jnp.arange(total_q), side="right") - 1
-    run_k = jnp.searchsorted(cu_k, jnp.arange(total_k), side="right") - 1
-    i = jnp.arange(total_q) - cu_q[run_q]
-    j = jnp.arange(total_k) - cu_k[run_k]
-    n_q, n_k = (cu_q[1:] - cu_q[:-1])[run_q], (cu_k[1:] - cu_k[:-1])[run_k]
-    seen = run_q[:, None] == run_k[None, :]
+def _in_runs(cu, used, total: int):
+    """Per packed position: its run and offset in it, and whether it lies inside the run (its
+    first ``used`` positions when ``used`` (seqused) is given, else the offsets' difference)."""
+    run = jnp.clip(jnp.searchsorted(cu, jnp.arange(total), side="right") - 1, 0, cu.shape[0] - 2)
+    at = jnp.arange(total) - cu[run]
+    length = (cu[1:] - cu[:-1]) if used.shape[0] == 0 else used
+    return run, at, length[run], (at >= 0) & (at < length[run])
+
+
+def _visible(cu_q, cu_k, total_q: int, total_k: int, causal: bool, max_q: int, max_k: int, used_q=None,
+             used_k=None):
+    """[total_q, total_k] pairs FA3 varlen computes: same run, causal aligned bottom-right (on the
+    runs' lengths: ``used_q`` / ``used_k`` when given), and only positions inside the first max_q
+    queries / max_k keys of a run (tiles past max_seqlen are never launched)."""
+    none = jnp.zeros((0,), jnp.int32)
+    run_q, i, n_q, in_q = _in_runs(cu_q, none if used_q is None else used_q, total_q)
+    run_k, j, n_k, in_k = _in_runs(cu_k, none if used_k is None else used_k, total_k)
+    seen = (run_q[:, None] == run_k[None, :]) & in_q[:, None] & in_k[None, :]
     if causal:
         seen &= j[None, :] <= i[:, None] + n_k[None, :] - n_q[:, None]
     return seen & (i < max_q)[:, None] & (j < max_k)[None, :]
@@ -73,11 +81,11 @@ def _ffi_fwd(result_types):
 def _ffi_bwd(result_types):
     """The backward target: reads the lse ``[h, total_q]`` at the front of the given buffer."""
 
-    def call(do, q, k, v, o, lse_buffer, cu_q, cu_k, _a, _b, *, max_seqlen_q_val, max_seqlen_k_val,
+    def call(do, q, k, v, o, lse_buffer, cu_q, cu_k, used_q, used_k, *, max_seqlen_q_val, max_seqlen_k_val,
              softmax_scale_val, is_causal, **_attrs):
         t, h, _ = q.shape
         hk = k.shape[1]
-        seen = _visible(cu_q, cu_k, t, k.shape[0], is_causal, max_seqlen_q_val, max_seqlen_k_val)
+        seen = _visible(cu_q, cu_k, t, k.shape[0], is_causal, max_seqlen_q_val, max_seqlen_k_val, used_q, used_k)
         lse = lse_buffer.reshape(-1)[: h * t].reshape(h, t)
         kf, vf = _expand(k, h).astype(F32), _expand(v, h).astype(F32)
         s = jnp.einsum("thd,shd->hts", q.astype(F32), kf) * softmax_scale_val
@@ -90,6 +98,11 @@ def _ffi_bwd(result_types):
         dk = jnp.einsum("hts,thd->shd", ds, q.astype(F32))
         fold = lambda x: x.reshape(x.shape[0], hk, h // hk, x.shape[-1]).sum(2)
         outs = (dq.astype(q.dtype), fold(dk).astype(k.dtype), fold(dv).astype(v.dtype))
+        if used_q.shape[0]:  # with seqused, rows outside every run are never written: NaN here, so a
+            # caller that reads them fails its test instead of trusting what the GPU leaves there
+            rows_q, rows_k = _in_runs(cu_q, used_q, t)[3], _in_runs(cu_k, used_k, k.shape[0])[3]
+            unwritten = lambda x, rows: jnp.where(rows[:, None, None], x, jnp.nan)
+            outs = (unwritten(outs[0], rows_q), unwritten(outs[1], rows_k), unwritten(outs[2], rows_k))
         return (*outs, *(jnp.zeros(r.shape, r.dtype) for r in result_types[3:]))
 
     return call

@@ -27,6 +27,8 @@
 #   d128       issue 46: 128k tokens, the three balance mixes, both frameworks: all-gather KV and
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
+#   groups     issue 46: JAX, the shared-prefix paths on the three mixes with the one call's backward
+#              as one call (RINGBRIDGE_BACKWARD_GROUPS=1) then in two groups (2, the default), side by side
 #   llama      issue 48: the whole model on 4 GPUs (torch; LLAMA overrides the arguments, e.g.
 #              "--strategies allgather,usp --seq 32768,65536 --batches 1"): rows at 32k and 64k,
 #              predicted vs measured, each row's and the host floor's cProfile, and a B* sweep at
@@ -80,6 +82,10 @@ if [ "$1" = start ]; then
   D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
   CMD[d128]="for side in $SIDES; do $D128 --machine x4-documents-\$side --only \$side --parts-dir $R/d128-\$side; done"
+  # JAX's one-call backward as one call, then in two groups of runs (jax_impl/kernels/groups.py), same call
+  G46="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
+    --layout document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
+  CMD[groups]="for g in 1 2; do RINGBRIDGE_BACKWARD_GROUPS=\$g $G46 --machine x4-groups\$g-jax --parts-dir $R/groups\$g-jax; done"
   MAGI_MESHES=${MAGI_MESHES:-ring-r4,ring-agkv-r4}  # then usp-r2xu2,ulysses-u4 in a second call
   CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side MESHES=$MAGI_MESHES OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"

@@ -37,6 +37,8 @@ non-varlen call. So :func:`varlen_fwd` and :func:`varlen_bwd` bind the library's
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -44,9 +46,18 @@ from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
 from ..block import BlockBackend, register_backend
+from . import branches, groups
+from . import runs as run_plans
 from .fa3 import MAX_TILE_ROWS, verified
 from .reference import reference_block_bwd, reference_block_fwd
-from .runs import VARLEN_RUN_SLOTS, VarlenRuns, dispatch, index_dispatch
+from .runs import (
+    VARLEN_RUN_SLOTS,
+    VarlenRuns,
+    dispatch,
+    index_dispatch,
+    prefix_dispatch,
+    switch_with_fallback,
+)
 
 F32 = jnp.float32
 
@@ -101,36 +112,45 @@ def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns):
     return jnp.where(covered[:, :, None, None], o, 0), jnp.where(covered[:, None, :], lse, -jnp.inf)
 
 
-def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns):
-    """FA3 varlen backward through the FFI target with padded workspaces (module docstring)."""
+def _lse_rows(lse, runs: VarlenRuns):
+    """The forward's lse [b, h, t] as the backward reads it, [h·b·t] float32 (rows with no key
+    here get any finite value: their gradients are zeroed after the call)."""
+    lse_t = lse.astype(F32) if runs.covers_block else jnp.where(runs.covered_q[:, None, :], lse.astype(F32), 0.0)
+    return lse_t.transpose(1, 0, 2).reshape(-1)
+
+
+def _bwd_call(do, q, k_p, v_p, o, lse_rows, causal: bool, scale: float, runs: VarlenRuns, t: int, s: int):
+    """The FFI target on packed tensors (q, do, o [b·t, h, d]; keys [m, hk, d]): (dq, dk, dv) packed,
+    as the kernel wrote them — rows outside every run (``used_q`` / ``used_k``) unwritten."""
     import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
 
-    b, t, h, d = q.shape
-    s, hk = k.shape[1], k.shape[2]
-    dtype = q.dtype
+    total, h, d = q.shape
     nseq = runs.cu_q.shape[0] - 1
-    k_p, v_p = _packed_kv(k, runs), _packed_kv(v, runs)
-    # the forward's lse layout: [h, b·t] at the front of the buffer; rows with no key
-    # here get any finite value (their gradients are zeroed below)
-    lse_t = lse.astype(F32) if runs.covers_block else jnp.where(runs.covered_q[:, None, :], lse.astype(F32), 0.0)
-    lse_t = lse_t.transpose(1, 0, 2).reshape(-1)
     # The kernel reads [h, b·t] at the front of the buffer, whatever its declared shape
-    shape = _lse_buffer_shape(nseq, h, b * t)
-    lse_buffer = jnp.pad(lse_t, (0, shape[0] * h * shape[2] - h * b * t)).reshape(shape)
-    rows = b * t + (nseq + 1) * MAX_TILE_ROWS
-    result_types = [jax.ShapeDtypeStruct((b * t, h, d), dtype), jax.ShapeDtypeStruct(k_p.shape, dtype),
-                    jax.ShapeDtypeStruct(v_p.shape, dtype), jax.ShapeDtypeStruct((h, rows), F32),
+    shape = _lse_buffer_shape(nseq, h, total)
+    lse_buffer = jnp.pad(lse_rows, (0, shape[0] * h * shape[2] - h * total)).reshape(shape)
+    rows = total + (nseq + 1) * MAX_TILE_ROWS
+    result_types = [jax.ShapeDtypeStruct((total, h, d), q.dtype), jax.ShapeDtypeStruct(k_p.shape, q.dtype),
+                    jax.ShapeDtypeStruct(v_p.shape, q.dtype), jax.ShapeDtypeStruct((h, rows), F32),
                     jax.ShapeDtypeStruct((h, rows), F32)]
-    absent = jnp.zeros((0,), jnp.int32)  # seqused_q / seqused_k
+    absent = jnp.zeros((0,), jnp.int32)
+    used_q = absent if runs.used_q is None else runs.used_q
+    used_k = absent if runs.used_k is None else runs.used_k
     dq, dk_p, dv_p, _, _ = jax.ffi.ffi_call(
         "flash_mha_bwd", result_types, has_side_effect=False, input_layouts=[None] * 10, output_layouts=[None] * 5,
-    )(do.astype(dtype).reshape(b * t, h, d), q.reshape(b * t, h, d), k_p, v_p, o.astype(dtype).reshape(b * t, h, d),
-      lse_buffer, runs.cu_q, runs.cu_k, absent, absent,
+    )(do.astype(q.dtype), q, k_p, v_p, o.astype(q.dtype), lse_buffer, runs.cu_q, runs.cu_k, used_q, used_k,
       max_seqlen_q_val=t if runs.max_q is None else runs.max_q, max_seqlen_q_has_value=True,
       max_seqlen_k_val=s if runs.max_k is None else runs.max_k, max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
       window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0)
-    dq = dq.reshape(b, t, h, d)
+    return dq, dk_p, dv_p
+
+
+def _bwd_finish(dq, dk_p, dv_p, runs: VarlenRuns, b: int, t: int, s: int):
+    """The packed gradients as the block's: dq [b, t, h, d] with the rows no run covers zeroed; dK
+    / dV on the block's own keys (identity runs) or scattered back from the gathered ones, float32."""
+    hk, d = dk_p.shape[1:]
+    dq = dq.reshape(b, t, *dq.shape[1:])
     own = lambda g: g.reshape(b, s, hk, d)  # the block's own keys (identity runs)
     if runs.covers_block:  # every query and key in a run: the kernel wrote every row
         return dq, own(dk_p), own(dv_p)
@@ -143,6 +163,64 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns
     scatter = lambda g: (jnp.zeros((b * s, hk, d), F32).at[runs.kv_index].add(g.astype(F32), mode="drop")
                          .reshape(b, s, hk, d))
     return dq, scatter(dk_p), scatter(dv_p)
+
+
+def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns):
+    """FA3 varlen backward through the FFI target with padded workspaces (module docstring)."""
+    b, t, h, d = q.shape
+    s = k.shape[1]
+    flat = lambda x: x.reshape(b * t, h, d)
+    out = _bwd_call(flat(do), flat(q), _packed_kv(k, runs), _packed_kv(v, runs), flat(o), _lse_rows(lse, runs),
+                    causal, scale, runs, t, s)
+    return _bwd_finish(*out, runs, b, t, s)
+
+
+def varlen_bwd_groups(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns, sizes, ladder):
+    """:func:`varlen_bwd` on one plan's runs (every real run first, none skipped) as the two calls
+    of ``groups.split_runs`` — the long runs and the others, each with its own slots and bound,
+    over the same packed queries and keys; each call's rows taken where its runs are."""
+    b, t, h, d = q.shape
+    s = k.shape[1]
+    flat = lambda x: x.reshape(b * t, h, d)
+    packed = (flat(do), flat(q), _packed_kv(k, runs), _packed_kv(v, runs), flat(o), _lse_rows(lse, runs))
+    split = groups.split_runs(runs, tuple(sizes), tuple(ladder))
+    call = lambda group: _bwd_call(*packed, causal, scale, group, t, s)
+    empty = lambda: tuple(jnp.zeros(x.shape, q.dtype) for x in packed[1:4])  # no row of it is read
+    outs = [branches.select(groups.group_variants(call, runs, members, sizes, ladder, t, s, empty), choice).switch()
+            for members, choice in ((split.long, split.choices[0]), (~split.long & (jnp.diff(runs.cu_q) > 0),
+                                                                      split.choices[1]))]
+    q_long = groups.per_position(runs.cu_q, split.long, b * t)[:, None, None]
+    k_long = groups.per_position(runs.cu_k, split.long, packed[2].shape[0])[:, None, None]
+    dq, dk_p, dv_p = (jnp.where(at, a, c) for at, a, c in zip((q_long, k_long, k_long), *outs))
+    return _bwd_finish(dq, dk_p, dv_p, runs, b, t, s)
+
+
+def backward_groups() -> int:
+    """How many calls the one-call backward (:func:`one_call_backward`) makes: 2 (``groups``: the long
+    runs and the others) unless ``RINGBRIDGE_BACKWARD_GROUPS=1`` (the single call, for side-by-side
+    timing); read when a program is traced."""
+    value = os.environ.get("RINGBRIDGE_BACKWARD_GROUPS", "2")
+    if value not in ("1", "2"):
+        raise ValueError(f"RINGBRIDGE_BACKWARD_GROUPS must be 1 or 2, got {value!r}")
+    return int(value)
+
+
+def one_call_backward(do, q, k, v, o, lse, scale: float, plans: list[VarlenRuns], fallback):
+    """The backward of a device's one call (``runs.prefix_plans``: the same runs over each slot
+    count, the largest last) on keys ``k`` / ``v`` [b, S, hk, d]: (dq, dk, dv), or ``fallback()``
+    where the runs do not fit. In two calls (:func:`varlen_bwd_groups`) unless
+    :func:`backward_groups` says one (``runs.prefix_dispatch``, the smallest plan that holds the runs)."""
+    keys = k.shape[1]
+    if backward_groups() == 1:
+        return prefix_dispatch(plans, lambda runs: varlen_bwd(do, q, k, v, o, lse, True, scale, runs), fallback,
+                               keys=keys, lengths=True)
+    runs, sizes = plans[-1], tuple(plan.cu_q.shape[0] - 1 for plan in plans)
+    split = lambda: varlen_bwd_groups(do, q, k, v, o, lse, True, scale, runs, sizes,
+                                      run_plans.prefix_length_ladder(keys))
+    return switch_with_fallback({GROUPS: split}, branches.First([(runs.ok, GROUPS)]), fallback)
+
+
+GROUPS = (groups.GROUP, "split")
 
 
 def _static_fit(mask: BlockMask, q, segments, positions, dlse=None) -> bool:

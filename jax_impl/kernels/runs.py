@@ -97,7 +97,9 @@ class VarlenRuns:
     block's own keys in order: no gather, no scatter), ``covers_block`` (every query and every
     key of the block is in a run — a causal diagonal block's own runs, when ``ok`` — so
     ``covered_q`` / ``covered_kv`` are all true and the kernels skip their masked selects),
-    ``max_q`` / ``max_k`` (the backward's ``max_seqlen`` bounds; None: the block's own lengths)."""
+    ``max_q`` / ``max_k`` (the backward's ``max_seqlen`` bounds; None: the block's own lengths).
+    ``used_q`` / ``used_k`` (int32 [nseq], or None): each run's length where it is not the offsets'
+    difference — FlashAttention's ``seqused``: a run of the other group is skipped (``groups``)."""
 
     cu_q: jax.Array
     cu_k: jax.Array
@@ -110,6 +112,8 @@ class VarlenRuns:
     covers_block: bool = False
     max_q: int | None = None
     max_k: int | None = None
+    used_q: jax.Array | None = None
+    used_k: jax.Array | None = None
 
     def bounded(self, max_q: int, max_k: int) -> VarlenRuns:
         """These runs with the backward's ``max_seqlen`` bounds."""
@@ -119,7 +123,7 @@ class VarlenRuns:
 jax.tree_util.register_dataclass(
     PackedSegments, data_fields=[f.name for f in dataclasses.fields(PackedSegments)], meta_fields=[])
 jax.tree_util.register_dataclass(
-    VarlenRuns, data_fields=["cu_q", "cu_k", "kv_index", "covered_q", "ok", "covered_kv", "longest"],
+    VarlenRuns, data_fields=["cu_q", "cu_k", "kv_index", "covered_q", "ok", "covered_kv", "longest", "used_q", "used_k"],
     meta_fields=["identity", "covers_block", "max_q", "max_k"])  # static: the kernels branch and compile on them
 
 

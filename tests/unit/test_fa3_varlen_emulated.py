@@ -173,21 +173,25 @@ def test_token_index_block_form_or_fallback(shuffled, emulated_fa3):
 
 # the static zigzag (≈ 5 s) with --full: the public API's test on 4 devices runs it by default
 # (tests/multidevice/test_jax_token_index.py), inside the suite's 12 minutes
-ONE_CALL_CASES = [("document-hybrid", True), ("document-hybrid", False)]
-ONE_CALL_CASES += [pytest.param("zigzag", True, marks=pytest.mark.slow)] if FULL else []
+ONE_CALL_CASES = [("document-hybrid", True, "2"), ("document-hybrid", False, "2")]
+# the backward as one call (the split's own equality with it: tests/unit/test_backward_groups.py)
+ONE_CALL_CASES += [pytest.param(*case, marks=pytest.mark.slow) for case in (("zigzag", True, "2"),
+                                                                            ("document-hybrid", True, "1"))] if FULL else []
 
 
-@pytest.mark.parametrize("layout, fits", ONE_CALL_CASES)
-def test_allgather_runs_each_device_as_one_varlen_call(layout, fits, emulated_fa3, monkeypatch, seed):
+@pytest.mark.parametrize("layout, fits, groups", ONE_CALL_CASES)
+def test_allgather_runs_each_device_as_one_varlen_call(layout, fits, groups, emulated_fa3, monkeypatch, seed):
     """The JAX replay of all-gather-KV with packed documents — by token indices on the per-document
     hybrid, by the static zigzag's own positions — on ``fa3_varlen`` (emulated): each device is one
     varlen call forward and one backward (``allgather.prefix_forward`` / ``prefix_backward``), the
     block kernels (fused and portable) replaced by NaNs so a block walked would show; equal to the
     portable walk.
     ``fits=False``: one run slot, too few — every device takes the fallback (the blocks on the
-    portable kernel, here real again; the one call's kernels planted with NaNs) and still equals it."""
+    portable kernel, here real again; the one call's kernels planted with NaNs) and still equals it.
+    ``groups``: the backward as two calls (the long runs and the others, ``kernels.groups``; the
+    emulated kernel leaves NaN in the rows a call skips) or as the one call."""
     from jax_impl import allgather, block, replay
-    from jax_impl.kernels import runs
+    from jax_impl.kernels import fa3_varlen, runs
     from seqplan.layouts import hybrid_layout, layout_permutation, pad_documents
     from seqplan.strategy import Strategy
 
@@ -213,14 +217,14 @@ def test_allgather_runs_each_device_as_one_varlen_call(layout, fits, emulated_fa
         return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, **kw))
 
     want = run("reference", q, k, v, do, index, laid)
+    monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", groups)
     monkeypatch.setattr(runs, "PREFIX_SLOTS", (8,) if fits else (1,))
     monkeypatch.setattr(runs, "prefix_length_ladder", lambda n: (n,))
     nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
     if not fits:  # a one call taken anyway would show
         monkeypatch.setattr(allgather, "varlen_fwd", lambda q, *a: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]),
                                                                                      F32)))
-        monkeypatch.setattr(allgather, "varlen_bwd", lambda do, q, k, v, *a: nan(
-            q, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)))
+        monkeypatch.setattr(fa3_varlen, "_bwd_call", lambda do, q, k_p, v_p, *a: nan(q, k_p, v_p))
     for name in ("reference", "fa3_varlen") if fits else ():  # a block walked on either kernel would show
         monkeypatch.setitem(block._BACKENDS, name, block.BlockBackend(
             name, lambda q, k, v, *a, **kw: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)),

@@ -1,0 +1,105 @@
+"""The one call's backward in two groups of runs (``jax_impl.kernels.groups``), on the CPU with
+FlashAttention-3's FFI emulated (tests/fa3_ops.py: a call leaves NaN in the rows its ``seqused``
+skips, as the GPU leaves them unwritten).
+
+Why these exist: the split is chosen on the device from the runs' lengths, and its two calls'
+outputs are stitched back by group — a wrong stitch, a wrong ``seqused`` or a split that launches
+more tiles than the one call would only show on a GPU otherwise."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.fa3_ops import emulate
+
+F32 = jnp.float32
+# 3 long documents among 12 short ones, the keys a device sees (one device holding them all)
+LENGTHS = [580, 20, 30, 10, 620, 40, 12, 25, 600, 18, 33, 15, 22, 9, 14]
+
+
+@pytest.fixture
+def fa3(monkeypatch):
+    return emulate(monkeypatch)
+
+
+def _plans():
+    from jax_impl.kernels import runs
+
+    ids = jnp.asarray(np.repeat(np.arange(len(LENGTHS)), LENGTHS)[None].astype(np.int32))
+    index = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    return runs.prefix_plans(ids, ids, index, index), ids.shape[1]
+
+
+def _tiles(lengths, sizes, ladder) -> int:
+    """Launched tiles of one call over runs of ``lengths`` keys (the grid: slots x bound / 128)."""
+    if not len(lengths):
+        return 0
+    slots = min(m for m in sizes if m >= len(lengths))
+    return slots * -(-min(x for x in ladder if x >= max(lengths)) // 128)
+
+
+def test_the_split_launches_the_fewest_tiles_and_never_more_than_one_call():
+    """The device's choice equals the brute force over every rung (numpy, from the same lengths),
+    and here splits: 3 long runs on 8 slots bounded at 768, 12 short on 16 bounded at 256 — 80
+    tiles a head against the one call's 96."""
+    from jax_impl.kernels import groups, runs
+
+    plans, n = _plans()
+    sizes, ladder = tuple(p.cu_q.shape[0] - 1 for p in plans), runs.prefix_length_ladder(n)
+    split = jax.jit(lambda: groups.split_runs(plans[-1], sizes, ladder).long)()
+    long = np.asarray(split)[: len(LENGTHS)]
+    lengths = np.array(LENGTHS)
+    brute = min(_tiles(lengths[lengths > th], sizes, ladder) + _tiles(lengths[lengths <= th], sizes, ladder)
+                for th in ladder)
+    got = _tiles(lengths[long], sizes, ladder) + _tiles(lengths[~long], sizes, ladder)
+    assert got == brute == 80 < _tiles(lengths, sizes, ladder) == 96
+    assert long.tolist() == [x > 256 for x in LENGTHS] and not np.asarray(split)[len(LENGTHS):].any()
+
+
+def test_two_calls_equal_the_one_call(fa3):
+    """dq, dK, dV of the split backward equal the one call's on the same runs (both emulated), every
+    row finite: no row a call skipped (NaN in the emulation) is read."""
+    from jax_impl.kernels import groups, runs
+
+    plans, n = _plans()
+    # a few of the slots and bounds (each variant is compiled, and emulated on 2048² scores here):
+    # the split's 8 / 16 slots at 256 / 768, and the one call's 16 at 768
+    sizes, ladder = (8, 16), (256, 768, n)
+    assert set(ladder) <= set(runs.prefix_length_ladder(n))
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, do = (jax.random.normal(kk, (1, n, 4, 16), F32).astype(jnp.float16) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (1, n, 2, 16), F32).astype(jnp.float16) for kk in keys[2:])
+    o, lse = fa3.varlen_fwd(q, k, v, True, 0.25, plans[-1])
+    split = jax.jit(lambda: groups.split_runs(plans[-1], sizes, ladder).long)()
+    assert int(np.asarray(split).sum()) == 3  # a real split: the three long runs, then the twelve others
+
+    one = jax.jit(lambda: fa3.varlen_bwd(do, q, k, v, o, lse, True, 0.25, plans[-1]))()
+    two = jax.jit(lambda: fa3.varlen_bwd_groups(do, q, k, v, o, lse, True, 0.25, plans[-1], sizes, ladder))()
+    for name, x, y in zip(("dq", "dk", "dv"), two, one):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.isfinite(x).all(), f"{name}: a skipped row was read"
+        np.testing.assert_allclose(x, y, rtol=0, atol=2e-3, err_msg=name)
+        assert np.abs(y).max() > 0.1  # gradients that carry something
+
+
+def test_one_call_backward_honours_the_switch(fa3, monkeypatch):
+    """``RINGBRIDGE_BACKWARD_GROUPS`` picks the one call (1) or the split (2) and refuses anything else
+    before tracing a kernel."""
+    monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", "3")
+    with pytest.raises(ValueError, match="RINGBRIDGE_BACKWARD_GROUPS must be 1 or 2"):
+        fa3.backward_groups()
+    for value in ("1", "2"):
+        monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", value)
+        assert fa3.backward_groups() == int(value)
+
+
+def test_a_run_flag_reaches_every_position_of_its_run():
+    from jax_impl.kernels import groups
+
+    cu = jnp.asarray([0, 3, 5, 9, 9, 9], jnp.int32)  # three runs, two empty slots at the end
+    flags = jnp.asarray([True, False, True, False, False])
+    got = np.asarray(groups.per_position(cu, flags, 10))
+    assert got[:9].tolist() == [True] * 3 + [False] * 2 + [True] * 4
