@@ -33,18 +33,11 @@ def _plans():
     return runs.prefix_plans(ids, ids, index, index), ids.shape[1]
 
 
-def _tiles(lengths, sizes, ladder) -> int:
-    """Launched tiles of one call over runs of ``lengths`` keys (the grid: slots x bound / 128)."""
-    if not len(lengths):
-        return 0
-    slots = min(m for m in sizes if m >= len(lengths))
-    return slots * -(-min(x for x in ladder if x >= max(lengths)) // 128)
-
-
 def test_the_split_launches_the_fewest_tiles_and_never_more_than_one_call():
-    """The device's choice equals the brute force over every rung (numpy, from the same lengths),
-    and here splits: 3 long runs on 8 slots bounded at 768, 12 short on 16 bounded at 256 — 80
-    tiles a head against the one call's 96."""
+    """The device's choice equals the count ``python -m benchmarks.launched_tiles`` makes in numpy
+    (every rung tried, from the same lengths), and here splits: 3 long runs on 8 slots bounded at
+    768, 12 short on 16 bounded at 256 — 80 tiles a head against the one call's 96."""
+    from benchmarks.launched_tiles import call_tiles, split_tiles
     from jax_impl.kernels import groups, runs
 
     plans, n = _plans()
@@ -52,10 +45,9 @@ def test_the_split_launches_the_fewest_tiles_and_never_more_than_one_call():
     split = jax.jit(lambda: groups.split_runs(plans[-1], sizes, ladder).long)()
     long = np.asarray(split)[: len(LENGTHS)]
     lengths = np.array(LENGTHS)
-    brute = min(_tiles(lengths[lengths > th], sizes, ladder) + _tiles(lengths[lengths <= th], sizes, ladder)
-                for th in ladder)
-    got = _tiles(lengths[long], sizes, ladder) + _tiles(lengths[~long], sizes, ladder)
-    assert got == brute == 80 < _tiles(lengths, sizes, ladder) == 96
+    brute, _ = split_tiles(lengths, sizes, ladder)
+    got = call_tiles(lengths[long], sizes, ladder) + call_tiles(lengths[~long], sizes, ladder)
+    assert got == brute == 80 < call_tiles(lengths, sizes, ladder) == 96
     assert long.tolist() == [x > 256 for x in LENGTHS] and not np.asarray(split)[len(LENGTHS):].any()
 
 
@@ -103,3 +95,15 @@ def test_a_run_flag_reaches_every_position_of_its_run():
     flags = jnp.asarray([True, False, True, False, False])
     got = np.asarray(groups.per_position(cu, flags, 10))
     assert got[:9].tolist() == [True] * 3 + [False] * 2 + [True] * 4
+
+
+@pytest.mark.parametrize("queries, keys", [(1, 1), (64, 64), (100, 300), (200, 200), (130, 1000)])
+def test_score_tiles_count_the_tiles_that_hold_a_visible_pair(queries, keys):
+    """``benchmarks.launched_tiles.score_tiles`` (the work side of the per-GPU fit) against a brute
+    force over the bottom-right causal mask of one run."""
+    from benchmarks.launched_tiles import score_tiles
+
+    i, j = np.arange(queries)[:, None], np.arange(keys)[None, :]
+    seen = j <= i + keys - queries
+    tiles = {(a // 64, b // 128) for a, b in zip(*np.nonzero(seen))}
+    assert score_tiles(queries, keys) == len(tiles)
