@@ -15,8 +15,9 @@ from the compiled program's HLO, which XLA dumps; the shared-prefix call names i
 ``jax_impl.allgather.SCOPES``), and where the idle time sits: per step, the device span (first kernel
 to last) against the busy time, and the longest gaps inside a step with the kernels on either
 side (a gap after a small kernel that returns a value to the host — a ``lax.switch`` index, a
-sync — reads differently from one after a collective). Each row is written to ``$OUT/jax-profile/{mix}-{mesh}-{layout}.json`` as
-it finishes, with the top kernels of GPU 0.
+sync — reads differently from one after a collective). Each row is written to
+``$OUT/jax-profile/{mix}[-window{W}]-{mesh}-{layout}.json`` as it finishes, with the top kernels of
+GPU 0 (``WINDOW=W``: a sliding window (W, 0) on every path).
 
     JAX_PLATFORMS=cuda python benchmarks/mesh_profile_jax.py
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \
@@ -47,6 +48,8 @@ MIXES = os.environ.get("MIXES", "short,heavy-tail").split(",")
 PATHS = [p.split(":") for p in os.environ.get(
     "PATHS", "ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag,usp-agkv-r2xu2:document-hybrid-shared").split(",")]
 SEQ = int(os.environ.get("SEQ", "131072"))
+WINDOW = int(os.environ.get("WINDOW", "0"))  # > 0: a sliding window (WINDOW, 0) on every path
+TAG = f"-window{WINDOW}" if WINDOW else ""  # in the result files' names
 OUT = Path(os.environ.get("OUT", "/tmp")) / "jax-profile"
 HLO_DUMP = Path("/tmp/jaxprof-hlo")  # the compiled programs' HLO, for the kernels' op names (large: not in $OUT)
 
@@ -190,13 +193,13 @@ def main() -> None:
         for mesh_name, layout in PATHS:
             spec = MeshSpec(mesh_name)
             base = Problem(seq=1024 if SMOKE else SEQ, heads=4 if SMOKE else 32, kv_heads=2 if SMOKE else 8,
-                           documents=mix)
+                           documents=mix, window=(WINDOW, 0) if WINDOW else None)
             key = (mesh_name, layout)
             if key not in verdicts:
                 verdicts[key] = verify_one("jax", mesh_name, layout, "auto", base, "cpu" if SMOKE else "gpu")
                 print("verify", key, verdicts[key], flush=True)
             row = {"mix": mix, "mesh": mesh_name, "layout": layout, "seq": base.seq, "verified": verdicts[key]}
-            path = OUT / f"{mix}-{mesh_name}-{layout}.json"
+            path = OUT / f"{mix}{TAG}-{mesh_name}-{layout}.json"
             if not verdicts[key].get("passed"):
                 path.write_text(json.dumps(row, indent=1, default=str))
                 continue
@@ -208,10 +211,10 @@ def main() -> None:
             names = [n for n, a in (("segment_ids", laid.segment_ids), ("token_index", laid.token_index)) if a is not None]
             aux = tuple(jax.device_put(a, place) for a in (laid.segment_ids, laid.token_index) if a is not None)
 
-            def attention(q, k, v, *aux, laid=laid, mesh=mesh, spec=spec, names=names):
+            def attention(q, k, v, *aux, laid=laid, mesh=mesh, spec=spec, names=names, window=problem.window):
                 return jax_impl.sequence_parallel_attention(
                     q, k, v, mesh, causal=True, layout=laid.api_layout, kv_exchange=spec.kv_exchange,
-                    block_backend="auto", **laid.shared, **dict(zip(names, aux)))
+                    block_backend="auto", window=window, **laid.shared, **dict(zip(names, aux)))
 
             _, both = attention_programs(attention)
             args = (*random_inputs(problem, NamedSharding(mesh, x_spec)), *aux)
@@ -240,7 +243,7 @@ def main() -> None:
             row["dispatch_ms_median"] = statistics.median(dispatch)
             row["queued_ms_per_step"] = (time.perf_counter() - began) * 1e3 / 5
             row["tflops_per_gpu"] = problem.flops(False) / (row["wall_ms_median"] * 1e-3) / spec.devices / 1e12
-            trace_dir = f"/tmp/jaxprof-4gpu/{mix}-{mesh_name}-{layout}"
+            trace_dir = f"/tmp/jaxprof-4gpu/{mix}{TAG}-{mesh_name}-{layout}"
             try:
                 with jax.profiler.trace(trace_dir):
                     for _ in range(3):

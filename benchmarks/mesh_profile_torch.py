@@ -16,7 +16,8 @@ in a device-to-host copy), and the top 20 rows by device time (operators and ker
 (The 2026-11-26 runs summed operator and annotation rows with kernel rows in
 ``device_ms_per_step_by_kind``, counting kernels twice; docs/gpu/documents-2026-11-26-h200x4.md reads
 the kernel rows instead; :func:`is_kernel` now keeps kernels only.)
-Written to ``$OUT/profile-short/{mix}-{mesh}-{layout}-rank{r}.json``.
+Written to ``$OUT/profile-short/{mix}[-window{W}]-{mesh}-{layout}-rank{r}.json`` (``WINDOW=W``:
+a sliding window (W, 0) on every path).
 
 Host side (rank 0, after the timed steps): the synchronising CUDA calls of one step
 (``torch.cuda.set_sync_debug_mode``: each with the frames of this project that made it) and a
@@ -50,6 +51,10 @@ SEQ = int(os.environ.get("SEQ", "131072"))
 MIXES = tuple(os.environ.get("MIXES", "short").split(","))
 # mesh:layout pairs (default: all-gather KV over every rank in each of LAYOUTS)
 PATHS = os.environ.get("PATHS", "")
+# WINDOW=4096: a sliding window (WINDOW, 0) on every path (the check at 4096 tokens takes a window
+# of an eighth of its length, so the window masks something there too)
+WINDOW = int(os.environ.get("WINDOW", "0"))
+TAG = f"-window{WINDOW}" if WINDOW else ""  # in the result files' names
 
 
 def host_report(step, sync, cuda: bool) -> str:
@@ -155,13 +160,16 @@ def main() -> None:
             with torch.profiler.record_function("attention_call"):
                 o = torch_impl.sequence_parallel_attention(
                     mine["q"], mine["k"], mine["v"], mesh, causal=True, layout=laid.api_layout,
-                    kv_exchange=spec.kv_exchange, segment_ids=ids, token_index=index, **laid.shared)
+                    kv_exchange=spec.kv_exchange, segment_ids=ids, token_index=index, window=problem.window,
+                    **laid.shared)
                 o.backward(mine["do"])
             return o
         return step, mine, full, laid, problem
 
     def check(spec, layout, documents) -> float:
-        problem = Problem(seq=512 if SMOKE else 4096, heads=8, kv_heads=2, documents=documents)
+        seq = 512 if SMOKE else 4096
+        problem = Problem(seq=seq, heads=8, kv_heads=2, documents=documents,
+                          window=(min(WINDOW, seq // 8), 0) if WINDOW else None)
         step, mine, full, laid, problem = call(problem, spec, layout, torch.float32 if SMOKE else torch.bfloat16, seed=1)
         o = step()
         got = {n: torch.empty((world, *x.shape), dtype=x.dtype, device=device) for n, x in
@@ -185,7 +193,8 @@ def main() -> None:
         perm = np.argsort(index, axis=1)  # layout position of each original index
         orig = {n: np.take_along_axis(x, perm[:, :, None, None], 1) for n, x in laid_np.items()}
         ids_orig = None if ids is None else np.take_along_axis(ids, perm, 1)
-        fwd = attention_forward(orig["q"], orig["k"], orig["v"], causal=True, segment_ids=ids_orig)
+        fwd = attention_forward(orig["q"], orig["k"], orig["v"], causal=True, segment_ids=ids_orig,
+                                window=problem.window)
         grads = attention_backward(fwd, orig["q"], orig["k"], orig["v"], orig["do"], np.zeros_like(fwd.lse))
         worst = 0.0
         for n, want in zip(("o", "dq", "dk", "dv"), (fwd.o, *grads)):
@@ -205,10 +214,10 @@ def main() -> None:
         dist.broadcast(verdict, 0)
         if not bool(verdict.item()):
             if rank == 0:
-                (out / f"{mix}-{mesh_name}-{layout}-NOT-VERIFIED.txt").write_text(f"relative error {error:.3e}\n")
+                (out / f"{mix}{TAG}-{mesh_name}-{layout}-NOT-VERIFIED.txt").write_text(f"relative error {error:.3e}\n")
             continue
         problem = Problem(seq=4096 if SMOKE else SEQ, heads=4 if SMOKE else 32, kv_heads=2 if SMOKE else 8,
-                          documents=mix)
+                          documents=mix, window=(WINDOW, 0) if WINDOW else None)
         step, *_ = call(problem, spec, layout, torch.float32 if SMOKE else torch.bfloat16)
         for _ in range(3):
             step()
@@ -240,10 +249,10 @@ def main() -> None:
                    "attention_call_host_ms_per_step": host[0].cpu_time_total / 1e3 / 3 if host else None,
                    "top_device_ops": [{"name": e.key[:120], "device_ms_per_step": device_us(e) / 1e3 / 3,
                                        "calls_per_step": e.count / 3} for e in top]}
-        (out / f"{mix}-{mesh_name}-{layout}-rank{rank}.json").write_text(json.dumps(summary, indent=1))
+        (out / f"{mix}{TAG}-{mesh_name}-{layout}-rank{rank}.json").write_text(json.dumps(summary, indent=1))
         host_text = host_report(step, sync, cuda)  # every rank steps (the collectives); rank 0 writes
         if rank == 0:
-            (out / f"{mix}-{mesh_name}-{layout}-rank0-host.txt").write_text(host_text)
+            (out / f"{mix}{TAG}-{mesh_name}-{layout}-rank0-host.txt").write_text(host_text)
         if rank == 0:
             print(json.dumps({k: summary[k] for k in ("mix", "mesh", "layout", "shared_tokens", "wall_ms_median",
                                                       "device_ms_per_step_by_kind", "attention_call_host_ms_per_step",

@@ -42,6 +42,7 @@
 #   prof47     issue 47: torch_impl's five strategies at 128k, no documents, profiled per rank (kernels by
 #              kind, NCCL, copies, the host's syncs and cProfile), each checked at 4096 tokens first
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
+#   winprof    issue 47: the window (4096, 0) rows (ring 4, USP 2x2, contiguous) profiled, JAX then torch
 #   strong     issue 47: strong scaling, 32k tokens over 4 GPUs, four strategies, the ceiling at 8k
 #   m1         issue 47: 1M tokens over 4 GPUs, USP 2x2 and ring 4, peak memory, the ceiling at 256k
 #   win        issue 47: window (4096, 0) at 128k, ring 4 and USP 2x2, over each framework's window anchor
@@ -95,6 +96,10 @@ if [ "$1" = start ]; then
   P47=ring-r4:zigzag,ulysses-u4:contiguous,usp-r2xu2:zigzag,double_ring-ro2xri2:zigzag,ring-agkv-r4:zigzag
   CMD[prof47]="MIXES=none PATHS=$P47 SEQ=$SEQ $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 benchmarks/mesh_profile_jax.py $S"
+  # the window rows' profiles (issue 47: ring and USP at 0.65-0.79 of the window kernel), both sides
+  PW=ring-r4:contiguous,usp-r2xu2:contiguous; WIN=4096; [ "${SMOKE:-0}" = 1 ] && WIN=256
+  CMD[winprof]="MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN python3 benchmarks/mesh_profile_jax.py $S;
+    MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 benchmarks/mesh_profile_jax.py $S"
   # weak scaling at 32k tokens per GPU, a ring over 1, 2, 4 GPUs, each side; the ceiling at 32k beside
