@@ -42,6 +42,8 @@
 #   prof47     issue 47: torch_impl's five strategies at 128k, no documents, profiled per rank (kernels by
 #              kind, NCCL, copies, the host's syncs and cProfile), each checked at 4096 tokens first
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
+#   u128       issue 47: 128k, the five strategies, GQA 32 / 8, each side, the single-GPU ceiling at 32k beside
+#   u128mha    issue 47: the same with MHA (32 / 32), beside torch context_parallel
 #   winprof    issue 47: the window (4096, 0) rows (ring 4, USP 2x2, contiguous) profiled, JAX then torch
 #   strong     issue 47: strong scaling, 32k tokens over 4 GPUs, four strategies, the ceiling at 8k
 #   m1         issue 47: 1M tokens over 4 GPUs, USP 2x2 and ring 4, peak memory, the ceiling at 256k
@@ -102,6 +104,13 @@ if [ "$1" = start ]; then
     MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 benchmarks/mesh_profile_jax.py $S"
+  # 128k, every strategy, GQA 32 / 8 and MHA (torch context_parallel runs MHA only); the ceiling at 32k beside
+  MHA_KV=32; [ "${SMOKE:-0}" = 1 ] && MHA_KV=4
+  U128="python3 -m benchmarks --gpus 4 --seqs $SEQ --meshes ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4 \
+    $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2"
+  CMD[u128]="for side in $SIDES; do $U128 --machine x4-128k-gqa-\$side --only \$side --parts-dir $R/u128-\$side; done"
+  CMD[u128mha]="for side in $SIDES; do $U128 --kv-heads $MHA_KV --machine x4-128k-mha-\$side --only \$side \
+    --parts-dir $R/u128mha-\$side; done"
   # weak scaling at 32k tokens per GPU, a ring over 1, 2, 4 GPUs, each side; the ceiling at 32k beside
   CMD[weak]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs '' --meshes '' \
     --weak $((SEQ / 4)) $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2 --machine x4-weak-\$side --parts-dir $R/weak-\$side; done"
