@@ -172,8 +172,9 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
                          **mask_extra(problem), **path,
-                         # the one call's backward: one call or two groups of runs (RINGBRIDGE_BACKWARD_GROUPS)
-                         **({"backward_calls": backward_groups()} if path else {}),
+                         # the one call's backward setting (RINGBRIDGE_BACKWARD_GROUPS: 1 one call, 2 two
+                         # groups of runs where the split pays; which one a device took is not recorded)
+                         **({"backward_groups": backward_groups()} if path and not fwd_only else {}),
                          **({"variant": variant} if variant else {}),
                          **({"controllers": jax.process_count()} if jax.process_count() > 1 else {})})
 

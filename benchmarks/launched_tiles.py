@@ -35,11 +35,16 @@ def call_tiles(lengths: np.ndarray, sizes, ladder) -> int:
 
 
 def split_tiles(lengths: np.ndarray, sizes, ladder) -> tuple[int, int]:
-    """(tiles, θ) of the cheapest split at a rung θ of ``ladder`` — runs over θ keys in one call,
-    the rest in the other; the first rung on ties, as the device's ``argmin``."""
+    """(tiles, θ) as ``groups.split_runs`` chooses: the cheapest split at a rung θ of ``ladder`` —
+    runs over θ keys in one call, the rest in the other; the first rung on ties — if it launches at
+    most ``SPLIT_AT_MOST`` of the one call's tiles, else the one call (θ the top rung)."""
+    from jax_impl.kernels.groups import SPLIT_AT_MOST
+
     costs = [call_tiles(lengths[lengths > th], sizes, ladder) + call_tiles(lengths[lengths <= th], sizes, ladder)
              for th in ladder]
     best = int(np.argmin(costs))
+    if costs[best] > SPLIT_AT_MOST * costs[-1]:
+        best = len(ladder) - 1
     return costs[best], ladder[best]
 
 
@@ -56,7 +61,7 @@ class DeviceTiles:
     runs: int
     work: int  # key tiles holding a key of their run
     one_call: int  # key tiles the one call launches
-    two_groups: int  # key tiles the two groups launch
+    two_groups: int  # key tiles with RINGBRIDGE_BACKWARD_GROUPS=2 (the split where it is taken)
     score: int  # score tiles with real work (what the kernel computes)
 
 

@@ -28,7 +28,7 @@
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
 #   groups     issue 46: JAX, the shared-prefix paths on the three mixes with the one call's backward
-#              as one call (RINGBRIDGE_BACKWARD_GROUPS=1) then in two groups (2, the default), side by side
+#              as one call (RINGBRIDGE_BACKWARD_GROUPS=1, the default) then in two groups (2), side by side
 #   llama      issue 48: the whole model on 4 GPUs (torch; LLAMA overrides the arguments, e.g.
 #              "--strategies allgather,usp --seq 32768,65536 --batches 1"): rows at 32k and 64k,
 #              predicted vs measured, each row's and the host floor's cProfile, and a B* sweep at

@@ -41,6 +41,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
@@ -189,17 +190,22 @@ def varlen_bwd_groups(do, q, k, v, o, lse, causal: bool, scale: float, runs: Var
     outs = [branches.select(groups.group_variants(call, runs, members, sizes, ladder, t, s, empty), choice).switch()
             for members, choice in ((split.long, split.choices[0]), (~split.long & (jnp.diff(runs.cu_q) > 0),
                                                                       split.choices[1]))]
-    q_long = groups.per_position(runs.cu_q, split.long, b * t)[:, None, None]
-    k_long = groups.per_position(runs.cu_k, split.long, packed[2].shape[0])[:, None, None]
-    dq, dk_p, dv_p = (jnp.where(at, a, c) for at, a, c in zip((q_long, k_long, k_long), *outs))
-    return _bwd_finish(dq, dk_p, dv_p, runs, b, t, s)
+    def stitch():  # each call's rows where its runs are
+        q_long = groups.per_position(runs.cu_q, split.long, b * t)[:, None, None]
+        k_long = groups.per_position(runs.cu_k, split.long, packed[2].shape[0])[:, None, None]
+        return tuple(jnp.where(at, a, c) for at, a, c in zip((q_long, k_long, k_long), *outs))
+
+    # no long run (the one call: its saving too small): the short call's outputs, no select over them
+    grads = lax.cond(jnp.any(split.long), stitch, lambda: outs[1])
+    return _bwd_finish(*grads, runs, b, t, s)
 
 
 def backward_groups() -> int:
-    """How many calls the one-call backward (:func:`one_call_backward`) makes: 2 (``groups``: the long
-    runs and the others) unless ``RINGBRIDGE_BACKWARD_GROUPS=1`` (the single call, for side-by-side
-    timing); read when a program is traced."""
-    value = os.environ.get("RINGBRIDGE_BACKWARD_GROUPS", "2")
+    """How the one-call backward (:func:`one_call_backward`) runs: 1 (one call, the default) or 2
+    (``RINGBRIDGE_BACKWARD_GROUPS=2``: the long runs and the others, ``groups`` — where FA3's
+    ``seqused`` backward of flash_attn3_jax 0.2.3 is used for the first time; the default once a
+    GPU run has verified and timed it); read when a program is traced."""
+    value = os.environ.get("RINGBRIDGE_BACKWARD_GROUPS", "1")
     if value not in ("1", "2"):
         raise ValueError(f"RINGBRIDGE_BACKWARD_GROUPS must be 1 or 2, got {value!r}")
     return int(value)
@@ -208,8 +214,8 @@ def backward_groups() -> int:
 def one_call_backward(do, q, k, v, o, lse, scale: float, plans: list[VarlenRuns], fallback):
     """The backward of a device's one call (``runs.prefix_plans``: the same runs over each slot
     count, the largest last) on keys ``k`` / ``v`` [b, S, hk, d]: (dq, dk, dv), or ``fallback()``
-    where the runs do not fit. In two calls (:func:`varlen_bwd_groups`) unless
-    :func:`backward_groups` says one (``runs.prefix_dispatch``, the smallest plan that holds the runs)."""
+    where the runs do not fit: the one call (``runs.prefix_dispatch``, the smallest plan that holds
+    the runs), or with :func:`backward_groups` 2 the two calls of :func:`varlen_bwd_groups`."""
     keys = k.shape[1]
     if backward_groups() == 1:
         return prefix_dispatch(plans, lambda runs: varlen_bwd(do, q, k, v, o, lse, True, scale, runs), fallback,

@@ -12,13 +12,16 @@ and bounded by the longest run's 38k keys launches ten times the tiles it needs.
 
 So the backward may run as two calls over the same packed queries and keys: the runs with more
 keys than a threshold θ (the long group: few slots, the longest run's bound) and the others (the
-short group: many slots, the bound θ), each selected with FlashAttention's ``seqused_q`` /
+short group: many slots, a bound at most θ), each selected with FlashAttention's ``seqused_q`` /
 ``seqused_k`` (a run keeps its offsets; the queries and keys of the other group are skipped, and
 their rows of this call's outputs are never written, so the two calls' outputs are combined by
-group). θ is chosen on the device among the length ladder's rungs to launch the fewest tiles —
-the rung at or above the longest run is the one call of before, so the split never launches more.
-The forward needs none of this: its varlen scheduler is persistent (one program per SM walking the
-real tiles).
+group). θ is chosen on the device among the length ladder's rungs to launch the fewest tiles; the
+split is taken only when it launches at most ``SPLIT_AT_MOST`` of the one call's tiles (the top
+rung — no long run — is the one call of before): the second call has costs the tile count leaves
+out (its own preprocess and postprocess kernels, a second set of packed gradients and the select
+that stitches them). The forward needs none of this: its varlen scheduler is persistent (one
+program per SM walking the real tiles). The tile is 128 keys (head dims up to 128 on sm90; FA3
+takes 96 or 80 for larger ones: the count is then an underestimate, the choice still sound).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from . import branches
 from .runs import VarlenRuns, searchsorted
 
 TILE_KEYS = 128  # the backward's key tile (hdim 128, sm90): what its grid is counted in
+SPLIT_AT_MOST = 0.75  # of the one call's launched tiles: a smaller saving keeps the one call
 GROUP, SKIP = "group", "skip"
 
 
@@ -55,7 +59,9 @@ def launched_tiles(slots, bound):
 def split_runs(runs: VarlenRuns, sizes: tuple[int, ...], ladder: tuple[int, ...]) -> RunSplit:
     """The split of ``runs`` (a plan over M slots, every real run first) that launches the fewest
     tiles: for each rung θ of ``ladder``, the runs with more than θ keys take the long call (slots
-    and bound: the smallest of ``sizes`` / ``ladder`` holding them), the others the short one."""
+    and bound: the smallest of ``sizes`` / ``ladder`` holding them), the others the short one — or
+    the one call (θ the top rung, which ``ladder`` must hold every run under: no long run) unless
+    the best split launches at most ``SPLIT_AT_MOST`` of its tiles."""
     lq, lk = jnp.diff(runs.cu_q), jnp.diff(runs.cu_k)
     real = lq > 0  # padding slots are empty; a real run has a query and a key (the plan's ok)
     sizes_a, ladder_a = jnp.asarray(sizes, jnp.int32), jnp.asarray(ladder, jnp.int32)
@@ -68,7 +74,8 @@ def split_runs(runs: VarlenRuns, sizes: tuple[int, ...], ladder: tuple[int, ...]
     bound_short = top(ladder_a, jnp.max(jnp.where(short, lk[None, :], 0), axis=1))
     cost = (jnp.where(n_long > 0, launched_tiles(sizes_a[slot_long], ladder_a[bound_long]), 0)
             + jnp.where(n_short > 0, launched_tiles(sizes_a[slot_short], ladder_a[bound_short]), 0))
-    best = jnp.argmin(cost)  # ties: the lowest θ — the last rung (one call) only when nothing is cheaper
+    cheapest = jnp.argmin(cost)
+    best = jnp.where(cost[cheapest] <= SPLIT_AT_MOST * cost[-1], cheapest, len(ladder) - 1)
     choice = lambda n, slot, bound: branches.First(
         [(n[best] == 0, SKIP)], otherwise=branches.Grid((GROUP,), ((sizes, slot[best]), (ladder, bound[best])),
                                                          in_range=True))
@@ -103,7 +110,7 @@ def group_variants(call, runs: VarlenRuns, members, sizes, ladder, t: int, s: in
 
 def per_position(cu, flags, total: int):
     """A run flag ([M] over ``cu``'s runs) at every packed position [total] inside a run (past the
-    last run: the last run's flag — the caller drops those rows)."""
+    last run: the last slot's flag — the caller drops those rows)."""
     f = flags.astype(jnp.int32)
     steps = f - jnp.concatenate([jnp.zeros((1,), jnp.int32), f[:-1]])
     marks = jnp.zeros((total + 1,), jnp.int32).at[cu[:-1]].add(steps, mode="drop")  # empty runs: no position

@@ -16,8 +16,11 @@ import pytest
 from tests.fa3_ops import emulate
 
 F32 = jnp.float32
-# 3 long documents among 12 short ones, the keys a device sees (one device holding them all)
-LENGTHS = [580, 20, 30, 10, 620, 40, 12, 25, 600, 18, 33, 15, 22, 9, 14]
+# two long documents and thirty short ones, 2048 tokens; the device's queries are the tokens from
+# OFFSET on (the first document's last 300, then the rest), its keys every token: the first run has
+# 300 queries and 900 keys (a run's keys outnumber its queries, as a shared document's late chunk's do)
+LENGTHS = [900, 700] + [15] * 29 + [13]
+OFFSET = 600
 
 
 @pytest.fixture
@@ -30,43 +33,56 @@ def _plans():
 
     ids = jnp.asarray(np.repeat(np.arange(len(LENGTHS)), LENGTHS)[None].astype(np.int32))
     index = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    return runs.prefix_plans(ids, ids, index, index), ids.shape[1]
+    return runs.prefix_plans(ids[:, OFFSET:], ids, index[:, OFFSET:], index), ids.shape[1]
 
 
-def test_the_split_launches_the_fewest_tiles_and_never_more_than_one_call():
+def _key_lengths(plan) -> np.ndarray:
+    real = np.diff(np.asarray(plan.cu_q)) > 0
+    return np.diff(np.asarray(plan.cu_k))[real]
+
+
+def test_the_split_launches_the_fewest_tiles_and_pays_or_is_not_taken():
     """The device's choice equals the count ``python -m benchmarks.launched_tiles`` makes in numpy
-    (every rung tried, from the same lengths), and here splits: 3 long runs on 8 slots bounded at
-    768, 12 short on 16 bounded at 256 — 80 tiles a head against the one call's 96."""
+    (every rung tried, the split kept only where it launches at most ``SPLIT_AT_MOST`` of the one
+    call's tiles), and here splits: the 2 long runs on 8 slots bounded at 1024, the 30 short ones
+    on 32 bounded at 256 — 128 tiles a head against the one call's 256. With the short runs alone
+    nothing long is left to split off: the one call."""
     from benchmarks.launched_tiles import call_tiles, split_tiles
     from jax_impl.kernels import groups, runs
 
     plans, n = _plans()
     sizes, ladder = tuple(p.cu_q.shape[0] - 1 for p in plans), runs.prefix_length_ladder(n)
-    split = jax.jit(lambda: groups.split_runs(plans[-1], sizes, ladder).long)()
-    long = np.asarray(split)[: len(LENGTHS)]
-    lengths = np.array(LENGTHS)
-    brute, _ = split_tiles(lengths, sizes, ladder)
+    lengths = _key_lengths(plans[-1])
+    assert sorted(lengths.tolist())[-2:] == [700, 900] and len(lengths) == 32
+    long = np.asarray(jax.jit(lambda: groups.split_runs(plans[-1], sizes, ladder).long)())[: len(lengths)]
+    chosen, _ = split_tiles(lengths, sizes, ladder)
     got = call_tiles(lengths[long], sizes, ladder) + call_tiles(lengths[~long], sizes, ladder)
-    assert got == brute == 80 < call_tiles(lengths, sizes, ladder) == 96
-    assert long.tolist() == [x > 256 for x in LENGTHS] and not np.asarray(split)[len(LENGTHS):].any()
+    assert got == chosen == 128 < call_tiles(lengths, sizes, ladder) == 256
+    assert long.tolist() == [x > 256 for x in lengths]
+
+    short = runs.prefix_plans(*(jnp.asarray(x[None, -435:]) for x in (np.repeat(np.arange(29), 15),) * 2),
+                              *(jnp.arange(435, dtype=jnp.int32)[None],) * 2)
+    assert not np.asarray(jax.jit(lambda: groups.split_runs(short[-1], sizes, ladder).long)()).any()
 
 
 def test_two_calls_equal_the_one_call(fa3):
     """dq, dK, dV of the split backward equal the one call's on the same runs (both emulated), every
-    row finite: no row a call skipped (NaN in the emulation) is read."""
+    row finite: no row a call skipped (NaN in the emulation) is read. The runs' keys outnumber their
+    queries (a ``seqused_k`` taken from the queries, or keys stitched by the queries' offsets, fails)."""
     from jax_impl.kernels import groups, runs
 
     plans, n = _plans()
-    # a few of the slots and bounds (each variant is compiled, and emulated on 2048² scores here):
-    # the split's 8 / 16 slots at 256 / 768, and the one call's 16 at 768
-    sizes, ladder = (8, 16), (256, 768, n)
+    # a few of the slots and bounds (each variant is compiled, and emulated on 1448 x 2048 scores
+    # here): the split's 8 / 32 slots at 1024 / 256, and the one call's 32 at 1024
+    sizes, ladder = (8, 32), (256, 1024, n)
     assert set(ladder) <= set(runs.prefix_length_ladder(n))
     keys = jax.random.split(jax.random.key(0), 4)
-    q, do = (jax.random.normal(kk, (1, n, 4, 16), F32).astype(jnp.float16) for kk in keys[:2])
+    t = n - OFFSET
+    q, do = (jax.random.normal(kk, (1, t, 4, 16), F32).astype(jnp.float16) for kk in keys[:2])
     k, v = (jax.random.normal(kk, (1, n, 2, 16), F32).astype(jnp.float16) for kk in keys[2:])
     o, lse = fa3.varlen_fwd(q, k, v, True, 0.25, plans[-1])
     split = jax.jit(lambda: groups.split_runs(plans[-1], sizes, ladder).long)()
-    assert int(np.asarray(split).sum()) == 3  # a real split: the three long runs, then the twelve others
+    assert int(np.asarray(split).sum()) == 2  # a real split: the two long runs, then the thirty others
 
     one = jax.jit(lambda: fa3.varlen_bwd(do, q, k, v, o, lse, True, 0.25, plans[-1]))()
     two = jax.jit(lambda: fa3.varlen_bwd_groups(do, q, k, v, o, lse, True, 0.25, plans[-1], sizes, ladder))()
@@ -78,8 +94,10 @@ def test_two_calls_equal_the_one_call(fa3):
 
 
 def test_one_call_backward_honours_the_switch(fa3, monkeypatch):
-    """``RINGBRIDGE_BACKWARD_GROUPS`` picks the one call (1) or the split (2) and refuses anything else
-    before tracing a kernel."""
+    """``RINGBRIDGE_BACKWARD_GROUPS`` picks the one call (1, the default until a GPU has verified the
+    split) or the split (2) and refuses anything else before tracing a kernel."""
+    monkeypatch.delenv("RINGBRIDGE_BACKWARD_GROUPS", raising=False)
+    assert fa3.backward_groups() == 1
     monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", "3")
     with pytest.raises(ValueError, match="RINGBRIDGE_BACKWARD_GROUPS must be 1 or 2"):
         fa3.backward_groups()

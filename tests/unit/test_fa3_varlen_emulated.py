@@ -173,10 +173,9 @@ def test_token_index_block_form_or_fallback(shuffled, emulated_fa3):
 
 # the static zigzag (≈ 5 s) with --full: the public API's test on 4 devices runs it by default
 # (tests/multidevice/test_jax_token_index.py), inside the suite's 12 minutes
-ONE_CALL_CASES = [("document-hybrid", True, "2"), ("document-hybrid", False, "2")]
-# the backward as one call (the split's own equality with it: tests/unit/test_backward_groups.py)
-ONE_CALL_CASES += [pytest.param(*case, marks=pytest.mark.slow) for case in (("zigzag", True, "2"),
-                                                                            ("document-hybrid", True, "1"))] if FULL else []
+# the backward as one call (the default) and as two groups of runs (RINGBRIDGE_BACKWARD_GROUPS=2)
+ONE_CALL_CASES = [("document-hybrid", True, "1"), ("document-hybrid", True, "2"), ("document-hybrid", False, "1")]
+ONE_CALL_CASES += [pytest.param("zigzag", True, "1", marks=pytest.mark.slow)] if FULL else []
 
 
 @pytest.mark.parametrize("layout, fits, groups", ONE_CALL_CASES)
@@ -218,8 +217,21 @@ def test_allgather_runs_each_device_as_one_varlen_call(layout, fits, groups, emu
 
     want = run("reference", q, k, v, do, index, laid)
     monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", groups)
-    monkeypatch.setattr(runs, "PREFIX_SLOTS", (8,) if fits else (1,))
-    monkeypatch.setattr(runs, "prefix_length_ladder", lambda n: (n,))
+    split = fits and groups == "2"  # slots and bounds fine enough that devices split their runs
+    monkeypatch.setattr(runs, "PREFIX_SLOTS", (2, 4, 8) if split else (8,) if fits else (1,))
+    ladder = (lambda n: (n // 4, n // 2, n)) if split else (lambda n: (n,))
+    monkeypatch.setattr(runs, "prefix_length_ladder", ladder)
+    if split:  # the same rule on the host plans (tests/unit/test_backward_groups.py: equal to the device's)
+        from benchmarks.launched_tiles import call_tiles, split_tiles
+        from seqplan.documents import shard_prefix_runs
+
+        shards = lambda x: np.moveaxis(np.asarray(x).reshape(b, ring, t // ring), 1, 0)
+        plans = [shard_prefix_runs(shards(laid), None if index is None else shards(index), device=d,
+                                   shard_major=False, layout="contiguous" if index is not None else "zigzag")
+                 for d in range(ring)]
+        lengths = [np.diff(p.cu_k) for p in plans]
+        assert any(split_tiles(x, (2, 4, 8), ladder(t))[0] < call_tiles(x, (2, 4, 8), ladder(t))
+                   for x in lengths), "no device splits: the test would not exercise the two calls"
     nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
     if not fits:  # a one call taken anyway would show
         monkeypatch.setattr(allgather, "varlen_fwd", lambda q, *a: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]),
