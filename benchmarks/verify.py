@@ -17,7 +17,9 @@ are marked from that file (:func:`mark_rows`), so a run cut short keeps verified
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 from .common import SHARED_HYBRID, MeshSpec, Problem, Row, is_row_layout, row_layout_name
@@ -115,13 +117,31 @@ def _reduced_documents(name: str) -> str:
     return "mix" if name in mix_names() else name
 
 
+@contextlib.contextmanager
+def _split_backward_checked(framework: str):
+    """With ``RINGBRIDGE_BACKWARD_GROUPS=2`` a JAX row's one-call backward splits its runs where that
+    pays — which the reduced problem's short runs never do, so its check would pass on the one call
+    alone: the check runs with "always" (the two calls wherever both hold runs) instead. Yields the
+    note the verdict carries."""
+    if framework != "jax" or os.environ.get("RINGBRIDGE_BACKWARD_GROUPS") != "2":
+        yield ""
+        return
+    os.environ["RINGBRIDGE_BACKWARD_GROUPS"] = "always"
+    try:
+        yield " [one-call backward checked as two groups of runs: RINGBRIDGE_BACKWARD_GROUPS=always]"
+    finally:
+        os.environ["RINGBRIDGE_BACKWARD_GROUPS"] = "2"
+
+
 def verify_one(framework: str, mesh: str, layout: str, backend: str, problem: Problem, devices: str) -> dict:
     """{"passed", "detail", "resolved"} of one path (``reduced_case`` through ``verify_path``)."""
     from parity.probes.backend_sweep import resolved_backends
 
     try:
         case = reduced_case(MeshSpec(mesh).shape, layout, problem)
-        passed, detail = verify_path(framework, case, backend, devices)
+        with _split_backward_checked(framework) as note:
+            passed, detail = verify_path(framework, case, backend, devices)
+        detail += note
     except Exception as err:  # noqa: BLE001 — a path that cannot be checked is not verified
         return {"passed": False, "detail": f"verification raised {type(err).__name__}: {str(err)[:300]}"}
     try:

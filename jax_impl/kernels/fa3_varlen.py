@@ -176,7 +176,8 @@ def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns
     return _bwd_finish(*out, runs, b, t, s)
 
 
-def varlen_bwd_groups(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns, sizes, ladder):
+def varlen_bwd_groups(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns, sizes, ladder,
+                      always: bool = False):
     """:func:`varlen_bwd` on one plan's runs (every real run first, none skipped) as the two calls
     of ``groups.split_runs`` — the long runs and the others, each with its own slots and bound,
     over the same packed queries and keys; each call's rows taken where its runs are."""
@@ -184,7 +185,7 @@ def varlen_bwd_groups(do, q, k, v, o, lse, causal: bool, scale: float, runs: Var
     s = k.shape[1]
     flat = lambda x: x.reshape(b * t, h, d)
     packed = (flat(do), flat(q), _packed_kv(k, runs), _packed_kv(v, runs), flat(o), _lse_rows(lse, runs))
-    split = groups.split_runs(runs, tuple(sizes), tuple(ladder))
+    split = groups.split_runs(runs, tuple(sizes), tuple(ladder), always)
     call = lambda group: _bwd_call(*packed, causal, scale, group, t, s)
     empty = lambda: tuple(jnp.zeros(x.shape, q.dtype) for x in packed[1:4])  # no row of it is read
     outs = [branches.select(groups.group_variants(call, runs, members, sizes, ladder, t, s, empty), choice).switch()
@@ -200,29 +201,39 @@ def varlen_bwd_groups(do, q, k, v, o, lse, causal: bool, scale: float, runs: Var
     return _bwd_finish(*grads, runs, b, t, s)
 
 
-def backward_groups() -> int:
-    """How the one-call backward (:func:`one_call_backward`) runs: 1 (one call, the default) or 2
-    (``RINGBRIDGE_BACKWARD_GROUPS=2``: the long runs and the others, ``groups`` — where FA3's
-    ``seqused`` backward of flash_attn3_jax 0.2.3 is used for the first time; the default once a
-    GPU run has verified and timed it); read when a program is traced."""
+BACKWARD_GROUPS = ("1", "2", "always")
+CHECK_RUNGS = (64, 128)  # "always" only: bounds below the ladder's lowest, so a check's short runs split
+
+
+def backward_groups() -> str:
+    """How the one-call backward (:func:`one_call_backward`) runs, from ``RINGBRIDGE_BACKWARD_GROUPS``:
+    "1" (one call, the default), "2" (the long runs and the others where that saves enough,
+    ``groups``), "always" (the two calls wherever both would hold runs: what a check runs, so the
+    small problems it checks exercise the two calls). "2" uses FA3's ``seqused`` backward of
+    flash_attn3_jax 0.2.3 for the first time: the default once a GPU run has verified and timed it.
+    Read when a program is traced."""
     value = os.environ.get("RINGBRIDGE_BACKWARD_GROUPS", "1")
-    if value not in ("1", "2"):
-        raise ValueError(f"RINGBRIDGE_BACKWARD_GROUPS must be 1 or 2, got {value!r}")
-    return int(value)
+    if value not in BACKWARD_GROUPS:
+        raise ValueError(f"RINGBRIDGE_BACKWARD_GROUPS must be one of {BACKWARD_GROUPS}, got {value!r}")
+    return value
 
 
 def one_call_backward(do, q, k, v, o, lse, scale: float, plans: list[VarlenRuns], fallback):
     """The backward of a device's one call (``runs.prefix_plans``: the same runs over each slot
     count, the largest last) on keys ``k`` / ``v`` [b, S, hk, d]: (dq, dk, dv), or ``fallback()``
     where the runs do not fit: the one call (``runs.prefix_dispatch``, the smallest plan that holds
-    the runs), or with :func:`backward_groups` 2 the two calls of :func:`varlen_bwd_groups`."""
+    the runs), or with :func:`backward_groups` "2" / "always" the two calls of :func:`varlen_bwd_groups`."""
     keys = k.shape[1]
-    if backward_groups() == 1:
+    mode = backward_groups()
+    if mode == "1":
         return prefix_dispatch(plans, lambda runs: varlen_bwd(do, q, k, v, o, lse, True, scale, runs), fallback,
                                keys=keys, lengths=True)
     runs, sizes = plans[-1], tuple(plan.cu_q.shape[0] - 1 for plan in plans)
-    split = lambda: varlen_bwd_groups(do, q, k, v, o, lse, True, scale, runs, sizes,
-                                      run_plans.prefix_length_ladder(keys))
+    ladder = run_plans.prefix_length_ladder(keys)
+    if mode == "always":  # a check's runs are short: rungs below the ladder's 256 give them a split too
+        ladder = tuple(sorted({*(r for r in CHECK_RUNGS if r < ladder[0]), *ladder}))
+    split = lambda: varlen_bwd_groups(do, q, k, v, o, lse, True, scale, runs, sizes, ladder,
+                                      always=mode == "always")
     return switch_with_fallback({GROUPS: split}, branches.First([(runs.ok, GROUPS)]), fallback)
 
 

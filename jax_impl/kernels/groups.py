@@ -56,12 +56,14 @@ def launched_tiles(slots, bound):
     return slots * ((bound + TILE_KEYS - 1) // TILE_KEYS)
 
 
-def split_runs(runs: VarlenRuns, sizes: tuple[int, ...], ladder: tuple[int, ...]) -> RunSplit:
+def split_runs(runs: VarlenRuns, sizes: tuple[int, ...], ladder: tuple[int, ...], always: bool = False) -> RunSplit:
     """The split of ``runs`` (a plan over M slots, every real run first) that launches the fewest
     tiles: for each rung θ of ``ladder``, the runs with more than θ keys take the long call (slots
     and bound: the smallest of ``sizes`` / ``ladder`` holding them), the others the short one — or
     the one call (θ the top rung, which ``ladder`` must hold every run under: no long run) unless
-    the best split launches at most ``SPLIT_AT_MOST`` of its tiles."""
+    the best split launches at most ``SPLIT_AT_MOST`` of its tiles. ``always``: the cheapest split
+    with runs in both calls wherever one exists, whatever it saves — for checks, whose small problems
+    would otherwise keep the one call and leave the two calls unchecked."""
     lq, lk = jnp.diff(runs.cu_q), jnp.diff(runs.cu_k)
     real = lq > 0  # padding slots are empty; a real run has a query and a key (the plan's ok)
     sizes_a, ladder_a = jnp.asarray(sizes, jnp.int32), jnp.asarray(ladder, jnp.int32)
@@ -74,8 +76,13 @@ def split_runs(runs: VarlenRuns, sizes: tuple[int, ...], ladder: tuple[int, ...]
     bound_short = top(ladder_a, jnp.max(jnp.where(short, lk[None, :], 0), axis=1))
     cost = (jnp.where(n_long > 0, launched_tiles(sizes_a[slot_long], ladder_a[bound_long]), 0)
             + jnp.where(n_short > 0, launched_tiles(sizes_a[slot_short], ladder_a[bound_short]), 0))
-    cheapest = jnp.argmin(cost)
-    best = jnp.where(cost[cheapest] <= SPLIT_AT_MOST * cost[-1], cheapest, len(ladder) - 1)
+    if always:
+        both = (n_long > 0) & (n_short > 0)
+        cheapest = jnp.argmin(jnp.where(both, cost, jnp.iinfo(jnp.int32).max))
+        best = jnp.where(both[cheapest], cheapest, len(ladder) - 1)
+    else:
+        cheapest = jnp.argmin(cost)
+        best = jnp.where(cost[cheapest] <= SPLIT_AT_MOST * cost[-1], cheapest, len(ladder) - 1)
     choice = lambda n, slot, bound: branches.First(
         [(n[best] == 0, SKIP)], otherwise=branches.Grid((GROUP,), ((sizes, slot[best]), (ladder, bound[best])),
                                                          in_range=True))

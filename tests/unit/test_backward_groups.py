@@ -8,6 +8,8 @@ more tiles than the one call would only show on a GPU otherwise."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,16 +91,53 @@ def test_two_calls_equal_the_one_call(fa3):
 
 
 def test_one_call_backward_honours_the_switch(fa3, monkeypatch):
-    """``RINGBRIDGE_BACKWARD_GROUPS`` picks the one call (1, the default until a GPU has verified the
-    split) or the split (2) and refuses anything else before tracing a kernel."""
+    """``RINGBRIDGE_BACKWARD_GROUPS`` picks the one call ("1", the default until a GPU has verified
+    the split), the split where it pays ("2") or wherever both calls hold runs ("always", what a
+    check runs), and refuses anything else before tracing a kernel."""
     monkeypatch.delenv("RINGBRIDGE_BACKWARD_GROUPS", raising=False)
-    assert fa3.backward_groups() == 1
+    assert fa3.backward_groups() == "1"
     monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", "3")
-    with pytest.raises(ValueError, match="RINGBRIDGE_BACKWARD_GROUPS must be 1 or 2"):
+    with pytest.raises(ValueError, match="RINGBRIDGE_BACKWARD_GROUPS must be one of"):
         fa3.backward_groups()
-    for value in ("1", "2"):
+    for value in ("1", "2", "always"):
         monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", value)
-        assert fa3.backward_groups() == int(value)
+        assert fa3.backward_groups() == value
+
+
+def test_always_splits_where_the_saving_rule_keeps_one_call():
+    """Runs that all fit one rung but one (the small problems a check runs): "2" keeps the one call,
+    "always" splits off the long run — and with every run short, nothing to split, it keeps one call."""
+    from jax_impl.kernels import groups, runs
+
+    def long_runs(lengths, always):
+        ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32))
+        index = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+        plans = runs.prefix_plans(ids, ids, index, index)
+        sizes, ladder = tuple(p.cu_q.shape[0] - 1 for p in plans), runs.prefix_length_ladder(ids.shape[1])
+        return np.asarray(groups.split_runs(plans[-1], sizes, ladder, always).long)[: len(lengths)].tolist()
+
+    mixed = [300] + [20] * 10  # 300 keys: past the lowest rung (256) of a 500-token ladder
+    assert long_runs(mixed, always=False) == [False] * 11
+    assert long_runs(mixed, always=True) == [True] + [False] * 10
+    assert long_runs([20] * 10, always=True) == [False] * 10
+
+
+def test_a_check_of_the_split_runs_the_two_calls(monkeypatch):
+    """The driver's check of a JAX row timed with "2" runs with "always", says so, and restores "2"."""
+    from benchmarks import verify
+
+    seen = []
+    monkeypatch.setattr(verify, "verify_path", lambda *a, **k: (seen.append(os.environ["RINGBRIDGE_BACKWARD_GROUPS"])
+                                                                 or (True, "passed")))
+    monkeypatch.setattr("parity.probes.backend_sweep.resolved_backends", lambda *a: {})
+    from benchmarks.common import Problem
+
+    problem = Problem(seq=4096, heads=8, kv_heads=2, documents="short")
+    for value, checked in (("2", "always"), ("1", "1")):
+        monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", value)
+        verdict = verify.verify_one("jax", "ring-agkv-r4", "document-hybrid-shared", "auto", problem, "cpu")
+        assert seen[-1] == checked and os.environ["RINGBRIDGE_BACKWARD_GROUPS"] == value
+        assert ("always" in verdict["detail"]) == (value == "2")
 
 
 def test_a_run_flag_reaches_every_position_of_its_run():
