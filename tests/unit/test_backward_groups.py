@@ -35,7 +35,8 @@ def _plans():
 
     ids = jnp.asarray(np.repeat(np.arange(len(LENGTHS)), LENGTHS)[None].astype(np.int32))
     index = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    return runs.prefix_plans(ids[:, OFFSET:], ids, index[:, OFFSET:], index), ids.shape[1]
+    plans = jax.jit(lambda ids, index: runs.prefix_plans(ids[:, OFFSET:], ids, index[:, OFFSET:], index))(ids, index)
+    return plans, ids.shape[1]  # one compile of the plans, not an op-by-op trace
 
 
 def _key_lengths(plan) -> np.ndarray:
@@ -77,7 +78,7 @@ def test_two_calls_equal_the_one_call(fa3):
     t = n - OFFSET
     q, do = (jax.random.normal(kk, (1, t, 4, 16), F32).astype(jnp.float16) for kk in keys[:2])
     k, v = (jax.random.normal(kk, (1, n, 2, 16), F32).astype(jnp.float16) for kk in keys[2:])
-    o, lse = fa3.varlen_fwd(q, k, v, True, 0.25, plans[-1])
+    o, lse = jax.jit(lambda: fa3.varlen_fwd(q, k, v, True, 0.25, plans[-1]))()
     split = jax.jit(lambda: groups.split_runs(plans[-1], sizes, ladder).long)()
     assert int(np.asarray(split).sum()) == 2  # a real split: the two long runs, then the thirty others
 
@@ -105,21 +106,22 @@ def test_one_call_backward_honours_the_switch(fa3, monkeypatch):
 
 
 def test_always_splits_where_the_saving_rule_keeps_one_call():
-    """Runs that all fit one rung but one (the small problems a check runs): "2" keeps the one call,
-    "always" splits off the long run — and with every run short, nothing to split, it keeps one call."""
+    """One run past the lowest rung among short ones (the small problems a check runs): "2" keeps
+    the one call, "always" splits off the long run."""
     from jax_impl.kernels import groups, runs
 
-    def long_runs(lengths, always):
-        ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32))
-        index = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    lengths = [300] + [20] * 10  # 300 keys: past the lowest rung (256) of a 500-token ladder
+    ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32))
+    index = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+
+    @jax.jit
+    def both(ids, index):
         plans = runs.prefix_plans(ids, ids, index, index)
         sizes, ladder = tuple(p.cu_q.shape[0] - 1 for p in plans), runs.prefix_length_ladder(ids.shape[1])
-        return np.asarray(groups.split_runs(plans[-1], sizes, ladder, always).long)[: len(lengths)].tolist()
+        return [groups.split_runs(plans[-1], sizes, ladder, always).long for always in (False, True)]
 
-    mixed = [300] + [20] * 10  # 300 keys: past the lowest rung (256) of a 500-token ladder
-    assert long_runs(mixed, always=False) == [False] * 11
-    assert long_runs(mixed, always=True) == [True] + [False] * 10
-    assert long_runs([20] * 10, always=True) == [False] * 10
+    kept, split = (np.asarray(x)[: len(lengths)].tolist() for x in both(ids, index))
+    assert kept == [False] * 11 and split == [True] + [False] * 10
 
 
 def test_a_check_of_the_split_runs_the_two_calls(monkeypatch):
