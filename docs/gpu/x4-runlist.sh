@@ -20,6 +20,9 @@
 # jaxprof 7 min (the zigzag ring with documents compiles 158 s), d128 JAX 5 min, tp both sides
 # 4.7 min, win + strong both sides 3 min, m1 JAX 5.5 min (torch's rows then 2 min more; its
 # context_parallel row did not finish inside the call: give m1 torch a call of its own).
+# Not yet run (estimates from the parts above): groups ≈ 5-7 min (12 JAX paths with compiles, the
+# split's extra variants included), u128 ≈ 3 min a side, u128mha ≈ 3 min a side (torch adds
+# context_parallel), winprof ≈ 3 min (4 paths, both sides).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
