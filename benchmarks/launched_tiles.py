@@ -6,7 +6,9 @@ with the shared prefix on the per-document hybrid — as one call, and as the tw
 
 Per head and step; each part of a device (the shared prefix, the local documents) is one call.
 "Work" counts the key tiles that hold a key of their run (what a grid sized to the runs would
-launch). The device's choice of slots, bound and threshold is ``groups.split_runs``'; this counts
+launch); "exact" what one call launches with exactly the device's runs as slots and its longest
+run as the bound — a host-planned call (torch's), if its kernel's backward grid is FA2's / FA3's
+kind (runs × bound tiles). The device's choice of slots, bound and threshold is ``groups.split_runs``'; this counts
 the same rule in numpy (tests/unit/test_backward_groups.py holds the two equal).
 docs/gpu/documents-2026-11-27-h200x4.md ("Run 8") fits ≈ 16 ns of a step per launched tile on 4× H200.
 """
@@ -60,6 +62,7 @@ class DeviceTiles:
     device: int
     runs: int
     work: int  # key tiles holding a key of their run
+    exact: int  # key tiles one call launches with exact slots and bound (the grid of a host-planned call: torch's)
     one_call: int  # key tiles the one call launches
     two_groups: int  # key tiles with RINGBRIDGE_BACKWARD_GROUPS=2 (the split where it is taken)
     score: int  # score tiles with real work (what the kernel computes)
@@ -81,17 +84,18 @@ def device_tiles(mix: str, seq: int, ring: int) -> list[DeviceTiles]:
     rows = []
     for device in range(ring):
         parts = split_runs(ids_all, index_all, device=device, shared_tokens=shared, layout="contiguous")
-        runs = work = one = two = score = 0
+        runs = work = exact = one = two = score = 0
         for part, keys in ((parts.shared, ring * shared), (parts.local, seq // ring)):
             if part is None:
                 continue
             lengths, ladder = np.diff(part.cu_k), prefix_length_ladder(keys)
             runs += len(lengths)
             work += int(np.sum(-(-lengths // TILE)))
+            exact += len(lengths) * -(-int(lengths.max()) // TILE)
             one += call_tiles(lengths, sizes, ladder)
             two += split_tiles(lengths, sizes, ladder)[0]
             score += sum(score_tiles(int(a), int(b)) for a, b in zip(np.diff(part.cu_q), lengths))
-        rows.append(DeviceTiles(mix, device, runs, work, one, two, score))
+        rows.append(DeviceTiles(mix, device, runs, work, exact, one, two, score))
     return rows
 
 
@@ -129,11 +133,11 @@ def main(argv=None) -> int:
         return 0
     print(f"# Launched backward key tiles per head, {args.seq} tokens over {args.ring} devices "
           "(all-gather hybrid + shared prefix)\n")
-    print("| mix | device | runs | tiles with work | one call | two groups |")
-    print("|---|---|---|---|---|---|")
+    print("| mix | device | runs | tiles with work | exact slots and bound | one call (JAX) | two groups (JAX) |")
+    print("|---|---|---|---|---|---|---|")
     for mix in args.mixes.split(","):
         for r in device_tiles(mix, args.seq, args.ring):
-            print(f"| {r.mix} | {r.device} | {r.runs} | {r.work} | {r.one_call} | {r.two_groups} |")
+            print(f"| {r.mix} | {r.device} | {r.runs} | {r.work} | {r.exact} | {r.one_call} | {r.two_groups} |")
     return 0
 
 
