@@ -188,16 +188,19 @@ def varlen_bwd_groups(do, q, k, v, o, lse, causal: bool, scale: float, runs: Var
     split = groups.split_runs(runs, tuple(sizes), tuple(ladder), always)
     call = lambda group: _bwd_call(*packed, causal, scale, group, t, s)
     empty = lambda: tuple(jnp.zeros(x.shape, q.dtype) for x in packed[1:4])  # no row of it is read
-    outs = [branches.select(groups.group_variants(call, runs, members, sizes, ladder, t, s, empty), choice).switch()
-            for members, choice in ((split.long, split.choices[0]), (~split.long & (jnp.diff(runs.cu_q) > 0),
-                                                                      split.choices[1]))]
-    def stitch():  # each call's rows where its runs are
+    group_call = lambda members, choice: branches.select(
+        groups.group_variants(call, runs, members, sizes, ladder, t, s, empty), choice).switch()
+    short = group_call(~split.long & (jnp.diff(runs.cu_q) > 0), split.choices[1])
+
+    def with_long():  # the long runs' call, and each call's rows where its runs are
+        long = group_call(split.long, split.choices[0])
         q_long = groups.per_position(runs.cu_q, split.long, b * t)[:, None, None]
         k_long = groups.per_position(runs.cu_k, split.long, packed[2].shape[0])[:, None, None]
-        return tuple(jnp.where(at, a, c) for at, a, c in zip((q_long, k_long, k_long), *outs))
+        return tuple(jnp.where(at, a, c) for at, a, c in zip((q_long, k_long, k_long), long, short))
 
-    # no long run (the one call: its saving too small): the short call's outputs, no select over them
-    grads = lax.cond(jnp.any(split.long), stitch, lambda: outs[1])
+    # no long run (the one call: the split saves too little): the short call alone, no second call,
+    # no zeros for it and no select
+    grads = lax.cond(jnp.any(split.long), with_long, lambda: short)
     return _bwd_finish(*grads, runs, b, t, s)
 
 
