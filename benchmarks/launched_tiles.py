@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.documents import fit_documents, mix_ids
+from .documents import fit_documents, mix_ids
 
 TILE = 128
 
@@ -80,7 +80,7 @@ def device_tiles(mix: str, seq: int, ring: int) -> list[DeviceTiles]:
     laid = np.take_along_axis(ids, layout.perm, 1)
     shared = shared_tokens_for(laid, ring)
     ids_all, index_all = ring_shards(laid, ring), ring_shards(layout.perm.astype(np.int32), ring)
-    sizes = sorted({max(m, 1) for m in PREFIX_SLOTS})
+    sizes = PREFIX_SLOTS  # one row: the plans' slot counts as they are
     rows = []
     for device in range(ring):
         parts = split_runs(ids_all, index_all, device=device, shared_tokens=shared, layout="contiguous")

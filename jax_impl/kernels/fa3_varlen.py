@@ -166,13 +166,18 @@ def _bwd_finish(dq, dk_p, dv_p, runs: VarlenRuns, b: int, t: int, s: int):
     return dq, scatter(dk_p), scatter(dv_p)
 
 
+def _bwd_inputs(do, q, k, v, o, lse, runs: VarlenRuns) -> tuple:
+    """:func:`_bwd_call`'s first six arguments: do, q, the keys and values packed by ``runs``, o, the lse rows."""
+    b, t, h, d = q.shape
+    flat = lambda x: x.reshape(b * t, h, d)
+    return flat(do), flat(q), _packed_kv(k, runs), _packed_kv(v, runs), flat(o), _lse_rows(lse, runs)
+
+
 def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns):
     """FA3 varlen backward through the FFI target with padded workspaces (module docstring)."""
-    b, t, h, d = q.shape
+    b, t = q.shape[:2]
     s = k.shape[1]
-    flat = lambda x: x.reshape(b * t, h, d)
-    out = _bwd_call(flat(do), flat(q), _packed_kv(k, runs), _packed_kv(v, runs), flat(o), _lse_rows(lse, runs),
-                    causal, scale, runs, t, s)
+    out = _bwd_call(*_bwd_inputs(do, q, k, v, o, lse, runs), causal, scale, runs, t, s)
     return _bwd_finish(*out, runs, b, t, s)
 
 
@@ -181,10 +186,9 @@ def varlen_bwd_groups(do, q, k, v, o, lse, causal: bool, scale: float, runs: Var
     """:func:`varlen_bwd` on one plan's runs (every real run first, none skipped) as the two calls
     of ``groups.split_runs`` — the long runs and the others, each with its own slots and bound,
     over the same packed queries and keys; each call's rows taken where its runs are."""
-    b, t, h, d = q.shape
+    b, t = q.shape[:2]
     s = k.shape[1]
-    flat = lambda x: x.reshape(b * t, h, d)
-    packed = (flat(do), flat(q), _packed_kv(k, runs), _packed_kv(v, runs), flat(o), _lse_rows(lse, runs))
+    packed = _bwd_inputs(do, q, k, v, o, lse, runs)
     split = groups.split_runs(runs, tuple(sizes), tuple(ladder), always)
     call = lambda group: _bwd_call(*packed, causal, scale, group, t, s)
     empty = lambda: tuple(jnp.zeros(x.shape, q.dtype) for x in packed[1:4])  # no row of it is read

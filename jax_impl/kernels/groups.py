@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from . import branches
-from .runs import VarlenRuns, searchsorted
+from .runs import VarlenRuns, smallest_holding
 
 TILE_KEYS = 128  # the backward's key tile (hdim 128, sm90): what its grid is counted in
 SPLIT_AT_MOST = 0.75  # of the one call's launched tiles: a smaller saving keeps the one call
@@ -70,10 +70,9 @@ def split_runs(runs: VarlenRuns, sizes: tuple[int, ...], ladder: tuple[int, ...]
     long = real[None, :] & (lk[None, :] > ladder_a[:, None])  # [θ, M]
     short = real[None, :] & ~long
     n_long, n_short = long.sum(1), short.sum(1)
-    top = lambda values, x: jnp.minimum(searchsorted(values, x), len(values) - 1)  # smallest rung >= x
-    slot_long, slot_short = top(sizes_a, n_long), top(sizes_a, n_short)
-    bound_long = jnp.broadcast_to(top(ladder_a, jnp.max(jnp.where(real, lk, 0))), n_long.shape)
-    bound_short = top(ladder_a, jnp.max(jnp.where(short, lk[None, :], 0), axis=1))
+    slot_long, slot_short = smallest_holding(sizes_a, n_long), smallest_holding(sizes_a, n_short)
+    bound_long = jnp.broadcast_to(smallest_holding(ladder_a, jnp.max(jnp.where(real, lk, 0))), n_long.shape)
+    bound_short = smallest_holding(ladder_a, jnp.max(jnp.where(short, lk[None, :], 0), axis=1))
     cost = (jnp.where(n_long > 0, launched_tiles(sizes_a[slot_long], ladder_a[bound_long]), 0)
             + jnp.where(n_short > 0, launched_tiles(sizes_a[slot_short], ladder_a[bound_short]), 0))
     if always:

@@ -62,6 +62,12 @@ def searchsorted(a, v, side: str = "left"):
     return jnp.searchsorted(a, v, side=side, method=search_method())
 
 
+def smallest_holding(options, value):
+    """The index of the smallest of the sorted ``options`` that is at least ``value`` (traced, any
+    shape) — the last option where none is (a caller whose options always hold the value)."""
+    return jnp.minimum(searchsorted(jnp.asarray(options), value), len(options) - 1)
+
+
 # ---- the run lists: typed records (pytrees: a forward keeps a plan for its backward) ----------
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -570,7 +576,7 @@ def prefix_dispatch(plans: list[VarlenRuns], kernel, fallback, *, keys: int, len
     slot_counts = [plan.cu_q.shape[0] - 1 for plan in plans]
     variants = {plan_variant(m, bound): lambda runs=runs, bound=bound: kernel(bounded(runs, bound))
                 for m, runs in zip(slot_counts, plans) for bound in ladder}
-    step = 0 if not lengths else jnp.minimum(searchsorted(jnp.asarray(ladder), plans[-1].longest), len(ladder) - 1)
+    step = 0 if not lengths else smallest_holding(ladder, plans[-1].longest)
     return switch_with_fallback(variants, prefix_choice(slot_counts, [plan.ok for plan in plans], ladder, step),
                                 fallback)
 

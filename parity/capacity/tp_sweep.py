@@ -50,7 +50,7 @@ from ..runners.torch_world import close_world, close_worlds, get_world
 from ..training.reference import TrainCase, make_train_inputs, reference_step
 from .bstar import Choices, Hardware, critical_batch, step_coefficients
 from .calibrate import SMALL, Sizes, hardware_profile, profile_task
-from .llama_scale import knee, rows_emitter
+from .llama_scale import host_floor_seconds, knee, rows_emitter
 
 CHECKED = ("loss", "dx", "dw1", "dw2")  # new weights: float32 runs only (Adam's first step ≈ lr·sign(g))
 
@@ -192,11 +192,8 @@ def measure(sweep: TPSweep, devices: str, emit=None, framework: str = "torch") -
     checked = verify(sweep.check(), devices, framework)
     emit({"verify": sweep.check().name, **checked})
     try:
-        # Twice, the faster kept: once right after the check the floor ran slower than every row
-        # it bounds (torch, 4x H200, 2026-11-27: 33.6 ms against 26.1-27.4 at 64-2048 tokens).
         floor_case = sweep.case(sweep.host_tokens)
-        timings = [timer(floor_case) for _ in range(2)]
-        host_s = min(timings)
+        host_s, timings = host_floor_seconds(lambda: timer(floor_case))
         emit({"host_floor": "fsdp_tp", "tokens_per_device": sweep.host_tokens, "seconds": host_s,
               "timings_s": timings})
     except Exception as err:  # noqa: BLE001 — the rows still come, predicted by the serial bound alone

@@ -53,6 +53,7 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
     for r in emitted:  # the host-floor step's own cProfile (rank 0): where the floor's time goes
         if "host_floor" in r:
             assert "llama_torch.py" in r["host_profile"] and "(step)" in r["host_profile"], r["host_profile"][:500]
+            assert len(r["timings_s"]) == 2 and r["seconds"] == min(r["timings_s"])  # the faster of two
     assert [(r["strategy"], r["seq"], r["batch"]) for r in result["rows"]] == [(s, run.seqs[0], 1)
                                                                                  for s in run.strategies]
     assert all(v["passed"] for v in result["verified"].values()), result["verified"]
