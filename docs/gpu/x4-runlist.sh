@@ -45,6 +45,8 @@
 #   prof47     issue 47: torch_impl's five strategies at 128k, no documents, profiled per rank (kernels by
 #              kind, NCCL, copies, the host's syncs and cProfile), each checked at 4096 tokens first
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
+#   cond       issue 47: JAX's zigzag rings at 128k with XLA's conditionals kept on the device
+#              (--xla_gpu_enable_command_buffer=+CONDITIONAL) beside the default, same call
 #   u128       issue 47: 128k, the five strategies, GQA 32 / 8, each side, the single-GPU ceiling at 32k beside
 #   u128mha    issue 47: the same with MHA (32 / 32), beside torch context_parallel
 #   winprof    issue 47: the window (4096, 0) rows (ring 4, USP 2x2, contiguous) profiled, JAX then torch
@@ -107,6 +109,13 @@ if [ "$1" = start ]; then
     MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 benchmarks/mesh_profile_jax.py $S"
+  # the rings' per-step lax.cond with its predicate on the device (XLA command-buffer conditionals)
+  # against the default (the predicate copied to the host, which then waits for the GPU), same call
+  C47="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --meshes ring-r4,double_ring-ro2xri2,usp-r2xu2 $DRV \
+    --ceiling-seq 0 --iters 5 --warmup 2"
+  CMD[cond]="$C47 --machine x4-cond-host-jax --parts-dir $R/cond-host-jax;
+    XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL\" $C47 --machine x4-cond-device-jax \
+    --parts-dir $R/cond-device-jax"
   # 128k, every strategy, GQA 32 / 8 and MHA (torch context_parallel runs MHA only); the ceiling at 32k beside
   MHA_KV=32; [ "${SMOKE:-0}" = 1 ] && MHA_KV=4
   U128="python3 -m benchmarks --gpus 4 --seqs $SEQ --meshes ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4 \

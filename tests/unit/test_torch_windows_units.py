@@ -25,7 +25,7 @@ from seqplan.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, U
 from torch_impl import replay
 from torch_impl.block import get_backend
 from torch_impl.config import AttentionConfig
-from torch_impl.loop import VisitMasks, add_sinks, attend_block, sinks_grad
+from torch_impl.loop import ShardMasks, VisitMasks, add_sinks, attend_block, sinks_grad
 
 F64 = torch.float64
 
@@ -180,6 +180,24 @@ def test_ring_positions_are_the_layouts_shards():
 
 
 # ---- sinks -------------------------------------------------------------------------------------
+
+def test_a_windowed_call_copies_the_static_positions_to_the_device_once():
+    """A window without token indices: every call's masks share one pair of position arrays
+    (host and device), built on the first call — a copy from pageable host memory made the host
+    wait for the GPU in every call (a sync a step). The pair is the layout's positions and read
+    only on the host side."""
+    config = AttentionConfig(True, "zigzag", 1.0, window=(5, 0))
+    first = ShardMasks.build(config, 4, 8, None, torch.device("cpu"))
+    again = ShardMasks.build(config, 4, 8, None, torch.device("cpu"))
+    assert again.device_positions is first.device_positions and again.positions is first.positions
+    np.testing.assert_array_equal(first.positions, ring_positions("zigzag", 4, 8))
+    np.testing.assert_array_equal(first.device_positions.numpy(), ring_positions("zigzag", 4, 8))
+    with pytest.raises(ValueError, match="read-only"):
+        first.positions[0, 0] = 1
+    other = ShardMasks.build(AttentionConfig(True, "contiguous", 1.0, window=(5, 0)), 4, 8, None,
+                             torch.device("cpu"))
+    np.testing.assert_array_equal(other.positions, ring_positions("contiguous", 4, 8))
+
 
 def test_add_sinks_and_sinks_grad_match_float64_autograd(seed):
     """Merging the sink into the keys' (o, lse) gives dense attention with sinks; sinks_grad
