@@ -20,9 +20,10 @@
 # jaxprof 7 min (the zigzag ring with documents compiles 158 s), d128 JAX 5 min, tp both sides
 # 4.7 min, win + strong both sides 3 min, m1 JAX 5.5 min (torch's rows then 2 min more; its
 # context_parallel row did not finish inside the call: give m1 torch a call of its own).
-# Not yet run (estimates from the parts above): groups ≈ 5-7 min (12 JAX paths with compiles, the
-# split's extra variants included), u128 ≈ 3 min a side, u128mha ≈ 3 min a side (torch adds
-# context_parallel), winprof ≈ 3 min (4 paths, both sides).
+# 2026-11-27 (fourth machine, 12:43): groups 11 min (both settings with compiles: `start` 560 s,
+# then `wait`), u128 both sides 2.1 min, u128mha both sides 2.2 min, winprof 3.6 min, jaxprof47 1.1
+# min, prof47 over 6.8 min (four of its five strategies: give it 8 min or split PATHS).
+# Not yet run: cond ≈ 2 min (JAX, three meshes twice), gqa < 1 min (one GPU).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -47,6 +48,8 @@
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
 #   cond       issue 47: JAX's zigzag rings at 128k with XLA's conditionals kept on the device
 #              (--xla_gpu_enable_command_buffer=+CONDITIONAL) beside the default, same call
+#   gqa        issue 47: do aten_cudnn / aten_flash take GQA K/V as they are (checked against float32,
+#              then timed at 32k against the expansion); one GPU (benchmarks/gqa_probe.py)
 #   u128       issue 47: 128k, the five strategies, GQA 32 / 8, each side, the single-GPU ceiling at 32k beside
 #   u128mha    issue 47: the same with MHA (32 / 32), beside torch context_parallel
 #   winprof    issue 47: the window (4096, 0) rows (ring 4, USP 2x2, contiguous) profiled, JAX then torch
@@ -116,6 +119,8 @@ if [ "$1" = start ]; then
   CMD[cond]="$C47 --machine x4-cond-host-jax --parts-dir $R/cond-host-jax;
     XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL\" $C47 --machine x4-cond-device-jax \
     --parts-dir $R/cond-device-jax"
+  # whether torch's SDPA ops take GQA K/V unexpanded (the adapters' copies: 10 ms a ring step), checked then timed
+  CMD[gqa]="python3 -m benchmarks.gqa_probe $S"
   # 128k, every strategy, GQA 32 / 8 and MHA (torch context_parallel runs MHA only); the ceiling at 32k beside
   MHA_KV=32; [ "${SMOKE:-0}" = 1 ] && MHA_KV=4
   U128="python3 -m benchmarks --gpus 4 --seqs $SEQ --meshes ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4 \
