@@ -87,7 +87,7 @@ def _worst(got, truth) -> float:
 
 def _inputs(b, h, hk, t, d, device, dtype, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    make = lambda heads: torch.randn(b, heads, t, d, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    make = lambda heads: torch.randn(b, heads, t, d, generator=g).to(device=device, dtype=dtype)
     return make(h), make(hk), make(hk), make(h)
 
 

@@ -46,6 +46,7 @@ from seqplan.layouts import ring_positions
 from seqplan.schedule import (
     Block,
     BlockMask,
+    Hop,
     Part,
     Schedule,
     Step,
@@ -121,6 +122,19 @@ def walk(schedule: Schedule, kv, state, visit: Callable, *, comm: Comm, axes, af
     for rnd, positions in runs(schedule.rounds):
         kv, state = _repeat(partial(one_round, rnd), (kv, state), positions, scan)
     return state
+
+
+def shift_halo(comm: Comm, tree: tuple, hop: Hop, axes, halo: int | None, into: tuple | None = None, **kw) -> tuple:
+    """``comm.shift(tree, hop, axes)`` — or, with ``halo`` (:attr:`Schedule.halo`), only each
+    array's last ``halo`` rows (axis 1) travel and arrive in those rows of ``into``'s arrays, the
+    rest of ``into`` kept (the receiver's own dK/dV accumulators); ``into`` None: of zeros (K/V).
+    ``kw``: the hop's distance (``return_distance``)."""
+    if halo is None:
+        return comm.shift(tree, hop, axes, **kw)
+    tails = comm.shift(tuple(x[:, -halo:] for x in tree), hop, axes, **kw)
+    if into is None:
+        return tuple(jnp.pad(y, [(0, 0), (x.shape[1] - halo, 0)] + [(0, 0)] * (x.ndim - 2)) for x, y in zip(tree, tails))
+    return tuple(jnp.concatenate([x[:, :-halo], y], axis=1) for x, y in zip(into, tails))
 
 
 def visit_block(schedule: Schedule, device, j, s, on_block: Callable, state):
@@ -564,7 +578,7 @@ def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids
     Returns (o, lse, kv_first): kv_first, the K/V of step 1 (in flight while step 0 computes),
     is kept for the backward when the schedule's backward reuses it (the single ring: R-2
     backward K/V hops, not R-1), else None."""
-    kv_first = (config.comm.shift((k, v), schedule.steps[0].kv_hop, axes)
+    kv_first = (shift_halo(config.comm, (k, v), schedule.steps[0].kv_hop, axes, schedule.halo)
                 if schedule.backward_reuses_first_kv else None)
     visit = forward_visit(q, config, schedule, ring_index(axes), k.shape[1], ids_all, index_all)
     o, lse = walk(schedule, (k, v), None, visit, comm=config.comm, axes=axes, kv_first=kv_first)

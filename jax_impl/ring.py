@@ -10,13 +10,14 @@ compute. Partials merge by LSE (float32). Backward: K/V rotate again, starting f
 forward received for step 1 (kept as a residual, so R-2 hops); float32 dK/dV accumulators travel
 with them, one hop behind, and a final hop brings them home (R hops); dQ stays local. Which
 block is computed at each step comes from the schedule's step plan, so causal work is balanced
-and a fully masked block is skipped.
+and a fully masked block is skipped. A window shorter than a shard (contiguous, nothing visible ahead) leaves one
+K/V hop, trimmed to the rows the window reads (``schedule.window_halo``).
 """
 
 from __future__ import annotations
 
 from seqplan.axes import RING
-from seqplan.schedule import return_distance, ring_schedule, window_reach
+from seqplan.schedule import return_distance, window_ring_schedule
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -31,6 +32,7 @@ from .loop import (
     gather_segment_ids,
     gather_token_index,
     ring_index,
+    shift_halo,
     walk,
     walk_forward,
 )
@@ -68,10 +70,10 @@ def ring_attention(q, k, v, axis_name: str | None = RING, *, causal: bool = Fals
 def _schedule(axis_name, config: AttentionConfig, shard_len: int):
     """The ring's schedule: truncated to the shards a window reaches where that is built
     (``schedule.window_reach``: the contiguous layout under a causal or right-0 window; never on
-    token indices, which the layout's positions say nothing about)."""
+    token indices, which the layout's positions say nothing about), its hops carrying only the
+    rows the window reads where it has one K/V hop (``schedule.window_halo``)."""
     size = axis_size(axis_name)
-    return ring_schedule(config.layout, config.schedule_causal, size,
-                         window_reach(config.layout, config.schedule_causal, config.reach_window, shard_len, size))
+    return window_ring_schedule(config.layout, config.schedule_causal, config.reach_window, shard_len, size)
 
 
 def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
@@ -94,8 +96,9 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
         if step.dkv_hop is None:
             return state
         dq, dk_acc, dv_acc = state
-        return (dq, *config.comm.shift((dk_acc, dv_acc), step.dkv_hop, axis_name,
-                                       **return_distance(schedule, step.dkv_hop)))
+        acc = (dk_acc, dv_acc)  # with a halo only its rows travel; the rest stay this device's own
+        return (dq, *shift_halo(config.comm, acc, step.dkv_hop, axis_name, schedule.halo, into=acc,
+                                **return_distance(schedule, step.dkv_hop)))
 
     return walk(schedule, (k, v), None, visit, comm=config.comm, axes=axis_name, after_step=send_dkv,
                 kv_first=kv_first)

@@ -53,6 +53,11 @@ meets the K/V of shard :meth:`Schedule.source` = ((o - j) mod O)·I + (i - s) mo
 - truncated single ring (``reach`` = a < R-1: a sliding window that reaches only a shards back,
   :func:`window_reach`): one round of a+1 steps, a K/V hops; the dK/dV accumulator follows its
   shard for a hops and then goes home by one ``RETURN`` hop (r -> r-a) — a+1 hops in all.
+  With a = 1 (or a ring of 2) and a window whose left reach w is shorter than a shard (``halo`` =
+  w, :func:`window_halo`), every hop carries only the last w rows of the visited shard — all its
+  window reads: the K/V arrive in those rows of zeros, the dK/dV in those rows of the receiver's
+  own accumulator, whose other rows stay its own (the window masks them: no block adds there, so
+  the receiver's own rows wait for the ``RETURN`` hop unchanged and the sums keep their order).
 - all-gather KV (``Exchange.ALLGATHER``): the same visiting order over one all-gather of K/V; no
   hops; the dK/dV of every shard come home by one reduce-scatter after the last step.
 - double ring (``Exchange.DOUBLE_RING``; O x I): O rounds of I steps. At a round's start its
@@ -358,6 +363,7 @@ class Schedule:
     inner: int
     rounds: tuple[Round, ...]
     reach: int | None = None  # a truncated single ring: steps 0..reach only (module docstring)
+    halo: int | None = None  # one K/V hop: the visited shard's last ``halo`` rows, all its hops carry
 
     @property
     def size(self) -> int:
@@ -465,22 +471,40 @@ def window_reach(layout: str, causal: bool, window: tuple[int, int] | None, shar
     return reach if reach < size - 1 else None
 
 
+def window_halo(layout: str, causal: bool, window: tuple[int, int] | None, shard_len: int, size: int) -> int | None:
+    """The rows of the previous shard a window that reaches one shard back reads — its last
+    ``left``: on the contiguous layout with nothing visible ahead (causal, or right 0) the first
+    query of shard r (position r·t) sees keys from r·t - left on, and no query of it further back.
+    Such a ring has one K/V hop (truncated to reach 1, or a ring of 2 whole). None where hops
+    carry whole shards (a window reaching a whole shard back or more, another layout, no window).
+    The window as the kernels see it (``kernel_window``)."""
+    if window is None or layout != "contiguous" or not (causal or window[1] == 0) or size < 2:
+        return None
+    return window[0] if 0 < window[0] < shard_len else None
+
+
 def make_schedule(exchange: Exchange, layout: str, causal: bool, outer: int, inner: int,
-                  reach: int | None = None) -> Schedule:
+                  reach: int | None = None, halo: int | None = None) -> Schedule:
     """The schedule of ``exchange`` on ``outer`` x ``inner`` devices (see the module docstring);
-    ``reach``: truncate a single ring after step ``reach`` (:func:`window_reach`)."""
+    ``reach``: truncate a single ring after step ``reach`` (:func:`window_reach`); ``halo``: with
+    reach 1, the rows its hops carry (:func:`window_halo`)."""
     exchange = Exchange(exchange)
     if outer < 1 or inner < 1:
         raise ValueError(f"ring sizes must be >= 1, got {outer} x {inner}")
     if exchange is not Exchange.DOUBLE_RING and outer != 1:
         raise ValueError(f"a {exchange.value} schedule has one ring (outer = 1), got outer={outer}")
+    one_hop = exchange is Exchange.RING and (reach == 1 or (reach is None and inner == 2))
+    if halo is not None and (not one_hop or halo < 1):
+        raise ValueError(f"a halo (the rows a hop carries) needs a single ring with one K/V hop (truncated to "
+                         f"reach 1, or of 2 devices) and halo >= 1; got {exchange.value}, R={outer * inner}, "
+                         f"reach={reach}, halo={halo}")
     if reach is not None:
         if exchange is not Exchange.RING or not 0 <= reach < inner - 1:
             raise ValueError(f"only a single ring is truncated, to 0 <= reach < R-1; got {exchange.value} with "
                              f"reach={reach}, R={outer * inner}")
         steps = [Step(0, s, Hop.RING if s < reach else None, Hop.RING if s < reach else Hop.RETURN if reach else None)
                  for s in range(reach + 1)]
-        return Schedule(exchange, step_plan(layout, causal), 1, inner, (Round(0, None, tuple(steps)),), reach)
+        return Schedule(exchange, step_plan(layout, causal), 1, inner, (Round(0, None, tuple(steps)),), reach, halo)
     if exchange is Exchange.ALLGATHER:
         kv_hop = dkv_hop = last_dkv_hop = outer_hop = None
     elif exchange is Exchange.RING:
@@ -495,12 +519,21 @@ def make_schedule(exchange: Exchange, layout: str, causal: bool, outer: int, inn
               tuple(Step(j, s, kv_hop if s < inner - 1 else None, dkv_hop if s < inner - 1 else last_dkv_hop)
                     for s in range(inner)))
         for j in range(outer))
-    return Schedule(exchange, step_plan(layout, causal), outer, inner, rounds)
+    return Schedule(exchange, step_plan(layout, causal), outer, inner, rounds, halo=halo)
 
 
-def ring_schedule(layout: str, causal: bool, size: int, reach: int | None = None) -> Schedule:
-    """The single ring of ``size`` devices (truncated after step ``reach`` when given)."""
-    return make_schedule(Exchange.RING, layout, causal, 1, size, reach)
+def ring_schedule(layout: str, causal: bool, size: int, reach: int | None = None, halo: int | None = None) -> Schedule:
+    """The single ring of ``size`` devices (truncated after step ``reach`` when given, its hops
+    carrying the last ``halo`` rows when given)."""
+    return make_schedule(Exchange.RING, layout, causal, 1, size, reach, halo)
+
+
+def window_ring_schedule(layout: str, causal: bool, window: tuple[int, int] | None, shard_len: int,
+                         size: int) -> Schedule:
+    """The single ring under ``window`` (the kernels' form): truncated to :func:`window_reach`,
+    its hops trimmed to :func:`window_halo` — both frameworks' ring."""
+    return ring_schedule(layout, causal, size, window_reach(layout, causal, window, shard_len, size),
+                         window_halo(layout, causal, window, shard_len, size))
 
 
 def allgather_schedule(layout: str, causal: bool, size: int) -> Schedule:

@@ -71,6 +71,11 @@ def ring_index(groups) -> int:
     return o * n_in + i
 
 
+def _tails(tensors, rows: int) -> tuple:
+    """Each tensor's last ``rows`` rows (dim 1), contiguous: what a hop with a halo sends."""
+    return tuple(x.narrow(1, x.shape[1] - rows, rows).contiguous() for x in tensors)
+
+
 def _buffer(x):
     """A contiguous receive buffer like ``x`` (``empty_like`` would copy x's strides)."""
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -95,7 +100,11 @@ class KVWalk:
         self._sent: dict[Hop, int] = {}
 
     def _start(self, hop: Hop, kv: tuple, into: tuple | None = None) -> tuple:
-        """Start sending ``kv`` one ``hop``; returns the buffers they arrive in (after ``_wait``)."""
+        """Start sending ``kv`` one ``hop``; returns the buffers they arrive in (after ``_wait``;
+        with a halo, the rows that travel: :meth:`_arrived` puts them in place)."""
+        if self.schedule.halo is not None:  # the truncated ring's one hop: the rows the window reads
+            kv = _tails(kv, self.schedule.halo)
+            into = tuple(_buffer(x) for x in kv)
         if into is None:
             pool, n = self._pools.setdefault(hop, []), self._sent.get(hop, 0)
             if len(pool) < 2 and n == len(pool):
@@ -109,6 +118,15 @@ class KVWalk:
     def _wait(self, hop: Hop) -> None:
         self._shifts[hop].wait()
 
+    def _arrived(self, incoming: tuple, like: tuple) -> tuple:
+        """The K/V as the next step reads them: with a halo, the rows that came in the last rows of
+        zeros shaped ``like`` (rows the window masks: never read into a result)."""
+        halo = self.schedule.halo
+        if halo is None:
+            return incoming
+        return tuple(torch.cat([x.new_zeros((x.shape[0], x.shape[1] - halo, *x.shape[2:])), y], 1)
+                     for x, y in zip(like, incoming))
+
     def __iter__(self):
         visits = iter(device_visits(self.schedule, ring_index(self.groups)))
         kv_round = self.kv
@@ -116,17 +134,18 @@ class KVWalk:
             next_round = self._start(rnd.kv_hop, kv_round) if rnd.kv_hop is not None else None  # hidden by the round
             kv = kv_round
             for step in rnd.steps:
-                incoming, hop = None, step.kv_hop
+                incoming, hop, keep = None, step.kv_hop, False
                 if step.local and self._given_first:
                     incoming, hop = self.first, None
                 elif hop is not None:
                     keep = step.local and self._keep_first
                     incoming = self._start(hop, kv, tuple(_buffer(x) for x in kv) if keep else None)
-                    if keep:
-                        self.first = incoming
                 yield next(visits), kv
                 if hop is not None:
                     self._wait(hop)
+                    incoming = self._arrived(incoming, kv)
+                    if keep:
+                        self.first = incoming
                 if incoming is not None:
                     kv = incoming
             if next_round is not None:
@@ -145,20 +164,34 @@ class DKVTrail:
         self._acc, self._spare = [dk.contiguous(), dv.contiguous()], None
         self._shifts: dict[Hop, RingShift] = {}
         self._in_flight: RingShift | None = None
+        self._sending: list | None = None  # with a halo: the rows in flight (kept alive until they land)
 
     def current(self, source: int | None = None) -> list:
         """[dk, dv] of the shard in hand (waits for them; ``source``: for :class:`ShardGrads`'s interface)."""
         if self._in_flight is not None:
             self._in_flight.wait()
             self._in_flight = None
+            if self.schedule.halo is not None:  # the rows that came land in this rank's accumulators
+                for acc, rows in zip(self._acc, self._spare):
+                    acc.narrow(1, acc.shape[1] - rows.shape[1], rows.shape[1]).copy_(rows)
+                self._sending = None
         return self._acc
 
     def send(self, hop: Hop | None) -> None:
-        """Start moving the accumulators one ``hop`` (``None``: they stay)."""
+        """Start moving the accumulators one ``hop`` (``None``: they stay). With a halo only its
+        rows travel, and the rest of these accumulators stay this rank's own
+        (``schedule.window_halo``: no block adds there before they come home)."""
         if hop is None:
             return
         if hop not in self._shifts:
             self._shifts[hop] = self.comm.shift(hop, self.groups, **return_distance(self.schedule, hop))
+        if self.schedule.halo is not None:
+            self._sending = list(_tails(self._acc, self.schedule.halo))
+            if self._spare is None:
+                self._spare = [_buffer(x) for x in self._sending]
+            self._shifts[hop].start(self._sending, self._spare)
+            self._in_flight = self._shifts[hop]
+            return
         if self._spare is None:
             self._spare = [_buffer(x) for x in self._acc]
         self._shifts[hop].start(self._acc, self._spare)

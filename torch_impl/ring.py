@@ -11,11 +11,13 @@ the K/V in hand, so the transfer overlaps the compute; receive buffers are alloc
 reused (double-buffered). Backward: K/V rotate again, starting from the K/V the forward received
 for step 1 (saved for backward, so R-2 hops); float32 dK/dV accumulators travel with them, one
 hop behind, and a final hop brings them home (R hops); dQ stays local.
+A window shorter than a shard (contiguous, nothing visible ahead) leaves one K/V hop, trimmed to
+the rows the window reads (``schedule.window_halo``).
 """
 
 from __future__ import annotations
 
-from seqplan.schedule import ring_schedule, window_reach
+from seqplan.schedule import window_ring_schedule
 from seqplan.validation import (
     check_local_masks,
     dtype_name,
@@ -68,10 +70,10 @@ def ring_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=
 def _schedule(groups, config: AttentionConfig, shard_len: int):
     """The ring's schedule: truncated to the shards a window reaches where that is built
     (``schedule.window_reach``: the contiguous layout under a causal or right-0 window; never on
-    token indices, which the layout's positions say nothing about)."""
+    token indices, which the layout's positions say nothing about), its hops carrying only the
+    rows the window reads where it has one K/V hop (``schedule.window_halo``)."""
     size = axis_size(groups[1])
-    return ring_schedule(config.layout, config.schedule_causal, size,
-                         window_reach(config.layout, config.schedule_causal, config.reach_window, shard_len, size))
+    return window_ring_schedule(config.layout, config.schedule_causal, config.reach_window, shard_len, size)
 
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks):

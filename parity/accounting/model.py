@@ -116,8 +116,9 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framewo
     A sliding window (``window``) truncates the single ring where ``schedule.window_reach`` says
     (the contiguous layout under a causal or right-0 window reaching a < R-1 shards back):
     forward a K/V hops, backward a-1, and a+1 hops of float32 dK/dV (a along the ring, one
-    straight home). Everywhere else it moves what the call moves without it (blocks out of reach
-    are skipped, not their transfers).
+    straight home); with a = 1 — or on a ring of 2, whole — and a left reach w shorter than a shard
+    every hop carries w rows, not the shard (``schedule.window_halo``). Everywhere else it moves what the call moves without
+    it (blocks out of reach are skipped, not their transfers).
     Attention sinks (``sinks``, float32 [h], replicated) differ per ``framework`` (required with
     sinks): torch moves nothing for them (``sinks.grad`` is each rank's contribution); JAX's
     shard_map transposes the replicated input into all-reductions of its cotangent in the
@@ -144,8 +145,9 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framewo
         t.add("fwd", "all-gather", 2 * (ring - 1) * shard * e, calls=2)
         t.add("bwd", "reduce-scatter", 2 * (ring - 1) * shard * 4, calls=2)
     elif ring > 1:
-        shard = b * (case.seq // ring) * (kv_heads // uly) * d  # K (or V) elements per ring shard
-        reach = _window_reach(case)
+        reach, halo = _window_reach(case)
+        rows = case.seq // ring if halo is None else halo  # the rows of a ring shard each hop carries
+        shard = b * rows * (kv_heads // uly) * d  # K (or V) elements a hop carries
         fwd_hops = ring - 1 if reach is None else reach
         kv_hops = ring - 1 if case.ring_outer > 1 else max(fwd_hops - 1, 0)
         dkv_hops = ring if reach is None else reach + 1 if reach else 0
@@ -166,17 +168,18 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framewo
     return t
 
 
-def _window_reach(case) -> int | None:
-    """The truncated single ring's reach for ``case`` (None: the whole ring), by the rule the
-    implementations use (``schedule.window_reach`` on the window as the kernels see it); the
-    schedule module is pure Python, imported here without any framework."""
+def _window_reach(case) -> tuple[int | None, int | None]:
+    """The truncated single ring's reach and halo for ``case`` (None, None: the whole ring, whole
+    shards), by the rule the implementations use (``schedule.window_ring_schedule`` on the window as
+    the kernels see it); the schedule module is pure Python, imported here without any framework."""
     window = getattr(case, "window", None)
     if window is None or case.ring_outer > 1 or case.kv_exchange != "ring":
-        return None
-    from seqplan.schedule import kernel_window, window_reach
+        return None, None
+    from seqplan.schedule import kernel_window, window_ring_schedule
 
-    return window_reach(case.layout, case.causal, kernel_window(tuple(window), case.causal), case.seq // case.ring,
-                        case.ring)
+    schedule = window_ring_schedule(case.layout, case.causal, kernel_window(tuple(window), case.causal),
+                                    case.seq // case.ring, case.ring)
+    return schedule.reach, schedule.halo
 
 
 def _sinks_traffic(t: Traffic, sinks_bytes: int, others: int, uly: int) -> None:

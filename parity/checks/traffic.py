@@ -49,10 +49,12 @@ ATTENTION_CONFIGS = [
     Case(ring=4, layout="zigzag", kv_exchange="allgather", window=(20, 9), sinks=True),
     Case(ring=4, layout="contiguous", kv_heads=2, sinks=True), Case(ulysses=4, kv_heads=2, sinks=True),
     Case(ring=2, ulysses=2, data=2, batch=4, kv_heads=2, sinks=True),
-    # windows that truncate the ring (contiguous layout, causal or right 0): reach 1, 3, 1 (USP), 1, 0
+    # windows that truncate the ring (contiguous layout, causal or right 0): reach 1, 3, 1 (USP), 1, 0, then
+    # a ring of 2 (whole) — the reach-1 ones and the ring of 2 with a window shorter than a shard trim hops to its halo
     Case(ring=4, layout="contiguous", window=(5, 0)), Case(ring=8, layout="contiguous", kv_heads=2, window=(17, 4)),
     Case(ring=4, ulysses=2, layout="contiguous", kv_heads=2, window=(10, 0)),
     Case(ring=4, layout="contiguous", causal=False, window=(6, 0)), Case(ring=4, layout="contiguous", window=(0, 0)),
+    Case(ring=2, layout="contiguous", window=(5, 0)),  # a ring of 2: not truncated, its one hop trimmed to the halo
     # explicit token indices (the per-document zigzag's): one more int32 all-gather over the groups the ids use —
     # alone (no ids) on a ring; with ids under USP (two gathers per group); on the double ring's two rings
     Case(ring=4, token_index=True), Case(ring=2, ulysses=2, kv_heads=2, batch=2, documents="mix", token_index=True),

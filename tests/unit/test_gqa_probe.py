@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from benchmarks import gqa_probe  # noqa: E402
+from benchmarks import gqa_probe
 
 ARGS = SimpleNamespace(seq=64, check_seq=48, heads=4, kv_heads=2, head_dim=16, iters=1)
 
@@ -45,7 +45,7 @@ def test_an_op_that_groups_heads_the_wrong_way_fails_and_is_not_timed(monkeypatc
     def wrong_bwd(do, q, k, v, o, lse, causal, scale):
         h, hk = q.shape[1], k.shape[1]
         dq, dk, dv = bwd(do, q, tile(k, h), tile(v, h), o, lse, causal, scale)[:3]
-        fold = lambda x: x.reshape(x.shape[0], h // hk, hk, *x.shape[2:]).sum(1)  # noqa: E731
+        fold = lambda x: x.reshape(x.shape[0], h // hk, hk, *x.shape[2:]).sum(1)
         return dq, fold(dk), fold(dv)
 
     rows = _rows({"aten_cpu": (wrong_fwd, wrong_bwd)}, monkeypatch)

@@ -110,6 +110,39 @@ def test_window_reach_only_where_it_is_built():
         S.ring_schedule("contiguous", True, 4, 3)
 
 
+def test_window_halo_is_the_left_reach_where_the_ring_reaches_one_shard_back():
+    """The rows of the previous shard its window reads, and only where the ring has one K/V hop
+    (truncated to reach 1, or a ring of 2) and the window is shorter than a shard; a schedule
+    takes a halo only then."""
+    assert S.window_halo("contiguous", True, (5, 0), 8, 4) == 5
+    assert S.window_halo("contiguous", False, (6, 0), 8, 4) == 6  # right 0: nothing visible ahead
+    assert S.window_halo("contiguous", True, (8, 0), 8, 4) is None  # the whole shard: nothing to trim
+    assert S.window_halo("contiguous", True, (9, 0), 8, 4) is None  # reach 2
+    assert S.window_halo("contiguous", True, (0, 0), 8, 4) is None  # reach 0: no hop
+    assert S.window_halo("zigzag", True, (5, 0), 8, 4) is None and S.window_halo("contiguous", True, None, 8, 4) is None
+    schedule = S.window_ring_schedule("contiguous", True, (5, 0), 8, 4)
+    assert (schedule.reach, schedule.halo) == (1, 5)
+    assert S.window_ring_schedule("contiguous", True, (9, 0), 8, 4).halo is None
+    pair = S.window_ring_schedule("contiguous", True, (5, 0), 8, 2)  # a ring of 2: whole, one K/V hop
+    assert (pair.reach, pair.halo, len(pair.steps)) == (None, 5, 2)
+    with pytest.raises(ValueError, match="halo"):
+        S.ring_schedule("contiguous", True, 4, 2, halo=5)
+    with pytest.raises(ValueError, match="halo"):
+        S.ring_schedule("contiguous", True, 4, None, halo=5)
+    with pytest.raises(ValueError, match="halo"):
+        S.make_schedule(S.Exchange.ALLGATHER, "contiguous", True, 1, 2, halo=5)
+
+
+def test_the_halo_holds_every_key_a_windowed_query_of_the_next_shard_sees():
+    """Brute force over positions: under window (left, 0) on the contiguous layout, every key of
+    shard r-1 that a query of shard r sees is among the last ``window_halo`` rows of shard r-1."""
+    for t, left in [(8, 1), (8, 5), (8, 7), (16, 3)]:
+        halo = S.window_halo("contiguous", True, (left, 0), t, 4)
+        for r in range(1, 4):
+            seen = {j for i in range(r * t, (r + 1) * t) for j in range(max(i - left, 0), i + 1) if j < r * t}
+            assert seen and min(seen) - (r - 1) * t == t - halo, (t, left, r)
+
+
 @pytest.mark.parametrize("layout", S.LAYOUTS)
 def test_every_device_meets_every_shard_once_own_first(layout):
     for schedule in _schedules(layout, causal=True):
