@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from torch_impl.kernels.aten import _aten_ops, _expand, _fold_heads, _lse_bht
+from seqplan.schedule import CAUSAL_MASK
+from torch_impl.block import get_backend
+from torch_impl.kernels.aten import aten_ops
 
 F32 = torch.float32
 
@@ -64,20 +66,20 @@ def _truth(q, k, v, do, scale: float):
     return o.detach(), lse.detach(), dq, dk, dv
 
 
-def _call(op_pair, q, k, v, do, scale: float, expand: bool):
-    """The op's forward and backward, K/V expanded and dK/dV folded (``expand``) or as they are."""
-    fwd, bwd = op_pair
+def _call(op: str, q, k, v, do, scale: float, expand: bool):
+    """o, lse, dq, dk, dv ([b, h, t, d]; lse [b, h, t]) of one causal forward and backward: through
+    the adapter itself (``expand``: ``torch_impl``'s registered backend, K/V expanded and dK/dV
+    folded as every ring block does) or the raw op pair on K/V as they are."""
     b, h, t, _ = q.shape
-    hk = k.shape[1]
-    if expand:  # the adapter's form ([b, s, hk, d] in, [b, h, s, d] out)
-        ke, ve = _expand(k.transpose(1, 2), h), _expand(v.transpose(1, 2), h)
-    else:
-        ke, ve = k, v
-    o, lse = fwd(q, ke, ve, True, scale)
-    lse = _lse_bht(lse, b, h, t)
-    dq, dk, dv = bwd(do, q, ke, ve, o, lse, True, scale)[:3]
-    if expand and hk != h:
-        dk, dv = (_fold_heads(x.float(), hk).transpose(1, 2) for x in (dk, dv))
+    if expand:
+        backend, heads_second = get_backend(op), lambda x: x.transpose(1, 2)
+        o, lse = backend.fwd(*(heads_second(x) for x in (q, k, v)), CAUSAL_MASK, scale)
+        dq, dk, dv = backend.bwd(heads_second(do), *(heads_second(x) for x in (q, k, v)), o, lse, CAUSAL_MASK, scale)
+        return heads_second(o), lse, heads_second(dq), heads_second(dk), heads_second(dv)
+    fwd, bwd = aten_ops(op)
+    o, lse = fwd(q, k, v, True, scale)
+    lse = lse.reshape(b, h, t).float().contiguous()  # cuDNN: [b, h, t, 1]; the CPU op: strided
+    dq, dk, dv = bwd(do, q, k, v, o, lse, True, scale)[:3]
     return o, lse, dq, dk, dv
 
 
@@ -106,18 +108,13 @@ def _time_ms(fn, device, iters: int) -> float:
 
 
 def probe(op: str, args, device, dtype, emit) -> None:
-    try:
-        pair = _aten_ops(op)
-    except Exception as exc:  # noqa: BLE001 — a row says why an op is missing
-        emit(ProbeRow(op, "check", args.check_seq, args.heads, args.kv_heads, error=f"{type(exc).__name__}: {exc}"))
-        return
     scale = 1 / math.sqrt(args.head_dim)
     q, k, v, do = _inputs(1, args.heads, args.kv_heads, args.check_seq, args.head_dim, device, dtype)
     truth = _truth(q, k, v, do, scale)
     row = ProbeRow(op, "check", args.check_seq, args.heads, args.kv_heads)
-    row.worst_error_expanded = _worst(_call(pair, q, k, v, do, scale, expand=True), truth)
+    row.worst_error_expanded = _worst(_call(op, q, k, v, do, scale, expand=True), truth)
     try:
-        got = _call(pair, q, k, v, do, scale, expand=False)
+        got = _call(op, q, k, v, do, scale, expand=False)
         row.runs_unexpanded = all(g.shape == w.shape for g, w in zip(got, truth))
         if not row.runs_unexpanded:
             row.error = "shapes " + ", ".join(str(tuple(g.shape)) for g in got)
@@ -131,8 +128,8 @@ def probe(op: str, args, device, dtype, emit) -> None:
         return
     q, k, v, do = _inputs(1, args.heads, args.kv_heads, args.seq, args.head_dim, device, dtype, seed=1)
     timed = ProbeRow(op, "time", args.seq, args.heads, args.kv_heads, passed=True)
-    timed.expanded_ms = _time_ms(lambda: _call(pair, q, k, v, do, scale, expand=True), device, args.iters)
-    timed.unexpanded_ms = _time_ms(lambda: _call(pair, q, k, v, do, scale, expand=False), device, args.iters)
+    timed.expanded_ms = _time_ms(lambda: _call(op, q, k, v, do, scale, expand=True), device, args.iters)
+    timed.unexpanded_ms = _time_ms(lambda: _call(op, q, k, v, do, scale, expand=False), device, args.iters)
     emit(timed)
 
 

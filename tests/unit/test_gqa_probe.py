@@ -17,15 +17,15 @@ ARGS = SimpleNamespace(seq=64, check_seq=48, heads=4, kv_heads=2, head_dim=16, i
 
 
 def _rows(op_pairs, monkeypatch, op="aten_cpu"):
-    monkeypatch.setattr(gqa_probe, "_aten_ops", lambda name: op_pairs[name])
+    monkeypatch.setattr(gqa_probe, "aten_ops", lambda name: op_pairs[name])
     rows = []
     gqa_probe.probe(op, ARGS, torch.device("cpu"), torch.float32, rows.append)
     return rows
 
 
 def test_the_cpu_op_takes_grouped_heads_and_is_timed(monkeypatch):
-    from torch_impl.kernels.aten import _aten_ops
-    rows = _rows({"aten_cpu": _aten_ops("aten_cpu")}, monkeypatch)
+    from torch_impl.kernels.aten import aten_ops
+    rows = _rows({"aten_cpu": aten_ops("aten_cpu")}, monkeypatch)
     assert [r.phase for r in rows] == ["check", "time"]
     assert rows[0].passed and rows[0].worst_error_unexpanded < 1e-4
     assert rows[1].expanded_ms > 0 and rows[1].unexpanded_ms > 0
@@ -33,8 +33,8 @@ def test_the_cpu_op_takes_grouped_heads_and_is_timed(monkeypatch):
 
 def test_an_op_that_groups_heads_the_wrong_way_fails_and_is_not_timed(monkeypatch):
     """Query head i against K/V head i mod hk (not i // group): same shapes, wrong numbers."""
-    from torch_impl.kernels.aten import _aten_ops
-    fwd, bwd = _aten_ops("aten_cpu")
+    from torch_impl.kernels.aten import aten_ops
+    fwd, bwd = aten_ops("aten_cpu")
 
     def tile(x, h):
         return x.repeat(1, h // x.shape[1], 1, 1) if x.shape[1] != h else x
@@ -53,8 +53,8 @@ def test_an_op_that_groups_heads_the_wrong_way_fails_and_is_not_timed(monkeypatc
 
 
 def test_an_op_that_refuses_grouped_heads_is_reported_not_raised(monkeypatch):
-    from torch_impl.kernels.aten import _aten_ops
-    fwd, bwd = _aten_ops("aten_cpu")
+    from torch_impl.kernels.aten import aten_ops
+    fwd, bwd = aten_ops("aten_cpu")
 
     def strict_fwd(q, k, v, causal, scale):
         if k.shape[1] != q.shape[1]:

@@ -143,8 +143,10 @@ def test_mirrors_have_the_same_files_and_public_names():
         # (in-place accumulation; JAX's grad_block returns the sums). walk_forward is the ring's
         # and the double ring's one forward in both; torch's walk_backward is their one backward
         # too (JAX's double ring sends its backward's K/V as raw bits, so each JAX variant keeps
-        # its own backward).
-        jax_only = {"partition_specs", "ring_shift", "diagonal_shift", "walk", "visit_block"}
+        # its own backward). A window's halo (the rows a trimmed hop carries): JAX's shift_halo
+        # (traced slices and pads around the ppermute) is inside torch's KVWalk / DKVTrail (the rows
+        # sent, then copied into place after the wait).
+        jax_only = {"partition_specs", "ring_shift", "diagonal_shift", "walk", "visit_block", "shift_halo"}
         torch_only = {"global_shape", "RingShift", "check_ranks_agree", "merge_partials_into", "KVWalk", "DKVTrail",
                       "add_grads", "walk_backward"}
         # Packed documents: both gather the ids once (gather_segment_ids) and decide per block with

@@ -69,7 +69,9 @@ def _aux_outputs(op, device, dtype, d: int):
     return _AUX[key]
 
 
-def _aten_ops(name: str):
+def aten_ops(name: str):
+    """The raw (forward, backward) op pair of backend ``name``, [b, h, t, d], equal head counts as the
+    adapters call them (``benchmarks.gqa_probe`` asks the ops about grouped heads directly)."""
     ops = torch.ops.aten
     if name == "aten_cpu":
         fwd = lambda q, k, v, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu(
@@ -110,7 +112,7 @@ def _aten_ops(name: str):
 
 def _make_aten_backend(name: str) -> BlockBackend:
     """Adapt an aten (fwd, bwd) op pair to the block-kernel signatures."""
-    op_fwd, op_bwd = _aten_ops(name)
+    op_fwd, op_bwd = aten_ops(name)
 
     def fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
         if mask.documents or mask.window is not None:  # not in the ops: the portable kernel (module docstring)
