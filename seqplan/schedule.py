@@ -56,8 +56,9 @@ meets the K/V of shard :meth:`Schedule.source` = ((o - j) mod O)·I + (i - s) mo
   With a = 1 (or a ring of 2) and a window whose left reach w is shorter than a shard (``halo`` =
   w, :func:`window_halo`), every hop carries only the last w rows of the visited shard — all its
   window reads: the K/V arrive in those rows of zeros, the dK/dV in those rows of the receiver's
-  own accumulator, whose other rows stay its own (the window masks them: no block adds there, so
-  the receiver's own rows wait for the ``RETURN`` hop unchanged and the sums keep their order).
+  own accumulator, whose other rows stay its own (the window masks them: the block there adds
+  exact zeros, so the receiver's own rows wait for the ``RETURN`` hop unchanged and the sums keep
+  their order).
 - all-gather KV (``Exchange.ALLGATHER``): the same visiting order over one all-gather of K/V; no
   hops; the dK/dV of every shard come home by one reduce-scatter after the last step.
 - double ring (``Exchange.DOUBLE_RING``; O x I): O rounds of I steps. At a round's start its
@@ -486,8 +487,8 @@ def window_halo(layout: str, causal: bool, window: tuple[int, int] | None, shard
 def make_schedule(exchange: Exchange, layout: str, causal: bool, outer: int, inner: int,
                   reach: int | None = None, halo: int | None = None) -> Schedule:
     """The schedule of ``exchange`` on ``outer`` x ``inner`` devices (see the module docstring);
-    ``reach``: truncate a single ring after step ``reach`` (:func:`window_reach`); ``halo``: with
-    reach 1, the rows its hops carry (:func:`window_halo`)."""
+    ``reach``: truncate a single ring after step ``reach`` (:func:`window_reach`); ``halo``: on a
+    single ring with one K/V hop (reach 1, or a ring of 2), the rows its hops carry (:func:`window_halo`)."""
     exchange = Exchange(exchange)
     if outer < 1 or inner < 1:
         raise ValueError(f"ring sizes must be >= 1, got {outer} x {inner}")

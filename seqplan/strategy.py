@@ -43,7 +43,9 @@ class Strategy:
 
     def schedule(self, layout: str, causal: bool, window: tuple[int, int] | None = None,
                  shard_len: int = 0) -> Schedule:
-        """The schedule the real loops of this strategy walk (Ulysses alone: one device's)."""
+        """The schedule the real loops of this strategy walk (Ulysses alone: one device's) — its
+        visits; without the window's halo (``schedule.window_halo``: which rows a hop carries),
+        since the replays that walk it move nothing."""
         if self.outer > 1:
             return make_schedule(Exchange.DOUBLE_RING, layout, causal, self.outer, self.ring // self.outer)
         if self.kv_exchange == "allgather":

@@ -85,7 +85,7 @@ class KVWalk:
     """This rank's K/V along ``schedule``: ``for visit, kv in KVWalk(...)`` gives every step's
     :class:`schedule.Visit` with the K/V of its source shard, the transfer of the K/V the next step
     needs already started (so it overlaps the step's compute). Receive buffers are allocated once
-    per hop kind, two at most, and reused alternately.
+    per hop kind, two at most, and reused alternately (with a halo, the one hop's rows get their own).
 
     ``first``: the K/V of step 1, already received (the single ring's backward: the first hop is
     not sent again). ``keep_first``: receive the K/V of step 1 into a buffer of their own, never
@@ -98,12 +98,13 @@ class KVWalk:
         self._shifts: dict[Hop, RingShift] = {}
         self._pools: dict[Hop, list] = {}
         self._sent: dict[Hop, int] = {}
+        self._sending: tuple | None = None  # with a halo: the rows in flight
 
     def _start(self, hop: Hop, kv: tuple, into: tuple | None = None) -> tuple:
         """Start sending ``kv`` one ``hop``; returns the buffers they arrive in (after ``_wait``;
         with a halo, the rows that travel: :meth:`_arrived` puts them in place)."""
-        if self.schedule.halo is not None:  # the truncated ring's one hop: the rows the window reads
-            kv = _tails(kv, self.schedule.halo)
+        if self.schedule.halo is not None:  # the ring's one K/V hop: the rows the window reads
+            kv = self._sending = _tails(kv, self.schedule.halo)  # kept alive until they land
             into = tuple(_buffer(x) for x in kv)
         if into is None:
             pool, n = self._pools.setdefault(hop, []), self._sent.get(hop, 0)
@@ -139,7 +140,8 @@ class KVWalk:
                     incoming, hop = self.first, None
                 elif hop is not None:
                     keep = step.local and self._keep_first
-                    incoming = self._start(hop, kv, tuple(_buffer(x) for x in kv) if keep else None)
+                    own = keep and self.schedule.halo is None  # a halo's rows get buffers of their own anyway
+                    incoming = self._start(hop, kv, tuple(_buffer(x) for x in kv) if own else None)
                 yield next(visits), kv
                 if hop is not None:
                     self._wait(hop)

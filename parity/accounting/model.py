@@ -173,8 +173,8 @@ def _window_reach(case) -> tuple[int | None, int | None]:
     shards), by the rule the implementations use (``schedule.window_ring_schedule`` on the window as
     the kernels see it); the schedule module is pure Python, imported here without any framework."""
     window = getattr(case, "window", None)
-    if window is None or case.ring_outer > 1 or case.kv_exchange != "ring":
-        return None, None
+    if window is None or case.ring_outer > 1 or case.kv_exchange != "ring" or getattr(case, "token_index", False):
+        return None, None  # token indices: the window is on them, and the layout's positions promise nothing
     from seqplan.schedule import kernel_window, window_ring_schedule
 
     schedule = window_ring_schedule(case.layout, case.causal, kernel_window(tuple(window), case.causal),

@@ -59,6 +59,7 @@ ATTENTION_CONFIGS = [
     # alone (no ids) on a ring; with ids under USP (two gathers per group); on the double ring's two rings
     Case(ring=4, token_index=True), Case(ring=2, ulysses=2, kv_heads=2, batch=2, documents="mix", token_index=True),
     Case(ring=4, ring_outer=2, documents="one", token_index=True),
+    Case(ring=4, layout="contiguous", window=(5, 0), token_index=True),  # the window on the indices: no truncation
 ]
 
 TRAINING_CONFIGS = [

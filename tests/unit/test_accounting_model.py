@@ -24,12 +24,17 @@ def test_truncated_ring_traffic_by_hand():
     """Ring 4, contiguous, window (5, 0) over shards of 16 tokens: reach 1, so one forward hop of
     K and V and two float32 dK / dV hops (along the ring, then home), each carrying the last 5 of
     the shard's 16 rows (1·5·8·16 elements: 2,560 B of K in float32). Window (16, 0) reaches the
-    whole previous shard: the same hops carry all 16 rows; (17, 0) reaches two shards back."""
+    whole previous shard: the same hops carry all 16 rows; (17, 0) reaches two shards back; with
+    token indices the window truncates nothing."""
     rows = lambda n: 1 * n * 8 * 16 * 4
     t = attention_traffic(Case(ring=4, layout="contiguous", window=(5, 0)))
     assert t.rows() == {("fwd", "p2p"): (2, 2 * rows(5)), ("bwd", "p2p"): (4, 4 * rows(5))}
     whole = attention_traffic(Case(ring=4, layout="contiguous", window=(16, 0)))
     assert whole.rows() == {("fwd", "p2p"): (2, 2 * rows(16)), ("bwd", "p2p"): (4, 4 * rows(16))}
+    # token indices: the window is on them, so the ring is neither truncated nor trimmed (the
+    # implementations' reach_window is None then): the whole ring, as without a window
+    indexed = dict(ring=4, layout="contiguous", token_index=True)
+    assert attention_traffic(Case(**indexed, window=(5, 0))) == attention_traffic(Case(**indexed))
     two = attention_traffic(Case(ring=4, layout="contiguous", window=(17, 0)))
     assert two.rows() == {("fwd", "p2p"): (4, 4 * rows(16)), ("bwd", "p2p"): (2 + 6, 2 * rows(16) + 6 * rows(16))}
 
