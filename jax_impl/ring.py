@@ -10,8 +10,8 @@ compute. Partials merge by LSE (float32). Backward: K/V rotate again, starting f
 forward received for step 1 (kept as a residual, so R-2 hops); float32 dK/dV accumulators travel
 with them, one hop behind, and a final hop brings them home (R hops); dQ stays local. Which
 block is computed at each step comes from the schedule's step plan, so causal work is balanced
-and a fully masked block is skipped. A window shorter than a shard (contiguous, nothing visible ahead) leaves one
-K/V hop, trimmed to the rows the window reads (``schedule.window_halo``).
+and a fully masked block is skipped. A window shorter than a shard (contiguous, nothing visible
+ahead) leaves one K/V hop, trimmed to the rows the window reads (``schedule.window_halo``).
 """
 
 from __future__ import annotations

@@ -459,6 +459,12 @@ def one_call_mask(causal: bool, window: tuple[int, int] | None, token_index: boo
     return None
 
 
+def _looks_back_only(layout: str, causal: bool, window: tuple[int, int] | None) -> bool:
+    """A window on the contiguous layout with nothing visible ahead (causal, or ``right`` = 0):
+    where shard r needs only shards r-a .. r, and shard r-1 only its last ``left`` rows."""
+    return window is not None and layout == "contiguous" and (causal or window[1] == 0)
+
+
 def window_reach(layout: str, causal: bool, window: tuple[int, int] | None, shard_len: int, size: int) -> int | None:
     """How many ring steps past its own shard any device needs under ``window`` — the reach a
     of a truncated ring — or None when the whole ring is needed. Built where it pays and is
@@ -466,7 +472,7 @@ def window_reach(layout: str, causal: bool, window: tuple[int, int] | None, shar
     device r needs shards r-a .. r only, a = ceil(left / shard_len). Zigzag and stripe spread
     every shard over the sequence (each needs almost every other), and a window reaching ahead
     would need the ring to turn both ways."""
-    if window is None or layout != "contiguous" or not (causal or window[1] == 0):
+    if not _looks_back_only(layout, causal, window):
         return None
     reach = -(-window[0] // shard_len)
     return reach if reach < size - 1 else None
@@ -479,7 +485,7 @@ def window_halo(layout: str, causal: bool, window: tuple[int, int] | None, shard
     Such a ring has one K/V hop (truncated to reach 1, or a ring of 2 whole). None where hops
     carry whole shards (a window reaching a whole shard back or more, another layout, no window).
     The window as the kernels see it (``kernel_window``)."""
-    if window is None or layout != "contiguous" or not (causal or window[1] == 0) or size < 2:
+    if not _looks_back_only(layout, causal, window) or size < 2:
         return None
     return window[0] if 0 < window[0] < shard_len else None
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .axes import RING, RING_INNER, RING_OUTER, ULYSSES
-from .schedule import Exchange, Schedule, make_schedule, window_reach
+from .schedule import Exchange, Schedule, make_schedule, window_ring_schedule
 from .validation import KV_EXCHANGES
 
 
@@ -43,16 +43,13 @@ class Strategy:
 
     def schedule(self, layout: str, causal: bool, window: tuple[int, int] | None = None,
                  shard_len: int = 0) -> Schedule:
-        """The schedule the real loops of this strategy walk (Ulysses alone: one device's) — its
-        visits; without the window's halo (``schedule.window_halo``: which rows a hop carries),
-        since the replays that walk it move nothing."""
+        """The schedule the real loops of this strategy walk (Ulysses alone: one device's)."""
         if self.outer > 1:
             return make_schedule(Exchange.DOUBLE_RING, layout, causal, self.outer, self.ring // self.outer)
         if self.kv_exchange == "allgather":
             return make_schedule(Exchange.ALLGATHER, layout, causal, 1, self.ring)
-        # a window the ring truncates for (kernel_window's form; shard_len = T / R tokens)
-        return make_schedule(Exchange.RING, layout, causal, 1, self.ring,
-                             window_reach(layout, causal, window, shard_len, self.ring))
+        # a window the ring truncates for and trims the hops of (kernel_window's form; shard_len = T / R tokens)
+        return window_ring_schedule(layout, causal, window, shard_len, self.ring)
 
     def replay_schedule(self, config, seq: int) -> Schedule:
         """The schedule a replay of a call with ``config`` (an AttentionConfig) over ``seq`` tokens

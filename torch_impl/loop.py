@@ -182,7 +182,7 @@ class DKVTrail:
     def send(self, hop: Hop | None) -> None:
         """Start moving the accumulators one ``hop`` (``None``: they stay). With a halo only its
         rows travel, and the rest of these accumulators stay this rank's own
-        (``schedule.window_halo``: no block adds there before they come home)."""
+        (``schedule.window_halo``: blocks add exact zeros there before they come home)."""
         if hop is None:
             return
         if hop not in self._shifts:

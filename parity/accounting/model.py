@@ -117,8 +117,8 @@ def attention_traffic(case: AttentionConfig, *, return_lse: bool = True, framewo
     (the contiguous layout under a causal or right-0 window reaching a < R-1 shards back):
     forward a K/V hops, backward a-1, and a+1 hops of float32 dK/dV (a along the ring, one
     straight home); with a = 1 — or on a ring of 2, whole — and a left reach w shorter than a shard
-    every hop carries w rows, not the shard (``schedule.window_halo``). Everywhere else it moves what the call moves without
-    it (blocks out of reach are skipped, not their transfers).
+    every hop carries w rows, not the shard (``schedule.window_halo``). Everywhere else it moves
+    what the call moves without it (blocks out of reach are skipped, not their transfers).
     Attention sinks (``sinks``, float32 [h], replicated) differ per ``framework`` (required with
     sinks): torch moves nothing for them (``sinks.grad`` is each rank's contribution); JAX's
     shard_map transposes the replicated input into all-reductions of its cotangent in the
