@@ -1,9 +1,11 @@
 """Does a torch SDPA op take grouped K/V heads (GQA) as they are, and what does expanding them cost?
 
-Why (issue 47): ``torch_impl``'s aten adapters expand GQA K/V to every query head with
-``repeat_interleave`` before each block's forward and backward, and sum the expanded dK/dV back —
-10 ms of copies a step on the ring at 128k, 32 / 8 heads (4x H200 profile, 2026-11-27). If the
-op takes K/V at their own head count and returns dK/dV at it, the adapter can pass them through.
+Why (issue 47): ``torch_impl``'s aten adapters used to expand GQA K/V to every query head with
+``repeat_interleave`` before each block's forward and backward, and sum the expanded dK/dV back.
+On 4x H200 (torch 2.11, 2026-11-27) both CUDA ops took K/V at their own head count and returned
+dK/dV at it, within the expanded call's error, and the adapters pass them through since; this
+probe keeps the question asked on whatever torch and GPU a run has (the old expansion is
+reproduced here, for the comparison).
 
 For each op pair (``aten_cudnn`` and ``aten_flash`` on a GPU, ``aten_cpu`` on the CPU), causal,
 [b, h, t, d] in bf16 on a GPU (float32 on the CPU):
@@ -12,7 +14,7 @@ For each op pair (``aten_cudnn`` and ``aten_flash`` on a GPU, ``aten_cpu`` on th
    dq, dk, dv equal a float32 autograd truth (K/V expanded inside the graph, so dK/dV are the
    group sums) within the tolerance the expanded call itself reaches (×2, plus a floor)?
 2. **time**, at ``--seq`` tokens, only where the check passed: forward+backward with the
-   expansion and fold (what the adapter does now) against the op on unexpanded K/V.
+   expansion and fold (what the adapters did before) against the op on unexpanded K/V (what they do).
 
 Rows go to ``$OUT/gqa_probe.json`` as they come (a killed call keeps them).
 Usage: ``python -m benchmarks.gqa_probe [--seq 32768 --heads 32 --kv-heads 8] [--smoke]``.
@@ -29,8 +31,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from seqplan.schedule import CAUSAL_MASK
-from torch_impl.block import get_backend
 from torch_impl.kernels.aten import aten_ops
 
 F32 = torch.float32
@@ -67,19 +67,19 @@ def _truth(q, k, v, do, scale: float):
 
 
 def _call(op: str, q, k, v, do, scale: float, expand: bool):
-    """o, lse, dq, dk, dv ([b, h, t, d]; lse [b, h, t]) of one causal forward and backward: through
-    the adapter itself (``expand``: ``torch_impl``'s registered backend, K/V expanded and dK/dV
-    folded as every ring block does) or the raw op pair on K/V as they are."""
+    """o, lse, dq, dk, dv ([b, h, t, d]; lse [b, h, t]) of one causal forward and backward of the raw
+    op pair: on K/V expanded to every query head with their gradients summed back in float32
+    (``expand``: what the adapters did before 2026-11-27) or on K/V as they are (what they do now)."""
     b, h, t, _ = q.shape
-    if expand:
-        backend, heads_second = get_backend(op), lambda x: x.transpose(1, 2)
-        o, lse = backend.fwd(*(heads_second(x) for x in (q, k, v)), CAUSAL_MASK, scale)
-        dq, dk, dv = backend.bwd(heads_second(do), *(heads_second(x) for x in (q, k, v)), o, lse, CAUSAL_MASK, scale)
-        return heads_second(o), lse, heads_second(dq), heads_second(dk), heads_second(dv)
+    hk = k.shape[1]
     fwd, bwd = aten_ops(op)
+    if expand:
+        k, v = (x.repeat_interleave(h // hk, dim=1) for x in (k, v))
     o, lse = fwd(q, k, v, True, scale)
     lse = lse.reshape(b, h, t).float().contiguous()  # cuDNN: [b, h, t, 1]; the CPU op: strided
     dq, dk, dv = bwd(do, q, k, v, o, lse, True, scale)[:3]
+    if expand:
+        dk, dv = (g.float().reshape(b, hk, h // hk, t, -1).sum(2) for g in (dk, dv))
     return o, lse, dq, dk, dv
 
 

@@ -14,7 +14,11 @@
 #   for torch's FA4 blocks and anchor first stash .fa4a (/root/keep, as docs/gpu/x4-runlist.sh
 #   says) and carry .fa4b in the torch call.
 set -eu
-GPUS=${GPUS:-8}; ONLY=${ONLY:-jax}; SEQ=$((8192 * GPUS)); MACHINE=h100x$GPUS-magi-$ONLY
+GPUS=${GPUS:-8}; ONLY=${ONLY:-jax}; SEQ=$((8192 * GPUS))
+# the results' name says which card ran them (nvidia-h100-x4 may come as H200s; the published
+# figures are H100's, so an H200 row is no like-for-like comparison)
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]\{3\}' || true)
+CARD=$(echo "${CARD:-gpu}" | tr 'A-Z' 'a-z'); MACHINE=${CARD}x$GPUS-magi-$ONLY
 case $GPUS in
   8) ALL=ring-r8,ring-agkv-r8,usp-r2xu4,ulysses-u8 ;;
   4) ALL=ring-r4,ring-agkv-r4,usp-r2xu2,ulysses-u4 ;;

@@ -23,8 +23,8 @@ every parameter and its states — each as the elements it reads and writes per 
   model's dtype): one kernel per aten op, each reading its operands and writing its result —
   the ops the model's code dispatches, forward and autograd's backward (e.g. RMSNorm forward is
   seven kernels: the cast to float32, x², the mean, +eps, rsqrt, two products, the cast back),
-  the one-device replay's glue around the fused attention kernel (GQA's K/V expansion and the
-  gradients' fold, float32 copies, concatenations), ``torch.optim.Adam``'s foreach kernels (19
+  the one-device replay's glue around the fused attention kernel (float32 copies,
+  concatenations), ``torch.optim.Adam``'s foreach kernels (19
   elements per parameter). Checked on the CPU against the aten ops a step dispatches
   (``parity.accounting.torch_cost``).
 - ``jax`` (``parity.training.llama_jax``, jitted: float32 master weights and Adam states, the
@@ -186,22 +186,16 @@ def _torch_rope(p: _Passes, e: str, n: int, width: int, d: int, count: int) -> N
     p.cast("rope bwd: grad to the model dtype", g, f, e, n * width, count)
 
 
-def _torch_attention_glue(p: _Passes, e: str, n: int, q: int, k: int, heads: int, gqa: bool, layers: int) -> None:
+def _torch_attention_glue(p: _Passes, e: str, n: int, q: int, k: int, heads: int, layers: int) -> None:
     """The one-device replay (``torch_impl.replay``, strategy ring 1) around the fused block kernel
-    (``torch_impl.kernels.aten``, cuDNN's op on the GPU): the K/V heads expanded to the query heads
-    (``repeat_interleave``, a copy even for MHA; forward and again in the backward), GQA's
-    gradients folded back in float32, the replay's float32 copies and its two concatenations per
-    output (inner Ulysses, outer ring, each of one part). (The CPU op's strided lse adds one copy
-    a layer that cuDNN's does not: not modelled.)"""
+    (``torch_impl.kernels.aten``, cuDNN's op on the GPU; K/V go in at their own head count, GQA
+    or not, and dK/dV come back at it), the replay's float32 copies and its two concatenations
+    per output (inner Ulysses, outer ring, each of one part). (The CPU op's strided lse adds one
+    copy a layer that cuDNN's does not: not modelled.)"""
     f, g = "float32", "attention_glue"
-    p.add("expand K and V heads (fwd, bwd)", g, [(e, n * q)], [(e, n * q)], 4 * layers)
     p.add("replay: cat o (twice)", g, [(e, n * q)], [(e, n * q)], 2 * layers)
     p.add("replay: cat lse (twice)", g, [(f, n * heads)], [(f, n * heads)], 2 * layers)
-    if gqa:
-        p.cast("dK, dV to float32 (expanded)", g, e, f, n * q, 2 * layers)
-        p.add("fold dK, dV heads", g, [(f, n * q)], [(f, n * k)], 2 * layers)
-    else:
-        p.cast("dK, dV to float32", g, e, f, n * k, 2 * layers)
+    p.cast("dK, dV to float32", g, e, f, n * k, 2 * layers)
     p.cast("replay: dq to float32", g, e, f, n * q, layers)
     p.cast("replay: dq back", g, f, e, n * q, layers)
     p.add("replay: cat dq (twice)", g, [(e, n * q)], [(e, n * q)], 2 * layers)
@@ -218,7 +212,7 @@ def _torch_passes(config: LlamaConfig, tokens: int, e: str, shards: int) -> list
     _torch_norm(p, e, n, dm, "layers", 2 * L)
     _torch_rope(p, e, n, q, hd, L)
     _torch_rope(p, e, n, k, hd, L)
-    _torch_attention_glue(p, e, n, q, k, h, h != hk, L)
+    _torch_attention_glue(p, e, n, q, k, h, L)
     p.add("residual adds (fwd)", "layers", [(e, 2 * n * dm)], [(e, n * dm)], 2 * L)
     p.add("gradient sums (bwd: two residuals, x into q/k/v, m into gate/up)", "layers", [(e, 2 * n * dm)],
           [(e, n * dm)], 5 * L)

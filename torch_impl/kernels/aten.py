@@ -9,8 +9,11 @@ lse, and the public ``F.scaled_dot_product_attention`` returns no lse and differ
 its own. The ops' argument lists can change between torch releases: they are used here and
 nowhere else, and checked on a GPU by ``tests/gpu/test_one_gpu_kernels.py``.
 
-The ops take [b, h, t, d], equal head counts and no lse cotangent; the adapters expand GQA heads
-(and sum their gradients back in float32), send a backward with ``dlse`` to the portable kernel,
+The ops take [b, h, t, d] and no lse cotangent. They take grouped K/V heads (GQA) as they are and
+return dK/dV at the K/V head count — checked against a float32 truth on the CPU (torch 2.13) and
+on an H200 (torch 2.11, ``benchmarks/gqa_probe.py``, 2026-11-27), and by the GPU tier's GQA
+cases — so the adapters pass K/V through unexpanded (expanding them cost a copy of each K/V block
+per call and a float32 sum of the gradients). The adapters send a backward with ``dlse`` to the portable kernel,
 and express the strict mask as a causal block shifted by one row (row 0 sees nothing). The ops
 have no document mask (packed ``segment_ids``) and, as adapted here, no window: ``supports``
 says False for either, so "auto" never routes such a block here, and one given to these backends
@@ -43,17 +46,6 @@ def _lse_bht(lse, b: int, h: int, t: int):
     return lse.reshape(b, h, t).float().contiguous()
 
 
-def _expand(x, heads: int):
-    """[b, s, hk, d] -> [b, h, s, d] (the aten ops want equal head counts, head-major)."""
-    return x.repeat_interleave(heads // x.shape[2], dim=2).transpose(1, 2)
-
-
-def _fold_heads(dx, kv_heads: int):
-    """[b, h, s, d] gradient of an expanded K/V -> [b, s, hk, d], summed over each group."""
-    b, h, s, d = dx.shape
-    return dx.reshape(b, kv_heads, h // kv_heads, s, d).sum(2).transpose(1, 2)
-
-
 _AUX: dict = {}
 
 
@@ -70,8 +62,8 @@ def _aux_outputs(op, device, dtype, d: int):
 
 
 def aten_ops(name: str):
-    """The raw (forward, backward) op pair of backend ``name``, [b, h, t, d], equal head counts as the
-    adapters call them (``benchmarks.gqa_probe`` asks the ops about grouped heads directly)."""
+    """The raw (forward, backward) op pair of backend ``name``, [b, h, t, d] (K/V may have fewer heads:
+    GQA, as the adapters pass them; ``benchmarks.gqa_probe`` checks that on the machine at hand)."""
     ops = torch.ops.aten
     if name == "aten_cpu":
         fwd = lambda q, k, v, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu(
@@ -124,7 +116,8 @@ def _make_aten_backend(name: str) -> BlockBackend:
             lse0 = torch.full((b, h, 1), float("-inf"), dtype=F32, device=q.device)
             return torch.cat([o0, o_r], 1), torch.cat([lse0, lse_r], 2)
         b, t, h, d = q.shape
-        o, lse = op_fwd(q.transpose(1, 2), _expand(k, h), _expand(v, h), mask.kind is MaskKind.CAUSAL, scale)
+        heads_first = lambda x: x.transpose(1, 2)  # [b, t, h, d] -> the ops' [b, h, t, d]
+        o, lse = op_fwd(heads_first(q), heads_first(k), heads_first(v), mask.kind is MaskKind.CAUSAL, scale)
         return o.transpose(1, 2), _lse_bht(lse, b, h, t)  # o in the input dtype: merged into float32
 
     def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
@@ -137,15 +130,13 @@ def _make_aten_backend(name: str) -> BlockBackend:
                                    scale)
             dq[:, 1:], dk[:, :-1], dv[:, :-1] = dq_r, dk_r, dv_r
             return dq, dk, dv
-        h, hk = q.shape[2], k.shape[2]
         dtype = q.dtype
-        grads = op_bwd(do.to(dtype).transpose(1, 2), q.transpose(1, 2), _expand(k, h), _expand(v, h),
-                       o.to(dtype).transpose(1, 2), lse.float().contiguous(), mask.kind is MaskKind.CAUSAL, scale)
-        dq, dk, dv = grads[:3]
-        if hk != h:  # GQA: sum the expanded heads' gradients in float32
-            return dq.transpose(1, 2), _fold_heads(dk.float(), hk), _fold_heads(dv.float(), hk)
-        # In the input dtype: callers add them into float32 accumulators in place.
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        heads_first = lambda x: x.transpose(1, 2)
+        grads = op_bwd(heads_first(do.to(dtype)), heads_first(q), heads_first(k), heads_first(v),
+                       heads_first(o.to(dtype)), lse.float().contiguous(), mask.kind is MaskKind.CAUSAL, scale)
+        # In the input dtype, dK/dV at the K/V head count (the ops sum each group's gradients):
+        # callers add them into float32 accumulators in place.
+        return tuple(heads_first(g) for g in grads[:3])
 
     def supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
         return (not softcap and not mask.documents and mask.window is None
