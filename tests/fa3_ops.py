@@ -2,7 +2,8 @@
 CPU from their contract — cumulative offsets, bottom-right causal per run, ``max_seqlen``
 bounding the tiles a run gets, the backward taking the given o and lse — for the tests that
 drive ``jax_impl.kernels.fa3_varlen`` without a GPU (tests/unit/test_fa3_varlen_emulated.py,
-tests/multidevice/test_jax_token_index.py)."""
+tests/multidevice/test_jax_token_index.py); the forward also dense, unwindowed, as
+``fa3.flash_mha_fwd`` binds it with an SM margin (tests/unit/test_fa3_sm_margin.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 F32 = jnp.float32
+CALLS: list[dict] = []  # every emulated call's attributes (sm_margin among them), newest last
 
 
 def _in_runs(cu, used, total: int):
@@ -66,8 +68,20 @@ def _ffi_fwd(result_types):
     whatever shape the caller declared (too small a declaration fails here)."""
 
     def call(q, k, v, _k_new, _v_new, _q_v, cu_q, cu_k, *_optional, max_seqlen_q, max_seqlen_k, softmax_scale_val,
-             is_causal, **_attrs):
+             is_causal, **attrs):
         assert len(_optional) == 13, "flash_mha_fwd takes 21 buffers"
+        CALLS.append(dict(attrs, is_causal=is_causal))
+        if q.ndim == 4:  # dense [b, t, h, d]: b sequences of t queries and s keys
+            assert cu_q.shape[0] == 0 and cu_k.shape[0] == 0, "a dense call passes no offsets"
+            assert (attrs["window_size_left"], attrs["window_size_right"]) == (-1, -1), "window: not emulated"
+            b, t, h, d = q.shape
+            s = k.shape[1]
+            o, lse = _fake_fwd(q.reshape(b * t, h, d), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
+                               jnp.arange(b + 1) * t, jnp.arange(b + 1) * s, max_seqlen_q, max_seqlen_k,
+                               softmax_scale_val, is_causal)
+            lse = lse.reshape(-1)[: h * b * t].reshape(h, b, t).transpose(1, 0, 2)
+            assert result_types[1].shape == lse.shape, f"dense lse is [b, h, t], declared {result_types[1].shape}"
+            return (o.reshape(q.shape), lse, *(jnp.zeros(r.shape, r.dtype) for r in result_types[2:]))
         o, lse = _fake_fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale_val, is_causal)
         declared = result_types[1].shape
         flat = lse.reshape(-1)[: q.shape[0] * q.shape[1]]
@@ -82,7 +96,24 @@ def _ffi_bwd(result_types):
     """The backward target: reads the lse ``[h, total_q]`` at the front of the given buffer."""
 
     def call(do, q, k, v, o, lse_buffer, cu_q, cu_k, used_q, used_k, *, max_seqlen_q_val, max_seqlen_k_val,
-             softmax_scale_val, is_causal, **_attrs):
+             softmax_scale_val, is_causal, **attrs):
+        CALLS.append(dict(attrs, is_causal=is_causal))
+        if q.ndim == 4:  # dense [b, t, h, d], lse [b, h, t]: b sequences, as packed runs
+            assert cu_q.shape[0] == 0 and cu_k.shape[0] == 0, "a dense call passes no offsets"
+            assert (attrs["window_size_left"], attrs["window_size_right"]) == (-1, -1), "window: not emulated"
+            b, t, h, d = q.shape
+            s = k.shape[1]
+            flat = lambda x: x.reshape(-1, *x.shape[2:])
+            grads = packed(flat(do), flat(q), flat(k), flat(v), flat(o), lse_buffer.transpose(1, 0, 2).reshape(-1),
+                           (jnp.arange(b + 1) * t).astype(jnp.int32), (jnp.arange(b + 1) * s).astype(jnp.int32),
+                           used_q, used_k, max_seqlen_q_val, max_seqlen_k_val, softmax_scale_val, is_causal)
+            return (grads[0].reshape(q.shape), grads[1].reshape(k.shape), grads[2].reshape(v.shape),
+                    *(jnp.zeros(r.shape, r.dtype) for r in result_types[3:]))
+        return (*packed(do, q, k, v, o, lse_buffer, cu_q, cu_k, used_q, used_k, max_seqlen_q_val, max_seqlen_k_val,
+                        softmax_scale_val, is_causal), *(jnp.zeros(r.shape, r.dtype) for r in result_types[3:]))
+
+    def packed(do, q, k, v, o, lse_buffer, cu_q, cu_k, used_q, used_k, max_seqlen_q_val, max_seqlen_k_val,
+               softmax_scale_val, is_causal):
         t, h, _ = q.shape
         hk = k.shape[1]
         seen = _visible(cu_q, cu_k, t, k.shape[0], is_causal, max_seqlen_q_val, max_seqlen_k_val, used_q, used_k)
@@ -103,7 +134,7 @@ def _ffi_bwd(result_types):
             rows_q, rows_k = _in_runs(cu_q, used_q, t)[3], _in_runs(cu_k, used_k, k.shape[0])[3]
             unwritten = lambda x, rows: jnp.where(rows[:, None, None], x, jnp.nan)
             outs = (unwritten(outs[0], rows_q), unwritten(outs[1], rows_k), unwritten(outs[2], rows_k))
-        return (*outs, *(jnp.zeros(r.shape, r.dtype) for r in result_types[3:]))
+        return outs
 
     return call
 
@@ -115,6 +146,7 @@ def emulate(monkeypatch):
     for name, module in (("flash_attn3_jax", package), ("flash_attn3_jax.flash_hlo", hlo)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(jax.ffi, "ffi_call", _fake_ffi_call)
+    CALLS.clear()
     from jax_impl.kernels import fa3_varlen
 
     return fa3_varlen

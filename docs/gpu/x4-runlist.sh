@@ -48,6 +48,7 @@
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
 #   cond       issue 47: JAX's zigzag rings at 128k with XLA's conditionals kept on the device
 #              (--xla_gpu_enable_command_buffer=+CONDITIONAL) beside the default, same call
+#   margin     issue 47: JAX's ring at 128k, GQA and MHA, FA3 leaving 0 / 8 / 16 SMs to the hops (MARGINS=...)
 #   gqa        issue 47: do aten_cudnn / aten_flash take GQA K/V as they are (checked against float32,
 #              then timed at 32k against the expansion); one GPU (benchmarks/gqa_probe.py)
 #   u128       issue 47: 128k, the five strategies, GQA 32 / 8, each side, the single-GPU ceiling at 32k beside
@@ -119,10 +120,16 @@ if [ "$1" = start ]; then
   CMD[cond]="$C47 --machine x4-cond-host-jax --parts-dir $R/cond-host-jax;
     XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL\" $C47 --machine x4-cond-device-jax \
     --parts-dir $R/cond-device-jax"
+  MHA_KV=32; [ "${SMOKE:-0}" = 1 ] && MHA_KV=4
+  # FA3 leaving SMs to the ring's hops (jax_impl/kernels/fa3.py, RINGBRIDGE_FA3_SM_MARGIN): the ring at 128k,
+  # GQA then MHA, with margins 0 (today), 8 and 16, same call — do the hops overlap once they find SMs?
+  M47="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --meshes ring-r4 $DRV --ceiling-seq 0 --iters 5 --warmup 2"
+  GQA_KV=8; [ "${SMOKE:-0}" = 1 ] && GQA_KV=2
+  CMD[margin]="for m in ${MARGINS:-0 8 16}; do for kv in $GQA_KV $MHA_KV; do RINGBRIDGE_FA3_SM_MARGIN=\$m $M47 \
+    --kv-heads \$kv --machine x4-margin\$m-kv\$kv-jax --parts-dir $R/margin\$m-kv\$kv; done; done"
   # whether torch's SDPA ops take GQA K/V unexpanded (the adapters' copies: 10 ms a ring step), checked then timed
   CMD[gqa]="python3 -m benchmarks.gqa_probe $S"
   # 128k, every strategy, GQA 32 / 8 and MHA (torch context_parallel runs MHA only); the ceiling at 32k beside
-  MHA_KV=32; [ "${SMOKE:-0}" = 1 ] && MHA_KV=4
   U128="python3 -m benchmarks --gpus 4 --seqs $SEQ --meshes ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4 \
     $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2"
   CMD[u128]="for side in $SIDES; do $U128 --machine x4-128k-gqa-\$side --only \$side --parts-dir $R/u128-\$side; done"

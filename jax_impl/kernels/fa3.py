@@ -31,6 +31,14 @@ fa3's outputs carry no shard_map varying-axes type: ``typed_for_shard_map=False`
 
 ``window``: FA3's own sliding window (the fused adapter's band of a windowed block, ``fused.py``).
 
+**SMs left to the hops** (:func:`sm_margin`, ``RINGBRIDGE_FA3_SM_MARGIN``, default 0): FA3's
+``sm_margin`` — the number of SMs its persistent scheduler leaves unused, so that a kernel on
+another stream (a ring hop's NCCL kernel) finds SMs while attention runs. With 0 every SM holds
+an FA3 program until the call ends, and a hop launched beside it may wait for the whole call
+(the ring's NCCL time exposed on 4× H200: 11–15 ms a step, docs/gpu/scaling-2026-11-27-h200x4.md).
+Off by default until a run times it; the forward then binds the FFI target ``flash_mha_fwd``
+itself (the library's lowering fixes the margin at 0), every fa3 and fa3-varlen call takes it.
+
 do, q, o: [b, t, h, d]; k, v: [b, s, hk, d] (one dtype, bf16 or fp16; d a multiple of 8);
 lse: [b, h, t] float32, natural log (as the library's forward returns it).
 """
@@ -40,6 +48,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import os
 import warnings
 
 import jax
@@ -54,6 +63,18 @@ VERIFIED_VERSION = "0.2.3"  # the version the workspace mend was verified with (
 UNVERIFIED_VERSION_BACKWARD = "cudnn"  # "cudnn" or "raise": see the module docstring
 # The widest tile height (rows of queries) of any sm90 backward configuration.
 MAX_TILE_ROWS = 128
+SM_MARGIN_ENV = "RINGBRIDGE_FA3_SM_MARGIN"
+MAX_SM_MARGIN = 64  # of an H100's / H200's 132 SMs: more would starve the kernel itself
+
+
+def sm_margin() -> int:
+    """SMs each FA3 call leaves free (module docstring), from ``RINGBRIDGE_FA3_SM_MARGIN``: an
+    integer in [0, :data:`MAX_SM_MARGIN`], default 0. Read when a program is traced."""
+    value = os.environ.get(SM_MARGIN_ENV, "0")
+    margin = int(value) if value.strip().isdigit() else -1
+    if not 0 <= margin <= MAX_SM_MARGIN:
+        raise ValueError(f"{SM_MARGIN_ENV} must be an integer in [0, {MAX_SM_MARGIN}], got {value!r}")
+    return margin
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,9 +106,36 @@ def flash_mha_fwd(q, k, v, causal: bool, scale: float, window: tuple[int, int] =
     """FlashAttention-3's forward: (o in the input dtype, lse [b, h, t] float32). ``window``: the
     kernel's own sliding window (left, right), bottom-right aligned, -1 unbounded."""
     _require_package()
+    margin = sm_margin()
+    if margin:
+        return _flash_mha_fwd_ffi(q, k, v, causal, scale, window, margin)
     from flash_attn3_jax.flash import _flash_mha_fwd  # internal: the public API returns no lse
 
     return _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=tuple(window))[:2]
+
+
+def _flash_mha_fwd_ffi(q, k, v, causal: bool, scale: float, window: tuple[int, int], margin: int):
+    """The forward through the FFI target ``flash_mha_fwd`` with the inputs and attributes of the
+    library's own lowering (flash_attn3_jax 0.2.3), and ``sm_margin=margin``."""
+    import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
+
+    b, t, h, d = q.shape
+    if d % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 for the fa3 kernels, got {d}")
+    result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+                    jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.float32)]
+    none_i32, none_f32, none_q = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0,), q.dtype)
+    o, lse, _, _ = jax.ffi.ffi_call(
+        "flash_mha_fwd", result_types, has_side_effect=False, input_layouts=[None] * 21, output_layouts=[None] * 4,
+    )(q, k, v, none_q, none_q, none_q,  # k_new, v_new, q_v
+      none_i32, none_i32, none_i32, none_i32, none_i32,  # cu_seqlens_q / k / k_new, seqused_q / k: dense
+      none_i32, none_i32, none_i32, none_q, none_q, none_i32,  # page table, kv batch, left pad, rotary
+      none_f32, none_f32, none_f32, none_i32,  # q / k / v descale, scheduler metadata
+      max_seqlen_q=t, max_seqlen_q_has_value=True, max_seqlen_k=k.shape[1], max_seqlen_k_has_value=True,
+      softmax_scale_val=float(scale), softmax_scale_has_value=True, pack_gqa_val=False, pack_gqa_has_value=False,
+      is_causal=bool(causal), window_size_left=int(window[0]), window_size_right=int(window[1]),
+      attention_chunk=0, softcap=0.0, is_rotary_interleaved=False, num_splits=1, sm_margin=int(margin))
+    return o, lse
 
 
 def flash_mha_bwd(do, q, k, v, o, lse, causal: bool, scale: float, window: tuple[int, int] = (-1, -1), *,
@@ -127,7 +175,7 @@ def flash_mha_bwd(do, q, k, v, o, lse, causal: bool, scale: float, window: tuple
       max_seqlen_q_val=t, max_seqlen_q_has_value=True, max_seqlen_k_val=k.shape[1], max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
       window_size_left=int(window[0]), window_size_right=int(window[1]), softcap=0.0,
-      deterministic=bool(deterministic), sm_margin=0)
+      deterministic=bool(deterministic), sm_margin=sm_margin())
     return dq, dk, dv
 
 

@@ -49,7 +49,7 @@ from seqplan.schedule import BlockMask, MaskKind, by_token_index
 from ..block import BlockBackend, register_backend
 from . import branches, groups
 from . import runs as run_plans
-from .fa3 import MAX_TILE_ROWS, verified
+from .fa3 import MAX_TILE_ROWS, sm_margin, verified
 from .reference import reference_block_bwd, reference_block_fwd
 from .runs import (
     VARLEN_RUN_SLOTS,
@@ -105,7 +105,7 @@ def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns):
       max_seqlen_q=t, max_seqlen_q_has_value=True, max_seqlen_k=k.shape[1], max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, pack_gqa_val=False, pack_gqa_has_value=False,
       is_causal=bool(causal), window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0,
-      is_rotary_interleaved=False, num_splits=1, sm_margin=0)
+      is_rotary_interleaved=False, num_splits=1, sm_margin=sm_margin())
     o, lse = o.reshape(b, t, h, d), _lse_tokens(lse, b, h, t)
     if runs.covers_block:  # every query is in a run: nothing to blank (a select is a pass over o)
         return o, lse
@@ -143,7 +143,7 @@ def _bwd_call(do, q, k_p, v_p, o, lse_rows, causal: bool, scale: float, runs: Va
       max_seqlen_q_val=t if runs.max_q is None else runs.max_q, max_seqlen_q_has_value=True,
       max_seqlen_k_val=s if runs.max_k is None else runs.max_k, max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
-      window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0)
+      window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=sm_margin())
     return dq, dk_p, dv_p
 
 
