@@ -131,6 +131,36 @@ def ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
                 _measure(row, problem, make_step, iters, warmup, group=rank0)
             dist.barrier()
             rows.append(row)
+    return rows + _fa4_ceiling_rows(problem, iters, warmup)
+
+
+def _fa4_ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
+    """FlashAttention-4's dense causal kernel as one more torch ceiling, forward and forward +
+    backward (rank 0; the others wait), checked at 4096 tokens first (``masked.fa4_dense_anchor``):
+    none where flash-attn-4 is not installed or the problem is not causal (FA4 is torch's fastest
+    kernel where it runs, so the ceiling the rows are held to must include it)."""
+    from .masked import fa4_dense_anchor
+
+    rows = []
+    if problem.causal and _rank() == 0:
+        try:
+            result = fa4_dense_anchor(problem.seq, problem.heads, problem.kv_heads, problem.head_dim, iters, warmup)
+        except ImportError:
+            result = None  # not installed: no row (the SDPA ceilings stand)
+        except Exception as err:  # noqa: BLE001 — a failing kernel is a row with its error, not a lost run
+            traceback.print_exc()
+            result = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        for fwd_only in ((True, False) if result is not None else ()):
+            row = Row("torch_fa4_ceiling", "single", "-", problem.seq, 1, 1, 1, fwd_only,
+                      extra={"kernel": result.get("kernel"), "verified_at_4096": result.get("verified_at_4096")})
+            row.verified = result.get("verified")
+            if "error" in result or not row.verified:
+                row.note = result.get("error") or f"NOT VERIFIED at 4096 tokens: {result.get('verified_at_4096')}"
+            else:
+                row.ms_per_iter = result["fwd_ms"] if fwd_only else result["fwd_bwd_ms"]
+                row.tflops_per_gpu = problem.flops(fwd_only) / (row.ms_per_iter * 1e-3) / 1e12
+            rows.append(row)
+    dist.barrier()
     return rows
 
 

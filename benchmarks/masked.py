@@ -347,6 +347,48 @@ def fa4_anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem
             "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
 
 
+FA4_DENSE_KERNEL = "FlashAttention-4 (flash_attn.cute flash_attn_func, causal)"
+
+
+def fa4_dense_anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -> dict:
+    """FlashAttention-4's dense causal kernel (``flash_attn_func`` on [1, t, h, d], GQA K/V as they
+    are, through its own autograd) — torch's unmasked ceiling when flash-attn-4 is installed:
+    checked at 4096 tokens against the portable kernel (o and dq), then timed at ``seq``. Raises
+    ImportError where it is not installed. Its kernels JIT-compile per variant (in the warmup)."""
+    import torch
+    from flash_attn.cute.interface import flash_attn_func
+
+    from benchmarks.common import Problem
+    from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+
+    def tensors(t):
+        q, do = (torch.randn(1, t, heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        k, v = (torch.randn(1, t, kv_heads, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        return [x.requires_grad_() for x in (q, k, v)], do
+
+    def call(qkv):  # (out, lse) in flash-attn-4 4.0 betas; out alone would also do
+        def fwd():
+            result = flash_attn_func(*qkv, softmax_scale=d**-0.5, causal=True)
+            return result[0] if isinstance(result, tuple) else result
+        return fwd
+
+    (q, k, v), do = tensors(4096)
+    o = call((q, k, v))()
+    dq = torch.autograd.grad(o, q, do)[0]
+    mask = BlockMask(MaskKind.CAUSAL)
+    o_r, lse_r = reference_block_fwd(q.detach(), k.detach(), v.detach(), mask, d**-0.5)
+    g_r = reference_block_bwd(do, q.detach(), k.detach(), v.detach(), o_r.bfloat16(), lse_r, mask, d**-0.5)
+    errors = {"o": _rel(o.float(), o_r), "dq": _rel(dq.float(), g_r[0])}
+    qkv, do = tensors(seq)
+    fwd_ms, step_ms = _autograd_ms(call(qkv), qkv, do, iters, warmup)
+    problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d)
+    return {"kernel": FA4_DENSE_KERNEL, "seq": seq, "verified_at_4096": errors,
+            "verified": all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
+            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+
+
 def portable_peak(device: str, t=16384, heads=8, d=64) -> dict:
     """torch's peak allocation of the portable kernel's fwd + bwd on one masked block."""
     import torch
