@@ -24,6 +24,7 @@ from .common import (
     Problem,
     Row,
     anchor_problems,
+    anchor_row,
     best_anchor,
     check_layouts,
     documents_names,
@@ -150,16 +151,8 @@ def _fa4_ceiling_rows(problem: Problem, iters: int, warmup: int) -> list[Row]:
         except Exception as err:  # noqa: BLE001 — a failing kernel is a row with its error, not a lost run
             traceback.print_exc()
             result = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-        for fwd_only in ((True, False) if result is not None else ()):
-            row = Row("torch_fa4_ceiling", "single", "-", problem.seq, 1, 1, 1, fwd_only,
-                      extra={"kernel": result.get("kernel"), "verified_at_4096": result.get("verified_at_4096")})
-            row.verified = result.get("verified")
-            if "error" in result or not row.verified:
-                row.note = result.get("error") or f"NOT VERIFIED at 4096 tokens: {result.get('verified_at_4096')}"
-            else:
-                row.ms_per_iter = result["fwd_ms"] if fwd_only else result["fwd_bwd_ms"]
-                row.tflops_per_gpu = problem.flops(fwd_only) / (row.ms_per_iter * 1e-3) / 1e12
-            rows.append(row)
+        if result is not None:
+            rows = [anchor_row("torch_fa4_ceiling", problem, result, fwd_only) for fwd_only in (True, False)]
     dist.barrier()
     return rows
 

@@ -419,12 +419,12 @@ def anchor_problems(problem: Problem, specs, layouts: str) -> list[Problem]:
     return out
 
 
-def anchor_row(framework: str, problem: Problem, result: dict) -> Row:
-    """A one-GPU varlen anchor row (``benchmarks.masked``'s anchor result) on ``problem``'s ids:
-    fwd+bwd, TFLOP/s on the visible pairs. ``verified``: True when its 4096-token check passed (the
-    kernel, not ringbridge's path, checked the same way), False when it failed (no throughput),
-    None when the anchor raised (the error is the note)."""
-    row = Row(framework, "single", "-", problem.seq, 1, 1, 1, False,
+def anchor_row(framework: str, problem: Problem, result: dict, fwd_only: bool = False) -> Row:
+    """A one-GPU anchor row (``benchmarks.masked``'s anchor result) on ``problem``: fwd+bwd (or the
+    forward alone, ``fwd_only``), TFLOP/s on the visible pairs. ``verified``: True when its
+    4096-token check passed (the kernel, not ringbridge's path, checked the same way), False when it
+    failed (no throughput), None when the anchor raised (the error is the note)."""
+    row = Row(framework, "single", "-", problem.seq, 1, 1, 1, fwd_only,
               extra={"kernel": result.get("kernel"), **mask_extra(problem),
                      "verified_at_4096": result.get("verified_at_4096"), "candidates": result.get("candidates")})
     if "error" in result:
@@ -434,8 +434,8 @@ def anchor_row(framework: str, problem: Problem, result: dict) -> Row:
     if not row.verified:
         row.note = f"anchor NOT VERIFIED at 4096 tokens: {result.get('verified_at_4096')}"
         return row
-    row.ms_per_iter = result["fwd_bwd_ms"]
-    row.tflops_per_gpu = problem.flops(False) / (row.ms_per_iter * 1e-3) / 1e12
+    row.ms_per_iter = result["fwd_ms" if fwd_only else "fwd_bwd_ms"]
+    row.tflops_per_gpu = problem.flops(fwd_only) / (row.ms_per_iter * 1e-3) / 1e12
     return row
 
 

@@ -76,7 +76,6 @@ def _call(op: str, q, k, v, do, scale: float, expand: bool):
     if expand:
         k, v = (x.repeat_interleave(h // hk, dim=1) for x in (k, v))
     o, lse = fwd(q, k, v, True, scale)
-    lse = lse.reshape(b, h, t).float().contiguous()  # cuDNN: [b, h, t, 1]; the CPU op: strided
     dq, dk, dv = bwd(do, q, k, v, o, lse, True, scale)[:3]
     if expand:
         dk, dv = (g.float().reshape(b, hk, h // hk, t, -1).sum(2) for g in (dk, dv))

@@ -115,26 +115,36 @@ def flash_mha_fwd(q, k, v, causal: bool, scale: float, window: tuple[int, int] =
 
 
 def _flash_mha_fwd_ffi(q, k, v, causal: bool, scale: float, window: tuple[int, int], margin: int):
-    """The forward through the FFI target ``flash_mha_fwd`` with the inputs and attributes of the
-    library's own lowering (flash_attn3_jax 0.2.3), and ``sm_margin=margin``."""
-    import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
-
+    """The dense forward through :func:`forward_ffi` (the library's lowering with ``sm_margin``)."""
     b, t, h, d = q.shape
     if d % 8:
         raise ValueError(f"head_dim must be a multiple of 8 for the fa3 kernels, got {d}")
-    result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+    absent = jnp.zeros((0,), jnp.int32)  # cu_seqlens_q / k: dense
+    return forward_ffi(q, k, v, absent, absent, (b, h, t), t, k.shape[1], causal, scale, window, margin)
+
+
+def forward_ffi(q, k, v, cu_q, cu_k, lse_shape, max_q: int, max_k: int, causal: bool, scale: float,
+                window: tuple[int, int] = (-1, -1), margin: int | None = None):
+    """The FFI target ``flash_mha_fwd`` with the inputs and attributes of flash_attn3_jax 0.2.3's own
+    lowering: dense (q, k, v [b, t, h, d], ``cu_q`` / ``cu_k`` empty, lse ``[b, h, t]``) or varlen
+    (packed [total, h, d] with offsets, the lse buffer ``lse_shape`` the caller declares), and
+    ``sm_margin`` (default :func:`sm_margin`). Returns (o shaped like q, the lse buffer)."""
+    import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
+
+    result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32),
                     jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.float32)]
     none_i32, none_f32, none_q = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0,), q.dtype)
     o, lse, _, _ = jax.ffi.ffi_call(
         "flash_mha_fwd", result_types, has_side_effect=False, input_layouts=[None] * 21, output_layouts=[None] * 4,
     )(q, k, v, none_q, none_q, none_q,  # k_new, v_new, q_v
-      none_i32, none_i32, none_i32, none_i32, none_i32,  # cu_seqlens_q / k / k_new, seqused_q / k: dense
+      cu_q, cu_k, none_i32, none_i32, none_i32,  # cu_seqlens_k_new, seqused_q, seqused_k
       none_i32, none_i32, none_i32, none_q, none_q, none_i32,  # page table, kv batch, left pad, rotary
       none_f32, none_f32, none_f32, none_i32,  # q / k / v descale, scheduler metadata
-      max_seqlen_q=t, max_seqlen_q_has_value=True, max_seqlen_k=k.shape[1], max_seqlen_k_has_value=True,
+      max_seqlen_q=max_q, max_seqlen_q_has_value=True, max_seqlen_k=max_k, max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, pack_gqa_val=False, pack_gqa_has_value=False,
       is_causal=bool(causal), window_size_left=int(window[0]), window_size_right=int(window[1]),
-      attention_chunk=0, softcap=0.0, is_rotary_interleaved=False, num_splits=1, sm_margin=int(margin))
+      attention_chunk=0, softcap=0.0, is_rotary_interleaved=False, num_splits=1,  # no split: dummy accumulators
+      sm_margin=sm_margin() if margin is None else int(margin))
     return o, lse
 
 

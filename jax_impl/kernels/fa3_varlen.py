@@ -49,7 +49,7 @@ from seqplan.schedule import BlockMask, MaskKind, by_token_index
 from ..block import BlockBackend, register_backend
 from . import branches, groups
 from . import runs as run_plans
-from .fa3 import MAX_TILE_ROWS, sm_margin, verified
+from .fa3 import MAX_TILE_ROWS, forward_ffi, sm_margin, verified
 from .reference import reference_block_bwd, reference_block_fwd
 from .runs import (
     VARLEN_RUN_SLOTS,
@@ -87,25 +87,10 @@ def _lse_buffer_shape(nseq: int, h: int, total_q: int) -> tuple[int, int, int]:
 def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns):
     """FA3 varlen forward on an expressible block: (o [b, t, h, d] in q's dtype, lse [b, h, t] float32),
     through the library's FFI target ``flash_mha_fwd`` with the lse buffer at its real size."""
-    import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
-
     b, t, h, d = q.shape
     nseq = runs.cu_q.shape[0] - 1
-    k_p, v_p = _packed_kv(k, runs), _packed_kv(v, runs)
-    result_types = [jax.ShapeDtypeStruct((b * t, h, d), q.dtype),
-                    jax.ShapeDtypeStruct(_lse_buffer_shape(nseq, h, b * t), F32),
-                    jax.ShapeDtypeStruct((1, 1, 1, 1), F32), jax.ShapeDtypeStruct((1, 1, 1), F32)]  # no split
-    none_i32, none_f32, none_q = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), F32), jnp.zeros((0,), q.dtype)
-    o, lse, _, _ = jax.ffi.ffi_call(
-        "flash_mha_fwd", result_types, has_side_effect=False, input_layouts=[None] * 21, output_layouts=[None] * 4,
-    )(q.reshape(b * t, h, d), k_p, v_p, none_q, none_q, none_q,  # k_new, v_new, q_v
-      runs.cu_q, runs.cu_k, none_i32, none_i32, none_i32,  # cu_seqlens_k_new, seqused_q, seqused_k
-      none_i32, none_i32, none_i32, none_q, none_q, none_i32,  # page table, kv batch, left pad, rotary
-      none_f32, none_f32, none_f32, none_i32,  # q / k / v descale, scheduler metadata
-      max_seqlen_q=t, max_seqlen_q_has_value=True, max_seqlen_k=k.shape[1], max_seqlen_k_has_value=True,
-      softmax_scale_val=float(scale), softmax_scale_has_value=True, pack_gqa_val=False, pack_gqa_has_value=False,
-      is_causal=bool(causal), window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0,
-      is_rotary_interleaved=False, num_splits=1, sm_margin=sm_margin())
+    o, lse = forward_ffi(q.reshape(b * t, h, d), _packed_kv(k, runs), _packed_kv(v, runs), runs.cu_q, runs.cu_k,
+                         _lse_buffer_shape(nseq, h, b * t), t, k.shape[1], causal, scale)
     o, lse = o.reshape(b, t, h, d), _lse_tokens(lse, b, h, t)
     if runs.covers_block:  # every query is in a run: nothing to blank (a select is a pass over o)
         return o, lse

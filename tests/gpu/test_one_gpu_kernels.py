@@ -38,10 +38,9 @@ def test_gpu_block_kernel_matches_portable_kernel(backend, mask):
         torch.testing.assert_close(g_f.float(), g_r, atol=5e-2, rtol=5e-2)  # MHA grads come back in bf16
 
 
-@pytest.mark.parametrize("mask", ["full", "causal", "strict"])
-def test_gpu_jax_cudnn_block_kernel_matches_portable_kernel(mask):
-    """One GPU: jax_impl's cuDNN block kernels (the backward bound to cuDNN's primitive with the
-    *given* o and lse) agree with the portable kernel on the same bf16 inputs."""
+def _jax_block_matches_portable(backend: str, mask: str, t: int) -> None:
+    """jax_impl's ``backend`` block kernels (the backward with the *given* o and lse) against the
+    portable kernel on the same bf16 inputs, GQA 8 / 2, d 128: o, lse and every gradient."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import numpy as np
@@ -52,54 +51,39 @@ def test_gpu_jax_cudnn_block_kernel_matches_portable_kernel(mask):
     if not jax_on_gpu():
         pytest.skip("JAX has no GPU here (run with JAX_PLATFORMS=cuda)")
     rng = np.random.default_rng(0)
-    b, t, h, hk, d = 1, 256, 8, 2, 128
+    b, h, hk, d = 1, 8, 2, 128
     q, do = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((b, t, hk, d)), jnp.bfloat16) for _ in range(2))
     m, scale = Mask(mask), d**-0.5
-    ref, fast = get_backend("reference"), get_backend("cudnn")
+    ref, fast = get_backend("reference"), get_backend(backend)
     o_r, lse_r = ref.fwd(q, k, v, m, scale)
     o_f, lse_f = jax.jit(lambda q, k, v: fast.fwd(q, k, v, m, scale))(q, k, v)
     assert o_f.shape == o_r.shape and lse_f.shape == lse_r.shape == (b, h, t)
-    np.testing.assert_allclose(np.asarray(o_f), np.asarray(o_r), atol=2e-2, rtol=2e-2)
-    np.testing.assert_allclose(np.asarray(lse_f), np.asarray(lse_r), atol=2e-3, rtol=1e-3)
-    o = o_r.astype(jnp.bfloat16)
-    fast_grads = jax.jit(lambda *a: fast.bwd(*a, m, scale))(do, q, k, v, o, lse_r)
-    for g_f, g_r in zip(fast_grads, ref.bwd(do, q, k, v, o, lse_r, m, scale)):
-        np.testing.assert_allclose(np.asarray(g_f), np.asarray(g_r), atol=5e-2, rtol=5e-2)
-
-
-
-@pytest.mark.parametrize("mask", ["full", "causal"])
-def test_gpu_fa3_with_an_sm_margin_matches_portable_kernel(mask, monkeypatch):
-    """One GPU: fa3 with SMs left to the hops (``RINGBRIDGE_FA3_SM_MARGIN``; the dense forward then
-    binds the FFI target itself) agrees with the portable kernel, forward and backward."""
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jax_impl.block import get_backend
-    from jax_impl.kernels import fa3
-    from seqplan.schedule import BlockMask as Mask
-
-    if not jax_on_gpu():
-        pytest.skip("JAX has no GPU here (run with JAX_PLATFORMS=cuda)")
-    if not fa3.verified():
-        pytest.skip(f"fa3 needs flash_attn3_jax {fa3.VERIFIED_VERSION}")
-    monkeypatch.setenv(fa3.SM_MARGIN_ENV, "8")
-    rng = np.random.default_rng(0)
-    b, t, h, hk, d = 1, 1024, 8, 2, 128
-    q, do = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(2))
-    k, v = (jnp.asarray(rng.standard_normal((b, t, hk, d)), jnp.bfloat16) for _ in range(2))
-    m, scale = Mask(mask), d**-0.5
-    ref, fast = get_backend("reference"), get_backend("fa3")
-    o_r, lse_r = ref.fwd(q, k, v, m, scale)
-    o_f, lse_f = jax.jit(lambda q, k, v: fast.fwd(q, k, v, m, scale))(q, k, v)
     np.testing.assert_allclose(np.asarray(o_f, np.float32), np.asarray(o_r, np.float32), atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(lse_f), np.asarray(lse_r), atol=2e-3, rtol=1e-3)
     o = o_r.astype(jnp.bfloat16)
     fast_grads = jax.jit(lambda *a: fast.bwd(*a, m, scale))(do, q, k, v, o, lse_r)
     for g_f, g_r in zip(fast_grads, ref.bwd(do, q, k, v, o, lse_r, m, scale)):
         np.testing.assert_allclose(np.asarray(g_f, np.float32), np.asarray(g_r, np.float32), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "strict"])
+def test_gpu_jax_cudnn_block_kernel_matches_portable_kernel(mask):
+    """One GPU: jax_impl's cuDNN block kernels (the backward bound to cuDNN's primitive with the
+    *given* o and lse) agree with the portable kernel on the same bf16 inputs."""
+    _jax_block_matches_portable("cudnn", mask, 256)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal"])
+def test_gpu_fa3_with_an_sm_margin_matches_portable_kernel(mask, monkeypatch):
+    """One GPU: fa3 with SMs left to the hops (``RINGBRIDGE_FA3_SM_MARGIN``; the dense forward then
+    binds the FFI target itself) agrees with the portable kernel, forward and backward."""
+    from jax_impl.kernels import fa3
+
+    if not fa3.verified():
+        pytest.skip(f"fa3 needs flash_attn3_jax {fa3.VERIFIED_VERSION}")
+    monkeypatch.setenv(fa3.SM_MARGIN_ENV, "8")
+    _jax_block_matches_portable("fa3", mask, 1024)
 
 
 VERIFIED = [("jax", b) for b in ("reference", "cudnn", "fa3")] + [("torch", b) for b in ("reference", "aten_flash",

@@ -102,6 +102,10 @@ def test_dsinks_and_grads_match_float64_finite_differences(window, causal, seed)
     rng = np.random.default_rng(seed)
     b, t, h, hk, d = 2, 10, 4, 2, 3
     q, k, v, do, dlse, sinks = _draw(rng, b, t, h, hk, d)
+    # sinks about 2 (standard normal + 2, as trained sinks sit above the logits): with a standard
+    # normal draw the full mask's dsinks fell under the 0.1 below for 15 seeds in 2,000 (a run with
+    # a random seed failed); shifted, none in 3,000 (the smallest 0.19)
+    sinks = sinks + 2.0
     fwd = reference.attention_forward(q, k, v, causal=causal, scale=0.6, window=window, sinks=sinks)
     dsinks = reference.sinks_backward(fwd, do, dlse)
     grads = dict(zip("qkv", reference.attention_backward(fwd, q, k, v, do, dlse, scale=0.6)))

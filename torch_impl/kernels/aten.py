@@ -21,7 +21,7 @@ anyway (a caller named one) runs, forward and backward, on the portable kernel
 (``kernels/reference.py``) — the same documented routing as the ``dlse`` fallback. (A block the
 window covers entirely reaches the kernels without it: the loops drop a window no pair needs.) Each op's
 LSE shape and strides (cuDNN ``[b, h, t, 1]``, CPU non-contiguous) are normalised in
-``_lse_bht`` only. Forward o and MHA gradients come back in the input dtype (a float32 copy of
+``_lse_bht`` only (inside ``aten_ops``). Forward o and the gradients come back in the input dtype (a float32 copy of
 each would be a transient the size of two K/V shards); every caller accumulates into float32
 buffers (``Tensor.add_`` promotes in place). The ops do not soft-cap logits: ``supports`` refuses
 ``softcap``, and the block layer runs a capped block on the portable kernel
@@ -61,9 +61,27 @@ def _aux_outputs(op, device, dtype, d: int):
     return _AUX[key]
 
 
+def _heads_first(x):
+    """[b, t, h, d] <-> the ops' [b, h, t, d] (a view)."""
+    return x.transpose(1, 2)
+
+
 def aten_ops(name: str):
-    """The raw (forward, backward) op pair of backend ``name``, [b, h, t, d] (K/V may have fewer heads:
-    GQA, as the adapters pass them; ``benchmarks.gqa_probe`` checks that on the machine at hand)."""
+    """The (forward, backward) op pair of backend ``name`` on [b, h, t, d] (K/V may have fewer heads:
+    GQA, as the adapters pass them; ``benchmarks.gqa_probe`` checks that on the machine at hand):
+    ``fwd(q, k, v, causal, scale) -> (o, lse)`` with lse a contiguous float32 [b, h, t] whatever
+    the op's own form, ``bwd(do, q, k, v, o, lse, causal, scale)`` -> the op's outputs (dq, dk, dv first)."""
+    op_fwd, op_bwd = _raw_ops(name)
+
+    def fwd(q, k, v, causal, scale):
+        o, lse = op_fwd(q, k, v, causal, scale)
+        return o, _lse_bht(lse, *q.shape[:3])
+
+    return fwd, op_bwd
+
+
+def _raw_ops(name: str):
+    """The op pair as torch declares it (each op's lse in its own shape and strides)."""
     ops = torch.ops.aten
     if name == "aten_cpu":
         fwd = lambda q, k, v, causal, scale: ops._scaled_dot_product_flash_attention_for_cpu(
@@ -115,10 +133,8 @@ def _make_aten_backend(name: str) -> BlockBackend:
             o0 = torch.zeros((b, 1, h, d), dtype=o_r.dtype, device=q.device)
             lse0 = torch.full((b, h, 1), float("-inf"), dtype=F32, device=q.device)
             return torch.cat([o0, o_r], 1), torch.cat([lse0, lse_r], 2)
-        b, t, h, d = q.shape
-        heads_first = lambda x: x.transpose(1, 2)  # [b, t, h, d] -> the ops' [b, h, t, d]
-        o, lse = op_fwd(heads_first(q), heads_first(k), heads_first(v), mask.kind is MaskKind.CAUSAL, scale)
-        return o.transpose(1, 2), _lse_bht(lse, b, h, t)  # o in the input dtype: merged into float32
+        o, lse = op_fwd(_heads_first(q), _heads_first(k), _heads_first(v), mask.kind is MaskKind.CAUSAL, scale)
+        return _heads_first(o), lse  # o in the input dtype: merged into float32
 
     def bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None):
         # the ops take no lse cotangent (None when lse is unused), no documents, no window
@@ -131,12 +147,11 @@ def _make_aten_backend(name: str) -> BlockBackend:
             dq[:, 1:], dk[:, :-1], dv[:, :-1] = dq_r, dk_r, dv_r
             return dq, dk, dv
         dtype = q.dtype
-        heads_first = lambda x: x.transpose(1, 2)
-        grads = op_bwd(heads_first(do.to(dtype)), heads_first(q), heads_first(k), heads_first(v),
-                       heads_first(o.to(dtype)), lse.float().contiguous(), mask.kind is MaskKind.CAUSAL, scale)
+        grads = op_bwd(_heads_first(do.to(dtype)), _heads_first(q), _heads_first(k), _heads_first(v),
+                       _heads_first(o.to(dtype)), lse.float().contiguous(), mask.kind is MaskKind.CAUSAL, scale)
         # In the input dtype, dK/dV at the K/V head count (the ops sum each group's gradients):
         # callers add them into float32 accumulators in place.
-        return tuple(heads_first(g) for g in grads[:3])
+        return tuple(_heads_first(g) for g in grads[:3])
 
     def supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
         return (not softcap and not mask.documents and mask.window is None
