@@ -84,10 +84,11 @@ def block_checks(device: str, heads=32, kv_heads=8, d=128, t=4096, backend="aten
     return rows
 
 
-def window_checks(heads=32, kv_heads=8, d=128, t=4096) -> list[dict]:
-    """``aten_window`` vs the portable kernel on windowed blocks: a causal diagonal block, an
-    off-diagonal block the window crosses, one the window reaches only at its corner (the crop
-    leaves most rows empty), and positions that are not contiguous (must take the portable path)."""
+def window_checks(heads=32, kv_heads=8, d=128, t=4096, backend: str = "aten_window") -> list[dict]:
+    """``backend``'s windowed blocks (torch: ``aten_window`` on FA2's window, or ``fa4`` on FA4's)
+    vs the portable kernel: a causal diagonal block, an off-diagonal block the window crosses, one
+    the window reaches only at its corner (the crop leaves most rows empty), and positions that are
+    not contiguous (must take the portable path)."""
     import torch
 
     from torch_impl.block import get_backend
@@ -95,7 +96,7 @@ def window_checks(heads=32, kv_heads=8, d=128, t=4096) -> list[dict]:
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()
-    ref, fast = get_backend("reference"), get_backend("aten_window")
+    ref, fast = get_backend("reference"), get_backend(backend)
     span = lambda start: torch.arange(start, start + t, device="cuda", dtype=torch.int32)
     cases = _window_cases(t, span, torch.cat)
     rows = []
@@ -115,9 +116,9 @@ def window_checks(heads=32, kv_heads=8, d=128, t=4096) -> list[dict]:
         empty_ok = bool((lse_f[empty] == float("-inf")).all() and (o_f.float().transpose(1, 2)[empty] == 0).all())
         fused = block_band(mask, t, t, pos) != "portable"
         ok = empty_ok and errors["lse"] <= 1e-2 and all(errors[n] <= 2e-2 for n in ("o", "dq", "dk", "dv"))
-        rows.append({"case": name, "mask": kind.value, "window": list(window), "fused_path": fused,
+        rows.append({"backend": backend, "case": name, "mask": kind.value, "window": list(window), "fused_path": fused,
                      "empty_rows": int(empty.sum()), "empty_rows_exact": empty_ok, "errors": errors, "verified": ok})
-        print(f"window check {name}: {errors} fused={fused} empty rows {int(empty.sum())} exact={empty_ok} "
+        print(f"window check {backend} {name}: {errors} fused={fused} empty rows {int(empty.sum())} exact={empty_ok} "
               f"verified={ok}", flush=True)
     return rows
 

@@ -85,14 +85,15 @@ AUTO_ROUTES: tuple[Route, ...] = (
     Route("reference", "the CPU default (aten_cpu is not measured against it)", device_kinds=("cpu",)),
     Route("aten_flash", "torch's deterministic mode makes aten_flash's backward deterministic; aten_cudnn's stays not",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, deterministic=True),
+    Route("fa4", "every block FA4 takes, where installed: plain blocks on its dense kernel (one GPU, 32k, 32 / 8 "
+          "heads, fwd+bwd: 619 vs cuDNN's 547 TFLOP/s, 4x H200, same run), windowed blocks on its own sliding window "
+          "(529.7 at window (4096, 0) vs FA2's window path 272), document blocks, token-index causal blocks and "
+          "soft-capped blocks (1.08-1.81x aten_varlen on the 4-GPU table): docs/decisions.md; the GPU tier and "
+          "every mesh row verify it first; determinism not measured, so not in deterministic mode",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
     Route("aten_cudnn", "fastest verified: 577 / 561 / 531 TFLOP/s full / causal / strict vs aten_flash 325 / 325 / "
           "323 (bf16; fp16 verified for d 64 MHA only so far)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=ALL_MASKS, deterministic=False),
-    Route("fa4", "document blocks, token-index causal blocks and soft-capped blocks on FlashAttention-4 (the "
-          "extra fa4) where installed: 1.08-1.81x aten_varlen on all 21 packed-document rows of the 4-GPU table "
-          "(docs/decisions.md; its GPU tier passed first); plain blocks stay on aten_cudnn (the row above); "
-          "determinism not measured, so not in deterministic mode",
-          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
     Route("aten_varlen", "document blocks (full, causal diagonal; ids one run per document) and token-index causal "
           "blocks (seqplan.documents.index_runs) on FA2 varlen: "
           "docs/gpu/masked-2026-11-24-h100.md; its determinism not measured, so not in deterministic mode",

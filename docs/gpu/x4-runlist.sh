@@ -26,7 +26,9 @@
 # 2026-11-27 (fifth machine, 15:40): win both sides 2.1 min, winprof 4.6, cond 1.4, gqa 0.3, jaxprof
 # with RINGBRIDGE_BACKWARD_GROUPS=2 9.5 min (`start` 570 s, then `wait`), prof47 with
 # P47=ring-agkv-r4:zigzag 2.7 min, magi4 JAX with MAGI_MESHES=ring-agkv-r4 4.3 min.
-# Not yet run: margin (JAX, six ring rows with compiles: ≈ 4 min), prio (torch, six rows: ≈ 2 min).
+# 2026-11-27 (sixth and seventh machines, 18:17 / 18:26): margin 3.2 min (the part since removed with the knob: no gain), prio 2.2, u128 torch 1.1 (1.7 with FA4), win torch 1.3,
+# d128 torch 2 (FA4), magi4 torch four meshes 2.7 (FA4), magi4 JAX usp + ulysses 7.9 (compiles), tp JAX over 4 min
+# (8 of its 9 sizes before the hold ran out). Not yet run: tier (FA4's dense / window entries, ≈ 1 min).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -51,8 +53,8 @@
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
 #   cond       issue 47: JAX's zigzag rings at 128k with XLA's conditionals kept on the device
 #              (--xla_gpu_enable_command_buffer=+CONDITIONAL) beside the default, same call
-#   margin     issue 47: JAX's ring at 128k, GQA and MHA, FA3 leaving 0 / 8 / 16 SMs to the hops (MARGINS=...)
 #   prio       issue 47: torch's three rings at 128k, NCCL on a normal then a high-priority stream
+#   tier       issues 46 / 47: the one-GPU tier's fa4 and window checks (FA4's dense, window and varlen entries)
 #   gqa        issue 47: do aten_cudnn / aten_flash take GQA K/V as they are (checked against float32,
 #              then timed at 32k against the expansion); one GPU (benchmarks/gqa_probe.py)
 #   u128       issue 47: 128k, the five strategies, GQA 32 / 8, each side, the single-GPU ceiling at 32k beside
@@ -125,18 +127,15 @@ if [ "$1" = start ]; then
     XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL\" $C47 --machine x4-cond-device-jax \
     --parts-dir $R/cond-device-jax"
   MHA_KV=32; [ "${SMOKE:-0}" = 1 ] && MHA_KV=4
-  # FA3 leaving SMs to the ring's hops (jax_impl/kernels/fa3.py, RINGBRIDGE_FA3_SM_MARGIN): the ring at 128k,
-  # GQA then MHA, with margins 0 (today), 8 and 16, same call — do the hops overlap once they find SMs?
-  M47="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --meshes ring-r4 $DRV --ceiling-seq 0 --iters 5 --warmup 2"
-  GQA_KV=8; [ "${SMOKE:-0}" = 1 ] && GQA_KV=2
-  CMD[margin]="for m in ${MARGINS:-0 8 16}; do for kv in $GQA_KV $MHA_KV; do RINGBRIDGE_FA3_SM_MARGIN=\$m $M47 \
-    --kv-heads \$kv --machine x4-margin\$m-kv\$kv-jax --parts-dir $R/margin\$m-kv\$kv; done; done"
   # torch's NCCL kernels on a high-priority stream (TORCH_NCCL_HIGH_PRIORITY; XLA's async collectives have one
   # by default): the three rings at 128k GQA without, then with it, same call — do the hops get SMs sooner?
   P47T="python3 -m benchmarks --gpus 4 --only torch --seqs $SEQ --meshes ring-r4,double_ring-ro2xri2,usp-r2xu2 $DRV \
     --ceiling-seq 0 --iters 5 --warmup 2"
   CMD[prio]="TORCH_NCCL_HIGH_PRIORITY=0 $P47T --machine x4-prio0-torch --parts-dir $R/prio0-torch;
     TORCH_NCCL_HIGH_PRIORITY=1 $P47T --machine x4-prio1-torch --parts-dir $R/prio1-torch"
+  # torch's fa4 on its dense entry (plain blocks, windowed blocks cropped to their band) and varlen entry, against
+  # float64 / the portable kernel on one GPU before any row that routes to it is timed (FA4 installed: .fa4b)
+  CMD[tier]="python3 -m pytest -q -p no:cacheprovider tests/gpu/test_one_gpu_kernels.py -k 'fa4 or window' -rs"
   # whether torch's SDPA ops take GQA K/V unexpanded (the adapters' copies: 10 ms a ring step), checked then timed
   CMD[gqa]="python3 -m benchmarks.gqa_probe $S"
   # 128k, every strategy, GQA 32 / 8 and MHA (torch context_parallel runs MHA only); the ceiling at 32k beside
@@ -163,7 +162,7 @@ if [ "$1" = start ]; then
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""
   for part in ${PARTS//,/ }; do
-    [ "${SMOKE:-0}" = 1 ] && case $part in mc|magi4|prio) continue ;; esac  # GPUs only (mc: a process per GPU; prio: torch)
+    [ "${SMOKE:-0}" = 1 ] && case $part in mc|magi4|prio|tier) continue ;; esac  # GPUs only (mc: a process per GPU; prio: torch)
     RUNS="$RUNS echo \"== $part \$(date +%T)\"; ( ${CMD[$part]} ) > $R/$part.log 2>&1; echo \"== $part rc \$? \$(date +%T)\";"
   done
   rb_start $R "$RUNS"

@@ -353,12 +353,15 @@ def test_gpu_jax_varlen_document_blocks_match_the_portable_kernel(backend):
     assert rows and all(r["verified"] for r in rows), rows
 
 
-def test_gpu_torch_window_blocks_match_the_portable_kernel():
-    """aten_window on windowed blocks (a causal diagonal, an off-diagonal band, a corner-only band
-    whose crop leaves most rows empty, a two-sided window, and non-contiguous positions that must
-    take the portable path) against the portable kernel in float32 — benchmarks.masked's checks."""
+@pytest.mark.parametrize("backend", ["aten_window", "fa4"])
+def test_gpu_torch_window_blocks_match_the_portable_kernel(backend):
+    """aten_window (FA2's window) and fa4 (FA4's) on windowed blocks (a causal diagonal, an
+    off-diagonal band, a corner-only band whose crop leaves most rows empty, a two-sided window,
+    and non-contiguous positions that must take the portable path) against the portable kernel in
+    float32 — benchmarks.masked's checks."""
     from benchmarks.masked import window_checks
 
-    rows = window_checks()
+    _skip_without_fa4(backend)
+    rows = window_checks(backend=backend)
     assert rows and all(r["verified"] for r in rows), rows
     assert [r["fused_path"] for r in rows] == [True, True, True, True, False]

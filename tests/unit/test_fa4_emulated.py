@@ -1,10 +1,11 @@
-"""Tier 1 — torch's ``fa4`` adapter (FlashAttention-4's varlen kernels) on the CPU, its two entry
-points emulated from their contract (tests/fa4_ops.py). Why: the adapter is written before a GPU
-session can check it, and the GPU tier then checks the real kernels; these prove the plumbing —
-which blocks it takes and which it leaves to the portable kernel, the run lists and the causal
-flag per block, empty rows and unread keys, soft-capping in both passes, ``max_seqlen`` bucketed
-to a short static set over a stream of batches, all-gather-KV's one call on it — against the
-portable kernel (float32), outputs and gradients."""
+"""Tier 1 — torch's ``fa4`` adapter (FlashAttention-4's varlen and dense kernels) on the CPU, its
+two entry points emulated from their contract (tests/fa4_ops.py). Why: the adapter is written before
+a GPU session can check it, and the GPU tier then checks the real kernels; these prove the plumbing —
+which blocks it takes and which it leaves to the portable kernel, which entry each block takes, the
+run lists and the causal flag per block, windowed blocks cropped to their band with FA4's window
+sizes (None for unbounded), empty rows and unread keys, soft-capping in both passes, ``max_seqlen``
+bucketed to a short static set over a stream of batches, all-gather-KV's one call on it — against
+the portable kernel (float32), outputs and gradients."""
 
 from __future__ import annotations
 
@@ -47,17 +48,23 @@ def _rel(x, y):
     return float((x[finite] - y[finite]).norm() / y[finite].norm().clamp_min(1e-30))
 
 
-def _both(module, q, k, v, do, mask, segments=None, softcap=None):
+def _both(module, q, k, v, do, mask, segments=None, softcap=None, positions=None):
     """(fa4's o, lse, dq, dk, dv) and the portable kernel's, on the same inputs."""
     from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
 
-    kw = {} if segments is None else {"segments": segments}
+    kw = {name: x for name, x in (("segments", segments), ("positions", positions)) if x is not None}
     cap = {} if softcap is None else {"softcap": softcap}
     o, lse = module.fa4_block_fwd(q, k, v, mask, 0.25, **kw, **cap)
     grads = module.fa4_block_bwd(do, q, k, v, o, lse, mask, 0.25, **kw, **cap)
-    o_r, lse_r = reference_block_fwd(q, k, v, mask, 0.25, segments, None, softcap=softcap)
-    grads_r = reference_block_bwd(do, q, k, v, o_r.to(q.dtype), lse_r, mask, 0.25, None, segments, None, softcap=softcap)
+    o_r, lse_r = reference_block_fwd(q, k, v, mask, 0.25, segments, positions, softcap=softcap)
+    grads_r = reference_block_bwd(do, q, k, v, o_r.to(q.dtype), lse_r, mask, 0.25, None, segments, positions,
+                                  softcap=softcap)
     return (o, lse, *grads), (o_r, lse_r, *grads_r)
+
+
+def _close(got, want):
+    for label, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert _rel(x, y) < 1e-2, f"{label}: relative error {_rel(x, y):.2e}"
 
 
 CASES = {  # name: (mask kind, documents?, t, s, q ids row 0, kv ids row 0)
@@ -84,12 +91,67 @@ def test_blocks_run_on_fa4_and_equal_the_portable_kernel(name, softcap, fa4, see
     mask = BlockMask(kind, documents=documents)
     got, want = _both(fa4, q, k, v, do, mask, segments, softcap)
     assert fa4.portable == {"fwd": 0, "bwd": 0}, "a block left to the portable kernel"
-    assert [c["kind"] for c in fa4_ops.CALLS] == ["fwd", "bwd"]
-    for label, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
-        assert _rel(x, y) < 1e-2, f"{label}: relative error {_rel(x, y):.2e}"
+    entry = "" if documents else "dense "  # a block without documents: the dense kernel the FA4 ceiling times
+    assert [c["kind"] for c in fa4_ops.CALLS] == [entry + "fwd", entry + "bwd"]
+    _close(got, want)
     if documents and kind is MaskKind.FULL:  # document 4 has no key here, keys of document 2 no query
         assert torch.all(got[1][0, :, 8:18] == float("-inf")) and torch.all(got[0][0, 8:18] == 0)
         assert torch.all(got[3][0, :4] == 0) and torch.all(got[4][0, :4] == 0)
+
+
+WINDOW_CASES = {  # name: (kind, window, t, s, q_pos[0] - kv_pos[0], FA4's (left, right) on the crop, or None: no call)
+    "causal diagonal, window 8 (FA4's local window)": (MaskKind.CAUSAL, (8, "unbounded"), 32, 32, 0, (8, 0)),
+    "causal diagonal, a window wider than the block (FA4's causal kernel)": (
+        MaskKind.CAUSAL, (40, "unbounded"), 32, 32, 0, "causal"),
+    # rows 0-11 see keys 20 + i .. 31: cropped to 12 x 12, key c - i >= 0, no right bound
+    "halo: queries one block after the keys, window 12": (MaskKind.FULL, (12, "unbounded"), 24, 32, 32, (0, None)),
+    # j - i in [-11, -1]: rows 1-31, keys 0-30, a causal band of 10 on the crop
+    "two-sided window (7, 3), keys after the queries": (MaskKind.FULL, (7, 3), 32, 32, -4, (10, 0)),
+    "two-sided window (3, 5) around the diagonal": (MaskKind.FULL, (3, 5), 32, 32, 0, (3, 5)),
+    "a window that reaches no key of the block": (MaskKind.FULL, (4, "unbounded"), 16, 16, 40, None),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_windowed_blocks_run_on_fa4s_window_cropped_to_their_band(name, softcap, fa4, seed):
+    """A windowed block whose parts are contiguous ranges (the loops pass their offset) runs FA4's
+    dense entry on its band with FA4's own window sizes — never a negative size, which FA4 would
+    read as a window (the emulation raises) — and equals the portable kernel; rows outside the band
+    get o = 0, lse = -inf."""
+    from seqplan.schedule import UNBOUNDED
+
+    kind, (left, right), t, s, offset, sizes = WINDOW_CASES[name]
+    window = (left, UNBOUNDED if right == "unbounded" else right)
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _inputs(rng, 2, t, s)
+    q0 = 64 + offset
+    positions = (torch.arange(q0, q0 + t, dtype=torch.int32), torch.arange(64, 64 + s, dtype=torch.int32))
+    mask = BlockMask(kind, window=window, offset=offset)
+    got, want = _both(fa4, q, k, v, do, mask, softcap=softcap, positions=positions)
+    assert fa4.portable == {"fwd": 0, "bwd": 0}, "a block left to the portable kernel"
+    _close(got, want)
+    if sizes is None:
+        assert fa4_ops.CALLS == [] and torch.all(got[1] == float("-inf")) and torch.all(got[2] == 0)
+        return
+    assert [c["kind"] for c in fa4_ops.CALLS] == ["dense fwd", "dense bwd"]
+    expect = (None, None) if sizes == "causal" else sizes
+    assert all(c["window"] == expect for c in fa4_ops.CALLS), fa4_ops.CALLS
+
+
+def test_windowed_blocks_fa4_cannot_band_go_to_the_portable_kernel(fa4, seed):
+    """Positions that are not two contiguous runs (a zigzag block spanning both chunks), and a
+    window on a document block: the portable kernel, no FA4 call."""
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _inputs(rng, 1, 16, 16)
+    zigzag = (torch.cat([torch.arange(0, 8), torch.arange(40, 48)]).int(), torch.arange(0, 16, dtype=torch.int32))
+    got, want = _both(fa4, q, k, v, do, BlockMask(MaskKind.FULL, window=(20, 0)), positions=zigzag)
+    _close(got, want)
+    ids = torch.zeros((1, 16), dtype=torch.int32)
+    spans = (torch.arange(16, dtype=torch.int32), torch.arange(16, dtype=torch.int32))
+    _both(fa4, q, k, v, do, BlockMask(MaskKind.CAUSAL, documents=True, window=(4, 0), offset=0), (ids, ids),
+          positions=spans)
+    assert fa4_ops.CALLS == [] and fa4.portable == {"fwd": 2, "bwd": 2}
 
 
 def test_what_fa4_cannot_run_goes_to_the_portable_kernel(fa4, seed):
@@ -98,19 +160,47 @@ def test_what_fa4_cannot_run_goes_to_the_portable_kernel(fa4, seed):
     fa4.fa4_block_fwd(q, k, v, BlockMask(MaskKind.STRICT), 0.25)  # stripe's strict block
     fa4.fa4_block_fwd(*(x.float() for x in (q, k, v)), BlockMask(MaskKind.CAUSAL), 0.25)  # float32
     assert fa4.portable["fwd"] == 2 and fa4_ops.CALLS == []
-    q, k, v, do = _inputs(rng, 1, 16, 16, d=256)  # the SM90 backward stops at head_dim 192: forward only
+    # the SM90 backward stops at head_dim 192: a document block runs its forward on FA4, its backward
+    # portable; a plain block both passes off FA4 (aten_cudnn on CUDA, the portable kernel here)
+    q, k, v, do = _inputs(rng, 1, 16, 16, d=256)
+    ids = torch.zeros((1, 16), dtype=torch.int32)
+    documents = BlockMask(MaskKind.CAUSAL, documents=True)
+    o, lse = fa4.fa4_block_fwd(q, k, v, documents, 0.25, segments=(ids, ids))
+    fa4.fa4_block_bwd(do, q, k, v, o, lse, documents, 0.25, segments=(ids, ids))
+    assert [c["kind"] for c in fa4_ops.CALLS] == ["fwd"] and fa4.portable == {"fwd": 2, "bwd": 1}
     o, lse = fa4.fa4_block_fwd(q, k, v, BlockMask(MaskKind.CAUSAL), 0.25)
     fa4.fa4_block_bwd(do, q, k, v, o, lse, BlockMask(MaskKind.CAUSAL), 0.25)
-    assert [c["kind"] for c in fa4_ops.CALLS] == ["fwd"] and fa4.portable["bwd"] == 1
+    assert [c["kind"] for c in fa4_ops.CALLS] == ["fwd"] and fa4.portable == {"fwd": 3, "bwd": 2}
     fa4.fa4_block_bwd(do[..., :16], q[..., :16], k[..., :16], v[..., :16], o[..., :16], lse, BlockMask(MaskKind.CAUSAL),
-                      0.25,
-                      dlse=torch.ones_like(lse))  # an lse cotangent
-    assert fa4.portable["bwd"] == 2
+                      0.25, dlse=torch.ones_like(lse))  # an lse cotangent
+    assert fa4.portable["bwd"] == 3
     q, k, v, do = _inputs(rng, 1, 16, 16, d=12)  # FA4 takes head dims 8..256 in multiples of 8: both passes portable
     o, lse = fa4.fa4_block_fwd(q, k, v, BlockMask(MaskKind.CAUSAL), 0.25)
     fa4.fa4_block_bwd(do, q, k, v, o, lse, BlockMask(MaskKind.CAUSAL), 0.25)
-    assert fa4.portable == {"fwd": 3, "bwd": 3} and [c["kind"] for c in fa4_ops.CALLS] == ["fwd"]
+    assert fa4.portable == {"fwd": 4, "bwd": 4} and [c["kind"] for c in fa4_ops.CALLS] == ["fwd"]
     assert not fa4.one_call_takes(q) and fa4.one_call_takes(q[..., :8]) and not fa4.one_call_takes(q[..., :8].float())
+
+
+def test_plain_blocks_fa4_cannot_run_go_to_aten_cudnn_on_cuda(fa4, monkeypatch, seed):
+    """On CUDA (stood in here: CI has no GPU), a plain block with head_dim 256 runs both passes on
+    ``aten_cudnn`` — what "auto" chose before FA4 was installed — not on FA4's forward and the
+    portable backward; a soft-capped or windowed one stays portable (cuDNN caps nothing)."""
+    from torch_impl.block import BlockBackend
+    from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+
+    calls = []
+    cudnn = BlockBackend("aten_cudnn", lambda *a, **k: calls.append("fwd") or reference_block_fwd(*a, **k),
+                         lambda *a, **k: calls.append("bwd") or reference_block_bwd(*a, **k))
+    monkeypatch.setattr(fa4, "get_backend", lambda name: {"aten_cudnn": cudnn}[name])
+    real_takes = fa4._cudnn_takes
+    monkeypatch.setattr(fa4.torch.Tensor, "is_cuda", property(lambda self: True))
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _inputs(rng, 1, 16, 16, d=256)
+    o, lse = fa4.fa4_block_fwd(q, k, v, BlockMask(MaskKind.CAUSAL), 0.25)
+    fa4.fa4_block_bwd(do, q, k, v, o, lse, BlockMask(MaskKind.CAUSAL), 0.25)
+    assert calls == ["fwd", "bwd"] and fa4_ops.CALLS == [] and fa4.portable == {"fwd": 0, "bwd": 0}
+    assert not real_takes(q, BlockMask(MaskKind.CAUSAL), 2.0) and not real_takes(q, BlockMask(MaskKind.STRICT), None)
+    assert not real_takes(q, BlockMask(MaskKind.FULL, window=(8, 0)), None) and real_takes(q, BlockMask(), None)
 
 
 def test_max_seqlen_takes_few_values_over_a_stream_of_packed_batches(fa4):
@@ -169,28 +259,64 @@ def test_allgather_runs_each_device_as_one_fa4_call(fa4, seed):
         assert _rel(x, y) < 1e-2, f"{label}: relative error {_rel(x, y):.2e}"
 
 
-def test_auto_routes_document_and_capped_blocks_to_fa4_where_installed(monkeypatch):
+@pytest.mark.parametrize("layout,ulysses", [("contiguous", 1), ("contiguous", 2), ("zigzag", 1)])
+def test_rings_with_a_window_run_every_block_on_fa4(layout, ulysses, fa4, seed):
+    """The ring (and USP 2 x 2) with a sliding window named onto ``fa4``: the loops give each block
+    its parts' offset, so every windowed block runs FA4's dense entry on its band (no block on the
+    portable kernel, no host read of positions) — equal to the portable kernel's ring, outputs and
+    gradients. Unmasked blocks of the same rings run the dense entry too."""
+    from torch_impl import replay
+
+    ring = 2
+    rng = np.random.default_rng(seed)
+    t = 64
+    q, k, v, do = _inputs(rng, 1, t, t)
+    for window in ((12, 0), None):
+        kw = dict(strategy=Strategy(ring=ring, ulysses=ulysses), causal=True, layout=layout, window=window)
+
+        def run(backend, kw=kw):
+            o, lse = replay.replay_attention(q, k, v, block_backend=backend, **kw)
+            return (o, lse, *replay.replay_attention_grads(q, k, v, o, lse, do, block_backend=backend, **kw))
+
+        fa4_ops.CALLS.clear()
+        fa4.portable.update(fwd=0, bwd=0)
+        got = run("fa4")
+        assert fa4_ops.CALLS and all(c["kind"].startswith("dense") for c in fa4_ops.CALLS)
+        # a zigzag shard is two runs of positions: its windowed blocks that span both are not a band
+        if layout != "zigzag" or window is None:
+            assert fa4.portable == {"fwd": 0, "bwd": 0}, (window, fa4.portable)
+        _close(got, run("reference"))
+
+
+def test_auto_routes_every_block_fa4_takes_to_it_where_installed(monkeypatch):
     """Where FA4 is installed (its availability forced here: CI has no FA4), "auto" on CUDA sends
-    document blocks, token-index causal blocks and soft-capped blocks to ``fa4`` — measured
-    1.08-1.81x ``aten_varlen`` on the 4-GPU table — while plain blocks stay on ``aten_cudnn``,
-    float32 on the portable kernel, and deterministic mode avoids it (its determinism is not
-    measured); without FA4 never to it."""
+    plain, windowed, document, token-index causal and soft-capped blocks to ``fa4`` (measured: its
+    dense and window kernels 1.13x cuDNN's and 1.9x FA2's window on one H200, its varlen 1.08-1.81x
+    ``aten_varlen`` on the 4-GPU table), strict blocks to ``aten_cudnn``, float32 to the portable
+    kernel, and deterministic mode avoids it (its determinism is not measured); without FA4 plain
+    blocks stay on ``aten_cudnn`` and windowed ones on ``aten_window``."""
     from seqplan.schedule import UNBOUNDED
     from torch_impl import block
 
     documents = BlockMask(MaskKind.CAUSAL, documents=True)
     by_index = BlockMask(MaskKind.FULL, window=(UNBOUNDED, 0), documents=True)
-    plain = BlockMask(MaskKind.CAUSAL)
+    plain, windowed = BlockMask(MaskKind.CAUSAL), BlockMask(MaskKind.FULL, window=(4096, 0), offset=4096)
     kw = dict(device_kind="cuda", dtype="bfloat16")
     installed = block.get_backend("fa4")
     assert (block.resolve_backend("auto", mask=documents, **kw) == "fa4") == installed.available()
-    for name in ("fa4", "aten_cudnn", "aten_varlen"):  # a CUDA machine with FA4 installed
+    for name in ("fa4", "aten_flash", "aten_cudnn", "aten_varlen", "aten_window"):  # a CUDA machine with FA4
         real = block.get_backend(name)
         monkeypatch.setitem(block._BACKENDS, name, block.BlockBackend(
             name, real.fwd, real.bwd, supports=real.supports, available=lambda: True))
-    for mask in (documents, by_index):
+    for mask in (documents, by_index, plain, windowed):
         assert block.resolve_backend("auto", mask=mask, **kw) == "fa4", mask
-        assert block.resolve_backend("auto", mask=mask, deterministic=True, **kw) == "reference", mask
     assert block.resolve_backend("auto", mask=plain, softcap=True, **kw) == "fa4"
+    assert block.resolve_backend("auto", mask=BlockMask(MaskKind.STRICT), **kw) == "aten_cudnn"
+    assert block.resolve_backend("auto", mask=plain, deterministic=True, **kw) == "aten_flash"
+    assert block.resolve_backend("auto", mask=documents, deterministic=True, **kw) == "reference"
+    fa4 = block.get_backend("fa4")
+    monkeypatch.setitem(block._BACKENDS, "fa4", block.BlockBackend("fa4", fa4.fwd, fa4.bwd, supports=fa4.supports,
+                                                                   available=lambda: False))
     assert block.resolve_backend("auto", mask=plain, **kw) == "aten_cudnn"
+    assert block.resolve_backend("auto", mask=windowed, **kw) == "aten_window"
     assert block.resolve_backend("auto", mask=documents, device_kind="cuda", dtype="float32") == "reference"

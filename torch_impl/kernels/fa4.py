@@ -1,43 +1,49 @@
-"""Backend ``"fa4"``: blocks on FlashAttention-4's varlen kernels (pip ``flash-attn-4``, the CuTe
-DSL's ``flash_attn.cute``; Hopper and Blackwell, bf16 / fp16), forward and backward, soft-capped
-when the call soft-caps, and all-gather-KV's one varlen call per device (``allgather``).
+"""Backend ``"fa4"``: blocks on FlashAttention-4 (pip ``flash-attn-4``, the CuTe DSL's
+``flash_attn.cute``; Hopper and Blackwell, bf16 / fp16), forward and backward, soft-capped when the
+call soft-caps, and all-gather-KV's one varlen call per device (``allgather``).
 
-One kernel family for every block it takes, through the varlen entry: a document block or a
-token-index block is the run list ``aten_varlen`` plans (``varlen.block_runs``: one run per
-document, in place, no gather), and a block without documents is one run per batch row (FULL, or
-a CAUSAL diagonal block: square runs). Why the library's private ``_flash_attn_fwd`` /
-``_flash_attn_bwd`` rather than ``flash_attn_varlen_func``: the ring's block backward needs the
-*global* o and lse (the public autograd function's backward uses its own), as ``varlen.py`` uses
-aten's underscore ops. They are bound in one place (:func:`fa4_forward`, :func:`fa4_backward`),
-which the CPU tests emulate (tests/fa4_ops.py).
+Two entries of one kernel family. A document block or a token-index block goes through the varlen
+entry: the run list ``aten_varlen`` plans (``varlen.block_runs``: one run per document, in place,
+no gather). A block without documents goes through the dense entry, the kernel the one-GPU FA4
+ceiling times: a plain FULL block, a square CAUSAL diagonal block, and a windowed block whose parts
+are contiguous ranges, cropped to its band first (``seqplan.bands``, as ``aten_window`` and JAX's
+fa3 adapter do) and run with FA4's own sliding window. Why the library's private
+``_flash_attn_fwd`` / ``_flash_attn_bwd`` rather than ``flash_attn_func``: the ring's block backward
+needs the *global* o and lse (the public autograd function's backward uses its own), as
+``varlen.py`` uses aten's underscore ops. They are bound in one place (:func:`fa4_forward`,
+:func:`fa4_backward`), which the CPU tests emulate (tests/fa4_ops.py).
 
 FA4 compiles a kernel variant per distinct ``max_seqlen`` (seconds each, on first use): in packed
 training every batch's longest document differs, so the bounds passed are rounded up to
 :func:`seqlen_bucket` (powers of two from 128, capped at the packed length) — a larger bound is
-still a bound, costing at most idle tiles. The varlen causal mask is aligned bottom-right per run
-(the prefix runs of the one call rely on it).
+still a bound, costing at most idle tiles. The causal mask and the window are aligned bottom-right
+per run (the prefix runs of the one call and the bands rely on it); FA4 reads a negative window
+size as a window, so "unbounded" is passed as None, and a window that bounds nothing in the
+cropped block is dropped (a band that is a causal diagonal runs FA4's causal kernel, not its local one).
 
-What it routes elsewhere (the portable kernel, never guessed): fp32, a strict block, a window other
-than the token-index one, an lse cotangent, ids that are not runs, a head_dim outside FA4's
-(8..256, a multiple of 8), and a backward with head_dim > 192 (not supported on SM90).
-Queries whose document has no key in the block get o = 0, lse = -inf
-and zero gradients, and keys no query reads zero dK / dV, written here. Run-to-run determinism is
-not measured: the backend is refused under ``deterministic=True`` (``block.NONDETERMINISTIC_WHEN_REQUESTED``),
-and ``"auto"`` does not route to it until the GPU tier has verified and timed it.
+What it routes elsewhere (the portable kernel, never guessed): fp32, a strict block, a window with
+documents (other than the token-index one), a windowed block whose parts are not contiguous ranges
+(stripe, a zigzag block spanning both chunks), a non-square CAUSAL block, an lse cotangent, ids
+that are not runs, a head_dim outside FA4's (8..256, a multiple of 8), and a backward with head_dim
+> 192 (not supported on SM90: such a plain block runs both passes on ``aten_cudnn``, which "auto"
+chose for it before FA4). Queries whose document has no key in the block (or no key in its
+window) get o = 0, lse = -inf and zero gradients, and keys no query reads zero dK / dV, written
+here. Run-to-run determinism is not measured: the backend is refused under ``deterministic=True``
+(``block.NONDETERMINISTIC_WHEN_REQUESTED``); ``"auto"``'s rows for it say what was measured.
 """
 
 from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
-from seqplan.documents import DocumentRuns, PrefixRuns, document_runs
+from seqplan.bands import Band
+from seqplan.documents import DocumentRuns, PrefixRuns
 from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
-from ..block import BlockBackend, register_backend
+from ..block import BlockBackend, get_backend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
 from .varlen import (
     block_runs,
@@ -50,6 +56,7 @@ from .varlen import (
     unpack_forward,
     unpack_grads,
 )
+from .window import block_band
 
 F32 = torch.float32
 # FA4's head dims: 8..256 and a multiple of 8 in bf16 / fp16 (its own check asserts, mid-call), the
@@ -96,23 +103,71 @@ def _head_dim_fits(d: int, backward: bool) -> bool:
     return HEAD_DIMS[0] <= d <= (MAX_BWD_HEAD_DIM if backward else HEAD_DIMS[1]) and d % HEAD_DIM_ALIGNMENT == 0
 
 
-@functools.lru_cache(maxsize=64)
-def _whole_rows(b: int, t: int, s: int, causal: bool) -> DocumentRuns | None:
-    """A block without documents as one run per batch row (a causal one only when square)."""
-    return document_runs(np.zeros((b, t), np.int32), np.zeros((b, s), np.int32), causal)
+def _fits(q, backward: bool) -> bool:
+    return q.dtype in (torch.bfloat16, torch.float16) and _head_dim_fits(q.shape[-1], backward)
 
 
 def _plan(mask: BlockMask, segments, positions, q, k, backward: bool = False) -> tuple[DocumentRuns, bool] | None:
-    """(runs, causal) of a block FA4 runs exactly, or None (the portable kernel's)."""
-    if q.dtype not in (torch.bfloat16, torch.float16) or mask.kind is MaskKind.STRICT:
+    """(runs, causal) of a document or token-index block FA4's varlen entry runs exactly, or None."""
+    if not _fits(q, backward) or mask.kind is MaskKind.STRICT:
         return None
-    if not _head_dim_fits(q.shape[-1], backward):
-        return None
-    if segments is not None or mask.window is not None:
-        return block_runs(mask, segments, positions, q.dtype)
-    causal = mask.kind is MaskKind.CAUSAL
-    runs = _whole_rows(q.shape[0], q.shape[1], k.shape[1], causal)
-    return None if runs is None else (runs, causal)
+    return block_runs(mask, segments, positions, q.dtype)
+
+
+def _dense_band(mask: BlockMask, positions, q, k, backward: bool = False) -> Band | None | str:
+    """The part of a block without documents that FA4's dense entry runs (``seqplan.bands``
+    convention: rows [i0, i1), keys [j0, j1), window sizes -1 for unbounded), None when the block
+    sees nothing, or "portable"."""
+    (t, s), kind = (q.shape[1], k.shape[1]), mask.kind
+    if not _fits(q, backward) or kind is MaskKind.STRICT:
+        return "portable"
+    if mask.window is not None:
+        return "portable" if positions is None else block_band(mask, t, s, positions)
+    if kind is MaskKind.CAUSAL and t != s:  # the ring's causal blocks are square diagonals
+        return "portable"
+    return Band(0, t, 0, s, -1, 0 if kind is MaskKind.CAUSAL else -1)
+
+
+def _dense_mask(cut: Band) -> dict:
+    """FA4's causal / window keywords for a band: unbounded (-1) as None, a size that bounds
+    nothing in the cropped [t, s] grid dropped (j - i stays in [-(t - 1), s - 1]), and a window
+    (None, 0) as ``causal`` (FA4's causal tiles, not its local ones)."""
+    t, s = cut.i1 - cut.i0, cut.j1 - cut.j0
+    left = None if cut.left < 0 or cut.left >= s - 1 else cut.left
+    right = None if cut.right < 0 or cut.right >= t - 1 else cut.right
+    if left is None and right == 0:
+        return {"causal": True}
+    return {"causal": False, "window_size_left": left, "window_size_right": right}
+
+
+def _whole(cut: Band, t: int, s: int) -> bool:
+    return (cut.i0, cut.i1, cut.j0, cut.j1) == (0, t, 0, s)
+
+
+def _dense_fwd(q, k, v, cut: Band, scale: float, softcap):
+    b, t, h, d = q.shape
+    rows, cols = slice(cut.i0, cut.i1), slice(cut.j0, cut.j1)
+    crop = lambda x, part: x[:, part].contiguous()
+    o, lse = fa4_forward(crop(q, rows), crop(k, cols), crop(v, cols), softmax_scale=scale, softcap=softcap,
+                         return_lse=True, **_dense_mask(cut))[:2]
+    if _whole(cut, t, k.shape[1]):
+        return o, lse.float()
+    o_full = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse_full = torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device)
+    o_full[:, rows], lse_full[:, :, rows] = o, lse.float()
+    return o_full, lse_full
+
+
+def _dense_bwd(do, q, k, v, o, lse, cut: Band, scale: float, softcap):
+    rows, cols = slice(cut.i0, cut.i1), slice(cut.j0, cut.j1)
+    crop = lambda x, part: x[:, part].to(q.dtype).contiguous()
+    grads = fa4_backward(crop(q, rows), crop(k, cols), crop(v, cols), crop(o, rows), crop(do, rows),
+                         lse[:, :, rows].float().contiguous(), scale, softcap=softcap or 0.0, **_dense_mask(cut))[:3]
+    if _whole(cut, q.shape[1], k.shape[1]):
+        return grads
+    dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    dq[:, rows], dk[:, cols], dv[:, cols] = grads
+    return dq, dk, dv
 
 
 def _bounds(runs: DocumentRuns, q, k) -> dict:
@@ -120,7 +175,27 @@ def _bounds(runs: DocumentRuns, q, k) -> dict:
     return {"max_seqlen_q": seqlen_bucket(runs.max_q, b * t), "max_seqlen_k": seqlen_bucket(runs.max_k, b * s)}
 
 
+def _nothing(q, k, v):
+    return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+
+def _cudnn_takes(q, mask: BlockMask, softcap) -> bool:
+    """A plain, uncapped CUDA block FA4 cannot run (its SM90 backward stops at head_dim 192): it goes
+    to ``aten_cudnn``, what "auto" chose for it before FA4 was installed, not to the portable kernel."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and softcap is None and mask.window is None
+            and not mask.documents and mask.kind is not MaskKind.STRICT)
+
+
 def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
+    if segments is None and not by_token_index(mask):
+        cut = _dense_band(mask, positions, q, k, backward=True)  # one kernel for both passes of a block
+        if cut is None:
+            return nothing_seen(q)
+        if cut != "portable":
+            return _dense_fwd(q, k, v, cut, scale, softcap)
+        if _cudnn_takes(q, mask, softcap):
+            return get_backend("aten_cudnn").fwd(q, k, v, mask, scale)
+        return reference_block_fwd(q, k, v, mask, scale, segments, positions, softcap=softcap)
     plan = _plan(mask, segments, positions, q, k)
     if plan is None:
         return reference_block_fwd(q, k, v, mask, scale, segments, positions, softcap=softcap)
@@ -136,12 +211,24 @@ def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positio
 
 def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None, positions=None,
                   softcap=None):
-    plan = None if dlse is not None else _plan(mask, segments, positions, q, k, backward=True)
+    portable = lambda: reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions, softcap=softcap)
+    if dlse is not None:
+        return portable()
+    if segments is None and not by_token_index(mask):
+        cut = _dense_band(mask, positions, q, k, backward=True)
+        if cut is None:
+            return _nothing(q, k, v)
+        if cut != "portable":
+            return _dense_bwd(do, q, k, v, o, lse, cut, scale, softcap)
+        if _cudnn_takes(q, mask, softcap):
+            return get_backend("aten_cudnn").bwd(do, q, k, v, o, lse, mask, scale)
+        return portable()
+    plan = _plan(mask, segments, positions, q, k, backward=True)
     if plan is None:
-        return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions, softcap=softcap)
+        return portable()
     runs, causal = plan
     if runs.max_k == 0 or runs.max_q == 0:
-        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        return _nothing(q, k, v)
     cu_q, cu_k, empty, unread = run_offsets(runs, q.device)
     flat = lambda x: x.to(q.dtype).reshape(-1, *x.shape[2:])
     dq, dk, dv = fa4_backward(flat(q), flat(k), flat(v), flat(o), flat(do), pack_lse(lse, empty), scale, causal,
@@ -152,7 +239,7 @@ def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None,
 def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
     if dtype not in LOW_PRECISION or mask.kind is MaskKind.STRICT:
         return False
-    return mask.window is None or by_token_index(mask)
+    return mask.window is None or by_token_index(mask) or not mask.documents
 
 
 register_backend(BlockBackend("fa4", fa4_block_fwd, fa4_block_bwd, supports=_supports, available=available))
@@ -162,7 +249,7 @@ register_backend(BlockBackend("fa4", fa4_block_fwd, fa4_block_bwd, supports=_sup
 
 def one_call_takes(q) -> bool:
     """Whether the one call's forward and backward run on FA4 for queries like ``q``."""
-    return q.dtype in (torch.bfloat16, torch.float16) and _head_dim_fits(q.shape[-1], backward=True)
+    return _fits(q, backward=True)
 
 
 def _prefix_bounds(plan: PrefixRuns, total_q: int, total_k: int) -> dict:
