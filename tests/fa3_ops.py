@@ -2,8 +2,8 @@
 CPU from their contract — cumulative offsets, bottom-right causal per run, ``max_seqlen``
 bounding the tiles a run gets, the backward taking the given o and lse — for the tests that
 drive ``jax_impl.kernels.fa3_varlen`` without a GPU (tests/unit/test_fa3_varlen_emulated.py,
-tests/multidevice/test_jax_token_index.py); the forward also dense, unwindowed, as
-``fa3.flash_mha_fwd`` binds it with an SM margin (tests/unit/test_fa3_sm_margin.py)."""
+tests/multidevice/test_jax_token_index.py); the backward also dense, unwindowed, as
+``fa3.flash_mha_bwd`` binds it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 F32 = jnp.float32
-CALLS: list[dict] = []  # every emulated call's attributes (sm_margin among them), newest last
+CALLS: list[dict] = []  # every emulated call's attributes, newest last
 
 
 def _in_runs(cu, used, total: int):
@@ -71,17 +71,6 @@ def _ffi_fwd(result_types):
              is_causal, **attrs):
         assert len(_optional) == 13, "flash_mha_fwd takes 21 buffers"
         CALLS.append(dict(attrs, is_causal=is_causal))
-        if q.ndim == 4:  # dense [b, t, h, d]: b sequences of t queries and s keys
-            assert cu_q.shape[0] == 0 and cu_k.shape[0] == 0, "a dense call passes no offsets"
-            assert (attrs["window_size_left"], attrs["window_size_right"]) == (-1, -1), "window: not emulated"
-            b, t, h, d = q.shape
-            s = k.shape[1]
-            o, lse = _fake_fwd(q.reshape(b * t, h, d), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
-                               jnp.arange(b + 1) * t, jnp.arange(b + 1) * s, max_seqlen_q, max_seqlen_k,
-                               softmax_scale_val, is_causal)
-            lse = lse.reshape(-1)[: h * b * t].reshape(h, b, t).transpose(1, 0, 2)
-            assert result_types[1].shape == lse.shape, f"dense lse is [b, h, t], declared {result_types[1].shape}"
-            return (o.reshape(q.shape), lse, *(jnp.zeros(r.shape, r.dtype) for r in result_types[2:]))
         o, lse = _fake_fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale_val, is_causal)
         declared = result_types[1].shape
         flat = lse.reshape(-1)[: q.shape[0] * q.shape[1]]

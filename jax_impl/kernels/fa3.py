@@ -31,14 +31,6 @@ fa3's outputs carry no shard_map varying-axes type: ``typed_for_shard_map=False`
 
 ``window``: FA3's own sliding window (the fused adapter's band of a windowed block, ``fused.py``).
 
-**SMs left to the hops** (:func:`sm_margin`, ``RINGBRIDGE_FA3_SM_MARGIN``, default 0): FA3's
-``sm_margin`` — the number of SMs its persistent scheduler leaves unused, so that a kernel on
-another stream (a ring hop's NCCL kernel) finds SMs while attention runs. With 0 every SM holds
-an FA3 program until the call ends, and a hop launched beside it may wait for the whole call
-(the ring's NCCL time exposed on 4× H200: 11–15 ms a step, docs/gpu/scaling-2026-11-27-h200x4.md).
-Off by default until a run times it; the forward then binds the FFI target ``flash_mha_fwd``
-itself (the library's lowering fixes the margin at 0), every fa3 and fa3-varlen call takes it.
-
 do, q, o: [b, t, h, d]; k, v: [b, s, hk, d] (one dtype, bf16 or fp16; d a multiple of 8);
 lse: [b, h, t] float32, natural log (as the library's forward returns it).
 """
@@ -48,7 +40,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import os
 import warnings
 
 import jax
@@ -63,18 +54,6 @@ VERIFIED_VERSION = "0.2.3"  # the version the workspace mend was verified with (
 UNVERIFIED_VERSION_BACKWARD = "cudnn"  # "cudnn" or "raise": see the module docstring
 # The widest tile height (rows of queries) of any sm90 backward configuration.
 MAX_TILE_ROWS = 128
-SM_MARGIN_ENV = "RINGBRIDGE_FA3_SM_MARGIN"
-MAX_SM_MARGIN = 64  # of an H100's / H200's 132 SMs: more would starve the kernel itself
-
-
-def sm_margin() -> int:
-    """SMs each FA3 call leaves free (module docstring), from ``RINGBRIDGE_FA3_SM_MARGIN``: an
-    integer in [0, :data:`MAX_SM_MARGIN`], default 0. Read when a program is traced."""
-    value = os.environ.get(SM_MARGIN_ENV, "0")
-    margin = int(value) if value.strip().isdigit() else -1
-    if not 0 <= margin <= MAX_SM_MARGIN:
-        raise ValueError(f"{SM_MARGIN_ENV} must be an integer in [0, {MAX_SM_MARGIN}], got {value!r}")
-    return margin
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,29 +85,17 @@ def flash_mha_fwd(q, k, v, causal: bool, scale: float, window: tuple[int, int] =
     """FlashAttention-3's forward: (o in the input dtype, lse [b, h, t] float32). ``window``: the
     kernel's own sliding window (left, right), bottom-right aligned, -1 unbounded."""
     _require_package()
-    margin = sm_margin()
-    if margin:
-        return _flash_mha_fwd_ffi(q, k, v, causal, scale, window, margin)
     from flash_attn3_jax.flash import _flash_mha_fwd  # internal: the public API returns no lse
 
     return _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=tuple(window))[:2]
 
 
-def _flash_mha_fwd_ffi(q, k, v, causal: bool, scale: float, window: tuple[int, int], margin: int):
-    """The dense forward through :func:`forward_ffi` (the library's lowering with ``sm_margin``)."""
-    b, t, h, d = q.shape
-    if d % 8:
-        raise ValueError(f"head_dim must be a multiple of 8 for the fa3 kernels, got {d}")
-    absent = jnp.zeros((0,), jnp.int32)  # cu_seqlens_q / k: dense
-    return forward_ffi(q, k, v, absent, absent, (b, h, t), t, k.shape[1], causal, scale, window, margin)
-
-
 def forward_ffi(q, k, v, cu_q, cu_k, lse_shape, max_q: int, max_k: int, causal: bool, scale: float,
-                window: tuple[int, int] = (-1, -1), margin: int | None = None):
+                window: tuple[int, int] = (-1, -1)):
     """The FFI target ``flash_mha_fwd`` with the inputs and attributes of flash_attn3_jax 0.2.3's own
     lowering: dense (q, k, v [b, t, h, d], ``cu_q`` / ``cu_k`` empty, lse ``[b, h, t]``) or varlen
-    (packed [total, h, d] with offsets, the lse buffer ``lse_shape`` the caller declares), and
-    ``sm_margin`` (default :func:`sm_margin`). Returns (o shaped like q, the lse buffer)."""
+    (packed [total, h, d] with offsets, the lse buffer ``lse_shape`` the caller declares). Returns
+    (o shaped like q, the lse buffer)."""
     import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
 
     result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32),
@@ -144,7 +111,7 @@ def forward_ffi(q, k, v, cu_q, cu_k, lse_shape, max_q: int, max_k: int, causal: 
       softmax_scale_val=float(scale), softmax_scale_has_value=True, pack_gqa_val=False, pack_gqa_has_value=False,
       is_causal=bool(causal), window_size_left=int(window[0]), window_size_right=int(window[1]),
       attention_chunk=0, softcap=0.0, is_rotary_interleaved=False, num_splits=1,  # no split: dummy accumulators
-      sm_margin=sm_margin() if margin is None else int(margin))
+      sm_margin=0)
     return o, lse
 
 
@@ -185,7 +152,7 @@ def flash_mha_bwd(do, q, k, v, o, lse, causal: bool, scale: float, window: tuple
       max_seqlen_q_val=t, max_seqlen_q_has_value=True, max_seqlen_k_val=k.shape[1], max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
       window_size_left=int(window[0]), window_size_right=int(window[1]), softcap=0.0,
-      deterministic=bool(deterministic), sm_margin=sm_margin())
+      deterministic=bool(deterministic), sm_margin=0)
     return dq, dk, dv
 
 

@@ -49,7 +49,7 @@ from seqplan.schedule import BlockMask, MaskKind, by_token_index
 from ..block import BlockBackend, register_backend
 from . import branches, groups
 from . import runs as run_plans
-from .fa3 import MAX_TILE_ROWS, forward_ffi, sm_margin, verified
+from .fa3 import MAX_TILE_ROWS, forward_ffi, verified
 from .reference import reference_block_bwd, reference_block_fwd
 from .runs import (
     VARLEN_RUN_SLOTS,
@@ -128,7 +128,7 @@ def _bwd_call(do, q, k_p, v_p, o, lse_rows, causal: bool, scale: float, runs: Va
       max_seqlen_q_val=t if runs.max_q is None else runs.max_q, max_seqlen_q_has_value=True,
       max_seqlen_k_val=s if runs.max_k is None else runs.max_k, max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
-      window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=sm_margin())
+      window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0)
     return dq, dk_p, dv_p
 
 

@@ -74,18 +74,6 @@ def test_gpu_jax_cudnn_block_kernel_matches_portable_kernel(mask):
     _jax_block_matches_portable("cudnn", mask, 256)
 
 
-@pytest.mark.parametrize("mask", ["full", "causal"])
-def test_gpu_fa3_with_an_sm_margin_matches_portable_kernel(mask, monkeypatch):
-    """One GPU: fa3 with SMs left to the hops (``RINGBRIDGE_FA3_SM_MARGIN``; the dense forward then
-    binds the FFI target itself) agrees with the portable kernel, forward and backward."""
-    from jax_impl.kernels import fa3
-
-    if not fa3.verified():
-        pytest.skip(f"fa3 needs flash_attn3_jax {fa3.VERIFIED_VERSION}")
-    monkeypatch.setenv(fa3.SM_MARGIN_ENV, "8")
-    _jax_block_matches_portable("fa3", mask, 1024)
-
-
 VERIFIED = [("jax", b) for b in ("reference", "cudnn", "fa3")] + [("torch", b) for b in ("reference", "aten_flash",
                                                                                           "aten_cudnn", "fa4")]
 
