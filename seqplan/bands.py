@@ -38,7 +38,10 @@ class Band:
 
 def band(t: int, s: int, lo: int, hi: int | None) -> Band | None:
     """The sub-block of a [t, s] grid that holds the pairs lo <= j - i <= hi (``hi`` None: no
-    upper bound) and the window for it, or None when no pair is visible."""
+    upper bound) and the window for it, or None when no pair is visible (``lo > hi`` among them:
+    a causal block whose window ends before its diagonal)."""
+    if hi is not None and lo > hi:
+        return None
     i0 = 0 if hi is None else max(0, -hi)
     i1 = min(t, s - lo)
     j0 = max(0, lo)

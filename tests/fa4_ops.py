@@ -89,6 +89,10 @@ def emulated_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, soft
                  window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                  **unused):
     assert not unused, unused
+    # what FA4's backward asserts: o and do in q's dtype, lse float32 [b, h, t] (dense) / [h, total_q]
+    assert out.dtype == dout.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, dout.dtype, lse.dtype)
+    dense_lse = (q.shape[0], q.shape[2], q.shape[1]) if cu_seqlens_q is None else (q.shape[1], q.shape[0])
+    assert tuple(lse.shape) == dense_lse, (tuple(lse.shape), dense_lse)
     window = (window_size_left, window_size_right)
     shapes = q.shape, k.shape
     q, k, cu_q, cu_k, max_q, max_k, dense = _as_runs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -181,26 +181,40 @@ def test_what_fa4_cannot_run_goes_to_the_portable_kernel(fa4, seed):
     assert not fa4.one_call_takes(q) and fa4.one_call_takes(q[..., :8]) and not fa4.one_call_takes(q[..., :8].float())
 
 
-def test_plain_blocks_fa4_cannot_run_go_to_aten_cudnn_on_cuda(fa4, monkeypatch, seed):
-    """On CUDA (stood in here: CI has no GPU), a plain block with head_dim 256 runs both passes on
-    ``aten_cudnn`` — what "auto" chose before FA4 was installed — not on FA4's forward and the
-    portable backward; a soft-capped or windowed one stays portable (cuDNN caps nothing)."""
+def test_blocks_fa4_cannot_run_go_to_the_fused_kernel_auto_chose_before_it(fa4, monkeypatch, seed):
+    """On CUDA (stood in here: CI has no GPU), a block with head_dim 256 (FA4's SM90 backward
+    stops at 192) runs both passes on what "auto" chose for it before FA4 was installed — a plain
+    block on ``aten_cudnn``, a windowed one on ``aten_window`` — not on FA4's forward and the
+    portable backward; a soft-capped one stays portable (neither caps), and so does any block
+    when that kernel is not available."""
     from torch_impl.block import BlockBackend
     from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
 
-    calls = []
-    cudnn = BlockBackend("aten_cudnn", lambda *a, **k: calls.append("fwd") or reference_block_fwd(*a, **k),
-                         lambda *a, **k: calls.append("bwd") or reference_block_bwd(*a, **k))
-    monkeypatch.setattr(fa4, "get_backend", lambda name: {"aten_cudnn": cudnn}[name])
-    real_takes = fa4._cudnn_takes
+    calls, up = [], {"aten_cudnn": True, "aten_window": True}
+
+    def stand_in(name):
+        return BlockBackend(name, lambda *a, **k: calls.append((name, "fwd")) or reference_block_fwd(*a, **k),
+                            lambda *a, **k: calls.append((name, "bwd")) or reference_block_bwd(*a, **k),
+                            available=lambda: up[name])
+
+    monkeypatch.setattr(fa4, "get_backend", stand_in)
     monkeypatch.setattr(fa4.torch.Tensor, "is_cuda", property(lambda self: True))
     rng = np.random.default_rng(seed)
     q, k, v, do = _inputs(rng, 1, 16, 16, d=256)
-    o, lse = fa4.fa4_block_fwd(q, k, v, BlockMask(MaskKind.CAUSAL), 0.25)
-    fa4.fa4_block_bwd(do, q, k, v, o, lse, BlockMask(MaskKind.CAUSAL), 0.25)
-    assert calls == ["fwd", "bwd"] and fa4_ops.CALLS == [] and fa4.portable == {"fwd": 0, "bwd": 0}
-    assert not real_takes(q, BlockMask(MaskKind.CAUSAL), 2.0) and not real_takes(q, BlockMask(MaskKind.STRICT), None)
-    assert not real_takes(q, BlockMask(MaskKind.FULL, window=(8, 0)), None) and real_takes(q, BlockMask(), None)
+    spans = (torch.arange(16, 32, dtype=torch.int32), torch.arange(0, 16, dtype=torch.int32))
+    blocks = [(BlockMask(MaskKind.CAUSAL), {}, "aten_cudnn"),
+              (BlockMask(MaskKind.FULL, window=(20, 0), offset=16), {"positions": spans}, "aten_window")]
+    for mask, kw, name in blocks:
+        calls.clear()
+        got, want = _both(fa4, q, k, v, do, mask, **kw)
+        assert calls == [(name, "fwd"), (name, "bwd")], calls
+        _close(got, want)
+    assert fa4_ops.CALLS == [] and fa4.portable == {"fwd": 0, "bwd": 0}
+    calls.clear()
+    _both(fa4, q, k, v, do, BlockMask(MaskKind.CAUSAL), softcap=2.0)  # capped: no fused kernel caps it
+    up["aten_cudnn"] = False
+    _both(fa4, q, k, v, do, BlockMask(MaskKind.CAUSAL))  # cuDNN unavailable: portable
+    assert calls == [] and fa4.portable == {"fwd": 2, "bwd": 2}
 
 
 def test_max_seqlen_takes_few_values_over_a_stream_of_packed_batches(fa4, monkeypatch):

@@ -27,8 +27,6 @@ def _fa2_visible(t: int, s: int, left: int, right: int) -> np.ndarray:
 @pytest.mark.parametrize("t, s", [(1, 1), (5, 5), (4, 9), (9, 4), (8, 8)])
 def test_band_is_the_window_it_stands_for(t, s):
     for lo, hi in itertools.product(range(-12, 13), [*range(-12, 13), None]):
-        if hi is not None and hi < lo:
-            continue
         i, j = np.arange(t)[:, None], np.arange(s)[None, :]
         want = (j - i >= lo) & (True if hi is None else (j - i <= hi))
         cut = band(t, s, lo, hi)
@@ -43,11 +41,11 @@ def test_band_is_the_window_it_stands_for(t, s):
 
 @pytest.mark.parametrize("kind", [MaskKind.FULL, MaskKind.CAUSAL])
 def test_block_band_is_the_masks_window(kind):
-    """Every (offset, window) of small blocks: the band's pairs are exactly BlockMask.visible's."""
+    """Every (offset, window) of small blocks: the band's pairs are exactly BlockMask.visible's —
+    a causal block's offsets included (the loops build none, but a window ending before the
+    diagonal must see nothing, not everything)."""
     t = s = 6
     for q0, k0, left, right in itertools.product([0, 3, 6, 11], [0, 5, 6], [0, 1, 4, 7], [0, 2, UNBOUNDED]):
-        if kind is MaskKind.CAUSAL and q0 != k0:
-            continue
         q_pos, kv_pos = np.arange(q0, q0 + t), np.arange(k0, k0 + s)
         offset = part_offset(q_pos, kv_pos)
         assert offset == q0 - k0

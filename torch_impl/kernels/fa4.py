@@ -1,5 +1,6 @@
 """Backend ``"fa4"``: blocks on FlashAttention-4 (pip ``flash-attn-4``, the CuTe DSL's
-``flash_attn.cute``; Hopper and Blackwell, bf16 / fp16), forward and backward, soft-capped when the
+``flash_attn.cute``; bf16 / fp16; available on Hopper (SM90) only, the generation its GPU tier
+verified — Blackwell's head-dim limits differ), forward and backward, soft-capped when the
 call soft-caps, and all-gather-KV's one varlen call per device (``allgather``).
 
 Two entries of one kernel family. A document block or a token-index block goes through the varlen
@@ -25,8 +26,8 @@ What it routes elsewhere (the portable kernel, never guessed): fp32, a strict bl
 documents (other than the token-index one), a windowed block whose parts are not contiguous ranges
 (stripe, a zigzag block spanning both chunks), a non-square CAUSAL block, an lse cotangent, ids
 that are not runs, a head_dim outside FA4's (8..256, a multiple of 8), and a backward with head_dim
-> 192 (not supported on SM90: such a plain block runs both passes on ``aten_cudnn``, which "auto"
-chose for it before FA4). Queries whose document has no key in the block (or no key in its
+> 192 (not supported on SM90: such a block runs both passes on ``aten_cudnn`` or ``aten_window``,
+which "auto" chose for it before FA4). Queries whose document has no key in the block (or no key in its
 window) get o = 0, lse = -inf and zero gradients, and keys no query reads zero dK / dV, written
 here. Run-to-run determinism is not measured: the backend is refused under ``deterministic=True``
 (``block.NONDETERMINISTIC_WHEN_REQUESTED``); ``"auto"``'s rows for it say what was measured.
@@ -81,8 +82,9 @@ def fa4_backward(*args, **kwargs):
 
 @functools.cache
 def available() -> bool:
-    """CUDA on compute capability 9.0 or newer, and ``flash_attn.cute`` importable."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+    """CUDA on compute capability 9.x (Hopper: where the GPU tier verified it), and
+    ``flash_attn.cute`` importable."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return False
     try:
         import flash_attn.cute.interface  # noqa: F401
@@ -179,11 +181,15 @@ def _nothing(q, k, v):
     return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
 
-def _cudnn_takes(q, mask: BlockMask, softcap) -> bool:
-    """A plain, uncapped CUDA block FA4 cannot run (its SM90 backward stops at head_dim 192): it goes
-    to ``aten_cudnn``, what "auto" chose for it before FA4 was installed, not to the portable kernel."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and softcap is None and mask.window is None
-            and not mask.documents and mask.kind is not MaskKind.STRICT)
+def _fused_instead(q, mask: BlockMask, softcap) -> BlockBackend | None:
+    """The fused backend "auto" chose before FA4 was installed, for an uncapped CUDA block without
+    documents FA4 cannot run (its SM90 backward stops at head_dim 192): ``aten_cudnn`` for a plain
+    block, ``aten_window`` for a windowed one (FA2, head dims to 256) — or None (the portable kernel)."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and softcap is None and not mask.documents
+            and mask.kind is not MaskKind.STRICT):
+        return None
+    backend = get_backend("aten_cudnn" if mask.window is None else "aten_window")
+    return backend if backend.available() else None
 
 
 def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
@@ -193,8 +199,9 @@ def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positio
             return nothing_seen(q)
         if cut != "portable":
             return _dense_fwd(q, k, v, cut, scale, softcap)
-        if _cudnn_takes(q, mask, softcap):
-            return get_backend("aten_cudnn").fwd(q, k, v, mask, scale)
+        fused = _fused_instead(q, mask, softcap)
+        if fused is not None:
+            return fused.fwd(q, k, v, mask, scale, positions=positions)
         return reference_block_fwd(q, k, v, mask, scale, segments, positions, softcap=softcap)
     plan = _plan(mask, segments, positions, q, k)
     if plan is None:
@@ -220,9 +227,8 @@ def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None,
             return _nothing(q, k, v)
         if cut != "portable":
             return _dense_bwd(do, q, k, v, o, lse, cut, scale, softcap)
-        if _cudnn_takes(q, mask, softcap):
-            return get_backend("aten_cudnn").bwd(do, q, k, v, o, lse, mask, scale)
-        return portable()
+        fused = _fused_instead(q, mask, softcap)
+        return portable() if fused is None else fused.bwd(do, q, k, v, o, lse, mask, scale, positions=positions)
     plan = _plan(mask, segments, positions, q, k, backward=True)
     if plan is None:
         return portable()
