@@ -42,6 +42,17 @@ def _rel(a, b) -> float:
     return float((a[finite] - b[finite]).abs().max() / b[finite].abs().max().clamp_min(1e-30))
 
 
+def _anchor_result(kernel: str, problem, errors: dict, fwd_ms: float, step_ms: float, verified: bool | None = None,
+                   **extra) -> dict:
+    """An anchor's result: its kernel, its 4096-token check (``errors``; ``verified``: every error
+    within 2e-2 unless given), the forward and forward + backward times at ``problem.seq`` and their
+    TFLOP/s on the problem's visible pairs."""
+    return {"kernel": kernel, "seq": problem.seq, **extra, "verified_at_4096": errors,
+            "verified": all(e <= 2e-2 for e in errors.values()) if verified is None else verified,
+            "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms, "tflops_fwd": problem.flops(True) / fwd_ms / 1e9,
+            "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+
+
 def block_checks(device: str, heads=32, kv_heads=8, d=128, t=4096, backend="aten_varlen") -> list[dict]:
     """Each case: the backend under test vs the portable kernel (float32) on the same inputs."""
     import torch
@@ -181,10 +192,9 @@ def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, ite
     fwd, step = calls(*timed, window)
     fwd_ms, step_ms = _cuda_ms(fwd, iters, warmup), _cuda_ms(step, iters, warmup)
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
-    return {"kernel": "FA2 sliding window (aten._flash_attention_*, through aten_window on the whole sequence)",
-            "seq": seq, "window": window, "verified_at_4096": {**errors, "fused": fused},
-            "verified": fused and all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
-            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+    return _anchor_result("FA2 sliding window (aten._flash_attention_*, through aten_window on the whole sequence)",
+                          problem, {**errors, "fused": fused}, fwd_ms, step_ms,
+                          verified=fused and all(e <= 2e-2 for e in errors.values()), window=window)
 
 
 def fa4_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -> dict:
@@ -219,10 +229,8 @@ def fa4_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128,
     fwd = call(qkv, window)
     fwd_ms, step_ms = _autograd_ms(fwd, qkv, do, iters, warmup)
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
-    return {"kernel": f"FlashAttention-4 sliding window (flash_attn.cute, window_size=({window}, 0))", "seq": seq,
-            "window": window, "verified_at_4096": errors, "verified": all(e <= 2e-2 for e in errors.values()),
-            "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms, "tflops_fwd": problem.flops(True) / fwd_ms / 1e9,
-            "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+    return _anchor_result(f"FlashAttention-4 sliding window (flash_attn.cute, window_size=({window}, 0))", problem,
+                          errors, fwd_ms, step_ms, window=window)
 
 
 def _autograd_ms(fwd, qkv, do, iters: int, warmup: int) -> tuple[float, float]:
@@ -290,12 +298,9 @@ def anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem=Non
     o_r, lse_r = reference_block_fwd(q, k, v, mask, d**-0.5, segments=(small, small))
     g_r = reference_block_bwd(do, q, k, v, o_r.bfloat16(), lse_r, mask, d**-0.5, segments=(small, small))
     errors = {"o": _rel(o.float(), o_r), "dq": _rel(grads[0].float(), g_r[0])}
-    verified = all(e <= 2e-2 for e in errors.values())
     problem = problem or Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
     fwd_ms, step_ms = run(seq, torch.from_numpy(problem.segment_ids()).to(device), True)
-    return {"kernel": "FA2 varlen (aten._flash_attention_forward/_backward)", "seq": seq, "verified_at_4096": errors,
-            "verified": verified, "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
-            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+    return _anchor_result("FA2 varlen (aten._flash_attention_forward/_backward)", problem, errors, fwd_ms, step_ms)
 
 
 FA4_KERNEL = "FlashAttention-4 varlen (flash_attn.cute flash_attn_varlen_func)"
@@ -343,9 +348,7 @@ def fa4_anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem
     qkv, do = tensors(seq)
     fwd = call(qkv, problem.segment_ids()[0])
     fwd_ms, step_ms = _autograd_ms(fwd, qkv, do, iters, warmup)
-    return {"kernel": FA4_KERNEL, "seq": seq, "verified_at_4096": errors,
-            "verified": all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
-            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+    return _anchor_result(FA4_KERNEL, problem, errors, fwd_ms, step_ms)
 
 
 FA4_DENSE_KERNEL = "FlashAttention-4 (flash_attn.cute flash_attn_func, causal)"
@@ -385,9 +388,7 @@ def fa4_dense_anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -
     qkv, do = tensors(seq)
     fwd_ms, step_ms = _autograd_ms(call(qkv), qkv, do, iters, warmup)
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d)
-    return {"kernel": FA4_DENSE_KERNEL, "seq": seq, "verified_at_4096": errors,
-            "verified": all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
-            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+    return _anchor_result(FA4_DENSE_KERNEL, problem, errors, fwd_ms, step_ms)
 
 
 def portable_peak(device: str, t=16384, heads=8, d=64) -> dict:
@@ -519,9 +520,7 @@ def jax_anchor(seq: int, heads=32, kv_heads=8, d=128, problem=None) -> dict:
     q, k, v, do, cu, longest = inputs(seq, problem.segment_ids()[0])
     fwd, step = programs(cu, longest)
     fwd_ms, step_ms = jax_ms(fwd, q, k, v), jax_ms(step, q, k, v, do)
-    return {"kernel": "flash_attn3_jax flash_mha_varlen (its own vjp)", "seq": seq, "verified_at_4096": errors,
-            "verified": all(e <= 2e-2 for e in errors.values()), "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms,
-            "tflops_fwd": problem.flops(True) / fwd_ms / 1e9, "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+    return _anchor_result("flash_attn3_jax flash_mha_varlen (its own vjp)", problem, errors, fwd_ms, step_ms)
 
 
 def _window_cases(t: int, span, cat):
@@ -627,10 +626,8 @@ def jax_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128)
     q, k, v, do = inputs(seq)
     fwd, step = programs(window)
     fwd_ms, step_ms = jax_ms(fwd, q, k, v), jax_ms(step, q, k, v, do)
-    return {"kernel": f"flash_attn3_jax flash_mha(window_size=({window}, 0)) (its own vjp)", "seq": seq,
-            "window": window, "verified_at_4096": errors, "verified": all(e <= 2e-2 for e in errors.values()),
-            "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms, "tflops_fwd": problem.flops(True) / fwd_ms / 1e9,
-            "tflops_fwd_bwd": problem.flops(False) / step_ms / 1e9}
+    return _anchor_result(f"flash_attn3_jax flash_mha(window_size=({window}, 0)) (its own vjp)", problem, errors,
+                          fwd_ms, step_ms, window=window)
 
 
 def markdown(result: dict) -> str:

@@ -87,7 +87,7 @@ AUTO_ROUTES: tuple[Route, ...] = (
           device_kinds=("cuda",), dtypes=LOW_PRECISION, deterministic=True),
     Route("fa4", "every block FA4 takes, where installed: plain blocks on its dense kernel (one GPU, 32k, 32 / 8 "
           "heads, fwd+bwd: 619 vs cuDNN's 547 TFLOP/s, 4x H200, same run), windowed blocks on its own sliding window "
-          "(529.7 at window (4096, 0) vs FA2's window path 272), document blocks, token-index causal blocks and "
+          "(529.7 at window (4096, 0) vs FA2's window 286, same run), document blocks, token-index causal blocks and "
           "soft-capped blocks (1.08-1.81x aten_varlen on the 4-GPU table): docs/decisions.md; the GPU tier and "
           "every mesh row verify it first; determinism not measured, so not in deterministic mode",
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),

@@ -90,12 +90,11 @@ def flash_mha_fwd(q, k, v, causal: bool, scale: float, window: tuple[int, int] =
     return _flash_mha_fwd(q, k, v, softmax_scale=scale, is_causal=causal, window_size=tuple(window))[:2]
 
 
-def forward_ffi(q, k, v, cu_q, cu_k, lse_shape, max_q: int, max_k: int, causal: bool, scale: float,
-                window: tuple[int, int] = (-1, -1)):
+def forward_ffi(q, k, v, cu_q, cu_k, lse_shape, max_q: int, max_k: int, causal: bool, scale: float):
     """The FFI target ``flash_mha_fwd`` with the inputs and attributes of flash_attn3_jax 0.2.3's own
-    lowering: dense (q, k, v [b, t, h, d], ``cu_q`` / ``cu_k`` empty, lse ``[b, h, t]``) or varlen
-    (packed [total, h, d] with offsets, the lse buffer ``lse_shape`` the caller declares). Returns
-    (o shaped like q, the lse buffer)."""
+    lowering, for the varlen forward (``fa3_varlen``: packed [total, h, d] with offsets, no window,
+    the lse buffer ``lse_shape`` the caller declares at its real size; the dense forward goes
+    through the library's own ``_flash_mha_fwd``). Returns (o shaped like q, the lse buffer)."""
     import flash_attn3_jax.flash_hlo  # noqa: F401  (registers the library's FFI targets)
 
     result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32),
@@ -109,7 +108,7 @@ def forward_ffi(q, k, v, cu_q, cu_k, lse_shape, max_q: int, max_k: int, causal: 
       none_f32, none_f32, none_f32, none_i32,  # q / k / v descale, scheduler metadata
       max_seqlen_q=max_q, max_seqlen_q_has_value=True, max_seqlen_k=max_k, max_seqlen_k_has_value=True,
       softmax_scale_val=float(scale), softmax_scale_has_value=True, pack_gqa_val=False, pack_gqa_has_value=False,
-      is_causal=bool(causal), window_size_left=int(window[0]), window_size_right=int(window[1]),
+      is_causal=bool(causal), window_size_left=-1, window_size_right=-1,
       attention_chunk=0, softcap=0.0, is_rotary_interleaved=False, num_splits=1,  # no split: dummy accumulators
       sm_margin=0)
     return o, lse

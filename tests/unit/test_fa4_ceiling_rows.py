@@ -31,8 +31,9 @@ def _stub(monkeypatch, result=None, raises=None):
 
 
 def test_a_verified_fa4_kernel_is_a_torch_ceiling(rank0, monkeypatch):
-    _stub(monkeypatch, {"kernel": masked.FA4_DENSE_KERNEL, "verified": True, "verified_at_4096": {"o": 1e-3},
-                        "fwd_ms": 1.0, "fwd_bwd_ms": 3.0})
+    result = masked._anchor_result(masked.FA4_DENSE_KERNEL, PROBLEM, {"o": 1e-3, "dq": 2e-2}, 1.0, 3.0)
+    assert result["verified"] and result["tflops_fwd"] == pytest.approx(PROBLEM.flops(True) / 1e-3 / 1e12)
+    _stub(monkeypatch, result)
     rows = bench_torch._fa4_ceiling_rows(PROBLEM, 5, 2)
     assert [(r.framework, r.fwd_only) for r in rows] == [("torch_fa4_ceiling", True), ("torch_fa4_ceiling", False)]
     assert rows[1].tflops_per_gpu == pytest.approx(PROBLEM.flops(False) / 3e-3 / 1e12)
@@ -44,8 +45,9 @@ def test_a_verified_fa4_kernel_is_a_torch_ceiling(rank0, monkeypatch):
 
 
 def test_an_unverified_fa4_kernel_gives_no_throughput(rank0, monkeypatch):
-    _stub(monkeypatch, {"kernel": masked.FA4_DENSE_KERNEL, "verified": False, "verified_at_4096": {"o": 0.3},
-                        "fwd_ms": 1.0, "fwd_bwd_ms": 3.0})
+    result = masked._anchor_result(masked.FA4_DENSE_KERNEL, PROBLEM, {"o": 1e-3, "dq": 0.3}, 1.0, 3.0)
+    assert not result["verified"]  # one error above 2e-2 fails the check
+    _stub(monkeypatch, result)
     rows = bench_torch._fa4_ceiling_rows(PROBLEM, 5, 2)
     assert len(rows) == 2 and all(r.tflops_per_gpu is None and "NOT VERIFIED" in r.note for r in rows)
 

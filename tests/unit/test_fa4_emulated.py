@@ -313,7 +313,7 @@ def test_rings_with_a_window_run_every_block_on_fa4(layout, ulysses, fa4, seed):
 def test_auto_routes_every_block_fa4_takes_to_it_where_installed(monkeypatch):
     """Where FA4 is installed (its availability forced here: CI has no FA4), "auto" on CUDA sends
     plain, windowed, document, token-index causal and soft-capped blocks to ``fa4`` (measured: its
-    dense and window kernels 1.13x cuDNN's and 1.9x FA2's window on one H200, its varlen 1.08-1.81x
+    dense and window kernels 1.13x cuDNN's and 1.85x FA2's window on one H200, its varlen 1.08-1.81x
     ``aten_varlen`` on the 4-GPU table), strict blocks to ``aten_cudnn``, float32 to the portable
     kernel, and deterministic mode avoids it (its determinism is not measured); without FA4 plain
     blocks stay on ``aten_cudnn`` and windowed ones on ``aten_window``."""

@@ -48,6 +48,7 @@ from ..block import BlockBackend, get_backend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
 from .varlen import (
     block_runs,
+    no_grads,
     nothing_seen,
     pack_lse,
     plan_key_grads,
@@ -59,7 +60,6 @@ from .varlen import (
 )
 from .window import block_band
 
-F32 = torch.float32
 # FA4's head dims: 8..256 and a multiple of 8 in bf16 / fp16 (its own check asserts, mid-call), the
 # SM90 backward only up to 192 — outside them the block runs on the portable kernel
 HEAD_DIMS, HEAD_DIM_ALIGNMENT, MAX_BWD_HEAD_DIM = (8, 256), 8, 192
@@ -109,7 +109,7 @@ def _fits(q, backward: bool) -> bool:
     return q.dtype in (torch.bfloat16, torch.float16) and _head_dim_fits(q.shape[-1], backward)
 
 
-def _plan(mask: BlockMask, segments, positions, q, k, backward: bool = False) -> tuple[DocumentRuns, bool] | None:
+def _plan(mask: BlockMask, segments, positions, q, backward: bool = False) -> tuple[DocumentRuns, bool] | None:
     """(runs, causal) of a document or token-index block FA4's varlen entry runs exactly, or None."""
     if not _fits(q, backward) or mask.kind is MaskKind.STRICT:
         return None
@@ -147,15 +147,13 @@ def _whole(cut: Band, t: int, s: int) -> bool:
 
 
 def _dense_fwd(q, k, v, cut: Band, scale: float, softcap):
-    b, t, h, d = q.shape
     rows, cols = slice(cut.i0, cut.i1), slice(cut.j0, cut.j1)
     crop = lambda x, part: x[:, part].contiguous()
     o, lse = fa4_forward(crop(q, rows), crop(k, cols), crop(v, cols), softmax_scale=scale, softcap=softcap,
                          return_lse=True, **_dense_mask(cut))[:2]
-    if _whole(cut, t, k.shape[1]):
+    if _whole(cut, q.shape[1], k.shape[1]):
         return o, lse.float()
-    o_full = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse_full = torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device)
+    o_full, lse_full = nothing_seen(q)  # rows outside the band see no key
     o_full[:, rows], lse_full[:, :, rows] = o, lse.float()
     return o_full, lse_full
 
@@ -167,7 +165,7 @@ def _dense_bwd(do, q, k, v, o, lse, cut: Band, scale: float, softcap):
                          lse[:, :, rows].float().contiguous(), scale, softcap=softcap or 0.0, **_dense_mask(cut))[:3]
     if _whole(cut, q.shape[1], k.shape[1]):
         return grads
-    dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    dq, dk, dv = no_grads(q, k, v)
     dq[:, rows], dk[:, cols], dv[:, cols] = grads
     return dq, dk, dv
 
@@ -175,10 +173,6 @@ def _dense_bwd(do, q, k, v, o, lse, cut: Band, scale: float, softcap):
 def _bounds(runs: DocumentRuns, q, k) -> dict:
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     return {"max_seqlen_q": seqlen_bucket(runs.max_q, b * t), "max_seqlen_k": seqlen_bucket(runs.max_k, b * s)}
-
-
-def _nothing(q, k, v):
-    return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
 
 def _fused_instead(q, mask: BlockMask, softcap) -> BlockBackend | None:
@@ -203,7 +197,7 @@ def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positio
         if fused is not None:
             return fused.fwd(q, k, v, mask, scale, positions=positions)
         return reference_block_fwd(q, k, v, mask, scale, segments, positions, softcap=softcap)
-    plan = _plan(mask, segments, positions, q, k)
+    plan = _plan(mask, segments, positions, q)
     if plan is None:
         return reference_block_fwd(q, k, v, mask, scale, segments, positions, softcap=softcap)
     runs, causal = plan
@@ -224,17 +218,17 @@ def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None,
     if segments is None and not by_token_index(mask):
         cut = _dense_band(mask, positions, q, k, backward=True)
         if cut is None:
-            return _nothing(q, k, v)
+            return no_grads(q, k, v)
         if cut != "portable":
             return _dense_bwd(do, q, k, v, o, lse, cut, scale, softcap)
         fused = _fused_instead(q, mask, softcap)
         return portable() if fused is None else fused.bwd(do, q, k, v, o, lse, mask, scale, positions=positions)
-    plan = _plan(mask, segments, positions, q, k, backward=True)
+    plan = _plan(mask, segments, positions, q, backward=True)
     if plan is None:
         return portable()
     runs, causal = plan
     if runs.max_k == 0 or runs.max_q == 0:
-        return _nothing(q, k, v)
+        return no_grads(q, k, v)
     cu_q, cu_k, empty, unread = run_offsets(runs, q.device)
     flat = lambda x: x.to(q.dtype).reshape(-1, *x.shape[2:])
     dq, dk, dv = fa4_backward(flat(q), flat(k), flat(v), flat(o), flat(do), pack_lse(lse, empty), scale, causal,

@@ -113,6 +113,12 @@ def nothing_seen(q):
             torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device))
 
 
+def no_grads(q, k, v):
+    """The backward of a block where no query sees a key (or of the rows and keys a crop leaves
+    out): dq, dk, dv all zero."""
+    return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+
 def unpack_forward(o, lse, empty, shape):
     """A varlen forward's packed o [b·t, h, d] and lse [h, b·t] as the block interface's [b, t, h, d]
     and float32 [b, h, t]; rows with no key here (``empty``) o = 0, lse = -inf, written here."""
@@ -131,7 +137,7 @@ def varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
     runs, causal = plan
     b, t, h, d = q.shape
     if runs.max_k == 0 or runs.max_q == 0:
-        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        return no_grads(q, k, v)
     cu_q, cu_k, empty, unread = run_offsets(runs, q.device)
     dtype = q.dtype
     lse_packed = pack_lse(lse, empty)

@@ -27,8 +27,7 @@ from seqplan.schedule import BlockMask, MaskKind
 
 from ..block import BlockBackend, register_backend
 from .reference import reference_block_bwd, reference_block_fwd
-
-F32 = torch.float32
+from .varlen import no_grads, nothing_seen
 
 
 def block_band(mask: BlockMask, t: int, s: int, positions) -> Band | None | str:
@@ -65,12 +64,11 @@ def _aux(device, dtype, d: int):
 
 
 def window_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
-    b, t, h, d = q.shape
+    t = q.shape[1]
     cut = block_band(mask, t, k.shape[1], positions) if _fits(mask, q, positions) and segments is None else "portable"
     if cut == "portable":
         return reference_block_fwd(q, k, v, mask, scale, segments, positions)
-    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full((b, h, t), float("-inf"), dtype=F32, device=q.device)
+    o, lse = nothing_seen(q)  # rows outside the band see no key
     if cut is None:
         return o, lse
     qs, ks, vs = q[:, cut.i0:cut.i1], k[:, cut.j0:cut.j1], v[:, cut.j0:cut.j1]
@@ -88,9 +86,7 @@ def window_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=No
     cut = block_band(mask, t, k.shape[1], positions) if ok else "portable"
     if cut == "portable":
         return reference_block_bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = no_grads(q, k, v)
     if cut is None:
         return dq, dk, dv
     dtype = q.dtype
