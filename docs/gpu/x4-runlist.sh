@@ -28,7 +28,9 @@
 # P47=ring-agkv-r4:zigzag 2.7 min, magi4 JAX with MAGI_MESHES=ring-agkv-r4 4.3 min.
 # 2026-11-27 (sixth and seventh machines, 18:17 / 18:26): margin 3.2 min (the part since removed with the knob: no gain), prio 2.2, u128 torch 1.1 (1.7 with FA4), win torch 1.3,
 # d128 torch 2 (FA4), magi4 torch four meshes 2.7 (FA4), magi4 JAX usp + ulysses 7.9 (compiles), tp JAX over 4 min
-# (8 of its 9 sizes before the hold ran out). Not yet run: tier (FA4's dense / window entries, ≈ 1 min).
+# (8 of its 9 sizes before the hold ran out).
+# 2026-11-27 (eighth machine, 20:56): tier 1.8 min (11 checks), u128 torch 1.75 (FA4 blocks), win torch 1.45, d128 torch 1.8,
+# u128mha torch 2.0, tp torch 0.6, magi4 JAX ring-r4 9.3 (compiles), torchprof 4, strong torch 1.8, weak torch > 2 (ceilings only).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -45,7 +47,7 @@
 #   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU;
 #              LLAMAJAX overrides the arguments)
 #   tp         issue 48: the FSDP 2 x TP 2 B* sweep, each side (parity.capacity.tp_sweep: the FFN step
-#              checked, then timed at 64 … 8192 tokens per device beside the closed form's B*)
+#              checked, then timed at 64 … 16384 tokens per device beside the closed form's B*)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
 #   prof47     issue 47: torch_impl's five strategies at 128k, no documents, profiled per rank (kernels by
