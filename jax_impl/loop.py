@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from seqplan.bands import contiguous_start
+from seqplan.bands import contiguous_start, crop_to_band
 from seqplan.layouts import ring_positions
 from seqplan.schedule import (
     Block,
@@ -368,6 +368,25 @@ def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, wi
                        token_index=token_index)
 
 
+def crop_block(block: Block, mask: BlockMask, arrays: dict, t: int) -> tuple[Block | None, dict]:
+    """``block`` under its variant's ``mask`` cropped to its band where the mask is a window at a
+    static offset (``seqplan.bands.crop_to_band``; the mask's kernel ``arrays`` — positions
+    [parts], segments [b, parts] — cropped alike), so the kernel, the merge and the gradient adds
+    cover the band's rows and keys, not the shard's (the window ring's halo block: the window's
+    rows of the shard); (None, arrays) when it sees nothing. Static, at trace time."""
+    cut = crop_to_band(block, mask, t)
+    if cut is None or (cut.q_part, cut.kv_part) == (block.q_part, block.kv_part):
+        return cut, arrays
+    (q0, _), (k0, _) = block.q_part.bounds(t), block.kv_part.bounds(t)
+    (i0, i1), (j0, j1) = cut.q_part.bounds(t), cut.kv_part.bounds(t)
+
+    def crop(pair):
+        (q_x, kv_x), axis = pair, pair[0].ndim - 1  # the sequence axis: last (positions [t], ids [b, t])
+        return lax.slice_in_dim(q_x, i0 - q0, i1 - q0, axis=axis), lax.slice_in_dim(kv_x, j0 - k0, j1 - k0, axis=axis)
+
+    return cut, {name: crop(pair) for name, pair in arrays.items()}
+
+
 def merge_block(backend, scale, q, block: Block, kv, state, segments=None, window=None, shard_positions=None,
                 token_index=None):
     """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)``
@@ -375,12 +394,15 @@ def merge_block(backend, scale, q, block: Block, kv, state, segments=None, windo
     k_cur, v_cur = kv
 
     def run(mask, arrays, state):
+        cut, arrays = crop_block(block, mask, arrays, q.shape[1])
+        if cut is None:
+            return state
         o, lse = state
-        o_b, lse_b = backend.fwd(_part(q, block.q_part, 1), _part(k_cur, block.kv_part, 1),
-                                 _part(v_cur, block.kv_part, 1), mask, scale, **arrays)
-        o_p, lse_p = merge_partials(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), o_b, lse_b)
-        lo, _ = block.q_part.bounds(q.shape[1])
-        if block.q_part is Part.ALL:
+        o_b, lse_b = backend.fwd(_part(q, cut.q_part, 1), _part(k_cur, cut.kv_part, 1),
+                                 _part(v_cur, cut.kv_part, 1), cut.mask, scale, **arrays)
+        o_p, lse_p = merge_partials(_part(o, cut.q_part, 1), _part(lse, cut.q_part, 2), o_b, lse_b)
+        lo, _ = cut.q_part.bounds(q.shape[1])
+        if cut.q_part is Part.ALL:
             return o_p, lse_p
         return (lax.dynamic_update_slice_in_dim(o, o_p, lo, axis=1),
                 lax.dynamic_update_slice_in_dim(lse, lse_p, lo, axis=2))
@@ -395,13 +417,17 @@ def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, wi
     ``kv``); ``saved = (q, o, lse, do, dlse)`` of this device."""
     q, o, lse, do, dlse = saved
     k_cur, v_cur = kv
-    qp, kp = block.q_part, block.kv_part
 
     def run(mask, arrays, state):
+        cut, arrays = crop_block(block, mask, arrays, q.shape[1])
+        if cut is None:
+            return state
+        qp, kp = cut.q_part, cut.kv_part
         dq, dk_acc, dv_acc = state
         dq_b, dk_b, dv_b = backend.bwd(
             _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
-            _part(o, qp, 1), _part(lse, qp, 2), mask, scale, None if dlse is None else _part(dlse, qp, 2), **arrays)
+            _part(o, qp, 1), _part(lse, qp, 2), cut.mask, scale, None if dlse is None else _part(dlse, qp, 2),
+            **arrays)
         return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
 
     return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions,

@@ -12,6 +12,10 @@ j - i in [(s - t) - window_left, (s - t) + window_right], both sizes non-negativ
 both sizes non-negative; the adapter writes o = 0, lse = -inf for the rows left out and zero
 dK / dV for the keys left out. NumPy only; each framework's window adapter calls it with static
 ints (torch on the host, JAX at trace time from the loop's static offset).
+
+Both loops also crop a visited block to its band before the kernel (:func:`crop_to_band`), so the
+merge, the dQ add and the dK / dV adds cover the band's rows and keys, not the shard's: the
+window ring's one halo block is a 4096-row band of a 32k-row shard at window 4096.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .schedule import UNBOUNDED, BlockMask, MaskKind
+from .schedule import UNBOUNDED, Block, BlockMask, MaskKind, Span
 
 
 @dataclass(frozen=True)
@@ -77,3 +81,24 @@ def block_band(mask: BlockMask, t: int, s: int, offset: int) -> Band | None:
     if mask.kind is MaskKind.CAUSAL:
         hi = 0 if hi is None else min(hi, 0)
     return band(t, s, offset - left, hi)
+
+
+def crop_to_band(block: Block, mask: BlockMask, t: int) -> Block | None:
+    """``block`` (its parts of a shard of ``t`` tokens) cropped to the band its windowed FULL
+    ``mask`` sees (``mask.offset``: the parts' static offset, δ above): a block over the band's
+    rows and keys (:class:`Span`) whose mask is the window at the cropped parts' offset — ``block``
+    under ``mask`` when the band is the whole block, None when it sees nothing. Exact: a row left
+    out sees no key of the block (its merge would change nothing) and a key left out gets zero dK /
+    dV. CAUSAL blocks are not cropped (their diagonal is the local grid's; a crop would move it):
+    the loops' causal blocks are a shard's own, whose band is the whole block."""
+    whole = Block(block.q_part, block.kv_part, mask)
+    if mask.kind is not MaskKind.FULL or mask.window is None or mask.offset is None:
+        return whole
+    (q_lo, q_hi), (kv_lo, kv_hi) = block.q_part.bounds(t), block.kv_part.bounds(t)
+    cut = block_band(mask, q_hi - q_lo, kv_hi - kv_lo, mask.offset)
+    if cut is None:
+        return None
+    if (cut.i0, cut.i1, cut.j0, cut.j1) == (0, q_hi - q_lo, 0, kv_hi - kv_lo):
+        return whole
+    return Block(Span(q_lo + cut.i0, q_lo + cut.i1), Span(kv_lo + cut.j0, kv_lo + cut.j1),
+                 mask.with_window(mask.window, mask.offset + cut.i0 - cut.j0))

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from seqplan.bands import part_offset
+from seqplan.bands import crop_to_band, part_offset
 from seqplan.documents import HostPair, cached_plan, one_document_per_row
 from seqplan.layouts import ring_positions
 from seqplan.schedule import (
@@ -419,16 +419,24 @@ def _sharing_bounds(q_ids, kv_ids):
 
 
 def crop_block(block: Block, masks: VisitMasks | None) -> Block | None:
-    """A token-index block (per-row token indices) cropped to the queries and keys whose
-    documents both sides hold, or None when none are (no pair is visible: skipped, forward and
-    backward). Exact: a query of a document absent from the keys sees nothing (o = 0, lse = -inf
-    merge as nothing) and a key of a document absent from the queries gets zero dK / dV. Pays
-    where the layout keeps the documents shared across devices together — the per-document
-    hybrid puts them first in every shard — so an off-diagonal block's kernel, merge and
-    gradient adds cover those tokens, not the shard. Decided on the host copies (no sync) and
-    remembered by content (``seqplan.documents.cached_plan``). Other blocks: unchanged."""
-    if (masks is None or masks.host_segments is None or masks.positions is None
-            or np.ndim(masks.positions[0]) != 2):
+    """``block`` cropped to the queries and keys that can see each other, or None when none can
+    (skipped, forward and backward), so that its kernel, merge and gradient adds cover those rows
+    and keys, not the shard's. Exact: a query left out sees nothing here (o = 0, lse = -inf merge
+    as nothing) and a key left out gets zero dK / dV. Two crops, each decided on host copies (no sync):
+
+    - a windowed block whose parts are position runs (static positions): to its band
+      (``seqplan.bands.crop_to_band``; the window ring's halo block is the window's rows of the shard);
+    - a token-index block (per-row token indices): to the queries and keys whose documents both
+      sides hold — pays where the layout keeps the documents shared across devices together (the
+      per-document hybrid puts them first in every shard); remembered by content
+      (``seqplan.documents.cached_plan``).
+
+    Other blocks: unchanged."""
+    if masks is None or masks.positions is None:
+        return block
+    if np.ndim(masks.positions[0]) == 1:
+        return block if masks.window is None else _band_of(block, masks)
+    if masks.host_segments is None:
         return block
     q_ids, kv_ids = (_part(x, p, 1) for x, p in zip(masks.host_segments, (block.q_part, block.kv_part)))
     bounds = cached_plan(_sharing_bounds, q_ids, kv_ids)
@@ -440,6 +448,21 @@ def crop_block(block: Block, masks: VisitMasks | None) -> Block | None:
     q_lo = block.q_part.bounds(masks.positions[0].shape[-1])[0]
     kv_lo = block.kv_part.bounds(masks.positions[1].shape[-1])[0]
     return Block(Span(q_lo + i0, q_lo + i1), Span(kv_lo + j0, kv_lo + j1), block.mask)
+
+
+def _band_of(block: Block, masks: VisitMasks) -> Block | None:
+    """A windowed block on static positions cropped to its band (:func:`crop_block`); its static
+    mask stays (``_kernel_mask`` derives the window from the cropped parts' positions)."""
+    reachable, covered = _window_reach(block, masks)
+    if not reachable:
+        return None
+    t = len(masks.positions[0])
+    offset = None if covered else part_offset(*(x[slice(*p.bounds(t))]
+                                               for x, p in zip(masks.positions, (block.q_part, block.kv_part))))
+    if offset is None:
+        return block
+    cut = crop_to_band(block, block.mask.with_window(masks.window, offset), t)
+    return None if cut is None else Block(cut.q_part, cut.kv_part, block.mask)
 
 
 class ShardGrads:

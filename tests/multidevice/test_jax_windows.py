@@ -7,6 +7,7 @@ replay equal to the mesh, and bad input refused before any collective."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import numpy as np
@@ -376,6 +377,7 @@ def _fa_window_mask(t: int, s: int, causal: bool, window):
 
 
 BAND_MASKS: list = []
+BLOCK_SHAPES: list = []  # (rows, keys) of every windowed block the loop hands the backend
 
 
 def _band_fwd_op(q, k, v, causal, scale, window=(-1, -1)):
@@ -392,26 +394,41 @@ def _band_bwd_op(do, q, k, v, o, lse, causal, scale, window=(-1, -1)):
 def _register_band_backend():
     from jax_impl.kernels.fused import fused_backend
 
-    register_backend(fused_backend("band_cpu", _band_fwd_op, _band_bwd_op, windowed=True))
+    fused = fused_backend("band_cpu", _band_fwd_op, _band_bwd_op, windowed=True)
+
+    def fwd(q, k, v, mask, scale, **arrays):
+        if mask.window is not None:
+            BLOCK_SHAPES.append((q.shape[1], k.shape[1]))
+        return fused.fwd(q, k, v, mask, scale, **arrays)
+
+    register_backend(dataclasses.replace(fused, fwd=fwd))
 
 
-@pytest.mark.parametrize("mesh_name, layout, causal, window, bands", [
-    ("ring4", "contiguous", True, (20, 0), True),   # hop truncation: the diagonal and one earlier shard
-    ("ring4", "contiguous", True, (5, 0), True),    # inside the shard: the diagonal block only
-    ("ring4", "contiguous", False, (6, 9), True),   # two-sided: bands on both sides of the diagonal
-    ("usp2x2", "contiguous", True, (12, 0), True),
+@pytest.mark.parametrize("mesh_name, layout, causal, window, bands, cropped", [
+    # hop truncation: the diagonal, the shard before (whole) and the one before that (rows 0-3 of 16)
+    ("ring4", "contiguous", True, (20, 0), True, True),
+    # shorter than a shard: the diagonal and the shard before's halo (rows 0-4, keys 11-15 of 16)
+    ("ring4", "contiguous", True, (5, 0), True, True),
+    ("ring4", "contiguous", False, (6, 9), True, True),   # two-sided: bands on both sides of the diagonal
+    ("usp2x2", "contiguous", True, (12, 0), True, True),  # a ring of 2: the halo block, rows 0-11 of 32
     # zigzag: every windowed block has a part spanning both chunks of a shard (not one position
     # run): no band, the portable kernel runs it
-    ("ring4", "zigzag", True, (5, 0), False),
+    ("ring4", "zigzag", True, (5, 0), False, False),
 ])
-def test_fused_window_band_matches_float64_truth(mesh_name, layout, causal, window, bands, seed, jax_devices):
+def test_fused_window_band_matches_float64_truth(mesh_name, layout, causal, window, bands, cropped, seed,
+                                                 jax_devices):
     """A windowed block reaches a fused kernel's own window only as a band with its static offset
     (the loop's per-offset variants, ``fused.py``'s crop and pad-back): with FlashAttention's
     window convention emulated on the CPU by the portable kernel, every output and gradient still
-    equals the float64 truth, and band calls were made exactly where the parts are position runs."""
+    equals the float64 truth, and band calls were made exactly where the parts are position runs.
+    A visited block is cropped to its band before the kernel (``loop.crop_block``): some calls
+    take fewer rows than a shard exactly where a band is narrower than its block."""
     _register_band_backend()
     BAND_MASKS.clear()
+    BLOCK_SHAPES.clear()
     got, truth = _run(mesh_name, layout, causal, window, False, None, "ring", True, seed=seed,
                       block_backend="band_cpu")
     _assert_close(got, truth)
     assert any(w != (-1, -1) for w in BAND_MASKS) == bands, BAND_MASKS
+    part = SEQ // (4 if mesh_name == "ring4" else 2) // (2 if layout == "zigzag" else 1)  # a block's rows
+    assert any(rows < part for rows, _ in BLOCK_SHAPES) == cropped, BLOCK_SHAPES

@@ -18,7 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch_impl
+from seqplan.bands import crop_to_band
 from seqplan.schedule import (
+    Block,
     DocumentWork,
     Exchange,
     MaskKind,
@@ -179,14 +181,31 @@ def schedule_of(axes, exchange, layout, causal):
     return make_schedule(kind, layout, causal, outer, ring // outer)
 
 
-def block_pairs(visit, r: int, shard: int, perm):
-    """(query positions [t'], key positions [s'], static visibility [t', s']) of a visit's block."""
-    q_lo, q_hi = visit.block.q_part.bounds(shard)
-    k_lo, k_hi = visit.block.kv_part.bounds(shard)
+def block_pairs(visit, r: int, shard: int, perm, block=None):
+    """(query positions [t'], key positions [s'], static visibility [t', s']) of a visit's block
+    (or of ``block``, that block cropped)."""
+    block = block or visit.block
+    q_lo, q_hi = block.q_part.bounds(shard)
+    k_lo, k_hi = block.kv_part.bounds(shard)
     q_pos = perm[r * shard + q_lo:r * shard + q_hi]
     kv_pos = perm[visit.source * shard + k_lo:visit.source * shard + k_hi]
-    static = np.array([[visit.block.mask.visible(i, j) for j in range(len(kv_pos))] for i in range(len(q_pos))])
+    static = np.array([[block.mask.visible(i, j) for j in range(len(kv_pos))] for i in range(len(q_pos))])
     return q_pos, kv_pos, static
+
+
+def _runs(*positions) -> bool:
+    return all(np.array_equal(np.diff(p), np.ones(len(p) - 1)) for p in positions)
+
+
+def documented_crop(visit, r: int, shard: int, perm, window):
+    """The block the loops hand the kernel: a visited block whose parts are position runs, cropped
+    to its window's band (``seqplan.bands.crop_to_band``; None: it sees nothing) — else the block."""
+    q_pos, kv_pos, _ = block_pairs(visit, r, shard, perm)
+    if visit.step.local or not _runs(q_pos, kv_pos):
+        return visit.block
+    mask = visit.block.mask.with_window(window, int(q_pos[0] - kv_pos[0]))
+    cut = crop_to_band(visit.block, mask, shard)
+    return None if cut is None else Block(cut.q_part, cut.kv_part, visit.block.mask)
 
 
 def expected_calls(schedule, layout, window, ids_layout=None, seq: int = T) -> dict[int, list]:
@@ -208,10 +227,15 @@ def expected_calls(schedule, layout, window, ids_layout=None, seq: int = T) -> d
             reachable, covered = window_flags(*ranges, left, right)
             if not (reachable or visit.step.local):
                 continue
+            block = visit.block if covered else documented_crop(visit, r, shard, perm, (left, right))
+            if block is None:
+                continue
+            q_pos, kv_pos, _ = block_pairs(visit, r, shard, perm, block)
+            reachable, covered = window_flags(q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max(), left, right)
             documents = False
             if ids_layout is not None:
-                q_lo, q_hi = visit.block.q_part.bounds(shard)
-                k_lo, k_hi = visit.block.kv_part.bounds(shard)
+                q_lo, q_hi = block.q_part.bounds(shard)
+                k_lo, k_hi = block.kv_part.bounds(shard)
                 q_ids = ids_layout[:, r * shard + q_lo:r * shard + q_hi]
                 kv_ids = ids_layout[:, visit.source * shard + k_lo:visit.source * shard + k_hi]
                 work = document_work(q_ids.min(1), q_ids.max(1), kv_ids.min(1), kv_ids.max(1))
@@ -226,7 +250,8 @@ def expected_calls(schedule, layout, window, ids_layout=None, seq: int = T) -> d
 def brute_force_calls(schedule, layout, window, seq: int = T) -> dict[int, list]:
     """Per ring position, the blocks holding at least one pair visible under the static mask AND
     the window (the local block always), each (False, rows, columns, some pair of the block
-    outside the window?) — enumerated pair by pair."""
+    outside the window?) — enumerated pair by pair; a visited block whose parts are position runs
+    counted over the rows and keys from its first to its last that see a pair."""
     ring = schedule.size
     shard, (left, right) = seq // ring, check_window(window)
     perm = torch_impl.layout_permutation(seq, layout, ring)
@@ -239,8 +264,14 @@ def brute_force_calls(schedule, layout, window, seq: int = T) -> dict[int, list]
             q_pos, kv_pos, static = block_pairs(visit, r, shard, perm)
             offset = kv_pos[None, :] - q_pos[:, None]
             inside = (offset >= -left) & (offset <= right)
-            if (static & inside).any() or visit.step.local:  # windowed iff it drops a visible pair
-                calls.append((False, len(q_pos), len(kv_pos), not (inside | ~static).all()))
+            seen = static & inside
+            if not (seen.any() or visit.step.local):
+                continue
+            if not visit.step.local and _runs(q_pos, kv_pos):  # to the rows and keys that see a pair
+                rows, keys = np.flatnonzero(seen.any(1)), np.flatnonzero(seen.any(0))
+                cut = np.ix_(range(rows[0], rows[-1] + 1), range(keys[0], keys[-1] + 1))
+                inside, static = inside[cut], static[cut]
+            calls.append((False, *inside.shape, not (inside | ~static).all()))  # windowed iff it drops a visible pair
         out[r] = calls
     return out
 
@@ -265,10 +296,11 @@ SKIP_CASES = [
 def test_the_brute_force_count_can_tell_blocks_apart():
     """The counts below compare more than totals: on 4 contiguous causal shards a window of 3
     keeps the own block (windowed: its far pairs are out) and the previous shard's (windowed),
-    nothing else; a window of 100 keeps every causal block, the diagonal plain."""
+    its 3 first rows against its 3 last keys, nothing else; a window of 100 keeps every causal
+    block, the diagonal plain."""
     sched = make_schedule(Exchange.RING, "contiguous", True, 1, 4)
     calls = brute_force_calls(sched, "contiguous", (3, 0))
-    assert calls[0] == [(False, 8, 8, True)] and calls[3] == [(False, 8, 8, True), (False, 8, 8, True)]
+    assert calls[0] == [(False, 8, 8, True)] and calls[3] == [(False, 8, 8, True), (False, 3, 3, True)]
     assert brute_force_calls(sched, "contiguous", 100)[3] == [(False, 8, 8, False)] * 4
 
 

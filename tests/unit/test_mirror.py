@@ -173,10 +173,10 @@ def test_mirrors_have_the_same_files_and_public_names():
         # local_attention is JAX's per-device entry point (inside the caller's shard_map): torch's
         # sequence_parallel_attention already takes each rank's local shards.
         jax_only |= {"local_attention"}
-        # crop_block: torch crops a token-index block to the documents both sides hold (host ids,
-        # eager shapes; BlockGrads carries the cropped block to add_grads); JAX's shapes are
-        # static, so its blocks stay whole.
-        torch_only |= {"crop_block", "BlockGrads"}
+        # crop_block is in both (a windowed block cropped to its band, seqplan.bands.crop_to_band);
+        # torch's also crops a token-index block to the documents both sides hold (host ids, eager
+        # shapes; BlockGrads carries the cropped block to add_grads), which JAX's static shapes cannot.
+        torch_only |= {"BlockGrads"}
         # portable_config: all-gather-KV's one call in JAX decides on the device and falls back,
         # inside one lax.switch, to the blocks on the portable kernel; torch decides on the host
         # and walks the blocks with the configured kernel.

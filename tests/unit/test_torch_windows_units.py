@@ -25,7 +25,17 @@ from seqplan.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, U
 from torch_impl import replay
 from torch_impl.block import get_backend
 from torch_impl.config import AttentionConfig
-from torch_impl.loop import ShardMasks, VisitMasks, add_sinks, attend_block, sinks_grad
+from torch_impl.loop import (
+    ShardMasks,
+    VisitMasks,
+    add_grads,
+    add_sinks,
+    attend_block,
+    grad_block,
+    merge_block,
+    sinks_grad,
+)
+from torch_impl.merge import merge_partials
 
 F64 = torch.float64
 
@@ -148,6 +158,42 @@ def test_attend_block_skips_out_of_reach_and_drops_a_covering_window():
     mask, extras = rec.calls[-1]
     assert mask.window == (30, 0) and mask.offset == 30 and extras["positions"][0].tolist() == [30, 31]
     assert extras["positions"][1].tolist() == [0, 1]
+
+
+def test_a_halo_block_runs_merges_and_adds_gradients_on_its_band_alone(seed):
+    """The window ring's visited block: this shard's queries (positions 8-15) against the previous
+    shard's keys (0-7), window (3, 0): only queries 8-10 see a key (5-7). ``merge_block`` and
+    ``grad_block`` crop the block to that band (``crop_block``), so the kernel gets 3 rows and 3 keys
+    and the merge and the gradient adds touch those rows and keys alone — and (o, lse, dq, dk, dv)
+    equal the whole block's, merged and added as before the crop."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: torch.from_numpy(rng.standard_normal(shape)).float()
+    q, do, k, v = normal(1, 8, 2, 8), normal(1, 8, 2, 8), normal(1, 8, 1, 8), normal(1, 8, 1, 8)
+    masks = visit(np.arange(8, 16), np.arange(8), (3, 0))
+    state = (normal(1, 8, 2, 8), normal(1, 2, 8))
+    full, ref = Block(Part.ALL, Part.ALL, FULL_MASK), get_backend("reference")
+    rec = Recorder()
+    got = tuple(x.clone() for x in state)
+    merge_block(rec, 0.5, q, full, (k, v), got, masks)
+    (mask, extras), = rec.calls
+    assert mask == FULL_MASK.with_window((3, 0), offset=8 - 5)
+    assert extras["positions"][0].tolist() == [8, 9, 10] and extras["positions"][1].tolist() == [5, 6, 7]
+    whole_mask = FULL_MASK.with_window((3, 0), offset=8)
+    whole_positions = tuple(torch.from_numpy(x) for x in masks.positions)
+    o_b, lse_b = ref.fwd(q, k, v, whole_mask, 0.5, positions=whole_positions)
+    want = merge_partials(*state, o_b, lse_b)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[0][:, 3:], state[0][:, 3:], rtol=0, atol=0)  # rows 11-15: untouched
+    o, lse = want
+    saved = (q, o, lse, do, None)
+    grads = grad_block(ref, 0.5, saved, full, (k, v), masks)
+    assert (grads.block.q_part.bounds(8), grads.block.kv_part.bounds(8)) == ((0, 3), (5, 8))
+    acc = [torch.zeros_like(x) for x in (q, k, v)]
+    add_grads(full, grads, acc[0], acc[1:])
+    want_grads = ref.bwd(do, q, k, v, o, lse, whole_mask, 0.5, None, positions=whole_positions)
+    for x, y in zip(acc, want_grads):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
 
 
 def test_the_local_block_is_never_skipped_and_documents_join_the_window():
