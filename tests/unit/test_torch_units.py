@@ -121,3 +121,29 @@ def test_attention_function_names_its_arguments_in_forward_order():
     from torch_impl.loop import _Attention
 
     assert tuple(inspect.signature(_Attention.forward).parameters)[1:] == _Attention.ARGUMENTS
+
+
+def test_a_token_index_that_passed_is_not_read_again_until_it_changes(monkeypatch):
+    """The per-call range check of ``token_index`` copies its min / max to the host (a sync on
+    GPUs): the same tensor, unchanged, against the same length is not read again — a model's layers
+    pass one — while an in-place write (through a view too), another length or another tensor with
+    the same values are read, and out-of-range values are refused every time."""
+    from torch_impl import api
+
+    reads = []
+    real = api.check_token_index_range
+    monkeypatch.setattr(api, "check_token_index_range", lambda *a, **k: reads.append(a) or real(*a, **k))
+    q = torch.zeros(1, 4, 2, 8)
+    index = torch.arange(4, dtype=torch.int32)[None]
+    for _ in range(3):
+        api._check_token_index(index, q, 8)
+    assert len(reads) == 1
+    api._check_token_index(index, q, 16)  # another length: read
+    assert len(reads) == 2
+    index[:, 1:].add_(20)  # through a view: the version counter moves
+    with pytest.raises(ValueError, match=r"token_index values must lie in \[0, 16\)"):
+        api._check_token_index(index, q, 16)
+    with pytest.raises(ValueError, match=r"token_index values must lie in \[0, 16\)"):
+        api._check_token_index(index, q, 16)  # refused again, not remembered
+    api._check_token_index(torch.arange(4, dtype=torch.int32)[None], q, 16)  # another tensor: read
+    assert len(reads) == 5
