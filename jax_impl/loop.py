@@ -390,7 +390,8 @@ def crop_block(block: Block, mask: BlockMask, arrays: dict, t: int) -> tuple[Blo
 def merge_block(backend, scale, q, block: Block, kv, state, segments=None, window=None, shard_positions=None,
                 token_index=None):
     """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)``
-    (``segments``, ``window``, ``shard_positions``: see the module docstring)."""
+    (``segments``, ``window``, ``shard_positions``: see the module docstring; a windowed variant
+    at a static offset cropped to its band first: :func:`crop_block`)."""
     k_cur, v_cur = kv
 
     def run(mask, arrays, state):
@@ -414,7 +415,7 @@ def merge_block(backend, scale, q, block: Block, kv, state, segments=None, windo
 def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, window=None, shard_positions=None,
                token_index=None):
     """Add one block's gradients to ``state = (dq, dk_acc, dv_acc)`` (dk/dv of the visiting
-    ``kv``); ``saved = (q, o, lse, do, dlse)`` of this device."""
+    ``kv``); ``saved = (q, o, lse, do, dlse)`` of this device; cropped as :func:`merge_block`."""
     q, o, lse, do, dlse = saved
     k_cur, v_cur = kv
 

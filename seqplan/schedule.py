@@ -194,8 +194,9 @@ def document_work(q_lo, q_hi, kv_lo, kv_hi) -> DocumentWork:
 
 @dataclass(frozen=True)
 class Span:
-    """Tokens [lo, hi) of a local shard: a block cropped to the rows or keys that take part (torch's
-    token-index blocks, ``torch_impl.loop.crop_block``); used wherever a :class:`Part` is."""
+    """Tokens [lo, hi) of a local shard: a block cropped to the rows or keys that take part (a
+    windowed block's band, ``seqplan.bands.crop_to_band``, in both loops; torch's token-index
+    blocks, ``torch_impl.loop.crop_block``); used wherever a :class:`Part` is."""
 
     lo: int
     hi: int

@@ -139,16 +139,22 @@ def _check_token_index(token_index, q, seq_len: int) -> None:
 # Token-index tensors whose values passed the range check: id → (weak reference, the tensor's
 # version counter then, seq_len). The version counter moves with every in-place write through
 # torch (views included), so an entry answers only for the same tensor, unchanged, against the
-# same length; an entry leaves with its tensor.
+# same length; an entry leaves with its tensor. Writes torch does not see (through ``.data``, a
+# NumPy or DLPack view, a custom kernel's raw pointer) are not seen here either; inference-mode
+# tensors have no version counter and are read every call.
 _PASSED: dict[int, tuple] = {}
 
 
 def _range_passed(token_index, seq_len: int) -> bool:
+    if token_index.is_inference():  # no version counter: checked every call
+        return False
     entry = _PASSED.get(id(token_index))
     return entry is not None and entry[0]() is token_index and entry[1:] == (token_index._version, seq_len)
 
 
 def _remember_range(token_index, seq_len: int) -> None:
+    if token_index.is_inference():
+        return
     key = id(token_index)
     _PASSED[key] = (weakref.ref(token_index, lambda _: _PASSED.pop(key, None)), token_index._version, seq_len)
 

@@ -507,7 +507,8 @@ def attend_block(backend, scale, q, block: Block, kv, masks: VisitMasks | None =
 
 def merge_block(backend, scale, q, block: Block | None, kv, state, masks: VisitMasks | None = None) -> None:
     """Merge ``q[block.q_part]`` attending to the visiting ``kv`` into ``state = (o, lse)`` in
-    place (nothing for a masked or skipped block; a token-index block cropped: :func:`crop_block`)."""
+    place (nothing for a masked or skipped block; a windowed block on static positions cropped to
+    its band, a token-index block to its shared documents: :func:`crop_block`)."""
     block = None if block is None else crop_block(block, masks)
     partial = None if block is None else attend_block(backend, scale, q, block, kv, masks)
     if partial is None:
@@ -519,8 +520,9 @@ def merge_block(backend, scale, q, block: Block | None, kv, state, masks: VisitM
 def grad_block(backend, scale, saved, block: Block | None, kv, masks: VisitMasks | None = None):
     """(dq, dk, dv) of one block against the visiting ``kv`` (None for a masked or skipped
     block); ``saved = (q, o, lse, do, dlse)`` of this rank (o and lse final: sinks merged in).
-    A token-index block is cropped (:func:`crop_block`): the result is a :class:`BlockGrads`
-    naming the block its gradients cover, which :func:`add_grads` follows."""
+    A block is cropped (:func:`crop_block`: a windowed one to its band, a token-index one to its
+    shared documents): the result is a :class:`BlockGrads` naming the block its gradients cover,
+    which :func:`add_grads` follows."""
     block = None if block is None else crop_block(block, masks)
     call = None if block is None else _kernel_mask(block, masks)
     if call is None:
@@ -595,6 +597,7 @@ def grad_visits(saved, config: AttentionConfig, schedule: Schedule, masks: Shard
         visit_masks = masks.visit(me, visit.source)
         grads = grad_block(backend, config.scale, saved, visit.block, kv, visit_masks)
         if visit.step.local:
+            assert grads.block == visit.block, "an own block is never cropped: its gradients are the shard's"
             dq, dk, dv = grads
             if schedule.size == 1:
                 return dq, (dk, dv)

@@ -31,4 +31,4 @@ def merge_partials_into(o, lse, o_b, lse_b) -> None:
     # o + σ·(o_b − o), the same update as o − σ·(o − o_b), in one pass over o: lerp reads o, o_b and
     # the row weights and writes o (its end in o's dtype: one widening copy of o_b first) — 18 bytes
     # an element of float32 traffic where a difference, a product and a subtraction moved 30.
-    o.lerp_(o_b.to(o.dtype), weight.transpose(1, 2).unsqueeze(-1))
+    o.lerp_(o_b.to(o.dtype), weight.to(o.dtype).transpose(1, 2).unsqueeze(-1))  # lerp_ takes no mixed dtypes

@@ -147,3 +147,8 @@ def test_a_token_index_that_passed_is_not_read_again_until_it_changes(monkeypatc
         api._check_token_index(index, q, 16)  # refused again, not remembered
     api._check_token_index(torch.arange(4, dtype=torch.int32)[None], q, 16)  # another tensor: read
     assert len(reads) == 5
+    with torch.inference_mode():  # no version counter: read every call, never remembered
+        frozen = torch.arange(4, dtype=torch.int32)[None]
+    for _ in range(2):
+        api._check_token_index(frozen, q, 16)
+    assert len(reads) == 7
