@@ -116,12 +116,13 @@ def _plan(mask: BlockMask, segments, positions, q, backward: bool = False) -> tu
     return block_runs(mask, segments, positions, q.dtype)
 
 
-def _dense_band(mask: BlockMask, positions, q, k, backward: bool = False) -> Band | None | str:
+def _dense_band(mask: BlockMask, positions, q, k) -> Band | None | str:
     """The part of a block without documents that FA4's dense entry runs (``seqplan.bands``
     convention: rows [i0, i1), keys [j0, j1), window sizes -1 for unbounded), None when the block
-    sees nothing, or "portable"."""
+    sees nothing, or "portable". Decided on the backward's bounds in both passes: one kernel for
+    both passes of a block."""
     (t, s), kind = (q.shape[1], k.shape[1]), mask.kind
-    if not _fits(q, backward) or kind is MaskKind.STRICT:
+    if not _fits(q, backward=True) or kind is MaskKind.STRICT:
         return "portable"
     if mask.window is not None:
         return "portable" if positions is None else block_band(mask, t, s, positions)
@@ -188,7 +189,7 @@ def _fused_instead(q, mask: BlockMask, softcap) -> BlockBackend | None:
 
 def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
     if segments is None and not by_token_index(mask):
-        cut = _dense_band(mask, positions, q, k, backward=True)  # one kernel for both passes of a block
+        cut = _dense_band(mask, positions, q, k)
         if cut is None:
             return nothing_seen(q)
         if cut != "portable":
@@ -216,7 +217,7 @@ def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None,
     if dlse is not None:
         return portable()
     if segments is None and not by_token_index(mask):
-        cut = _dense_band(mask, positions, q, k, backward=True)
+        cut = _dense_band(mask, positions, q, k)
         if cut is None:
             return no_grads(q, k, v)
         if cut != "portable":
