@@ -70,21 +70,27 @@
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
 #              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid)
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
+# GPUS=2 (a two-GPU hold, 2026-11-28): tier, u128, win, winprof, weak and torchprof at 32k tokens per GPU on the
+# two-GPU meshes (ring 2, Ulysses 2, all-gather KV 2) — the same per-GPU shapes as the 4-GPU rows.
 set -u
 . docs/gpu/background.sh
+GPUS=${GPUS:-4}
+if [ "$GPUS" = 2 ]; then U_MESHES=ring-r2,ulysses-u2,ring-agkv-r2; W_MESHES=ring-r2; PW=ring-r2:contiguous
+else U_MESHES=ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4; W_MESHES=ring-r4,usp-r2xu2
+  PW=ring-r4:contiguous,usp-r2xu2:contiguous; fi
 R=/tmp/rb-x4; LOG=$R/run.log; HERE=docs/gpu; DEST=${OUT:-}  # the device call's $OUT (the parts get $R)
 PARTS=${PARTS:-llama,llamajax,torchprof,d128,jaxprof,magi4,mc}
 if [ "$1" = start ]; then
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
     . docs/gpu/install-wheels.sh $R
-    SEQ=131072; BIG=524288; HUGE=1048576; DEV=gpu; TORCHRUN="torchrun --nproc_per_node 4"
+    SEQ=$((32768 * GPUS)); BIG=524288; HUGE=1048576; DEV=gpu; TORCHRUN="torchrun --nproc_per_node $GPUS"
     LLAMA=${LLAMA:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8"}
     LLAMAJAX=${LLAMAJAX:-"--strategies zigzag --seq 32768 --bstar-seq 16384 --exposure-seq 8192 --batches 1,4"}
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}; TPSWEEP=""
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke
-    SEQ=4096; BIG=2048; HUGE=4096; DEV=cpu; TORCHRUN="torchrun --nproc_per_node 4"; LLAMA="--small --world 2"; LLAMAJAX=$LLAMA
+    SEQ=4096; BIG=2048; HUGE=4096; DEV=cpu; TORCHRUN="torchrun --nproc_per_node $GPUS"; LLAMA="--small --world 2"; LLAMAJAX=$LLAMA
     DRV="--heads 4 --kv-heads 2 --passes fwd+bwd --no-verify"; SIDES=jax  # torch's driver side needs GPUs
     TPSWEEP=--small
   fi
@@ -96,16 +102,16 @@ if [ "$1" = start ]; then
   # with the shared prefix (docs/decisions.md; 11-26 ran torch's pick with the whole gather)
   D512="python3 -m benchmarks --gpus 4 --seqs $BIG --documents heavy-tail $DRV --iters 3 --warmup 1"
   CMD[d512k]="for side in $SIDES; do
-    $D512 --meshes ring-r4 --layout zigzag --machine x4-512k-ring-\$side --only \$side --parts-dir $R/d512k-ring-\$side;
-    $D512 --meshes ring-agkv-r4 --layout document-hybrid-shared --machine x4-512k-pick-\$side --only \$side --parts-dir $R/d512k-pick-\$side; done"
+    $D512 --meshes ring-r4 --layout zigzag --machine x${GPUS}-512k-ring-\$side --only \$side --parts-dir $R/d512k-ring-\$side;
+    $D512 --meshes ring-agkv-r4 --layout document-hybrid-shared --machine x${GPUS}-512k-pick-\$side --only \$side --parts-dir $R/d512k-pick-\$side; done"
   MIX3=short,heavy-tail,few-long; [ "${SMOKE:-0}" = 1 ] && MIX3=short
   D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
-  CMD[d128]="for side in $SIDES; do $D128 --machine x4-documents-\$side --only \$side --parts-dir $R/d128-\$side; done"
+  CMD[d128]="for side in $SIDES; do $D128 --machine x${GPUS}-documents-\$side --only \$side --parts-dir $R/d128-\$side; done"
   # JAX's one-call backward as one call, then in two groups of runs (jax_impl/kernels/groups.py), same call
   G46="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
-  CMD[groups]="for g in 1 2; do RINGBRIDGE_BACKWARD_GROUPS=\$g $G46 --machine x4-groups\$g-jax --parts-dir $R/groups\$g-jax; done"
+  CMD[groups]="for g in 1 2; do RINGBRIDGE_BACKWARD_GROUPS=\$g $G46 --machine x${GPUS}-groups\$g-jax --parts-dir $R/groups\$g-jax; done"
   MAGI_MESHES=${MAGI_MESHES:-ring-r4,ring-agkv-r4}  # then usp-r2xu2,ulysses-u4 in a second call
   CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side MESHES=$MAGI_MESHES OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
@@ -116,7 +122,7 @@ if [ "$1" = start ]; then
   CMD[prof47]="MIXES=none PATHS=$P47 SEQ=$SEQ $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 benchmarks/mesh_profile_jax.py $S"
   # the window rows' profiles (issue 47: ring and USP at 0.65-0.79 of the window kernel), both sides
-  PW=ring-r4:contiguous,usp-r2xu2:contiguous; WIN=4096; [ "${SMOKE:-0}" = 1 ] && WIN=256
+  WIN=4096; [ "${SMOKE:-0}" = 1 ] && WIN=256
   CMD[winprof]="MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN python3 benchmarks/mesh_profile_jax.py $S;
     MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
@@ -125,42 +131,42 @@ if [ "$1" = start ]; then
   # against the default (the predicate copied to the host, which then waits for the GPU), same call
   C47="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --meshes ring-r4,double_ring-ro2xri2,usp-r2xu2 $DRV \
     --ceiling-seq 0 --iters 5 --warmup 2"
-  CMD[cond]="$C47 --machine x4-cond-host-jax --parts-dir $R/cond-host-jax;
-    XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL\" $C47 --machine x4-cond-device-jax \
+  CMD[cond]="$C47 --machine x${GPUS}-cond-host-jax --parts-dir $R/cond-host-jax;
+    XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL\" $C47 --machine x${GPUS}-cond-device-jax \
     --parts-dir $R/cond-device-jax"
   MHA_KV=32; [ "${SMOKE:-0}" = 1 ] && MHA_KV=4
   # torch's NCCL kernels on a high-priority stream (TORCH_NCCL_HIGH_PRIORITY; XLA's async collectives have one
   # by default): the three rings at 128k GQA without, then with it, same call — do the hops get SMs sooner?
   P47T="python3 -m benchmarks --gpus 4 --only torch --seqs $SEQ --meshes ring-r4,double_ring-ro2xri2,usp-r2xu2 $DRV \
     --ceiling-seq 0 --iters 5 --warmup 2"
-  CMD[prio]="TORCH_NCCL_HIGH_PRIORITY=0 $P47T --machine x4-prio0-torch --parts-dir $R/prio0-torch;
-    TORCH_NCCL_HIGH_PRIORITY=1 $P47T --machine x4-prio1-torch --parts-dir $R/prio1-torch"
+  CMD[prio]="TORCH_NCCL_HIGH_PRIORITY=0 $P47T --machine x${GPUS}-prio0-torch --parts-dir $R/prio0-torch;
+    TORCH_NCCL_HIGH_PRIORITY=1 $P47T --machine x${GPUS}-prio1-torch --parts-dir $R/prio1-torch"
   # torch's fa4 on its dense entry (plain blocks, windowed blocks cropped to their band) and varlen entry, against
   # float64 / the portable kernel on one GPU before any row that routes to it is timed (FA4 installed: .fa4b)
   CMD[tier]="python3 -m pytest -q -p no:cacheprovider tests/gpu/test_one_gpu_kernels.py -k '(fa4 or window) and not flex' -rs"
   # whether torch's SDPA ops take GQA K/V unexpanded (the adapters' copies: 10 ms a ring step), checked then timed
   CMD[gqa]="python3 -m benchmarks.gqa_probe $S"
   # 128k, every strategy, GQA 32 / 8 and MHA (torch context_parallel runs MHA only); the ceiling at 32k beside
-  U128="python3 -m benchmarks --gpus 4 --seqs $SEQ --meshes ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4 \
-    $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2"
-  CMD[u128]="for side in $SIDES; do $U128 --machine x4-128k-gqa-\$side --only \$side --parts-dir $R/u128-\$side; done"
-  CMD[u128mha]="for side in $SIDES; do $U128 --kv-heads $MHA_KV --machine x4-128k-mha-\$side --only \$side \
+  U128="python3 -m benchmarks --gpus $GPUS --seqs $SEQ --meshes $U_MESHES \
+    $DRV --ceiling-seq $((SEQ / GPUS)) --iters 5 --warmup 2"
+  CMD[u128]="for side in $SIDES; do $U128 --machine x${GPUS}-128k-gqa-\$side --only \$side --parts-dir $R/u128-\$side; done"
+  CMD[u128mha]="for side in $SIDES; do $U128 --kv-heads $MHA_KV --machine x${GPUS}-128k-mha-\$side --only \$side \
     --parts-dir $R/u128mha-\$side; done"
   # weak scaling at 32k tokens per GPU, a ring over 1, 2, 4 GPUs, each side; the ceiling at 32k beside
-  CMD[weak]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs '' --meshes '' \
-    --weak $((SEQ / 4)) $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2 --machine x4-weak-\$side --parts-dir $R/weak-\$side; done"
+  CMD[weak]="for side in $SIDES; do python3 -m benchmarks --gpus $GPUS --only \$side --seqs '' --meshes '' \
+    --weak $((SEQ / GPUS)) $DRV --ceiling-seq $((SEQ / GPUS)) --iters 5 --warmup 2 --machine x${GPUS}-weak-\$side --parts-dir $R/weak-\$side; done"
   # strong scaling: 32k tokens over 4 GPUs (8k each), four strategies; the single-GPU ceiling at 8k beside
   CMD[strong]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs $((SEQ / 4)) \
     --meshes ring-r4,ulysses-u4,usp-r2xu2,ring-agkv-r4 $DRV --ceiling-seq $((SEQ / 16)) --iters 10 --warmup 3 \
-    --machine x4-strong-\$side --parts-dir $R/strong-\$side; done"
+    --machine x${GPUS}-strong-\$side --parts-dir $R/strong-\$side; done"
   # 1M tokens over 4 GPUs, USP 2x2 and ring 4 with their peak memory; the ceiling at 256k beside
   CMD[m1]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs $HUGE --meshes usp-r2xu2,ring-r4 \
-    $DRV --ceiling-seq $((HUGE / 4)) --iters 3 --warmup 1 --machine x4-1m-\$side --parts-dir $R/m1-\$side; done"
+    $DRV --ceiling-seq $((HUGE / 4)) --iters 3 --warmup 1 --machine x${GPUS}-1m-\$side --parts-dir $R/m1-\$side; done"
   # a sliding window (4096, 0), contiguous, ring 4 and USP 2x2, over each framework's window anchor
-  CMD[win]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs $SEQ --window 4096 \
-    --layout contiguous --meshes ring-r4,usp-r2xu2 $DRV --ceiling-seq $((SEQ / 4)) --iters 5 --warmup 2 \
-    --machine x4-window-\$side --parts-dir $R/win-\$side; done"
-  CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x4-mc --parts-dir $R/mc \
+  CMD[win]="for side in $SIDES; do python3 -m benchmarks --gpus $GPUS --only \$side --seqs $SEQ --window 4096 \
+    --layout contiguous --meshes $W_MESHES $DRV --ceiling-seq $((SEQ / GPUS)) --iters 5 --warmup 2 \
+    --machine x${GPUS}-window-\$side --parts-dir $R/win-\$side; done"
+  CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x${GPUS}-mc --parts-dir $R/mc \
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""
   for part in ${PARTS//,/ }; do
