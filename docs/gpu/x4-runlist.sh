@@ -149,8 +149,8 @@ if [ "$1" = start ]; then
   # 128k, every strategy, GQA 32 / 8 and MHA (torch context_parallel runs MHA only); the ceiling at 32k beside
   U128="python3 -m benchmarks --gpus $GPUS --seqs $SEQ --meshes $U_MESHES \
     $DRV --ceiling-seq $((SEQ / GPUS)) --iters 5 --warmup 2"
-  CMD[u128]="for side in $SIDES; do $U128 --machine x${GPUS}-128k-gqa-\$side --only \$side --parts-dir $R/u128-\$side; done"
-  CMD[u128mha]="for side in $SIDES; do $U128 --kv-heads $MHA_KV --machine x${GPUS}-128k-mha-\$side --only \$side \
+  CMD[u128]="for side in $SIDES; do $U128 --machine x${GPUS}-$((SEQ / 1024))k-gqa-\$side --only \$side --parts-dir $R/u128-\$side; done"
+  CMD[u128mha]="for side in $SIDES; do $U128 --kv-heads $MHA_KV --machine x${GPUS}-$((SEQ / 1024))k-mha-\$side --only \$side \
     --parts-dir $R/u128mha-\$side; done"
   # weak scaling at 32k tokens per GPU, a ring over 1, 2, 4 GPUs, each side; the ceiling at 32k beside
   CMD[weak]="for side in $SIDES; do python3 -m benchmarks --gpus $GPUS --only \$side --seqs '' --meshes '' \
