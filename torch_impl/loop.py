@@ -58,7 +58,7 @@ from seqplan.schedule import (
 
 from .comm import Comm, RingShift, axis_size
 from .config import AttentionConfig
-from .merge import merge_partials_into
+from .merge import Float32Rows, merge_partials_into
 
 
 def ring_index(groups) -> int:
@@ -74,6 +74,23 @@ def ring_index(groups) -> int:
 def _tails(tensors, rows: int) -> tuple:
     """Each tensor's last ``rows`` rows (dim 1), contiguous: what a hop with a halo sends."""
     return tuple(x.narrow(1, x.shape[1] - rows, rows).contiguous() for x in tensors)
+
+
+def _tail(x, rows: int) -> Span:
+    """The last ``rows`` rows of ``x`` (dim 1): a halo's."""
+    return Span(x.shape[1] - rows, x.shape[1])
+
+
+def _rows(acc, part):
+    """``acc[part]`` along the rows (dim 1), a view to merge or add into: a :class:`Float32Rows`'s
+    float32 rows (widened as asked), or a tensor's."""
+    return acc.rows(part) if isinstance(acc, Float32Rows) else _part(acc, part, 1)
+
+
+def as_dtype(acc, dtype):
+    """An accumulator (:class:`Float32Rows`: its widened rows cast, the rest as the kernel wrote
+    them) or a tensor, in ``dtype``."""
+    return acc.result(dtype) if isinstance(acc, Float32Rows) else acc.to(dtype)
 
 
 def _buffer(x):
@@ -163,7 +180,11 @@ class DKVTrail:
 
     def __init__(self, comm: Comm, groups, dk, dv, schedule: Schedule):
         self.comm, self.groups, self.schedule = comm, groups, schedule
-        self._acc, self._spare = [dk.contiguous(), dv.contiguous()], None
+        # whole accumulators travel in float32; with a halo only its rows do, and the rest of the
+        # shard stays as the own block's kernel wrote it (Float32Rows widens the rows blocks touch)
+        self._acc = ([Float32Rows(dk), Float32Rows(dv)] if schedule.halo is not None else
+                     [dk.float().contiguous(), dv.float().contiguous()])
+        self._spare = None
         self._shifts: dict[Hop, RingShift] = {}
         self._in_flight: RingShift | None = None
         self._sending: list | None = None  # with a halo: the rows in flight (kept alive until they land)
@@ -175,7 +196,7 @@ class DKVTrail:
             self._in_flight = None
             if self.schedule.halo is not None:  # the rows that came land in this rank's accumulators
                 for acc, rows in zip(self._acc, self._spare):
-                    acc.narrow(1, acc.shape[1] - rows.shape[1], rows.shape[1]).copy_(rows)
+                    acc.rows(_tail(acc.base, rows.shape[1])).copy_(rows)
                 self._sending = None
         return self._acc
 
@@ -188,7 +209,7 @@ class DKVTrail:
         if hop not in self._shifts:
             self._shifts[hop] = self.comm.shift(hop, self.groups, **return_distance(self.schedule, hop))
         if self.schedule.halo is not None:
-            self._sending = list(_tails(self._acc, self.schedule.halo))
+            self._sending = [acc.rows(_tail(acc.base, self.schedule.halo)).contiguous() for acc in self._acc]
             if self._spare is None:
                 self._spare = [_buffer(x) for x in self._sending]
             self._shifts[hop].start(self._sending, self._spare)
@@ -514,7 +535,7 @@ def merge_block(backend, scale, q, block: Block | None, kv, state, masks: VisitM
     if partial is None:
         return
     o, lse = state
-    merge_partials_into(_part(o, block.q_part, 1), _part(lse, block.q_part, 2), *partial)
+    merge_partials_into(_rows(o, block.q_part), _part(lse, block.q_part, 2), *partial)
 
 
 def grad_block(backend, scale, saved, block: Block | None, kv, masks: VisitMasks | None = None):
@@ -541,9 +562,9 @@ def add_grads(block: Block | None, grads, dq, dkv) -> None:
         return
     block = getattr(grads, "block", block)  # the block the gradients cover (cropped: crop_block)
     dq_b, dk_b, dv_b = grads
-    _part(dq, block.q_part, 1).add_(dq_b)
-    _part(dkv[0], block.kv_part, 1).add_(dk_b)
-    _part(dkv[1], block.kv_part, 1).add_(dv_b)
+    _rows(dq, block.q_part).add_(dq_b)
+    _rows(dkv[0], block.kv_part).add_(dk_b)
+    _rows(dkv[1], block.kv_part).add_(dv_b)
 
 
 def add_sinks(o, lse, sinks):
@@ -556,6 +577,16 @@ def add_sinks(o, lse, sinks):
     sink = sinks.float()[None, :, None]  # [1, h, 1]
     lse_f = torch.logaddexp(lse.float(), sink)
     return o.float() * torch.exp(lse.float() - lse_f).transpose(1, 2).unsqueeze(-1), lse_f
+
+
+def finish_output(o, lse, sinks, dtype):
+    """The forward's final (o in ``dtype``, lse): the sinks entered once per row after every block
+    merged (:func:`add_sinks`, on every row in float32), then o cast (``o``: a tensor or a
+    :class:`Float32Rows` accumulator)."""
+    if sinks is None:
+        return as_dtype(o, dtype), lse
+    o, lse = add_sinks(o.full() if isinstance(o, Float32Rows) else o, lse, sinks)
+    return o.to(dtype), lse
 
 
 def sinks_grad(o, lse, do, dlse, sinks):
@@ -578,7 +609,7 @@ def attend_visits(q, config: AttentionConfig, schedule: Schedule, masks: ShardMa
         visit_masks = masks.visit(me, visit.source)
         if visit.step.local:  # own K/V, never empty
             o, lse = attend_block(backend, config.scale, q, visit.block, kv, visit_masks)
-            o = o.float() if schedule.size > 1 else o  # the float32 accumulator (kernels may return the input dtype)
+            o = Float32Rows(o) if schedule.size > 1 else o  # float32 on the rows other blocks merge into
         else:
             merge_block(backend, config.scale, q, visit.block, kv, (o, lse), visit_masks)
     return o, lse
@@ -601,7 +632,7 @@ def grad_visits(saved, config: AttentionConfig, schedule: Schedule, masks: Shard
             dq, dk, dv = grads
             if schedule.size == 1:
                 return dq, (dk, dv)
-            dq = dq.float()  # the float32 accumulators (kernels may return bf16)
+            dq = Float32Rows(dq)  # float32 on the rows other blocks add into (kernels may return bf16)
             dkv = start_dkv(dk, dv, visit.source)  # each accumulator widens them as it stores them
         else:
             add_grads(visit.block, grads, dq, dkv.current(visit.source))  # once the shard's dK/dV have arrived
@@ -627,7 +658,7 @@ def walk_backward(q, k, v, o, lse, kv_first, do, dlse, groups, config: Attention
     ``dkv_hop``: ring, inner, or diagonal after a double-ring round; :class:`DKVTrail`), dq stays
     local (:func:`grad_visits`)."""
     walk = KVWalk(schedule, config.comm, groups, (k.contiguous(), v.contiguous()), first=kv_first)
-    trail = lambda dk, dv, source: DKVTrail(config.comm, groups, dk.float(), dv.float(), schedule)
+    trail = lambda dk, dv, source: DKVTrail(config.comm, groups, dk, dv, schedule)
     dq, dkv = grad_visits((q, o, lse, do, dlse), config, schedule, masks, ring_index(groups), walk, trail)
     if schedule.size == 1:
         return dq, *dkv
@@ -654,8 +685,7 @@ class _Attention(torch.autograd.Function):
         masks = ShardMasks.build(config, axis_size(groups[0]) * axis_size(groups[1]), q.shape[1], ids_all, q.device,
                                  index_all)
         o, lse, extra = forward(q, k, v, groups, config, masks)
-        o, lse = add_sinks(o, lse, sinks)  # once per row, after the last block: the backward sees the final o, lse
-        o = o.to(q.dtype)
+        o, lse = finish_output(o, lse, sinks, q.dtype)  # the backward sees the final o, lse
         ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)), *(extra or ()))
         ctx.groups, ctx.config, ctx.backward_fn, ctx.masks = groups, config, backward, masks
         ctx.has_sinks = sinks is not None
@@ -672,7 +702,8 @@ class _Attention(torch.autograd.Function):
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[_Attention.ARGUMENTS.index("sinks")]:  # this rank's rows
             dsinks = sinks_grad(o, lse, do, dlse, sinks).to(sinks.dtype)
-        grads = {"q": dq.to(q.dtype), "k": dk.to(ctx.kv_dtype), "v": dv.to(ctx.kv_dtype), "sinks": dsinks}
+        grads = {"q": as_dtype(dq, q.dtype), "k": as_dtype(dk, ctx.kv_dtype), "v": as_dtype(dv, ctx.kv_dtype),
+                 "sinks": dsinks}
         return tuple(grads.get(name) for name in _Attention.ARGUMENTS)
 
 

@@ -54,7 +54,7 @@ from seqplan.validation import (
 
 from .allgather import prefix_backward, prefix_forward, prefix_plan
 from .config import AttentionConfig
-from .loop import ShardGrads, ShardMasks, add_sinks, attend_visits, grad_visits, sinks_grad
+from .loop import ShardGrads, ShardMasks, as_dtype, attend_visits, finish_output, grad_visits, sinks_grad
 
 F32 = torch.float32
 
@@ -99,8 +99,7 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
         else:
             o, lse = attend_visits(q_d, config, schedule, masks, r, _resident(schedule, r, (k, v), strategy, kv_heads,
                                                                                q.dtype))
-        o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])  # once per row, after the last block
-    return o.to(q.dtype), lse
+        return finish_output(o, lse, None if sinks is None else sinks[q_heads], q.dtype)
 
 
 def _resident(schedule, r: int, kv, strategy: Strategy, kv_heads: slice, dtype):
@@ -142,7 +141,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
             else:
                 contributions = {src: tuple(dkv.current(src)) for src in range(strategy.ring)}
         dsinks = None if sinks is None else sinks_grad(o_d, lse_d, do_d, dlse_d, sinks[q_heads])
-    return DeviceGrads(dq.to(q.dtype), contributions, dsinks)
+    return DeviceGrads(as_dtype(dq, q.dtype), contributions, dsinks)
 
 
 def one_call_plan(device: int, q, *, strategy: Strategy, causal: bool = False, layout: str = "zigzag",

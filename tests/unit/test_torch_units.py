@@ -113,6 +113,37 @@ def test_in_place_merge_follows_the_merge_formula():
     assert torch.equal(o[0, :, 1], o_before[0, :, 1]) and torch.equal(lse[0, 1], lse_before[0, 1])
 
 
+@pytest.mark.parametrize("spans", [[(2, 4), (3, 6)], [(5, 10), (0, 10)], [(0, 3), (7, 10), (2, 8)], [(0, 10)], []])
+def test_float32_rows_equal_the_whole_shard_widened(spans, seed):
+    """Float32Rows (the loops' accumulators, widened only on the rows later blocks touch) gives
+    bit for bit what widening the whole shard gave: merges and adds on the rows asked for, in
+    float32; every other row exactly the kernel's bf16 — and only the rows asked for are widened."""
+    from seqplan.schedule import Span
+    from torch_impl.merge import Float32Rows, merge_partials_into
+
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(2, 10, 3, 4, generator=gen).bfloat16()
+    whole, lse_whole = base.float(), torch.randn(2, 3, 10, generator=gen)
+    acc, lse = Float32Rows(base.clone()), lse_whole.clone()
+    for i, (lo, hi) in enumerate(spans):
+        o_b, lse_b = torch.randn(2, hi - lo, 3, 4, generator=gen).bfloat16(), torch.randn(2, 3, hi - lo, generator=gen)
+        if i % 2:  # a gradient added
+            whole[:, lo:hi] += o_b.float()
+            acc.rows(Span(lo, hi)).add_(o_b.float())
+        else:  # a partial merged
+            merge_partials_into(whole[:, lo:hi], lse_whole[:, :, lo:hi], o_b, lse_b)
+            merge_partials_into(acc.rows(Span(lo, hi)), lse[:, :, lo:hi], o_b, lse_b)
+    touched = np.zeros(10, bool)
+    for lo, hi in spans:
+        touched[lo:hi] = True
+    widened = np.zeros(10, bool)
+    for lo, hi in acc._spans:
+        widened[lo:hi] = True
+    np.testing.assert_array_equal(widened, touched)
+    assert torch.equal(acc.result(torch.bfloat16), whole.bfloat16())
+    assert torch.equal(acc.result(torch.float32), whole)  # the untouched rows' float32 round trip: exact
+
+
 def test_attention_function_names_its_arguments_in_forward_order():
     """``_Attention.ARGUMENTS`` (backward's gradients and ``needs_input_grad`` are read by these
     names) is exactly forward's parameter list after ctx."""

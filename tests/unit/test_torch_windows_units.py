@@ -35,7 +35,7 @@ from torch_impl.loop import (
     merge_block,
     sinks_grad,
 )
-from torch_impl.merge import merge_partials
+from torch_impl.merge import Float32Rows, merge_partials
 
 F64 = torch.float64
 
@@ -185,6 +185,9 @@ def test_a_halo_block_runs_merges_and_adds_gradients_on_its_band_alone(seed):
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got[0][:, 3:], state[0][:, 3:], rtol=0, atol=0)  # rows 11-15: untouched
+    lazy = Float32Rows(state[0].bfloat16())  # the loops' accumulator: only the band's rows widened
+    merge_block(rec, 0.5, q, full, (k, v), (lazy, state[1].clone()), masks)
+    assert lazy._spans == [(0, 3)]
     o, lse = want
     saved = (q, o, lse, do, None)
     grads = grad_block(ref, 0.5, saved, full, (k, v), masks)
