@@ -28,6 +28,9 @@ class AttentionConfig(seqplan.config.AttentionConfig):
     # dK / dV leave a device's only block in float32, not q's dtype: the caller's K/V came in
     # float32 (Ulysses' replicated KV heads, whose copies' gradients are summed after the call)
     float32_kv_grads: bool = False
+    # o leaves the walk whole in float32: sinks follow, entered into every row in float32 (the halo
+    # schedule's accumulator otherwise keeps the rows no block merges into in q's dtype: loop.Float32Rows)
+    float32_output: bool = False
 
     def backend(self) -> BlockBackend:
         """The block kernels (an unknown or refused name raises here), soft-capping every block

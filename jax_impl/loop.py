@@ -59,7 +59,7 @@ from seqplan.schedule import (
 from .comm import Comm, axis_size
 from .config import AttentionConfig
 from .kernels import branches
-from .merge import merge_partials
+from .merge import Float32Rows, merge_partials
 
 F32 = jnp.float32
 
@@ -131,6 +131,10 @@ def shift_halo(comm: Comm, tree: tuple, hop: Hop, axes, halo: int | None, into: 
     ``kw``: the hop's distance (``return_distance``)."""
     if halo is None:
         return comm.shift(tree, hop, axes, **kw)
+    if into is not None and isinstance(into[0], Float32Rows):  # the halo's rows are the float32 ones
+        assert all((x.lo, x.hi) == (x.base.shape[1] - halo, x.base.shape[1]) for x in into), "not the halo's rows"
+        tails = comm.shift(tuple(x.rows for x in tree), hop, axes, **kw)
+        return tuple(Float32Rows(x.base, y, x.lo) for x, y in zip(into, tails))
     tails = comm.shift(tuple(x[:, -halo:] for x in tree), hop, axes, **kw)
     if into is None:
         return tuple(jnp.pad(y, [(0, 0), (x.shape[1] - halo, 0)] + [(0, 0)] * (x.ndim - 2)) for x, y in zip(tree, tails))
@@ -160,8 +164,30 @@ def _part(x, which: Part, axis: int):
     return x if which is Part.ALL else lax.slice_in_dim(x, lo, hi, axis=axis)
 
 
+def _rows(acc, which: Part):
+    """``acc[which]`` along the rows (axis 1), float32 where ``acc`` is a :class:`Float32Rows`."""
+    return acc.part(which) if isinstance(acc, Float32Rows) else _part(acc, which, 1)
+
+
+def _put_rows(acc, which: Part, value):
+    """``acc`` with rows ``which`` (axis 1) set to ``value`` (static bounds)."""
+    if isinstance(acc, Float32Rows):
+        return acc.put(which, value)
+    if which is Part.ALL:
+        return value
+    return lax.dynamic_update_slice_in_dim(acc, value, which.bounds(acc.shape[1])[0], axis=1)
+
+
+def as_dtype(acc, dtype):
+    """An accumulator (:class:`Float32Rows`: its float32 rows cast, the rest as the kernel wrote
+    them) or an array, in ``dtype``."""
+    return acc.result(dtype) if isinstance(acc, Float32Rows) else acc.astype(dtype)
+
+
 def _add_part(acc, update, which: Part, axis: int):
     """acc[which] += update along ``axis`` (static bounds)."""
+    if isinstance(acc, Float32Rows):
+        return acc.put(which, acc.part(which) + update)
     if which is Part.ALL:
         return acc + update
     lo, _ = which.bounds(acc.shape[axis])
@@ -338,14 +364,16 @@ def mask_choice(skippable: bool, keep, one_document, doc_options: tuple, win_opt
 
 
 def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=None, shard_positions=None,
-                  out_dtype=F32, token_index=None):
+                  out_dtype=F32, token_index=None, rows: int | None = None):
     """(o, lse) of a device's own block (step 0): queries against their own shard's K/V. ``o`` in
     ``out_dtype``: float32 when other blocks merge into it, the caller's dtype when this block is
     the device's only one — cast inside each variant, where XLA drops a fused kernel's widen-then-
-    narrow (a ``lax.switch`` boundary would keep a float32 copy: ≈ 0.5 ms at 32k tokens, 32 heads)."""
+    narrow (a ``lax.switch`` boundary would keep a float32 copy: ≈ 0.5 ms at 32k tokens, 32 heads).
+    ``rows``: a :class:`Float32Rows` with the first ``rows`` queries float32 as the kernel computed
+    them, the rest in ``out_dtype``."""
     def run(m, arrays, _):
         o, lse = backend.fwd(q, *kv, m, scale, **arrays)
-        return o.astype(out_dtype), lse
+        return (o.astype(out_dtype) if rows is None else Float32Rows.widen(o, 0, rows, out_dtype)), lse
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
                        shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets,
@@ -353,14 +381,20 @@ def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=
 
 
 def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, window=None, shard_positions=None,
-                   grad_dtypes: GradDtypes = None, token_index=None):
+                   grad_dtypes: GradDtypes = None, token_index=None, rows: int | None = None):
     """(dq, dk, dv) of a device's own block; ``saved = (q, o, lse, do, dlse)``, in
-    ``grad_dtypes`` (:func:`alone_grad_dtypes`; None: all float32, for blocks that add up)."""
+    ``grad_dtypes`` (:func:`alone_grad_dtypes`; None: all float32, for blocks that add up) —
+    with ``rows``, as :class:`Float32Rows` whose float32 rows are dq's first ``rows`` queries and
+    dK / dV's last ``rows`` keys (the halo's)."""
     q, o, lse, do, dlse = saved
     dq_dtype, kv_dtype = grad_dtypes or (F32, F32)
 
     def run(m, arrays, _):
         dq, dk, dv = backend.bwd(do, q, *kv, o, lse, m, scale, dlse, **arrays)
+        if rows is not None:
+            t = dk.shape[1]
+            return (Float32Rows.widen(dq, 0, rows, dq_dtype), Float32Rows.widen(dk, t - rows, t, kv_dtype),
+                    Float32Rows.widen(dv, t - rows, t, kv_dtype))
         return dq.astype(dq_dtype), dk.astype(kv_dtype), dv.astype(kv_dtype)
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
@@ -401,12 +435,10 @@ def merge_block(backend, scale, q, block: Block, kv, state, segments=None, windo
         o, lse = state
         o_b, lse_b = backend.fwd(_part(q, cut.q_part, 1), _part(k_cur, cut.kv_part, 1),
                                  _part(v_cur, cut.kv_part, 1), cut.mask, scale, **arrays)
-        o_p, lse_p = merge_partials(_part(o, cut.q_part, 1), _part(lse, cut.q_part, 2), o_b, lse_b)
+        o_p, lse_p = merge_partials(_rows(o, cut.q_part), _part(lse, cut.q_part, 2), o_b, lse_b)
         lo, _ = cut.q_part.bounds(q.shape[1])
-        if cut.q_part is Part.ALL:
-            return o_p, lse_p
-        return (lax.dynamic_update_slice_in_dim(o, o_p, lo, axis=1),
-                lax.dynamic_update_slice_in_dim(lse, lse_p, lo, axis=2))
+        lse = lse_p if cut.q_part is Part.ALL else lax.dynamic_update_slice_in_dim(lse, lse_p, lo, axis=2)
+        return _put_rows(o, cut.q_part, o_p), lse
 
     return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions,
                        by_offset=backend.window_offsets, token_index=token_index)
@@ -467,6 +499,16 @@ def add_sinks(o, lse, sinks):
     return o.astype(F32) * jnp.swapaxes(jnp.exp(lse - lse_f), 1, 2)[..., None], lse_f
 
 
+def finish_output(o, lse, sinks, dtype):
+    """The forward's final (o in ``dtype``, lse): the sinks entered once per row after every block
+    merged (:func:`add_sinks`, every row in float32), then o cast (``o``: an array or a
+    :class:`Float32Rows` accumulator)."""
+    if sinks is None:
+        return as_dtype(o, dtype), lse
+    o, lse = add_sinks(o.full() if isinstance(o, Float32Rows) else o, lse, sinks)
+    return o.astype(dtype), lse
+
+
 def sinks_grad(o, lse, do, dlse, sinks):
     """The sinks' cotangent from this device's rows: -Σ over (b, t) of P_sink·(D - dlse), with the
     final o [b, t, h, d] and lse [b, h, t], P_sink = exp(sinks[h] - lse), D = rowsum(dO∘O)
@@ -502,21 +544,24 @@ def alone_grad_dtypes(schedule: Schedule, config: AttentionConfig, dtype) -> Gra
 
 
 def forward_visit(q, config: AttentionConfig, schedule: Schedule, me, t: int, ids_all=None, index_all=None, *,
-                  own_kv=None, kv_of: Callable | None = None) -> Callable:
+                  own_kv=None, kv_of: Callable | None = None, rows: int | None = None) -> Callable:
     """The ``visit`` of :func:`walk` for device ``me``'s forward: its own block, then every
     visiting K/V merged by LSE into ``state = (o, lse)``. ``t``: tokens per shard; ``ids_all`` /
     ``index_all``: every shard's segment ids / token indices [b, R·t] or None. Where the K/V come
     from: ``own_kv`` for the own block (None: what the walk carries then) and ``kv_of(kv, j, s)``
     for a visit (None: the carried K/V themselves — all-gather KV and the replay carry nothing
     and slice a resident shard, :func:`resident_kv`). The own block's o is in
-    :func:`alone_dtype`."""
-    backend, o_dtype = config.backend(), alone_dtype(schedule, q.dtype)
+    :func:`alone_dtype` — or, with ``rows`` (the halo schedule's: its one visited block merges
+    into the first ``rows`` queries), in q's dtype with those rows float32 (:class:`Float32Rows`)."""
+    backend = config.backend()
+    o_dtype = q.dtype if rows is not None else alone_dtype(schedule, q.dtype)
 
     def visit(step, j, s, kv, state):
         kv = _visit_kv(step, j, s, kv, own_kv, kv_of)
         masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:  # own K/V, never empty
-            return local_forward(backend, config.scale, q, kv, schedule.plan.local.mask, out_dtype=o_dtype, **masks)
+            return local_forward(backend, config.scale, q, kv, schedule.plan.local.mask, out_dtype=o_dtype, rows=rows,
+                                 **masks)
         return visit_block(schedule, me, j, s,
                            lambda blk, st: merge_block(backend, config.scale, q, blk, kv, st, **masks), state)
 
@@ -575,12 +620,18 @@ def _visit_kv(step, j, s, carried, own_kv, kv_of):
 
 def backward_visit(saved, config: AttentionConfig, schedule: Schedule, me, t: int, ids_all=None, index_all=None, *,
                    own_kv=None, kv_of: Callable | None = None, grad_dtypes: GradDtypes | None = None,
-                   dkv: DKVAccumulation = TRAVELLING) -> Callable:
+                   dkv: DKVAccumulation = TRAVELLING, rows: int | None = None) -> Callable:
     """The ``visit`` of :func:`walk` for device ``me``'s backward (``saved = (q, o, lse, do, dlse)``):
     its own block's gradients, then every visited block's added (``dkv``). ``own_kv``, ``kv_of``,
     ``ids_all``, ``index_all``, ``t``: as :func:`forward_visit`; ``grad_dtypes``: the own block's
-    (default :func:`alone_grad_dtypes`)."""
+    (default :func:`alone_grad_dtypes`); ``rows`` (the halo schedule's, with dK / dV travelling): the
+    own block's gradients kept in the inputs' dtype with float32 rows where the one visited block
+    adds — dq's first ``rows`` queries, dK / dV's last ``rows`` keys, the rows that travel
+    (:class:`Float32Rows`)."""
     backend = config.backend()
+    if rows is not None:
+        dtype = saved[0].dtype
+        grad_dtypes = GradDtypes(dtype, F32 if config.float32_kv_grads else dtype)
     grad_dtypes = alone_grad_dtypes(schedule, config, saved[0].dtype) if grad_dtypes is None else grad_dtypes
 
     def visit(step, j, s, kv, state):
@@ -588,7 +639,7 @@ def backward_visit(saved, config: AttentionConfig, schedule: Schedule, me, t: in
         masks = visit_masks(schedule, config, ids_all, me, j, s, t, index_all)
         if step.local:
             grads = local_backward(backend, config.scale, saved, kv, schedule.plan.local.mask,
-                                   grad_dtypes=grad_dtypes, **masks)
+                                   grad_dtypes=grad_dtypes, rows=rows, **masks)
             return dkv.keep(None, j, s, grads)
         grads = visit_block(schedule, me, j, s,
                             lambda blk, st: grad_block(backend, config.scale, saved, blk, kv, st, **masks),
@@ -607,7 +658,8 @@ def walk_forward(q, k, v, axes, config: AttentionConfig, schedule: Schedule, ids
     backward K/V hops, not R-1), else None."""
     kv_first = (shift_halo(config.comm, (k, v), schedule.steps[0].kv_hop, axes, schedule.halo)
                 if schedule.backward_reuses_first_kv else None)
-    visit = forward_visit(q, config, schedule, ring_index(axes), k.shape[1], ids_all, index_all)
+    rows = None if config.float32_output else schedule.halo  # o's rows the halo block merges into, float32
+    visit = forward_visit(q, config, schedule, ring_index(axes), k.shape[1], ids_all, index_all, rows=rows)
     o, lse = walk(schedule, (k, v), None, visit, comm=config.comm, axes=axes, kv_first=kv_first)
     return o, lse, kv_first
 
@@ -636,9 +688,11 @@ def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
     static (never arrays)."""
 
     def forward_with_sinks(q, k, v, ids, index, sinks, axes, config):
+        if sinks is not None:  # they enter every row in float32: o comes whole in float32
+            config = dataclasses.replace(config, float32_output=True)
         o, lse, extra = forward(q, k, v, ids, index, axes, config)
-        o, lse = add_sinks(o, lse, sinks)
-        return o.astype(q.dtype), lse, extra
+        o, lse = finish_output(o, lse, sinks, q.dtype)
+        return o, lse, extra
 
     @partial(jax.custom_vjp, nondiff_argnums=(6, 7))
     def attention(q, k, v, ids, index, sinks, axes, config: AttentionConfig):
@@ -666,7 +720,8 @@ def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
             config = dataclasses.replace(config, float32_kv_grads=True)
         dq, dk, dv = backward(q, k, v, o, lse, extra, do, dlse, axes, config)
         dsinks = None if sinks is None else sinks_grad(o, lse, do, dlse, sinks).astype(sinks.dtype)
-        return dq.astype(q.dtype), dk.astype(kv_dtype_of.dtype), dv.astype(kv_dtype_of.dtype), None, None, dsinks
+        return (as_dtype(dq, q.dtype), as_dtype(dk, kv_dtype_of.dtype), as_dtype(dv, kv_dtype_of.dtype), None, None,
+                dsinks)
 
     attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
 

@@ -90,7 +90,7 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
     schedule = _schedule(axis_name, config, k.shape[1])
     kv_first, ids_all, index_all = extra
     visit = backward_visit((q, o, lse, do, dlse), config, schedule, ring_index(axis_name), k.shape[1], ids_all,
-                           index_all)
+                           index_all, rows=schedule.halo)
 
     def send_dkv(step, state):  # dK/dV of the shard just visited move on with it; R hops bring them home
         if step.dkv_hop is None:

@@ -31,6 +31,8 @@
 # (8 of its 9 sizes before the hold ran out).
 # 2026-11-27 (eighth machine, 20:56): tier 1.8 min (11 checks), u128 torch 1.75 (FA4 blocks), win torch 1.45, d128 torch 1.8,
 # u128mha torch 2.0, tp torch 0.6, magi4 JAX ring-r4 9.3 (compiles), torchprof 4, strong torch 1.8, weak torch > 2 (ceilings only).
+# 2026-11-28 (2x H200, GPUS=2, 32k tokens a GPU): tier 2.75 min (FA4's first compiles), win both sides 3.1, u128 both
+# sides 2.7, winprof 3.4, weak torch 2.7 / JAX 0.7, torchprof 6.6.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,

@@ -107,7 +107,7 @@ CASES = [
 
 
 def _run(mesh_name, layout, causal, window, use_sinks, ids_kind, kv_exchange, use_lse, seed,
-         block_backend="auto") -> tuple[dict, dict]:
+         block_backend="auto", dtype=jnp.float32) -> tuple[dict, dict]:
     """(got, truth) of one call: forward and pullback jitted together (one compilation), outputs
     and gradients brought back to original order."""
     axes = MESHES[mesh_name]
@@ -130,15 +130,15 @@ def _run(mesh_name, layout, causal, window, use_sinks, ids_kind, kv_exchange, us
         out, pullback = jax.vjp(attention, *args)
         return out, pullback(cotangents)
 
-    args = [jnp.asarray(x[:, perm], jnp.float32) for x in (q, k, v)]
+    args = [jnp.asarray(x[:, perm], dtype) for x in (q, k, v)]
     args.append(None if sinks is None else jnp.asarray(sinks, jnp.float32))
-    cotangents = jnp.asarray(do[:, perm], jnp.float32)
+    cotangents = jnp.asarray(do[:, perm], dtype)
     if use_lse:
         cotangents = (cotangents, jnp.asarray(dlse[:, :, perm], jnp.float32))
     out, grads = forward_and_grads(args, cotangents)
     o, lse = out if use_lse else (out, None)
-    got = dict(o=np.asarray(o)[:, inv], dq=np.asarray(grads[0])[:, inv], dk=np.asarray(grads[1])[:, inv],
-               dv=np.asarray(grads[2])[:, inv])
+    got = dict(o=np.asarray(o, np.float32)[:, inv], dq=np.asarray(grads[0], np.float32)[:, inv],
+               dk=np.asarray(grads[1], np.float32)[:, inv], dv=np.asarray(grads[2], np.float32)[:, inv])
     if lse is not None:
         got["lse"] = np.asarray(lse)[:, :, inv]
     if sinks is not None:
@@ -432,3 +432,35 @@ def test_fused_window_band_matches_float64_truth(mesh_name, layout, causal, wind
     assert any(w != (-1, -1) for w in BAND_MASKS) == bands, BAND_MASKS
     part = SEQ // (4 if mesh_name == "ring4" else 2) // (2 if layout == "zigzag" else 1)  # a block's rows
     assert any(rows < part for rows, _ in BLOCK_SHAPES) == cropped, BLOCK_SHAPES
+
+
+@pytest.mark.parametrize("block_backend, use_sinks", [("auto", False), ("band_cpu", False), ("auto", True)])
+def test_halo_accumulators_widen_only_the_halo_rows_bit_for_bit(block_backend, use_sinks, seed, jax_devices,
+                                                                 monkeypatch):
+    """The window ring's halo schedule keeps its accumulators in the inputs' dtype with float32
+    rows where the one visited block adds (``merge.Float32Rows``: o's and dq's first ``halo``
+    queries, dK / dV's last ``halo`` keys): in bf16, o, lse and every gradient equal bit for bit
+    the whole-shard float32 accumulators' (the loops called with ``rows=None``) — with the portable
+    kernel (blocks not cropped: rows outside the float32 ones pass once through the base) and the
+    fused band path (cropped to the band). With sinks o comes whole in float32 (they enter every
+    row): only the gradients are split."""
+    from jax_impl import loop, merge, ring
+
+    if block_backend == "band_cpu":
+        _register_band_backend()
+    widened = []
+    real_widen = merge.Float32Rows.widen.__func__
+    monkeypatch.setattr(merge.Float32Rows, "widen",
+                        classmethod(lambda cls, x, lo, hi, dtype: widened.append((lo, hi)) or real_widen(cls, x, lo, hi, dtype)))
+    case = ("ring4", "contiguous", True, (5, 0), use_sinks, None, "ring", True)
+    got, _ = _run(*case, seed=seed, block_backend=block_backend, dtype=jnp.bfloat16)
+    # o (without sinks) and dq: queries 0-4; dK / dV: keys 11-15 of a 16-token shard
+    assert sorted(widened) == sorted([(0, 5)] * (1 if use_sinks else 2) + [(11, 16)] * 2), widened
+    forward_visit, backward_visit = loop.forward_visit, ring.backward_visit
+    monkeypatch.setattr(loop, "forward_visit", lambda *a, rows=None, **k: forward_visit(*a, **k))
+    monkeypatch.setattr(ring, "backward_visit", lambda *a, rows=None, **k: backward_visit(*a, **k))
+    widened.clear()
+    whole, _ = _run(*case, seed=seed, block_backend=block_backend, dtype=jnp.bfloat16)
+    assert not widened
+    for name in got:
+        np.testing.assert_array_equal(got[name], whole[name], err_msg=name)

@@ -194,10 +194,4 @@ def test_mirrors_have_the_same_files_and_public_names():
         jax_only |= {"forward_visit", "backward_visit", "resident_kv", "DKVAccumulation", "TRAVELLING",
                      "per_shard_accumulation"}
         torch_only |= {"attend_visits", "grad_visits", "ShardGrads"}
-        # Float32Rows: torch's accumulators are widened to float32 only on the rows a later block
-        # touches (concrete spans, found as the eager walk asks; as_dtype / finish_output turn one
-        # back into a tensor). JAX's are scan carries whose dtype and shape are fixed at trace time
-        # (alone_dtype), so a device with other blocks widens its whole shard: a carry split at the
-        # window ring's static halo rows would be JAX's form of it, not built (docs/decisions.md).
-        torch_only |= {"Float32Rows", "as_dtype", "finish_output"}
         assert jax_names - jax_only == torch_names - torch_only, name
