@@ -165,9 +165,11 @@ if [ "$1" = start ]; then
   CMD[m1]="for side in $SIDES; do python3 -m benchmarks --gpus 4 --only \$side --seqs $HUGE --meshes usp-r2xu2,ring-r4 \
     $DRV --ceiling-seq $((HUGE / 4)) --iters 3 --warmup 1 --machine x${GPUS}-1m-\$side --parts-dir $R/m1-\$side; done"
   # a sliding window (4096, 0), contiguous, ring 4 and USP 2x2, over each framework's window anchor
-  CMD[win]="for side in $SIDES; do python3 -m benchmarks --gpus $GPUS --only \$side --seqs $SEQ --window 4096 \
-    --layout contiguous --meshes $W_MESHES $DRV --ceiling-seq $((SEQ / GPUS)) --iters 5 --warmup 2 \
-    --machine x${GPUS}-window-\$side --parts-dir $R/win-\$side; done"
+  # WIN_REPEATS (default 2) runs of each side, one after the other: the window anchor moved 5 % between two
+  # calls on 2026-11-28 (12.60 / 13.28 ms) while the ring's row moved 1 % — each run's ratio over its own anchor
+  CMD[win]="for side in $SIDES; do for rep in \$(seq ${WIN_REPEATS:-2}); do python3 -m benchmarks --gpus $GPUS \
+    --only \$side --seqs $SEQ --window 4096 --layout contiguous --meshes $W_MESHES $DRV --ceiling-seq $((SEQ / GPUS)) \
+    --iters 5 --warmup 2 --machine x${GPUS}-window-\$side-run\$rep --parts-dir $R/win-\$side-run\$rep; done; done"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x${GPUS}-mc --parts-dir $R/mc \
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""
