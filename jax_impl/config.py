@@ -29,7 +29,7 @@ class AttentionConfig(seqplan.config.AttentionConfig):
     # float32 (Ulysses' replicated KV heads, whose copies' gradients are summed after the call)
     float32_kv_grads: bool = False
     # o leaves the walk whole in float32: sinks follow, entered into every row in float32 (the halo
-    # schedule's accumulator otherwise keeps the rows no block merges into in q's dtype: loop.Float32Rows)
+    # schedule's accumulator otherwise keeps the rows no block merges into in q's dtype: merge.Float32Rows)
     float32_output: bool = False
 
     def backend(self) -> BlockBackend:

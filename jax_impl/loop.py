@@ -369,8 +369,8 @@ def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=
     ``out_dtype``: float32 when other blocks merge into it, the caller's dtype when this block is
     the device's only one — cast inside each variant, where XLA drops a fused kernel's widen-then-
     narrow (a ``lax.switch`` boundary would keep a float32 copy: ≈ 0.5 ms at 32k tokens, 32 heads).
-    ``rows``: a :class:`Float32Rows` with the first ``rows`` queries float32 as the kernel computed
-    them, the rest in ``out_dtype``."""
+    ``rows`` (an int): o as a :class:`Float32Rows` whose first ``rows`` queries are float32 as the
+    kernel computed them, the rest in ``out_dtype``."""
     def run(m, arrays, _):
         o, lse = backend.fwd(q, *kv, m, scale, **arrays)
         return (o.astype(out_dtype) if rows is None else Float32Rows.widen(o, 0, rows, out_dtype)), lse
@@ -501,11 +501,12 @@ def add_sinks(o, lse, sinks):
 
 def finish_output(o, lse, sinks, dtype):
     """The forward's final (o in ``dtype``, lse): the sinks entered once per row after every block
-    merged (:func:`add_sinks`, every row in float32), then o cast (``o``: an array or a
-    :class:`Float32Rows` accumulator)."""
+    merged (:func:`add_sinks`, every row in float32: o whole, ``config.float32_output``), then o cast
+    (``o``: an array or, without sinks, a :class:`Float32Rows` accumulator)."""
     if sinks is None:
         return as_dtype(o, dtype), lse
-    o, lse = add_sinks(o.full() if isinstance(o, Float32Rows) else o, lse, sinks)
+    assert not isinstance(o, Float32Rows), "with sinks o comes whole in float32 (config.float32_output)"
+    o, lse = add_sinks(o, lse, sinks)
     return o.astype(dtype), lse
 
 
@@ -553,6 +554,7 @@ def forward_visit(q, config: AttentionConfig, schedule: Schedule, me, t: int, id
     and slice a resident shard, :func:`resident_kv`). The own block's o is in
     :func:`alone_dtype` — or, with ``rows`` (the halo schedule's: its one visited block merges
     into the first ``rows`` queries), in q's dtype with those rows float32 (:class:`Float32Rows`)."""
+    assert rows is None or (rows == schedule.halo and len(schedule.steps) == 2), "float32 rows: the halo schedule's"
     backend = config.backend()
     o_dtype = q.dtype if rows is not None else alone_dtype(schedule, q.dtype)
 
@@ -629,7 +631,8 @@ def backward_visit(saved, config: AttentionConfig, schedule: Schedule, me, t: in
     adds — dq's first ``rows`` queries, dK / dV's last ``rows`` keys, the rows that travel
     (:class:`Float32Rows`)."""
     backend = config.backend()
-    if rows is not None:
+    if rows is not None:  # one visited block, its dK / dV travelling: exact (Float32Rows)
+        assert rows == schedule.halo and len(schedule.steps) == 2 and dkv is TRAVELLING and grad_dtypes is None
         dtype = saved[0].dtype
         grad_dtypes = GradDtypes(dtype, F32 if config.float32_kv_grads else dtype)
     grad_dtypes = alone_grad_dtypes(schedule, config, saved[0].dtype) if grad_dtypes is None else grad_dtypes

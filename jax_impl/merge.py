@@ -77,7 +77,7 @@ class Float32Rows:
         return Float32Rows(base, rows, self.lo)
 
     def full(self):
-        """Every row in float32 (the sinks' merge)."""
+        """Every row in float32 (:meth:`part`'s read of rows outside the float32 ones)."""
         return lax.dynamic_update_slice_in_dim(self.base.astype(jnp.float32), self.rows, self.lo, axis=1)
 
     def result(self, dtype):

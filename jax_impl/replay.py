@@ -2,8 +2,9 @@
 
 What a mesh of R·U devices would compute, computed on the one device the inputs live on: for each
 virtual device, the real loops' own walk (``loop.walk`` over the same :class:`schedule.Schedule`,
-with ``loop.forward_visit`` / ``loop.backward_visit``: their kernels, merges, casts and float32
-accumulators); only the communication is replaced — K/V sliced from the resident global arrays
+with ``loop.forward_visit`` / ``loop.backward_visit``: their kernels, merges and casts, float32
+accumulators throughout — the mesh's halo schedule keeps only its halo rows in float32, with the
+same values, ``merge.Float32Rows``); only the communication is replaced — K/V sliced from the resident global arrays
 (``loop.resident_kv``), dK / dV kept per source shard (``loop.per_shard_accumulation``). It is the
 check (and, one device at a time, the benchmark) of the per-device path when fewer devices are
 present than the mesh needs, and it catches a kernel that is wrong only for some block kinds.

@@ -18,7 +18,9 @@ by keyword, only when the call has one, and only to a backend whose ``supports(m
 softcap=True)`` says its kernels apply it (:func:`capped_backend`, :func:`routing_backend`): a
 kernel that does not know the keyword fails loudly instead of computing uncapped attention.
 ``block_bwd`` takes the *global* ``o`` and ``lse``; kernels may return the input dtype, and every
-caller accumulates into float32 buffers (``Tensor.add_`` promotes in place).
+caller accumulates into float32 rows (``merge.Float32Rows``; ``Tensor.add_`` promotes in place).
+A kernel returns fresh tensors, never a view of its inputs or a cached tensor: the loops write the
+accumulated rows back into a block's own outputs.
 
 **Backends** live in ``kernels/``, one module per kernel family, each registering itself here
 (``torch_impl/kernels/__init__.py`` imports them): ``reference`` (portable einsum, float32, any

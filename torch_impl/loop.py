@@ -76,8 +76,8 @@ def _tails(tensors, rows: int) -> tuple:
     return tuple(x.narrow(1, x.shape[1] - rows, rows).contiguous() for x in tensors)
 
 
-def _tail(x, rows: int) -> Span:
-    """The last ``rows`` rows of ``x`` (dim 1): a halo's."""
+def _halo_span(x, rows: int) -> Span:
+    """The last ``rows`` rows of ``x`` (dim 1): the halo's, as a :class:`Span`."""
     return Span(x.shape[1] - rows, x.shape[1])
 
 
@@ -173,7 +173,8 @@ class KVWalk:
 
 
 class DKVTrail:
-    """The float32 dK/dV accumulators of the shard in hand, one hop behind it (the backward of
+    """The dK/dV accumulators of the shard in hand (float32 where they add: whole, or with a halo
+    only its rows, :class:`Float32Rows`), one hop behind it (the backward of
     ring and double ring): after each step they leave by the step's ``dkv_hop`` for the shard's
     next holder (:meth:`send`); :meth:`current` waits until those of the shard now in hand have
     arrived. After the last step's hop they are this rank's own."""
@@ -196,7 +197,7 @@ class DKVTrail:
             self._in_flight = None
             if self.schedule.halo is not None:  # the rows that came land in this rank's accumulators
                 for acc, rows in zip(self._acc, self._spare):
-                    acc.rows(_tail(acc.base, rows.shape[1])).copy_(rows)
+                    acc.rows(_halo_span(acc.base, rows.shape[1])).copy_(rows)
                 self._sending = None
         return self._acc
 
@@ -209,7 +210,7 @@ class DKVTrail:
         if hop not in self._shifts:
             self._shifts[hop] = self.comm.shift(hop, self.groups, **return_distance(self.schedule, hop))
         if self.schedule.halo is not None:
-            self._sending = [acc.rows(_tail(acc.base, self.schedule.halo)).contiguous() for acc in self._acc]
+            self._sending = [acc.rows(_halo_span(acc.base, self.schedule.halo)).contiguous() for acc in self._acc]
             if self._spare is None:
                 self._spare = [_buffer(x) for x in self._sending]
             self._shifts[hop].start(self._sending, self._spare)
@@ -603,7 +604,8 @@ def sinks_grad(o, lse, do, dlse, sinks):
 def attend_visits(q, config: AttentionConfig, schedule: Schedule, masks: ShardMasks, me: int, visits):
     """(o, lse) of rank ``me``'s visits, ``visits`` yielding ``(visit, kv)`` in the schedule's
     order (:class:`KVWalk`; all-gather KV's and the replay's resident shards): its own block, then
-    every visiting K/V merged by LSE into a float32 accumulator (one step: the kernel's dtype)."""
+    every visiting K/V merged by LSE into its accumulator, float32 on the rows they touch
+    (:class:`Float32Rows`; one step: the kernel's output as it is)."""
     backend = config.backend()
     for visit, kv in visits:
         visit_masks = masks.visit(me, visit.source)
@@ -618,7 +620,7 @@ def attend_visits(q, config: AttentionConfig, schedule: Schedule, masks: ShardMa
 def grad_visits(saved, config: AttentionConfig, schedule: Schedule, masks: ShardMasks, me: int, visits,
                 start_dkv: Callable):
     """(dq, dkv) of rank ``me``'s visits (``saved = (q, o, lse, do, dlse)``; ``visits`` as
-    :func:`attend_visits`'s): its own block's gradients start the float32 dK/dV accumulators
+    :func:`attend_visits`'s): its own block's gradients start dq (:class:`Float32Rows`) and the dK/dV accumulators
     ``start_dkv(dk, dv, source)`` in the kernel's dtype (:class:`DKVTrail`: they travel;
     :class:`ShardGrads`: they stay; each stores them in float32),
     every visited block adds into the ``current(source)`` ones, then ``send(step.dkv_hop)``. With

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from seqplan.schedule import Part
+
 
 def merge_partials(o, lse, o_b, lse_b):
     """Fold partial ``(o_b, lse_b)`` into ``(o, lse)``, in float32.
@@ -43,8 +45,9 @@ class Float32Rows:
     documents' rows. Widening the whole shard for them costs a float32 copy in and a cast out per
     tensor (on 2x H200 at 32k tokens, 32 heads: ≈ 1 ms of a 16 ms window-ring step). Here a row is
     widened the first time a block asks for it (:meth:`rows`) and the rest stay as the kernel wrote
-    them. Exact: an untouched row comes out of :meth:`result` as it went in, which is what its
-    float32 round trip gave; a touched row is accumulated in float32 as before. ``base`` (a kernel's
+    them (a zigzag ring's rank 0 widens one half; a token-index block cropped to its shared
+    documents, their rows). Exact: an untouched row comes out of :meth:`result` as it went in, which
+    is what its float32 round trip gave; a touched row is accumulated in float32 as before. ``base`` (a kernel's
     fresh output) becomes the accumulator's: :meth:`result` writes the widened rows back into it."""
 
     def __init__(self, base):
@@ -61,10 +64,12 @@ class Float32Rows:
 
     def full(self):
         """Every row in float32 (the sinks' merge, a whole-shard hop, a reduce-scatter)."""
-        return self.rows(_EVERY_ROW)
+        return self.rows(Part.ALL)
 
     def result(self, dtype):
-        """The accumulated tensor in ``dtype``: the widened rows cast once, the others the kernel's."""
+        """The accumulated tensor in ``dtype``: the widened rows cast once, the others the kernel's.
+        It ends the accumulator: the rows are written into ``base`` when ``dtype`` is its dtype (the
+        tensor returned is then ``base`` itself), so later adds would change what was returned."""
         t = self.base.shape[1]
         if self._spans == [(0, t)]:
             return self._wide.to(dtype)
@@ -92,15 +97,6 @@ class Float32Rows:
         for a, b in _gaps(self._spans, lo, hi):
             self._wide.narrow(1, a, b - a).copy_(self.base.narrow(1, a, b - a))
         self._spans = [(a, b) for a, b in merged]
-
-
-class _EveryRow:
-    @staticmethod
-    def bounds(length: int) -> tuple[int, int]:
-        return 0, length
-
-
-_EVERY_ROW = _EveryRow()
 
 
 def _gaps(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:

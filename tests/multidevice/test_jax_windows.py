@@ -434,16 +434,18 @@ def test_fused_window_band_matches_float64_truth(mesh_name, layout, causal, wind
     assert any(rows < part for rows, _ in BLOCK_SHAPES) == cropped, BLOCK_SHAPES
 
 
-@pytest.mark.parametrize("block_backend, use_sinks", [("auto", False), ("band_cpu", False), ("auto", True)])
-def test_halo_accumulators_widen_only_the_halo_rows_bit_for_bit(block_backend, use_sinks, seed, jax_devices,
-                                                                 monkeypatch):
+@pytest.mark.parametrize("mesh_name, block_backend, use_sinks, ids_kind, halo", [
+    ("ring4", "auto", False, None, (0, 5, 11, 16)), ("ring4", "band_cpu", False, "mix", (0, 5, 11, 16)),
+    ("ring4", "auto", True, None, (0, 5, 11, 16)), ("usp2x2", "auto", False, "mix", (0, 5, 27, 32))])
+def test_halo_accumulators_widen_only_the_halo_rows_bit_for_bit(mesh_name, block_backend, use_sinks, ids_kind, halo,
+                                                                 seed, jax_devices, monkeypatch):
     """The window ring's halo schedule keeps its accumulators in the inputs' dtype with float32
     rows where the one visited block adds (``merge.Float32Rows``: o's and dq's first ``halo``
     queries, dK / dV's last ``halo`` keys): in bf16, o, lse and every gradient equal bit for bit
     the whole-shard float32 accumulators' (the loops called with ``rows=None``) — with the portable
     kernel (blocks not cropped: rows outside the float32 ones pass once through the base) and the
-    fused band path (cropped to the band). With sinks o comes whole in float32 (they enter every
-    row): only the gradients are split."""
+    fused band path (cropped to the band), with documents, and on USP's ring of 2. With sinks o comes whole in float32 (they
+    enter every row): only the gradients are split. Compared as bits (sign of zero included)."""
     from jax_impl import loop, merge, ring
 
     if block_backend == "band_cpu":
@@ -452,15 +454,17 @@ def test_halo_accumulators_widen_only_the_halo_rows_bit_for_bit(block_backend, u
     real_widen = merge.Float32Rows.widen.__func__
     monkeypatch.setattr(merge.Float32Rows, "widen",
                         classmethod(lambda cls, x, lo, hi, dtype: widened.append((lo, hi)) or real_widen(cls, x, lo, hi, dtype)))
-    case = ("ring4", "contiguous", True, (5, 0), use_sinks, None, "ring", True)
+    case = (mesh_name, "contiguous", True, (5, 0), use_sinks, ids_kind, "ring", True)
     got, _ = _run(*case, seed=seed, block_backend=block_backend, dtype=jnp.bfloat16)
     # o (without sinks) and dq: queries 0-4; dK / dV: keys 11-15 of a 16-token shard
-    assert sorted(widened) == sorted([(0, 5)] * (1 if use_sinks else 2) + [(11, 16)] * 2), widened
+    q_rows, kv_rows = halo[:2], halo[2:]
+    assert sorted(set(widened)) == sorted({q_rows, kv_rows}), widened
+    assert widened.count(q_rows) == (1 if use_sinks else 2) * widened.count(kv_rows) // 2, widened
     forward_visit, backward_visit = loop.forward_visit, ring.backward_visit
     monkeypatch.setattr(loop, "forward_visit", lambda *a, rows=None, **k: forward_visit(*a, **k))
     monkeypatch.setattr(ring, "backward_visit", lambda *a, rows=None, **k: backward_visit(*a, **k))
     widened.clear()
     whole, _ = _run(*case, seed=seed, block_backend=block_backend, dtype=jnp.bfloat16)
     assert not widened
-    for name in got:
-        np.testing.assert_array_equal(got[name], whole[name], err_msg=name)
+    for name in got:  # bf16 and float32 values as float32 arrays: their bits
+        np.testing.assert_array_equal(got[name].view(np.uint32), whole[name].view(np.uint32), err_msg=name)

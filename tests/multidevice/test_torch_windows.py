@@ -33,7 +33,7 @@ from seqplan.schedule import (
 from seqplan.validation import check_window
 from torch_impl import replay
 from torch_impl.block import BlockBackend, get_backend, register_backend
-from torch_tasks import bad_window_or_sinks_task, documents_task
+from torch_tasks import bad_window_or_sinks_task, documents_task, float32_rows_task
 
 T, HEADS, HEAD_DIM = 32, 4, 8
 RTOL = 1e-5  # relative L2 of float32 against the float64 truth (the float32 policy's bound)
@@ -471,3 +471,30 @@ def test_replay_with_window_and_sinks_equals_the_world_run(name, axes, exchange,
     for n, got in zip((*NAMES, "dsinks"), (o, lse, *grads)):
         torch.testing.assert_close(got.double(), world[n].double(), rtol=1e-6, atol=1e-6,
                                    msg=lambda m, n=n: f"{name} {n}: {m}")
+
+
+# (layout, causal, window, sinks, ids, K/V in float32): the halo schedule (contiguous, a causal or
+# right-0 window below a shard: rows [0, 5) of the queries, the last 5 keys), with sinks, documents
+# and float32 K/V; zigzag causal without a window (rank 0 widens only one half of its shard).
+FLOAT32_ROWS_CASES = [("contiguous", True, (5, 0), False, True, False), ("contiguous", False, (5, 0), True, False, True),
+                      ("zigzag", True, None, False, False, False)]
+
+
+@pytest.mark.parametrize("devices", [4, 2])
+def test_partial_float32_accumulators_equal_the_whole_shard_bit_for_bit(devices, worlds):
+    """torch's accumulators widen to float32 only the rows later blocks touch (``merge.Float32Rows``):
+    with a kernel that returns the inputs' dtype (as the GPU kernels do — the CPU's portable kernel
+    returns float32, where the partial path never runs), bf16 o, lse and every gradient equal bit
+    for bit those of the whole shard widened at once — the halo's dK / dV trail on a ring of 4
+    (its return hop) and of 2, sinks, documents, float32 K/V — and partial spans were taken; on the
+    contiguous layout each rank's rows also meet a float64 truth within bf16's error (both variants
+    share the trail, so a wrong trail would pass the first check alone)."""
+    results = worlds(devices).run(float32_rows_task, FLOAT32_ROWS_CASES)
+    for rank, per_case in enumerate(results):
+        for case, got in zip(FLOAT32_ROWS_CASES, per_case):
+            assert got["differ"] == [], (devices, rank, case, got)
+            assert all(err < 2e-2 for err in got["error"].values()), (devices, rank, case, got["error"])
+    assert any(got["error"] for per_case in results for got in per_case)  # the contiguous cases met the truth
+    t = 64 // devices  # float32_rows_task's shard
+    halo_spans = {s for per_case in results for s in per_case[0]["partial_spans"]}
+    assert ((0, 5),) in halo_spans and ((t - 5, t),) in halo_spans, halo_spans  # dq / o rows; dK / dV keys

@@ -339,3 +339,106 @@ def layer_task(mesh_axes, weights: dict, config: dict, x: dict) -> dict:
     (y * local("dy")).sum().backward()
     grads = {name: getattr(layer, name).weight.grad.numpy() for name in weights}
     return {"rank": rank, "y": y.detach().numpy(), "dx": xs.grad.numpy(), "grads": grads}
+
+
+def float32_rows_task(cases: list, seq: int = 64) -> list:
+    """Each case ``(layout, causal, window, sinks, ids, kv_float32)`` of ring attention over the
+    whole world, run twice on one backend that returns the inputs' dtype as the GPU kernels do
+    (the portable kernels' output cast): with the loops' ``Float32Rows`` and with a subclass that
+    widens the whole shard at once (the accumulators before 2026-11-28). Returns, per case, the
+    outputs and gradients that differ in any bit (sign of zero included) and the row spans the
+    partial accumulators widened (none would mean the partial path never ran)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from torch_impl import loop, merge
+    from torch_impl.block import BlockBackend, get_backend, register_backend
+
+    ref = get_backend("reference")
+
+    def fwd(q, k, v, mask, scale, **kw):
+        o, lse = ref.fwd(q, k, v, mask, scale, **kw)
+        return o.to(q.dtype), lse
+
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, **kw):
+        return tuple(g.to(q.dtype) for g in ref.bwd(do, q, k, v, o, lse, mask, scale, dlse, **kw))
+
+    register_backend(BlockBackend("input_dtype_reference", fwd, bwd, supports=lambda mask, dtype, softcap=False: True))
+    spans: list = []
+
+    class Partial(merge.Float32Rows):
+        def result(self, dtype):
+            spans.append(tuple(self._spans))
+            return super().result(dtype)
+
+    class Whole(merge.Float32Rows):
+        def __init__(self, base):
+            super().__init__(base)
+            self.full()
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = seq // world
+    out = []
+    for layout, causal, window, use_sinks, use_ids, kv_float32 in cases:
+        gen = torch.Generator().manual_seed(0)
+        q, do = (torch.randn(2, seq, 4, 8, generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, seq, 2, 8, generator=gen) for _ in range(2))
+        dlse, sinks = torch.randn(2, 4, seq, generator=gen), torch.randn(4, generator=gen)
+        ids = (torch.arange(seq) // 7)[None].expand(2, seq)
+        mine = slice(rank * t, (rank + 1) * t)
+        runs = []
+        for accumulator in (Partial, Whole):
+            loop.Float32Rows = accumulator  # the name the loops construct their accumulators by
+            try:
+                ql = q[:, mine].bfloat16().requires_grad_()
+                kl, vl = (x[:, mine].to(torch.float32 if kv_float32 else torch.bfloat16).requires_grad_() for x in (k, v))
+                s = sinks.clone().requires_grad_() if use_sinks else None
+                o, lse = torch_impl.ring_attention(
+                    ql, kl, vl, dist.group.WORLD, causal=causal, layout=layout, window=window, sinks=s,
+                    segment_ids=ids[:, mine].contiguous() if use_ids else None, block_backend="input_dtype_reference")
+                torch.autograd.backward((o, lse), (do[:, mine].bfloat16(), dlse[:, :, mine]))
+            finally:
+                loop.Float32Rows = merge.Float32Rows
+            runs.append({"o": o, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
+                         **({"dsinks": s.grad} if use_sinks else {})})
+        same = lambda a, b: torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+        error = {}
+        if layout == "contiguous":  # layout order is the original order: this rank's rows of a float64 truth
+            truth = _dense_float64(q, k, v, do, dlse, causal, window, sinks if use_sinks else None,
+                                   ids if use_ids else None)
+            rows = {"o": mine, "lse": mine, "dq": mine, "dk": mine, "dv": mine}
+            for name, want in truth.items():
+                got = runs[0][name].detach().double()
+                want = want if name == "dsinks" else (want[:, :, rows[name]] if name == "lse" else want[:, rows[name]])
+                error[name] = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+        out.append({"differ": [n for n in runs[0] if not same(runs[0][n].detach(), runs[1][n].detach())],
+                    "partial_spans": [s for s in spans if s and s != ((0, t),)], "error": error})
+        spans.clear()
+    return out
+
+
+def _dense_float64(q, k, v, do, dlse, causal, window, sinks, ids) -> dict:
+    """Dense attention in float64 on bf16-rounded inputs (original order; GQA, a window (left,
+    right), sinks, segment ids): o, lse and the gradients of sum(do·o) + sum(dlse·lse); dsinks
+    summed over every row (each rank's is its rows' share: compared only where the world is one)."""
+    import torch
+
+    x = {n: a.bfloat16().double().requires_grad_() for n, a in (("q", q), ("k", k), ("v", v))}
+    s_ = None if sinks is None else sinks.double().requires_grad_()
+    g = q.shape[2] // k.shape[2]
+    ke, ve = (x[n].repeat_interleave(g, dim=2) for n in ("k", "v"))
+    scores = torch.einsum("bthd,bshd->bhts", x["q"], ke) * q.shape[-1] ** -0.5
+    i, j = torch.arange(q.shape[1])[:, None], torch.arange(q.shape[1])[None, :]
+    visible = torch.ones_like(i == j)
+    if causal:
+        visible = visible & (j <= i)
+    if window is not None:
+        visible = visible & (j >= i - window[0]) & (j <= i + window[1])
+    visible = visible[None, None] & (True if ids is None else (ids[:, :, None] == ids[:, None, :])[:, None])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    logits = scores if s_ is None else torch.cat([scores, s_[None, :, None, None].expand(*scores.shape[:3], 1)], -1)
+    lse = torch.logsumexp(logits, -1)
+    o = torch.einsum("bhts,bshd->bthd", torch.exp(scores - lse[..., None]), ve)
+    torch.autograd.backward((o, lse), (do.bfloat16().double(), dlse.double()))
+    return {"o": o.detach(), "lse": lse.detach(), "dq": x["q"].grad, "dk": x["k"].grad, "dv": x["v"].grad}

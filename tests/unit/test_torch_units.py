@@ -113,7 +113,8 @@ def test_in_place_merge_follows_the_merge_formula():
     assert torch.equal(o[0, :, 1], o_before[0, :, 1]) and torch.equal(lse[0, 1], lse_before[0, 1])
 
 
-@pytest.mark.parametrize("spans", [[(2, 4), (3, 6)], [(5, 10), (0, 10)], [(0, 3), (7, 10), (2, 8)], [(0, 10)], []])
+@pytest.mark.parametrize("spans", [[(2, 4), (3, 6)], [(0, 2), (5, 7)], [(5, 10), (0, 10)], [(0, 3), (7, 10), (2, 8)],
+                                   [(0, 10)], []])
 def test_float32_rows_equal_the_whole_shard_widened(spans, seed):
     """Float32Rows (the loops' accumulators, widened only on the rows later blocks touch) gives
     bit for bit what widening the whole shard gave: merges and adds on the rows asked for, in
