@@ -133,7 +133,7 @@ def shift_halo(comm: Comm, tree: tuple, hop: Hop, axes, halo: int | None, into: 
         return comm.shift(tree, hop, axes, **kw)
     if into is not None and isinstance(into[0], Float32Rows):  # the halo's rows are the float32 ones
         assert all((x.lo, x.hi) == (x.base.shape[1] - halo, x.base.shape[1]) for x in into), "not the halo's rows"
-        tails = comm.shift(tuple(x.rows for x in tree), hop, axes, **kw)
+        tails = comm.shift(tuple(x.wide for x in tree), hop, axes, **kw)
         return tuple(Float32Rows(x.base, y, x.lo) for x, y in zip(into, tails))
     tails = comm.shift(tuple(x[:, -halo:] for x in tree), hop, axes, **kw)
     if into is None:
@@ -166,7 +166,7 @@ def _part(x, which: Part, axis: int):
 
 def _rows(acc, which: Part):
     """``acc[which]`` along the rows (axis 1), float32 where ``acc`` is a :class:`Float32Rows`."""
-    return acc.part(which) if isinstance(acc, Float32Rows) else _part(acc, which, 1)
+    return acc.rows(which) if isinstance(acc, Float32Rows) else _part(acc, which, 1)
 
 
 def _put_rows(acc, which: Part, value):
@@ -184,14 +184,9 @@ def as_dtype(acc, dtype):
     return acc.result(dtype) if isinstance(acc, Float32Rows) else acc.astype(dtype)
 
 
-def _add_part(acc, update, which: Part, axis: int):
-    """acc[which] += update along ``axis`` (static bounds)."""
-    if isinstance(acc, Float32Rows):
-        return acc.put(which, acc.part(which) + update)
-    if which is Part.ALL:
-        return acc + update
-    lo, _ = which.bounds(acc.shape[axis])
-    return lax.dynamic_update_slice_in_dim(acc, _part(acc, which, axis) + update, lo, axis=axis)
+def _add_rows(acc, update, which: Part):
+    """acc[which] += update along the rows (axis 1; static bounds)."""
+    return _put_rows(acc, which, _rows(acc, which) + update)
 
 
 def gather_segment_ids(ids, axes, comm: Comm):
@@ -461,7 +456,7 @@ def grad_block(backend, scale, saved, block: Block, kv, state, segments=None, wi
             _part(do, qp, 1), _part(q, qp, 1), _part(k_cur, kp, 1), _part(v_cur, kp, 1),
             _part(o, qp, 1), _part(lse, qp, 2), cut.mask, scale, None if dlse is None else _part(dlse, qp, 2),
             **arrays)
-        return _add_part(dq, dq_b, qp, 1), _add_part(dk_acc, dk_b, kp, 1), _add_part(dv_acc, dv_b, kp, 1)
+        return _add_rows(dq, dq_b, qp), _add_rows(dk_acc, dk_b, kp), _add_rows(dv_acc, dv_b, kp)
 
     return under_masks(block, run, state, segments=segments, window=window, shard_positions=shard_positions,
                        by_offset=backend.window_offsets, token_index=token_index)

@@ -27,8 +27,9 @@ def merge_partials(o, lse, o_b, lse_b):
 @jax.tree_util.register_pytree_node_class
 class Float32Rows:
     """An accumulator kept as its first block's kernel wrote it (``base`` [b, t, ...], rows on axis
-    1) with float32 rows [lo, lo + n) (``rows``) where later blocks merge or add — torch's
-    ``Float32Rows``, with its rows fixed when the program is traced (a scan carry's shape).
+    1) with float32 rows [lo, lo + n) (``wide``) where later blocks merge or add — torch's
+    ``Float32Rows`` (the same :meth:`rows`, :meth:`full`, :meth:`result`), with its float32 rows
+    fixed when the program is traced (a scan carry's shape) and written by :meth:`put`.
 
     The loops use it where one visited block at most meets each row (the window ring's halo
     schedule: its block touches the first ``halo`` queries and the last ``halo`` keys): widening the
@@ -37,8 +38,8 @@ class Float32Rows:
     for a single block is what the final cast gave; the rows inside stay float32 until
     :meth:`result`."""
 
-    def __init__(self, base, rows, lo: int):
-        self.base, self.rows, self.lo = base, rows, lo
+    def __init__(self, base, wide, lo: int):
+        self.base, self.wide, self.lo = base, wide, lo
 
     @classmethod
     def widen(cls, x, lo: int, hi: int, dtype) -> Float32Rows:
@@ -46,7 +47,7 @@ class Float32Rows:
         return cls(x.astype(dtype), lax.slice_in_dim(x, lo, hi, axis=1).astype(jnp.float32), lo)
 
     def tree_flatten(self):
-        return (self.base, self.rows), self.lo
+        return (self.base, self.wide), self.lo
 
     @classmethod
     def tree_unflatten(cls, lo, children):
@@ -54,13 +55,13 @@ class Float32Rows:
 
     @property
     def hi(self) -> int:
-        return self.lo + self.rows.shape[1]
+        return self.lo + self.wide.shape[1]
 
-    def part(self, which):
+    def rows(self, which):
         """Rows ``which.bounds(t)`` (a ``Part`` or ``Span``) in float32."""
         a, b = which.bounds(self.base.shape[1])
         if self.lo <= a and b <= self.hi:
-            return lax.slice_in_dim(self.rows, a - self.lo, b - self.lo, axis=1)
+            return lax.slice_in_dim(self.wide, a - self.lo, b - self.lo, axis=1)
         return lax.slice_in_dim(self.full(), a, b, axis=1)
 
     def put(self, which, value) -> Float32Rows:
@@ -70,16 +71,16 @@ class Float32Rows:
         if a < self.lo or b > self.hi:
             base = lax.dynamic_update_slice_in_dim(base, value.astype(base.dtype), a, axis=1)
         i0, i1 = max(a, self.lo), min(b, self.hi)
-        rows = self.rows
+        wide = self.wide
         if i0 < i1:
-            rows = lax.dynamic_update_slice_in_dim(rows, lax.slice_in_dim(value, i0 - a, i1 - a, axis=1), i0 - self.lo,
+            wide = lax.dynamic_update_slice_in_dim(wide, lax.slice_in_dim(value, i0 - a, i1 - a, axis=1), i0 - self.lo,
                                                    axis=1)
-        return Float32Rows(base, rows, self.lo)
+        return Float32Rows(base, wide, self.lo)
 
     def full(self):
-        """Every row in float32 (:meth:`part`'s read of rows outside the float32 ones)."""
-        return lax.dynamic_update_slice_in_dim(self.base.astype(jnp.float32), self.rows, self.lo, axis=1)
+        """Every row in float32 (:meth:`rows`' read of rows outside the float32 ones)."""
+        return lax.dynamic_update_slice_in_dim(self.base.astype(jnp.float32), self.wide, self.lo, axis=1)
 
     def result(self, dtype):
         """The accumulated array in ``dtype``: the float32 rows cast once, the others as the kernel wrote them."""
-        return lax.dynamic_update_slice_in_dim(self.base.astype(dtype), self.rows.astype(dtype), self.lo, axis=1)
+        return lax.dynamic_update_slice_in_dim(self.base.astype(dtype), self.wide.astype(dtype), self.lo, axis=1)

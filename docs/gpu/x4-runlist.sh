@@ -83,6 +83,13 @@ else U_MESHES=ring-r4,ulysses-u4,usp-r2xu2,double_ring-ro2xri2,ring-agkv-r4; W_M
 R=/tmp/rb-x4; LOG=$R/run.log; HERE=docs/gpu; DEST=${OUT:-}  # the device call's $OUT (the parts get $R)
 PARTS=${PARTS:-llama,llamajax,torchprof,d128,jaxprof,magi4,mc}
 if [ "$1" = start ]; then
+  if [ "$GPUS" != 4 ]; then  # the other parts name 4-GPU meshes: refused rather than run on a mesh that is not there
+    for part in ${PARTS//,/ }; do
+      case $part in tier|u128|u128mha|win|winprof|weak|torchprof) ;;
+        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, weak, torchprof do)"; exit 2 ;;
+      esac
+    done
+  fi
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
     . docs/gpu/install-wheels.sh $R
