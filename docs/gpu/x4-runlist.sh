@@ -32,7 +32,8 @@
 # 2026-11-27 (eighth machine, 20:56): tier 1.8 min (11 checks), u128 torch 1.75 (FA4 blocks), win torch 1.45, d128 torch 1.8,
 # u128mha torch 2.0, tp torch 0.6, magi4 JAX ring-r4 9.3 (compiles), torchprof 4, strong torch 1.8, weak torch > 2 (ceilings only).
 # 2026-11-28 (2x H200, GPUS=2, 32k tokens a GPU): tier 2.75 min (FA4's first compiles), win both sides 3.1, u128 both
-# sides 2.7, winprof 3.4, weak torch 2.7 / JAX 0.7, torchprof 6.6.
+# sides 2.7, winprof 3.4, weak torch 2.7 / JAX 0.7, torchprof 6.6. Second 2x H200 hold (04:01): win torch twice 3.1,
+# winprof torch 2; llamajax on both GPUs: check 3.4, exposure 5 (its compile 291 s), floor 1.3, the 32k row over 7.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -73,7 +74,8 @@
 #              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid)
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
 # GPUS=2 (a two-GPU hold, 2026-11-28): tier, u128, win, winprof, weak and torchprof at 32k tokens per GPU on the
-# two-GPU meshes (ring 2, Ulysses 2, all-gather KV 2) — the same per-GPU shapes as the 4-GPU rows.
+# two-GPU meshes (ring 2, Ulysses 2, all-gather KV 2) — the same per-GPU shapes as the 4-GPU rows; llama and llamajax
+# over both GPUs. winprof profiles the sides SIDES names (default both, JAX first).
 set -u
 . docs/gpu/background.sh
 GPUS=${GPUS:-4}
@@ -85,8 +87,8 @@ PARTS=${PARTS:-llama,llamajax,torchprof,d128,jaxprof,magi4,mc}
 if [ "$1" = start ]; then
   if [ "$GPUS" != 4 ]; then  # the other parts name 4-GPU meshes: refused rather than run on a mesh that is not there
     for part in ${PARTS//,/ }; do
-      case $part in tier|u128|u128mha|win|winprof|weak|torchprof) ;;
-        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, weak, torchprof do)"; exit 2 ;;
+      case $part in tier|u128|u128mha|win|winprof|weak|torchprof|llama|llamajax) ;;  # llama*: every GPU there is
+        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, weak, torchprof, llama, llamajax do)"; exit 2 ;;
       esac
     done
   fi
@@ -132,8 +134,8 @@ if [ "$1" = start ]; then
   CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 benchmarks/mesh_profile_jax.py $S"
   # the window rows' profiles (issue 47: ring and USP at 0.65-0.79 of the window kernel), both sides
   WIN=4096; [ "${SMOKE:-0}" = 1 ] && WIN=256
-  CMD[winprof]="MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN python3 benchmarks/mesh_profile_jax.py $S;
-    MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN $TORCHRUN benchmarks/mesh_profile_torch.py $S"
+  CMD[winprof]="for side in $SIDES; do case \$side in jax) P='python3 benchmarks/mesh_profile_jax.py' ;;
+    torch) P='$TORCHRUN benchmarks/mesh_profile_torch.py' ;; esac; MIXES=none PATHS=$PW SEQ=$SEQ WINDOW=$WIN \$P $S; done"
   CMD[jaxprof]="MIXES=short,heavy-tail PATHS=ring-agkv-r4:document-hybrid-shared,ring-r4:zigzag SEQ=$SEQ \
     python3 benchmarks/mesh_profile_jax.py $S"
   # the rings' per-step lax.cond with its predicate on the device (XLA command-buffer conditionals)

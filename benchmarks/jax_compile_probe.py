@@ -1,0 +1,106 @@
+"""Where the JAX whole-model step's compile time goes: the same ``llama_jax.Step`` (the B*
+command's JAX twin, ``parity.capacity.llama_scale_jax``) compiled under XLA's GEMM choices side
+by side, each row's compile seconds and median step.
+
+    python -m benchmarks.jax_compile_probe --out DIR [--seq 2048] [--devices 1] [--smoke]
+
+Why: on 2x H200 (2026-11-28) the twin's exposure step at 8k tokens a row spent 291 s compiling
+with XLA's autotuning on (its default level: cuBLAS and Triton GEMM configurations tried per
+fusion), so one strategy's calibration and rows did not fit a 10-minute call. Variants, in order
+(the first is the reference the others are checked against):
+
+- ``autotune``: XLA's default autotuning (what the twin runs today);
+- ``cublas``: Triton GEMM off (``xla_gpu_enable_triton_gemm=false``), cuBLAS's algorithms
+  autotuned;
+- ``untuned``: autotuning off (``xla_gpu_autotune_level=0``; 12x slower steps on 2026-11-27).
+
+Check: each variant's loss and gradients (the step's loss-and-grads program, compiled with the
+same options) against the reference's, within a bf16 tolerance (the reference's program was
+checked against the float64 step at 1,024 tokens by the twin's run on the same hardware); a row
+says ``checked`` only when that passed. (The first version compared the parameters after one
+Adam step: Adam's first update is ±lr wherever a gradient is nonzero, so a gradient near zero
+that changes sign with the GEMM's rounding moves its parameter by 2·lr — 0.25 of the largest
+parameter on an H200, 2026-11-28, with the loss equal bit for bit: a check that fails on correct
+kernels.) Rows land in ``DIR/compile-probe.jsonl`` as each finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+VARIANTS = {"autotune": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
+            "untuned": {"xla_gpu_autotune_level": 0}}
+TOLERANCE = 2e-2  # bf16: relative to the reference's largest magnitude, per tensor
+
+
+def relative_error(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def loss_and_grads(program, params, batch, options: dict) -> tuple[float, dict]:
+    """(loss, gradients on the host) of the loss-and-grads ``program`` compiled with ``options``."""
+    import jax
+
+    loss, grads = program.lower(params, *batch).compile(compiler_options=options or None)(params, *batch)
+    return float(jax.device_get(loss).sum()), jax.device_get(grads)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.jax_compile_probe", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seq", type=int, default=2048, help="tokens per row (one row)")
+    ap.add_argument("--devices", type=int, default=1, help="a zigzag ring with FSDP over this many devices")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--smoke", action="store_true", help="the tiny model on the CPU")
+    a = ap.parse_args(argv)
+    from parity.core.devices import configure_jax_devices
+
+    configure_jax_devices("cpu" if a.smoke else "gpu", autotune=True)  # as the twin: before JAX starts
+    import jax
+
+    from parity.capacity.llama_scale import SMALL_RUN, ScaleRun, model_case, rows_of_one_document
+    from parity.training.llama_gpu import jax_median_ms
+    from parity.training.llama_jax import Step, make_mesh
+
+    run = SMALL_RUN if a.smoke else ScaleRun()
+    case = model_case(run, "zigzag", a.seq, 1, a.devices)
+    step = Step(case, make_mesh(case), dtype=getattr(jax.numpy, run.dtype), block_backend=run.block_backend)
+    params, opt_state, *batch = step.arguments(rows_of_one_document(case))
+    _, grads_program, program = step.programs(params, opt_state, donate=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows_file = a.out / "compile-probe.jsonl"
+    reference = None
+    for name in a.variants.split(","):
+        start = time.perf_counter()
+        compiled = program.lower(params, opt_state, *batch).compile(compiler_options=VARIANTS[name] or None)
+        compile_s = time.perf_counter() - start
+        loss, grads = loss_and_grads(grads_program, params, batch, VARIANTS[name])
+        if reference is None:
+            reference, reference_name = (loss, grads), name
+        errors = {"loss": abs(loss - reference[0]) / abs(reference[0])}
+        errors["grads"] = max(jax.tree.leaves(jax.tree.map(relative_error, grads, reference[1])), default=0.0)
+        state = list(jax.tree.map(jax.numpy.copy, (params, opt_state)))
+
+        def once(state=state, compiled=compiled):
+            _, _, state[0], state[1] = compiled(*state, *batch)
+            return state[0]
+
+        step_ms = jax_median_ms(once, run.warmup, run.iters)
+        row = {"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices,
+               "compile_s": round(compile_s, 2), "step_ms": round(step_ms, 3), "errors": errors,
+               "checked": all(e <= TOLERANCE for e in errors.values()), "reference": reference_name,
+               "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+        print(json.dumps(row), flush=True)
+        with rows_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
