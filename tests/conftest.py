@@ -18,6 +18,8 @@ configure_jax_devices("cpu")  # before JAX is imported anywhere (and at LLVM opt
 import numpy as np
 import pytest
 
+import notebook_runs
+
 try:
     import jax
 
@@ -45,7 +47,16 @@ if jax is not None and os.environ.get("JAX_PLATFORMS") == "cpu":
 TIERS = ("unit", "multidevice", "gpu", "property")  # folder name == marker name
 
 
+def _xdist_controller(config) -> bool:
+    """This process distributes the tests to pytest-xdist workers (``-n N``) and runs none."""
+    return bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
+    # one seed for the whole run: pytest-xdist's workers read their --seed default from this variable
+    os.environ.setdefault("RINGBRIDGE_SEED", str(config.getoption("--seed")))
+    if _xdist_controller(config):  # the notebooks run here, into a directory the workers read
+        os.environ[notebook_runs.RUNS_DIR] = tempfile.mkdtemp(prefix="ringbridge-notebooks-")
     if config.getoption("--full"):  # before collection imports the test modules that read it
         os.environ["RINGBRIDGE_FULL"] = "1"
 
@@ -53,6 +64,23 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _XLA_CACHE is not None:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    if _xdist_controller(config):
+        shutil.rmtree(os.environ.pop(notebook_runs.RUNS_DIR), ignore_errors=True)
+
+
+_NOTEBOOKS_STARTED: list = []
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on its controller: a worker's collected test ids
+def pytest_xdist_node_collection_finished(node, ids):
+    """Start the selected notebooks once, when the first worker reports its collection (every
+    worker collects the same tests): tests/notebook_runs.py."""
+    if _NOTEBOOKS_STARTED:
+        return
+    names = [i.split(notebook_runs.TEST_ID, 1)[1][:-1] for i in ids if notebook_runs.TEST_ID in i]
+    _NOTEBOOKS_STARTED.append(True)
+    if names:
+        notebook_runs.start_into(names, Path(os.environ[notebook_runs.RUNS_DIR]))
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers

@@ -4,21 +4,20 @@ and each other: the all-pairs parity matrix, the harness itself, communication a
 training steps, determinism, numerics at the edge and at scale, validation before collectives,
 and the notebooks. It is the bulk of the suite's time (budget in docs/testing.md)."""
 
-_NOTEBOOKS: list = []  # the test module whose notebooks were started
+import os
+
+import notebook_runs
 
 
 def pytest_collection_finish(session):
-    """Start the selected notebook tests' notebooks now, in the background (tests/multidevice/
-    test_notebooks.py: each in a fresh kernel process, as a user runs it), so that their kernels
-    work beside the tests that run before theirs."""
-    if session.config.option.collectonly:
+    """Start the selected notebook tests' notebooks now, in the background (tests/notebook_runs.py),
+    so that their kernels work beside the tests that run before theirs. Under pytest-xdist every
+    worker collects every test: the controlling process starts them instead (tests/conftest.py)."""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    items = [item for item in session.items if item.path.name == "test_notebooks.py" and hasattr(item, "callspec")]
-    if items:
-        _NOTEBOOKS.append(items[0].module)
-        items[0].module.start([item.callspec.params["name"] for item in items])
+    notebook_runs.start([item.callspec.params["name"] for item in session.items
+                         if item.path.name == "test_notebooks.py" and hasattr(item, "callspec")])
 
 
 def pytest_sessionfinish(session):
-    for module in _NOTEBOOKS:
-        module.stop()
+    notebook_runs.stop()

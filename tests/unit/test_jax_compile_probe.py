@@ -22,19 +22,21 @@ def test_every_variant_is_compiled_timed_and_checked_against_the_first(tmp_path,
     real = jax_compile_probe.loss_and_grads
     calls = []
 
-    def planted(program, params, batch, options):  # the third variant's gradients come back scaled
+    def planted(program, params, batch, options):  # the second variant's gradients come back scaled
         loss, grads = real(program, params, batch, options)
         calls.append(options)
-        if len(calls) == 3:
+        if len(calls) == 2:
             import jax
 
             grads = jax.tree.map(lambda g: g * 1.1, grads)
         return loss, grads
 
     monkeypatch.setattr(jax_compile_probe, "loss_and_grads", planted)
-    assert jax_compile_probe.main(["--smoke", "--seq", "64", "--out", str(tmp_path)]) == 0
+    # two of the three variants: the third compiles and runs as the second does (≈ 7 s more)
+    assert jax_compile_probe.main(["--smoke", "--seq", "64", "--variants", "autotune,untuned",
+                                   "--out", str(tmp_path)]) == 0
     rows = _rows(tmp_path)
-    assert [r["variant"] for r in rows] == list(jax_compile_probe.VARIANTS)
-    assert [r["checked"] for r in rows] == [True, True, False]
-    assert rows[2]["errors"]["grads"] > jax_compile_probe.TOLERANCE
+    assert [r["variant"] for r in rows] == ["autotune", "untuned"]
+    assert [r["checked"] for r in rows] == [True, False]
+    assert rows[0]["errors"]["grads"] == 0.0 and rows[1]["errors"]["grads"] > jax_compile_probe.TOLERANCE
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 and r["reference"] == "autotune" for r in rows)
