@@ -1,7 +1,7 @@
 """Tier 1 — benchmarks.jax_compile_probe, the GPU question "where does the JAX whole-model step's
 compile time go?": on the CPU its smoke run compiles the tiny model's step under each variant and
-checks every variant's gradients against the first's; a variant whose gradients differ is
-reported unchecked (the probe's own check, planted)."""
+checks the first variant's gradients against the float64 step and every other variant's against
+the first's; a variant whose gradients differ is reported unchecked (the probe's own check, planted)."""
 
 from __future__ import annotations
 
@@ -38,5 +38,6 @@ def test_every_variant_is_compiled_timed_and_checked_against_the_first(tmp_path,
     rows = _rows(tmp_path)
     assert [r["variant"] for r in rows] == ["autotune", "untuned"]
     assert [r["checked"] for r in rows] == [True, False]
-    assert rows[0]["errors"]["grads"] == 0.0 and rows[1]["errors"]["grads"] > jax_compile_probe.TOLERANCE
+    assert rows[0]["errors"]["float64_worst_ratio"] <= 1.0  # the reference: against the float64 step
+    assert rows[1]["errors"]["grads"] > jax_compile_probe.TOLERANCE
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 and r["reference"] == "autotune" for r in rows)
