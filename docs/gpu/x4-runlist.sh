@@ -95,6 +95,16 @@ if [ "$1" = start ]; then
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
     . docs/gpu/install-wheels.sh $R
+    # torch's rows and anchors are measured against FA4 (issue 46: the anchor is the faster of FA2 and FA4); a
+    # fresh machine (the hold given back between calls) has none, and its torch rows would time FA2 — on
+    # 2026-11-28 a d128 call did, 85 device seconds. Refused unless NO_FA4=1 says FA2 is what is wanted.
+    case " ${SIDES:-torch jax} " in *" torch "*)
+      if [ "${NO_FA4:-0}" != 1 ] && ! PYTHONPATH=$PYTHONPATH python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
+        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|mc|llamajax|gqa) ;;
+          *) echo "FA4 is not installed on this machine (a fresh one?): torch's rows would run on FA2. Run the .fa4a stash and a" \
+               "call with .fa4b first, or set SIDES=jax, or NO_FA4=1 to time FA2 on purpose."; exit 3 ;; esac; done
+      fi ;;
+    esac
     SEQ=$((32768 * GPUS)); BIG=524288; HUGE=1048576; DEV=gpu; TORCHRUN="torchrun --nproc_per_node $GPUS"
     LLAMA=${LLAMA:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8"}
     LLAMAJAX=${LLAMAJAX:-"--strategies zigzag --seq 32768 --bstar-seq 16384 --exposure-seq 8192 --batches 1,4"}
