@@ -37,6 +37,7 @@ from .common import (
     documents_names,
     finish,
     fwd_modes,
+    head_groups_extra,
     lay_out,
     mask_extra,
     mesh_rows,
@@ -171,7 +172,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     for fwd_only in fwd_modes:
         row = Row("jax_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
-                         **mask_extra(problem), **path,
+                         **mask_extra(problem), **head_groups_extra(spec), **path,
                          # the one call's backward setting (RINGBRIDGE_BACKWARD_GROUPS: 1 one call, 2 two
                          # groups of runs where the split pays; which one a device took is not recorded)
                          **({"backward_groups": backward_groups()} if path and not fwd_only else {}),

@@ -30,6 +30,7 @@ from .common import (
     documents_names,
     finish,
     fwd_modes,
+    head_groups_extra,
     lay_out,
     mask_extra,
     mesh_rows,
@@ -195,7 +196,7 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
     for fwd_only in fwd_modes:
         row = Row("torch_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
-                         **mask_extra(problem), **path,
+                         **mask_extra(problem), **head_groups_extra(spec), **path,
                          **({"variant": variant} if variant else {})})
 
         def make_step():

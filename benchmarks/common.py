@@ -241,6 +241,15 @@ def mask_extra(problem: Problem) -> dict:
             "fit_multiple": problem.fit_multiple}
 
 
+def head_groups_extra(spec) -> dict:
+    """``{"head_groups": G}`` for a Ulysses mesh's row: the API's ``head_groups`` default on a Ulysses
+    axis (``RINGBRIDGE_HEAD_GROUPS``, read by the row's calls and by the check before it alike);
+    ``{}`` for meshes without one, which ignore it."""
+    from seqplan.config import default_head_groups
+
+    return {"head_groups": default_head_groups(None, spec.ulysses)} if spec.ulysses > 1 else {}
+
+
 STATIC_LAYOUTS = ("contiguous", "zigzag", "stripe")
 # The per-document hybrid with all-gather KV's shared prefix (seqplan.shared: the call passes the
 # shared_tokens seqplan.chooser gives) — a driver layout name, on all-gather-KV meshes only.

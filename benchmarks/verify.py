@@ -29,9 +29,25 @@ OURS = {"jax_impl": "jax", "jax_impl_mc": "jax", "torch_impl": "torch",
         "jax_impl_replay": "jax", "torch_impl_replay": "torch"}
 
 
+def _grouped_heads(ulysses: int, problem: Problem) -> tuple[int, int] | None:
+    """With Ulysses head groups (``RINGBRIDGE_HEAD_GROUPS`` > 1 on a Ulysses mesh), the reduced
+    head counts that take the row's path: G groups whose K/V heads relate to U as the row's do (a
+    group with at least U K/V heads splits them, asynchronously; one with fewer replicates them) —
+    8 query heads would give 4 groups no whole K/V head. None: no groups, or counts G does not
+    divide (the call then refuses them, as the row's would)."""
+    from seqplan.config import default_head_groups
+
+    groups = default_head_groups(None, ulysses)
+    if groups == 1 or problem.kv_heads % groups or problem.heads % problem.kv_heads:
+        return None
+    kv_heads = groups * min(problem.kv_heads // groups, ulysses)
+    return kv_heads * (problem.heads // problem.kv_heads), kv_heads
+
+
 def reduced_case(shape, layout: str, problem: Problem):
     """The parity ``Case`` of a row's path: the mesh ``shape`` (a ``parity.core.mesh.MeshShape``),
-    at ``REDUCED_SEQ`` tokens with 8 query heads (kv heads in the problem's ratio, at least 1), the
+    at ``REDUCED_SEQ`` tokens with 8 query heads (kv heads in the problem's ratio, at least 1; with
+    Ulysses head groups as many as the groups' path needs: :func:`_grouped_heads`), the
     problem's document pattern and its window scaled to the reduced length; a per-row ``layout``
     (document-zigzag, document-hybrid, document-hybrid-shared) as the token-index case of that row
     layout; the backward with o's cotangent alone, as the timed step."""
@@ -39,6 +55,7 @@ def reduced_case(shape, layout: str, problem: Problem):
 
     heads = 8
     kv_heads = max(1, heads * problem.kv_heads // problem.heads)
+    heads, kv_heads = _grouped_heads(shape.ulysses, problem) or (heads, kv_heads)
     # o's cotangent alone, as the timed step (its backward on the fused varlen kernels takes no dlse)
     masks = {"lse_cotangent": False}
     shared = layout == SHARED_HYBRID

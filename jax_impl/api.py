@@ -24,10 +24,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
-from seqplan.config import default_check_ranks
+from seqplan.config import default_check_ranks, default_head_groups
 from seqplan.shared import check_shared_exchange, check_shared_tokens, ring_shards
 from seqplan.validation import (
     Decomposition,
+    check_head_groups,
     check_segment_ids,
     check_sinks,
     check_softcap,
@@ -46,17 +47,18 @@ from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
 
 
-def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
+def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: str, head_groups: int = 1, **kw):
+    # head_groups (checked: 1 unless there is a Ulysses axis) reaches only the Ulysses algorithms
     if algorithm == "usp":
         return partial(usp_attention, ring_axis=RING, ulysses_axis=ULYSSES, layout=layout, return_lse=return_lse,
-                       kv_exchange=kv_exchange, **kw)
+                       kv_exchange=kv_exchange, head_groups=head_groups, **kw)
     if algorithm == "double_ring_usp":
         return partial(usp_attention, ring_axis=DOUBLE_RING, ulysses_axis=ULYSSES, layout=layout,
-                       return_lse=return_lse, **kw)
+                       return_lse=return_lse, head_groups=head_groups, **kw)
     if algorithm == "double_ring":
         return partial(double_ring_attention, axis_name=DOUBLE_RING, layout=layout, **kw)
     if algorithm == "ulysses":
-        return partial(ulysses_attention, axis_name=ULYSSES, return_lse=return_lse, **kw)
+        return partial(ulysses_attention, axis_name=ULYSSES, return_lse=return_lse, head_groups=head_groups, **kw)
     axis = RING if algorithm == "ring" else None
     return partial(KV_EXCHANGE[kv_exchange], axis_name=axis, layout=layout, **kw)
 
@@ -73,7 +75,7 @@ def _global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
 def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                     kv_exchange: str = "ring", return_lse: bool = False, block_backend: str = "auto",
                     deterministic: bool | None = None, segment_ids=None, window=None, sinks=None,
-                    softcap=None, token_index=None, shared_tokens: int | None = None):
+                    softcap=None, token_index=None, shared_tokens: int | None = None, head_groups: int | None = None):
     """``sequence_parallel_attention`` for code already inside ``jax.shard_map`` over ``mesh``: the
     arguments are THIS device's shards, as torch_impl's entry point takes them —
 
@@ -98,9 +100,11 @@ def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigza
     check_sinks(*shape_and_dtype(sinks), q.shape[2])
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     shared = check_shared_exchange(shared_tokens, decomposition.algorithm, kv_exchange)
+    groups = check_head_groups(default_head_groups(head_groups, decomposition.ulysses), q.shape[2], k.shape[2],
+                               decomposition.ulysses)
     per_device = _per_device(decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic, window=window, softcap=softcap, **shared)
+                             deterministic=deterministic, window=window, softcap=softcap, head_groups=groups, **shared)
     given = {name: x for name, x in (("segment_ids", segment_ids), ("token_index", token_index), ("sinks", sinks))
              if x is not None}
     o, lse = per_device(q, k, v, **given)
@@ -154,7 +158,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
                                 segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
-                                shared_tokens: int | None = None):
+                                shared_tokens: int | None = None, head_groups: int | None = None):
     """Attention of global ``q: [b, t, h, d]`` against ``k, v: [b, t, hk, d]`` (layout order),
     sequence-parallel over ``mesh``. Returns o (and lse: [b, h, t] float32 if ``return_lse``),
     sharded over the mesh. Works under ``jax.jit`` and ``jax.grad``.
@@ -211,6 +215,15 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     sharding (e.g. ``jnp.ones`` there is replicated), naming the expected type
     ("expected float32[2@data,32@ring,4,16]"): give it ``jax.reshard(ct, o.sharding)``.
 
+    ``head_groups``: with a Ulysses axis, the heads in this many consecutive groups, each through
+    its own all-to-alls and attention, so that one group's all-to-all can travel while another
+    group attends, forward and backward (torch issues them asynchronously; in JAX, XLA's
+    latency-hiding scheduler places them) — the same attention, head for head. For steps whose
+    attention is short beside the all-to-all (a sliding window: on 4× H200 the all-to-all was a
+    quarter of USP's windowed step). It must divide heads and kv_heads, and each group must be a
+    valid Ulysses split on its own; None reads ``RINGBRIDGE_HEAD_GROUPS`` (default 1) on meshes with
+    a Ulysses axis and means 1 on the others.
+
     ``deterministic``: refuse block kernels that are not run-to-run deterministic (default: whether
     XLA_FLAGS has ``--xla_gpu_deterministic_ops=true``). XLA reads its flags when its backend
     starts, so ``deterministic=True`` can only refuse such a kernel; it cannot make XLA's own ops
@@ -222,10 +235,11 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     deterministic = default_deterministic(deterministic)
     call = _checked_call(q, k, v, mesh, layout=layout, kv_exchange=kv_exchange, scale=scale, segment_ids=segment_ids,
                          token_index=token_index, window=window, softcap=softcap, sinks=sinks,
-                         shared_tokens=shared_tokens)
+                         shared_tokens=shared_tokens, head_groups=head_groups)
     per_device = _per_device(call.decomposition.algorithm, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic, window=call.window, softcap=call.softcap, **call.shared)
+                             deterministic=deterministic, window=call.window, softcap=call.softcap,
+                             head_groups=call.head_groups, **call.shared)
     x_spec, _ = partition_specs(mesh)
     optional = {name: (x, spec) for name, x, spec in (("segment_ids", segment_ids, _ids_spec(x_spec)),
                                                      ("token_index", token_index, _ids_spec(x_spec)),
@@ -248,10 +262,11 @@ class _CheckedCall(NamedTuple):
     window: tuple[int, int] | None
     softcap: float | None
     shared: dict
+    head_groups: int
 
 
 def _checked_call(q, k, v, mesh, *, layout, kv_exchange, scale, segment_ids, token_index, window, softcap, sinks,
-                  shared_tokens) -> _CheckedCall:
+                  shared_tokens, head_groups=None) -> _CheckedCall:
     """Every check of a call, before any collective: shapes, dtypes and options against the mesh,
     the optional arrays, and — for concrete arrays, not tracers — the token indices' range and
     the shared-prefix promise."""
@@ -269,7 +284,9 @@ def _checked_call(q, k, v, mesh, *, layout, kv_exchange, scale, segment_ids, tok
     if shared and segment_ids is not None and not isinstance(segment_ids, jax.core.Tracer):
         with jax.ensure_compile_time_eval():  # concrete ids: the promise checked before any collective
             check_shared_tokens(ring_shards(np.asarray(segment_ids), decomposition.ring), shared_tokens)
-    return _CheckedCall(decomposition, window, softcap, shared)
+    groups = check_head_groups(default_head_groups(head_groups, decomposition.ulysses), q.shape[2], k.shape[2],
+                               decomposition.ulysses)
+    return _CheckedCall(decomposition, window, softcap, shared, groups)
 
 
 def _on_mesh(attention, mesh, qkv, optional: dict, *, return_lse: bool, check_vma: bool):

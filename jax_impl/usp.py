@@ -30,13 +30,14 @@ def usp_attention(q, k, v, ring_axis: str | tuple[str, str] = RING, ulysses_axis
                   layout: str = "zigzag", scale: float | None = None, block_backend: str = "auto",
                   return_lse: bool = True, kv_exchange: str = "ring", deterministic: bool | None = None,
                   segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
-                  shared_tokens: int | None = None):
+                  shared_tokens: int | None = None, head_groups: int = 1):
     """Ulysses over ``ulysses_axis`` around ring (or all-gather-KV) attention over ``ring_axis``;
     a pair of axes ``(outer, inner)`` is the double ring. ``segment_ids``: this device's ids
     [b, t/(R·U)] or None; ``window``, ``sinks`` ([h]), ``softcap`` and ``token_index`` ([b, t/(R·U)]
     or None: it follows the sequence through the all-to-all as the ids do) as in
     ``ring_attention``; ``shared_tokens``: all-gather KV's shared prefix of each ring shard
-    (``allgather_attention``). Returns (o, lse)."""
+    (``allgather_attention``); ``head_groups``: the Ulysses all-to-all in head groups that overlap
+    each other's attention (``ulysses_attention``). Returns (o, lse)."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale, ulysses=axis_size(ulysses_axis))
     if kv_exchange not in KV_EXCHANGE:
@@ -48,4 +49,4 @@ def usp_attention(q, k, v, ring_axis: str | tuple[str, str] = RING, ulysses_axis
     return ulysses_attention(q, k, v, ulysses_axis, causal=causal, scale=scale, block_backend=block_backend,
                              attend=ring, return_lse=return_lse, deterministic=deterministic,
                              segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
-                             token_index=token_index)
+                             token_index=token_index, head_groups=head_groups)

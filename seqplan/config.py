@@ -1,9 +1,10 @@
 """The framework-free part of an attention call's static settings: :class:`AttentionConfig` (its
 fields, their checks, and :meth:`AttentionConfig.for_call`, the defaults and the token-index mode
-resolved), the softmax scale's default, and the environment default of ``check_ranks``
-(``RINGBRIDGE_CHECK_RANKS=1``). Each implementation's ``config.py`` subclasses the config with
-its framework's transfer hook (``comm``) and block kernels (``backend()``), and holds its
-``deterministic`` default (XLA_FLAGS for JAX, torch's deterministic-algorithms switch for torch)."""
+resolved), the softmax scale's default, and the environment defaults of ``check_ranks``
+(``RINGBRIDGE_CHECK_RANKS=1``) and ``head_groups`` (``RINGBRIDGE_HEAD_GROUPS``). Each
+implementation's ``config.py`` subclasses the config with its framework's transfer hook
+(``comm``) and block kernels (``backend()``), and holds its ``deterministic`` default (XLA_FLAGS
+for JAX, torch's deterministic-algorithms switch for torch)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .shared import check_shared_tokens_value
 from .validation import KV_EXCHANGES, check_softcap, check_window
 
 CHECK_RANKS_ENV = "RINGBRIDGE_CHECK_RANKS"
+HEAD_GROUPS_ENV = "RINGBRIDGE_HEAD_GROUPS"
 
 
 def resolve_scale(head_dim: int, scale: float | None) -> float:
@@ -145,6 +147,22 @@ def default_check_ranks(check_ranks: bool | None) -> bool:
     if check_ranks is not None:
         return bool(check_ranks)
     return os.environ.get(CHECK_RANKS_ENV) == "1"
+
+
+def default_head_groups(head_groups, ulysses: int):
+    """``head_groups``, or when None: ``RINGBRIDGE_HEAD_GROUPS`` (default 1) on a mesh whose Ulysses
+    axis is larger than 1, and 1 elsewhere — one setting for every Ulysses strategy of a run (the
+    benchmark driver's rows and the checks before them), which the rings ignore. The value is
+    checked by ``seqplan.validation.check_head_groups``."""
+    if head_groups is not None:
+        return head_groups
+    if ulysses == 1:
+        return 1
+    value = os.environ.get(HEAD_GROUPS_ENV, "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{HEAD_GROUPS_ENV} must be a positive int, got {value!r}") from None
 
 
 def check_positive_ints(config, names: Iterable[str]) -> None:

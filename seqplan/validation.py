@@ -201,6 +201,31 @@ def _check_head_split(heads: int, kv_heads: int, ulysses: int) -> None:
             f"replicated up to it), got kv_heads={kv_heads}, {ULYSSES}={ulysses}")
 
 
+def check_head_groups(head_groups, heads: int, kv_heads: int, ulysses: int) -> int:
+    """Ulysses in head groups: the heads split into ``head_groups`` consecutive groups (query group
+    g = heads [g·h/G, (g+1)·h/G), reading K/V heads [g·hk/G, (g+1)·hk/G)), each group's
+    all-to-all in flight while another group attends. Every group must itself be a valid Ulysses
+    head split, so G divides both head counts and each group's split passes the Ulysses rule.
+    ``ulysses`` 1 (no Ulysses axis) admits only 1: there is no all-to-all to overlap."""
+    if isinstance(head_groups, bool) or not isinstance(head_groups, numbers.Integral) or head_groups < 1:
+        raise ValueError(f"head_groups must be a positive int, got {head_groups!r}")
+    groups = int(head_groups)
+    if groups == 1:
+        return 1
+    if ulysses == 1:
+        raise ValueError(f"head_groups > 1 overlaps the Ulysses all-to-all and needs a {ULYSSES!r} mesh axis "
+                         f"larger than 1, got head_groups={groups}, {ULYSSES}={ulysses}")
+    if heads % groups or kv_heads % groups:
+        raise ValueError(f"head_groups must divide heads and kv_heads, got head_groups={groups}, heads={heads}, "
+                         f"kv_heads={kv_heads}")
+    try:
+        _check_head_split(heads // groups, kv_heads // groups, ulysses)
+    except ValueError as err:
+        raise ValueError(f"each of the head_groups={groups} groups must be a Ulysses head split on its own "
+                         f"({heads // groups} heads, {kv_heads // groups} kv heads a group): {err}") from None
+    return groups
+
+
 def validate_local(q_shape, k_shape, v_shape, dtypes, *, layout: str | None, scale, ulysses: int = 1) -> None:
     """Check one device's shards before any collective, in the per-device entry points.
 

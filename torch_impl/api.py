@@ -30,7 +30,7 @@ from functools import partial
 import torch
 
 from seqplan.axes import DATA, RING, RING_INNER, RING_OUTER, ULYSSES
-from seqplan.config import default_check_ranks
+from seqplan.config import default_check_ranks, default_head_groups
 from seqplan.layouts import LAYOUTS
 from seqplan.shared import check_shared_exchange
 from seqplan.validation import (
@@ -39,6 +39,7 @@ from seqplan.validation import (
     INT_DTYPES,
     KV_EXCHANGES,
     Decomposition,
+    check_head_groups,
     check_segment_ids,
     check_sinks,
     check_softcap,
@@ -87,11 +88,12 @@ def _softcap_code(softcap) -> int:
 
 
 def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segment_ids=None, window=None,
-               sinks=None, softcap=None, token_index=None) -> dict:
+               sinks=None, softcap=None, token_index=None, head_groups=1) -> dict:
     """What every rank must agree on, as small ints (names by their index in validation's and the
     layouts' tuples, scale by its float64 bit pattern; no segment_ids: shape (), dtype -1; window
     by :func:`_window_code`; no sinks: shape (), dtype -1; softcap by :func:`_softcap_code`; no
-    token_index: shape (), dtype -1)."""
+    token_index: shape (), dtype -1; head_groups: the int, -1 for anything else — ranks that split
+    the heads differently would issue different all-to-alls and hang)."""
     dtypes = tuple(_code(dtype_name(x.dtype), DTYPES) for x in (q, k, v))
     scale_bits = -1 if scale is None else _float_bits(scale)
     options = (int(bool(causal)), _code(layout, LAYOUTS), _code(kv_exchange, KV_EXCHANGES), int(bool(return_lse)))
@@ -106,7 +108,8 @@ def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segme
             "window (left, right; -1: none)": _window_code(window), "sinks shape": sinks_shape,
             f"sinks dtype (index in {FLOAT_DTYPES})": (_code(sinks_dtype, FLOAT_DTYPES),),
             "softcap (float64 bits; -1: none)": (_softcap_code(softcap),), "token_index shape": index_shape,
-            f"token_index dtype (index in {INT_DTYPES})": (-1 if index_dtype is None else _code(index_dtype, INT_DTYPES),)}
+            f"token_index dtype (index in {INT_DTYPES})": (-1 if index_dtype is None else _code(index_dtype, INT_DTYPES),),
+            "head_groups": (head_groups if isinstance(head_groups, int) and not isinstance(head_groups, bool) else -1,)}
 
 
 def _check_segment_ids(segment_ids, q) -> None:
@@ -166,18 +169,21 @@ def _check_sinks(sinks, q) -> None:
         raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
-def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, kv_exchange: str, **kw):
+def _per_device(algorithm: str, mesh, *, layout: str, return_lse: bool, kv_exchange: str, head_groups: int = 1,
+                **kw):
+    # head_groups (checked: 1 unless there is a Ulysses axis) reaches only the Ulysses algorithms
     if algorithm == "usp":
         return partial(usp_attention, ring_group=mesh.get_group(RING), ulysses_group=mesh.get_group(ULYSSES),
-                       layout=layout, return_lse=return_lse, kv_exchange=kv_exchange, **kw)
+                       layout=layout, return_lse=return_lse, kv_exchange=kv_exchange, head_groups=head_groups, **kw)
     if algorithm.startswith("double_ring"):
         groups = (mesh.get_group(RING_OUTER), mesh.get_group(RING_INNER))
         if algorithm == "double_ring_usp":
             return partial(usp_attention, ring_group=groups, ulysses_group=mesh.get_group(ULYSSES), layout=layout,
-                           return_lse=return_lse, **kw)
+                           return_lse=return_lse, head_groups=head_groups, **kw)
         return partial(double_ring_attention, group=groups, layout=layout, **kw)
     if algorithm == "ulysses":
-        return partial(ulysses_attention, group=mesh.get_group(ULYSSES), return_lse=return_lse, **kw)
+        return partial(ulysses_attention, group=mesh.get_group(ULYSSES), return_lse=return_lse,
+                       head_groups=head_groups, **kw)
     group = mesh.get_group(RING) if algorithm == "ring" else None
     return partial(KV_EXCHANGE[kv_exchange], group=group, layout=layout, **kw)
 
@@ -198,7 +204,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
                                 return_lse: bool = False, block_backend: str = "auto",
                                 deterministic: bool | None = None, check_ranks: bool | None = None,
                                 segment_ids=None, window=None, sinks=None, softcap=None, token_index=None,
-                                shared_tokens: int | None = None):
+                                shared_tokens: int | None = None, head_groups: int | None = None):
     """Attention of this rank's ``q`` shard against ``k, v`` shards (layout order), sequence-
     parallel over ``mesh`` (a ``DeviceMesh``). Returns o (and lse if ``return_lse``).
 
@@ -246,18 +252,28 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     dK / dV reduce-scattered, the rest attending locally while the gather runs
     (``seqplan.shared``). Checked on the gathered ids: a ``ValueError`` on every rank when broken.
 
+    ``head_groups``: with a Ulysses axis, the heads in this many consecutive groups, each through
+    its own all-to-alls and attention, so that one group's all-to-all can travel while another
+    group attends, forward and backward (torch issues them asynchronously; in JAX, XLA's
+    latency-hiding scheduler places them) — the same attention, head for head. For steps whose
+    attention is short beside the all-to-all (a sliding window: on 4× H200 the all-to-all was a
+    quarter of USP's windowed step). It must divide heads and kv_heads, and each group must be a
+    valid Ulysses split on its own; None reads ``RINGBRIDGE_HEAD_GROUPS`` (default 1) on meshes with
+    a Ulysses axis and means 1 on the others.
+
     ``deterministic``: refuse block kernels that are not run-to-run deterministic (default:
     ``torch.are_deterministic_algorithms_enabled()``). ``check_ranks``: compare every rank's local
     shapes, dtypes and options before any attention collective (default: RINGBRIDGE_CHECK_RANKS=1;
     see the module docstring)."""
     deterministic = default_deterministic(deterministic)
+    names = mesh.mesh_dim_names or ()
+    sizes = {name: mesh.size(i) for i, name in enumerate(names)}
+    head_groups = default_head_groups(head_groups, sizes.get(ULYSSES, 1))  # ranks read their own environment
     if default_check_ranks(check_ranks):
         check_ranks_agree(_signature(q, k, v, causal=causal, layout=layout, scale=scale, kv_exchange=kv_exchange,
                                      return_lse=return_lse, segment_ids=segment_ids, window=window, sinks=sinks,
-                                     softcap=softcap, token_index=token_index),
+                                     softcap=softcap, token_index=token_index, head_groups=head_groups),
                           mesh)
-    names = mesh.mesh_dim_names or ()
-    sizes = {name: mesh.size(i) for i, name in enumerate(names)}
     decomposition: Decomposition = validate(
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
@@ -267,9 +283,10 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     _check_sinks(sinks, q)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails before any collective
     shared = check_shared_exchange(shared_tokens, decomposition.algorithm, kv_exchange)
+    groups = check_head_groups(head_groups, q.shape[2], k.shape[2], decomposition.ulysses)
     per_device = _per_device(decomposition.algorithm, mesh, layout=layout, causal=causal, scale=scale,
                              block_backend=block_backend, return_lse=return_lse, kv_exchange=kv_exchange,
-                             deterministic=deterministic, **shared)
+                             deterministic=deterministic, head_groups=groups, **shared)
     o, lse = per_device(q, k, v, segment_ids=segment_ids, window=window, sinks=sinks, softcap=softcap,
                         token_index=token_index)
     return (o, lse) if return_lse else o

@@ -95,18 +95,96 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, ctx.group), None
 
 
+class InFlight:
+    """The handle of one all-to-all between its start and its wait — the forward's, then the
+    backward's reverse one (:class:`_StartAllToAll` and :class:`_WaitAllToAll` share it)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self):
+        self.work = None
+
+    def start(self, x, group):
+        """Issue ``all_to_all_single`` of ``x`` and return its output, still arriving."""
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self.work = dist.all_to_all_single(out, x, group=group, async_op=True)
+        return out
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()  # NCCL: the current stream waits for it; the host does not
+            self.work = None
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Forward: the all-to-all issued, its output returned before it has arrived (read it only
+    through :class:`_WaitAllToAll`). Backward: its gradient is the reverse all-to-all that
+    ``_WaitAllToAll.backward`` issued; it is waited for here, as late as autograd allows."""
+
+    @staticmethod
+    def forward(ctx, x, group, flight: InFlight):
+        ctx.flight = flight
+        return flight.start(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.flight.wait()
+        return grad, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """Forward: wait for the all-to-all :class:`_StartAllToAll` issued. Backward: issue the reverse
+    all-to-all of the gradient and return at once; the kernels autograd runs next (another head
+    group's attention backward) run while it travels."""
+
+    @staticmethod
+    def forward(ctx, out, group, flight: InFlight):
+        ctx.group, ctx.flight = group, flight
+        flight.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.flight.start(grad, ctx.group), None, None
+
+
+def _chunks_first(x, n: int, split_dim: int):
+    """x with ``split_dim`` in n chunks, the chunk index first: [n, ...] (chunk j for rank j)."""
+    chunks = x.reshape(*x.shape[:split_dim], n, x.shape[split_dim] // n, *x.shape[split_dim + 1:])
+    return chunks.movedim(split_dim, 0)
+
+
+def _received(recv, shape, n: int, split_dim: int, concat_dim: int):
+    """The all-to-all's [n (source), ...] output as x's ``shape`` split and concatenated."""
+    shape = list(shape)
+    shape[split_dim] //= n
+    shape[concat_dim] *= n
+    return recv.movedim(0, concat_dim).reshape(shape)  # source index just before the concat dim
+
+
 def _all_to_all(x, group, split_dim: int, concat_dim: int):
     """Tiled all-to-all: split ``split_dim`` into n chunks (chunk j to rank j) and concatenate
     the received chunks along ``concat_dim`` in rank order — ``lax.all_to_all(tiled=True)``."""
     n = axis_size(group)
-    chunks = x.reshape(*x.shape[:split_dim], n, x.shape[split_dim] // n, *x.shape[split_dim + 1:])
-    send = chunks.movedim(split_dim, 0)  # [n, ...]: chunk for rank j first
-    recv = _AllToAll.apply(send.contiguous(), group)  # [n (source), ...]
-    recv = recv.movedim(0, concat_dim)  # source index just before the concat dim
-    shape = list(x.shape)
-    shape[split_dim] //= n
-    shape[concat_dim] *= n
-    return recv.reshape(shape)
+    recv = _AllToAll.apply(_chunks_first(x, n, split_dim).contiguous(), group)  # [n (source), ...]
+    return _received(recv, x.shape, n, split_dim, concat_dim)
+
+
+class PendingAllToAll:
+    """A tiled all-to-all in flight (the same result as :func:`_all_to_all`): issued on
+    construction, read with :meth:`result`, which waits for it. Between the two the caller runs
+    other kernels — Ulysses' head groups attend one group while the next group's all-to-all
+    travels — and autograd does the same in the backward (:class:`_WaitAllToAll`)."""
+
+    def __init__(self, x, group, split_dim: int, concat_dim: int):
+        self.group, self.flight = group, InFlight()
+        self.n, self.shape, self.split_dim, self.concat_dim = axis_size(group), x.shape, split_dim, concat_dim
+        self.recv = _StartAllToAll.apply(_chunks_first(x, self.n, split_dim), group, self.flight)
+
+    def result(self):
+        recv = _WaitAllToAll.apply(self.recv, self.group, self.flight)
+        return _received(recv, self.shape, self.n, self.split_dim, self.concat_dim)
 
 
 def seq_to_heads(x, group):
@@ -117,6 +195,16 @@ def seq_to_heads(x, group):
 def heads_to_seq(x, group):
     """Inverse Ulysses all-to-all: [b, t, h/U, d] -> [b, t/U, h, d]."""
     return _all_to_all(x, group, split_dim=1, concat_dim=2)
+
+
+def start_seq_to_heads(x, group) -> PendingAllToAll:
+    """:func:`seq_to_heads`, issued now and read later."""
+    return PendingAllToAll(x, group, split_dim=2, concat_dim=1)
+
+
+def start_heads_to_seq(x, group) -> PendingAllToAll:
+    """:func:`heads_to_seq`, issued now and read later."""
+    return PendingAllToAll(x, group, split_dim=1, concat_dim=2)
 
 
 def _single(name: str, older: str):

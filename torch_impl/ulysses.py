@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from seqplan.config import resolve_scale
 from seqplan.validation import (
+    check_head_groups,
     check_local_masks,
     check_softcap,
     dtype_name,
@@ -32,7 +33,7 @@ from seqplan.validation import (
 )
 
 from .block import get_backend
-from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads
+from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads, start_heads_to_seq, start_seq_to_heads
 from .config import default_deterministic
 from .ring import ring_attention
 
@@ -85,7 +86,7 @@ def _sinks_of_head_block(sinks, group, n: int):
 def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sinks=None, softcap=None,
                       token_index=None, causal: bool = False,
                       scale: float | None = None, block_backend: str = "auto", attend: Callable | None = None,
-                      return_lse: bool = True, deterministic: bool | None = None):
+                      return_lse: bool = True, deterministic: bool | None = None, head_groups: int = 1):
     """Ulysses attention over process group ``group``. ``attend(q, k, v, *, segment_ids, window,
     sinks, softcap, token_index, causal, scale, block_backend, deterministic)`` computes attention on the gathered
     sequence (default: one rank's attention; USP passes ring attention over the ring group).
@@ -97,27 +98,61 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
     is the full gradient). ``softcap``: as in ``ring_attention`` (checked here, before the
     all-to-all), passed on to ``attend``. ``token_index``: this rank's original token indices
     [b, t/U] or None, all-gathered over ``group`` like the ids (the sequence they index follows
-    the all-to-all) and handed to ``attend``. Returns ``(o, lse)``: o like q, lse [b, h, t/U] float32 (``None``
-    when ``return_lse`` is False: its all-to-all is skipped).
+    the all-to-all) and handed to ``attend``. ``head_groups`` G: the heads in G consecutive
+    groups (``seqplan.validation.check_head_groups``); every group's all-to-alls are issued
+    asynchronously and waited for only where their result is read, so one group's all-to-all
+    travels while another group attends, forward and backward (``comm.PendingAllToAll``). The
+    same attention as G = 1, head for head. Returns ``(o, lse)``: o like q, lse [b, h, t/U]
+    float32 (``None`` when ``return_lse`` is False: its all-to-all is skipped).
     """
     n = axis_size(group)
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=None,
                    scale=scale, ulysses=n)
     window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
     softcap = check_softcap(softcap)
+    groups = check_head_groups(head_groups, q.shape[2], k.shape[2], n)
     deterministic = default_deterministic(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = resolve_scale(q.shape[-1], scale)
-    attend = attend or partial(ring_attention, group=None, layout="contiguous")
-    q_h = seq_to_heads(q, group)  # [b, t, h/U, d]
-    k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
+    attend = partial(attend or partial(ring_attention, group=None, layout="contiguous"), window=window,
+                     softcap=softcap, causal=causal, scale=scale, block_backend=block_backend,
+                     deterministic=deterministic)
     ids = _segment_ids_to_heads(segment_ids, group)  # [b, t] or None
     index = _segment_ids_to_heads(token_index, group)  # [b, t] or None: gathered as the ids are
-    o_h, lse_h = attend(q_h, k_h, v_h, segment_ids=ids, window=window, sinks=_sinks_of_head_block(sinks, group, n),
-                        softcap=softcap, token_index=index,
-                        causal=causal, scale=scale, block_backend=block_backend, deterministic=deterministic)
+    if groups > 1:
+        return _in_head_groups(q, k, v, sinks, group, n, groups, attend, ids, index, return_lse)
+    q_h = seq_to_heads(q, group)  # [b, t, h/U, d]
+    k_h, v_h = (gather_kv_heads(x, group, n) for x in (k, v))  # [b, t, max(hk, U)/U, d]
+    o_h, lse_h = attend(q_h, k_h, v_h, segment_ids=ids, sinks=_sinks_of_head_block(sinks, group, n),
+                        token_index=index)
     if not return_lse:  # skip the LSE all-to-all nobody reads (XLA drops it in JAX too)
         return heads_to_seq(o_h, group), None
     # lse_h: [b, h/U, t] -> [b, h, t/U]: split the sequence, gather the heads.
     lse = heads_to_seq(lse_h.transpose(1, 2).unsqueeze(-1), group)[..., 0]
     return heads_to_seq(o_h, group), lse.transpose(1, 2)
+
+
+def _in_head_groups(q, k, v, sinks, group, n: int, groups: int, attend: Callable, ids, index, return_lse: bool):
+    """Ulysses over ``groups`` consecutive head groups, pipelined: every group's q / k / v
+    all-to-all is issued first (they travel in group order), then group g attends as soon as its
+    own have arrived, while g+1's travel, and its o (and lse) all-to-all is issued at once. K/V
+    heads that must be replicated (a group's kv heads < U) go through ``gather_kv_heads`` when
+    their group attends (not overlapped). Returns (o, lse) as ``ulysses_attention``."""
+    per_kv = k.shape[2] // groups
+    qs, ks, vs = (x.chunk(groups, dim=2) for x in (q, k, v))
+    inputs = [(start_seq_to_heads(qg, group),
+               *((start_seq_to_heads(x, group) for x in (kg, vg)) if per_kv >= n else (kg, vg)))
+              for qg, kg, vg in zip(qs, ks, vs)]
+    sinks_g = [None] * groups if sinks is None else sinks.chunk(groups)
+    outs = []
+    for (q_in, k_in, v_in), sinks_group in zip(inputs, sinks_g):
+        k_h, v_h = ((x.result() for x in (k_in, v_in)) if per_kv >= n
+                    else (gather_kv_heads(x, group, n) for x in (k_in, v_in)))
+        o_h, lse_h = attend(q_in.result(), k_h, v_h, segment_ids=ids, sinks=_sinks_of_head_block(sinks_group, group, n),
+                            token_index=index)
+        lse_out = None if not return_lse else start_heads_to_seq(lse_h.transpose(1, 2).unsqueeze(-1), group)
+        outs.append((start_heads_to_seq(o_h, group), lse_out))
+    o = torch.cat([o_out.result() for o_out, _ in outs], dim=2)
+    if not return_lse:
+        return o, None
+    return o, torch.cat([lse_out.result()[..., 0] for _, lse_out in outs], dim=2).transpose(1, 2)

@@ -37,7 +37,7 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
                   softcap=None, token_index=None,
                   causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                   block_backend: str = "auto", return_lse: bool = True, kv_exchange: str = "ring",
-                  deterministic: bool | None = None, shared_tokens: int | None = None):
+                  deterministic: bool | None = None, shared_tokens: int | None = None, head_groups: int = 1):
     """Ulysses over ``ulysses_group`` around ring (or all-gather-KV) attention over ``ring_group``;
     a pair of groups ``(outer, inner)`` is the double ring. ``segment_ids``: packed documents,
     this rank's local shard of the ids [b, t/(R·U)] (layout order). ``window``, ``sinks``,
@@ -45,7 +45,8 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
     ``token_index``: this rank's original token indices [b, t/(R·U)] or None; it follows the
     sequence through the all-to-all as the ids do (see ``ring_attention``).
     ``shared_tokens``: all-gather KV's shared prefix of each ring shard (``allgather_attention``).
-    Returns (o, lse)."""
+    ``head_groups``: the Ulysses all-to-alls in head groups that overlap each other's attention
+    (``ulysses_attention``). Returns (o, lse)."""
     validate_local(q.shape, k.shape, v.shape, tuple(dtype_name(x.dtype) for x in (q, k, v)), layout=layout,
                    scale=scale, ulysses=axis_size(ulysses_group))
     window = check_local_masks(q.shape, segment_ids=segment_ids, token_index=token_index, sinks=sinks, window=window)
@@ -58,4 +59,4 @@ def usp_attention(q, k, v, ring_group=None, ulysses_group=None, *, segment_ids=N
     return ulysses_attention(q, k, v, ulysses_group, segment_ids=segment_ids, window=window, sinks=sinks,
                              softcap=softcap, token_index=token_index,
                              causal=causal, scale=scale, block_backend=block_backend, attend=ring,
-                             return_lse=return_lse, deterministic=deterministic)
+                             return_lse=return_lse, deterministic=deterministic, head_groups=head_groups)

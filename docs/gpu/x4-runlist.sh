@@ -68,6 +68,8 @@
 #   strong     issue 47: strong scaling, 32k tokens over 4 GPUs, four strategies, the ceiling at 8k
 #   m1         issue 47: 1M tokens over 4 GPUs, USP 2x2 and ring 4, peak memory, the ceiling at 256k
 #   win        issue 47: window (4096, 0) at 128k, ring 4 and USP 2x2, over each framework's window anchor
+#   wingroups  issue 47: USP 2x2 under the window with head_groups 1, 2, 4 (RINGBRIDGE_HEAD_GROUPS), each side
+#   condwin    issue 47: JAX's window rows with XLA's conditionals on the device beside the default
 #   weak       issue 47: weak scaling, 32k tokens per GPU, a ring over 1, 2, 4 GPUs (torch: a
 #              torchrun world per ring size), the single-GPU ceiling at 32k in the same run
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
@@ -87,8 +89,8 @@ PARTS=${PARTS:-llama,llamajax,torchprof,d128,jaxprof,magi4,mc}
 if [ "$1" = start ]; then
   if [ "$GPUS" != 4 ]; then  # the other parts name 4-GPU meshes: refused rather than run on a mesh that is not there
     for part in ${PARTS//,/ }; do
-      case $part in tier|u128|u128mha|win|winprof|weak|torchprof|llama|llamajax) ;;  # llama*: every GPU there is
-        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, weak, torchprof, llama, llamajax do)"; exit 2 ;;
+      case $part in tier|u128|u128mha|win|winprof|wingroups|condwin|weak|torchprof|llama|llamajax) ;;  # llama*: every GPU there is
+        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, wingroups, condwin, weak, torchprof, llama, llamajax do)"; exit 2 ;;
       esac
     done
   fi
@@ -100,7 +102,7 @@ if [ "$1" = start ]; then
     # 2026-11-28 a d128 call did, 85 device seconds. Refused unless NO_FA4=1 says FA2 is what is wanted.
     case " ${SIDES:-torch jax} " in *" torch "*)
       if [ "${NO_FA4:-0}" != 1 ] && ! PYTHONPATH=$PYTHONPATH python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
-        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|mc|llamajax|gqa) ;;
+        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|mc|llamajax|gqa) ;;
           *) echo "FA4 is not installed on this machine (a fresh one?): torch's rows would run on FA2. Run the .fa4a stash and a" \
                "call with .fa4b first, or set SIDES=jax, or NO_FA4=1 to time FA2 on purpose."; exit 3 ;; esac; done
       fi ;;
@@ -189,6 +191,19 @@ if [ "$1" = start ]; then
   CMD[win]="for side in $SIDES; do for rep in \$(seq ${WIN_REPEATS:-2}); do python3 -m benchmarks --gpus $GPUS \
     --only \$side --seqs $SEQ --window 4096 --layout contiguous --meshes $W_MESHES $DRV --ceiling-seq $((SEQ / GPUS)) \
     --iters 5 --warmup 2 --machine x${GPUS}-window-\$side-run\$rep --parts-dir $R/win-\$side-run\$rep; done; done"
+  # USP under the window with the Ulysses all-to-all in head groups (docs/decisions.md, "Ulysses in head
+  # groups"): G = 1, 2, 4 one after the other, each side, every row checked under its own G first
+  WG_MESHES=usp-r2xu2; [ "$GPUS" = 2 ] && WG_MESHES=ulysses-u2
+  CMD[wingroups]="for side in $SIDES; do for g in 1 2 4; do RINGBRIDGE_HEAD_GROUPS=\$g python3 -m benchmarks --gpus $GPUS \
+    --only \$side --seqs $SEQ --window $WIN --layout contiguous --meshes $WG_MESHES $DRV --ceiling-seq $((SEQ / GPUS)) \
+    --iters 5 --warmup 2 --machine x${GPUS}-wingroups\$g-\$side --parts-dir $R/wingroups\$g-\$side; done; done"
+  # JAX's window rows with XLA's conditionals on the device beside the default, same call: the 11-28
+  # profile has the host waiting at the ring's per-step conditionals (the call returns after 14.8 of 15.9 ms)
+  CW="python3 -m benchmarks --gpus $GPUS --only jax --seqs $SEQ --window $WIN --layout contiguous --meshes $W_MESHES $DRV \
+    --ceiling-seq $((SEQ / GPUS)) --iters 5 --warmup 2"
+  CMD[condwin]="$CW --machine x${GPUS}-condwin-host-jax --parts-dir $R/condwin-host-jax;
+    XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL\" $CW --machine x${GPUS}-condwin-device-jax \
+    --parts-dir $R/condwin-device-jax"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x${GPUS}-mc --parts-dir $R/mc \
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""

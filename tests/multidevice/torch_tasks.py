@@ -440,3 +440,48 @@ def _dense_float64(q, k, v, do, dlse, causal, window, sinks, ids) -> dict:
     o = torch.einsum("bhts,bshd->bthd", torch.exp(scores - lse[..., None]), ve)
     torch.autograd.backward((o, lse), (do.bfloat16().double(), dlse.double()))
     return {"o": o.detach(), "lse": lse.detach(), "dq": x["q"].grad, "dk": x["k"].grad, "dv": x["v"].grad}
+
+
+def head_groups_order_task(mesh_axes, x: dict, kwargs: dict) -> list[str]:
+    """The order in which one rank issues its all-to-alls and runs its block kernels through a
+    forward and backward of ``sequence_parallel_attention`` (``x``: the global layout-order q, k,
+    v, do, dlse; ``kwargs``: e.g. head_groups): a list of "a2a" / "a2a-sync" (async_op or not),
+    "fwd" / "bwd" (a block kernel call) and "backward" (where the backward starts)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_impl
+    from parity.runners.torch_runner import make_mesh
+    from torch_impl.block import BlockBackend, get_backend, register_backend
+
+    mesh = make_mesh("cpu", tuple(mesh_axes))
+    sizes = dict(mesh_axes)
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    block = _sequence_block(coords, sizes)
+    t = x["q"].shape[1] // (sizes.get("ring", 1) * sizes.get("ulysses", 1))
+    events: list[str] = []
+    reference, real = get_backend("reference"), dist.all_to_all_single
+
+    def fwd(q, k, v, mask, scale, segments=None, positions=None):
+        events.append("fwd")
+        return reference.fwd(q, k, v, mask, scale, segments, positions)
+
+    def bwd(do, q, k, v, o, lse, mask, scale, dlse=None, segments=None, positions=None):
+        events.append("bwd")
+        return reference.bwd(do, q, k, v, o, lse, mask, scale, dlse, segments, positions)
+
+    def all_to_all_single(*args, async_op=False, **kw):
+        events.append("a2a" if async_op else "a2a-sync")
+        return real(*args, async_op=async_op, **kw)
+
+    register_backend(BlockBackend("ordering", fwd, bwd))
+    dist.all_to_all_single = all_to_all_single
+    try:
+        q, k, v = (x[n].narrow(1, block * t, t).clone().requires_grad_() for n in ("q", "k", "v"))
+        o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, block_backend="ordering",
+                                                        **kwargs)
+        events.append("backward")
+        torch.autograd.backward((o, lse), (x["do"].narrow(1, block * t, t), x["dlse"].narrow(2, block * t, t)))
+    finally:
+        dist.all_to_all_single = real
+    return events

@@ -133,3 +133,19 @@ def test_weak_scaling_rings_are_planned_for_verification_as_both_sides_time_them
             assert path_key(framework, spec.name, layout, b, problem) in keys, (framework, spec.name)
     assert weak_worlds(args, 4) == [1, 2, 4] and weak_worlds(args, 2) == [1, 2]
     assert not weak_paths(_args(), 4) and not weak_worlds(_args(), 4)  # no --weak: no rings of its own
+
+
+@pytest.mark.parametrize("groups,want", [("1", (8, 2)), ("2", (16, 4)), ("4", (32, 8))])
+def test_reduced_case_keeps_the_head_groups_path(groups, want, monkeypatch):
+    """A row timed under RINGBRIDGE_HEAD_GROUPS is checked on the same path: the reduced case's
+    groups hold K/V heads in the same relation to U as the row's (32 / 8 heads, U = 2: G = 2 splits
+    4 K/V heads a group, G = 4 splits 2), where 8 / 2 heads would replicate (G = 2) or be refused (G = 4)."""
+    from seqplan.validation import check_head_groups
+
+    monkeypatch.setenv("RINGBRIDGE_HEAD_GROUPS", groups)
+    case = reduced_case(MeshSpec("usp-r2xu2").shape, "contiguous", Problem(seq=SEQ, heads=32, kv_heads=8,
+                                                                           window=(4096, 0)))
+    assert (case.heads, case.kv_heads) == want
+    g = int(groups)
+    assert check_head_groups(g, case.heads, case.kv_heads, 2) == g
+    assert (case.kv_heads // g >= 2) == (8 // g >= 2)  # split vs replicated, as the row

@@ -181,6 +181,11 @@ def test_mirrors_have_the_same_files_and_public_names():
         # inside one lax.switch, to the blocks on the portable kernel; torch decides on the host
         # and walks the blocks with the configured kernel.
         jax_only |= {"portable_config"}
+        # Ulysses in head groups: torch issues each group's all-to-alls asynchronously and waits where
+        # they are read (PendingAllToAll over InFlight; start_seq_to_heads / start_heads_to_seq), its
+        # ulysses walks the groups in _in_head_groups; JAX writes the groups as separate all-to-alls
+        # (_split_heads, _through_heads) and XLA's scheduler places them.
+        torch_only |= {"InFlight", "PendingAllToAll", "start_seq_to_heads", "start_heads_to_seq"}
         # masked / mask_choice: the names of under_masks' lax.switch variants and which one a block
         # takes (kernels/branches.py turns them into the switch's index); torch decides in Python.
         jax_only |= {"masked", "mask_choice"}
