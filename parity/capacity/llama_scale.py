@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -514,7 +515,8 @@ def framework_of(result: dict) -> str:
 def markdown(result: dict) -> str:
     """The result as the tables a dated results file holds."""
     framework = framework_of(result)
-    units = f"; FSDP2 units: {result['run']['fsdp_units']}" if framework == "torch" else ""
+    units = (f"; FSDP2 units: {result['run']['fsdp_units']}" if framework == "torch"
+             else f"; XLA GEMMs: {result.get('xla_gemm', 'autotune')}")
     lines = [f"# Whole model on {result['env']['devices']} — {result['env']['date']}", "",
              f"{framework} {result['env'][framework]}{units}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W_hbm = "
              f"{result['profile']['hbm'] / 1e9:.0f} GB/s; W (GB/s per device): "
@@ -576,6 +578,12 @@ def rows_emitter(out: Path, stem: str, files=None):
     return emit
 
 
+# --xla-gemm (JAX): the XLA flag each choice adds. A compile of the whole step with XLA's Triton GEMM
+# autotuning took 291 s at 8,192 tokens on 2x H200 (2026-11-28), half of it tuning Triton GEMMs
+# (benchmarks/jax_compile_probe.py): "cublas" keeps cuBLAS's algorithm autotuning and drops that half.
+XLA_GEMM = {"autotune": "", "cublas": "--xla_gpu_enable_triton_gemm=false"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parity.capacity.llama_scale", description=__doc__.splitlines()[0])
     ap.add_argument("--devices", choices=("gpu", "cpu"), default="gpu")
@@ -593,7 +601,13 @@ def main(argv=None) -> int:
     ap.add_argument("--host-seq", type=int, default=None, help="tokens per row of each strategy's host-floor step")
     ap.add_argument("--fsdp-units", choices=FSDP_UNITS, default=None,
                     help="torch's FSDP2 units: block (default, as torchtitan) or weight (one per weight-holding module)")
+    ap.add_argument("--xla-gemm", choices=XLA_GEMM, default=None,
+                    help="jax: how XLA picks GEMM kernels — autotune (default: its Triton GEMMs and cuBLAS's algorithms, "
+                         "autotuned) or cublas (Triton GEMMs off, cuBLAS's algorithms still autotuned; on one H200 the "
+                         "model's compile took 23 s instead of 52 s at 2,048 tokens)")
     a = ap.parse_args(argv)
+    if a.framework != "jax" and a.xla_gemm is not None:
+        ap.error("--xla-gemm is XLA's; torch's GEMMs are cuBLAS's")
     if a.framework == "jax" and a.fsdp_units is not None:  # XLA groups the gathers: no units to choose
         ap.error("--fsdp-units is torch's FSDP2 wrapping; --framework jax has no units")
     run = SMALL_RUN if a.small else ScaleRun()
@@ -618,10 +632,16 @@ def main(argv=None) -> int:
     if a.framework == "jax":
         from ..core.devices import configure_jax_devices
 
+        gemm = a.xla_gemm or "autotune"
+        if gemm == "cublas":  # before JAX starts, like the rest of XLA_FLAGS
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_GEMM['cublas']}".strip()
         configure_jax_devices(a.devices, autotune=True)  # before JAX starts: XLA's GEMM autotuning on
         from .llama_scale_jax import measure_jax
 
-        result = measure_jax(run, a.devices, a.world, emit)
+        def emit_gemm(row: dict, emit=emit) -> None:  # every record says how its GEMMs were compiled
+            emit(row | {"xla_gemm": gemm})
+
+        result = measure_jax(run, a.devices, a.world, emit_gemm) | {"xla_gemm": gemm}
     else:
         try:
             result = measure(run, a.devices, a.world, emit)

@@ -65,7 +65,8 @@ def test_torch_head_groups_match_the_truth_and_one_group(name, axes, exchange, l
         got[g] = from_layout(stitch(shards, 1), perm)
     assert_close_to(got[groups], truth(x, causal, window), f"{name} (seed {seed})")
     for key, want in got[1].items():  # the same heads on the same kernel: round-off apart at most
-        torch.testing.assert_close(got[groups][key], want, rtol=1e-6, atol=1e-6, msg=f"{name}: {key} vs G=1")
+        torch.testing.assert_close(got[groups][key], want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                   msg=f"{name}: {key} vs G=1")
 
 
 def test_torch_head_groups_overlap_by_construction(seed, worlds):
@@ -153,9 +154,10 @@ def test_jax_head_groups_match_the_truth_and_one_group(shape, names, kv_heads, g
     o_1, grads_1 = loss_and_grads(1)
     rel = np.linalg.norm(o_g - want) / np.linalg.norm(want)
     assert rel <= RTOL, f"o: relative L2 error {rel:.2e} against the float64 truth"
-    np.testing.assert_allclose(o_g, o_1, rtol=1e-6, atol=1e-6)
-    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), grads_g, grads_1):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{name}: G={groups} vs G=1")
+    # the same heads on the same kernel, but XLA may fuse and order a group's float32 sums differently:
+    # round-off apart, measured against each tensor's scale (1.3e-6 on a dq element of scale 2 seen)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), (o_g, *grads_g), (o_1, *grads_1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=f"{name}: G={groups} vs G=1")
 
 
 def test_jax_bad_head_groups_refused(jax_devices):

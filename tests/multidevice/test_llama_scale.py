@@ -131,6 +131,15 @@ def test_fsdp_units_are_refused_for_the_jax_twin_by_name(tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # refused before any work
 
 
+def test_xla_gemm_is_refused_for_torch_by_name(tmp_path, capsys):
+    """--xla-gemm picks XLA's GEMM kernels: given with torch it would be silently ignored."""
+    with pytest.raises(SystemExit):
+        llama_scale.main(["--xla-gemm", "cublas", "--devices", "cpu", "--small", "--out", str(tmp_path)])
+    assert "--xla-gemm is XLA's" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any work
+    assert llama_scale.XLA_GEMM["cublas"] == "--xla_gpu_enable_triton_gemm=false"
+
+
 def test_usp_is_ulysses_two_times_a_ring_and_refused_on_worlds_that_cannot_hold_it():
     assert llama_scale.strategy_mesh("usp", 4) == llama_scale.MeshShape(ring=2, ulysses=2)
     assert llama_scale.strategy_mesh("usp", 8) == llama_scale.MeshShape(ring=4, ulysses=2)
