@@ -23,6 +23,7 @@ without it.
 
 from __future__ import annotations
 
+import numbers
 import struct
 import weakref
 from functools import partial
@@ -109,7 +110,8 @@ def _signature(q, k, v, *, causal, layout, scale, kv_exchange, return_lse, segme
             f"sinks dtype (index in {FLOAT_DTYPES})": (_code(sinks_dtype, FLOAT_DTYPES),),
             "softcap (float64 bits; -1: none)": (_softcap_code(softcap),), "token_index shape": index_shape,
             f"token_index dtype (index in {INT_DTYPES})": (-1 if index_dtype is None else _code(index_dtype, INT_DTYPES),),
-            "head_groups": (head_groups if isinstance(head_groups, int) and not isinstance(head_groups, bool) else -1,)}
+            "head_groups": (int(head_groups) if isinstance(head_groups, numbers.Integral)
+                            and not isinstance(head_groups, bool) else -1,)}
 
 
 def _check_segment_ids(segment_ids, q) -> None:

@@ -138,15 +138,15 @@ def _in_head_groups(q, k, v, sinks, group, n: int, groups: int, attend: Callable
     own have arrived, while g+1's travel, and its o (and lse) all-to-all is issued at once. K/V
     heads that must be replicated (a group's kv heads < U) go through ``gather_kv_heads`` when
     their group attends (not overlapped). Returns (o, lse) as ``ulysses_attention``."""
-    per_kv = k.shape[2] // groups
+    split_kv = k.shape[2] // groups >= n  # each group's K/V heads split over U (in flight), not replicated
     qs, ks, vs = (x.chunk(groups, dim=2) for x in (q, k, v))
     inputs = [(start_seq_to_heads(qg, group),
-               *((start_seq_to_heads(x, group) for x in (kg, vg)) if per_kv >= n else (kg, vg)))
+               *((start_seq_to_heads(x, group) for x in (kg, vg)) if split_kv else (kg, vg)))
               for qg, kg, vg in zip(qs, ks, vs)]
     sinks_g = [None] * groups if sinks is None else sinks.chunk(groups)
     outs = []
     for (q_in, k_in, v_in), sinks_group in zip(inputs, sinks_g):
-        k_h, v_h = ((x.result() for x in (k_in, v_in)) if per_kv >= n
+        k_h, v_h = ((x.result() for x in (k_in, v_in)) if split_kv
                     else (gather_kv_heads(x, group, n) for x in (k_in, v_in)))
         o_h, lse_h = attend(q_in.result(), k_h, v_h, segment_ids=ids, sinks=_sinks_of_head_block(sinks_group, group, n),
                             token_index=index)
