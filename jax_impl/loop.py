@@ -547,11 +547,14 @@ def forward_visit(q, config: AttentionConfig, schedule: Schedule, me, t: int, id
     from: ``own_kv`` for the own block (None: what the walk carries then) and ``kv_of(kv, j, s)``
     for a visit (None: the carried K/V themselves — all-gather KV and the replay carry nothing
     and slice a resident shard, :func:`resident_kv`). The own block's o is in
-    :func:`alone_dtype` — or, with ``rows`` (the halo schedule's: its one visited block merges
-    into the first ``rows`` queries), in q's dtype with those rows float32 (:class:`Float32Rows`)."""
+    :func:`alone_dtype` (float32 with ``config.float32_output``) — or, with ``rows`` (the halo
+    schedule's: its one visited block merges into the first ``rows``
+    queries), in q's dtype with those rows float32 (:class:`Float32Rows`)."""
     assert rows is None or (rows == schedule.halo and len(schedule.steps) == 2), "float32 rows: the halo schedule's"
     backend = config.backend()
-    o_dtype = q.dtype if rows is not None else alone_dtype(schedule, q.dtype)
+    # with float32_output (sinks), even a lone block's o stays float32: the sinks rescale every row
+    # before the one cast to q's dtype (rounding it first put a second rounding on o, and on dq / dsinks)
+    o_dtype = q.dtype if rows is not None else F32 if config.float32_output else alone_dtype(schedule, q.dtype)
 
     def visit(step, j, s, kv, state):
         kv = _visit_kv(step, j, s, kv, own_kv, kv_of)

@@ -139,6 +139,11 @@ def cases(draw) -> Case:
                    window=(1, 0), token_index=True))
 @example(case=Case(ring=4, ring_outer=2, layout="zigzag", causal=True, kv_heads=1, seq=16, dtype="float16",
                    documents="interleaved", sinks=True, token_index=True))
+# Found by CI (--seed 1790552572, and --seed 2048833874 through dsinks): one device with sinks in bf16 —
+# JAX's lone block returned o in bf16 before the sinks rescaled it, rounding o twice; dq missed the policy
+# (2.3e-2 > 1.9e-2). Its o now stays float32 until the one cast (tests/multidevice/test_jax_windows.py).
+@example(case=Case(ring=1, seq=8, heads=8, kv_heads=1, head_dim=8, layout="zigzag", causal=False, dtype="bfloat16",
+                   documents="interleaved", window=(7, 17), sinks=True, token_index=True, row_layout="document-hybrid"))
 def test_random_valid_configurations_match_the_oracle(case, seed, jax_devices, worlds):
     x = make_inputs(case, seed=seed ^ zlib.crc32(case.name.encode()))  # the same inputs in every process
     ref, ideal = oracle(case, x), flash_ideal(case, x) if case.dtype != "float32" else None
