@@ -58,11 +58,29 @@ def _worker(rank: int, size: int, port: int, backend: str, timeout_s: float, tas
     dist.destroy_process_group()
 
 
+# What the fork server imports once, before it forks any rank (see :func:`_context`).
+PRELOAD = ["torch", "torch.distributed", __name__]
+
+
+def _context():
+    """The start method of the ranks: a fork server that imported torch once, so a rank starts in
+    milliseconds instead of re-importing torch (≈ 1 s a rank under ``spawn``: measured 14.8 s → 1.4 s
+    for worlds of 1, 2, 4 and 8 ranks on 2 cores). It forks from a clean server process, never from
+    the caller (which may hold JAX's threads), and imports no CUDA: NCCL ranks initialise their device
+    after the fork. Where there is no fork server (Windows), ``spawn``. A rank sees the environment
+    of the server's start (the first world of the process), as it would a cached world's."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class World:
-    """``size`` spawned ranks of one process group; use as a context manager or ``close()``."""
+    """``size`` ranks of one process group (:func:`_context`); use as a context manager or ``close()``."""
 
     def __init__(self, size: int, backend: str = "gloo", timeout_s: float = 120.0):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.size, self.timeout_s = size, timeout_s
         self._tasks = [ctx.Queue() for _ in range(size)]
         self._results = ctx.Queue()
@@ -113,10 +131,14 @@ class World:
             raise min(errors, key=lambda e: e.rank)
         return [out[r] for r in range(self.size)]
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ask every live rank to exit after its current task (returns at once)."""
         for q, p in zip(self._tasks, self._procs):
             if p.is_alive():
                 q.put(None)
+
+    def close(self) -> None:
+        self.stop()
         for p in self._procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -149,8 +171,12 @@ def close_world(size: int, backend: str = "gloo") -> None:
 
 def close_worlds() -> None:
     """Close every cached world (their workers exit)."""
-    while _WORLDS:
-        _WORLDS.popitem()[1].close()
+    worlds = list(_WORLDS.values())
+    _WORLDS.clear()
+    for world in worlds:  # every rank of every world told first: they wind down side by side
+        world.stop()
+    for world in worlds:
+        world.close()
 
 
 _MESHES: dict = {}  # per worker process: (device_type, axes) -> DeviceMesh
