@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import FULL
 from tests.fa3_ops import emulate
 
 F32 = jnp.float32
@@ -63,6 +64,10 @@ def test_the_split_launches_the_fewest_tiles_where_it_pays():
     assert long.tolist() == [x > 256 for x in lengths]
 
 
+# --full only (18-25 s in the suite on 2026-11-28: every variant compiled and emulated on 1448 x 2048
+# scores): the split is off by default and measured not to pay on 4x H200 (docs/decisions.md); the
+# split's plan, tile counts and switch are tested by default above and below.
+@pytest.mark.skipif(not FULL, reason="the split backward's numbers, 20 s: --full (RINGBRIDGE_FULL=1)")
 def test_two_calls_equal_the_one_call(fa3):
     """dq, dK, dV of the split backward equal the one call's on the same runs (both emulated), every
     row finite: no row a call skipped (NaN in the emulation) is read. The runs' keys outnumber their
