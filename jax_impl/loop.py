@@ -548,8 +548,8 @@ def forward_visit(q, config: AttentionConfig, schedule: Schedule, me, t: int, id
     for a visit (None: the carried K/V themselves — all-gather KV and the replay carry nothing
     and slice a resident shard, :func:`resident_kv`). The own block's o is in
     :func:`alone_dtype` (float32 with ``config.float32_output``) — or, with ``rows`` (the halo
-    schedule's: its one visited block merges into the first ``rows``
-    queries), in q's dtype with those rows float32 (:class:`Float32Rows`)."""
+    schedule's: its one visited block merges into the first ``rows`` queries), in q's dtype with
+    those rows float32 (:class:`Float32Rows`)."""
     assert rows is None or (rows == schedule.halo and len(schedule.steps) == 2), "float32 rows: the halo schedule's"
     backend = config.backend()
     # with float32_output (sinks), even a lone block's o stays float32: the sinks rescale every row

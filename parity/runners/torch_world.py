@@ -84,7 +84,7 @@ class World:
         self.size, self.timeout_s = size, timeout_s
         self._tasks = [ctx.Queue() for _ in range(size)]
         self._results = ctx.Queue()
-        self._pending = False
+        self._pending = self._stopped = False
         port = _free_port()
         self._procs = [ctx.Process(target=_worker, args=(r, size, port, backend, timeout_s, self._tasks[r], self._results),
                                    daemon=True) for r in range(size)]
@@ -132,7 +132,10 @@ class World:
         return [out[r] for r in range(self.size)]
 
     def stop(self) -> None:
-        """Ask every live rank to exit after its current task (returns at once)."""
+        """Ask every live rank to exit after its current task (returns at once; once per world)."""
+        if self._stopped:
+            return
+        self._stopped = True
         for q, p in zip(self._tasks, self._procs):
             if p.is_alive():
                 q.put(None)
