@@ -29,12 +29,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import sys
 import time
 from pathlib import Path
 
 VARIANTS = {"autotune": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
             "untuned": {"xla_gpu_autotune_level": 0}}
 TOLERANCE = 2e-2  # bf16: relative to the reference's largest magnitude, per tensor
+# --pass-times: XLA's own per-pass timers (VLOG 1 in these files), read back from the process's stderr.
+# On 2x H200 (2026-11-28) the twin's 2-GPU step at 8k tokens compiled for over 120 s untuned (over 150 s
+# with cuBLAS GEMMs and no latency-hiding scheduler) against 36-40 s for the 1-GPU step: which passes?
+PASS_LOG_MODULES = "hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1"
+_PASS_LINE = re.compile(r"HLO pass: (\S+) time: ([0-9.]+) (us|ms|s|min|h)\b")
+_UNIT_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def program_size(text: str) -> dict[str, int]:
+    """The compiled program's size from its optimized HLO text: lines, fusions, while loops,
+    conditionals and custom calls (FA3's kernels are custom calls) — what a compile has to emit."""
+    count = lambda op: len(re.findall(rf"\s{op}\(", text))
+    return {"hlo_lines": text.count("\n"), "fusions": count("fusion"), "while_loops": count("while"),
+            "conditionals": count("conditional"), "custom_calls": count("custom-call")}
+
+
+def pass_times(log: str, top: int = 15) -> dict[str, float]:
+    """Seconds per HLO pass name, summed over every run of it in ``log`` (XLA's lines ``HLO pass:
+    NAME time: 1.5 ms (...)``), the ``top`` longest, longest first."""
+    totals: dict[str, float] = {}
+    for name, value, unit in _PASS_LINE.findall(log):
+        totals[name] = totals.get(name, 0.0) + float(value) * _UNIT_S[unit]
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
 
 
 def relative_error(a, b) -> float:
@@ -59,10 +85,24 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, default=1, help="a zigzag ring with FSDP over this many devices")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="the tiny model on the CPU")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="each variant's compile seconds alone: no step is run, so no check and no step time")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the GPU-size model on XLA:CPU's simulated devices (with --compile-only: how the program "
+                         "grows with --devices, where a compile costs seconds)")
+    ap.add_argument("--pass-times", action="store_true",
+                    help="each row with XLA's 15 longest HLO passes (seconds, summed over their runs) and all "
+                         "passes' total; the process's stderr goes to DIR/xla-passes.log to be read")
     a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    pass_log = a.out / "xla-passes.log"
+    if a.pass_times:  # before XLA loads: its VLOG settings are read once, and it writes to fd 2
+        os.environ.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=PASS_LOG_MODULES)
+        sys.stderr.flush()
+        os.dup2(os.open(pass_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     from parity.core.devices import configure_jax_devices
 
-    configure_jax_devices("cpu" if a.smoke else "gpu", autotune=True)  # as the twin: before JAX starts
+    configure_jax_devices("cpu" if a.smoke or a.cpu else "gpu", autotune=True)  # as the twin: before JAX starts
     import jax
 
     from parity.capacity.llama_scale import SMALL_RUN, ScaleRun, model_case, rows_of_one_document, verdict
@@ -74,13 +114,31 @@ def main(argv=None) -> int:
     step = Step(case, make_mesh(case), dtype=getattr(jax.numpy, run.dtype), block_backend=run.block_backend)
     params, opt_state, *batch = step.arguments(rows_of_one_document(case))
     _, grads_program, program = step.programs(params, opt_state, donate=True)
-    a.out.mkdir(parents=True, exist_ok=True)
     rows_file = a.out / "compile-probe.jsonl"
-    reference = None
+    reference, logged = None, 0
+
+    def write(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        with rows_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
     for name in a.variants.split(","):
         start = time.perf_counter()
         compiled = program.lower(params, opt_state, *batch).compile(compiler_options=VARIANTS[name] or None)
         compile_s = time.perf_counter() - start
+        passes = {}
+        if a.pass_times:  # this variant's compile: the log's lines since the last variant's
+            log = pass_log.read_text(errors="replace")
+            times = pass_times(log[logged:], top=10**6)
+            logged = len(log)
+            passes = {"passes_total_s": round(sum(times.values()), 2),
+                      "passes_s": {k: round(v, 2) for k, v in list(times.items())[:15]}}
+        if a.compile_only:  # a compile's seconds need no check: nothing it computes is reported
+            write({"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices,
+                   "compile_s": round(compile_s, 2), **passes, **program_size(compiled.as_text()),
+                   "device": jax.devices()[0].device_kind,
+                   "jax": jax.__version__})
+            continue
         loss, grads = loss_and_grads(grads_program, params, batch, VARIANTS[name])
         if reference is None:  # the first variant: against the float64 step
             truth = verdict(case, run.dtype, loss, from_params(grads, case.model))
@@ -99,12 +157,10 @@ def main(argv=None) -> int:
 
         step_ms = jax_median_ms(once, run.warmup, run.iters)
         row = {"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices,
-               "compile_s": round(compile_s, 2), "step_ms": round(step_ms, 3), "errors": errors,
+               "compile_s": round(compile_s, 2), **passes, "step_ms": round(step_ms, 3), "errors": errors,
                "checked": checked, "reference": reference_name,
                "device": jax.devices()[0].device_kind, "jax": jax.__version__}
-        print(json.dumps(row), flush=True)
-        with rows_file.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        write(row)
     return 0
 
 

@@ -34,6 +34,9 @@
 # 2026-11-28 (2x H200, GPUS=2, 32k tokens a GPU): tier 2.75 min (FA4's first compiles), win both sides 3.1, u128 both
 # sides 2.7, winprof 3.4, weak torch 2.7 / JAX 0.7, torchprof 6.6. Second 2x H200 hold (04:01): win torch twice 3.1,
 # winprof torch 2; llamajax on both GPUs: check 3.4, exposure 5 (its compile 291 s), floor 1.3, the 32k row over 7.
+# 2026-11-28 (2x H200, 11:59): llamajax with --xla-gemm cublas: check 2.7 min, exposure step 4.8 (its compile 277 s:
+# cuBLAS GEMMs saved 14 s of it on two GPUs), floor 1.2, the 32k row over 10 min (then its tuned step and two untuned
+# compiles for the per-pass bytes, each over 120 s on two GPUs; now one: GPU_TRAFFIC_SCOPE). Run jaxcompile first.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -49,6 +52,8 @@
 #              16k-token rows (predicted B* between 2 and 8: docs/gpu/llama-scale-2026-11-27-h200x4.md)
 #   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU;
 #              LLAMAJAX overrides the arguments)
+#   jaxcompile issue 48: where the JAX twin's multi-GPU compile goes — its step at 8k tokens over every GPU, compiled
+#              untuned, XLA's per-pass timers and the program's size (benchmarks/jax_compile_probe.py --pass-times)
 #   tp         issue 48: the FSDP 2 x TP 2 B* sweep, each side (parity.capacity.tp_sweep: the FFN step
 #              checked, then timed at 64 … 16384 tokens per device beside the closed form's B*)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
@@ -89,8 +94,8 @@ PARTS=${PARTS:-llama,llamajax,torchprof,d128,jaxprof,magi4,mc}
 if [ "$1" = start ]; then
   if [ "$GPUS" != 4 ]; then  # the other parts name 4-GPU meshes: refused rather than run on a mesh that is not there
     for part in ${PARTS//,/ }; do
-      case $part in tier|u128|u128mha|win|winprof|wingroups|condwin|weak|torchprof|llama|llamajax) ;;  # llama*: every GPU there is
-        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, wingroups, condwin, weak, torchprof, llama, llamajax do)"; exit 2 ;;
+      case $part in tier|u128|u128mha|win|winprof|wingroups|condwin|weak|torchprof|llama|llamajax|jaxcompile) ;;  # llama*: every GPU there is
+        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, wingroups, condwin, weak, torchprof, llama, llamajax, jaxcompile do)"; exit 2 ;;
       esac
     done
   fi
@@ -102,7 +107,7 @@ if [ "$1" = start ]; then
     # 2026-11-28 a d128 call did, 85 device seconds. Refused unless NO_FA4=1 says FA2 is what is wanted.
     case " ${SIDES:-torch jax} " in *" torch "*)
       if [ "${NO_FA4:-0}" != 1 ] && ! PYTHONPATH=$PYTHONPATH python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
-        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|mc|llamajax|gqa) ;;
+        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|mc|llamajax|jaxcompile|gqa) ;;
           *) echo "FA4 is not installed on this machine (a fresh one?): torch's rows would run on FA2. Run the .fa4a stash and a" \
                "call with .fa4b first, or set SIDES=jax, or NO_FA4=1 to time FA2 on purpose."; exit 3 ;; esac; done
       fi ;;
@@ -142,6 +147,9 @@ if [ "$1" = start ]; then
   CMD[tp]="for side in $SIDES; do python3 -m parity.capacity.tp_sweep --framework \$side --devices $DEV --out $R/tp $TPSWEEP; done"
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
+  # the step's compile alone (nothing run, nothing to check), every GPU of the hold, XLA's pass timers; its log gzipped
+  CMD[jaxcompile]="python3 -m benchmarks.jax_compile_probe --compile-only --pass-times --devices $GPUS \
+    --seq $(( ${SMOKE:-0} == 1 ? 64 : 8192 )) --variants untuned --out $R/jaxcompile $S; gzip -f $R/jaxcompile/xla-passes.log"
   P47=${P47:-ring-r4:zigzag,ulysses-u4:contiguous,usp-r2xu2:zigzag,double_ring-ro2xri2:zigzag,ring-agkv-r4:zigzag}
   CMD[prof47]="MIXES=none PATHS=$P47 SEQ=$SEQ $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 benchmarks/mesh_profile_jax.py $S"

@@ -234,10 +234,24 @@ def verdict(case: ModelCase, dtype: str, loss: float, grads: dict) -> dict:
     return {"seq": case.seq, **step_verdict(checks), "loss": loss, "loss_ref": ref_loss}
 
 
-def traffic_equal(model_rows: dict, traced_rows: dict) -> bool:
-    """The model's (calls, bytes) per (pass, kind) equal the trace's, exactly."""
+def whole_step(rows: dict) -> dict:
+    """Per-(pass, kind) rows summed over the passes: {("step", kind): (calls, bytes)} — what one
+    compiled program of the whole step shows (``count_collectives(text, "step")``)."""
+    out: dict = {}
+    for (_, kind), (c, b) in rows.items():
+        calls, nbytes = out.get(("step", kind), (0, 0))
+        out["step", kind] = (calls + c, nbytes + b)
+    return out
+
+
+def traffic_equal(model_rows: dict, traced_rows: dict, scope: str = "per pass") -> bool:
+    """The model's (calls, bytes) equal the trace's, exactly: per (pass, kind), or with ``scope``
+    "whole step" per kind over the whole step (a trace read from the step's program alone)."""
+    if scope not in ("per pass", "whole step"):
+        raise ValueError(f"scope is 'per pass' or 'whole step', got {scope!r}")
     nonzero = lambda rows: {k: (int(c), float(b)) for k, (c, b) in rows.items() if c or b}
-    return nonzero(model_rows) == nonzero(traced_rows)
+    collapse = whole_step if scope == "whole step" else (lambda rows: rows)
+    return nonzero(collapse(model_rows)) == nonzero(collapse(traced_rows))
 
 
 def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, exposed: dict | None = None,
@@ -473,7 +487,8 @@ def row_record(head: dict, case: ModelCase, dtype: str, measured: dict, pred: di
     return {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
             "fsdp_units": case.fsdp_units if head["framework"] == "torch" else None,  # JAX: no units (XLA)
             "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
-            "traffic_equal": traffic_equal(model_rows, measured["traffic"]),
+            "traffic_equal": traffic_equal(model_rows, measured["traffic"], measured.get("traffic_scope", "per pass")),
+            "traffic_scope": measured.get("traffic_scope", "per pass"),
             "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
             "measured_over_predicted": s / pred["predicted_s"],
             "measured_over_overlap": s / pred["bound_overlap_s"],

@@ -12,8 +12,9 @@ slower), parameters and Adam states donated and fed back; the median step over `
 - **measured**: the step's median wall time (one program: no per-rank skew to take the max of);
   peak memory from the first device's allocator (GPU only);
 - **the model's bytes**: ``llama_step_traffic(case, "jax", dtype)`` against the compiled HLO's
-  collectives (``llama_jax.measure_traffic``: the loss, loss-and-grads and step programs split
-  into passes) — ``traffic_equal``;
+  collectives — ``traffic_equal``: on the CPU per pass (``llama_jax.measure_traffic``: the loss,
+  loss-and-grads and step programs split into passes), on GPUs per kind over the timed step's
+  own program (``traffic_scope`` "whole step": :data:`GPU_TRAFFIC_SCOPE`);
 - **predicted**: :func:`llama_scale.predict` with ``framework="jax"`` (the JAX memory table); C
   (jitted bf16 matmul), W_hbm (a jitted elementwise pass) and W per collective kind (a jitted
   ``shard_map`` of each kind over every device, bytes per device as docs/contract.md counts them)
@@ -123,13 +124,18 @@ class JaxRig:
         _, _, self.state[0], self.state[1] = self.compiled(*self.state, *self.batch)
         return self.state[0]
 
-    def traffic(self):
-        """The compiled programs' collectives per pass (``llama_jax.measure_traffic``). The loss and
-        loss+grads programs are compiled only to be read, never run: without GEMM autotuning (which
-        picks kernels, not collectives), so a row costs one tuned compile, not three — on 4x H200
-        the JAX twin's calibration and first rows did not fit a 10-minute call (2026-11-27)."""
+    def traffic(self, scope: str = "per pass"):
+        """The compiled programs' collectives: "per pass" (``llama_jax.measure_traffic``) or
+        "whole step" (the timed step's own program alone, every collective counted as "step"). Per
+        pass, the loss and loss+grads programs are compiled only to be read, never run: without GEMM
+        autotuning (which picks kernels, not collectives), so a row costs one tuned compile, not
+        three — on 4x H200 the JAX twin's calibration and first rows did not fit a 10-minute call
+        (2026-11-27). On GPUs even those two cost minutes: see :data:`GPU_TRAFFIC_SCOPE`."""
+        from ..accounting.hlo import count_collectives
         from ..training.llama_jax import measure_traffic
 
+        if scope == "whole step":
+            return count_collectives(self.compiled.as_text(), "step")
         params, opt_state = self.state
         loss, grads, _ = self.programs
         untuned = {"xla_gpu_autotune_level": 0}
@@ -150,14 +156,26 @@ def _peak_bytes() -> float | None:
         return None
 
 
+# How a GPU row's bytes are held against the model: the whole step's program, per kind. Per pass
+# needs the loss and loss+grads programs compiled too, and on 2x H200 (2026-11-28) one such
+# untuned compile of the 2-GPU step at 8k tokens ran over 120 s (the whole twin's 32k row over
+# 10 minutes: its tuned step and those two); the per-pass split of the same programs is checked on
+# the CPU (tests/multidevice/test_llama_scale.py), where a compile costs seconds.
+GPU_TRAFFIC_SCOPE = "whole step"
+
+
 def timed_step(case: ModelCase, dtype: str, block_backend: str, warmup: int, iters: int,
-               traced: bool = True) -> dict:
-    """The case's step: median seconds, peak bytes, and (``traced``) its compiled collectives."""
+               traffic_scope: str | None = "per pass") -> dict:
+    """The case's step: median seconds, peak bytes, and (``traffic_scope`` not None) its compiled
+    collectives in that scope (:meth:`JaxRig.traffic`)."""
     from ..training.llama_gpu import jax_median_ms
 
     rig = JaxRig(case, dtype, block_backend)
     seconds = jax_median_ms(rig.run, warmup, iters) * 1e-3
-    return {"seconds": seconds, "peak_bytes": _peak_bytes(), "traffic": rig.traffic().rows() if traced else None}
+    out = {"seconds": seconds, "peak_bytes": _peak_bytes()}
+    if traffic_scope is not None:
+        out |= {"traffic": rig.traffic(traffic_scope).rows(), "traffic_scope": traffic_scope}
+    return out
 
 
 def exposure_of(case: ModelCase, dtype: str, block_backend: str, warmup: int) -> dict:
@@ -228,13 +246,14 @@ def measure_jax(run: ScaleRun, devices: str, world: int | None = None, emit=None
             # second timing builds and compiles the whole model's step again (GEMM autotuning), in
             # the longest call of the run list; JAX's one measured floor sat within 1.3 % of its
             # smallest rows (the FSDP x TP sweep, 4x H200: 13.04 ms against 12.88-12.99), torch's 27 % above
-            floors[strategy] = timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters, False)["seconds"]
+            floors[strategy] = timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters, None)["seconds"]
             emit({"host_floor": strategy, "seq": host_seq, "seconds": floors[strategy]})
         return exposures[strategy], floors[strategy]
 
     def timed(strategy: str, case: ModelCase) -> tuple[dict, dict, float]:
         exposed, host_s = calibration(strategy)
-        return timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters), exposed, host_s
+        scope = "per pass" if devices == "cpu" else GPU_TRAFFIC_SCOPE
+        return timed_step(case, run.dtype, run.block_backend, run.warmup, run.iters, scope), exposed, host_s
 
     def verify(case: ModelCase) -> dict:
         return verdict(case, run.dtype, *JaxRig(case, run.dtype, run.block_backend).loss_and_grads())

@@ -41,3 +41,38 @@ def test_every_variant_is_compiled_timed_and_checked_against_the_first(tmp_path,
     assert rows[0]["errors"]["float64_worst_ratio"] <= 1.0  # the reference: against the float64 step
     assert rows[1]["errors"]["grads"] > jax_compile_probe.TOLERANCE
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 and r["reference"] == "autotune" for r in rows)
+
+
+def test_compile_only_rows_carry_no_step_time_and_no_check(tmp_path):
+    """``--compile-only``: a compile's seconds, nothing computed — so no step time and no
+    ``checked`` that could read as a verified number."""
+    assert jax_compile_probe.main(["--smoke", "--seq", "64", "--variants", "untuned", "--compile-only",
+                                   "--out", str(tmp_path)]) == 0
+    (row,) = _rows(tmp_path)
+    assert row["compile_s"] > 0 and not {"step_ms", "checked", "errors"} & set(row)
+    assert row["hlo_lines"] > 100 and row["fusions"] > 0  # the compiled program's size, read from its text
+
+
+def test_program_size_counts_the_ops_a_compile_emits():
+    text = "\n".join(["ENTRY main {", "  %f = f32[2] fusion(%a), kind=kLoop", "  %w = (s32[]) while(%t), body=b",
+                      "  %c = f32[2] conditional(%p, %x, %y)", "  %k = f32[2] custom-call(%a), custom_call_target=\"x\"",
+                      "  %g = f32[2] fusion(%f), kind=kLoop", "}"])
+    assert jax_compile_probe.program_size(text) == {"hlo_lines": 6, "fusions": 2, "while_loops": 1,
+                                                    "conditionals": 1, "custom_calls": 1}
+
+
+def test_pass_times_sum_each_pass_over_its_runs_in_seconds():
+    """XLA's timer lines (the format of hlo_pass_pipeline.cc's VLOG 1), each unit to seconds, one
+    pass's runs summed, the longest first; other lines ignored."""
+    log = "\n".join([
+        "I1128 12:39:58.042917 1 hlo_pass_pipeline.cc:176] HLO pass: fusion time: 1.5 s (1.5 s) (cumulative: 1 s)",
+        "I1128 12:39:58.042917 1 hlo_pass_pipeline.cc:176] HLO pass: cse time: 250 ms (250 ms) (cumulative: 1 s)",
+        "I1128 12:39:58.042917 1 hlo_pass_pipeline.cc:176] HLO pass: fusion time: 2 min (2 min) (cumulative: 1 s)",
+        "I1128 12:39:58.042917 1 hlo_pass_pipeline.cc:176] HLO pass: dce time: 6 us (6 us) (cumulative: 1 s)",
+        "I1128 12:39:58.042931 1 hlo_pass_pipeline.cc:181]   HLO pass strip-memory-placement-annotations",
+    ])
+    times = jax_compile_probe.pass_times(log)
+    assert list(times) == ["fusion", "cse", "dce"]
+    assert times["fusion"] == pytest.approx(121.5) and times["cse"] == pytest.approx(0.25)
+    assert times["dce"] == pytest.approx(6e-6)
+    assert list(jax_compile_probe.pass_times(log, top=1)) == ["fusion"]
