@@ -90,6 +90,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true",
                     help="the GPU-size model on XLA:CPU's simulated devices (with --compile-only: how the program "
                          "grows with --devices, where a compile costs seconds)")
+    ap.add_argument("--no-ids", action="store_true",
+                    help="the rows (one document each) without segment ids: the same causal mask, its blocks on the "
+                         "plain kernels instead of the document path (the varlen call and the portable kernel behind "
+                         "its lax.cond) — does the document path make the multi-GPU compile slow?")
     ap.add_argument("--pass-times", action="store_true",
                     help="each row with XLA's 15 longest HLO passes (seconds, summed over their runs) and all "
                          "passes' total; the process's stderr goes to DIR/xla-passes.log to be read")
@@ -113,6 +117,8 @@ def main(argv=None) -> int:
     case = model_case(run, "zigzag", a.seq, 1, a.devices)
     step = Step(case, make_mesh(case), dtype=getattr(jax.numpy, run.dtype), block_backend=run.block_backend)
     params, opt_state, *batch = step.arguments(rows_of_one_document(case))
+    if a.no_ids:  # tokens, labels, positions, and no ids: one document a row is the causal mask itself
+        batch[3] = None
     _, grads_program, program = step.programs(params, opt_state, donate=True)
     rows_file = a.out / "compile-probe.jsonl"
     reference, logged = None, 0
@@ -135,7 +141,7 @@ def main(argv=None) -> int:
                       "passes_s": {k: round(v, 2) for k, v in list(times.items())[:15]}}
         if a.compile_only:  # a compile's seconds need no check: nothing it computes is reported
             write({"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices,
-                   "compile_s": round(compile_s, 2), **passes, **program_size(compiled.as_text()),
+                   "ids": not a.no_ids, "compile_s": round(compile_s, 2), **passes, **program_size(compiled.as_text()),
                    "device": jax.devices()[0].device_kind,
                    "jax": jax.__version__})
             continue
@@ -156,7 +162,7 @@ def main(argv=None) -> int:
             return state[0]
 
         step_ms = jax_median_ms(once, run.warmup, run.iters)
-        row = {"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices,
+        row = {"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices, "ids": not a.no_ids,
                "compile_s": round(compile_s, 2), **passes, "step_ms": round(step_ms, 3), "errors": errors,
                "checked": checked, "reference": reference_name,
                "device": jax.devices()[0].device_kind, "jax": jax.__version__}

@@ -53,7 +53,8 @@
 #   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU;
 #              LLAMAJAX overrides the arguments)
 #   jaxcompile issue 48: where the JAX twin's multi-GPU compile goes — its step at 8k tokens over every GPU, compiled
-#              untuned, XLA's per-pass timers and the program's size (benchmarks/jax_compile_probe.py --pass-times)
+#              untuned, XLA's per-pass timers and the program's size (benchmarks/jax_compile_probe.py --pass-times),
+#              with the rows' segment ids and then without (the same mask on the plain kernels); ≈ 5 min on 2 GPUs
 #   tp         issue 48: the FSDP 2 x TP 2 B* sweep, each side (parity.capacity.tp_sweep: the FFN step
 #              checked, then timed at 64 … 16384 tokens per device beside the closed form's B*)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
@@ -148,8 +149,10 @@ if [ "$1" = start ]; then
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
   # the step's compile alone (nothing run, nothing to check), every GPU of the hold, XLA's pass timers; its log gzipped
-  CMD[jaxcompile]="python3 -m benchmarks.jax_compile_probe --compile-only --pass-times --devices $GPUS \
-    --seq $(( ${SMOKE:-0} == 1 ? 64 : 8192 )) --variants untuned --out $R/jaxcompile $S; gzip -f $R/jaxcompile/xla-passes.log"
+  # with the rows' segment ids (the twin's program), then without them (the same causal mask on the plain kernels)
+  CMD[jaxcompile]="for ids in ids no-ids; do python3 -m benchmarks.jax_compile_probe --compile-only --pass-times \
+    --devices $GPUS --seq $(( ${SMOKE:-0} == 1 ? 64 : 8192 )) --variants untuned --out $R/jaxcompile-\$ids $S \
+    \$([ \$ids = no-ids ] && echo --no-ids); gzip -f $R/jaxcompile-\$ids/xla-passes.log; done"
   P47=${P47:-ring-r4:zigzag,ulysses-u4:contiguous,usp-r2xu2:zigzag,double_ring-ro2xri2:zigzag,ring-agkv-r4:zigzag}
   CMD[prof47]="MIXES=none PATHS=$P47 SEQ=$SEQ $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 benchmarks/mesh_profile_jax.py $S"

@@ -105,6 +105,13 @@ class ScaleRun:
                 shorter than its host's work — measured on a row too short to keep the GPUs busy.
     verify_seq: T of each strategy's check before it is timed (one row): the same step — mesh,
                 FSDP, dtype, kernels — against the float64 non-parallel step (``verdict``).
+    segment_ids: the rows (one document each) passed with their segment ids (``ModelCase.segment_ids``;
+                ``--segment-ids``): the packed-training program, its blocks on the document path. By
+                default none are passed — the same mask, on the plain causal kernels whose rate
+                C_attn measures: torch dropped one-document ids after a host copy of them every call
+                (a sync that held the 64k rows 13–17 % over the prediction, 4x H200, 2026-11-27), JAX
+                cannot look at traced ids and ran the document path, whose 2-GPU step compiled in
+                277–291 s against 36–54 s for one GPU (2x H200, 2026-11-28).
     """
 
     model: LlamaConfig = GPU_MODEL
@@ -121,6 +128,7 @@ class ScaleRun:
     exposure_seq: int | None = None
     host_seq: int = 256
     verify_seq: int = 1024
+    segment_ids: bool = False
 
 
 SMALL_RUN = ScaleRun(model=LlamaConfig(vocab=64, d_model=32, layers=2, heads=4, kv_heads=2, head_dim=8, d_ff=64),
@@ -130,7 +138,7 @@ SMALL_RUN = ScaleRun(model=LlamaConfig(vocab=64, d_model=32, layers=2, heads=4, 
 
 def model_case(run: ScaleRun, strategy: str, seq: int, batch: int, world: int) -> ModelCase:
     return ModelCase(run.model, strategy_mesh(strategy, world), fsdp=True, layout=LAYOUTS[strategy], batch=batch,
-                     seq=seq, fsdp_units=run.fsdp_units)
+                     seq=seq, fsdp_units=run.fsdp_units, segment_ids=run.segment_ids)
 
 
 def rows_of_one_document(case: ModelCase) -> TokenBatch:
@@ -453,6 +461,7 @@ def scale_result(run: ScaleRun, world: int, versions: dict, device_name: str, pr
 
     def row(strategy: str, seq: int, batch: int) -> dict:
         head = {"strategy": strategy, "seq": seq, "batch": batch, "framework": framework, "devices": world,
+                "segment_ids": run.segment_ids,
                 "device": device_name, "verified": checked(strategy)["passed"]}
         try:
             case = model_case(run, strategy, seq, batch, world)
@@ -532,6 +541,8 @@ def markdown(result: dict) -> str:
     framework = framework_of(result)
     units = (f"; FSDP2 units: {result['run']['fsdp_units']}" if framework == "torch"
              else f"; XLA GEMMs: {result.get('xla_gemm', 'autotune')}")
+    units += ("; rows of one document each, " + ("their segment ids passed" if result["run"].get("segment_ids")
+                                                  else "no segment ids passed (the causal mask)"))
     lines = [f"# Whole model on {result['env']['devices']} — {result['env']['date']}", "",
              f"{framework} {result['env'][framework]}{units}; C = {result['profile']['flops'] / 1e12:.1f} TFLOP/s; W_hbm = "
              f"{result['profile']['hbm'] / 1e9:.0f} GB/s; W (GB/s per device): "
@@ -616,6 +627,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-seq", type=int, default=None, help="tokens per row of each strategy's host-floor step")
     ap.add_argument("--fsdp-units", choices=FSDP_UNITS, default=None,
                     help="torch's FSDP2 units: block (default, as torchtitan) or weight (one per weight-holding module)")
+    ap.add_argument("--segment-ids", action="store_true",
+                    help="pass the rows' segment ids (one document a row): the packed-training program, its blocks on "
+                         "the document path (default: none passed, the same causal mask on the plain kernels)")
     ap.add_argument("--xla-gemm", choices=XLA_GEMM, default=None,
                     help="jax: how XLA picks GEMM kernels — autotune (default: its Triton GEMMs and cuBLAS's algorithms, "
                          "autotuned) or cublas (Triton GEMMs off, cuBLAS's algorithms still autotuned; on one H200 the "
@@ -631,7 +645,8 @@ def main(argv=None) -> int:
                                              ("seqs", a.seq and ints(a.seq)),
                                              ("batches", a.batches and ints(a.batches)),
                                              ("bstar_seq", a.bstar_seq), ("exposure_seq", a.exposure_seq),
-                                             ("host_seq", a.host_seq), ("fsdp_units", a.fsdp_units)) if v})
+                                             ("host_seq", a.host_seq), ("fsdp_units", a.fsdp_units),
+                                             ("segment_ids", a.segment_ids)) if v})
     calibration_seqs(run)  # a bad --exposure-seq fails before any rank starts
     a.out.mkdir(parents=True, exist_ok=True)  # before any work: rows land as they are measured
     stem = f"llama-scale-{'jax-' if a.framework == 'jax' else ''}{time.strftime('%Y-%m-%d')}"

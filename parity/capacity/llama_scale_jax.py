@@ -92,7 +92,7 @@ def jax_profile(sizes: Sizes, devices: list) -> dict:
 
 class JaxRig:
     """One case's compiled step on the first ``case.mesh.devices`` devices, its batch one document
-    per row (ids given, as the torch rig passes them: the traffic model's program)."""
+    per row (its segment ids passed only with ``case.segment_ids``, as the torch rig does)."""
 
     def __init__(self, case: ModelCase, dtype: str, block_backend: str):
         import jax.numpy as jnp

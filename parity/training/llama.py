@@ -208,6 +208,11 @@ class ModelCase:
     batch, seq: the global batch [B, T]; B % mesh.data == 0, T divisible by the layout's multiple.
     steps, lr: Adam steps (β 0.9/0.999, ε 1e-8) and learning rate.
     seed:     the weights' seed; the corpus uses seed + 1.
+    segment_ids: the batch's segment ids given to every attention call (packed documents). False:
+              none given — for batches whose rows are one document each (``llama_gpu.one_document``),
+              where the causal mask is that same mask; a batch with a row of several documents is
+              refused (:meth:`check_batch`). Its blocks then run the plain causal kernels (the rate
+              ``llama_gpu.jax_attention_rate`` measures) and no ids are gathered.
     """
 
     model: LlamaConfig = LlamaConfig()
@@ -220,6 +225,7 @@ class ModelCase:
     steps: int = 2
     lr: float = 1e-2
     seed: int = 0
+    segment_ids: bool = True
 
     def __post_init__(self):
         from ..core.names import LAYOUTS, check_choice
@@ -237,7 +243,19 @@ class ModelCase:
     @property
     def name(self) -> str:
         shard = ("fsdp" if self.fsdp_units == "weight" else "fsdp-blocks") if self.fsdp else "replicated"
-        return f"llama-{self.mesh.name}-{self.layout}-{shard}-b{self.batch}t{self.seq}"
+        ids = "" if self.segment_ids else "-no-ids"
+        return f"llama-{self.mesh.name}-{self.layout}-{shard}-b{self.batch}t{self.seq}{ids}"
+
+    def check_batch(self, batch: TokenBatch) -> None:
+        """Without segment ids every row must be one document (else the ids are not the mask the
+        step computes): ValueError naming the first row that is not, before any device work."""
+        if self.segment_ids:
+            return
+        ids = np.asarray(batch.segment_ids)
+        several = np.flatnonzero((ids != ids[:, :1]).any(axis=1))
+        if several.size:
+            raise ValueError(f"segment_ids=False takes rows of one document each (llama_gpu.one_document); row "
+                             f"{int(several[0])} holds several documents: give its segment ids (segment_ids=True)")
 
     def permutation(self) -> np.ndarray:
         """[T] original token index at each layout position over the mesh's ring × Ulysses split."""

@@ -215,15 +215,18 @@ class Step:
                 self._shard_map(step, (w, o, *batch), (share, w, w, o), donate=(0, 1) if donate else ()))
 
     def arguments(self, batch: TokenBatch | None = None):
-        """(params, opt_state, tokens, labels, positions, ids) as sharded global arrays; ``batch``
-        in original order (default the case's corpus)."""
+        """(params, opt_state, tokens, labels, positions, ids) as sharded global arrays (ids None
+        without ``case.segment_ids``); ``batch`` in original order (default the case's corpus)."""
         weights, corpus = self.case.inputs()
-        batch = (corpus if batch is None else batch).permuted(self.case.permutation())
+        batch = corpus if batch is None else batch
+        self.case.check_batch(batch)
+        batch = batch.permuted(self.case.permutation())
         put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
         params = jax.tree.map(lambda a: put(jnp.asarray(a), self.weight_spec), to_params(weights, self.case.model))
         opt_state = self.opt.init(params)
-        arrays = (batch.tokens, batch.labels, batch.positions, batch.segment_ids)
-        return (params, opt_state, *(put(jnp.asarray(a), self.tokens_spec) for a in arrays))
+        arrays = (batch.tokens, batch.labels, batch.positions)
+        ids = put(jnp.asarray(batch.segment_ids), self.tokens_spec) if self.case.segment_ids else None
+        return (params, opt_state, *(put(jnp.asarray(a), self.tokens_spec) for a in arrays), ids)
 
 
 def train(case: ModelCase, steps: int | None = None) -> TrainResult:

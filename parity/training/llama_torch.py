@@ -170,6 +170,7 @@ class Rig:
         self.coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
         weights, corpus = case.inputs()
         batch = corpus if batch is None else batch
+        case.check_batch(batch)
         self.batch = local_batch(case, batch.permuted(case.permutation()), self.coords)
         model = build_model(case.model, weights, layout=case.layout, kv_exchange=case.mesh.kv_exchange, mesh=self.mesh,
                             device=self.device, dtype=getattr(torch, dtype))
@@ -190,7 +191,8 @@ class Rig:
         self.opt = torch.optim.Adam(model.parameters(), lr=case.lr, foreach=device_type == "cuda")
         as_tensor = lambda a: torch.as_tensor(a, device=self.device)
         b = self.batch  # on the device once: every step feeds the same batch
-        self._tensors = as_tensor(b.tokens), as_tensor(b.labels), as_tensor(b.positions), as_tensor(b.segment_ids)
+        self._tensors = (as_tensor(b.tokens), as_tensor(b.labels), as_tensor(b.positions),
+                         as_tensor(b.segment_ids) if case.segment_ids else None)
         self._labelled = float((b.labels != IGNORE).sum())  # from the host copy: no device sync a step
 
     def tensors(self):

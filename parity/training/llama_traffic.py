@@ -6,7 +6,7 @@ Per step, with N = every device of the mesh and e the wire dtype's bytes (``dtyp
 the CPU reference step, 4; bfloat16 for the timed GPU step, whose weights, gradients and
 activations are all bf16, 2):
 - each attention layer: ``attention_traffic`` of its call (K/V hops, all-to-alls, all-gathers),
-  segment ids included (the batch is always packed documents);
+  segment ids included where the case gives them (``ModelCase.segment_ids``: packed documents);
 - the loss's denominator: one all-reduce of a float32 count over N devices (forward);
 - FSDP: forward all-gather of every weight ((N-1)/N of it); backward all-gather again and one
   reduce-scatter of its gradient; replicated: one all-reduce of every gradient (backward).
@@ -62,8 +62,8 @@ def llama_step_traffic(case: ModelCase, framework: str, dtype: str = "float32") 
     forward = lambda traffic, kind: traffic.rows().get(("fwd", kind), (0, 0))
     ids = {kind: (forward(with_ids, kind)[0] - forward(without_ids, kind)[0],
                   forward(with_ids, kind)[1] - forward(without_ids, kind)[1]) for kind in KINDS}
-    ids = {kind: entry for kind, entry in ids.items() if entry[0]}
-    per_layer = with_ids if framework == "torch" else without_ids
+    ids = {kind: entry for kind, entry in ids.items() if entry[0] and case.segment_ids}  # none given, none moved
+    per_layer = with_ids if framework == "torch" and case.segment_ids else without_ids
     for _ in range(case.model.layers):
         for (pass_, kind), (calls, nbytes) in per_layer.rows().items():
             t.add(pass_, kind, nbytes, calls)

@@ -74,6 +74,43 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
     assert "2x CPU" in llama_scale.markdown(result)
 
 
+def test_rows_with_and_without_segment_ids_move_what_the_model_counts_in_both_frameworks(worlds, jax_devices):
+    """The command's rows pass no segment ids by default (one document a row: the causal mask
+    itself); ``--segment-ids`` passes them (the packed-training program). Each setting's traced
+    bytes equal its own model in both frameworks, and the two models differ — by the ids' gathers
+    alone — so neither equality holds against the other setting's trace."""
+    from parity.capacity import llama_scale_jax
+
+    run = llama_scale.SMALL_RUN
+    cases = {ids: llama_scale.model_case(dataclasses.replace(run, segment_ids=ids), "zigzag", 32, 1, 2)
+             for ids in (False, True)}
+    for framework in ("torch", "jax"):
+        model = {ids: llama_step_traffic(case, framework, "float32").rows() for ids, case in cases.items()}
+        assert model[True] != model[False]
+        gathered = {ids: sum(b for (_, kind), (_, b) in model[ids].items() if kind == "all-gather") for ids in model}
+        assert gathered[True] > gathered[False] and all(
+            model[True].get(key) == value for key, value in model[False].items() if key[1] != "all-gather")
+        for ids, case in cases.items():
+            if framework == "torch":
+                traced = worlds(2).run(llama_scale.timed_step_task, case, "cpu", "float32", 0, 1)[0]["traffic"]
+            else:
+                traced = llama_scale_jax.JaxRig(case, "float32", "reference").traffic().rows()
+            assert llama_scale.traffic_equal(model[ids], traced), (framework, ids)
+            assert not llama_scale.traffic_equal(model[not ids], traced), (framework, ids)
+
+
+def test_a_batch_of_packed_rows_without_segment_ids_is_refused_before_any_device_work():
+    """Without ids a row of several documents would be attended as one: refused by name, in both
+    frameworks' step builders (``ModelCase.check_batch``)."""
+    from parity.training.llama import packed_corpus
+
+    case = llama_scale.model_case(llama_scale.SMALL_RUN, "zigzag", 32, 1, 2)
+    assert not case.segment_ids
+    case.check_batch(llama_scale.rows_of_one_document(case))  # one document a row: accepted
+    with pytest.raises(ValueError, match="row 0 holds several documents"):
+        case.check_batch(packed_corpus(case.model, 1, 32, 1))
+
+
 def test_the_knee_is_the_smallest_batch_within_ten_percent_of_the_best_time_per_row():
     assert llama_scale.knee([1, 2, 4, 8], [1.0, 1.0, 1.2, 2.3]) == 4  # per row 1, .5, .3, .2875
     assert llama_scale.knee([1, 2, 4], [1.0, 2.0, 4.0]) == 1  # compute-bound from the first row
