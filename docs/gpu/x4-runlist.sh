@@ -37,6 +37,8 @@
 # 2026-11-28 (2x H200, 11:59): llamajax with --xla-gemm cublas: check 2.7 min, exposure step 4.8 (its compile 277 s:
 # cuBLAS GEMMs saved 14 s of it on two GPUs), floor 1.2, the 32k row over 10 min (then its tuned step and two untuned
 # compiles for the per-pass bytes, each over 120 s on two GPUs; now one: GPU_TRAFFIC_SCOPE). Run jaxcompile first.
+# Since then llama / llamajax rows pass no segment ids (one document a row; LLAMA / LLAMAJAX "... --segment-ids" for
+# the old program).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
