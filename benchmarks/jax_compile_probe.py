@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 VARIANTS = {"autotune": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
@@ -91,12 +92,14 @@ def main(argv=None) -> int:
                     help="the GPU-size model on XLA:CPU's simulated devices (with --compile-only: how the program "
                          "grows with --devices, where a compile costs seconds)")
     ap.add_argument("--no-ids", action="store_true",
-                    help="the rows (one document each) without segment ids: the same causal mask, its blocks on the "
-                         "plain kernels instead of the document path (the varlen call and the portable kernel behind "
-                         "its lax.cond) — does the document path make the multi-GPU compile slow?")
+                    help="the rows (one document each) without segment ids, as the twin's rows run by default: the "
+                         "same causal mask, its blocks on the plain kernels instead of the document path (the varlen "
+                         "call and the portable kernel behind its lax.cond) — does that path make the multi-GPU "
+                         "compile slow?")
     ap.add_argument("--pass-times", action="store_true",
-                    help="each row with XLA's 15 longest HLO passes (seconds, summed over their runs) and all "
-                         "passes' total; the process's stderr goes to DIR/xla-passes.log to be read")
+                    help="each row with XLA's 15 longest HLO passes (seconds, summed over their runs; a pass "
+                         "pipeline's own line includes the passes inside it, so the entries overlap and are not "
+                         "summed); the process's stderr goes to DIR/xla-passes.log to be read")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     pass_log = a.out / "xla-passes.log"
@@ -113,15 +116,15 @@ def main(argv=None) -> int:
     from parity.training.llama_gpu import jax_median_ms
     from parity.training.llama_jax import Step, from_params, make_mesh
 
-    run = SMALL_RUN if a.smoke else ScaleRun()
+    # the twin's rows pass no ids by default (ScaleRun.segment_ids); the probe passes them unless --no-ids
+    run = replace(SMALL_RUN if a.smoke else ScaleRun(), segment_ids=not a.no_ids)
     case = model_case(run, "zigzag", a.seq, 1, a.devices)
     step = Step(case, make_mesh(case), dtype=getattr(jax.numpy, run.dtype), block_backend=run.block_backend)
-    params, opt_state, *batch = step.arguments(rows_of_one_document(case))
-    if a.no_ids:  # tokens, labels, positions, and no ids: one document a row is the causal mask itself
-        batch[3] = None
+    params, opt_state, *batch = step.arguments(rows_of_one_document(case))  # ids None without case.segment_ids
     _, grads_program, program = step.programs(params, opt_state, donate=True)
     rows_file = a.out / "compile-probe.jsonl"
-    reference, logged = None, 0
+    # the log from here on: the compiles before (the arguments' placement, Adam's init) are not a variant's
+    reference, logged = None, len(pass_log.read_text(errors="replace")) if a.pass_times else 0
 
     def write(row: dict) -> None:
         print(json.dumps(row), flush=True)
@@ -137,11 +140,10 @@ def main(argv=None) -> int:
             log = pass_log.read_text(errors="replace")
             times = pass_times(log[logged:], top=10**6)
             logged = len(log)
-            passes = {"passes_total_s": round(sum(times.values()), 2),
-                      "passes_s": {k: round(v, 2) for k, v in list(times.items())[:15]}}
+            passes = {"passes_s": {k: round(v, 2) for k, v in list(times.items())[:15]}}
         if a.compile_only:  # a compile's seconds need no check: nothing it computes is reported
             write({"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices,
-                   "ids": not a.no_ids, "compile_s": round(compile_s, 2), **passes, **program_size(compiled.as_text()),
+                   "ids": case.segment_ids, "compile_s": round(compile_s, 2), **passes, **program_size(compiled.as_text()),
                    "device": jax.devices()[0].device_kind,
                    "jax": jax.__version__})
             continue
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
             return state[0]
 
         step_ms = jax_median_ms(once, run.warmup, run.iters)
-        row = {"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices, "ids": not a.no_ids,
+        row = {"variant": name, "compiler_options": VARIANTS[name], "seq": a.seq, "devices": a.devices, "ids": case.segment_ids,
                "compile_s": round(compile_s, 2), **passes, "step_ms": round(step_ms, 3), "errors": errors,
                "checked": checked, "reference": reference_name,
                "device": jax.devices()[0].device_kind, "jax": jax.__version__}

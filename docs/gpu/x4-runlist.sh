@@ -151,10 +151,12 @@ if [ "$1" = start ]; then
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
   # the step's compile alone (nothing run, nothing to check), every GPU of the hold, XLA's pass timers; its log gzipped
-  # with the rows' segment ids (the twin's program), then without them (the same causal mask on the plain kernels)
+  # with the rows' segment ids (the program the twin ran until 2026-11-28), then without them (its rows since: the
+  # same causal mask on the plain kernels); the probe's stderr is its pass log, so a failure's traceback is shown from it
   CMD[jaxcompile]="for ids in ids no-ids; do python3 -m benchmarks.jax_compile_probe --compile-only --pass-times \
     --devices $GPUS --seq $(( ${SMOKE:-0} == 1 ? 64 : 8192 )) --variants untuned --out $R/jaxcompile-\$ids $S \
-    \$([ \$ids = no-ids ] && echo --no-ids); gzip -f $R/jaxcompile-\$ids/xla-passes.log; done"
+    \$([ \$ids = no-ids ] && echo --no-ids) || grep -v '^I' $R/jaxcompile-\$ids/xla-passes.log | tail -n 30;
+    gzip -f $R/jaxcompile-\$ids/xla-passes.log; done"
   P47=${P47:-ring-r4:zigzag,ulysses-u4:contiguous,usp-r2xu2:zigzag,double_ring-ro2xri2:zigzag,ring-agkv-r4:zigzag}
   CMD[prof47]="MIXES=none PATHS=$P47 SEQ=$SEQ $TORCHRUN benchmarks/mesh_profile_torch.py $S"
   CMD[jaxprof47]="MIXES=none PATHS=$P47 SEQ=$SEQ python3 benchmarks/mesh_profile_jax.py $S"

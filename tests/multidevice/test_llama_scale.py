@@ -233,18 +233,18 @@ def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_com
     assert "jax " in llama_scale.markdown(result) and "2x cpu" in llama_scale.markdown(result)
 
 
-def test_the_gpu_rows_whole_step_count_is_the_per_pass_split_summed_and_still_fails_wrong_bytes(jax_devices):
+def test_the_gpu_rows_whole_step_count_equals_the_model_per_kind_and_still_fails_wrong_bytes(jax_devices):
     """On GPUs the twin reads a row's bytes from the timed step's program alone (``traffic_scope``
-    "whole step": the per-pass split's two extra compiles cost minutes there). That count must be
-    the per-pass split summed over the passes, equal the model per kind, and still fail a model of
-    other bytes (bf16 against a float32 step) — else the GPU rows' ``traffic_equal`` could not fail."""
+    "whole step": the per-pass split's two extra compiles cost minutes there). That count must
+    equal the model per kind, and still fail a model of other bytes (bf16 against a float32 step) —
+    else the GPU rows' ``traffic_equal`` could not fail. It cannot see bytes put in the wrong pass:
+    the per-pass check, on the CPU, does."""
     from parity.capacity import llama_scale_jax
 
     case = llama_scale.model_case(llama_scale.SMALL_RUN, "zigzag", 32, 1, 2)
     rig = llama_scale_jax.JaxRig(case, "float32", "reference")
     whole, split = rig.traffic("whole step").rows(), rig.traffic("per pass").rows()
     assert {p for p, _ in whole} == {"step"} and len(whole) >= 3  # gathers, reduce-scatters, the ring's hops
-    assert whole == llama_scale.whole_step(split)
     model = llama_step_traffic(case, "jax", "float32").rows()
     assert llama_scale.traffic_equal(model, whole, "whole step") and llama_scale.traffic_equal(model, split)
     assert not llama_scale.traffic_equal(llama_step_traffic(case, "jax", "bfloat16").rows(), whole, "whole step")

@@ -76,3 +76,15 @@ def test_pass_times_sum_each_pass_over_its_runs_in_seconds():
     assert times["fusion"] == pytest.approx(121.5) and times["cse"] == pytest.approx(0.25)
     assert times["dce"] == pytest.approx(6e-6)
     assert list(jax_compile_probe.pass_times(log, top=1)) == ["fusion"]
+
+
+def test_no_ids_compiles_another_program_than_the_rows_ids(tmp_path):
+    """``--no-ids`` must change what is compiled (the question it asks is whether the document path
+    costs the compile): on two simulated devices the program with the rows' ids holds the document
+    path's conditionals, the one without has fewer, and each row says which it compiled."""
+    for flags, out in (([], tmp_path / "ids"), (["--no-ids"], tmp_path / "no-ids")):
+        assert jax_compile_probe.main(["--smoke", "--seq", "64", "--devices", "2", "--variants", "untuned",
+                                       "--compile-only", "--out", str(out), *flags]) == 0
+    (ids,), (no_ids,) = _rows(tmp_path / "ids"), _rows(tmp_path / "no-ids")
+    assert ids["ids"] is True and no_ids["ids"] is False
+    assert ids["conditionals"] > no_ids["conditionals"] and ids["hlo_lines"] > no_ids["hlo_lines"]
