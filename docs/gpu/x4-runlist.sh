@@ -82,6 +82,10 @@
 #              torchrun world per ring size), the single-GPU ceiling at 32k in the same run
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
 #              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid)
+# KEEP_JAX_CACHE=1 wait: the machine's JAX compilation cache (/tmp/jax-cache: every program compiled so far,
+# GEMM tuning included) comes back as $OUT/jaxcache.tgz.00, .01, ... (15 MiB parts; skipped over 45 MiB). Copied into
+# .jaxcache/ here and carried, the next `start` on a fresh machine of the same kind unpacks it first, so a hold given
+# back between calls (2026-11-28: the JAX twin's 277-s compiles lost with it) does not compile everything again.
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
 # GPUS=2 (a two-GPU hold, 2026-11-28): tier, u128, win, winprof, weak and torchprof at 32k tokens per GPU on the
 # two-GPU meshes (ring 2, Ulysses 2, all-gather KV 2) — the same per-GPU shapes as the 4-GPU rows; llama and llamajax
@@ -105,6 +109,10 @@ if [ "$1" = start ]; then
   mkdir -p $R
   if [ "${SMOKE:-0}" != 1 ]; then
     . docs/gpu/install-wheels.sh $R
+    if ls .jaxcache/jaxcache.tgz.* > /dev/null 2>&1; then  # a carried cache (KEEP_JAX_CACHE, above)
+      mkdir -p "$JAX_COMPILATION_CACHE_DIR" && cat .jaxcache/jaxcache.tgz.* | tar xzf - -C "$JAX_COMPILATION_CACHE_DIR" \
+        && echo "JAX cache carried in: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) entries" >> $R/notes.txt
+    fi
     # torch's rows and anchors are measured against FA4 (issue 46: the anchor is the faster of FA2 and FA4); a
     # fresh machine (the hold given back between calls) has none, and its torch rows would time FA2 — on
     # 2026-11-28 a d128 call did, 85 device seconds. Refused unless NO_FA4=1 says FA2 is what is wanted.
@@ -237,6 +245,11 @@ if [ "$1" = wait ]; then
   # a CPU smoke run's tables are not results: the untracked ones go (they would travel with the tree)
   [ "${SMOKE:-0}" = 1 ] && git ls-files --others --exclude-standard -- benchmarks/results | xargs -r rm -f
   [ -n "$DEST" ] && tar czf $DEST/runlist.tgz -C $R .
+  if [ "${KEEP_JAX_CACHE:-0}" = 1 ] && [ -n "$DEST" ] && [ -d "${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}" ]; then
+    tar czf /tmp/jaxcache.tgz -C "${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}" .
+    if [ $(stat -c %s /tmp/jaxcache.tgz) -le $((45 * 1024 * 1024)) ]; then split -b 15M -d /tmp/jaxcache.tgz $DEST/jaxcache.tgz.
+    else echo "JAX cache not kept: $(stat -c %s /tmp/jaxcache.tgz) bytes (over 45 MiB)"; fi
+  fi
   cat $LOG
   for f in $R/*.log; do echo "--- $f"; grep -E "verify|anchor|_impl |wall|rc |Error|error|predicted|measured" $f | cut -c1-240 | tail -25; done
 fi
