@@ -83,7 +83,7 @@
 #   d512k      issue 46: 512k tokens, heavy-tail, both frameworks — the API's default (static
 #              zigzag ring) and the chooser's pick (all-gather KV, per-document hybrid)
 # KEEP_JAX_CACHE=1 wait: the machine's JAX compilation cache (/tmp/jax-cache: every program compiled so far,
-# GEMM tuning included) comes back as $OUT/jaxcache.tgz.00, .01, ... (15 MiB parts; skipped over 45 MiB). Copied into
+# GEMM tuning included) comes back as $OUT/jaxcache.tgz.00, .01, ... (15 MiB parts; skipped over 28 MiB: with .whl and the project it must fit the 64-MiB tree). Copied into
 # .jaxcache/ here and carried, the next `start` on a fresh machine of the same kind unpacks it first, so a hold given
 # back between calls (2026-11-28: the JAX twin's 277-s compiles lost with it) does not compile everything again.
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
@@ -247,8 +247,8 @@ if [ "$1" = wait ]; then
   [ -n "$DEST" ] && tar czf $DEST/runlist.tgz -C $R .
   if [ "${KEEP_JAX_CACHE:-0}" = 1 ] && [ -n "$DEST" ] && [ -d "${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}" ]; then
     tar czf /tmp/jaxcache.tgz -C "${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}" .
-    if [ $(stat -c %s /tmp/jaxcache.tgz) -le $((45 * 1024 * 1024)) ]; then split -b 15M -d /tmp/jaxcache.tgz $DEST/jaxcache.tgz.
-    else echo "JAX cache not kept: $(stat -c %s /tmp/jaxcache.tgz) bytes (over 45 MiB)"; fi
+    if [ $(stat -c %s /tmp/jaxcache.tgz) -le $((28 * 1024 * 1024)) ]; then split -b 15M -d /tmp/jaxcache.tgz $DEST/jaxcache.tgz.
+    else echo "JAX cache not kept: $(stat -c %s /tmp/jaxcache.tgz) bytes (over 28 MiB: it would not travel beside .whl and the project)"; fi
   fi
   cat $LOG
   for f in $R/*.log; do echo "--- $f"; grep -E "verify|anchor|_impl |wall|rc |Error|error|predicted|measured" $f | cut -c1-240 | tail -25; done
