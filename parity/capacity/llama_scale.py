@@ -50,6 +50,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ..accounting.model import Traffic
 from ..core.mesh import MeshShape
 from ..runners.torch_runner import world_backend
 from ..runners.torch_world import close_worlds, get_world
@@ -245,11 +246,10 @@ def verdict(case: ModelCase, dtype: str, loss: float, grads: dict) -> dict:
 def whole_step(rows: dict) -> dict:
     """Per-(pass, kind) rows summed over the passes: {("step", kind): (calls, bytes)} — what one
     compiled program of the whole step shows (``count_collectives(text, "step")``)."""
-    out: dict = {}
-    for (_, kind), (c, b) in rows.items():
-        calls, nbytes = out.get(("step", kind), (0, 0))
-        out["step", kind] = (calls + c, nbytes + b)
-    return out
+    total = Traffic()
+    for (_, kind), (calls, nbytes) in rows.items():
+        total.add("step", kind, nbytes, calls)
+    return total.rows()
 
 
 def traffic_equal(model_rows: dict, traced_rows: dict, scope: str = "per pass") -> bool:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from seqplan.config import check_positive_ints, check_rope_heads
+from seqplan.documents import one_document_per_row
 
 from ..core.documents import lengths_to_ids, long_tailed_lengths
 from ..core.mesh import MeshShape
@@ -249,13 +250,12 @@ class ModelCase:
     def check_batch(self, batch: TokenBatch) -> None:
         """Without segment ids every row must be one document (else the ids are not the mask the
         step computes): ValueError naming the first row that is not, before any device work."""
-        if self.segment_ids:
-            return
         ids = np.asarray(batch.segment_ids)
-        several = np.flatnonzero((ids != ids[:, :1]).any(axis=1))
-        if several.size:
-            raise ValueError(f"segment_ids=False takes rows of one document each (llama_gpu.one_document); row "
-                             f"{int(several[0])} holds several documents: give its segment ids (segment_ids=True)")
+        if self.segment_ids or one_document_per_row(ids[None]):  # [b, t] as one shard's [1, b, t]
+            return
+        row = int(np.flatnonzero((ids != ids[:, :1]).any(axis=1))[0])
+        raise ValueError(f"segment_ids=False takes rows of one document each (llama_gpu.one_document); row "
+                         f"{row} holds several documents: give its segment ids (segment_ids=True)")
 
     def permutation(self) -> np.ndarray:
         """[T] original token index at each layout position over the mesh's ring × Ulysses split."""

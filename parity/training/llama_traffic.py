@@ -62,7 +62,7 @@ def llama_step_traffic(case: ModelCase, framework: str, dtype: str = "float32") 
     forward = lambda traffic, kind: traffic.rows().get(("fwd", kind), (0, 0))
     ids = {kind: (forward(with_ids, kind)[0] - forward(without_ids, kind)[0],
                   forward(with_ids, kind)[1] - forward(without_ids, kind)[1]) for kind in KINDS}
-    ids = {kind: entry for kind, entry in ids.items() if entry[0] and case.segment_ids}  # none given, none moved
+    ids = {kind: entry for kind, entry in ids.items() if entry[0]} if case.segment_ids else {}  # none given, none moved
     per_layer = with_ids if framework == "torch" and case.segment_ids else without_ids
     for _ in range(case.model.layers):
         for (pass_, kind), (calls, nbytes) in per_layer.rows().items():
