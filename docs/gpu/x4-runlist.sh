@@ -37,6 +37,10 @@
 # 2026-11-28 (2x H200, 11:59): llamajax with --xla-gemm cublas: check 2.7 min, exposure step 4.8 (its compile 277 s:
 # cuBLAS GEMMs saved 14 s of it on two GPUs), floor 1.2, the 32k row over 10 min (then its tuned step and two untuned
 # compiles for the per-pass bytes, each over 120 s on two GPUs; now one: GPU_TRAFFIC_SCOPE). Run jaxcompile first.
+# 2026-11-28 (4x H200, 14:27): wingroups both sides 8.9 min (six driver runs), condwin 1.4, d128 torch 2 / JAX over 8
+# (its per-row paths compile; few-long's last three rows lost with the hold). 2x H200: jaxcompile 4.7 min (the 8k step
+# compiles in 242 s with ids, 5.5 s without). WAIT_S counts from the script's start (install included): call 2 with
+# FA4's install needs WAIT_S <= 520 to return inside the call's 600 s.
 # Since then llama / llamajax rows pass no segment ids (one document a row; LLAMA / LLAMAJAX "... --segment-ids" for
 # the old program).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
