@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .schedule import LAYOUTS
+from .shared import ring_shards, shared_bucket, shared_extent
 
-__all__ = ["DOCUMENT_HYBRID", "DOCUMENT_LAYOUTS", "DOCUMENT_ZIGZAG", "LAYOUTS", "RowLayout", "document_layout",
-           "document_runs", "hybrid_layout", "layout_permutation", "pad_documents", "ring_positions", "row_layout",
-           "rope_positions", "seq_multiple", "static_token_index"]
+__all__ = ["BALANCE_TOLERANCE", "DOCUMENT_HYBRID", "DOCUMENT_LAYOUTS", "DOCUMENT_ZIGZAG", "LAYOUTS",
+           "RowLayout", "balanced_split_at", "causal_work", "default_split_at", "document_layout",
+           "document_runs", "hybrid_layout", "layout_permutation", "pad_documents", "ring_positions",
+           "row_layout", "rope_positions", "seq_multiple", "static_token_index"]
 
 
 def seq_multiple(layout: str, ring_size: int, ulysses_size: int = 1) -> int:
@@ -139,18 +141,72 @@ def _check_split(lengths: np.ndarray, starts: np.ndarray, ids_row: np.ndarray, r
 
 
 def default_split_at(seq: int, ring_size: int) -> int:
-    """The per-document hybrid's default threshold: documents of at least seq / (8R) tokens (an
-    eighth of a shard; 2048 at 128k tokens on 8 devices, chunks of at least 128 tokens) are split
-    across the ring, shorter ones kept whole — chosen on the balance probe's mixes, where it
-    keeps every device's run area within 1.005 of the mean (a quarter of a shard: 1.035; whole
-    documents up to a shard: 2.02 — one document's causal work can exceed a device's share)."""
+    """The per-document hybrid's lowest threshold: documents of at least seq / (8R) tokens (an
+    eighth of a shard; 2048 at 128k tokens on 8 devices, chunks of at least 128 tokens) — chosen on
+    the balance probe's mixes, where splitting every document that long keeps every device's run
+    area within 1.005 of the mean (a quarter of a shard: 1.035; whole documents up to a shard:
+    2.02 — one document's causal work can exceed a device's share). :func:`balanced_split_at`
+    splits no more than this, and fewer where fewer balance."""
     return max(2 * ring_size, seq // (8 * ring_size))
+
+
+# The hybrid's default splits the fewest, longest documents that keep every device's causal work
+# within this factor of the mean (:func:`balanced_split_at`).
+BALANCE_TOLERANCE = 1.01
+
+
+def causal_work(segment_ids, perm: np.ndarray, ring_size: int) -> np.ndarray:
+    """Causal (query, key) pairs of the same document each ring shard's queries see, [b, R], when
+    row i is laid out as ``segment_ids[i][perm[i]]`` (original order in, token index = ``perm``):
+    a query sees the keys of its document up to its own position."""
+    ids = np.asarray(segment_ids)
+    work = np.empty((ids.shape[0], ring_size))
+    for row in range(ids.shape[0]):
+        starts, lengths = document_runs(ids[row])
+        start_of = np.repeat(starts, lengths)  # each token's document start, original order
+        pairs = perm[row] - start_of[perm[row]] + 1
+        work[row] = pairs.reshape(ring_size, -1).sum(1)
+    return work
+
+
+def balanced_split_at(segment_ids, ring_size: int, tolerance: float = BALANCE_TOLERANCE) -> int:
+    """The hybrid's default threshold for ``segment_ids`` [b, seq]: of the thresholds that split
+    none, the longest document, the two longest, … down to :func:`default_split_at` (never
+    below), those that keep every device's causal work (:func:`causal_work`) within
+    ``tolerance`` of the mean in every row, the one whose shards share the fewest tokens — each
+    split document puts len / R tokens in every shard's shared prefix (all-gather KV's
+    ``shared_tokens``, on its bucket ladder: what the gather moves), and so do the pieces of a
+    document cut for room — equal buckets to the better balance, then to the fewest splits;
+    :func:`default_split_at` when none balances. On the balance mixes
+    at 128k over 4 devices the shared prefix falls from 6,171 to 2,057 tokens (short), 26,650 to
+    22,550 (heavy-tail) and 22,583 to 20,530 (few-long), the work within 1.009 / 1.008 / 1.004
+    of the mean (docs/decisions.md, "The hybrid splits the fewest documents that balance")."""
+    ids = _check_ids(segment_ids, ring_size)
+    if ids.shape[1] % ring_size:
+        raise ValueError(f"seq={ids.shape[1]} must be divisible by ring_size={ring_size}")
+    floor = default_split_at(ids.shape[1], ring_size)
+    lengths = np.concatenate([document_runs(row)[1] for row in ids])
+    if ring_size == 1 or not (lengths >= floor).any():
+        return floor
+    best = None
+    for split_at in [int(lengths.max()) + 1] + sorted({int(x) for x in lengths if x > floor}, reverse=True) + [floor]:
+        perm = _hybrid_perm(ids, ring_size, split_at)
+        work = causal_work(ids, perm, ring_size)
+        if (work.max(1) > tolerance * work.mean(1)).any():
+            continue
+        laid = ring_shards(np.take_along_axis(ids, perm, 1), ring_size)
+        # the bucket is what the gather moves; among equal buckets the better balance, then fewer splits
+        key = (shared_bucket(shared_extent(laid), laid.shape[2]), float((work.max(1) / work.mean(1)).max()))
+        if best is None or key < best[0]:
+            best = (key, split_at)
+    return floor if best is None else best[1]
 
 
 def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> RowLayout:
     """The per-document hybrid (after WLB-LLM and ByteScale) of every row of ``segment_ids`` [b, seq]
     (original order): documents of at least ``split_at`` tokens (default
-    :func:`default_split_at`) are cut as in :func:`document_layout` — 2R chunks, shard r holding
+    :func:`balanced_split_at`: the fewest, longest that balance) are cut as in
+    :func:`document_layout` — 2R chunks, shard r holding
     chunks r and 2R-1-r, the same causal work on every device — and shorter ones are kept whole on
     one device, placed longest first on the device with the least causal work (n·(n+1)/2 per
     document) among those with room; a document no device has room for is cut into contiguous
@@ -163,12 +219,16 @@ def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> R
 
     Every document it splits must have a length divisible by 2R (:func:`pad_documents`)."""
     ids = _check_ids(segment_ids, ring_size)
-    batch, seq = ids.shape
-    if seq % ring_size:
-        raise ValueError(f"seq={seq} must be divisible by ring_size={ring_size}")
-    split_at = default_split_at(seq, ring_size) if split_at is None else split_at
-    if not isinstance(split_at, (int, np.integer)) or split_at < 1:
+    if ids.shape[1] % ring_size:
+        raise ValueError(f"seq={ids.shape[1]} must be divisible by ring_size={ring_size}")
+    if split_at is not None and (not isinstance(split_at, (int, np.integer)) or split_at < 1):
         raise ValueError(f"split_at must be an int >= 1, got {split_at!r}")
+    return _row_layout(_hybrid_perm(ids, ring_size, balanced_split_at(ids, ring_size) if split_at is None else split_at))
+
+
+def _hybrid_perm(ids: np.ndarray, ring_size: int, split_at: int) -> np.ndarray:
+    """:func:`hybrid_layout`'s permutation [b, seq] for a checked ``ids`` and threshold."""
+    batch, seq = ids.shape
     n_chunks, cap = 2 * ring_size, seq // ring_size
     perm = np.empty((batch, seq), np.int64)
     for row in range(batch):
@@ -205,7 +265,7 @@ def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> R
         ordered = lambda parts: np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
         perm[row] = np.concatenate([np.concatenate([ordered(shared[r]), ordered(whole[r])])
                                     for r in range(ring_size)])
-    return _row_layout(perm)
+    return perm
 
 
 def row_layout(name: str, segment_ids, ring_size: int) -> RowLayout:

@@ -129,8 +129,10 @@ if [ "$1" = start ]; then
     esac
     SEQ=$((32768 * GPUS)); BIG=524288; HUGE=1048576; DEV=gpu; TORCHRUN="torchrun --nproc_per_node $GPUS"
     LLAMA=${LLAMA:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8"}
-    # --xla-gemm cublas: Triton GEMMs off, cuBLAS's algorithms still autotuned — half the compile (2026-11-28)
-    LLAMAJAX=${LLAMAJAX:-"--strategies zigzag --seq 32768 --bstar-seq 16384 --exposure-seq 8192 --batches 1,4 --xla-gemm cublas"}
+    # --xla-gemm cublas: Triton GEMMs off, cuBLAS's algorithms still autotuned. The rows pass no segment ids since
+    # 2026-11-28, and without them the 2-GPU step compiles in 5.5 s instead of 242 s (docs/gpu/documents-window-
+    # 2026-11-28-h200x4.md): the JAX rows are torch's (LLAMA) now, both strategies — a `start` and a `wait` call
+    LLAMAJAX=${LLAMAJAX:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 16384 --exposure-seq 8192 --batches 1,2,4,8 --xla-gemm cublas"}
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}; TPSWEEP=""
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke

@@ -170,3 +170,80 @@ def test_hybrid_refuses_split_documents_not_divisible():
     with pytest.raises(ValueError, match="document-hybrid needs every document it splits.*divisible by 2·R = 4"):
         hybrid_layout(ids, 2, split_at=5)
     hybrid_layout(np.array([[0] * 8 + [1] * 3 + [2] * 5]), 2, split_at=6)  # short ones may have any length
+
+
+# ---- the hybrid's default threshold (seqplan.layouts.balanced_split_at) ---------------------------
+# Why: the threshold decides how many tokens all-gather KV moves (every split document lands in every
+# shard's shared prefix); these pin the rule — fewer shared tokens only within the balance tolerance.
+
+def test_balanced_split_at_shares_fewer_tokens_on_the_mixes():
+    """128k over 4 devices, the balance mixes padded as the chooser pads them: the default shares
+    2,057 / 22,550 / 20,530 tokens a shard where splitting at the floor shares 6,171 / 26,650 /
+    22,583 (the numbers the docstring and docs/decisions.md quote), every device's causal work
+    within the tolerance of the mean."""
+    from parity.probes.balance import MIXES
+    from seqplan.layouts import BALANCE_TOLERANCE, causal_work, default_split_at, hybrid_layout, pad_documents
+    from seqplan.shared import shared_tokens_for
+
+    expected = {"short": (2057, 6171), "heavy-tail": (22550, 26650), "few-long": (20530, 22583)}
+    for mix in MIXES:
+        ids, _ = pad_documents(mix.segment_ids(131072)[None], 4, 8)
+        shared = {}
+        for name, split_at in (("default", None), ("floor", default_split_at(ids.shape[1], 4))):
+            layout = hybrid_layout(ids, 4, split_at)
+            work = causal_work(ids, layout.perm, 4)[0]
+            shared[name] = shared_tokens_for(np.take_along_axis(ids, layout.perm, 1), 4)
+            if name == "default":
+                assert work.max() <= BALANCE_TOLERANCE * work.mean(), (mix.name, work)
+        assert (shared["default"], shared["floor"]) == expected[mix.name], (mix.name, shared)
+
+
+def test_balanced_split_at_splits_nothing_that_balances_whole():
+    """Four equal documents over two devices: each device holds two whole, nothing is shared
+    (the floor would split all four and share every token)."""
+    from seqplan.layouts import balanced_split_at, hybrid_layout
+    from seqplan.shared import ring_shards, shared_extent
+
+    ids = np.repeat(np.arange(4), 8)[None]
+    split_at = balanced_split_at(ids, 2)
+    assert split_at > 8
+    layout = hybrid_layout(ids, 2)
+    assert shared_extent(ring_shards(np.take_along_axis(ids, layout.perm, 1), 2)) == 0
+    assert shared_extent(ring_shards(np.take_along_axis(ids, hybrid_layout(ids, 2, 4).perm, 1), 2)) == 16
+
+
+def test_balanced_split_at_splits_the_document_that_unbalances():
+    """One 24-token document and one of 8 over two devices: kept whole, the long one must be cut
+    for room and one device does most of its causal work, so the default splits it (2R chunks)."""
+    from seqplan.layouts import BALANCE_TOLERANCE, balanced_split_at, causal_work, hybrid_layout
+
+    ids = np.array([[0] * 24 + [1] * 8])
+    assert balanced_split_at(ids, 2) <= 24
+    work = causal_work(ids, hybrid_layout(ids, 2).perm, 2)[0]
+    assert work.max() <= BALANCE_TOLERANCE * work.mean()
+    whole = causal_work(ids, hybrid_layout(ids, 2, split_at=25).perm, 2)[0]
+    assert whole.max() > 1.1 * whole.mean()  # 200 against 136 pairs
+
+
+def test_causal_work_counts_visible_pairs():
+    """Per shard, the same-document causal pairs its queries see, against a direct count."""
+    from seqplan.layouts import causal_work
+
+    rng = np.random.default_rng(5)
+    ids = np.sort(rng.integers(0, 5, (2, 24)), axis=1)
+    perm = np.stack([rng.permutation(24) for _ in range(2)])
+    work = causal_work(ids, perm, 3)
+    for row in range(2):
+        for r in range(3):
+            queries = perm[row, r * 8:(r + 1) * 8]
+            direct = sum(int(np.sum((ids[row] == ids[row, q]) & (np.arange(24) <= q))) for q in queries)
+            assert work[row, r] == direct
+
+
+def test_balanced_split_at_refuses_what_hybrid_refuses():
+    from seqplan.layouts import balanced_split_at
+
+    with pytest.raises(ValueError, match="divisible by ring_size"):
+        balanced_split_at(np.zeros((1, 10), np.int32), 4)
+    with pytest.raises(ValueError, match="integer"):
+        balanced_split_at(np.zeros((1, 8)), 2)
