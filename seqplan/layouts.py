@@ -16,7 +16,7 @@ from .schedule import LAYOUTS
 from .shared import ring_shards, shared_bucket, shared_extent
 
 __all__ = ["BALANCE_TOLERANCE", "DOCUMENT_HYBRID", "DOCUMENT_LAYOUTS", "DOCUMENT_ZIGZAG", "LAYOUTS",
-           "RowLayout", "balanced_split_at", "causal_work", "default_split_at", "document_layout",
+           "MAX_SPLIT_CANDIDATES", "RowLayout", "balanced_split_at", "causal_work", "default_split_at", "document_layout",
            "document_runs", "hybrid_layout", "layout_permutation", "pad_documents", "ring_positions",
            "row_layout", "rope_positions", "seq_multiple", "static_token_index"]
 
@@ -150,15 +150,21 @@ def default_split_at(seq: int, ring_size: int) -> int:
     return max(2 * ring_size, seq // (8 * ring_size))
 
 
-# The hybrid's default splits the fewest, longest documents that keep every device's causal work
-# within this factor of the mean (:func:`balanced_split_at`).
+# The hybrid's default threshold keeps every device's causal work within this factor of the mean
+# (:func:`balanced_split_at`), trying at most this many document lengths between "split none" and
+# the floor: each try is one placement of the batch (≈ 3-40 ms a 128k row), and on the balance
+# mixes the choice was always among the 5 longest.
 BALANCE_TOLERANCE = 1.01
+MAX_SPLIT_CANDIDATES = 8
 
 
 def causal_work(segment_ids, perm: np.ndarray, ring_size: int) -> np.ndarray:
-    """Causal (query, key) pairs of the same document each ring shard's queries see, [b, R], when
-    row i is laid out as ``segment_ids[i][perm[i]]`` (original order in, token index = ``perm``):
-    a query sees the keys of its document up to its own position."""
+    """Causal (query, key) pairs each ring shard's queries see within their document, [b, R],
+    when row i is laid out as ``segment_ids[i][perm[i]]`` (original order in, token index =
+    ``perm``): a query sees the keys of its document up to its own position. A document is a
+    run of equal ids (:func:`document_runs`), as the layouts place them: an id that comes back
+    later counts as another document here, while the masks, which compare ids, let it see the
+    earlier run too (more pairs than counted; the layouts' balance is by runs)."""
     ids = np.asarray(segment_ids)
     work = np.empty((ids.shape[0], ring_size))
     for row in range(ids.shape[0]):
@@ -171,8 +177,9 @@ def causal_work(segment_ids, perm: np.ndarray, ring_size: int) -> np.ndarray:
 
 def balanced_split_at(segment_ids, ring_size: int, tolerance: float = BALANCE_TOLERANCE) -> int:
     """The hybrid's default threshold for ``segment_ids`` [b, seq]: of the thresholds that split
-    none, the longest document, the two longest, … down to :func:`default_split_at` (never
-    below), those that keep every device's causal work (:func:`causal_work`) within
+    none, the longest document, the two longest, … (the :data:`MAX_SPLIT_CANDIDATES` longest
+    lengths) and :func:`default_split_at` (never below), those that keep every device's causal
+    work (:func:`causal_work`) within
     ``tolerance`` of the mean in every row, the one whose shards share the fewest tokens — each
     split document puts len / R tokens in every shard's shared prefix (all-gather KV's
     ``shared_tokens``, on its bucket ladder: what the gather moves), and so do the pieces of a
@@ -184,12 +191,15 @@ def balanced_split_at(segment_ids, ring_size: int, tolerance: float = BALANCE_TO
     ids = _check_ids(segment_ids, ring_size)
     if ids.shape[1] % ring_size:
         raise ValueError(f"seq={ids.shape[1]} must be divisible by ring_size={ring_size}")
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance >= 1:
+        raise ValueError(f"tolerance must be a number >= 1 (max / mean causal work), got {tolerance!r}")
     floor = default_split_at(ids.shape[1], ring_size)
     lengths = np.concatenate([document_runs(row)[1] for row in ids])
     if ring_size == 1 or not (lengths >= floor).any():
         return floor
+    longest = sorted({int(x) for x in lengths if x > floor}, reverse=True)[:MAX_SPLIT_CANDIDATES]
     best = None
-    for split_at in [int(lengths.max()) + 1] + sorted({int(x) for x in lengths if x > floor}, reverse=True) + [floor]:
+    for split_at in [int(lengths.max()) + 1] + longest + [floor]:
         perm = _hybrid_perm(ids, ring_size, split_at)
         work = causal_work(ids, perm, ring_size)
         if (work.max(1) > tolerance * work.mean(1)).any():
@@ -205,7 +215,8 @@ def balanced_split_at(segment_ids, ring_size: int, tolerance: float = BALANCE_TO
 def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> RowLayout:
     """The per-document hybrid (after WLB-LLM and ByteScale) of every row of ``segment_ids`` [b, seq]
     (original order): documents of at least ``split_at`` tokens (default
-    :func:`balanced_split_at`: the fewest, longest that balance) are cut as in
+    :func:`balanced_split_at`: of the thresholds that balance, the one sharing the fewest tokens
+    between shards) are cut as in
     :func:`document_layout` — 2R chunks, shard r holding
     chunks r and 2R-1-r, the same causal work on every device — and shorter ones are kept whole on
     one device, placed longest first on the device with the least causal work (n·(n+1)/2 per

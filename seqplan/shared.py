@@ -15,7 +15,9 @@ work in two parts, both causal by token index within documents (:data:`PART_MASK
 Every query's keys lie in exactly one part (a query at P or later belongs to a document no other
 shard holds, whose earlier tokens are on this shard; a query before P sees only prefix tokens), so
 the two parts' outputs are final — no merge. On the 128k balance mixes over 4 devices the hybrid's
-shared tokens are 13 % (short), 78 % (heavy-tail) and 64 % (few-long) of a shard.
+shared tokens are 6 % (short), 64 % (heavy-tail) and 60 % (few-long) of a shard with its default
+threshold (``layouts.balanced_split_at``; 13 / 78 / 64 % when every document of seq / (8R) tokens
+or more was split).
 
 :func:`shared_extent` is the smallest P a batch allows; :func:`shared_bucket` rounds it up to a
 short ladder (JAX compiles one program per P); :func:`check_shared_tokens` refuses a P the ids

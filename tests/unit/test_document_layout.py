@@ -214,11 +214,14 @@ def test_balanced_split_at_splits_nothing_that_balances_whole():
 
 def test_balanced_split_at_splits_the_document_that_unbalances():
     """One 24-token document and one of 8 over two devices: kept whole, the long one must be cut
-    for room and one device does most of its causal work, so the default splits it (2R chunks)."""
+    for room and one device does most of its causal work; split alone, it leaves each device 4
+    tokens of room, the short one is cut into two pieces (10 and 26 pairs) and the devices do 160
+    against 176; so the default splits both (2R chunks each)."""
     from seqplan.layouts import BALANCE_TOLERANCE, balanced_split_at, causal_work, hybrid_layout
 
     ids = np.array([[0] * 24 + [1] * 8])
-    assert balanced_split_at(ids, 2) <= 24
+    assert balanced_split_at(ids, 2) == 8
+    assert causal_work(ids, hybrid_layout(ids, 2, split_at=24).perm, 2)[0].tolist() == [160.0, 176.0]
     work = causal_work(ids, hybrid_layout(ids, 2).perm, 2)[0]
     assert work.max() <= BALANCE_TOLERANCE * work.mean()
     whole = causal_work(ids, hybrid_layout(ids, 2, split_at=25).perm, 2)[0]
@@ -247,3 +250,34 @@ def test_balanced_split_at_refuses_what_hybrid_refuses():
         balanced_split_at(np.zeros((1, 10), np.int32), 4)
     with pytest.raises(ValueError, match="integer"):
         balanced_split_at(np.zeros((1, 8)), 2)
+
+
+def test_balanced_split_at_is_the_default_and_never_below_the_floor():
+    """``hybrid_layout`` without ``split_at`` is ``hybrid_layout`` at ``balanced_split_at``, over a
+    batch of rows with different documents; the threshold is never below ``default_split_at``
+    (no document the floor would keep whole gets split); a ring of one keeps the floor."""
+    from parity.probes.balance import MIXES
+    from seqplan.layouts import balanced_split_at, default_split_at, hybrid_layout, pad_documents
+
+    ids, _ = pad_documents(np.stack([mix.segment_ids(16384) for mix in MIXES]), 4, 8)
+    split_at = balanced_split_at(ids, 4)
+    assert split_at >= default_split_at(ids.shape[1], 4)
+    np.testing.assert_array_equal(hybrid_layout(ids, 4).perm, hybrid_layout(ids, 4, split_at).perm)
+    assert balanced_split_at(ids, 1) == default_split_at(ids.shape[1], 1)
+
+
+def test_causal_work_counts_runs_as_documents():
+    """An id that comes back later is another document (a run, as the layouts place it): its
+    second run's queries count no pairs with the first run's keys."""
+    from seqplan.layouts import causal_work
+
+    ids = np.array([[0, 0, 1, 1, 0, 0, 2, 2]])
+    work = causal_work(ids, np.arange(8)[None], 2)
+    assert work.tolist() == [[6.0, 6.0]]  # (1+2)+(1+2) per shard; by ids the second shard would see 10
+
+
+def test_balanced_split_at_refuses_a_tolerance_below_one():
+    from seqplan.layouts import balanced_split_at
+
+    with pytest.raises(ValueError, match="tolerance must be a number >= 1"):
+        balanced_split_at(np.zeros((1, 8), np.int32), 2, tolerance=0.9)
