@@ -79,3 +79,24 @@ def test_shared_prefix_off_gathers_every_shard():
     choice = choose_layout(IDS, ring=4, shared_prefix=False)
     assert choice.shared_tokens is None and choice.kv_exchange == "allgather"
     assert "every shard" in choice.reason
+
+
+@pytest.mark.parametrize("window", [(64, 0), 16])
+def test_a_window_takes_contiguous_shards_on_the_ring(window):
+    """Why: the hybrid and all-gather KV refuse a window beyond causal, so a chooser that ignored
+    the window would hand a windowed call a layout the call refuses. Documents or not: contiguous,
+    the ring exchange, nothing padded, ids as given."""
+    one_each = np.repeat(np.arange(2)[:, None], 64, 1)
+    for ids in (IDS, one_each):
+        choice = choose_layout(ids, ring=4, window=window)
+        assert (choice.layout, choice.row_layout, choice.kv_exchange, choice.padding) == ("contiguous", None, "ring", 0)
+        assert choice.token_index is None and choice.shared_tokens is None and "window" in choice.reason
+        np.testing.assert_array_equal(choice.segment_ids, ids)
+        np.testing.assert_array_equal(choice.read_back(choice.lay_out(ids)), ids)
+
+
+def test_a_bad_window_is_refused():
+    with pytest.raises(ValueError, match="window extents must be >= 0"):
+        choose_layout(IDS, ring=4, window=(-1, 0))
+    with pytest.raises(TypeError, match="window must be None"):
+        choose_layout(IDS, ring=4, window="4096")
