@@ -11,6 +11,7 @@ slowest rank's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import traceback
@@ -212,8 +213,21 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
                                                               window=problem.window, token_index=index, **laid.shared)
             return _train_step(run, q, k, v, do, fwd_only)
 
-        rows.append(_measure(row, problem, make_step, iters, warmup))
+        with _host_ids_block(laid, row):
+            rows.append(_measure(row, problem, make_step, iters, warmup))
     return rows
+
+
+def _host_ids_block(laid, row: Row):
+    """With ``RINGBRIDGE_HOST_IDS=1`` the row's calls run inside ``torch_impl.host_ids`` over the
+    laid-out ids and token indices (no copy of the gathered ids to the host a call; the row
+    records ``host_ids``; its check runs the same block: ``parity.runners.torch_runner``)."""
+    if os.environ.get("RINGBRIDGE_HOST_IDS") != "1" or laid.segment_ids is None:
+        return contextlib.nullcontext()
+    import torch_impl
+
+    row.extra["host_ids"] = True
+    return torch_impl.host_ids(laid.segment_ids, laid.token_index)
 
 
 def context_parallel_rows(problem: Problem, iters: int, warmup: int, load_balance: bool) -> list[Row]:

@@ -12,6 +12,7 @@ from .comm import Comm
 from .config import AttentionConfig
 from .dense import dense_attention
 from .double_ring import double_ring_attention
+from .loop import host_ids
 from .merge import merge_partials
 from .ring import ring_attention
 from .ulysses import ulysses_attention
@@ -20,6 +21,6 @@ from .usp import usp_attention
 __all__ = [
     "DATA", "LAYOUTS", "RING", "RING_INNER", "RING_OUTER", "ULYSSES", "AttentionConfig", "BlockBackend", "BlockMask",
     "Comm", "Schedule", "allgather_attention", "dense_attention", "device_visits", "double_ring_attention",
-    "get_backend", "layout_permutation", "merge_partials", "register_backend", "resolve_backend",
+    "get_backend", "host_ids", "layout_permutation", "merge_partials", "register_backend", "resolve_backend",
     "ring_attention", "sequence_parallel_attention", "ulysses_attention", "usp_attention",
 ]

@@ -56,6 +56,7 @@ from .block import get_backend
 from .comm import check_ranks_agree
 from .config import default_deterministic
 from .double_ring import double_ring_attention
+from .loop import declared_host_ids
 from .ulysses import ulysses_attention
 from .usp import KV_EXCHANGE, usp_attention
 
@@ -135,6 +136,11 @@ def _check_token_index(token_index, q, seq_len: int) -> None:
     check_token_index(*shape_and_dtype(token_index), q.shape, what="local ")
     if token_index.device != q.device:
         raise ValueError(f"token_index must be on q's device {q.device}, got {token_index.device}")
+    held = declared_host_ids()
+    if held is not None and held.token_index is not None:  # the host copy's range: no device read (the
+        # call compares the gathered indices with it on the device, NaN where they differ)
+        check_token_index_range(int(held.token_index.min()), int(held.token_index.max()), seq_len, what="host_ids ")
+        return
     if token_index.numel() and not _range_passed(token_index, seq_len):
         lo, hi = torch.stack(token_index.long().aminmax()).tolist()  # one host copy: each one is a sync
         check_token_index_range(lo, hi, seq_len, what="local ")

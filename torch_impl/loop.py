@@ -31,7 +31,9 @@ P_sink = exp(sink − lse_f)).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -321,13 +323,16 @@ class ShardMasks:
         return self.plans[key]
 
     @classmethod
-    def build(cls, config: AttentionConfig, ring_size: int, t: int, ids_all, device, index_all=None) -> ShardMasks:
+    def build(cls, config: AttentionConfig, ring_size: int, t: int, ids_all, device, index_all=None,
+              host: HostShards | None = None) -> ShardMasks:
         """The masks of a call on a ring of ``ring_size`` shards of ``t`` tokens (in
         ``config.layout``; positions from :func:`ring_positions`) — or, given ``index_all``
         (every shard's token indices, int [R, b, t]; the window then ``config.mask_window``, on them),
-        per-row positions [R, b, t] from them (one host copy per call)."""
+        per-row positions [R, b, t] from them (one host copy per call, none when ``host`` — the
+        caller's host copies of both, :func:`host_ids` — is given)."""
         positions = device_positions = None
-        host = _host_copies(ids_all, None if index_all is None else index_all.to(torch.int32))
+        host = (_host_copies(ids_all, None if index_all is None else index_all.to(torch.int32)) if host is None
+                else (host.ids, host.index))
         ids_host = host[0]
         if index_all is not None:
             device_positions, positions = index_all.to(torch.int32), host[1]
@@ -348,6 +353,107 @@ class ShardMasks:
 
         return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions),
                           pair(self.ids_host))
+
+
+# ---- the batch's ids on the host, given once (torch only: JAX plans on the device, under jit) ----
+
+@dataclass(frozen=True)
+class HostShards:
+    """Every ring shard's ids (and token indices, or None) on the host, int32 [R, b, t]: what a
+    call would otherwise copy from the device (:func:`_host_copies`)."""
+
+    ids: np.ndarray
+    index: np.ndarray | None
+
+
+@dataclass(frozen=True, eq=False)
+class HostIds:
+    """The laid-out rows a :func:`host_ids` block declares: ``segment_ids`` int32 [b, seq] and
+    ``token_index`` int32 [b, seq] or None, read-only."""
+
+    segment_ids: np.ndarray
+    token_index: np.ndarray | None
+
+    def shards(self, ring: int) -> HostShards:
+        """Ring shard r = the r-th contiguous seq / R of each row (every layout's order), [R, b, t]."""
+        split = lambda x: None if x is None else np.ascontiguousarray(
+            x.reshape(x.shape[0], ring, -1).transpose(1, 0, 2))
+        return HostShards(split(self.segment_ids), split(self.token_index))
+
+
+_HOST_IDS: ContextVar[HostIds | None] = ContextVar("ringbridge_host_ids", default=None)
+
+
+@contextmanager
+def host_ids(segment_ids, token_index=None) -> Iterator[HostIds]:
+    """Inside the block, the attention calls with packed documents read every ring shard's ids
+    (and token indices) from these host arrays instead of copying the gathered ones off the GPU
+    — a copy that waits for all the GPU's queued work, once per call and so once per layer
+    (docs/decisions.md, "The batch's ids on the host"). ``segment_ids`` / ``token_index``: the
+    whole laid-out rows every rank's shards come from, NumPy int [b, seq] in layout order (a
+    ``seqplan.chooser.LayoutChoice``'s ``segment_ids`` and ``token_index``), the same on every
+    rank. A call still gathers the ids on the device, compares them with these there, and
+    returns NaN in o and lse when they differ (a wrong copy is never a silent wrong answer; the
+    comparison needs no host sync); a call whose [b, R·t] is not theirs raises ``ValueError``."""
+    def checked(x, name):
+        x = np.asarray(x)
+        if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
+            raise TypeError(f"host_ids: {name} must be an integer [b, seq] array in layout order, got {x.dtype} {x.shape}")
+        x = x.astype(np.int32)  # a copy: later writes to the caller's array do not reach it
+        x.setflags(write=False)
+        return x
+
+    ids = checked(segment_ids, "segment_ids")
+    index = None if token_index is None else checked(token_index, "token_index")
+    if index is not None and index.shape != ids.shape:
+        raise ValueError(f"host_ids: token_index {index.shape} must have segment_ids' shape {ids.shape}")
+    held = HostIds(ids, index)
+    reset = _HOST_IDS.set(held)
+    try:
+        yield held
+    finally:
+        _HOST_IDS.reset(reset)
+
+
+def declared_host_ids() -> HostIds | None:
+    """The innermost :func:`host_ids` block's arrays, or None outside one."""
+    return _HOST_IDS.get()
+
+
+def _call_host_shards(ring: int, segment_ids, token_index) -> HostShards | None:
+    """This call's shards from the :func:`host_ids` block it runs in, or None (no block, or a call
+    without ids). Refuses a block whose rows are not this call's [b, R·t] or that lacks the token
+    indices the call passes (or has ones it does not)."""
+    held = _HOST_IDS.get()
+    if held is None or segment_ids is None:
+        return None
+    b, t = segment_ids.shape
+    if held.segment_ids.shape != (b, ring * t):
+        raise ValueError(f"host_ids: the block's rows are {held.segment_ids.shape}, this call's every ring shard "
+                         f"[b, R·t] = {(b, ring * t)}")
+    if (held.token_index is None) != (token_index is None):
+        raise ValueError("host_ids: give the block token_index exactly when the calls pass token_index "
+                         f"(the block has {'none' if held.token_index is None else 'one'}, the call "
+                         f"{'none' if token_index is None else 'one'})")
+    return held.shards(ring)
+
+
+def _to_device(x: np.ndarray, device) -> torch.Tensor:
+    """A host array on ``device`` without waiting for the GPU's queue (pinned, non-blocking; a copy
+    from pageable memory would wait)."""
+    tensor = torch.from_numpy(x)
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _host_mismatch(host: HostShards, ids_all, index_all):
+    """A 0-dim bool tensor on the ids' device: whether the gathered ids (or token indices) differ
+    from the host copies — decided on the device, read by no one on the host."""
+    bad = (ids_all.to(torch.int32) != _to_device(host.ids, ids_all.device)).any()
+    if index_all is not None:
+        bad = bad | (index_all.to(torch.int32) != _to_device(host.index, index_all.device)).any()
+    return bad
 
 
 @lru_cache(maxsize=32)
@@ -682,12 +788,16 @@ class _Attention(torch.autograd.Function):
         # they are computed and sent in q's dtype; only the gradients keep the caller's dtype.
         ctx.kv_dtype = k.dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
+        ring = axis_size(groups[0]) * axis_size(groups[1])
+        host = _call_host_shards(ring, segment_ids, token_index)  # before any collective: it may refuse
         ids_all = gather_segment_ids(segment_ids, groups, config.comm)  # once, for both passes
         index_all = gather_token_index(token_index, groups, config.comm)  # likewise (config.token_index: given)
-        masks = ShardMasks.build(config, axis_size(groups[0]) * axis_size(groups[1]), q.shape[1], ids_all, q.device,
-                                 index_all)
+        masks = ShardMasks.build(config, ring, q.shape[1], ids_all, q.device, index_all, host)
         o, lse, extra = forward(q, k, v, groups, config, masks)
         o, lse = finish_output(o, lse, sinks, q.dtype)  # the backward sees the final o, lse
+        if host is not None:  # a host copy that differs from the gathered ids: NaN, never a quiet wrong answer
+            bad = _host_mismatch(host, ids_all, index_all)
+            o, lse = (x.masked_fill(bad, float("nan")) for x in (o, lse))
         ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)), *(extra or ()))
         ctx.groups, ctx.config, ctx.backward_fn, ctx.masks = groups, config, backward, masks
         ctx.has_sinks = sinks is not None

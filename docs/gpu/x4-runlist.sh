@@ -47,6 +47,7 @@
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
 #              a cProfile of the host side)
+#   d128host   issue 46: torch's d128 rows twice, RINGBRIDGE_HOST_IDS=0 then 1 (the ids on the host: torch_impl.host_ids)
 #   d128       issue 46: 128k tokens, the three balance mixes, both frameworks: all-gather KV and
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
@@ -154,6 +155,10 @@ if [ "$1" = start ]; then
   D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
   CMD[d128]="for side in $SIDES; do $D128 --machine x${GPUS}-documents-\$side --only \$side --parts-dir $R/d128-\$side; done"
+  # torch's document rows without then with the batch's ids on the host (torch_impl.host_ids: no copy of the gathered
+  # ids off the GPU a call; every row and its check in the same block), same call: the short mix waited at that copy
+  CMD[d128host]="for h in 0 1; do RINGBRIDGE_HOST_IDS=\$h $D128 --machine x${GPUS}-documents-torch-hostids\$h --only torch \
+    --parts-dir $R/d128host\$h; done"
   # JAX's one-call backward as one call, then in two groups of runs (jax_impl/kernels/groups.py), same call
   G46="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"

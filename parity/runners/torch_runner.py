@@ -10,6 +10,8 @@ imported inside the functions (the workers import them; the parent only for the 
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -54,6 +56,19 @@ def _device(device_type: str):
     return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
 
 
+def host_ids_block(x: Inputs, case: Case, coords: dict):
+    """``torch_impl.host_ids`` over this rank's data block of the global ids (and token indices)
+    when ``RINGBRIDGE_HOST_IDS=1`` and the case has ids — so a benchmark that times its calls in
+    that block checks the same path — else a block that does nothing."""
+    if os.environ.get("RINGBRIDGE_HOST_IDS") != "1" or x.segment_ids is None:
+        return contextlib.nullcontext()
+    import torch_impl
+
+    b, d = x.segment_ids.shape[0] // case.data, coords.get("data", 0)
+    rows = lambda a: None if a is None else a[d * b:(d + 1) * b]
+    return torch_impl.host_ids(rows(x.segment_ids), rows(x.token_index))
+
+
 def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> dict:
     """Runs on every rank: forward + backward of this rank's shard (with this rank's shard of the
     segment ids, [b/D, t/(R·U)] int32 in layout order, when the case has packed documents, and of
@@ -75,11 +90,12 @@ def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> di
     ids = None if x.segment_ids is None else torch.tensor(_shard(x.segment_ids, case, coords, 1), device=device)
     index = None if x.token_index is None else torch.tensor(_shard(x.token_index, case, coords, 1), device=device)
     sinks = None if x.sinks is None else torch.tensor(x.sinks, dtype=torch.float32, device=device, requires_grad=True)
-    o, lse = torch_impl.sequence_parallel_attention(
-        q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
-        return_lse=True, block_backend=block_backend,
-        **option_keywords(segment_ids=ids, window=case.window, sinks=sinks, softcap=case.softcap, token_index=index),
-        **shared_keywords(case, x.segment_ids))  # x: the global arrays in layout order, the same on every rank
+    with host_ids_block(x, case, coords):
+        o, lse = torch_impl.sequence_parallel_attention(
+            q, k, v, mesh, causal=case.causal, layout=case.layout, scale=case.scale, kv_exchange=case.kv_exchange,
+            return_lse=True, block_backend=block_backend,
+            **option_keywords(segment_ids=ids, window=case.window, sinks=sinks, softcap=case.softcap, token_index=index),
+            **shared_keywords(case, x.segment_ids))  # x: the global arrays in layout order, the same on every rank
     if case.lse_cotangent:
         torch.autograd.backward((o, lse), (local(x.do), local(x.dlse, seq_dim=2, dt=torch.float32)))
     else:  # o's cotangent alone, as a training step: the kernels get no dlse

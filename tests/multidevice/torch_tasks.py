@@ -161,7 +161,8 @@ def _sequence_block(coords: dict, sizes: dict) -> int:
     return ring * sizes.get("ulysses", 1) + coords.get("ulysses", 0)
 
 
-def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False, emulate_varlen: bool = False) -> dict:
+def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False, emulate_varlen: bool = False,
+                   host: dict | None = None) -> dict:
     """Packed documents (and windows, sinks) on every rank: ``x`` holds the GLOBAL layout-order
     tensors (q, k, v, do [b, T, ., d], dlse [b, h, T], segment_ids [b, T] or None, optionally
     sinks [h] and token_index [b, T]); each rank takes its local shard (batch block of "data",
@@ -172,7 +173,11 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False, emulat
     calls it made, each as (pass, document mask?, query rows, key columns, window mask?),
     through a counting backend over the reference kernels. ``emulate_varlen``: q, k, v, do in
     bfloat16 on ``aten_varlen`` with FlashAttention-2's varlen ops emulated (tests/varlen_ops.py);
-    "calls" then lists the ops' calls as (op, packed query rows)."""
+    "calls" then lists the ops' calls as (op, packed query rows). ``host``: NumPy "segment_ids"
+    (and "token_index") [b, T] of this rank's data block, the call then run inside
+    ``torch_impl.host_ids`` with the device-to-host copy of the gathered ids made to fail."""
+    import contextlib
+
     import torch
 
     import torch_impl
@@ -219,9 +224,21 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False, emulat
     ids = None if x.get("segment_ids") is None else local(x["segment_ids"])
     sinks = None if x.get("sinks") is None else x["sinks"].clone().requires_grad_()
     token_index = None if x.get("token_index") is None else local(x["token_index"])
+    real_copies, block_of_host = _host_copies_of_loop(), contextlib.nullcontext()
+    if host is not None:
+        from torch_impl import loop
+
+        def no_copy(*_):
+            raise AssertionError("the gathered ids were copied to the host inside a host_ids block")
+
+        loop._host_copies = no_copy  # the worker's module: put back below
+        block_of_host = torch_impl.host_ids(host["segment_ids"][data * b:(data + 1) * b],
+                                            None if host.get("token_index") is None
+                                            else host["token_index"][data * b:(data + 1) * b])
     try:
-        o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids, sinks=sinks,
-                                                        token_index=token_index, **kwargs)
+        with block_of_host:
+            o, lse = torch_impl.sequence_parallel_attention(q, k, v, mesh, return_lse=True, segment_ids=ids,
+                                                            sinks=sinks, token_index=token_index, **kwargs)
         if emulate_varlen:  # the varlen backward takes no lse cotangent
             torch.autograd.backward(o, local(x["do"]))
         else:
@@ -229,11 +246,24 @@ def documents_task(mesh_axes, x: dict, kwargs: dict, count: bool = False, emulat
     finally:
         if emulate_varlen:  # the worker serves later tasks: the real ops back, whatever happened
             varlen.flash_forward, varlen.flash_backward = real_ops
+        _restore_host_copies(real_copies)
     out = {"o": o, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if sinks is not None:
         out["dsinks"] = sinks.grad
     return {"coords": coords, "block": block, "data": data, "calls": calls,
             **{n: a.detach() for n, a in out.items()}}
+
+
+def _host_copies_of_loop():
+    from torch_impl import loop
+
+    return loop._host_copies
+
+
+def _restore_host_copies(real) -> None:
+    from torch_impl import loop
+
+    loop._host_copies = real
 
 
 def bad_segment_ids_task(mesh_axes, q_shape, ids_shape, ids_dtype: str, ids_device: str, check_ranks: bool = False,
