@@ -124,7 +124,7 @@ def _check_segment_ids(segment_ids, q) -> None:
         raise ValueError(f"segment_ids must be on q's device {q.device}, got {segment_ids.device}")
 
 
-def _check_token_index(token_index, q, seq_len: int) -> None:
+def _check_token_index(token_index, q, seq_len: int, documents: bool = False) -> None:
     """This rank's token indices against its q (local shapes), on q's device, every value in
     [0, seq_len) — the global sequence length (one device-to-host copy of their min and max; the
     other ranks' values are not compared: that would take a collective). The copy waits for the
@@ -137,8 +137,10 @@ def _check_token_index(token_index, q, seq_len: int) -> None:
     if token_index.device != q.device:
         raise ValueError(f"token_index must be on q's device {q.device}, got {token_index.device}")
     held = declared_host_ids()
-    if held is not None and held.token_index is not None:  # the host copy's range: no device read (the
-        # call compares the gathered indices with it on the device, NaN where they differ)
+    if (documents and held is not None and held.token_index is not None
+            and held.token_index.shape == (token_index.shape[0], seq_len)):
+        # the block applies to this call (loop._call_host_shards): its range, read on the host; the call
+        # compares the gathered indices with the block's on the device (NaN where they differ)
         check_token_index_range(int(held.token_index.min()), int(held.token_index.max()), seq_len, what="host_ids ")
         return
     if token_index.numel() and not _range_passed(token_index, seq_len):
@@ -286,7 +288,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
         *(global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)),
         sizes, layout=layout, kv_exchange=kv_exchange, scale=scale)
     _check_segment_ids(segment_ids, q)
-    _check_token_index(token_index, q, global_shape(q.shape, sizes)[1])
+    _check_token_index(token_index, q, global_shape(q.shape, sizes)[1], documents=segment_ids is not None)
     window, softcap = check_window(window), check_softcap(softcap)
     _check_sinks(sinks, q)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails before any collective

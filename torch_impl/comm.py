@@ -299,3 +299,12 @@ _HOOKS: HookStack[Comm] = HookStack(Comm, Comm())
 # current_comm(): the Comm the next attention call picks up (the plain one unless using());
 # using(comm): route the transfers of attention calls made inside the block through ``comm``.
 current_comm, using = _HOOKS.current, _HOOKS.using
+
+
+def host_to_device(x, device) -> torch.Tensor:
+    """A NumPy array on ``device`` without waiting for the GPU's queued work: through pinned memory,
+    non-blocking (a copy from pageable memory waits for the stream first — a host sync)."""
+    tensor = torch.from_numpy(x)
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

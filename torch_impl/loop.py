@@ -58,7 +58,7 @@ from seqplan.schedule import (
     window_flags,
 )
 
-from .comm import Comm, RingShift, axis_size
+from .comm import Comm, RingShift, axis_size, host_to_device
 from .config import AttentionConfig
 from .merge import Float32Rows, merge_partials_into
 
@@ -376,8 +376,7 @@ class HostIds:
 
     def shards(self, ring: int) -> HostShards:
         """Ring shard r = the r-th contiguous seq / R of each row (every layout's order), [R, b, t]."""
-        split = lambda x: None if x is None else np.ascontiguousarray(
-            x.reshape(x.shape[0], ring, -1).transpose(1, 0, 2))
+        split = lambda x: None if x is None else x.reshape(x.shape[0], ring, -1).transpose(1, 0, 2).copy()
         return HostShards(split(self.segment_ids), split(self.token_index))
 
 
@@ -438,21 +437,12 @@ def _call_host_shards(ring: int, segment_ids, token_index) -> HostShards | None:
     return held.shards(ring)
 
 
-def _to_device(x: np.ndarray, device) -> torch.Tensor:
-    """A host array on ``device`` without waiting for the GPU's queue (pinned, non-blocking; a copy
-    from pageable memory would wait)."""
-    tensor = torch.from_numpy(x)
-    if torch.device(device).type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def _host_mismatch(host: HostShards, ids_all, index_all):
     """A 0-dim bool tensor on the ids' device: whether the gathered ids (or token indices) differ
     from the host copies — decided on the device, read by no one on the host."""
-    bad = (ids_all.to(torch.int32) != _to_device(host.ids, ids_all.device)).any()
+    bad = (ids_all.to(torch.int32) != host_to_device(host.ids, ids_all.device)).any()
     if index_all is not None:
-        bad = bad | (index_all.to(torch.int32) != _to_device(host.index, index_all.device)).any()
+        bad = bad | (index_all.to(torch.int32) != host_to_device(host.index, index_all.device)).any()
     return bad
 
 

@@ -120,3 +120,19 @@ def test_the_checks_run_the_block_the_driver_times(monkeypatch):
         held = declared_host_ids()
         np.testing.assert_array_equal(held.segment_ids, ids[2:])
         np.testing.assert_array_equal(held.token_index, index[2:])
+
+
+def test_a_call_without_ids_keeps_its_own_token_index_check():
+    """A block with token indices does not stand in for a call that passes no segment ids (the
+    block does not apply to it): the call's own indices are range-checked, out of range refused."""
+    torch = pytest.importorskip("torch")
+    import torch_impl
+    from torch_impl.api import _check_token_index
+
+    q = torch.zeros(1, 4, 2, 8)
+    bad = torch.tensor([[0, 1, 2, 99]])
+    with torch_impl.host_ids(np.zeros((1, 8), np.int32), np.arange(8)[None]):
+        with pytest.raises(ValueError, match="token_index values must lie in"):
+            _check_token_index(bad, q, 8)  # documents=False: the block is not this call's
+        _check_token_index(bad, q, 8, documents=True)  # the block's range stands in (the device compare catches the rest)
+

@@ -159,8 +159,9 @@ def test_mirrors_have_the_same_files_and_public_names():
         torch_only |= {"block_work", "attend_block"}
         # The batch's ids on the host (host_ids, HostIds, HostShards, declared_host_ids): torch plans
         # its blocks on the host from a copy of the gathered ids, which waits for the GPU; JAX plans
-        # them on the device inside the traced program and makes no such copy.
-        torch_only |= {"host_ids", "HostIds", "HostShards", "declared_host_ids"}
+        # them on the device inside the traced program and makes no such copy. host_to_device (comm.py):
+        # torch's upload of host plans and ids without a sync; XLA places JAX's arguments itself.
+        torch_only |= {"host_ids", "HostIds", "HostShards", "declared_host_ids", "host_to_device"}
         # Windows (and documents) per visit: JAX builds a visit's mask keywords inside the traced
         # program (visit_masks: a dict; under_masks: one lax.switch over skip / mask variants);
         # torch carries them as Python objects, per call (ShardMasks, kept on the autograd

@@ -39,6 +39,7 @@ from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
 from ..block import BlockBackend, register_backend
+from ..comm import host_to_device
 from .reference import reference_block_bwd, reference_block_fwd
 
 F32 = torch.float32
@@ -191,10 +192,11 @@ def one_call_takes(q) -> bool:
 
 def prefix_offsets(plan: PrefixRuns, device):
     """The plan's offsets and key index on ``device``, copied once per plan object (a cached
-    plan serves a step's layers and both passes: one host-to-device copy, not one per call)."""
+    plan serves a step's layers and both passes: one host-to-device copy, not one per call),
+    through pinned memory: a fresh batch's plan does not wait for the GPU's queue."""
     held = _PREFIX_TENSORS.setdefault(plan, {})
     if device not in held:
-        held[device] = tuple(torch.from_numpy(x).to(device) for x in (plan.cu_q, plan.cu_k, plan.key_index))
+        held[device] = tuple(host_to_device(x, device) for x in (plan.cu_q, plan.cu_k, plan.key_index))
     return held[device]
 
 
