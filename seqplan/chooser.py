@@ -130,15 +130,7 @@ def choose_layout(segment_ids, *, ring: int, ulysses: int = 1, causal: bool = Tr
     window = check_window(window)
     b, seq = ids.shape
     documents = any(len(np.unique(row)) > 1 for row in ids)
-    if window is not None:
-        return LayoutChoice(
-            "contiguous", None, RING_EXCHANGE, np.ascontiguousarray(np.broadcast_to(np.arange(seq), (b, seq))),
-            ids.astype(np.int32), None, 0,
-            f"sliding window {window}: contiguous shards on the ring exchange, where a hop carries only the rows "
-            "the window reads (4x H200, 128k, 2026-11-28: ring R 4 at 0.92-0.93 of the window kernel, USP 2x2 at "
-            "0.71-0.77 — its all-to-all moves every token; prefer a ring-only mesh); the per-document hybrid and "
-            "all-gather KV take no window beyond causal")
-    if ring > 1 and causal and documents:
+    if ring > 1 and causal and documents and window is None:
         padded, source = pad_documents(ids, ring, 2 * ring * ulysses)
         layout = hybrid_layout(padded, ring)
         token_index = layout.token_index.astype(np.int32)
@@ -151,11 +143,15 @@ def choose_layout(segment_ids, *, ring: int, ulysses: int = 1, causal: bool = Tr
             padded.shape[1] - seq,
             f"causal packed documents over a ring of {ring}: per-document hybrid + all-gather KV (fastest ring-family "
             f"choice measured, 2026-11-26) of {gathered}, which each device holds for the backward", shared)
-    static = "zigzag" if ring > 1 else "contiguous"
+    static = "zigzag" if ring > 1 and window is None else "contiguous"
     why = ("no ring: the sequence is split by heads only" if ring == 1 else
+           f"sliding window {window}: contiguous shards on the ring exchange, where a hop carries only the rows "
+           "the window reads (4x H200, 128k, 2026-11-28: ring R 4 at 0.92-0.93 of the window kernel, USP 2x2 at "
+           "0.71-0.77 — its all-to-all moves every token; prefer a ring-only mesh); the per-document hybrid and "
+           "all-gather KV take no window beyond causal" if window is not None else
            "non-causal: every block is full, nothing to balance" if not causal else
            "one document per row: the static zigzag balances causal work")
-    if ring > 1:
+    if static != "contiguous":
         from .layouts import layout_permutation
 
         perm = np.broadcast_to(np.asarray(layout_permutation(seq, static, ring, ulysses)), (b, seq))

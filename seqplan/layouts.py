@@ -193,10 +193,16 @@ def balanced_split_at(segment_ids, ring_size: int, tolerance: float = BALANCE_TO
         raise ValueError(f"seq={ids.shape[1]} must be divisible by ring_size={ring_size}")
     if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance >= 1:
         raise ValueError(f"tolerance must be a number >= 1 (max / mean causal work), got {tolerance!r}")
+    return _balanced(ids, ring_size, tolerance)[0]
+
+
+def _balanced(ids: np.ndarray, ring_size: int, tolerance: float) -> tuple[int, np.ndarray | None]:
+    """:func:`balanced_split_at` for checked ids, with the permutation it placed for the threshold it
+    returns (None where it placed none: the floor, without trying)."""
     floor = default_split_at(ids.shape[1], ring_size)
     lengths = np.concatenate([document_runs(row)[1] for row in ids])
     if ring_size == 1 or not (lengths >= floor).any():
-        return floor
+        return floor, None
     longest = sorted({int(x) for x in lengths if x > floor}, reverse=True)[:MAX_SPLIT_CANDIDATES]
     best = None
     for split_at in [int(lengths.max()) + 1] + longest + [floor]:
@@ -208,8 +214,8 @@ def balanced_split_at(segment_ids, ring_size: int, tolerance: float = BALANCE_TO
         # the bucket is what the gather moves; among equal buckets the better balance, then fewer splits
         key = (shared_bucket(shared_extent(laid), laid.shape[2]), float((work.max(1) / work.mean(1)).max()))
         if best is None or key < best[0]:
-            best = (key, split_at)
-    return floor if best is None else best[1]
+            best = (key, split_at, perm)
+    return (floor, None) if best is None else best[1:]
 
 
 def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> RowLayout:
@@ -234,7 +240,10 @@ def hybrid_layout(segment_ids, ring_size: int, split_at: int | None = None) -> R
         raise ValueError(f"seq={ids.shape[1]} must be divisible by ring_size={ring_size}")
     if split_at is not None and (not isinstance(split_at, (int, np.integer)) or split_at < 1):
         raise ValueError(f"split_at must be an int >= 1, got {split_at!r}")
-    return _row_layout(_hybrid_perm(ids, ring_size, balanced_split_at(ids, ring_size) if split_at is None else split_at))
+    perm = None
+    if split_at is None:  # the threshold's search placed its permutation already
+        split_at, perm = _balanced(ids, ring_size, BALANCE_TOLERANCE)
+    return _row_layout(_hybrid_perm(ids, ring_size, split_at) if perm is None else perm)
 
 
 def _hybrid_perm(ids: np.ndarray, ring_size: int, split_at: int) -> np.ndarray:

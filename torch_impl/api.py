@@ -141,7 +141,7 @@ def _check_token_index(token_index, q, seq_len: int, documents: bool = False) ->
             and held.token_index.shape == (token_index.shape[0], seq_len)):
         # the block applies to this call (loop._call_host_shards): its range, read on the host; the call
         # compares the gathered indices with the block's on the device (NaN where they differ)
-        check_token_index_range(int(held.token_index.min()), int(held.token_index.max()), seq_len, what="host_ids ")
+        check_token_index_range(*held.index_range(), seq_len, what="host_ids ")
         return
     if token_index.numel() and not _range_passed(token_index, seq_len):
         lo, hi = torch.stack(token_index.long().aminmax()).tolist()  # one host copy: each one is a sync

@@ -369,15 +369,33 @@ class HostShards:
 @dataclass(frozen=True, eq=False)
 class HostIds:
     """The laid-out rows a :func:`host_ids` block declares: ``segment_ids`` int32 [b, seq] and
-    ``token_index`` int32 [b, seq] or None, read-only."""
+    ``token_index`` int32 [b, seq] or None, read-only. What the block's calls derive from them —
+    the ring shards, their device copies, the token indices' range — is made once per block
+    (``derived``), not once per call: a model's layers all take the same."""
 
     segment_ids: np.ndarray
     token_index: np.ndarray | None
+    derived: dict = field(default_factory=dict, repr=False)
+
+    def _once(self, key, make):
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     def shards(self, ring: int) -> HostShards:
         """Ring shard r = the r-th contiguous seq / R of each row (every layout's order), [R, b, t]."""
         split = lambda x: None if x is None else x.reshape(x.shape[0], ring, -1).transpose(1, 0, 2).copy()
-        return HostShards(split(self.segment_ids), split(self.token_index))
+        return self._once(("shards", ring), lambda: HostShards(split(self.segment_ids), split(self.token_index)))
+
+    def on_device(self, ring: int, device) -> tuple:
+        """:meth:`shards`' ids and token indices (or None) on ``device`` (:func:`host_to_device`)."""
+        shards = self.shards(ring)
+        return self._once(("device", ring, str(device)), lambda: tuple(
+            None if x is None else host_to_device(x, device) for x in (shards.ids, shards.index)))
+
+    def index_range(self) -> tuple[int, int]:
+        """(min, max) of the token indices (the block has them)."""
+        return self._once("range", lambda: (int(self.token_index.min()), int(self.token_index.max())))
 
 
 _HOST_IDS: ContextVar[HostIds | None] = ContextVar("ringbridge_host_ids", default=None)
@@ -437,12 +455,13 @@ def _call_host_shards(ring: int, segment_ids, token_index) -> HostShards | None:
     return held.shards(ring)
 
 
-def _host_mismatch(host: HostShards, ids_all, index_all):
+def _host_mismatch(ring: int, ids_all, index_all):
     """A 0-dim bool tensor on the ids' device: whether the gathered ids (or token indices) differ
-    from the host copies — decided on the device, read by no one on the host."""
-    bad = (ids_all.to(torch.int32) != host_to_device(host.ids, ids_all.device)).any()
+    from the :func:`host_ids` block's — decided on the device, read by no one on the host."""
+    ids_host, index_host = _HOST_IDS.get().on_device(ring, ids_all.device)
+    bad = (ids_all.to(torch.int32) != ids_host).any()
     if index_all is not None:
-        bad = bad | (index_all.to(torch.int32) != host_to_device(host.index, index_all.device)).any()
+        bad = bad | (index_all.to(torch.int32) != index_host).any()
     return bad
 
 
@@ -786,7 +805,7 @@ class _Attention(torch.autograd.Function):
         o, lse, extra = forward(q, k, v, groups, config, masks)
         o, lse = finish_output(o, lse, sinks, q.dtype)  # the backward sees the final o, lse
         if host is not None:  # a host copy that differs from the gathered ids: NaN, never a quiet wrong answer
-            bad = _host_mismatch(host, ids_all, index_all)
+            bad = _host_mismatch(ring, ids_all, index_all)
             o, lse = (x.masked_fill(bad, float("nan")) for x in (o, lse))
         ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)), *(extra or ()))
         ctx.groups, ctx.config, ctx.backward_fn, ctx.masks = groups, config, backward, masks
