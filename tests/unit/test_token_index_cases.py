@@ -15,7 +15,7 @@ from parity.accounting.model import attention_traffic
 from parity.core.cases import Case, token_index_cases
 from parity.core.inputs import from_layout, make_inputs, oracle, permutation, to_layout, without_token_index
 from parity.core.reference import document_zigzag_permutation
-from seqplan.layouts import document_runs
+from seqplan.layouts import DOCUMENT_ZIGZAG, document_runs
 
 
 def test_a_token_index_case_is_validated_and_named():
@@ -46,7 +46,10 @@ def test_inputs_documents_come_in_units_of_2r_and_the_layout_is_the_per_document
     for row in x.segment_ids:
         assert all(length % (2 * case.ring) == 0 for length in document_runs(row)[1])
     perm = permutation(case, x)
-    np.testing.assert_array_equal(perm, document_zigzag_permutation(x.segment_ids, case.ring))
+    if case.row_layout == DOCUMENT_ZIGZAG:
+        np.testing.assert_array_equal(perm, document_zigzag_permutation(x.segment_ids, case.ring))
+    else:  # the hybrid splits only what balance needs (balanced_split_at): each document either way
+        _assert_each_document_zigzag_or_in_runs(perm, x.segment_ids, case.ring)
     y = to_layout(x, perm)
     np.testing.assert_array_equal(y.token_index, perm)
     for name in ("q", "k", "v", "do", "segment_ids"):
@@ -57,6 +60,27 @@ def test_inputs_documents_come_in_units_of_2r_and_the_layout_is_the_per_document
     np.testing.assert_array_equal(back["o"], x.q)
     np.testing.assert_array_equal(back["lse"], x.dlse)
     np.testing.assert_array_equal(back["dsinks"], np.arange(3.0))
+
+
+def _assert_each_document_zigzag_or_in_runs(perm, segment_ids, ring):
+    """The hybrid's per-row layout, checked document by document: a split document is laid as its
+    per-document zigzag (shard r holds its chunks r and 2R-1-r, in order); any other lies in
+    contiguous pieces, one per shard that holds any of it (whole on one shard where it fits)."""
+    shard = perm.shape[1] // ring
+    for row, ids in zip(perm, segment_ids):
+        holder = np.empty_like(row)
+        holder[row] = np.arange(len(row)) // shard  # the shard each original token lands on
+        place = np.empty_like(row)
+        place[row] = np.arange(len(row))
+        for start, length in zip(*document_runs(ids)):
+            tokens = np.arange(start, start + length)
+            chunk = length // (2 * ring)
+            zigzag = np.concatenate([[r] * chunk for r in (*range(ring), *reversed(range(ring)))])
+            split = ring > 1 and np.array_equal(holder[tokens], zigzag)
+            for r in set(holder[tokens].tolist()):
+                mine = tokens[holder[tokens] == r]
+                assert np.all(np.diff(place[mine]) == 1), (start, length, r)  # one run, in order
+                assert split or np.all(np.diff(mine) == 1), (start, length, r)  # else one contiguous piece
 
 
 def test_rows_get_different_layouts_and_none_means_one_document_per_row(seed):
