@@ -13,6 +13,13 @@ ring does), merged by LSE. Backward: float32 dK/dV for the whole gathered sequen
 K/V (R shards) are kept for the backward — the price of no transfer in the loop; the ring keeps
 one shard in flight instead but needs R-1 dependent hops.
 
+**One call** (causal packed documents whose blocks resolve to ``fa3_varlen``: :func:`prefix_eligible`):
+instead of the blocks, the device's queries against every gathered key as ONE varlen call,
+forward and backward, on the plan (:func:`prefix_plan`) with the fewest run slots that holds its
+runs — decided on the device; when none does, the portable kernel once over every gathered key
+(:func:`portable_forward`: a fallback that must exist in the program but rarely runs, kept to one
+chunked scan rather than a walk of the blocks).
+
 **Shared prefix** (``shared_tokens = P``, ``seqplan.shared``): when every token whose document
 spans shards sits within its shard's first P positions (the per-document hybrid), only those K/V
 are gathered — R·P tokens, independent of the device's queries [P, t) against its own keys
@@ -120,6 +127,34 @@ def prefix_plan(config: AttentionConfig, q, ids_all, index_all, me) -> list[Varl
     return prefix_plans_of(mine(ids_all), ids_all, mine(positions), positions)
 
 
+def gathered_masks(config: AttentionConfig, q, ids_all, index_all, me):
+    """``PART_MASK``'s (segments, positions) of device ``me``'s queries ``q`` [b, t, ...] against
+    every gathered key (ids None: one document a row) — the one call's mask for the portable
+    kernel, its fallback."""
+    b, t = q.shape[:2]
+    ring = (ids_all if ids_all is not None else index_all).shape[1] // t
+    positions = _positions(config, index_all, b, ring, t)
+    ids = jnp.zeros(positions.shape, jnp.int32) if ids_all is None else ids_all
+    mine = lambda x: lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
+    return (mine(ids), ids), (mine(positions), positions)
+
+
+def portable_forward(config: AttentionConfig, q, kv_all, masks):
+    """The one call's fallback (runs that fit no plan): the portable kernel once over every
+    gathered key under ``PART_MASK`` (``masks``: :func:`gathered_masks`) — one chunked scan, not
+    a walk of the R blocks (whose per-block switches the program would carry in every layer, for
+    a path that runs only when a batch's runs outgrow the largest plan)."""
+    return reference_block_fwd(q, *kv_all, PART_MASK, config.scale, *masks)
+
+
+def portable_backward(config: AttentionConfig, saved, kv_all, masks):
+    """The backward of :func:`portable_forward` given ``saved = (q, o, lse, do)``: (dq, dk, dv),
+    dk / dv float32 over every gathered key."""
+    q, o, lse, do = saved
+    dq, dk, dv = reference_block_bwd(do, q, *kv_all, o, lse, PART_MASK, config.scale, None, *masks)
+    return dq, dk.astype(F32), dv.astype(F32)
+
+
 def prefix_forward(config: AttentionConfig, q, kv_all, plans, fallback):
     """The device's (o, lse) as ONE varlen call against its gathered key prefixes (``plans``:
     :func:`prefix_plan`), or ``fallback()`` where the runs do not fit (module docstring).
@@ -133,11 +168,6 @@ def prefix_backward(config: AttentionConfig, saved, kv_all, plans, fallback):
     (dq, dk, dv) with dk, dv float32 [b, R·t, hk, d] — every key's gradient from this device's rows."""
     q, o, lse, do = saved
     return one_call_backward(do, q, *kv_all, o, lse, config.scale, plans, fallback)
-
-
-def portable_config(config: AttentionConfig) -> AttentionConfig:
-    """The one call's fallback walks the blocks on the portable kernel (module docstring)."""
-    return dataclasses.replace(config, block_backend="reference")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -163,13 +193,14 @@ def _forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
     kv_all = tuple(config.comm.gather(x, axis_name) for x in (k, v)) if schedule.size > 1 else None
     ids_all = gather_segment_ids(ids, axis_name, config.comm)
     index_all = gather_token_index(index, axis_name, config.comm)
-    walk_blocks = lambda cfg: _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, cfg)
     plans = None
     if schedule.size > 1 and prefix_eligible(config, q, ids_all is not None):
-        plans = prefix_plan(config, q, ids_all, index_all, ring_index(axis_name))  # kept for the backward
-        o, lse = prefix_forward(config, q, kv_all, plans, lambda: walk_blocks(portable_config(config)))
+        me = ring_index(axis_name)
+        plans = prefix_plan(config, q, ids_all, index_all, me)  # kept for the backward
+        masks = gathered_masks(config, q, ids_all, index_all, me)
+        o, lse = prefix_forward(config, q, kv_all, plans, lambda: portable_forward(config, q, kv_all, masks))
     else:
-        o, lse = walk_blocks(config)
+        o, lse = _walk_forward(q, k, v, kv_all, ids_all, index_all, axis_name, config)
     return o, lse, _GatheredSaved(kv_all, ids_all, index_all, plans)
 
 
@@ -185,12 +216,13 @@ def _backward(q, k, v, o, lse, extra, do, dlse, axis_name, config: AttentionConf
     if isinstance(extra, _SplitSaved):
         return _split_backward(q, k, v, o, lse, extra, do, dlse, axis_name, config)
     schedule, kv_all, plans = _schedule(axis_name, config), extra.kv_all, extra.plans
-    walk_blocks = lambda cfg: _walk_backward(q, k, v, o, lse, extra, do, dlse, axis_name, cfg)
     if plans is not None and dlse is None:
-        dq, dk_all, dv_all = prefix_backward(config, (q, o, lse, do), kv_all, plans,
-                                             lambda: walk_blocks(portable_config(config)))
+        masks = gathered_masks(config, q, extra.ids_all, extra.index_all, ring_index(axis_name))
+        saved = (q, o, lse, do)
+        dq, dk_all, dv_all = prefix_backward(config, saved, kv_all, plans,
+                                             lambda: portable_backward(config, saved, kv_all, masks))
     else:
-        dq, dk_all, dv_all = walk_blocks(config)
+        dq, dk_all, dv_all = _walk_backward(q, k, v, o, lse, extra, do, dlse, axis_name, config)
     if schedule.size == 1:
         return dq, dk_all, dv_all
     return dq, config.comm.scatter(dk_all, axis_name), config.comm.scatter(dv_all, axis_name)

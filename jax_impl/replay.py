@@ -68,7 +68,15 @@ from seqplan.validation import (
     validate,
 )
 
-from .allgather import portable_config, prefix_backward, prefix_eligible, prefix_forward, prefix_plan
+from .allgather import (
+    gathered_masks,
+    portable_backward,
+    portable_forward,
+    prefix_backward,
+    prefix_eligible,
+    prefix_forward,
+    prefix_plan,
+)
 from .comm import Comm
 from .config import AttentionConfig
 from .loop import (
@@ -134,7 +142,8 @@ def device_forward(device: int, q, k, v, *, strategy: Strategy, causal: bool = F
 
     if _one_call(strategy, config, q_d, segment_ids):  # all-gather-KV's one varlen call (allgather.prefix_forward)
         plans = prefix_plan(config, q_d, _int32(segment_ids), _int32(token_index), r)
-        o, lse = prefix_forward(config, q_d, kv_all, plans, lambda: walked(portable_config(config)))
+        masks = gathered_masks(config, q_d, _int32(segment_ids), _int32(token_index), r)
+        o, lse = prefix_forward(config, q_d, kv_all, plans, lambda: portable_forward(config, q_d, kv_all, masks))
     else:
         o, lse = walked(config)
     o, lse = add_sinks(o, lse, None if sinks is None else sinks[q_heads])
@@ -168,7 +177,9 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
     if dlse is None and _one_call(strategy, config, mine[0], segment_ids):  # every shard's dK / dV from one call
         # a program of its own here, so the plans are made again (the real backward keeps the forward's)
         plans = prefix_plan(config, mine[0], _int32(segment_ids), _int32(token_index), r)
-        dq, dk, dv = prefix_backward(config, tuple(saved[:4]), kv_all, plans, lambda: walked(portable_config(config)))
+        masks = gathered_masks(config, mine[0], _int32(segment_ids), _int32(token_index), r)
+        dq, dk, dv = prefix_backward(config, tuple(saved[:4]), kv_all, plans,
+                                     lambda: portable_backward(config, tuple(saved[:4]), kv_all, masks))
     else:
         dq, dk, dv = walked(config)
     contributions = {src: (shard_of(dk, src, t), shard_of(dv, src, t)) for src in range(strategy.ring)}

@@ -10,7 +10,9 @@ off-diagonal block of a causal call: ``runs.boundary_runs``) is three runs a row
 memory instead, no gather. A query document with no key in the block gets o = 0, lse = -inf and
 zero dq, and a key no query reads zero dK / dV, written here; gathered dK / dV are scattered back
 to the block's keys. The backward's ``max_seqlen`` is the smallest of ``runs.length_ladder``
-that bounds the block's longest run (its grid is launched for it). A block of a causal call given
+that bounds the block's longest run (its grid is launched for it), chosen by a switch around the
+backward's FFI call alone (``runs.length_choice``: the run lists and the packing are compiled once
+per run-slot count, not once per bound). A block of a causal call given
 ``token_index`` (FULL, the window "key index <= query index" on per-row ``positions``:
 ``seqplan.schedule.by_token_index``) takes the same forms through ``runs.index_dispatch``: a
 diagonal block whose indices increase within each document is the causal document block, any
@@ -122,14 +124,21 @@ def _bwd_call(do, q, k_p, v_p, o, lse_rows, causal: bool, scale: float, runs: Va
     absent = jnp.zeros((0,), jnp.int32)
     used_q = absent if runs.used_q is None else runs.used_q
     used_k = absent if runs.used_k is None else runs.used_k
-    dq, dk_p, dv_p, _, _ = jax.ffi.ffi_call(
-        "flash_mha_bwd", result_types, has_side_effect=False, input_layouts=[None] * 10, output_layouts=[None] * 5,
-    )(do.astype(q.dtype), q, k_p, v_p, o.astype(q.dtype), lse_buffer, runs.cu_q, runs.cu_k, used_q, used_k,
-      max_seqlen_q_val=t if runs.max_q is None else runs.max_q, max_seqlen_q_has_value=True,
-      max_seqlen_k_val=s if runs.max_k is None else runs.max_k, max_seqlen_k_has_value=True,
-      softmax_scale_val=float(scale), softmax_scale_has_value=True, is_causal=bool(causal),
-      window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0)
-    return dq, dk_p, dv_p
+    operands = (do.astype(q.dtype), q, k_p, v_p, o.astype(q.dtype), lse_buffer, runs.cu_q, runs.cu_k, used_q, used_k)
+
+    def call(max_q: int, max_k: int):
+        return lambda *operands: jax.ffi.ffi_call(
+            "flash_mha_bwd", result_types, has_side_effect=False, input_layouts=[None] * 10, output_layouts=[None] * 5,
+        )(*operands, max_seqlen_q_val=max_q, max_seqlen_q_has_value=True, max_seqlen_k_val=max_k,
+          max_seqlen_k_has_value=True, softmax_scale_val=float(scale), softmax_scale_has_value=True,
+          is_causal=bool(causal), window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False,
+          sm_margin=0)[:3]
+
+    if runs.bounds is None:  # one static bound (None: the block's own lengths)
+        return call(t if runs.max_q is None else runs.max_q, s if runs.max_k is None else runs.max_k)(*operands)
+    # the device's pick among the bounds (runs.length_choice): a switch around this call alone
+    # (bound_at indexes runs.bounds; one bound: a direct call)
+    return branches.Selection(runs.bound_at, runs.bounds, tuple(call(*bound) for bound in runs.bounds)).switch(*operands)
 
 
 def _bwd_finish(dq, dk_p, dv_p, runs: VarlenRuns, b: int, t: int, s: int):

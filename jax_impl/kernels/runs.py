@@ -21,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from seqplan.documents import PREFIX_KEY_FACTOR
 
@@ -103,7 +104,9 @@ class VarlenRuns:
     block's own keys in order: no gather, no scatter), ``covers_block`` (every query and every
     key of the block is in a run — a causal diagonal block's own runs, when ``ok`` — so
     ``covered_q`` / ``covered_kv`` are all true and the kernels skip their masked selects),
-    ``max_q`` / ``max_k`` (the backward's ``max_seqlen`` bounds; None: the block's own lengths).
+    ``max_q`` / ``max_k`` (the backward's ``max_seqlen`` bounds; None: the block's own lengths),
+    or ``bounds`` (static: several such pairs) with ``bound_at`` (traced: the one the device
+    picked, :func:`length_choice`) — the kernel is compiled once per bound, nothing else is.
     ``used_q`` / ``used_k`` (int32 [nseq], or None): each run's length where it is not the offsets'
     difference — FlashAttention's ``seqused``: a run of the other group is skipped (``groups``)."""
 
@@ -120,17 +123,56 @@ class VarlenRuns:
     max_k: int | None = None
     used_q: jax.Array | None = None
     used_k: jax.Array | None = None
+    bounds: tuple[tuple[int, int], ...] | None = None
+    bound_at: jax.Array | None = None
 
     def bounded(self, max_q: int, max_k: int) -> VarlenRuns:
         """These runs with the backward's ``max_seqlen`` bounds."""
         return dataclasses.replace(self, max_q=max_q, max_k=max_k)
 
+    def bounded_by(self, choice: LengthChoice) -> VarlenRuns:
+        """These runs with the backward's bounds chosen on the device (:func:`length_choice`)."""
+        return dataclasses.replace(self, bounds=choice.bounds, bound_at=choice.at)
+
+    def chosen_bound(self):
+        """(max_q, max_k) the backward launches its grid for: traced with ``bounds``, else static
+        (None: the block's own lengths)."""
+        if self.bounds is None:
+            return self.max_q, self.max_k
+        table = jnp.asarray(self.bounds, jnp.int32)[self.bound_at]
+        return table[0], table[1]
+
 
 jax.tree_util.register_dataclass(
     PackedSegments, data_fields=[f.name for f in dataclasses.fields(PackedSegments)], meta_fields=[])
 jax.tree_util.register_dataclass(
-    VarlenRuns, data_fields=["cu_q", "cu_k", "kv_index", "covered_q", "ok", "covered_kv", "longest", "used_q", "used_k"],
-    meta_fields=["identity", "covers_block", "max_q", "max_k"])  # static: the kernels branch and compile on them
+    VarlenRuns, data_fields=["cu_q", "cu_k", "kv_index", "covered_q", "ok", "covered_kv", "longest", "used_q", "used_k",
+                             "bound_at"],
+    meta_fields=["identity", "covers_block", "max_q", "max_k", "bounds"])  # static: the kernels branch and compile on them
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthChoice:
+    """The backward's ``max_seqlen`` bounds a kernel call is compiled for, ``bounds`` ((max_q,
+    max_k) pairs, static, distinct), and ``at``, the device's pick among them (traced int32)."""
+
+    bounds: tuple[tuple[int, int], ...]
+    at: jax.Array
+
+
+def length_choice(ladder, t: int, s: int, longest) -> LengthChoice:
+    """The smallest of ``ladder`` that bounds the ``longest`` run (traced), as (max_q, max_k) for a
+    t x s block (each bound capped at the block's own lengths, equal pairs compiled once).
+
+    Why a choice inside the kernel call and not one variant per bound: every variant of a
+    ``lax.switch`` is its own code — the run lists, the packed keys, the scatter of dK / dV —
+    and the bound changes only the kernel's grid; with the bound as a second switch around the
+    FFI call alone, that code is compiled once per run-slot count, not once per (slots, bound)
+    (the one call's backward: 7 x 11 variants became 7, each with one 11-way kernel switch)."""
+    capped = [(min(bound, t), min(bound, s)) for bound in ladder]
+    bounds = tuple(dict.fromkeys(capped))  # distinct, in the ladder's order
+    index = np.asarray([bounds.index(pair) for pair in capped], np.int32)
+    return LengthChoice(bounds, jnp.asarray(index)[smallest_holding(ladder, longest)])
 
 
 def index_length_ladder(n: int) -> tuple[int, ...]:
@@ -184,28 +226,26 @@ BOUNDARY = "boundary"
 RUNS = "runs"
 
 
-def runs_variant(m: int, bound) -> tuple:
-    return (RUNS, m, bound)
+def runs_variant(m: int) -> tuple:
+    return (RUNS, m)
 
 
-def runs_choice(ok, most, sizes, longest=0, ladder=(None,), boundary_ok=False, prefix: tuple = ()) -> branches.Choice:
+def runs_choice(ok, most, sizes, boundary_ok=False, prefix: tuple = ()) -> branches.Choice:
     """Which of :func:`fused_branches`' variants (named under ``prefix``) a block takes: the
     boundary form when ``boundary_ok``, else, when ``ok`` (expressible), the runs form with the
-    smallest of ``sizes`` holding ``most`` runs a row and the smallest of ``ladder`` bounding the
-    ``longest`` run; nothing (the caller's fallback) when no size holds them."""
-    at_least = lambda options, value: searchsorted(jnp.asarray(options), value)  # the smallest option >= value
-    bound_at = at_least(ladder, longest) if ladder != (None,) else 0
-    runs = branches.Grid((*prefix, RUNS), ((sizes, at_least(sizes, most)), (ladder, bound_at)))
+    smallest of ``sizes`` holding ``most`` runs a row; nothing (the caller's fallback) when no
+    size holds them."""
+    runs = branches.Grid((*prefix, RUNS), ((sizes, searchsorted(jnp.asarray(sizes), most)),))
     return branches.First([(boundary_ok, (*prefix, BOUNDARY)), (ok, runs)])
 
 
 def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, boundary: bool = False,
                    lengths: bool = False, valid=None, ladder=None, prefix: tuple = ()):
     """(variants, choice) of :func:`dispatch` without its portable branch: ``variants`` (named
-    ``(*prefix, BOUNDARY)`` and ``(*prefix, *runs_variant(m, bound))``, argument-free callables)
-    and ``choice`` (:func:`runs_choice`), which selects none of them when the block is not
-    expressible — the caller's fallback then. ``ladder``: the length bounds to compile with
-    ``lengths`` (default :func:`length_ladder`)."""
+    ``(*prefix, BOUNDARY)`` and ``(*prefix, *runs_variant(m))``, argument-free callables) and
+    ``choice`` (:func:`runs_choice`), which selects none of them when the block is not
+    expressible — the caller's fallback then. ``ladder``: with ``lengths``, the length bounds
+    the runs form's kernel chooses among (:func:`length_choice`; default :func:`length_ladder`)."""
     form = varlen_offsets if form is None else form
     slots = RUN_SLOTS if slots is None else slots
     q_ids, kv_ids = segments
@@ -214,10 +254,11 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
         ok = ok & valid
     t, s = q_ids.shape[1], kv_ids.shape[1]
     sizes = sorted({min(m, t) for m in slots})
-    ladder = ((ladder or length_ladder)(max(t, s))) if lengths else (None,)
-
-    def with_lengths(runs, bound):
-        return runs if bound is None else runs.bounded(min(bound, t), min(bound, s))
+    choice = None
+    if lengths:
+        longest = jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids))
+        choice = length_choice((ladder or length_ladder)(max(t, s)), t, s, longest)
+    with_lengths = lambda runs: runs if choice is None else runs.bounded_by(choice)
 
     variants, boundary_ok = {}, False
     if boundary and not causal:  # tried first: no gather of keys, no scatter of dK / dV
@@ -225,11 +266,8 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
         boundary_ok = edge.ok & (True if valid is None else valid)
         variants[(*prefix, BOUNDARY)] = lambda: kernel(edge)
     for m in sizes:
-        for bound in ladder:
-            variants[(*prefix, *runs_variant(m, bound))] = \
-                lambda m=m, bound=bound: kernel(with_lengths(form(q_ids, kv_ids, causal, m), bound))
-    longest = jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids)) if lengths else 0
-    return variants, runs_choice(ok, most, sizes, longest, ladder, boundary_ok, prefix)
+        variants[(*prefix, *runs_variant(m))] = lambda m=m: kernel(with_lengths(form(q_ids, kv_ids, causal, m)))
+    return variants, runs_choice(ok, most, sizes, boundary_ok, prefix)
 
 
 def switch_with_fallback(variants: dict, choice: branches.Choice, portable):
@@ -271,7 +309,8 @@ def dispatch(segments, causal: bool, kernel, portable, slots=None, form=None, *,
     ``boundary`` (FlashAttention's form, FULL blocks): first try :func:`boundary_runs` — keys that
     all precede the queries, one document at most shared — three runs a row, no gather.
     ``lengths``: also pick the smallest of :func:`length_ladder` that bounds the longest run,
-    given to the kernel as ``runs.max_q`` / ``runs.max_k`` (the backward's grid).
+    given to the kernel as ``runs.bounds`` / ``runs.bound_at`` (the backward's grid:
+    :func:`length_choice`).
     ``valid`` (traced bool, or None): the caller's own condition for the runs to be exact (the
     token-index forms: :func:`index_segments`); False sends the block to ``portable()``."""
     variants, choice = fused_branches(segments, causal, kernel, slots, form, boundary=boundary, lengths=lengths,
@@ -565,32 +604,26 @@ def prefix_length_ladder(n: int) -> tuple[int, ...]:
 def prefix_dispatch(plans: list[VarlenRuns], kernel, fallback, *, keys: int, lengths: bool = False):
     """``kernel(runs)`` on the plan of :func:`prefix_plans` (over ``keys`` keys a row) with the fewest slots that holds the
     device's runs (and, ``lengths``, the smallest of :func:`prefix_length_ladder` bounding the
-    longest run: the backward's ``max_seqlen``, whose grid FA3 launches whatever the runs' lengths), or
-    ``fallback()`` when none does — one ``lax.switch`` decided on the device."""
+    longest run: the backward's ``max_seqlen``, whose grid FA3 launches whatever the runs' lengths,
+    chosen around the kernel call alone: :func:`length_choice`), or ``fallback()`` when none does —
+    one ``lax.switch`` decided on the device."""
     t, s = plans[0].covered_q.shape[1], keys
-    ladder = prefix_length_ladder(s) if lengths else (None,)
-
-    def bounded(runs, bound):  # the plans' keys are gathered (identity False: prefix_runs)
-        return runs if bound is None else runs.bounded(min(bound, t), min(bound, s))
-
+    # the plans' keys are gathered (identity False: prefix_runs); every plan holds the same runs
+    choice = length_choice(prefix_length_ladder(s), t, s, plans[-1].longest) if lengths else None
+    with_lengths = lambda runs: runs if choice is None else runs.bounded_by(choice)
     slot_counts = [plan.cu_q.shape[0] - 1 for plan in plans]
-    variants = {plan_variant(m, bound): lambda runs=runs, bound=bound: kernel(bounded(runs, bound))
-                for m, runs in zip(slot_counts, plans) for bound in ladder}
-    step = 0 if not lengths else smallest_holding(ladder, plans[-1].longest)
-    return switch_with_fallback(variants, prefix_choice(slot_counts, [plan.ok for plan in plans], ladder, step),
-                                fallback)
+    variants = {plan_variant(m): lambda runs=runs: kernel(with_lengths(runs)) for m, runs in zip(slot_counts, plans)}
+    return switch_with_fallback(variants, prefix_choice(slot_counts, [plan.ok for plan in plans]), fallback)
 
 
 PLAN = "plan"
 
 
-def plan_variant(slots: int, bound) -> tuple:
-    """The name of :func:`prefix_dispatch`'s variant for the plan of ``slots`` runs and a length bound."""
-    return (PLAN, slots, bound)
+def plan_variant(slots: int) -> tuple:
+    """The name of :func:`prefix_dispatch`'s variant for the plan of ``slots`` runs."""
+    return (PLAN, slots)
 
 
-def prefix_choice(slot_counts, fits, ladder, step) -> branches.Choice:
-    """The first plan (fewest slots) that ``fits``, at the ladder's ``step``; nothing (the
-    fallback) when none fits."""
-    return branches.First([(fit, branches.Grid((PLAN, m), ((ladder, step),), in_range=True))
-                           for m, fit in zip(slot_counts, fits)])
+def prefix_choice(slot_counts, fits) -> branches.Choice:
+    """The first plan (fewest slots) that ``fits``; nothing (the fallback) when none fits."""
+    return branches.First([(fit, plan_variant(m)) for m, fit in zip(slot_counts, fits)])

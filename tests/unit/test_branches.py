@@ -77,90 +77,96 @@ def test_under_masks_picks_by_name(skippable, doc_options, win_options):
         assert got == want, (keep, one_document, at)
 
 
-# ---- dispatch / fused_branches: boundary form, runs form (slots x length bound), portable ----
+# ---- dispatch / fused_branches: boundary form, runs form (slots), portable -------------------
 
 SIZES = (4, 16, 64)
 LADDER = (256, 512, 1024)
 
 
-def _runs_names(prefix, sizes, ladder, boundary):
-    return ([(*prefix, runs.BOUNDARY)] if boundary else []) + [(*prefix, *runs.runs_variant(m, bound))
-                                                              for m in sizes for bound in ladder]
+def _runs_names(prefix, sizes, boundary):
+    return ([(*prefix, runs.BOUNDARY)] if boundary else []) + [(*prefix, *runs.runs_variant(m)) for m in sizes]
 
 
-def _want_runs(prefix, ok, most, longest, ladder, boundary_ok):
+def _want_runs(prefix, ok, most, boundary_ok):
     """What dispatch should run, as its docstring says it."""
     if boundary_ok:
         return (*prefix, runs.BOUNDARY)
     if not ok or most > SIZES[-1]:
         return None  # the portable kernel
-    bound = None if ladder == (None,) else min(b for b in ladder if b >= longest)
-    return (*prefix, *runs.runs_variant(min(m for m in SIZES if m >= most), bound))
+    return (*prefix, *runs.runs_variant(min(m for m in SIZES if m >= most)))
 
 
-@pytest.mark.parametrize("ladder", [(None,), LADDER])
 @pytest.mark.parametrize("boundary", [False, True])
-def test_dispatch_picks_by_name(boundary, ladder):
-    variants = _named(_runs_names((), SIZES, ladder, boundary) + [runs.PORTABLE])
-    pick = _picker(variants, lambda ok, edge, most, longest: runs.with_fallback(
-        runs.runs_choice(ok, most, SIZES, longest, ladder, edge if boundary else False)))
-    for ok, edge, most, longest in product((False, True), (False, True) if boundary else (False,),
-                                           (1, 4, 5, 16, 17, 64, 65), (1, 256, 257, 512, 1000, 1024)):
-        got = pick(jnp.bool_(ok), jnp.bool_(edge), jnp.int32(most), jnp.int32(longest))
-        want = _want_runs((), ok, most, longest, ladder, edge) or runs.PORTABLE
-        assert got == want, (ok, edge, most, longest)
+def test_dispatch_picks_by_name(boundary):
+    variants = _named(_runs_names((), SIZES, boundary) + [runs.PORTABLE])
+    pick = _picker(variants, lambda ok, edge, most: runs.with_fallback(
+        runs.runs_choice(ok, most, SIZES, edge if boundary else False)))
+    for ok, edge, most in product((False, True), (False, True) if boundary else (False,), (1, 4, 5, 16, 17, 64, 65)):
+        got = pick(jnp.bool_(ok), jnp.bool_(edge), jnp.int32(most))
+        want = _want_runs((), ok, most, edge) or runs.PORTABLE
+        assert got == want, (ok, edge, most)
 
 
 @pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_branches_compiles_the_named_variants(causal, lengths):
     """The names fused_branches gives its variants are the ones the choice above picks from:
-    the boundary form first (FULL blocks), then every slot count x length bound."""
+    the boundary form first (FULL blocks), then one per slot count — the length bound is not a
+    variant (``length_choice``: chosen around the kernel call inside each)."""
     ids = jnp.zeros((1, 128), jnp.int32)
     variants, _ = runs.fused_branches((ids, ids), causal, lambda r: jnp.int32(0), boundary=True, lengths=lengths,
                                       prefix=("p",))
     sizes = sorted({min(m, 128) for m in runs.RUN_SLOTS})
-    ladder = runs.length_ladder(128) if lengths else (None,)
-    assert list(variants) == _runs_names(("p",), sizes, ladder, boundary=not causal)
+    assert list(variants) == _runs_names(("p",), sizes, boundary=not causal)
+
+
+def test_the_length_choice_picks_the_smallest_bound_holding_the_longest_run():
+    """``length_choice``: the bound the backward's kernel gets is the smallest of the ladder at
+    least the longest run, capped at the block's own lengths; bounds equal after the cap are
+    compiled once (and picked by every ladder step that capped to them)."""
+    choose = jax.jit(lambda longest: runs.length_choice(LADDER, 600, 1024, longest).at)
+    bounds = runs.length_choice(LADDER, 600, 1024, jnp.int32(0)).bounds
+    assert bounds == ((256, 256), (512, 512), (600, 1024))
+    for longest in (1, 255, 256, 257, 512, 513, 600, 1000, 1024):
+        want = min(b for b in LADDER if b >= longest)
+        assert bounds[int(choose(jnp.int32(longest)))] == (min(want, 600), min(want, 1024)), longest
+    capped = runs.length_choice(LADDER, 300, 300, jnp.int32(290))  # 512 and 1024 both cap to 300
+    assert capped.bounds == ((256, 256), (300, 300)) and int(capped.at) == 1
 
 
 # ---- index_dispatch: a diagonal block's causal forms, any other's FULL forms -----------------
 
 @pytest.mark.parametrize("diagonal_possible", [False, True])
 def test_index_dispatch_picks_by_name(diagonal_possible):
-    ladder = (None,)
-    names = (_runs_names((runs.CAUSAL,), SIZES, ladder, False) if diagonal_possible else []) + \
-        _runs_names((runs.FULL,), SIZES, ladder, True) + [runs.PORTABLE]
+    names = (_runs_names((runs.CAUSAL,), SIZES, False) if diagonal_possible else []) + \
+        _runs_names((runs.FULL,), SIZES, True) + [runs.PORTABLE]
     variants = _named(names)
 
     def choice(diagonal, causal_ok, full_ok, edge, most):
-        full = runs.runs_choice(full_ok, most, SIZES, 0, ladder, edge, prefix=(runs.FULL,))
+        full = runs.runs_choice(full_ok, most, SIZES, edge, prefix=(runs.FULL,))
         if not diagonal_possible:  # index_dispatch's blocks of unequal shapes: no causal forms
             return runs.with_fallback(runs.index_choice(False, None, full))
-        causal = runs.runs_choice(causal_ok, most, SIZES, 0, ladder, prefix=(runs.CAUSAL,))
+        causal = runs.runs_choice(causal_ok, most, SIZES, prefix=(runs.CAUSAL,))
         return runs.with_fallback(runs.index_choice(diagonal, causal, full))
     pick = _picker(variants, choice)
     for diagonal, causal_ok, full_ok, edge, most in product((False, True) if diagonal_possible else (False,),
                                                             (False, True), (False, True), (False, True), (4, 16, 65)):
         got = pick(jnp.bool_(diagonal), jnp.bool_(causal_ok), jnp.bool_(full_ok), jnp.bool_(edge), jnp.int32(most))
         if diagonal:  # the causal forms or the portable kernel, never the FULL forms (another mask)
-            want = _want_runs((runs.CAUSAL,), causal_ok, most, 0, ladder, False)
+            want = _want_runs((runs.CAUSAL,), causal_ok, most, False)
         else:
-            want = _want_runs((runs.FULL,), full_ok, most, 0, ladder, edge)
+            want = _want_runs((runs.FULL,), full_ok, most, edge)
         assert got == (want or runs.PORTABLE), (diagonal, causal_ok, full_ok, edge, most)
 
 
-# ---- prefix_dispatch: the plan with the fewest slots that fits, at its length bound ----------
+# ---- prefix_dispatch: the plan with the fewest slots that fits -------------------------------
 
-@pytest.mark.parametrize("ladder", [(None,), (64, 128, 256)])
-def test_prefix_dispatch_picks_by_name(ladder):
+def test_prefix_dispatch_picks_by_name():
     slot_counts = (32, 64, 256)
-    variants = _named([runs.plan_variant(m, bound) for m in slot_counts for bound in ladder] + [runs.PORTABLE])
-    pick = _picker(variants, lambda fits, step: runs.with_fallback(
-        runs.prefix_choice(slot_counts, list(fits), ladder, step if ladder != (None,) else 0)))
+    variants = _named([runs.plan_variant(m) for m in slot_counts] + [runs.PORTABLE])
+    pick = _picker(variants, lambda fits: runs.with_fallback(runs.prefix_choice(slot_counts, list(fits))))
     for fits in product((False, True), repeat=len(slot_counts)):
-        for step in range(len(ladder)):
-            got = pick(jnp.asarray(fits), jnp.int32(step))
-            fitting = [m for m, fit in zip(slot_counts, fits) if fit]
-            want = runs.plan_variant(fitting[0], ladder[step]) if fitting else runs.PORTABLE
-            assert got == want, (fits, step)
+        got = pick(jnp.asarray(fits))
+        fitting = [m for m, fit in zip(slot_counts, fits) if fit]
+        want = runs.plan_variant(fitting[0]) if fitting else runs.PORTABLE
+        assert got == want, fits

@@ -292,7 +292,7 @@ def test_jax_length_ladder_bounds_the_longest_run():
     for longest in (1, 511, 512, 513, 1500, 2500, 4096):
         ids = np.concatenate([np.zeros(longest), 1 + np.arange(t - longest)]).astype(np.int32)[None]
         ids = jnp.asarray(ids)
-        got = int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.max_q), lambda: jnp.int32(-1),
+        got = int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.chosen_bound()[0]), lambda: jnp.int32(-1),
                                 slots=(t,), lengths=True))
         assert got == min(b for b in runs.length_ladder(t) if b >= longest)
 

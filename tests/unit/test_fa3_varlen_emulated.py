@@ -89,6 +89,41 @@ def test_fa3_varlen_adapter_matches_the_portable_kernel(name, emulated_fa3):
         assert np.max(np.abs(np.asarray(got) - want)) <= 1e-2 * max(np.max(np.abs(want)), 1.0)
 
 
+def test_the_backward_bound_is_switched_on_the_device_around_the_kernel(emulated_fa3):
+    """The backward's ``max_seqlen`` is one of several bounds compiled around the FFI call alone,
+    picked on the device (``runs.length_choice``): a causal block of 512 tokens whose longest run
+    is 300 gets 384 of (256, 384, 512) and equals the portable kernel; the same call made to take
+    256 (planted) loses the tiles past it — the emulated kernel drops them, as FA3's grid would."""
+    from jax_impl.kernels import runs
+    from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+
+    ids = jnp.asarray(_docs([300, 212])[None])
+    t, h, hk, d = 512, 2, 1, 8
+    keys = jax.random.split(jax.random.key(2), 4)
+    q, do = (jax.random.normal(kk, (1, t, h, d), F32) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (1, t, hk, d), F32) for kk in keys[2:])
+    mask, scale = BlockMask(MaskKind.CAUSAL, documents=True), d ** -0.5
+    o, lse = jax.jit(lambda q, k, v: reference_block_fwd(q, k, v, mask, scale, (ids, ids)))(q, k, v)
+    want = jax.jit(lambda *a: reference_block_bwd(*a, mask, scale, None, (ids, ids)))(do, q, k, v, o, lse)
+    assert runs.length_ladder(t) == (256, 384, 512)
+
+    @partial(jax.jit, static_argnums=0)
+    def backward(planted_at, do, q, k, v, o, lse):
+        choice = runs.length_choice(runs.length_ladder(t), t, t, jnp.int32(300))
+        if planted_at is not None:
+            choice = runs.LengthChoice(choice.bounds, jnp.int32(planted_at))
+        block = runs.varlen_offsets(ids, ids, True, 4).bounded_by(choice)
+        return block.chosen_bound(), emulated_fa3.varlen_bwd(*(x.astype(jnp.float16) for x in (do, q, k, v, o)), lse,
+                                                              True, scale, block)
+
+    error = lambda got: max(float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w))) / np.max(np.abs(w)))
+                            for g, w in zip(got, want))
+    (max_q, max_k), got = backward(None, do, q, k, v, o, lse)
+    assert (int(max_q), int(max_k)) == (384, 384) and error(got) <= 1e-2
+    (max_q, _), planted = backward(0, do, q, k, v, o, lse)
+    assert int(max_q) == 256 and error(planted) > 0.1
+
+
 # --full only (≈ 20 s each, compiling every block's varlen forms): the default tier keeps the
 # one-block test below (both forms and the fallback) and the torch replay on emulated FA2 ops
 # (tests/unit/test_varlen_emulated.py), inside the suite's 12 minutes
@@ -273,7 +308,7 @@ def test_one_call_backward_bound_holds_the_longest_run():
     index = jnp.arange(1024, dtype=jnp.int32)[None]
     def choose(ids, index):
         plans = runs.prefix_plans(ids[:, :512], ids, index[:, :512], index)
-        bound = runs.prefix_dispatch(plans, lambda r: jnp.int32(r.max_k), lambda: jnp.int32(-1), keys=1024,
+        bound = runs.prefix_dispatch(plans, lambda r: jnp.int32(r.chosen_bound()[1]), lambda: jnp.int32(-1), keys=1024,
                                      lengths=True)
         return plans[0].longest, bound
 

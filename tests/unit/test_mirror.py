@@ -182,10 +182,11 @@ def test_mirrors_have_the_same_files_and_public_names():
         # torch's also crops a token-index block to the documents both sides hold (host ids, eager
         # shapes; BlockGrads carries the cropped block to add_grads), which JAX's static shapes cannot.
         torch_only |= {"BlockGrads"}
-        # portable_config: all-gather-KV's one call in JAX decides on the device and falls back,
-        # inside one lax.switch, to the blocks on the portable kernel; torch decides on the host
-        # and walks the blocks with the configured kernel.
-        jax_only |= {"portable_config"}
+        # all-gather-KV's one call in JAX decides on the device and falls back, inside one
+        # lax.switch, to the portable kernel over every gathered key (gathered_masks,
+        # portable_forward / portable_backward); torch decides on the host and walks the blocks
+        # with the configured kernel.
+        jax_only |= {"gathered_masks", "portable_forward", "portable_backward"}
         # Ulysses in head groups: torch issues each group's all-to-alls asynchronously and waits where
         # they are read (PendingAllToAll over InFlight; start_seq_to_heads / start_heads_to_seq), its
         # ulysses walks the groups in _in_head_groups; JAX writes the groups as separate all-to-alls
