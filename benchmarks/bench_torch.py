@@ -222,12 +222,13 @@ def _host_ids_block(laid, row: Row):
     """With ``RINGBRIDGE_HOST_IDS=1`` the row's calls run inside ``torch_impl.host_ids`` over the
     laid-out ids and token indices (no copy of the gathered ids to the host a call; the row
     records ``host_ids``; its check runs the same block: ``parity.runners.torch_runner``)."""
-    if os.environ.get("RINGBRIDGE_HOST_IDS") != "1" or laid.segment_ids is None:
-        return contextlib.nullcontext()
-    import torch_impl
+    from parity.runners.torch_runner import host_ids_if_asked
 
+    block = host_ids_if_asked(laid.segment_ids, laid.token_index)
+    if block is None:
+        return contextlib.nullcontext()
     row.extra["host_ids"] = True
-    return torch_impl.host_ids(laid.segment_ids, laid.token_index)
+    return block
 
 
 def context_parallel_rows(problem: Problem, iters: int, warmup: int, load_balance: bool) -> list[Row]:

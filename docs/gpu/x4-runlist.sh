@@ -42,7 +42,9 @@
 # compiles in 242 s with ids, 5.5 s without). WAIT_S counts from the script's start (install included): call 2 with
 # FA4's install needs WAIT_S <= 520 to return inside the call's 600 s.
 # Since then llama / llamajax rows pass no segment ids (one document a row; LLAMA / LLAMAJAX "... --segment-ids" for
-# the old program).
+# the old program). Since 2026-11-28 evening JAX's backward length bound is a switch around the kernel call
+# (docs/decisions.md): its document paths' programs shrink 2-4x on the CPU (benchmarks/results/2026-11-28-cpu-program-
+# size.md) — time d128 JAX (D128_MIXES=short,heavy-tail then few-long if a call is short) and jaxcompile against 11-28's.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -151,7 +153,7 @@ if [ "$1" = start ]; then
   CMD[d512k]="for side in $SIDES; do
     $D512 --meshes ring-r4 --layout zigzag --machine x${GPUS}-512k-ring-\$side --only \$side --parts-dir $R/d512k-ring-\$side;
     $D512 --meshes ring-agkv-r4 --layout document-hybrid-shared --machine x${GPUS}-512k-pick-\$side --only \$side --parts-dir $R/d512k-pick-\$side; done"
-  MIX3=short,heavy-tail,few-long; [ "${SMOKE:-0}" = 1 ] && MIX3=short
+  MIX3=${D128_MIXES:-short,heavy-tail,few-long}; [ "${SMOKE:-0}" = 1 ] && MIX3=short  # D128_MIXES: a call's share
   D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
   CMD[d128]="for side in $SIDES; do $D128 --machine x${GPUS}-documents-\$side --only \$side --parts-dir $R/d128-\$side; done"

@@ -56,17 +56,28 @@ def _device(device_type: str):
     return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
 
 
-def host_ids_block(x: Inputs, case: Case, coords: dict):
-    """``torch_impl.host_ids`` over this rank's data block of the global ids (and token indices)
-    when ``RINGBRIDGE_HOST_IDS=1`` and the case has ids — so a benchmark that times its calls in
-    that block checks the same path — else a block that does nothing."""
-    if os.environ.get("RINGBRIDGE_HOST_IDS") != "1" or x.segment_ids is None:
-        return contextlib.nullcontext()
+HOST_IDS_ENV = "RINGBRIDGE_HOST_IDS"  # "1": the harness's torch calls read the batch's ids from the host
+
+
+def host_ids_if_asked(segment_ids, token_index=None):
+    """``torch_impl.host_ids(segment_ids, token_index)`` when ``RINGBRIDGE_HOST_IDS=1`` and there
+    are ids, else None — the one reading of that switch, for this runner's checks and the
+    benchmark's timed rows (a row and its check run the same path)."""
+    if os.environ.get(HOST_IDS_ENV) != "1" or segment_ids is None:
+        return None
     import torch_impl
 
+    return torch_impl.host_ids(segment_ids, token_index)
+
+
+def host_ids_block(x: Inputs, case: Case, coords: dict):
+    """:func:`host_ids_if_asked` over this rank's data block of the global ids (and token
+    indices), or a block that does nothing."""
+    if x.segment_ids is None:
+        return contextlib.nullcontext()
     b, d = x.segment_ids.shape[0] // case.data, coords.get("data", 0)
     rows = lambda a: None if a is None else a[d * b:(d + 1) * b]
-    return torch_impl.host_ids(rows(x.segment_ids), rows(x.token_index))
+    return host_ids_if_asked(rows(x.segment_ids), rows(x.token_index)) or contextlib.nullcontext()
 
 
 def rank_task(case: Case, x: Inputs, device_type: str, block_backend: str) -> dict:
