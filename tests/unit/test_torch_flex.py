@@ -451,7 +451,10 @@ def test_softcapped_blocks_equal_the_portable_kernel_with_a_global_o_lse(mask, r
     float32 rounding, by either backward route, GQA; and they differ from the uncapped block."""
     monkeypatch.setitem(flex.BACKWARD_ROUTES, "cpu", route)
     gen = torch.Generator().manual_seed(seed)
-    q, k, v, do, dlse, extra = make_block(mask, 4, 2, gen, 24)
+    for _ in range(20):  # a block with a visible pair: with none, capped and uncapped could not differ
+        q, k, v, do, dlse, extra = make_block(mask, 4, 2, gen, 24)  # (seed 2053917404 drew none, causal window 5)
+        if visible_pairs(mask, 24, 24, extra.get("segments"), extra.get("positions")).any():
+            break
     other_k, other_v = (torch.randn(2, 24, 2, 16, generator=gen) for _ in range(2))
     ref, cap = get_backend("reference"), 0.8
     o, lse = merge_partials(*ref.fwd(q, other_k, other_v, FULL_MASK, 0.3, softcap=cap),  # never empty: first
