@@ -169,6 +169,8 @@ def length_choice(ladder, t: int, s: int, longest) -> LengthChoice:
     and the bound changes only the kernel's grid; with the bound as a second switch around the
     FFI call alone, that code is compiled once per run-slot count, not once per (slots, bound)
     (the one call's backward: 7 x 11 variants became 7, each with one 11-way kernel switch)."""
+    if ladder[-1] < max(t, s):  # a run may be max(t, s) long: a smaller last bound would drop tiles silently
+        raise ValueError(f"a length ladder must end at max(t, s) = {max(t, s)} or above, got {ladder}")
     capped = [(min(bound, t), min(bound, s)) for bound in ladder]
     bounds = tuple(dict.fromkeys(capped))  # distinct, in the ladder's order
     index = np.asarray([bounds.index(pair) for pair in capped], np.int32)
@@ -220,7 +222,7 @@ def length_ladder(n: int) -> tuple[int, ...]:
 
 
 # The names of the dispatchers' variants (kernels/branches.py): the portable fallback, the boundary
-# form (:func:`boundary_runs`) and the runs form at m slots and length bound (None: no bound).
+# form (:func:`boundary_runs`) and the runs form at m slots (its length bound chosen inside: length_choice).
 PORTABLE = "portable"
 BOUNDARY = "boundary"
 RUNS = "runs"

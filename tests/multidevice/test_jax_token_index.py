@@ -217,6 +217,11 @@ def test_allgather_one_varlen_call_per_device_matches_float64_truth(layout_name,
         monkeypatch.setitem(block._BACKENDS, name, block.BlockBackend(
             name, lambda q, k, v, *a, **kw: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)),
             lambda do, q, k, v, *a, **kw: nan(q, k, v), typed_for_shard_map=False))
+    from jax_impl import allgather  # the one call's fallback (the portable kernel over every key) would show too
+
+    monkeypatch.setattr(allgather, "reference_block_fwd", lambda q, *a, **kw: nan(
+        q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)))
+    monkeypatch.setattr(allgather, "reference_block_bwd", lambda do, q, k, v, *a, **kw: nan(q, k, v))
     ring = 4
     ids, _ = pad_documents(DOCUMENTS, ring)
     b, seq = ids.shape

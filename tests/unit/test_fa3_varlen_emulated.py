@@ -285,6 +285,10 @@ def test_allgather_runs_each_device_as_one_varlen_call(layout, fits, groups, emu
         monkeypatch.setitem(block._BACKENDS, name, block.BlockBackend(
             name, lambda q, k, v, *a, **kw: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)),
             lambda do, q, k, v, *a, **kw: nan(q, k, v), typed_for_shard_map=False))
+    if fits:  # ... and so would the one call's fallback, the portable kernel over the gathered keys
+        monkeypatch.setattr(allgather, "reference_block_fwd", lambda q, *a, **kw: nan(
+            q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)))
+        monkeypatch.setattr(allgather, "reference_block_bwd", lambda do, q, k, v, *a, **kw: nan(q, k, v))
     got = run("fa3_varlen", q, k, v, do, index, laid)
     for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
