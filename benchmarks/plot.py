@@ -10,6 +10,9 @@ Per results file, one PNG per kind of rows it holds (deterministic names, ``<fil
 - ``scaling``: the weak-scaling rows (``--weak``: the same tokens per GPU on 1, 2, 4 … GPUs) —
   fwd+bwd TFLOP/s per GPU against the GPU count, one line per framework, strategy and tokens per GPU.
 
+``--together NAME`` draws the files' rows as one set (``NAME-<kind>.png``): one framework's run beside
+the other's, each row still over its own run's anchor or ceiling.
+
 Only rows with a throughput are drawn, and of ringbridge's only those marked ``verified`` (the
 driver gives an unverified row no throughput; files written before the check existed carry no
 mark, so their ringbridge rows are never drawn).
@@ -108,8 +111,9 @@ def _save(fig, out: Path, plt) -> Path:
     return out
 
 
-def plot(paths: list[Path], out_dir: Path) -> list[Path]:
-    """Every figure the results files hold (module docstring), written under ``out_dir``."""
+def plot(paths: list[Path], out_dir: Path, together: str | None = None) -> list[Path]:
+    """Every figure the results files hold (module docstring), written under ``out_dir``; with
+    ``together``, the files' rows drawn as one set under that name."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,8 +121,10 @@ def plot(paths: list[Path], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for path in paths:
-        rows, stem = _rows(path), path.stem
+    sets = [(_rows(path), path.stem) for path in paths]
+    if together:
+        sets = [([row for rows, _ in sets for row in rows], together)]
+    for rows, stem in sets:
         for kind, draw in (("throughput", _throughput), ("documents", _documents), ("scaling", _scaling)):
             figure = draw(rows, stem, out_dir / f"{stem}-{kind}.png", plt)
             if figure is not None:
@@ -130,6 +136,7 @@ def plot_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks plot", description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", type=Path, help="benchmarks/results/*.json files")
     ap.add_argument("--out", type=Path, default=Path("docs/figures"))
+    ap.add_argument("--together", default=None, metavar="NAME", help="draw the files' rows as one set, named NAME")
     a = ap.parse_args(argv)
-    for figure in plot(a.results, a.out):
+    for figure in plot(a.results, a.out, a.together):
         print(figure)

@@ -45,6 +45,10 @@
 # the old program). Since 2026-11-28 evening JAX's backward length bound is a switch around the kernel call
 # (docs/decisions.md): its document paths' programs shrink 2-4x on the CPU (benchmarks/results/2026-11-28-cpu-program-
 # size.md) — time d128 JAX (D128_MIXES=short,heavy-tail then few-long if a call is short) and jaxcompile against 11-28's.
+# 2026-11-28 (4x H200, 20:10): d128 JAX short + heavy-tail 4.8 min, few-long 2.5, jaxcompile on 4 GPUs 3.8 (ids 186 s, no ids 7 s),
+# d128host (FA4) 3.6, torchprof 4.5; a jaxprof of the short mix's shared prefix alone 1.1. A hold given back between the
+# .fa4a call and the next (30 s idle) loses the stash: issue the second call at once. The parts folders now name the mixes
+# (D128_MIXES), so a second d128 share on a held machine no longer finds the first's folder and refuses.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -114,6 +118,8 @@ if [ "$1" = start ]; then
     done
   fi
   mkdir -p $R
+  # a smoke run's own tables are removed at the end; untracked results that were here before it are kept
+  git ls-files --others --exclude-standard -- benchmarks/results | sort > $R/untracked-before
   if [ "${SMOKE:-0}" != 1 ]; then
     . docs/gpu/install-wheels.sh $R
     if ls .jaxcache/jaxcache.tgz.* > /dev/null 2>&1; then  # a carried cache (KEEP_JAX_CACHE, above)
@@ -154,17 +160,18 @@ if [ "$1" = start ]; then
     $D512 --meshes ring-r4 --layout zigzag --machine x${GPUS}-512k-ring-\$side --only \$side --parts-dir $R/d512k-ring-\$side;
     $D512 --meshes ring-agkv-r4 --layout document-hybrid-shared --machine x${GPUS}-512k-pick-\$side --only \$side --parts-dir $R/d512k-pick-\$side; done"
   MIX3=${D128_MIXES:-short,heavy-tail,few-long}; [ "${SMOKE:-0}" = 1 ] && MIX3=short  # D128_MIXES: a call's share
+  MIXTAG=${MIX3//,/+}  # the parts folders name their mixes: a second call's share on a held machine gets its own folder
   D128="python3 -m benchmarks --gpus 4 --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid,document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
-  CMD[d128]="for side in $SIDES; do $D128 --machine x${GPUS}-documents-\$side --only \$side --parts-dir $R/d128-\$side; done"
+  CMD[d128]="for side in $SIDES; do $D128 --machine x${GPUS}-documents-\$side --only \$side --parts-dir $R/d128-\$side-$MIXTAG; done"
   # torch's document rows without then with the batch's ids on the host (torch_impl.host_ids: no copy of the gathered
   # ids off the GPU a call; every row and its check in the same block), same call: the short mix waited at that copy
   CMD[d128host]="for h in 0 1; do RINGBRIDGE_HOST_IDS=\$h $D128 --machine x${GPUS}-documents-torch-hostids\$h --only torch \
-    --parts-dir $R/d128host\$h; done"
+    --parts-dir $R/d128host\$h-$MIXTAG; done"
   # JAX's one-call backward as one call, then in two groups of runs (jax_impl/kernels/groups.py), same call
   G46="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
-  CMD[groups]="for g in 1 2; do RINGBRIDGE_BACKWARD_GROUPS=\$g $G46 --machine x${GPUS}-groups\$g-jax --parts-dir $R/groups\$g-jax; done"
+  CMD[groups]="for g in 1 2; do RINGBRIDGE_BACKWARD_GROUPS=\$g $G46 --machine x${GPUS}-groups\$g-jax --parts-dir $R/groups\$g-jax-$MIXTAG; done"
   MAGI_MESHES=${MAGI_MESHES:-ring-r4,ring-agkv-r4}  # then usp-r2xu2,ulysses-u4 in a second call
   CMD[magi4]="for side in $SIDES; do GPUS=4 ONLY=\$side MESHES=$MAGI_MESHES OUT=$R bash $HERE/magi-setting.sh; done"
   CMD[llama]="python3 -m parity.capacity.llama_scale --devices $DEV --out $R/llama $LLAMA"
@@ -255,8 +262,10 @@ if [ "$1" = wait ]; then
   [ -e $R/started ] || { echo "nothing started on this machine (a fresh one: the last hold was given back)"; exit 1; }
   rb_wait $R
   cp -r benchmarks/results/$(date +%F)-* $R/ 2>/dev/null
-  # a CPU smoke run's tables are not results: the untracked ones go (they would travel with the tree)
-  [ "${SMOKE:-0}" = 1 ] && git ls-files --others --exclude-standard -- benchmarks/results | xargs -r rm -f
+  # a CPU smoke run's tables are not results: the ones it wrote go (they would travel with the tree); untracked tables
+  # from before it (a GPU run's, not yet committed) stay — on 2026-11-28 this line removed them
+  [ "${SMOKE:-0}" = 1 ] && git ls-files --others --exclude-standard -- benchmarks/results | sort \
+    | comm -23 - $R/untracked-before | xargs -r rm -f
   [ -n "$DEST" ] && tar czf $DEST/runlist.tgz -C $R .
   if [ "${KEEP_JAX_CACHE:-0}" = 1 ] && [ -n "$DEST" ] && [ -d "${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}" ]; then
     tar czf /tmp/jaxcache.tgz -C "${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}" .

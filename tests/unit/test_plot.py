@@ -50,3 +50,22 @@ def test_plot_draws_weak_scaling_and_never_an_unmarked_ringbridge_row(tmp_path):
     old.write_text(json.dumps({"meta": {}, "rows": [_row("jax_impl", "ring", 500.0, verified=None),
                                                       _row("fa3_jax_ceiling", "single", 600.0, ring=1)]}))
     assert plot([old], tmp_path / "b") == []
+
+
+def _png_height(path) -> int:
+    return int.from_bytes(path.read_bytes()[20:24], "big")  # IHDR: width at 16, height at 20
+
+
+def test_plot_together_draws_both_files_rows_in_one_figure(tmp_path):
+    """``--together``: the README's documents figure sets one framework's run beside the other's;
+    one figure, named as asked, with a bar row for each file's rows (taller than either alone)."""
+    files = []
+    for framework in ("jax_impl", "torch_impl"):
+        path = tmp_path / f"{framework}.json"
+        path.write_text(json.dumps({"meta": {}, "rows": [
+            _row(framework, strategy, 200.0, documents="short", efficiency=0.5) for strategy in ("allgather", "usp")]}))
+        files.append(path)
+    alone = [plot([path], tmp_path / path.stem)[0] for path in files]
+    together = plot(files, tmp_path / "both", together="run")
+    assert [p.name for p in together] == ["run-documents.png"]
+    assert _png_height(together[0]) > max(_png_height(p) for p in alone)
