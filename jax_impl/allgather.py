@@ -115,28 +115,33 @@ def _positions(config: AttentionConfig, index_all, b: int, ring: int, t: int):
     return jnp.broadcast_to(jnp.asarray(ring_positions(config.layout, ring, t).reshape(-1)), (b, ring * t))
 
 
+def _queries_and_keys(config: AttentionConfig, q, ids_all, index_all, me):
+    """Device ``me``'s queries' (ids, positions) and every gathered key's, [b, t] and [b, R·t]
+    (ids None stays None: one document a row) — what the one call's plan and its fallback's mask read."""
+    b, t = q.shape[:2]
+    ring = (ids_all if ids_all is not None else index_all).shape[1] // t
+    positions = _positions(config, index_all, b, ring, t)
+    mine = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
+    return (mine(ids_all), ids_all), (mine(positions), positions)
+
+
 def prefix_plan(config: AttentionConfig, q, ids_all, index_all, me) -> list[VarlenRuns]:
     """Device ``me``'s one-call plan — one per static run-slot count (``kernels/runs.prefix_plans``),
     the device picks among them — of its queries ``q`` [b, t, ...]
     against every key, from every shard's ids and token indices [b, R·t] (ids None: one document
     per row; token indices None: the static layout's positions — one of the two is given)."""
-    b, t = q.shape[:2]
-    ring = (ids_all if ids_all is not None else index_all).shape[1] // t
-    positions = _positions(config, index_all, b, ring, t)
-    mine = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
-    return prefix_plans_of(mine(ids_all), ids_all, mine(positions), positions)
+    (ids_mine, ids), (positions_mine, positions) = _queries_and_keys(config, q, ids_all, index_all, me)
+    return prefix_plans_of(ids_mine, ids, positions_mine, positions)
 
 
 def gathered_masks(config: AttentionConfig, q, ids_all, index_all, me):
     """``PART_MASK``'s (segments, positions) of device ``me``'s queries ``q`` [b, t, ...] against
     every gathered key (ids None: one document a row) — the one call's mask for the portable
     kernel, its fallback."""
-    b, t = q.shape[:2]
-    ring = (ids_all if ids_all is not None else index_all).shape[1] // t
-    positions = _positions(config, index_all, b, ring, t)
-    ids = jnp.zeros(positions.shape, jnp.int32) if ids_all is None else ids_all
-    mine = lambda x: lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
-    return (mine(ids), ids), (mine(positions), positions)
+    (ids_mine, ids), positions = _queries_and_keys(config, q, ids_all, index_all, me)
+    if ids is None:
+        ids_mine, ids = jnp.zeros(positions[0].shape, jnp.int32), jnp.zeros(positions[1].shape, jnp.int32)
+    return (ids_mine, ids), positions
 
 
 def portable_forward(config: AttentionConfig, q, kv_all, masks):
