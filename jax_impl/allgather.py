@@ -55,9 +55,9 @@ from seqplan.validation import (
 from .block import device_kind_of, resolve_backend
 from .comm import axis_size
 from .config import AttentionConfig, make_config
-from .kernels.fa3_varlen import one_call_backward, varlen_fwd
+from .kernels.fa3_varlen import one_call_backward, one_call_forward
 from .kernels.reference import reference_block_bwd, reference_block_fwd
-from .kernels.runs import VarlenRuns, prefix_dispatch
+from .kernels.runs import VarlenRuns
 from .kernels.runs import prefix_plans as prefix_plans_of
 from .loop import (
     attention_with_vjp,
@@ -164,8 +164,7 @@ def prefix_forward(config: AttentionConfig, q, kv_all, plans, fallback):
     """The device's (o, lse) as ONE varlen call against its gathered key prefixes (``plans``:
     :func:`prefix_plan`), or ``fallback()`` where the runs do not fit (module docstring).
     ``kv_all``: (k, v) [b, R·t, hk, d] in layout order."""
-    return prefix_dispatch(plans, lambda runs: varlen_fwd(q, *kv_all, True, config.scale, runs), fallback,
-                           keys=kv_all[0].shape[1])
+    return one_call_forward(q, *kv_all, config.scale, plans, fallback)
 
 
 def prefix_backward(config: AttentionConfig, saved, kv_all, plans, fallback):
@@ -321,8 +320,7 @@ def _part_forward(config: AttentionConfig, q, kv, plans, masks):
     portable = lambda: reference_block_fwd(q, *kv, PART_MASK, config.scale, *masks)
     if plans is None:
         return portable()
-    return prefix_dispatch(plans, lambda runs: varlen_fwd(q, *kv, True, config.scale, runs), portable,
-                           keys=kv[0].shape[1])
+    return one_call_forward(q, *kv, config.scale, plans, portable)
 
 
 def _part_backward(config: AttentionConfig, saved, kv, plans, masks):

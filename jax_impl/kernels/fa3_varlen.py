@@ -86,12 +86,14 @@ def _lse_buffer_shape(nseq: int, h: int, total_q: int) -> tuple[int, int, int]:
     return nseq, h, -(-total_q // nseq)
 
 
-def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns):
+def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns, packed: tuple | None = None):
     """FA3 varlen forward on an expressible block: (o [b, t, h, d] in q's dtype, lse [b, h, t] float32),
-    through the library's FFI target ``flash_mha_fwd`` with the lse buffer at its real size."""
+    through the library's FFI target ``flash_mha_fwd`` with the lse buffer at its real size
+    (``packed``: the runs' keys and values already packed, :func:`plans_packed_kv`)."""
     b, t, h, d = q.shape
     nseq = runs.cu_q.shape[0] - 1
-    o, lse = forward_ffi(q.reshape(b * t, h, d), _packed_kv(k, runs), _packed_kv(v, runs), runs.cu_q, runs.cu_k,
+    k_p, v_p = (_packed_kv(k, runs), _packed_kv(v, runs)) if packed is None else packed
+    o, lse = forward_ffi(q.reshape(b * t, h, d), k_p, v_p, runs.cu_q, runs.cu_k,
                          _lse_buffer_shape(nseq, h, b * t), t, k.shape[1], causal, scale)
     o, lse = o.reshape(b, t, h, d), _lse_tokens(lse, b, h, t)
     if runs.covers_block:  # every query is in a run: nothing to blank (a select is a pass over o)
@@ -160,18 +162,21 @@ def _bwd_finish(dq, dk_p, dv_p, runs: VarlenRuns, b: int, t: int, s: int):
     return dq, scatter(dk_p), scatter(dv_p)
 
 
-def _bwd_inputs(do, q, k, v, o, lse, runs: VarlenRuns) -> tuple:
-    """:func:`_bwd_call`'s first six arguments: do, q, the keys and values packed by ``runs``, o, the lse rows."""
+def _bwd_inputs(do, q, k, v, o, lse, runs: VarlenRuns, packed: tuple | None = None) -> tuple:
+    """:func:`_bwd_call`'s first six arguments: do, q, the keys and values packed by ``runs`` (or
+    ``packed``), o, the lse rows."""
     b, t, h, d = q.shape
     flat = lambda x: x.reshape(b * t, h, d)
-    return flat(do), flat(q), _packed_kv(k, runs), _packed_kv(v, runs), flat(o), _lse_rows(lse, runs)
+    k_p, v_p = (_packed_kv(k, runs), _packed_kv(v, runs)) if packed is None else packed
+    return flat(do), flat(q), k_p, v_p, flat(o), _lse_rows(lse, runs)
 
 
-def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns):
-    """FA3 varlen backward through the FFI target with padded workspaces (module docstring)."""
+def varlen_bwd(do, q, k, v, o, lse, causal: bool, scale: float, runs: VarlenRuns, packed: tuple | None = None):
+    """FA3 varlen backward through the FFI target with padded workspaces (module docstring);
+    ``packed``: the runs' keys and values already packed (:func:`plans_packed_kv`)."""
     b, t = q.shape[:2]
     s = k.shape[1]
-    out = _bwd_call(*_bwd_inputs(do, q, k, v, o, lse, runs), causal, scale, runs, t, s)
+    out = _bwd_call(*_bwd_inputs(do, q, k, v, o, lse, runs, packed), causal, scale, runs, t, s)
     return _bwd_finish(*out, runs, b, t, s)
 
 
@@ -219,6 +224,23 @@ def backward_groups() -> str:
     return value
 
 
+def plans_packed_kv(k, v, plans: list[VarlenRuns]) -> tuple:
+    """The one call's keys and values packed once, outside its plan switch: every plan of
+    ``runs.prefix_plans`` that fits holds the same runs over the same key capacity, so their
+    ``kv_index`` agree and the largest plan's serves whichever the device picks (where none fits,
+    the fallback runs and this gather goes unread). Inside the switch each plan's branch carried
+    its own copy of the gather."""
+    return _packed_kv(k, plans[-1]), _packed_kv(v, plans[-1])
+
+
+def one_call_forward(q, k, v, scale: float, plans: list[VarlenRuns], fallback):
+    """A device's one causal varlen call (``runs.prefix_plans``) against keys ``k`` / ``v`` [b, S, hk, d]:
+    (o, lse) on the plan with the fewest slots that holds the runs, or ``fallback()`` where none does."""
+    packed = plans_packed_kv(k, v, plans)
+    return prefix_dispatch(plans, lambda runs: varlen_fwd(q, k, v, True, scale, runs, packed), fallback,
+                           keys=k.shape[1])
+
+
 def one_call_backward(do, q, k, v, o, lse, scale: float, plans: list[VarlenRuns], fallback):
     """The backward of a device's one call (``runs.prefix_plans``: the same runs over each slot
     count, the largest last) on keys ``k`` / ``v`` [b, S, hk, d]: (dq, dk, dv), or ``fallback()``
@@ -227,8 +249,9 @@ def one_call_backward(do, q, k, v, o, lse, scale: float, plans: list[VarlenRuns]
     keys = k.shape[1]
     mode = backward_groups()
     if mode == "1":
-        return prefix_dispatch(plans, lambda runs: varlen_bwd(do, q, k, v, o, lse, True, scale, runs), fallback,
-                               keys=keys, lengths=True)
+        packed = plans_packed_kv(k, v, plans)
+        return prefix_dispatch(plans, lambda runs: varlen_bwd(do, q, k, v, o, lse, True, scale, runs, packed),
+                               fallback, keys=keys, lengths=True)
     runs, sizes = plans[-1], tuple(plan.cu_q.shape[0] - 1 for plan in plans)
     ladder = run_plans.prefix_length_ladder(keys)
     if mode == "always":  # a check's runs are short: rungs below the ladder's 256 give them a split too

@@ -278,8 +278,8 @@ def test_allgather_runs_each_device_as_one_varlen_call(layout, fits, groups, emu
                    for x in lengths), "no device splits: the test would not exercise the two calls"
     nan = lambda *shapes: tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
     if not fits:  # a one call taken anyway would show
-        monkeypatch.setattr(allgather, "varlen_fwd", lambda q, *a: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]),
-                                                                                     F32)))
+        monkeypatch.setattr(fa3_varlen, "varlen_fwd", lambda q, *a: nan(q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]),
+                                                                                       F32)))
         monkeypatch.setattr(fa3_varlen, "_bwd_call", lambda do, q, k_p, v_p, *a: nan(q, k_p, v_p))
     for name in ("reference", "fa3_varlen") if fits else ():  # a block walked on either kernel would show
         monkeypatch.setitem(block._BACKENDS, name, block.BlockBackend(

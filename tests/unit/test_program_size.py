@@ -49,3 +49,45 @@ def test_rows_are_written_as_they_finish_and_bad_names_are_refused(tmp_path):
         program_size.measure("ring-hybrid", 512, 2, "short")
     with pytest.raises(ValueError, match="mix must be one of"):
         program_size.measure("ring-zigzag", 512, 2, "mixed")
+
+
+def _gathers_of(jaxpr, shape, inside_cond=False, found=None):
+    """(outside, inside) counts of ``gather`` equations reading an operand of ``shape``: at the
+    program's level, and inside a ``cond`` / ``switch`` branch."""
+    found = found if found is not None else {False: 0, True: 0}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "gather" and tuple(eqn.invars[0].aval.shape) == shape:
+            found[inside_cond] += 1
+        for param in eqn.params.values():
+            subs = param if isinstance(param, (list, tuple)) else [param]
+            for sub in subs:
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    _gathers_of(inner, shape, inside_cond or eqn.primitive.name == "cond", found)
+    return found[False], found[True]
+
+
+def test_the_one_calls_keys_are_packed_once_outside_its_plan_switch(monkeypatch):
+    """Every plan that fits holds the same runs over the same key capacity, so the one call packs
+    its keys and values once, before the switch picks a plan (``fa3_varlen.plans_packed_kv``) —
+    not once per plan inside each branch (a copy of the gather per slot count, 2026-11-28)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import fa3_varlen, runs
+
+    b, t, s, h, hk, d = 1, 16, 64, 2, 1, 8
+    monkeypatch.setattr(fa3_varlen, "forward_ffi",  # the kernel's outputs only: the test reads the program
+                        lambda q, k_p, v_p, cu_q, cu_k, shape, *a: (q, jnp.zeros(shape, jnp.float32)))
+
+    def call(q, k, v, q_ids, kv_ids):
+        plans = runs.prefix_plans(q_ids, kv_ids, jnp.arange(s - t, s)[None], jnp.arange(s)[None])
+        fallback = lambda: (q, jnp.zeros((b, h, t), jnp.float32))
+        return fa3_varlen.one_call_forward(q, k, v, 0.5, plans, fallback)
+
+    q = jnp.zeros((b, t, h, d), jnp.bfloat16)
+    kv = jnp.zeros((b, s, hk, d), jnp.bfloat16)
+    ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), 8)[None]
+    jaxpr = jax.make_jaxpr(call)(q, kv, kv, ids[:, s - t:], ids).jaxpr
+    assert len(runs.prefix_plans(ids[:, s - t:], ids, jnp.arange(s - t, s)[None], jnp.arange(s)[None])) > 1
+    assert _gathers_of(jaxpr, (b * s, hk, d)) == (2, 0)  # keys and values, once each, outside every branch
