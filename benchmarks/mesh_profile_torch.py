@@ -24,10 +24,14 @@ Host side (rank 0, after the timed steps): the synchronising CUDA calls of one s
 cProfile of five steps (the 40 functions with the most own time, and the 40 with the most time
 inside them), to ``{layout}-rank0-host.txt``. ``SEQ`` sets the global tokens (default 131072;
 65536 over two GPUs keeps a rank's 32k), ``LAYOUTS`` a comma list of the layouts.
+``RINGBRIDGE_HOST_IDS=1``: each step (and the check) runs inside ``torch_impl.host_ids`` over the
+batch's laid-out rows, entered once a step as a training loop enters it once a batch (files
+tagged ``-hostids``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import io
 import json
@@ -54,7 +58,10 @@ PATHS = os.environ.get("PATHS", "")
 # WINDOW=4096: a sliding window (WINDOW, 0) on every path (the check at 4096 tokens takes a window
 # of an eighth of its length, so the window masks something there too)
 WINDOW = int(os.environ.get("WINDOW", "0"))
-TAG = f"-window{WINDOW}" if WINDOW else ""  # in the result files' names
+# RINGBRIDGE_HOST_IDS=1: every call (the check's too) inside torch_impl.host_ids over the batch's laid-out rows,
+# as the benchmark's rows take it (parity.runners.torch_runner.host_ids_if_asked)
+HOST_IDS = os.environ.get("RINGBRIDGE_HOST_IDS") == "1"
+TAG = (f"-window{WINDOW}" if WINDOW else "") + ("-hostids" if HOST_IDS else "")  # in the result files' names
 
 
 def host_report(step, sync, cuda: bool) -> str:
@@ -121,6 +128,7 @@ def main() -> None:
     from benchmarks.bench_torch import local_shard
     from benchmarks.common import MeshSpec, Problem, check_layouts, lay_out, row_problem
     from parity.core.reference import attention_backward, attention_forward
+    from parity.runners.torch_runner import host_ids_if_asked
     from seqplan.layouts import layout_permutation
 
     cuda = torch.cuda.is_available() and not SMOKE
@@ -157,7 +165,8 @@ def main() -> None:
         def step():
             for n in ("q", "k", "v"):
                 mine[n].grad = None
-            with torch.profiler.record_function("attention_call"):
+            block = host_ids_if_asked(laid.segment_ids, laid.token_index) or contextlib.nullcontext()
+            with torch.profiler.record_function("attention_call"), block:
                 o = torch_impl.sequence_parallel_attention(
                     mine["q"], mine["k"], mine["v"], mesh, causal=True, layout=laid.api_layout,
                     kv_exchange=spec.kv_exchange, segment_ids=ids, token_index=index, window=problem.window,

@@ -57,6 +57,8 @@
 #   d128       issue 46: 128k tokens, the three balance mixes, both frameworks: all-gather KV and
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
+#   torchprofhost issue 46: torch's short-mix shared-prefix step profiled with the ids on the device, then on the host
+#   conddoc    issue 46: JAX's short-mix shared-prefix row, XLA's conditionals on the host (default) then on the device
 #   groups     issue 46: JAX, the shared-prefix paths on the three mixes with the one call's backward
 #              as one call (RINGBRIDGE_BACKWARD_GROUPS=1, the default) then in two groups (2), side by side
 #   llama      issue 48: the whole model on 4 GPUs (torch; LLAMA overrides the arguments, e.g.
@@ -131,7 +133,7 @@ if [ "$1" = start ]; then
     # 2026-11-28 a d128 call did, 85 device seconds. Refused unless NO_FA4=1 says FA2 is what is wanted.
     case " ${SIDES:-torch jax} " in *" torch "*)
       if [ "${NO_FA4:-0}" != 1 ] && ! PYTHONPATH=$PYTHONPATH python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
-        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|mc|llamajax|jaxcompile|gqa) ;;
+        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|conddoc|mc|llamajax|jaxcompile|gqa) ;;
           *) echo "FA4 is not installed on this machine (a fresh one?): torch's rows would run on FA2. Run the .fa4a stash and a" \
                "call with .fa4b first, or set SIDES=jax, or NO_FA4=1 to time FA2 on purpose."; exit 3 ;; esac; done
       fi ;;
@@ -168,6 +170,17 @@ if [ "$1" = start ]; then
   # ids off the GPU a call; every row and its check in the same block), same call: the short mix waited at that copy
   CMD[d128host]="for h in 0 1; do RINGBRIDGE_HOST_IDS=\$h $D128 --machine x${GPUS}-documents-torch-hostids\$h --only torch \
     --parts-dir $R/d128host\$h-$MIXTAG; done"
+  # torch's short-mix step profiled without then with the ids on the host (run 14: the host ids slower on this mix,
+  # 7.41 -> 8.73 ms, not yet profiled), same call
+  CMD[torchprofhost]="for h in 0 1; do RINGBRIDGE_HOST_IDS=\$h MIXES=short LAYOUTS=document-hybrid-shared SEQ=$SEQ \
+    $TORCHRUN benchmarks/mesh_profile_torch.py $S; done"
+  # JAX's documents rows with XLA's conditionals on the device beside the default, same call: run 14's profile has
+  # every GPU idle 0.5-1.3 ms three times a step just after the prefixes' all-gather, where a conditional follows
+  CD="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --documents short $DRV --iters 5 --warmup 2 \
+    --layout document-hybrid-shared --meshes ring-agkv-r4"
+  CMD[conddoc]="$CD --machine x${GPUS}-conddoc-host-jax --parts-dir $R/conddoc-host-jax;
+    XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL\" $CD --machine x${GPUS}-conddoc-device-jax \
+    --parts-dir $R/conddoc-device-jax"
   # JAX's one-call backward as one call, then in two groups of runs (jax_impl/kernels/groups.py), same call
   G46="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --documents $MIX3 $DRV --iters 5 --warmup 2 \
     --layout document-hybrid-shared --meshes ring-agkv-r4,usp-agkv-r2xu2"
@@ -252,7 +265,7 @@ if [ "$1" = start ]; then
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
   RUNS=""
   for part in ${PARTS//,/ }; do
-    [ "${SMOKE:-0}" = 1 ] && case $part in mc|magi4|prio|tier) continue ;; esac  # GPUs only (mc: a process per GPU; prio: torch)
+    [ "${SMOKE:-0}" = 1 ] && case $part in mc|magi4|prio|tier|conddoc) continue ;; esac  # GPUs only (mc: a process per GPU; prio: torch)
     RUNS="$RUNS echo \"== $part \$(date +%T)\"; ( ${CMD[$part]} ) > $R/$part.log 2>&1; echo \"== $part rc \$? \$(date +%T)\";"
   done
   rb_start $R "$RUNS"
