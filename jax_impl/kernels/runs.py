@@ -584,14 +584,30 @@ def prefix_plans(q_ids, kv_ids, q_index, kv_index) -> list[VarlenRuns]:
     """:func:`prefix_runs` for each of ``PREFIX_SLOTS`` (at least b slots: FA3's varlen forward
     writes every query's lse into an [nseq, h, t] buffer) over ``PREFIX_KEY_FACTOR`` times the
     keys; ``q_ids`` / ``kv_ids`` None: one document per row. Computed once per call: the forward
-    keeps them for its backward."""
+    keeps them for its backward.
+
+    Only the largest is built: a plan of m slots that fits (``ok``) is the largest's first m runs
+    — the same offsets, ``kv_index`` and ``longest`` (:func:`trimmed_plan`) — and one that does not
+    is never run (``prefix_choice`` takes the first that fits), so the key search and gather over
+    the whole key capacity run once, not once per slot count."""
     b, t = q_index.shape
     s = kv_index.shape[1]
     zeros = lambda x: jnp.zeros(x.shape, jnp.int32)
     q_ids, kv_ids = (zeros(q_index), zeros(kv_index)) if q_ids is None else (q_ids, kv_ids)
     sizes = sorted({min(max(m, b), b * t) for m in PREFIX_SLOTS})
     rows = jax.vmap(_row_prefix)(q_ids, kv_ids, q_index, kv_index)  # one sort for every slot count's plan
-    return [prefix_runs(q_ids, kv_ids, q_index, kv_index, m, PREFIX_KEY_FACTOR * b * s, rows) for m in sizes]
+    largest = prefix_runs(q_ids, kv_ids, q_index, kv_index, sizes[-1], PREFIX_KEY_FACTOR * b * s, rows)
+    runs = jnp.sum(rows[3])  # _row_prefix's run starts, every row
+    return [trimmed_plan(largest, m, runs) for m in sizes[:-1]] + [largest]
+
+
+def trimmed_plan(largest: VarlenRuns, m: int, runs) -> VarlenRuns:
+    """:func:`prefix_runs` with ``m`` slots from the same call with more, given the number of
+    ``runs`` (traced): identical to it when it fits (``ok``; the offsets past the last run are
+    all the end, the keys' index is the same runs'), and never ok when it does not."""
+    end = largest.cu_q[-1:]  # b·t: every slot past the last run starts (and ends) there
+    return dataclasses.replace(largest, cu_q=jnp.concatenate([largest.cu_q[:m], end]), cu_k=largest.cu_k[: m + 1],
+                               ok=largest.ok & (runs <= m))
 
 
 def prefix_length_ladder(n: int) -> tuple[int, ...]:

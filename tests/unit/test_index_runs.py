@@ -284,6 +284,53 @@ def test_prefix_runs_refuse_what_they_cannot_express():
     assert prefix_runs(ids, ids, shuffled, shuffled).keys == 36
 
 
+@pytest.mark.parametrize("layout", ["zigzag", DOCUMENT_HYBRID, "shuffled"])
+def test_traced_plans_trimmed_from_the_largest_equal_their_own(layout, seed, monkeypatch):
+    """``jax_impl.kernels.runs.prefix_plans`` builds only its largest plan and trims the others
+    from it (``trimmed_plan``): each equals :func:`prefix_runs` built for its own slot count —
+    the same ``ok`` always, and where it fits (the only plans the switch runs) the same offsets,
+    key index and longest run. Slot counts from 2 (short of every layout here) up, so both sides
+    of ``ok`` are met on the ordered layouts (the shuffled one fits none)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    monkeypatch.setattr(runs, "PREFIX_SLOTS", (2, 3, 4, 6, 8, 16, 64))
+    rng = np.random.default_rng(seed)
+    ring, ids = 4, np.array([[0] * 9 + [1] + [2] * 30 + [3] * 3, [7] * 3 + [8] * 37 + [9] * 3])
+    ids, _ = pad_documents(ids, ring)
+    b, seq = ids.shape
+    if layout == "zigzag":
+        perm = np.broadcast_to(layout_permutation(seq, layout, ring), (b, seq))
+    elif layout == "shuffled":
+        perm = np.stack([rng.permutation(seq) for _ in range(b)])
+    else:
+        perm = hybrid_layout(ids, ring, split_at=30).perm
+    laid, t = np.take_along_axis(ids, perm, 1).astype(np.int32), seq // ring
+    fits = set()
+    for r in range(ring):
+        part = slice(r * t, (r + 1) * t)
+        args = tuple(jnp.asarray(x, jnp.int32) for x in (laid[:, part], laid, perm[:, part], perm))
+
+        @jax.jit
+        def both(q_ids, kv_ids, q_index, kv_index, cap=runs.PREFIX_KEY_FACTOR * b * seq):
+            own = [runs.prefix_runs(q_ids, kv_ids, q_index, kv_index, plan.cu_q.shape[0] - 1, cap)
+                   for plan in runs.prefix_plans(q_ids, kv_ids, q_index, kv_index)]
+            return runs.prefix_plans(q_ids, kv_ids, q_index, kv_index), own
+
+        trimmed, own = both(*args)
+        assert len(trimmed) > 1
+        for plan, want in zip(trimmed, own):
+            assert plan.cu_q.shape == want.cu_q.shape and bool(plan.ok) == bool(want.ok)
+            fits.add(bool(want.ok))
+            if want.ok:
+                for name in ("cu_q", "cu_k", "kv_index", "covered_q", "longest"):
+                    assert np.array_equal(getattr(plan, name), getattr(want, name)), (layout, r, name)
+    # some slot counts short of the runs, some holding them (shuffled: a run a query, none holds them)
+    assert fits == ({False} if layout == "shuffled" else {True, False}), fits
+
+
 def test_one_call_mask_names_what_the_kernel_must_take():
     """``seqplan.schedule.one_call_mask``: causal by token indices (the window (UNBOUNDED, 0)) or by
     the layout with documents takes the one call; a window beyond causal, or neither documents
