@@ -24,8 +24,8 @@ Host side (rank 0, after the timed steps): the synchronising CUDA calls of one s
 cProfile of five steps (the 40 functions with the most own time, and the 40 with the most time
 inside them), to ``{layout}-rank0-host.txt``. ``SEQ`` sets the global tokens (default 131072;
 65536 over two GPUs keeps a rank's 32k), ``LAYOUTS`` a comma list of the layouts.
-``RINGBRIDGE_HOST_IDS=1``: each step (and the check) runs inside ``torch_impl.host_ids`` over the
-batch's laid-out rows, entered once a step as a training loop enters it once a batch (files
+``RINGBRIDGE_HOST_IDS=1``: the steps (and the check) run inside ``torch_impl.host_ids`` over the
+batch's laid-out rows, one block around a path's steps as the benchmark's rows hold it (files
 tagged ``-hostids``).
 """
 
@@ -165,8 +165,7 @@ def main() -> None:
         def step():
             for n in ("q", "k", "v"):
                 mine[n].grad = None
-            block = host_ids_if_asked(laid.segment_ids, laid.token_index) or contextlib.nullcontext()
-            with torch.profiler.record_function("attention_call"), block:
+            with torch.profiler.record_function("attention_call"):
                 o = torch_impl.sequence_parallel_attention(
                     mine["q"], mine["k"], mine["v"], mesh, causal=True, layout=laid.api_layout,
                     kv_exchange=spec.kv_exchange, segment_ids=ids, token_index=index, window=problem.window,
@@ -175,12 +174,18 @@ def main() -> None:
             return o
         return step, mine, full, laid, problem
 
+    def held(laid):
+        """The path's steps inside one ``torch_impl.host_ids`` block with RINGBRIDGE_HOST_IDS=1 (as
+        the benchmark holds it around a row's steps: its uploads made once, not once a step)."""
+        return host_ids_if_asked(laid.segment_ids, laid.token_index) or contextlib.nullcontext()
+
     def check(spec, layout, documents) -> float:
         seq = 512 if SMOKE else 4096
         problem = Problem(seq=seq, heads=8, kv_heads=2, documents=documents,
                           window=(min(WINDOW, seq // 8), 0) if WINDOW else None)
         step, mine, full, laid, problem = call(problem, spec, layout, torch.float32 if SMOKE else torch.bfloat16, seed=1)
-        o = step()
+        with held(laid):
+            o = step()
         got = {n: torch.empty((world, *x.shape), dtype=x.dtype, device=device) for n, x in
                (("o", o.detach()), ("dq", mine["q"].grad), ("dk", mine["k"].grad), ("dv", mine["v"].grad))}
         mine_out = {"o": o.detach(), "dq": mine["q"].grad, "dk": mine["k"].grad, "dv": mine["v"].grad}
@@ -227,21 +232,22 @@ def main() -> None:
             continue
         problem = Problem(seq=4096 if SMOKE else SEQ, heads=4 if SMOKE else 32, kv_heads=2 if SMOKE else 8,
                           documents=mix, window=(WINDOW, 0) if WINDOW else None)
-        step, *_ = call(problem, spec, layout, torch.float32 if SMOKE else torch.bfloat16)
-        for _ in range(3):
-            step()
-        sync()
-        walls = []
-        for _ in range(5):
-            began = time.perf_counter()
-            step()
-            sync()
-            walls.append((time.perf_counter() - began) * 1e3)
+        step, _, _, laid, _ = call(problem, spec, layout, torch.float32 if SMOKE else torch.bfloat16)
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-        with torch.profiler.profile(activities=activities) as prof:
+        walls = []
+        with held(laid):
             for _ in range(3):
                 step()
             sync()
+            for _ in range(5):
+                began = time.perf_counter()
+                step()
+                sync()
+                walls.append((time.perf_counter() - began) * 1e3)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(3):
+                    step()
+                sync()
         events = prof.key_averages()
         device_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
         kinds: dict[str, float] = {}
@@ -259,7 +265,8 @@ def main() -> None:
                    "top_device_ops": [{"name": e.key[:120], "device_ms_per_step": device_us(e) / 1e3 / 3,
                                        "calls_per_step": e.count / 3} for e in top]}
         (out / f"{mix}{TAG}-{mesh_name}-{layout}-rank{rank}.json").write_text(json.dumps(summary, indent=1))
-        host_text = host_report(step, sync, cuda)  # every rank steps (the collectives); rank 0 writes
+        with held(laid):
+            host_text = host_report(step, sync, cuda)  # every rank steps (the collectives); rank 0 writes
         if rank == 0:
             (out / f"{mix}{TAG}-{mesh_name}-{layout}-rank0-host.txt").write_text(host_text)
         if rank == 0:
