@@ -336,12 +336,12 @@ def _part_backward(config: AttentionConfig, saved, kv, plans, masks):
 
 
 def _split_forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
-    ring, me, (b, t), p = axis_size(axis_name), ring_index(axis_name), q.shape[:2], config.shared_tokens
+    ring, me, t, p = axis_size(axis_name), ring_index(axis_name), q.shape[1], config.shared_tokens
     with jax.named_scope(SCOPES.ids):
         ids_all = gather_segment_ids(ids, axis_name, config.comm)
-        positions = _positions(config, gather_token_index(index, axis_name, config.comm), b, ring, t)
-    mine = lambda x: lax.dynamic_slice_in_dim(x, me * t, t, axis=1)
-    queries = (mine(ids_all), mine(positions))
+        index_all = gather_token_index(index, axis_name, config.comm)
+        (ids_mine, _), (positions_mine, positions) = _queries_and_keys(config, q, ids_all, index_all, me)
+    queries = (ids_mine, positions_mine)
     keys_shared = (_prefixes(ids_all, ring, p), _prefixes(positions, ring, p))
     with jax.named_scope(SCOPES.gather):  # [b, R·p, hk, d]: shard r's prefix at rows r·p, as _prefixes orders the ids
         kv_prefixes = tuple(config.comm.gather(x[:, :p], axis_name) for x in (k, v)) if p else None

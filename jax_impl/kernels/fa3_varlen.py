@@ -227,9 +227,11 @@ def backward_groups() -> str:
 def plans_packed_kv(k, v, plans: list[VarlenRuns]) -> tuple:
     """The one call's keys and values packed once, outside its plan switch: every plan of
     ``runs.prefix_plans`` that fits holds the same runs over the same key capacity, so their
-    ``kv_index`` agree and the largest plan's serves whichever the device picks (where none fits,
-    the fallback runs and this gather goes unread). Inside the switch each plan's branch carried
-    its own copy of the gather."""
+    ``kv_index`` agree and the largest plan's serves whichever the device picks. Inside the switch
+    each plan's branch carried its own copy of the gather. The price: where none fits, the
+    fallback runs with these unread buffers (the key capacity, twice) still live — a path taken
+    only when a batch outgrows the largest plan; gating the gather would add a conditional, and a
+    host round trip, to every call."""
     return _packed_kv(k, plans[-1]), _packed_kv(v, plans[-1])
 
 

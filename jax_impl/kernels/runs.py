@@ -597,17 +597,18 @@ def prefix_plans(q_ids, kv_ids, q_index, kv_index) -> list[VarlenRuns]:
     sizes = sorted({min(max(m, b), b * t) for m in PREFIX_SLOTS})
     rows = jax.vmap(_row_prefix)(q_ids, kv_ids, q_index, kv_index)  # one sort for every slot count's plan
     largest = prefix_runs(q_ids, kv_ids, q_index, kv_index, sizes[-1], PREFIX_KEY_FACTOR * b * s, rows)
-    runs = jnp.sum(rows[3])  # _row_prefix's run starts, every row
-    return [trimmed_plan(largest, m, runs) for m in sizes[:-1]] + [largest]
+    run_count = jnp.sum(rows[3])  # _row_prefix's run starts, every row
+    return [trimmed_plan(largest, m, run_count) for m in sizes[:-1]] + [largest]
 
 
-def trimmed_plan(largest: VarlenRuns, m: int, runs) -> VarlenRuns:
-    """:func:`prefix_runs` with ``m`` slots from the same call with more, given the number of
-    ``runs`` (traced): identical to it when it fits (``ok``; the offsets past the last run are
-    all the end, the keys' index is the same runs'), and never ok when it does not."""
+def trimmed_plan(largest: VarlenRuns, m: int, run_count) -> VarlenRuns:
+    """:func:`prefix_runs` with ``m`` slots from the same call with more, given ``run_count``
+    (traced): identical to it when it fits (``ok``; the offsets past the last run are all the end,
+    the keys' index is the same runs'), and never ok when it does not — too many runs for m
+    slots, or (as for the largest) too many keys for the capacity."""
     end = largest.cu_q[-1:]  # b·t: every slot past the last run starts (and ends) there
     return dataclasses.replace(largest, cu_q=jnp.concatenate([largest.cu_q[:m], end]), cu_k=largest.cu_k[: m + 1],
-                               ok=largest.ok & (runs <= m))
+                               ok=largest.ok & (run_count <= m))
 
 
 def prefix_length_ladder(n: int) -> tuple[int, ...]:

@@ -331,6 +331,26 @@ def test_traced_plans_trimmed_from_the_largest_equal_their_own(layout, seed, mon
     assert fits == ({False} if layout == "shuffled" else {True, False}), fits
 
 
+def test_a_trimmed_plan_does_not_fit_where_its_keys_outgrow_the_capacity():
+    """``trimmed_plan`` keeps the largest plan's verdict on the keys: with a key capacity below
+    what the runs read, a plan of enough slots for the runs still does not fit — as
+    :func:`prefix_runs` built for those slots says."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    ids = jnp.asarray(np.repeat(np.arange(4), 8)[None].astype(np.int32))  # 4 documents of 8 tokens
+    index = jnp.arange(32, dtype=jnp.int32)[None]
+    run_count = jnp.sum(jax.vmap(runs._row_prefix)(ids, ids, index, index)[3])
+    for cap in (64, 16):  # room for every key the 4 runs read (32), then not
+        largest = runs.prefix_runs(ids, ids, index, index, 8, cap)
+        for m in (4, 6):
+            own = runs.prefix_runs(ids, ids, index, index, m, cap)
+            assert int(run_count) == 4 and bool(runs.trimmed_plan(largest, m, run_count).ok) == bool(own.ok)
+            assert bool(own.ok) == (cap == 64)
+
+
 def test_one_call_mask_names_what_the_kernel_must_take():
     """``seqplan.schedule.one_call_mask``: causal by token indices (the window (UNBOUNDED, 0)) or by
     the layout with documents takes the one call; a window beyond causal, or neither documents

@@ -70,24 +70,37 @@ def _gathers_of(jaxpr, shape, inside_cond=False, found=None):
 def test_the_one_calls_keys_are_packed_once_outside_its_plan_switch(monkeypatch):
     """Every plan that fits holds the same runs over the same key capacity, so the one call packs
     its keys and values once, before the switch picks a plan (``fa3_varlen.plans_packed_kv``) —
-    not once per plan inside each branch (a copy of the gather per slot count, 2026-11-28)."""
+    not once per plan inside each branch (a copy of the gather per slot count, 2026-11-28) — in its
+    forward and in its backward (one call, RINGBRIDGE_BACKWARD_GROUPS=1)."""
     import jax
     import jax.numpy as jnp
 
     from jax_impl.kernels import fa3_varlen, runs
 
     b, t, s, h, hk, d = 1, 16, 64, 2, 1, 8
-    monkeypatch.setattr(fa3_varlen, "forward_ffi",  # the kernel's outputs only: the test reads the program
-                        lambda q, k_p, v_p, cu_q, cu_k, shape, *a: (q, jnp.zeros(shape, jnp.float32)))
+    monkeypatch.setenv("RINGBRIDGE_BACKWARD_GROUPS", "1")
+    # the kernels' outputs only: the test reads the program
+    monkeypatch.setattr(fa3_varlen, "forward_ffi", lambda q, k_p, v_p, cu_q, cu_k, shape, *a: (
+        q, jnp.zeros(shape, jnp.float32)))
+    monkeypatch.setattr(fa3_varlen, "_bwd_call", lambda do, q, k_p, v_p, *a: (q, k_p, v_p))
+    q_index, kv_index = jnp.arange(s - t, s)[None], jnp.arange(s)[None]
+    fallback_fwd = lambda q: (q, jnp.zeros((b, h, t), jnp.float32))
+    fallback_bwd = lambda q, k: (q, jnp.zeros(k.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32))
 
-    def call(q, k, v, q_ids, kv_ids):
-        plans = runs.prefix_plans(q_ids, kv_ids, jnp.arange(s - t, s)[None], jnp.arange(s)[None])
-        fallback = lambda: (q, jnp.zeros((b, h, t), jnp.float32))
-        return fa3_varlen.one_call_forward(q, k, v, 0.5, plans, fallback)
+    def forward(q, k, v, q_ids, kv_ids):
+        plans = runs.prefix_plans(q_ids, kv_ids, q_index, kv_index)
+        return fa3_varlen.one_call_forward(q, k, v, 0.5, plans, lambda: fallback_fwd(q))
+
+    def backward(q, k, v, q_ids, kv_ids):
+        plans = runs.prefix_plans(q_ids, kv_ids, q_index, kv_index)
+        lse = jnp.zeros((b, h, t), jnp.float32)
+        return fa3_varlen.one_call_backward(q, q, k, v, q, lse, 0.5, plans, lambda: fallback_bwd(q, k))
 
     q = jnp.zeros((b, t, h, d), jnp.bfloat16)
     kv = jnp.zeros((b, s, hk, d), jnp.bfloat16)
     ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), 8)[None]
-    jaxpr = jax.make_jaxpr(call)(q, kv, kv, ids[:, s - t:], ids).jaxpr
-    assert len(runs.prefix_plans(ids[:, s - t:], ids, jnp.arange(s - t, s)[None], jnp.arange(s)[None])) > 1
-    assert _gathers_of(jaxpr, (b * s, hk, d)) == (2, 0)  # keys and values, once each, outside every branch
+    assert len(runs.prefix_plans(ids[:, s - t:], ids, q_index, kv_index)) > 1
+    for call in (forward, backward):
+        jaxpr = jax.make_jaxpr(call)(q, kv, kv, ids[:, s - t:], ids).jaxpr
+        # keys and values, once each, outside every branch
+        assert _gathers_of(jaxpr, (b * s, hk, d)) == (2, 0), call.__name__
