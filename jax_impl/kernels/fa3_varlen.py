@@ -2,17 +2,19 @@
 flash_attn3_jax (Hopper GPUs, bf16 / fp16), forward and a mended backward.
 
 The block's runs come from ``runs.varlen_offsets`` (traced, static shapes: b·m sequences for the
-smallest m of ``runs.VARLEN_RUN_SLOTS`` that holds them, picked by ``runs.dispatch``; unused ones
-zero-length): the queries stay in place (packed [b·t]) and each query run's keys — its
-document's key run — are gathered into consecutive packed keys (no gather on a causal diagonal
-block, whose runs are its own tokens). A FULL block whose keys all precede its queries (every
+smallest m of ``runs.VARLEN_RUN_SLOTS`` — for a causal block the finer ``CAUSAL_VARLEN_RUN_SLOTS``
+(:func:`run_slots`) — that holds them, picked by ``runs.dispatch``; unused ones zero-length): the
+queries stay in place (packed [b·t]) and each query run's keys — its document's key run — are
+gathered into consecutive packed keys (no gather on a causal diagonal block, whose runs are its
+own tokens: ``runs.causal_offsets``). A FULL block whose keys all precede its queries (every
 off-diagonal block of a causal call: ``runs.boundary_runs``) is three runs a row over its own
 memory instead, no gather. A query document with no key in the block gets o = 0, lse = -inf and
 zero dq, and a key no query reads zero dK / dV, written here; gathered dK / dV are scattered back
-to the block's keys. The backward's ``max_seqlen`` is the smallest of ``runs.length_ladder``
-that bounds the block's longest run (its grid is launched for it), chosen by a switch around the
-backward's FFI call alone (``runs.length_choice``: the run lists and the packing are compiled once
-per run-slot count, not once per bound). A block of a causal call given
+to the block's keys. The backward's ``max_seqlen`` is the smallest of ``runs.length_ladder`` (a
+causal block: ``runs.causal_length_ladder``) that bounds the block's longest run (its grid is
+launched for it), chosen by a switch around the backward's FFI call alone
+(``runs.length_choice``: the run lists and the packing are compiled once per run-slot count, not
+once per bound). A block of a causal call given
 ``token_index`` (FULL, the window "key index <= query index" on per-row ``positions``:
 ``seqplan.schedule.by_token_index``) takes the same forms through ``runs.index_dispatch``: a
 diagonal block whose indices increase within each document is the causal document block, any
@@ -54,6 +56,7 @@ from . import runs as run_plans
 from .fa3 import MAX_TILE_ROWS, forward_ffi, verified
 from .reference import reference_block_bwd, reference_block_fwd
 from .runs import (
+    CAUSAL_VARLEN_RUN_SLOTS,
     VARLEN_RUN_SLOTS,
     VarlenRuns,
     dispatch,
@@ -278,6 +281,12 @@ def _static_fit(mask: BlockMask, q, segments, positions, dlse=None) -> bool:
     return by_token_index(mask) and positions is not None and positions[0].ndim == 2
 
 
+def run_slots(causal: bool) -> tuple[int, ...]:
+    """The run-slot counts a block's varlen form is compiled for: finer for a causal block, whose
+    form is only its run starts (``runs.CAUSAL_VARLEN_RUN_SLOTS``)."""
+    return CAUSAL_VARLEN_RUN_SLOTS if causal else VARLEN_RUN_SLOTS
+
+
 def fa3_varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None):
     portable = lambda: reference_block_fwd(q, k, v, mask, scale, segments, positions)
     if not _static_fit(mask, q, segments, positions):
@@ -286,7 +295,7 @@ def fa3_varlen_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, 
     if mask.window is not None:
         return index_dispatch(segments, positions, kernel, portable)
     causal = mask.kind is MaskKind.CAUSAL
-    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, VARLEN_RUN_SLOTS, boundary=True)
+    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, run_slots(causal), boundary=True)
 
 
 def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None, segments=None,
@@ -298,7 +307,7 @@ def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dls
     if mask.window is not None:
         return index_dispatch(segments, positions, kernel, portable, lengths=True)
     causal = mask.kind is MaskKind.CAUSAL
-    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, VARLEN_RUN_SLOTS, boundary=True,
+    return dispatch(segments, causal, lambda runs: kernel(causal, runs), portable, run_slots(causal), boundary=True,
                     lengths=True)
 
 

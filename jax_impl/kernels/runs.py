@@ -38,6 +38,12 @@ MAX_RUNS = RUN_SLOTS[-1]
 # packed form keeps RUN_SLOTS: its workspace grows with the slots).
 VARLEN_RUN_SLOTS = (4, 8, 16, 32, 64, 128, 256)
 VARLEN_MAX_RUNS = VARLEN_RUN_SLOTS[-1]
+# A causal (diagonal) block's varlen form is only its run starts (:func:`causal_offsets`): finer
+# sizes cost little to compile there, and the whole sequence on one device (Ulysses, one GPU) is
+# such a block — the 32k short mix's 35 documents sat on 64 slots: 6.83 ms fwd+bwd against 6.32
+# on 48 (one H200, 2026-11-29; the finer length ladder with it: 6.05, flash_mha_varlen's exact
+# call 5.37).
+CAUSAL_VARLEN_RUN_SLOTS = (4, 8, 16, 32, 48, 64, 96, 128, 192, VARLEN_MAX_RUNS)
 # A token-index block compiles two forms (causal diagonal, FULL on new ids) in every block of a
 # device's program, whose blocks all take them (a non-causal schedule): fewer static variants
 # each, so a ring of 8 compiles in reasonable time (2026-11-26 on an H100: the full set did not
@@ -182,20 +188,46 @@ def index_length_ladder(n: int) -> tuple[int, ...]:
     return tuple(sorted({max(min(n, 256), n * eighths // 8) for eighths in (1, 4, 8)}))
 
 
-def _runs_and_distinct(ids):
-    """Per row: (runs of equal ids, distinct ids) — equal exactly when every id is one run."""
-    runs = 1 + jnp.sum(ids[:, 1:] != ids[:, :-1], axis=1)
-    ordered = jnp.sort(ids, axis=1)
-    return runs, 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1)
+def _run_starts(ids):
+    """[b, t] bool: where a run of equal ids starts in each row."""
+    return jnp.concatenate([jnp.ones((ids.shape[0], 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
 
 
-def expressible(q_ids, kv_ids, causal: bool):
+def _one_run_per_id(ids, limit: int):
+    """Per row: (every id is one run and there are at most ``limit`` runs, the number of runs).
+
+    Up to :data:`PAIRWISE_RUNS` runs the check compares the ids at the first ``limit`` run starts
+    pairwise ([limit, limit] a row, one fusion) rather than sorting the row: on a GPU a sort is
+    cub's radix sort, several kernels and, on an H200, 0.06-0.13 ms of idle device after each —
+    three a step on one GPU's whole 32k sequence (2026-11-29). A row with more runs than ``limit``
+    is refused (the caller has no slot count for it); past ``PAIRWISE_RUNS`` (a test's thousands of
+    slots) the row is sorted."""
+    first = _run_starts(ids)
+    runs = jnp.sum(first, axis=1)
+    if limit > PAIRWISE_RUNS:
+        ordered = jnp.sort(ids, axis=1)
+        return runs == 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1), runs
+    starts = jax.vmap(lambda f: jnp.nonzero(f, size=limit, fill_value=0)[0])(first)
+    run_ids = jnp.take_along_axis(ids, starts, axis=1)  # [b, limit]
+    real = jnp.arange(limit)[None, :] < runs[:, None]
+    pair = real[:, :, None] & real[:, None, :] & ~jnp.eye(limit, dtype=bool)[None]
+    repeated = jnp.any(pair & (run_ids[:, :, None] == run_ids[:, None, :]), axis=(1, 2))
+    return ~repeated & (runs <= limit), runs
+
+
+PAIRWISE_RUNS = 256  # the most runs _one_run_per_id compares pairwise (VARLEN_MAX_RUNS: 64k pairs a row)
+
+
+def expressible(q_ids, kv_ids, causal: bool, limit: int | None = None):
     """(ok, most runs in a row): ``ok`` when every id is one run of each row's queries and keys
-    (stricter than needed on the keys: a split document no query reads also refuses) and, for a
-    causal block, the keys are the queries' own tokens."""
-    q_runs, q_distinct = _runs_and_distinct(q_ids)
-    kv_runs, kv_distinct = _runs_and_distinct(kv_ids)
-    ok = jnp.all(q_runs == q_distinct) & jnp.all(kv_runs == kv_distinct)
+    (stricter than needed on the keys: a split document no query reads also refuses), each side
+    has at most ``limit`` runs a row (default: the block's length; a caller passes its largest run
+    slot count — a block with more runs has no form here) and, for a causal block, the keys are
+    the queries' own tokens. ``most`` counts every run, past ``limit`` too."""
+    t, s = q_ids.shape[1], kv_ids.shape[1]
+    q_ok, q_runs = _one_run_per_id(q_ids, min(limit or t, t))
+    kv_ok, _ = _one_run_per_id(kv_ids, min(limit or s, s))
+    ok = jnp.all(q_ok) & jnp.all(kv_ok)
     if causal:
         ok = ok & jnp.all(q_ids == kv_ids) if q_ids.shape == kv_ids.shape else jnp.zeros((), bool)
     return ok, jnp.max(q_runs)
@@ -204,8 +236,7 @@ def expressible(q_ids, kv_ids, causal: bool):
 def _longest_run(ids):
     """The longest run of equal ids in any row of ``ids`` [b, t] (traced int)."""
     b, t = ids.shape
-    first = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-    run = jnp.cumsum(first, axis=1) - 1 + jnp.arange(b)[:, None] * t  # a global run index per token
+    run = jnp.cumsum(_run_starts(ids), axis=1) - 1 + jnp.arange(b)[:, None] * t  # a global run index per token
     return jnp.max(jnp.zeros((b * t,), jnp.int32).at[run.reshape(-1)].add(1))
 
 
@@ -215,10 +246,25 @@ def length_ladder(n: int) -> tuple[int, ...]:
     grid for ``max_seqlen`` whatever the runs' real lengths, for every run slot, so a tighter
     static bound saves idle tiles — measured on an H100 (2026-11-26) on the whole 128k short mix
     (163 documents, the longest 7,668): 25.0 ms with the bound 16,384 (the former ladder's
-    smallest, n/8), 19.5 with the exact bound, over 256 slots."""
+    smallest, n/8), 19.5 with the exact bound, over 256 slots. A causal block takes the finer
+    :func:`causal_length_ladder`."""
     floor = min(n, 256)
     powers = {floor << k for k in range(n.bit_length()) if floor << k <= n}
     return tuple(sorted(powers | {max(floor, 3 * n // 8), max(floor, 3 * n // 4), n}))
+
+
+def causal_length_ladder(n: int) -> tuple[int, ...]:
+    """The backward's bounds for a causal (diagonal) block — the whole sequence on one device
+    (one GPU, Ulysses) is one: 256·2^k times 1, 5/4, 3/2 and 7/4 up to n, and n (n itself when
+    below 256), a bound at most 25 % above the longest run from 256 up. On an H200 (2026-11-29)
+    the whole 32k short mix (35 documents, the longest 4,988) took 6.83 ms fwd+bwd on
+    :func:`length_ladder`'s 8,192, 6.42 on this one's 5,120. Only the FFI call is compiled once
+    per bound (:func:`length_choice`); the FULL blocks of a ring (every other block, each with
+    its boundary and slot variants) keep the coarser ladder: this one there took a ring of 4's
+    program from 288 to 692 kernel calls and its CPU compile 15 to 17 s (16k tokens, short mix)."""
+    floor = min(n, 256)
+    steps = {(floor << k) * quarters // 4 for k in range(n.bit_length()) for quarters in (4, 5, 6, 7)}
+    return tuple(sorted({bound for bound in steps if bound <= n} | {n}))
 
 
 # The names of the dispatchers' variants (kernels/branches.py): the portable fallback, the boundary
@@ -247,19 +293,21 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
     ``(*prefix, BOUNDARY)`` and ``(*prefix, *runs_variant(m))``, argument-free callables) and
     ``choice`` (:func:`runs_choice`), which selects none of them when the block is not
     expressible — the caller's fallback then. ``ladder``: with ``lengths``, the length bounds
-    the runs form's kernel chooses among (:func:`length_choice`; default :func:`length_ladder`)."""
+    the runs form's kernel chooses among (:func:`length_choice`; default :func:`causal_length_ladder` for a
+    causal block, :func:`length_ladder` for any other)."""
     form = varlen_offsets if form is None else form
     slots = RUN_SLOTS if slots is None else slots
     q_ids, kv_ids = segments
-    ok, most = expressible(q_ids, kv_ids, causal)
-    if valid is not None:
-        ok = ok & valid
     t, s = q_ids.shape[1], kv_ids.shape[1]
     sizes = sorted({min(m, t) for m in slots})
+    ok, most = expressible(q_ids, kv_ids, causal, limit=sizes[-1])
+    if valid is not None:
+        ok = ok & valid
     choice = None
     if lengths:
         longest = jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids))
-        choice = length_choice((ladder or length_ladder)(max(t, s)), t, s, longest)
+        ladder = ladder or (causal_length_ladder if causal else length_ladder)
+        choice = length_choice(ladder(max(t, s)), t, s, longest)
     with_lengths = lambda runs: runs if choice is None else runs.bounded_by(choice)
 
     variants, boundary_ok = {}, False
@@ -406,7 +454,9 @@ def varlen_offsets(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS) -> VarlenRuns
     ones zero-length) over the packed queries [b·t] and the packed keys: :class:`VarlenRuns` with
     ``cu_q``, ``cu_k`` int32 [b·m + 1], ``kv_index`` int32 [b·s], ``identity`` (a causal diagonal
     block: the packed keys are the block's keys, no gather), ``covered_q``, ``covered_kv`` and
-    ``ok`` as :func:`packed_segments`."""
+    ``ok`` as :func:`packed_segments`. A causal block takes :func:`causal_offsets`."""
+    if causal:
+        return causal_offsets(q_ids, kv_ids, m)
     b, t = q_ids.shape
     s = kv_ids.shape[1]
     seg = packed_segments(q_ids, kv_ids, causal, m)
@@ -422,6 +472,23 @@ def varlen_offsets(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS) -> VarlenRuns
     kv_index = jnp.where(p < cu_k[-1], kv_start[run] + p - cu_k[run], b * s).astype(jnp.int32)
     return VarlenRuns(cu_q=cu_q, cu_k=cu_k, kv_index=kv_index, covered_q=seg.covered_q, ok=seg.ok,
                       covered_kv=seg.covered_kv, identity=causal, covers_block=causal)
+
+
+def causal_offsets(q_ids, kv_ids, m: int = MAX_RUNS) -> VarlenRuns:
+    """:func:`varlen_offsets` of a causal (diagonal) block: its runs are its own tokens, so the
+    offsets are the run starts, the same for queries and keys (``identity``, ``covers_block``:
+    nothing gathered, nothing blanked) — without :func:`packed_segments`' per-run searches over
+    the keys ([m, s] a row), which on one GPU's whole sequence were a dozen small kernels between
+    the dispatch's switch and the kernel, the device idle while the host launched them.
+    ``ok``: :func:`expressible` (each id one run, the keys the queries' own) with at most m runs."""
+    b, t = q_ids.shape
+    m = min(m, t)
+    ok, most = expressible(q_ids, kv_ids, True, limit=m)
+    starts = jax.vmap(lambda f: jnp.nonzero(f, size=m, fill_value=t)[0])(_run_starts(q_ids))  # unused: the row's end
+    cu = jnp.concatenate([(jnp.arange(b)[:, None] * t + starts).reshape(-1), jnp.full((1,), b * t)]).astype(jnp.int32)
+    every = jnp.ones((b, t), bool)
+    return VarlenRuns(cu_q=cu, cu_k=cu, kv_index=jnp.arange(b * t, dtype=jnp.int32), covered_q=every, ok=ok & (most <= m),
+                      covered_kv=every, identity=True, covers_block=True)
 
 
 # ---- blocks masked by token index (``token_index`` calls) ----------------------------------------

@@ -239,7 +239,47 @@ def test_fa3_varlen_forms_hold_more_runs_than_the_packed_form():
                 pass
     finally:
         fa3_varlen.dispatch = real
-    assert seen == [runs.VARLEN_RUN_SLOTS] * 2
+    assert seen == [runs.CAUSAL_VARLEN_RUN_SLOTS] * 2  # a causal block: the finer sizes (its form is its run starts)
+    assert chosen(35, runs.CAUSAL_VARLEN_RUN_SLOTS) == 48 and chosen(97, runs.CAUSAL_VARLEN_RUN_SLOTS) == 128
+
+
+def _one_run_per_id_truth(ids: np.ndarray) -> bool:
+    starts = np.r_[True, ids[1:] != ids[:-1]]
+    return len(set(ids[starts].tolist())) == int(starts.sum())
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_jax_run_checks_without_a_sort_agree_with_the_host(trial, seed):
+    """``runs.expressible`` compares the ids at the run starts pairwise (no sort: on a GPU a sort
+    left the device idle after it) up to ``PAIRWISE_RUNS`` runs, and sorts past that: both say
+    what the host says — every id one run — including an id split in two runs, and a row with more
+    runs than the limit is refused; ``causal_offsets`` (a causal block's varlen form) gives the
+    run starts as offsets of both sides and refuses what ``expressible`` refuses."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    rng = np.random.default_rng(seed + 400 + trial)
+    b, t = 2, 320  # longer than PAIRWISE_RUNS: the limit past it sorts
+    ids = sorted_document_ids(rng, b, t)
+    if trial % 2:  # one row's first document again at its end: two runs of one id
+        ids = ids.copy()
+        ids[1, -3:] = ids[1, 0] if ids[1, 0] != ids[1, -4] else ids[1, 0] + 1000
+    want = all(_one_run_per_id_truth(row) for row in ids)
+    most = max(int(np.r_[True, row[1:] != row[:-1]].sum()) for row in ids)
+    for limit in (runs.PAIRWISE_RUNS, runs.PAIRWISE_RUNS + 1):  # pairwise, then the sort
+        ok, got_most = jax.jit(lambda a, limit=limit: runs.expressible(a, a, True, limit=limit))(jnp.asarray(ids))
+        assert bool(ok) == want and int(got_most) == most
+    ok, _ = jax.jit(lambda a: runs.expressible(a, a, False, limit=most - 1))(jnp.asarray(ids))
+    assert not bool(ok)  # more runs than the limit
+    offsets = jax.jit(lambda a: runs.causal_offsets(a, a, 256))(jnp.asarray(ids))
+    assert bool(offsets.ok) == want and offsets.identity and offsets.covers_block
+    starts = [r * t + i for r, row in enumerate(ids) for i in np.flatnonzero(np.r_[True, row[1:] != row[:-1]])]
+    cu = np.asarray(offsets.cu_q)
+    np.testing.assert_array_equal(cu, offsets.cu_k)
+    assert sorted(set(cu.tolist())) == sorted({*starts, *(r * t for r in range(1, b + 1))})  # unused slots: a row's end
+    assert not bool(jax.jit(lambda a: runs.causal_offsets(a, a, most - 1).ok)(jnp.asarray(ids)))
 
 
 @pytest.mark.parametrize("trial", range(6))
@@ -279,7 +319,8 @@ def test_jax_boundary_runs_see_exactly_the_masked_pairs(trial, seed):
 
 def test_jax_length_ladder_bounds_the_longest_run():
     """The backward's static max_seqlen: the smallest bound of the ladder that holds the longest
-    run of either side (a shorter one would drop tiles), picked on the device."""
+    run of either side (a shorter one would drop tiles), picked on the device — the finer ladder
+    for a causal block, the coarser for a FULL one."""
     pytest.importorskip("jax")
     import jax.numpy as jnp
 
@@ -288,13 +329,16 @@ def test_jax_length_ladder_bounds_the_longest_run():
     assert runs.length_ladder(32768) == (256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768)
     assert runs.length_ladder(1024) == (256, 384, 512, 768, 1024) and runs.length_ladder(16) == (16,)
     assert runs.length_ladder(300) == (256, 300)
+    assert runs.causal_length_ladder(2048) == (256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+    assert runs.causal_length_ladder(300) == (256, 300) and runs.causal_length_ladder(16) == (16,)
     t = 4096
     for longest in (1, 511, 512, 513, 1500, 2500, 4096):
         ids = np.concatenate([np.zeros(longest), 1 + np.arange(t - longest)]).astype(np.int32)[None]
         ids = jnp.asarray(ids)
-        got = int(runs.dispatch((ids, ids), True, lambda r: jnp.int32(r.chosen_bound()[0]), lambda: jnp.int32(-1),
-                                slots=(t,), lengths=True))
-        assert got == min(b for b in runs.length_ladder(t) if b >= longest)
+        for causal, ladder in ((True, runs.causal_length_ladder), (False, runs.length_ladder)):
+            got = int(runs.dispatch((ids, ids), causal, lambda r: jnp.int32(r.chosen_bound()[0]),
+                                    lambda: jnp.int32(-1), slots=(t,), lengths=True))
+            assert got == min(b for b in ladder(t) if b >= longest), (causal, longest)
 
 
 def test_jax_run_lists_are_pytrees_with_static_flags():
