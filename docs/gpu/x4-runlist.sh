@@ -49,6 +49,9 @@
 # d128host (FA4) 3.6, torchprof 4.5; a jaxprof of the short mix's shared prefix alone 1.1. A hold given back between the
 # .fa4a call and the next (30 s idle) loses the stash: issue the second call at once. The parts folders now name the mixes
 # (D128_MIXES), so a second d128 share on a held machine no longer finds the first's folder and refuses.
+# 2026-11-29 (1x H200 only; docs/gpu/documents-2026-11-29-h200.md): XLA's device-side conditionals did not help JAX's
+# whole-sequence document step on one GPU (6.15 against 5.98 ms) — conddoc asks the same on the mesh; a causal block's
+# varlen form changed (Ulysses' and USP's diagonal blocks): the u4 / USP document rows are worth a re-time.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
