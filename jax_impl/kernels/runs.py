@@ -206,7 +206,7 @@ def _one_run_per_id(ids, limit: int):
     runs = jnp.sum(first, axis=1)
     if limit > PAIRWISE_RUNS:
         ordered = jnp.sort(ids, axis=1)
-        return runs == 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1), runs
+        return (runs == 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1)) & (runs <= limit), runs
     starts = jax.vmap(lambda f: jnp.nonzero(f, size=limit, fill_value=0)[0])(first)
     run_ids = jnp.take_along_axis(ids, starts, axis=1)  # [b, limit]
     real = jnp.arange(limit)[None, :] < runs[:, None]
@@ -220,13 +220,15 @@ PAIRWISE_RUNS = 256  # the most runs _one_run_per_id compares pairwise (VARLEN_M
 
 def expressible(q_ids, kv_ids, causal: bool, limit: int | None = None):
     """(ok, most runs in a row): ``ok`` when every id is one run of each row's queries and keys
-    (stricter than needed on the keys: a split document no query reads also refuses), each side
-    has at most ``limit`` runs a row (default: the block's length; a caller passes its largest run
-    slot count — a block with more runs has no form here) and, for a causal block, the keys are
-    the queries' own tokens. ``most`` counts every run, past ``limit`` too."""
+    (stricter than needed on the keys: a split document no query reads also refuses), the queries
+    have at most ``limit`` runs a row (default: the block's length; a caller passes its largest run
+    slot count — a block with more has no form here) and the keys at most ``max(limit,
+    PAIRWISE_RUNS)`` (the slots count query runs: the keys may hold more, checked without a sort up
+    to 256), and, for a causal block, the keys are the queries' own tokens. ``most`` counts every
+    query run, past ``limit`` too."""
     t, s = q_ids.shape[1], kv_ids.shape[1]
     q_ok, q_runs = _one_run_per_id(q_ids, min(limit or t, t))
-    kv_ok, _ = _one_run_per_id(kv_ids, min(limit or s, s))
+    kv_ok, _ = _one_run_per_id(kv_ids, min(max(limit or s, PAIRWISE_RUNS), s))
     ok = jnp.all(q_ok) & jnp.all(kv_ok)
     if causal:
         ok = ok & jnp.all(q_ids == kv_ids) if q_ids.shape == kv_ids.shape else jnp.zeros((), bool)

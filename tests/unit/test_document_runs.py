@@ -280,6 +280,14 @@ def test_jax_run_checks_without_a_sort_agree_with_the_host(trial, seed):
     np.testing.assert_array_equal(cu, offsets.cu_k)
     assert sorted(set(cu.tolist())) == sorted({*starts, *(r * t for r in range(1, b + 1))})  # unused slots: a row's end
     assert not bool(jax.jit(lambda a: runs.causal_offsets(a, a, most - 1).ok)(jnp.asarray(ids)))
+    # the slots count query runs: keys with more runs than the largest slot count still fuse (a
+    # FULL block of 2 query runs against 14 key runs on 4 slots), up to PAIRWISE_RUNS key runs
+    q_two, kv_many = np.repeat([0, 1], 4)[None], np.r_[0, 0, 1, 1, 2:14][None]
+    full = jax.jit(lambda a, c: runs.dispatch((a, c), False, lambda r: jnp.int32(r.cu_q.shape[0] - 1),
+                                              lambda: jnp.int32(-1), (4,)))
+    assert int(full(jnp.asarray(q_two, jnp.int32), jnp.asarray(kv_many, jnp.int32))) == 4
+    many = jnp.asarray(np.arange(300, dtype=np.int32)[None])  # 300 runs: more than a sort-checked limit allows
+    assert not bool(jax.jit(lambda a: runs.expressible(a, a, False, limit=257)[0])(many))
 
 
 @pytest.mark.parametrize("trial", range(6))
