@@ -82,7 +82,7 @@ def timed(mix: str, seq: int, backend: str, iters: int, warmup: int, heads=32, k
 
     from benchmarks.common import Problem
     from benchmarks.masked import jax_anchor, jax_ms
-    from jax_impl.block import resolve_backend
+    from jax_impl.block import device_kind_of, resolve_backend
     from seqplan.schedule import BlockMask, MaskKind
 
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents=mix)
@@ -96,7 +96,7 @@ def timed(mix: str, seq: int, backend: str, iters: int, warmup: int, heads=32, k
     step_ms = jax_ms(step, q, k, v, do, ids, iters=iters, warmup=warmup)
     fwd_ms = jax_ms(forward, q, k, v, ids, iters=iters, warmup=warmup)
     anchor = jax_anchor(seq, heads, kv_heads, d, problem=problem)
-    kernel = resolve_backend(backend, device_kind="cuda" if jax.default_backend() == "gpu" else "cpu", dtype="bfloat16",
+    kernel = resolve_backend(backend, device_kind=device_kind_of(q), dtype="bfloat16",
                              mask=BlockMask(MaskKind.CAUSAL, documents=True))
     documents = int(1 + np.sum(ids_np[0, 1:] != ids_np[0, :-1]))
     return {"kind": "time", "mix": mix, "seq": seq, "documents": documents, "backend": backend, "kernel": kernel,

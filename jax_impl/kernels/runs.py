@@ -206,7 +206,7 @@ def _one_run_per_id(ids, limit: int):
     runs = jnp.sum(first, axis=1)
     if limit > PAIRWISE_RUNS:
         ordered = jnp.sort(ids, axis=1)
-        return (runs == 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1)) & (runs <= limit), runs
+        return (runs == jnp.sum(_run_starts(ordered), axis=1)) & (runs <= limit), runs  # runs == distinct ids
     starts = jax.vmap(lambda f: jnp.nonzero(f, size=limit, fill_value=0)[0])(first)
     run_ids = jnp.take_along_axis(ids, starts, axis=1)  # [b, limit]
     real = jnp.arange(limit)[None, :] < runs[:, None]
@@ -441,8 +441,7 @@ def packed_segments(q_ids, kv_ids, causal: bool, m: int = MAX_RUNS) -> PackedSeg
     pad = lambda x: jnp.where(included, x, -1).astype(jnp.int32)
     minus = jnp.full((b, 1), -1, jnp.int32)
     slot = jnp.where(included, jnp.cumsum(included.reshape(-1)).reshape(b, m) - 1, -1).astype(jnp.int32)
-    first = jnp.concatenate([jnp.ones((b, 1), bool), q_ids[:, 1:] != q_ids[:, :-1]], axis=1)
-    q_run = jnp.cumsum(first, axis=1) - 1  # [b, t]
+    q_run = jnp.cumsum(_run_starts(q_ids), axis=1) - 1  # [b, t]
     run_included = jnp.take_along_axis(included, jnp.minimum(q_run, m - 1), axis=1) & (q_run < m)
     docs = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), axis=1)  # [b, m]
     covered_kv = jnp.any((kv_ids[:, None, :] == docs[:, :, None]) & included[:, :, None], axis=1)
