@@ -1,6 +1,6 @@
 """Multi-device — jax_impl's one-device replay (``jax_impl/replay.py``) of every strategy: equal
 to the float64 oracle under the float32 policy, and to the real sharded run (``shard_map`` on the
-simulated CPU devices) to 1e-6 of the largest value. Oracle: every strategy × layout × causal at
+simulated CPU devices) to 4e-6 of the largest value. Oracle: every strategy × layout × causal at
 R (and U) 2 and 4, and 8-device cases of each family; real run: the subset in
 ``compare_with_real_run``."""
 
@@ -19,7 +19,12 @@ from jax_impl.replay import Strategy, replay_attention, replay_attention_grads
 from seqplan.layouts import LAYOUTS, layout_permutation
 
 FLOAT32_RTOL = 1e-5  # the contract's (docs/contract.md) float32 policy: relative L2 error per tensor
-REAL_RTOL = 1e-6  # replay vs the real run: same kernels, merges and sums; compiled vs eager
+# Replay vs the real run: same kernels, merges and sums, compiled vs eager, so they differ by float32
+# rounding only. Measured max |replay - real| / max |real| over 25 seeds of ring-8 zigzag, ring-4
+# contiguous and double-ring-8 stripe: median 1.6e-7–2.6e-7, largest 8.0e-7; seed 133807014 reached
+# 1.01e-6 (dq, ring 8) and failed the old bound of 1e-6. 4e-6 is about 34 float32 ulps of the largest
+# value; a wrong block or a missed merge moves the result by ~1e-1.
+REAL_RTOL = 4e-6
 TENSORS = ("o", "lse", "dq", "dk", "dv")
 
 
