@@ -74,6 +74,11 @@ class BlockBackend:
     # True when the kernels run a windowed block faster given its parts' static position offset
     # (BlockMask.offset): the loops then compile one variant per distinct offset of a block.
     window_offsets: bool = False
+    # one_run_documents(q, mask) -> True when the kernels run the document mask ``mask`` on these
+    # queries as varlen runs, so one document covering the block is one run at the plain kernel's
+    # speed: a device's own block then compiles no plain variant beside its document one (one
+    # run-time switch fewer a pass: loop.under_masks, docs/decisions.md).
+    one_run_documents: Callable[..., bool] = lambda q, mask: False
 
 
 # Run-to-run determinism, measured on H200 (``python -m parity determinism``, 2026-11-22): the
@@ -160,8 +165,12 @@ def routing_backend(deterministic: bool = False, softcap: float | None = None) -
     names = _REGISTRY.reachable_here(deterministic)
     typed = all(_BACKENDS[n].typed_for_shard_map for n in names)
     # capped blocks all run on the portable kernel: no variant per window offset to compile
+    def one_run_documents(q, mask) -> bool:  # capped blocks: as capped_backend, never
+        return softcap is None and pick(q, mask).one_run_documents(q, mask)
+
     return BlockBackend("auto", fwd, bwd, typed_for_shard_map=typed,
-                        window_offsets=softcap is None and any(_BACKENDS[n].window_offsets for n in names))
+                        window_offsets=softcap is None and any(_BACKENDS[n].window_offsets for n in names),
+                        one_run_documents=one_run_documents)
 
 
 def capped_backend(backend: BlockBackend, softcap: float) -> BlockBackend:

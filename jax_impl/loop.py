@@ -296,7 +296,7 @@ def _index_decision(block: Block, window: tuple[int, int], token_index, own_bloc
 
 
 def under_masks(block: Block, run: Callable, state, *, segments=None, window=None, shard_positions=None,
-                own_block: bool = False, by_offset: bool = False, token_index=None):
+                own_block: bool = False, by_offset: bool = False, token_index=None, documents_only: bool = False):
     """``run(mask, mask_arrays, state)`` under the block's run-time decision (module docstring):
     skipped (``state`` returned), else ``mask`` = ``block.mask`` plus documents and/or the window
     where they do not cover the block, ``mask_arrays`` the kernel's keywords for it
@@ -307,14 +307,19 @@ def under_masks(block: Block, run: Callable, state, *, segments=None, window=Non
     window's are known statically: :func:`_window_decision`); none when one can. ``segments``
     and ``window`` None: ``run(block.mask, {}, state)``. ``token_index``: per-row token indices
     of the block's two shards, which then decide the window at run time (:func:`_index_decision`)
-    instead of ``shard_positions``."""
+    instead of ``shard_positions``. ``documents_only`` (a device's own block, no window, whose
+    backend runs one document as one varlen run: ``BlockBackend.one_run_documents``): the
+    document variant alone, also where one document covers the block — no switch here, so the
+    kernel's own dispatch is the pass's one run-time decision for the block. XLA runs a switch
+    by copying its index to the host, which waits for the device and then launches the branch:
+    on one H200 a step of the 32k short mix had 0.91 ms of such gaps (docs/decisions.md)."""
     if segments is None and window is None:
         return run(block.mask, {}, state)
     keep, one_document, doc_options = True, True, (False,)
     if segments is not None:
         q_ids, kv_ids = _part(segments[0], block.q_part, 1), _part(segments[1], block.kv_part, 1)
         shared, one_document = document_flags(q_ids.min(1), q_ids.max(1), kv_ids.min(1), kv_ids.max(1))
-        keep, doc_options = shared, (False, True)
+        keep, doc_options = shared, ((True,) if documents_only and own_block and window is None else (False, True))
     win_index, win_options, skippable = 0, (None,), segments is not None and not own_block
     if window is not None:
         decision = (_index_decision(block, window, token_index, own_block) if token_index is not None
@@ -350,11 +355,12 @@ def mask_choice(skippable: bool, keep, one_document, doc_options: tuple, win_opt
     """Which of :func:`under_masks`' variants a block takes: skipped when ``skippable`` and not
     ``keep`` (no pair shares a document, or the window reaches none); else masked with the
     documents unless one document covers the block (only when documents are an option), and the
-    window option at ``win_index`` of ``win_options``."""
+    window option at ``win_index`` of ``win_options``. ``doc_options`` (True,): the documents
+    variant whatever ``one_document`` says (:func:`under_masks`' ``documents_only``)."""
     window_axis = ((win_options, win_index),)
     with_documents = branches.Grid((MASKED, True in doc_options), window_axis, in_range=True)
-    run = branches.First([(one_document, branches.Grid((MASKED, False), window_axis, in_range=True))],
-                         otherwise=with_documents)
+    run = (branches.First([(one_document, branches.Grid((MASKED, False), window_axis, in_range=True))],
+                          otherwise=with_documents) if False in doc_options else with_documents)
     return branches.First([(jnp.logical_not(keep), SKIP)], otherwise=run) if skippable else run
 
 
@@ -372,7 +378,7 @@ def local_forward(backend, scale, q, kv, mask: BlockMask, segments=None, window=
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
                        shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets,
-                       token_index=token_index)
+                       token_index=token_index, documents_only=backend.one_run_documents(q, mask.with_documents()))
 
 
 def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, window=None, shard_positions=None,
@@ -394,7 +400,7 @@ def local_backward(backend, scale, saved, kv, mask: BlockMask, segments=None, wi
 
     return under_masks(Block(Part.ALL, Part.ALL, mask), run, None, segments=segments, window=window,
                        shard_positions=shard_positions, own_block=True, by_offset=backend.window_offsets,
-                       token_index=token_index)
+                       token_index=token_index, documents_only=backend.one_run_documents(q, mask.with_documents()))
 
 
 def crop_block(block: Block, mask: BlockMask, arrays: dict, t: int) -> tuple[Block | None, dict]:

@@ -311,6 +311,12 @@ def fa3_varlen_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dls
                     lengths=True)
 
 
+def _one_run_documents(q, mask: BlockMask) -> bool:
+    """A document block without a window that the varlen form takes (:func:`_static_fit`): one
+    document covering it is one run (``BlockBackend.one_run_documents``)."""
+    return mask.documents and mask.window is None and _static_fit(mask, q, segments=(), positions=None)
+
+
 def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
     if softcap or mask.kind is MaskKind.STRICT or dtype not in LOW_PRECISION:
         return False
@@ -319,4 +325,4 @@ def _supports(mask: BlockMask, dtype: str, softcap: bool = False) -> bool:
 
 register_backend(BlockBackend(
     "fa3_varlen", fa3_varlen_block_fwd, fa3_varlen_block_bwd, typed_for_shard_map=False,
-    supports=_supports, available=verified))
+    supports=_supports, available=verified, one_run_documents=_one_run_documents))

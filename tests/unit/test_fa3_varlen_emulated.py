@@ -354,3 +354,56 @@ def test_varlen_lse_buffers_are_declared_at_the_tokens_size(emulated_fa3, monkey
                    q, q, kv, kv, q, lse)
     for name in ("flash_mha_fwd", "flash_mha_bwd"):
         assert lse_shapes[name] == (256, h, -(-b * t // 256)), (name, lse_shapes[name])
+
+
+def _cond_depth(jaxpr) -> int:
+    """The deepest nesting of run-time switches (``cond`` equations) in a closed jaxpr: each level
+    is one index XLA copies to the host before it launches the branch."""
+    def depth(eqns) -> int:
+        deepest = 0
+        for eqn in eqns:
+            inner = [p for p in eqn.params.values() for p in (p if isinstance(p, (tuple, list)) else (p,))
+                     if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]  # (closed) jaxprs
+            below = max((depth((j.jaxpr if hasattr(j, "jaxpr") else j).eqns) for j in inner), default=0)
+            deepest = max(deepest, below + (eqn.primitive.name == "cond"))
+        return deepest
+    return depth(jaxpr.jaxpr.eqns)
+
+
+# 512 tokens: more than one length bound (a causal block's ladder from 256), so the backward's bound switch is
+# compiled. One document by default (the case whose kernel changed: it took the plain variant); five with --full (8 s)
+@pytest.mark.parametrize("lengths", [[512]] + ([[50, 170, 1, 230, 61]] if FULL else []),
+                         ids=lambda x: f"{len(x)} documents")
+def test_a_devices_own_document_block_is_one_run_time_decision_a_pass(lengths, emulated_fa3):
+    """A device's own block (here the whole sequence on a one-device mesh) on ``fa3_varlen``: no
+    plain variant beside the document one (``BlockBackend.one_run_documents``), so the forward's
+    only switch is the kernel's own (its run slots) and the backward's its slots and, inside, its
+    length bound — before 2026-11-29 a switch on "one document covers the block" wrapped both,
+    one more read-back of an index a pass. One document is one run of the varlen kernel: both
+    cases equal the portable kernel."""
+    from jax.sharding import Mesh
+
+    import jax_impl
+
+    ids = jnp.asarray(_docs(lengths)[None])
+    t = ids.shape[1]
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, do = (jax.random.normal(kk, (1, t, 4, 16), F32).astype(jnp.float16) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (1, t, 2, 16), F32).astype(jnp.float16) for kk in keys[2:])
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ring",))
+
+    def attention(backend, q, k, v):
+        return jax_impl.sequence_parallel_attention(q, k, v, mesh, causal=True, segment_ids=ids, block_backend=backend)
+
+    def step(backend, q, k, v, do):
+        o, pull = jax.vjp(partial(attention, backend), q, k, v)
+        return o, *pull(do)
+
+    assert _cond_depth(jax.make_jaxpr(partial(attention, "fa3_varlen"))(q, k, v)) == 1
+    assert _cond_depth(jax.make_jaxpr(partial(step, "fa3_varlen"))(q, k, v, do)) == 2
+    assert _cond_depth(jax.make_jaxpr(partial(step, "reference"))(q, k, v, do)) == 1  # its plain variant stays
+    got = jax.jit(partial(step, "fa3_varlen"))(q, k, v, do)
+    want = jax.jit(partial(step, "reference"))(q, k, v, do)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.max(np.abs(x - y)) <= 1e-2 * np.max(np.abs(y)), name
