@@ -12,7 +12,8 @@ each — device time spent compiling. A compile's cost follows the program's fus
 can be counted here, in seconds, before a GPU is spent on them. Nothing is run (the stand-in
 kernels return zeros; nothing here is a result to check): each row is trace + lower seconds,
 CPU compile seconds, StableHLO lines and the optimized program's size
-(``jax_compile_probe.program_size``). Paths, each causal with the mix's ids (``balance.MIXES``):
+(``jax_compile_probe.program_size``), and how many run-time switches a step runs at most
+(:func:`run_time_switches`: each one a wait for the GPU). Paths, each causal with the mix's ids (``balance.MIXES``):
 
 - ``allgather-hybrid``: all-gather KV on the per-document hybrid by token index, the one call;
 - ``allgather-hybrid-shared``: the same with only the shared prefixes gathered (two parts);
@@ -70,6 +71,20 @@ def gpu_program():
     return undo
 
 
+def run_time_switches(jaxpr) -> int:
+    """The most ``lax.switch`` / ``lax.cond`` one execution of ``jaxpr`` (a closed or open jaxpr)
+    runs — switches in sequence add up, a switch's branches count their worst. Each one is an
+    index XLA copies to the host before it launches the branch (unless its conditionals run on the
+    device), so each is one wait for the GPU a step (docs/decisions.md, "A device's own document
+    block: one run-time switch a pass")."""
+    total = 0
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        inner = [run_time_switches(p) for v in eqn.params.values() for p in (v if isinstance(v, (tuple, list)) else (v,))
+                 if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]  # (closed) sub-jaxprs
+        total += 1 + max(inner, default=0) if eqn.primitive.name == "cond" else sum(inner)  # other bodies: run once
+    return total
+
+
 def path_inputs(path: str, ids, ring: int):
     """(keyword arguments of ``sequence_parallel_attention``, its segment ids and token indices in
     layout order) for ``path`` on original-order ``ids`` [b, t]."""
@@ -120,6 +135,7 @@ def measure(path: str, seq: int, ring: int, mix: str, heads: int = 4, kv_heads: 
         return jnp.sum(o.astype(jnp.float32))
 
     args = (q, k, v, jnp.asarray(laid), None if index is None else jnp.asarray(index, jnp.int32))
+    switches = run_time_switches(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
     start = time.perf_counter()
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)
     traced = time.perf_counter()
@@ -127,7 +143,8 @@ def measure(path: str, seq: int, ring: int, mix: str, heads: int = 4, kv_heads: 
     done = time.perf_counter()
     return {"path": path, "seq": seq, "ring": ring, "mix": mix, "shared_tokens": kw.get("shared_tokens"),
             "trace_lower_s": round(traced - start, 2), "compile_s": round(done - traced, 2),
-            "stablehlo_lines": lowered.as_text().count("\n"), **program_size(compiled.as_text()),
+            "stablehlo_lines": lowered.as_text().count("\n"), "run_time_switches": switches,
+            **program_size(compiled.as_text()),
             "jax": jax.__version__}
 
 

@@ -356,20 +356,6 @@ def test_varlen_lse_buffers_are_declared_at_the_tokens_size(emulated_fa3, monkey
         assert lse_shapes[name] == (256, h, -(-b * t // 256)), (name, lse_shapes[name])
 
 
-def _cond_depth(jaxpr) -> int:
-    """The deepest nesting of run-time switches (``cond`` equations) in a closed jaxpr: each level
-    is one index XLA copies to the host before it launches the branch."""
-    def depth(eqns) -> int:
-        deepest = 0
-        for eqn in eqns:
-            inner = [p for p in eqn.params.values() for p in (p if isinstance(p, (tuple, list)) else (p,))
-                     if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]  # (closed) jaxprs
-            below = max((depth((j.jaxpr if hasattr(j, "jaxpr") else j).eqns) for j in inner), default=0)
-            deepest = max(deepest, below + (eqn.primitive.name == "cond"))
-        return deepest
-    return depth(jaxpr.jaxpr.eqns)
-
-
 # 512 tokens: more than one length bound (a causal block's ladder from 256), so the backward's bound switch is
 # compiled. One document by default (the case whose kernel changed: it took the plain variant); five with --full (8 s)
 @pytest.mark.parametrize("lengths", [[512]] + ([[50, 170, 1, 230, 61]] if FULL else []),
@@ -379,11 +365,12 @@ def test_a_devices_own_document_block_is_one_run_time_decision_a_pass(lengths, e
     plain variant beside the document one (``BlockBackend.one_run_documents``), so the forward's
     only switch is the kernel's own (its run slots) and the backward's its slots and, inside, its
     length bound — before 2026-11-29 a switch on "one document covers the block" wrapped both,
-    one more read-back of an index a pass. One document is one run of the varlen kernel: both
-    cases equal the portable kernel."""
+    one more read-back of an index a pass (``benchmarks.program_size.run_time_switches``). One
+    document is one run of the varlen kernel: both cases equal the portable kernel."""
     from jax.sharding import Mesh
 
     import jax_impl
+    from benchmarks.program_size import run_time_switches
 
     ids = jnp.asarray(_docs(lengths)[None])
     t = ids.shape[1]
@@ -399,9 +386,10 @@ def test_a_devices_own_document_block_is_one_run_time_decision_a_pass(lengths, e
         o, pull = jax.vjp(partial(attention, backend), q, k, v)
         return o, *pull(do)
 
-    assert _cond_depth(jax.make_jaxpr(partial(attention, "fa3_varlen"))(q, k, v)) == 1
-    assert _cond_depth(jax.make_jaxpr(partial(step, "fa3_varlen"))(q, k, v, do)) == 2
-    assert _cond_depth(jax.make_jaxpr(partial(step, "reference"))(q, k, v, do)) == 1  # its plain variant stays
+    switches = lambda fn, *args: run_time_switches(jax.make_jaxpr(fn)(*args))  # each one a wait for the GPU
+    assert switches(partial(attention, "fa3_varlen"), q, k, v) == 1  # the run slots' (before: 2)
+    assert switches(partial(step, "fa3_varlen"), q, k, v, do) == 3  # + the backward's slots, then its bound (before: 5)
+    assert switches(partial(step, "reference"), q, k, v, do) == 2  # the portable kernel keeps its plain variant
     got = jax.jit(partial(step, "fa3_varlen"))(q, k, v, do)
     want = jax.jit(partial(step, "reference"))(q, k, v, do)
     for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):

@@ -45,6 +45,8 @@ def test_rows_are_written_as_they_finish_and_bad_names_are_refused(tmp_path):
                               "--paths", "allgather-hybrid-shared"]) == 0
     (row,) = [json.loads(line) for line in (tmp_path / "program-size.jsonl").read_text().splitlines()]
     assert row["path"] == "allgather-hybrid-shared" and row["shared_tokens"] and row["custom_calls"] > 0
+    # the one call: its plan forward and its plan backward (at 256 tokens one length bound: no bound switch)
+    assert row["run_time_switches"] == 2
     with pytest.raises(ValueError, match="path must be one of"):
         program_size.measure("ring-hybrid", 512, 2, "short")
     with pytest.raises(ValueError, match="mix must be one of"):
