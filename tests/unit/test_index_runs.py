@@ -343,11 +343,14 @@ def test_a_trimmed_plan_does_not_fit_where_its_keys_outgrow_the_capacity():
     ids = jnp.asarray(np.repeat(np.arange(4), 8)[None].astype(np.int32))  # 4 documents of 8 tokens
     index = jnp.arange(32, dtype=jnp.int32)[None]
     run_count = jnp.sum(jax.vmap(runs._row_prefix)(ids, ids, index, index)[3])
+    # jitted: op by op, eagerly, the plans took 12 s on 2 cores (each op its own compile)
+    plan = jax.jit(runs.prefix_runs, static_argnums=(4, 5))
+    trimmed_ok = jax.jit(lambda largest, m, count: runs.trimmed_plan(largest, m, count).ok, static_argnums=1)
     for cap in (64, 16):  # room for every key the 4 runs read (32), then not
-        largest = runs.prefix_runs(ids, ids, index, index, 8, cap)
+        largest = plan(ids, ids, index, index, 8, cap)
         for m in (4, 6):
-            own = runs.prefix_runs(ids, ids, index, index, m, cap)
-            assert int(run_count) == 4 and bool(runs.trimmed_plan(largest, m, run_count).ok) == bool(own.ok)
+            own = plan(ids, ids, index, index, m, cap)
+            assert int(run_count) == 4 and bool(trimmed_ok(largest, m, run_count)) == bool(own.ok)
             assert bool(own.ok) == (cap == 64)
 
 
