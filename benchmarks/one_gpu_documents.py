@@ -61,11 +61,18 @@ def _inputs(seq: int, heads: int, kv_heads: int, d: int, dtype, seed: int = 0):
 
 def check(mix: str, seq: int, backend: str, heads=8, kv_heads=2, d=128) -> dict:
     """jax_impl with ``backend`` against the portable kernel in float32 on ``mix``'s ids at ``seq``."""
-    import jax.numpy as jnp
-
     from benchmarks.common import Problem
 
-    ids = jnp.asarray(Problem(seq=seq, heads=heads, kv_heads=kv_heads, documents=mix).segment_ids())
+    return check_ids(mix, Problem(seq=seq, heads=heads, kv_heads=kv_heads, documents=mix).segment_ids(), backend,
+                     heads, kv_heads, d)
+
+
+def check_ids(mix: str, ids, backend: str, heads=8, kv_heads=2, d=128) -> dict:
+    """:func:`check` on the given ``ids`` [1, seq] (``mix``: the row's label)."""
+    import jax.numpy as jnp
+
+    ids = jnp.asarray(ids, jnp.int32)
+    seq = ids.shape[1]
     low = _inputs(seq, heads, kv_heads, d, jnp.bfloat16, seed=1)
     got = _mesh_call(backend)[0](*low, ids)
     want = _mesh_call("reference")[0](*(x.astype(jnp.float32) for x in low), ids)

@@ -341,6 +341,30 @@ def test_gpu_jax_varlen_document_blocks_match_the_portable_kernel(backend):
     assert rows and all(r["verified"] for r in rows), rows
 
 
+def test_gpu_jax_own_document_block_matches_the_portable_kernel():
+    """The whole sequence on a one-device mesh, ``auto``: a device's own block, whose document variant
+    alone is compiled where the backend runs one document as one varlen run (``fa3_varlen``,
+    ``BlockBackend.one_run_documents``, 2026-11-29: the plain kernel took a one-document block
+    before) — one document covering it and the short mix, against the portable kernel in float32
+    (``benchmarks.one_gpu_documents.check_ids``, 4096 tokens, 8 / 2 heads of 128)."""
+    pytest.importorskip("jax")
+    if not jax_on_gpu():
+        pytest.skip("JAX has no GPU here (run with JAX_PLATFORMS=cuda)")
+    from jax_impl.kernels.fa3 import VERIFIED_VERSION, verified
+
+    if not verified():
+        pytest.skip(f"fa3_varlen needs flash_attn3_jax {VERIFIED_VERSION}")
+    import numpy as np
+
+    from benchmarks.common import Problem
+    from benchmarks.one_gpu_documents import check_ids
+
+    for label, ids in (("one document", np.zeros((1, 4096), np.int32)),
+                       ("short", Problem(seq=4096, documents="short").segment_ids())):
+        row = check_ids(label, ids, "auto")
+        assert row["passed"], row
+
+
 @pytest.mark.parametrize("backend", ["aten_window", "fa4"])
 def test_gpu_torch_window_blocks_match_the_portable_kernel(backend):
     """aten_window (FA2's window) and fa4 (FA4's) on windowed blocks (a causal diagonal, an
