@@ -55,7 +55,7 @@
 # 2026-11-29 (second session, 1x H200): a device's own document block on fa3_varlen now has one run-time switch a pass
 # (BlockBackend.one_run_documents): the 32k short mix on one GPU 5.92 -> 5.58 ms (0.879 -> 0.910 of flash_mha_varlen).
 # Every strategy's step-0 block changed with it, so the d128 rows (Ulysses and USP above all) need re-timing, and the GPU
-# tier (-k "fa3_varlen or cudnn_varlen", the replay) should run first in the next hold.
+# tier (-k "fa3_varlen or cudnn_varlen or own_document", the replay) should run first in the next hold.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
