@@ -73,15 +73,24 @@ def gpu_program():
 
 def run_time_switches(jaxpr) -> int:
     """The most ``lax.switch`` / ``lax.cond`` one execution of ``jaxpr`` (a closed or open jaxpr)
-    runs — switches in sequence add up, a switch's branches count their worst. Each one is an
-    index XLA copies to the host before it launches the branch (unless its conditionals run on the
-    device), so each is one wait for the GPU a step (docs/decisions.md, "A device's own document
-    block: one run-time switch a pass")."""
+    runs: switches in sequence add up, a switch's branches count their worst, a ``scan`` body
+    counts once per iteration (the ring's steps), and any other body (``jit``, ``shard_map``,
+    ``custom_vjp``) counts once. A ``while`` loop's trip count is not static: a program with one
+    is refused (ValueError). Each switch is an index that XLA copies to the host before it
+    launches the branch (unless its conditionals run on the device), so each one is a wait for the
+    GPU in every step (docs/decisions.md, "A device's own document block: one run-time switch a
+    pass")."""
     total = 0
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        name = eqn.primitive.name
+        if name == "while":
+            raise ValueError("a while loop's trip count is not static: its switches cannot be counted")
         inner = [run_time_switches(p) for v in eqn.params.values() for p in (v if isinstance(v, (tuple, list)) else (v,))
                  if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]  # (closed) sub-jaxprs
-        total += 1 + max(inner, default=0) if eqn.primitive.name == "cond" else sum(inner)  # other bodies: run once
+        if name == "cond":
+            total += 1 + max(inner, default=0)
+        else:
+            total += sum(inner) * (eqn.params["length"] if name == "scan" else 1)
     return total
 
 

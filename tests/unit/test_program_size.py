@@ -106,3 +106,23 @@ def test_the_one_calls_keys_are_packed_once_outside_its_plan_switch(monkeypatch)
         jaxpr = jax.make_jaxpr(call)(q, kv, kv, ids[:, s - t:], ids).jaxpr
         # keys and values, once each, outside every branch
         assert _gathers_of(jaxpr, (b * s, hk, d)) == (2, 0), call.__name__
+
+
+def test_run_time_switches_counts_what_one_execution_runs():
+    """Switches in sequence add up, a switch counts its worst branch, a scan's body counts once per
+    iteration (a ring's steps); a while loop (no static trip count) is refused, not undercounted."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def nested(x):  # one switch, its second branch one more
+        return lax.cond(x > 0, lambda x: lax.cond(x > 1, jnp.sin, jnp.cos, x), jnp.tan, x)
+
+    def stepped(x):  # three steps of a scan, each the nested switch, then one more
+        x, _ = lax.scan(lambda c, _: (nested(c), None), x, None, length=3)
+        return lax.cond(x > 0, jnp.sin, jnp.cos, x)
+
+    count = lambda fn: program_size.run_time_switches(jax.make_jaxpr(fn)(1.0))
+    assert (count(nested), count(stepped), count(jnp.sin)) == (2, 7, 0)
+    with pytest.raises(ValueError, match="while loop"):
+        count(lambda x: lax.while_loop(lambda c: c < 3, lambda c: nested(c) + 1, x))
