@@ -308,14 +308,12 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
     with_lengths = lambda runs: runs
     if lengths:
         bounds = (ladder or (causal_length_ladder if causal else length_ladder))(max(t, s))
-        if causal and form is varlen_offsets:  # causal_offsets
-            # a causal block's runs are its offsets' differences (unused slots: 0), read inside each
-            # variant — not _longest_run's scatter-add of every token into its run (atomics on ~b·t
-            # slots, colliding within each run: ≈ 0.05 ms at 32k tokens on an H200)
-            with_lengths = lambda runs: runs.bounded_by(length_choice(bounds, t, s, jnp.max(jnp.diff(runs.cu_q))))
-        else:
-            choice = length_choice(bounds, t, s, jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids)))
-            with_lengths = lambda runs: runs.bounded_by(choice)
+        # a form that knows its longest run (``runs.longest``: a causal block's, from its offsets)
+        # bounds its own kernel; the ids' longest run (a scatter-add of every token into its run)
+        # serves the others, and XLA drops it where no variant reads it
+        ids_choice = length_choice(bounds, t, s, jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids)))
+        with_lengths = lambda runs: runs.bounded_by(
+            ids_choice if runs.longest is None else length_choice(bounds, t, s, runs.longest))
 
     variants, boundary_ok = {}, False
     if boundary and not causal:  # tried first: no gather of keys, no scatter of dK / dV
@@ -486,15 +484,17 @@ def causal_offsets(q_ids, kv_ids, m: int = MAX_RUNS) -> VarlenRuns:
     nothing gathered, nothing blanked) — without :func:`packed_segments`' per-run searches over
     the keys ([m, s] a row), which on one GPU's whole sequence were a dozen small kernels between
     the dispatch's switch and the kernel, the device idle while the host launched them.
-    ``ok``: :func:`expressible` (each id one run, the keys the queries' own) with at most m runs."""
+    ``ok``: :func:`expressible` (each id one run, the keys the queries' own) with at most m runs;
+    ``longest``: the longest run (the backward's bound, :func:`fused_branches`)."""
     b, t = q_ids.shape
     m = min(m, t)
-    ok, most = expressible(q_ids, kv_ids, True, limit=m)
+    ok, _ = expressible(q_ids, kv_ids, True, limit=m)  # ok: at most m runs a row too
     starts = jax.vmap(lambda f: jnp.nonzero(f, size=m, fill_value=t)[0])(_run_starts(q_ids))  # unused: the row's end
     cu = jnp.concatenate([(jnp.arange(b)[:, None] * t + starts).reshape(-1), jnp.full((1,), b * t)]).astype(jnp.int32)
     every = jnp.ones((b, t), bool)
-    return VarlenRuns(cu_q=cu, cu_k=cu, kv_index=jnp.arange(b * t, dtype=jnp.int32), covered_q=every, ok=ok & (most <= m),
-                      covered_kv=every, identity=True, covers_block=True)
+    # the runs' lengths are the offsets' differences (unused slots and row ends: 0)
+    return VarlenRuns(cu_q=cu, cu_k=cu, kv_index=jnp.arange(b * t, dtype=jnp.int32), covered_q=every, ok=ok,
+                      covered_kv=every, longest=jnp.max(jnp.diff(cu)), identity=True, covers_block=True)
 
 
 # ---- blocks masked by token index (``token_index`` calls) ----------------------------------------
