@@ -10,7 +10,8 @@
 # Torch (third session; carry .fa4b and .whl after the .fa4a stash, docs/gpu/install-wheels.sh):
 #   STEPS=tier,torch,torchprof TAG=torch bash docs/gpu/documents-2026-11-29-h200/run.sh
 # (tier: the one-GPU kernel tier's document and FA4 checks; torch: torch_impl on one GPU against the
-# faster of FA4's and FA2's varlen kernels, then FA4's compile stream; torchprof: where its step goes)
+# faster of FA4's and FA2's varlen kernels, then FA4's compile stream; torchprof: where its step goes;
+# trace: torch_trace.py's variants, checked, timed and traced)
 set -u
 R=/tmp/rb-1; TAG=${TAG:-base}; mkdir -p $R/$TAG  # the call gets one tgz of it ($OUT: a call returns a few dozen files)
 . docs/gpu/install-wheels.sh $R
@@ -24,6 +25,8 @@ for step in ${STEPS//,/ }; do
     torchprof) PATHS=ring-r1:contiguous MIXES=${PROF_MIXES:-short,few-long} SEQ=32768 OUT=$R/$TAG \
                  timeout ${PROF_S:-150} torchrun --nproc_per_node 1 benchmarks/mesh_profile_torch.py 2>&1 | \
                  grep '^{' | cut -c1-400 ;;
+    trace) timeout ${TRACE_S:-400} python3 docs/gpu/documents-2026-11-29-h200/torch_trace.py --out $R/$TAG \
+             --mixes ${TRACE_MIXES:-short,few-long} 2>&1 | grep '^{' | cut -c1-330 ;;
     check) timeout ${CHECK_S:-330} python3 -m benchmarks.one_gpu_documents --out $R/$TAG ${DOCS_ARGS:-} 2>&1 | tail -n 40 ;;
     big) timeout ${BIG_S:-200} python3 -m benchmarks.one_gpu_documents --out $R/$TAG-128k --seq 131072 \
            --mixes ${BIG_MIXES:-short,few-long} --iters 5 --warmup 2 2>&1 | grep "'time'" | tail -n 4 ;;
