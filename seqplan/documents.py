@@ -36,17 +36,29 @@ class HostPair(tuple):
     plain 2-tuple of the framework's arrays — with, when the loop has them, the same values as
     NumPy arrays (``host``): torch's loops copy every shard's ids and token indices to the host
     once per call, so a kernel that plans on the host (a varlen run list) needs no device-to-host
-    copy per block."""
+    copy per block. ``memo``, when the loop gives one: a dict it keeps for this block through one
+    call, forward and backward, where a kernel keeps what it derives from the pair (its run list),
+    so the block's backward takes its forward's instead of deriving it again."""
 
     host: tuple | None
+    memo: dict | None
 
-    def __new__(cls, q_values, kv_values, host: tuple | None = None):
+    def __new__(cls, q_values, kv_values, host: tuple | None = None, memo: dict | None = None):
         self = super().__new__(cls, (q_values, kv_values))
         self.host = host
+        self.memo = memo
         return self
 
+    def remembered(self, key, make):
+        """``make()``, kept in ``memo`` under ``key`` when the pair has one (else made each time)."""
+        if self.memo is None:
+            return make()
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: a kernel keeps its device offsets per plan object
 class DocumentRuns:
     """``cu_q``, ``cu_k``: int32 [n + 1] cumulative run lengths over the packed queries [b·t] and
     the packed keys [b·s] — both in place, every token in exactly one run (a run of queries whose

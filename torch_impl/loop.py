@@ -287,13 +287,20 @@ class VisitMasks:
                       explicit token indices, per row (q_pos [b, t], kv_pos [b, t]), copied to the
                       host once per call.
     device_positions: the same as int32 tensors on the inputs' device (the windowed kernel's
-                      ``positions``)."""
+                      ``positions``).
+    kernel_memos:     per block of this visit, a dict its kernel keeps through the call (forward
+                      and backward: ``ShardMasks.kernel_memos``), or None."""
 
     segments: tuple | None = None
     window: tuple[int, int] | None = None
     positions: tuple | None = None
     device_positions: tuple | None = None
     host_segments: tuple | None = None
+    kernel_memos: dict | None = None
+
+    def kernel_memo(self, key) -> dict | None:
+        """The dict the kernel of block ``key`` (the block and its kernel mask) keeps through the call."""
+        return None if self.kernel_memos is None else self.kernel_memos.setdefault(key, {})
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,7 +310,9 @@ class ShardMasks:
     host copy ``ids_host`` (one device-to-host copy per call, so no block decides on a device sync),
     ``window`` (left, right) or None, and with a window every ring shard's original positions
     (``positions`` NumPy [R, t], ``device_positions`` int32 [R, t] on the inputs' device).
-    ``plans``: the call's host-side plans (:meth:`plan`), so the backward reuses the forward's."""
+    ``plans``: the call's host-side plans (:meth:`plan`), so the backward reuses the forward's;
+    ``kernel_memos``: per visit and block, what its kernel derived from the block's ids (its run
+    list: ``seqplan.documents.HostPair.memo``), likewise."""
 
     ids_all: torch.Tensor | None
     window: tuple[int, int] | None
@@ -311,6 +320,7 @@ class ShardMasks:
     device_positions: torch.Tensor | None
     ids_host: np.ndarray | None = None
     plans: dict = field(default_factory=dict, repr=False)
+    kernel_memos: dict = field(default_factory=dict, repr=False)
 
     def plan(self, planner, *arrays, **flags):
         """``seqplan.documents.cached_plan(planner, *arrays, **flags)`` for arrays of this call
@@ -352,7 +362,7 @@ class ShardMasks:
             return None if x is None else (x[device], x[source])
 
         return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions),
-                          pair(self.ids_host))
+                          pair(self.ids_host), self.kernel_memos.setdefault((device, source), {}))
 
 
 # ---- the batch's ids on the host, given once (torch only: JAX plans on the device, under jit) ----
@@ -536,7 +546,8 @@ def _kernel_mask(block: Block, masks: VisitMasks | None) -> tuple[BlockMask, dic
             mask = mask.with_documents()
             extras["segments"] = HostPair(_part(q_ids, parts[0], 1), _part(kv_ids, parts[1], 1),
                                           None if host is None else (_part(host[0], parts[0], 1),
-                                                                     _part(host[1], parts[1], 1)))
+                                                                     _part(host[1], parts[1], 1)),
+                                          masks.kernel_memo((block, mask)))
     return mask, extras
 
 

@@ -342,3 +342,37 @@ def test_auto_routes_every_block_fa4_takes_to_it_where_installed(monkeypatch):
     assert block.resolve_backend("auto", mask=plain, **kw) == "aten_cudnn"
     assert block.resolve_backend("auto", mask=windowed, **kw) == "aten_window"
     assert block.resolve_backend("auto", mask=documents, device_kind="cuda", dtype="float32") == "reference"
+
+
+def test_a_blocks_backward_takes_its_forwards_run_list_and_offsets(fa4, monkeypatch, seed):
+    """One rank, packed documents on ``fa4``, forward and backward through autograd: the block's
+    run list is planned once per call and its offsets uploaded once — the backward is handed the
+    forward's (the loop's per-block memo, ``HostPair.memo``) — and a second call with other ids
+    plans its own. Both equal the portable kernel."""
+    import torch_impl
+    from torch_impl.kernels import varlen
+
+    planned, offsets = [], []
+    real_runs = varlen.document_runs
+    monkeypatch.setattr(varlen, "document_runs", lambda *a, **k: planned.append(1) or real_runs(*a, **k))
+    for name in ("fa4_forward", "fa4_backward"):
+        real = getattr(fa4, name)
+        monkeypatch.setattr(fa4, name, lambda *a, _real=real, **k: offsets.append(k["cu_seqlens_q"]) or _real(*a, **k))
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _inputs(rng, 1, 48, 48)
+    for ids in ([0] * 9 + [1] + [2] * 30 + [3] * 8, [5] * 20 + [6] * 28):
+        planned.clear(), offsets.clear()
+        segment_ids = torch.tensor([ids], dtype=torch.int32)
+
+        def step(backend, segment_ids=segment_ids):
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            o, lse = torch_impl.ring_attention(*leaves, causal=True, layout="contiguous", segment_ids=segment_ids,
+                                               block_backend=backend)
+            return tuple(x.detach() for x in (o, lse, *torch.autograd.grad(o, leaves, do)))
+
+        got = step("fa4")
+        assert len(planned) == 1, "the backward planned its block again"
+        assert len(offsets) == 2 and offsets[0] is offsets[1], "the backward uploaded its offsets again"
+        assert offsets[0].tolist() == np.r_[0, np.cumsum(np.unique(ids, return_counts=True)[1])].tolist()
+        _close(got, step("reference"))
+    assert fa4.portable == {"fwd": 0, "bwd": 0}

@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from seqplan.documents import DocumentRuns, PrefixRuns, cached_plan, document_runs, index_runs
+from seqplan.documents import DocumentRuns, HostPair, PrefixRuns, cached_plan, document_runs, index_runs
 from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
@@ -69,16 +69,29 @@ def block_runs(mask: BlockMask, segments, positions, dtype) -> tuple[DocumentRun
     if mask.window is None:
         if segments is None:
             return None
-        runs = document_runs(*_host(segments), mask.kind is MaskKind.CAUSAL)  # ~0.07 ms: as cheap as a cache lookup
-        return None if runs is None else (runs, mask.kind is MaskKind.CAUSAL)
+        causal = mask.kind is MaskKind.CAUSAL
+        # once per block and call: the loop's memo (HostPair.memo) hands the backward its forward's
+        # run list — the same object, so its device offsets are uploaded once too (run_offsets)
+        plan = lambda: document_runs(*_host(segments), causal)
+        runs = segments.remembered(("document_runs", causal), plan) if isinstance(segments, HostPair) else plan()
+        return None if runs is None else (runs, causal)
     if not by_token_index(mask) or positions is None:
         return None
     return cached_plan(index_runs, *(_host(segments) if segments is not None else (None, None)), *_host(positions))
 
 
+_RUN_TENSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def run_offsets(runs: DocumentRuns, device):
-    to = lambda x: None if x is None else torch.from_numpy(x).to(device, non_blocking=True)
-    return to(runs.cu_q), to(runs.cu_k), to(runs.empty_rows), to(runs.unread_keys)
+    """(cu_q, cu_k, empty_rows, unread_keys) of ``runs`` on ``device``, copied once per plan object:
+    a block's backward, handed its forward's runs, takes its offsets without a second upload."""
+    held = _RUN_TENSORS.setdefault(runs, {})
+    key = torch.device(device)
+    if key not in held:
+        to = lambda x: None if x is None else torch.from_numpy(x).to(device, non_blocking=True)
+        held[key] = (to(runs.cu_q), to(runs.cu_k), to(runs.empty_rows), to(runs.unread_keys))
+    return held[key]
 
 
 def _rng_state(device, dtype, d: int):

@@ -10,6 +10,8 @@ Variants (patched here, for the measurement only):
   hostids   the batch's ids declared on the host (``torch_impl.host_ids``): no device-to-host copy
   pinned    the run offsets uploaded from pinned memory (a pageable upload may wait for the queue)
   planonce  the backward reuses its forward's run lists and device offsets (no second plan, no upload)
+  replan    the library with its per-block memo off (what it did before: each pass plans and uploads)
+A trailing digit repeats a variant (``base2``): rows in one call, to read the spread.
 
     python3 docs/gpu/documents-2026-11-29-h200/torch_trace.py --out DIR [--mixes short,few-long] [--smoke]
 """
@@ -38,7 +40,18 @@ def variant(name: str, ids_np):
     from torch_impl.kernels import fa4, varlen
 
     saved = (fa4.run_offsets, fa4._plan, varlen.document_runs)
+    from seqplan.documents import HostPair
+
+    remembered = HostPair.remembered
+    name = name.rstrip("0123456789")
     try:
+        if name == "replan":
+            def upload(runs, device):
+                to = lambda x: None if x is None else torch.from_numpy(x).to(device, non_blocking=True)
+                return to(runs.cu_q), to(runs.cu_k), to(runs.empty_rows), to(runs.unread_keys)
+
+            HostPair.remembered = lambda self, key, make: make()
+            fa4.run_offsets = upload
         if name == "hostids":
             import torch_impl
 
@@ -68,6 +81,7 @@ def variant(name: str, ids_np):
         yield
     finally:
         fa4.run_offsets, fa4._plan, varlen.document_runs = saved
+        HostPair.remembered = remembered
 
 
 def main() -> None:
