@@ -65,6 +65,29 @@ def test_blocks_that_are_not_runs_are_refused():
     assert document_runs(ok, ok[:, ::-1].copy(), causal=True) is None  # causal needs the block's own tokens
 
 
+
+def test_a_diagonal_blocks_runs_are_its_rows_runs_or_refused(seed):
+    """A causal diagonal block (keys = its queries' tokens) takes its runs straight from the ids'
+    runs per row (``_own_runs``, no pairwise walk): on random ids — unsorted, repeated, several
+    rows, runs across the row edge — the same offsets as the walk over the same ids, or None
+    exactly where the walk refuses (an id in two runs of one row)."""
+    rng = np.random.default_rng(seed)
+    refused = 0
+    for _ in range(300):
+        b, t = int(rng.integers(1, 4)), int(rng.integers(1, 30))
+        ids = rng.integers(0, int(rng.integers(1, 6)), (b, t)).astype(np.int32)
+        if rng.random() < 0.5:
+            ids = np.sort(ids, axis=1)  # every row runs only: the case a packed batch gives
+        fast, walk = document_runs(ids, ids, causal=True), document_runs(ids, ids, causal=False)
+        assert (fast is None) == (walk is None), ids
+        if fast is None:
+            refused += 1
+            continue
+        for name in ("cu_q", "cu_k", "max_q", "max_k"):
+            np.testing.assert_array_equal(getattr(fast, name), getattr(walk, name), err_msg=f"{name} {ids}")
+        assert fast.empty_rows is None and fast.unread_keys is None
+    assert 30 < refused < 270  # both outcomes drawn often
+
 _JITTED: dict = {}
 
 
