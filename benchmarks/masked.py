@@ -190,7 +190,7 @@ def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, ite
     fused = all(block_band(band(w), t, t, (p, p)) != "portable"
                 for w, t, p in ((WINDOW_CHECK, 4096, pos), (window, seq, timed[-1])))
     fwd, step = calls(*timed, window)
-    fwd_ms, step_ms = _cuda_ms(fwd, iters, warmup), _cuda_ms(step, iters, warmup)
+    fwd_ms, step_ms = cuda_ms(fwd, iters, warmup), cuda_ms(step, iters, warmup)
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
     return _anchor_result("FA2 sliding window (aten._flash_attention_*, through aten_window on the whole sequence)",
                           problem, {**errors, "fused": fused}, fwd_ms, step_ms,
@@ -244,11 +244,11 @@ def _autograd_ms(fwd, qkv, do, iters: int, warmup: int) -> tuple[float, float]:
         fwd().backward(do)
 
     with torch.no_grad():
-        fwd_ms = _cuda_ms(fwd, iters, warmup)
-    return fwd_ms, _cuda_ms(step, iters, warmup)
+        fwd_ms = cuda_ms(fwd, iters, warmup)
+    return fwd_ms, cuda_ms(step, iters, warmup)
 
 
-def _cuda_ms(fn, iters: int, warmup: int) -> float:
+def cuda_ms(fn, iters: int, warmup: int) -> float:
     import torch
 
     for _ in range(warmup):
@@ -288,8 +288,8 @@ def anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem=Non
 
         if not time_it:
             return q, k, v, do, step()
-        fwd_ms = _cuda_ms(lambda: varlen_block_fwd(q, k, v, mask, d**-0.5, segments=seg), iters, warmup)
-        return fwd_ms, _cuda_ms(step, iters, warmup)
+        fwd_ms = cuda_ms(lambda: varlen_block_fwd(q, k, v, mask, d**-0.5, segments=seg), iters, warmup)
+        return fwd_ms, cuda_ms(step, iters, warmup)
 
     small = torch.from_numpy(_ids(4096)).to(device)
     q, k, v, do, (o, lse, grads) = run(4096, small, False)

@@ -86,7 +86,7 @@ def timed(mix: str, seq: int, backend: str, iters: int, warmup: int, heads=32, k
     import torch
 
     from benchmarks.common import Problem
-    from benchmarks.masked import _cuda_ms, anchor, fa4_anchor
+    from benchmarks.masked import anchor, cuda_ms, fa4_anchor
     from seqplan.schedule import BlockMask, MaskKind
     from torch_impl.block import device_kind_of, resolve_backend
 
@@ -99,9 +99,9 @@ def timed(mix: str, seq: int, backend: str, iters: int, warmup: int, heads=32, k
     step(q, k, v, do, ids)
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - began
-    step_ms = _cuda_ms(lambda: step(q, k, v, do, ids), iters, warmup)
+    step_ms = cuda_ms(lambda: step(q, k, v, do, ids), iters, warmup)
     with torch.no_grad():
-        fwd_ms = _cuda_ms(lambda: forward(q, k, v, ids), iters, warmup)
+        fwd_ms = cuda_ms(lambda: forward(q, k, v, ids), iters, warmup)
     anchors = [anchor(seq, heads, kv_heads, d, iters, warmup, problem=problem)]
     with contextlib.suppress(ImportError):  # FA4 is an optional extra: FA2 alone is then the anchor
         anchors.append(fa4_anchor(seq, heads, kv_heads, d, iters, warmup, problem=problem))

@@ -95,7 +95,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from benchmarks.common import Problem
-    from benchmarks.masked import _cuda_ms, fa4_anchor
+    from benchmarks.masked import cuda_ms, fa4_anchor
 
     cuda = torch.cuda.is_available()
     seq, check_seq, backend = (a.seq, 8192, "auto") if not a.smoke else (512, 512, "reference")
@@ -129,9 +129,9 @@ def main() -> None:
                 continue
             with variant(name, ids_np):
                 if cuda:
-                    row["fwd_bwd_ms"] = _cuda_ms(partial(step, q, k, v, do, ids), 20, 5)
+                    row["fwd_bwd_ms"] = cuda_ms(partial(step, q, k, v, do, ids), 20, 5)
                     with torch.no_grad():
-                        row["fwd_ms"] = _cuda_ms(partial(forward, q, k, v, ids), 20, 5)
+                        row["fwd_ms"] = cuda_ms(partial(forward, q, k, v, ids), 20, 5)
                 activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                                       if cuda else [])
                 with torch.profiler.profile(activities=activities, with_stack=True) as prof:
