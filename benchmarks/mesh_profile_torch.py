@@ -19,6 +19,10 @@ the kernel rows instead; :func:`is_kernel` now keeps kernels only.)
 Written to ``$OUT/profile-short/{mix}[-window{W}]-{mesh}-{layout}-rank{r}.json`` (``WINDOW=W``:
 a sliding window (W, 0) on every path).
 
+``STACKS=1``: three more steps traced with Python stacks per rank, read by ``benchmarks.trace_gaps``
+(each idle gap on the GPU with the host call that ended it and this project's frames then), to
+``{...}-rank{r}-gaps.md``.
+
 Host side (rank 0, after the timed steps): the synchronising CUDA calls of one step
 (``torch.cuda.set_sync_debug_mode``: each with the frames of this project that made it) and a
 cProfile of five steps (the 40 functions with the most own time, and the 40 with the most time
@@ -62,6 +66,9 @@ WINDOW = int(os.environ.get("WINDOW", "0"))
 # as the benchmark's rows take it (parity.runners.torch_runner.host_ids_if_asked)
 HOST_IDS = os.environ.get("RINGBRIDGE_HOST_IDS") == "1"
 TAG = (f"-window{WINDOW}" if WINDOW else "") + ("-hostids" if HOST_IDS else "")  # in the result files' names
+# STACKS=1: three more steps traced with Python stacks, read by benchmarks.trace_gaps (where the GPU waits
+# for the host, and on which call): {...}-rank{r}-gaps.md (host times inflated by the stacks)
+STACKS = os.environ.get("STACKS") == "1"
 
 
 def host_report(step, sync, cuda: bool) -> str:
@@ -94,6 +101,25 @@ def host_report(step, sync, cuda: bool) -> str:
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(40)
         lines.append(text.getvalue())
     return "\n".join(lines)
+
+
+def stack_gaps(step, sync, cuda: bool) -> list:
+    """``benchmarks.trace_gaps.gaps`` of three steps traced with Python stacks, each step a
+    ``record_function("step")`` range (no GPU: no kernels, so no gaps)."""
+    import tempfile
+
+    from benchmarks import trace_gaps
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        for _ in range(3):
+            with torch.profiler.record_function("step"):
+                step()
+            sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return trace_gaps.gaps(trace_gaps.load(path), "step", 20.0)
 
 
 def _block(spec, mesh) -> int:
@@ -264,6 +290,14 @@ def main() -> None:
                    "attention_call_host_ms_per_step": host[0].cpu_time_total / 1e3 / 3 if host else None,
                    "top_device_ops": [{"name": e.key[:120], "device_ms_per_step": device_us(e) / 1e3 / 3,
                                        "calls_per_step": e.count / 3} for e in top]}
+        if STACKS:
+            from benchmarks.trace_gaps import summary as gap_table
+
+            with held(laid):
+                found = stack_gaps(step, sync, cuda)
+            (out / f"{mix}{TAG}-{mesh_name}-{layout}-rank{rank}-gaps.md").write_text(gap_table(found) + "\n")
+            summary["stacked_gaps_per_step"] = len(found) / 3
+            summary["stacked_idle_ms_per_step"] = sum(g.idle_us for g in found) / 3e3
         (out / f"{mix}{TAG}-{mesh_name}-{layout}-rank{rank}.json").write_text(json.dumps(summary, indent=1))
         with held(laid):
             host_text = host_report(step, sync, cuda)  # every rank steps (the collectives); rank 0 writes

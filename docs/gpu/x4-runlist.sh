@@ -56,6 +56,9 @@
 # (BlockBackend.one_run_documents): the 32k short mix on one GPU 5.92 -> 5.58 ms (0.879 -> 0.910 of flash_mha_varlen).
 # Every strategy's step-0 block changed with it, so the d128 rows (Ulysses and USP above all) need re-timing, and the GPU
 # tier (-k "fa3_varlen or cudnn_varlen or own_document", the replay) should run first in the next hold.
+# 2026-11-29 (third session, 1x H200): torch_impl on one GPU is host-bound on the short mix (0.80-0.85 of FA4's own
+# varlen call; the GPU idles ~2 ms a step waiting for the host: docs/gpu/documents-2026-11-29-h200.md section 5), so
+# torchprofhost now records where each rank's GPU waits and on which host call (STACKS=1).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -64,7 +67,8 @@
 #   d128       issue 46: 128k tokens, the three balance mixes, both frameworks: all-gather KV and
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
-#   torchprofhost issue 46: torch's short-mix shared-prefix step profiled with the ids on the device, then on the host
+#   torchprofhost issue 46: torch's short-mix shared-prefix step profiled with the ids on the device, then on the host,
+#              each with every rank's GPU idle gaps and the host call behind each (STACKS=1: benchmarks/trace_gaps.py)
 #   conddoc    issue 46: JAX's short-mix shared-prefix row, XLA's conditionals on the host (default) then on the device
 #   groups     issue 46: JAX, the shared-prefix paths on the three mixes with the one call's backward
 #              as one call (RINGBRIDGE_BACKWARD_GROUPS=1, the default) then in two groups (2), side by side
@@ -179,7 +183,7 @@ if [ "$1" = start ]; then
     --parts-dir $R/d128host\$h-$MIXTAG; done"
   # torch's short-mix step profiled without then with the ids on the host (run 14: the host ids slower on this mix,
   # 7.41 -> 8.73 ms, not yet profiled), same call
-  CMD[torchprofhost]="for h in 0 1; do RINGBRIDGE_HOST_IDS=\$h MIXES=short LAYOUTS=document-hybrid-shared SEQ=$SEQ \
+  CMD[torchprofhost]="for h in 0 1; do STACKS=1 RINGBRIDGE_HOST_IDS=\$h MIXES=short LAYOUTS=document-hybrid-shared SEQ=$SEQ \
     $TORCHRUN benchmarks/mesh_profile_torch.py $S; done"
   # JAX's documents rows with XLA's conditionals on the device beside the default, same call: run 14's profile has
   # every GPU idle 0.5-1.3 ms three times a step just after the prefixes' all-gather, where a conditional follows
