@@ -47,9 +47,10 @@ def _device_events(events):
                   key=lambda e: e["ts"])
 
 
-def _frames_at(python_events, ts: float) -> tuple[str, ...]:
-    """Project frames enclosing host time ``ts`` (innermost first)."""
-    around = [e for e in python_events if e["ts"] <= ts <= e["ts"] + e["dur"]]
+def _frames_at(python_events, ts: float, tid) -> tuple[str, ...]:
+    """Project frames enclosing host time ``ts`` on thread ``tid`` (innermost first): the backward's
+    launches come from autograd's thread while the main thread waits in its own frames."""
+    around = [e for e in python_events if e.get("tid") == tid and e["ts"] <= ts <= e["ts"] + e["dur"]]
     around.sort(key=lambda e: e["ts"], reverse=True)
     return tuple(e["name"] for e in around if any(p in e["name"] for p in PROJECT))
 
@@ -63,8 +64,9 @@ def gaps(events: list[dict], step_name: str = "step", min_us: float = 20.0) -> l
     steps = sorted((e for e in events if e.get("ph") == "X" and e.get("name") == step_name
                     and e.get("cat") in ("user_annotation", "cpu_op")), key=lambda e: e["ts"])
     device = _device_events(events)
-    runtime = {e["args"]["correlation"]: e for e in events
-               if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    runtime = {e["args"]["correlation"]: e for e in events  # runtime and driver API launches (Triton: the driver's)
+               if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+               and "correlation" in e.get("args", {})}
     python = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
     rows = []
     for n, step in enumerate(steps):
@@ -80,7 +82,7 @@ def gaps(events: list[dict], step_name: str = "step", min_us: float = 20.0) -> l
                 call = runtime.get(e["args"].get("correlation"), {})
                 issued = call.get("ts", float("nan"))
                 rows.append(Gap(n, end - first, idle, e["name"][:90], call.get("name", "?"), issued - end,
-                                _frames_at(python, issued)[:4]))
+                                _frames_at(python, issued, call.get("tid"))[:4]))
             end = max(end, e["ts"] + e["dur"])
     return rows
 

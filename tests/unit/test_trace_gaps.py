@@ -11,8 +11,8 @@ import json
 from benchmarks import trace_gaps
 
 
-def _x(cat, name, ts, dur, **args):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
 
 
 def _trace():
@@ -21,12 +21,17 @@ def _trace():
         _x("python_function", "torch_impl/loop.py(735): grad_visits", 350, 200),
         _x("python_function", "numpy/core.py(1): reduce", 390, 20),
         _x("python_function", "seqplan/documents.py(104): document_runs", 380, 50),
+        _x("python_function", "torch_impl/loop.py(1): waiting_elsewhere", 300, 300, tid=2),  # another thread
         _x("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
         _x("cuda_runtime", "cudaLaunchKernel", 20, 5, correlation=2),  # queued: no host delay
         _x("cuda_runtime", "cudaLaunchKernel", 400, 5, correlation=3),  # issued late, inside document_runs
         _x("kernel", "fwd_kernel", 100, 200, correlation=1),
         _x("kernel", "small", 305, 10, correlation=2),  # 5 µs after: launch spacing, not a gap
         _x("kernel", "bwd_kernel", 450, 300, correlation=3),
+        _x("cuda_driver", "cuLaunchKernel", 700, 5, correlation=4),  # a driver-API launch (Triton's)
+        _x("kernel", "triton_kernel", 750, 100, correlation=4),  # the GPU busy to 850, not idle
+        _x("cuda_runtime", "cudaLaunchKernel", 720, 5, correlation=5),
+        _x("kernel", "after", 855, 10, correlation=5),  # queued behind the driver's kernel: no gap
         _x("kernel", "other_step", 2000, 10, correlation=99),  # no runtime call in the step: not its work
     ]
 
