@@ -11,6 +11,8 @@ Variants (patched here, for the measurement only):
   pinned    the run offsets uploaded from pinned memory (a pageable upload may wait for the queue)
   planonce  the backward reuses its forward's run lists and device offsets (no second plan, no upload)
   replan    the library with its per-block memo off (what it did before: each pass plans and uploads)
+  walk      a causal diagonal block planned by the pairwise walk (``document_runs``' FULL path on its equal
+            ids: the same runs), not by its rows' runs (``_own_runs``, the library since 7230722)
 A trailing digit repeats a variant (``base2``): rows in one call, to read the spread.
 
     python3 docs/gpu/documents-2026-11-29-h200/torch_trace.py --out DIR [--mixes short,few-long] [--smoke]
@@ -45,6 +47,14 @@ def variant(name: str, ids_np):
     remembered = HostPair.remembered
     name = name.rstrip("0123456789")
     try:
+        if name == "walk":
+            import numpy as np
+
+            def walked(q_ids, kv_ids, causal, _real=saved[2]):
+                same = causal and np.shape(q_ids) == np.shape(kv_ids) and np.array_equal(q_ids, kv_ids)
+                return _real(q_ids, kv_ids, False) if same else _real(q_ids, kv_ids, causal)
+
+            varlen.document_runs = walked
         if name == "replan":
             def upload(runs, device):
                 to = lambda x: None if x is None else torch.from_numpy(x).to(device, non_blocking=True)
