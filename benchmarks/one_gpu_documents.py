@@ -141,7 +141,11 @@ def markdown(rows: list[dict], command: str, versions: dict) -> str:
     stream = [r for r in rows if r["kind"] == "stream"]
     if stream:
         lines += ["", "FA4's compile stream (torch_impl fwd+bwd, new ids every batch; `max_seqlen` bucketed or the "
-                  "raw longest run):", "", "| bucketed | batch | mix | longest | max_seqlen | ms | new FA4 variants |",
+                  "raw longest run), each path checked first:", ""]
+        lines += [f"- bucketed {r['bucketed']}: {r['mix']} at {r['seq']} tokens, o / dq / dk / dv "
+                  f"{' / '.join(f'{e:.1e}' for e in r['errors'].values())}, passed {r['passed']}"
+                  for r in rows if r["kind"] == "stream check"]
+        lines += ["", "| bucketed | batch | mix | longest | max_seqlen | ms | new FA4 variants |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['bucketed']} | {r['batch']} | {r['mix']} | {r['longest']} | {r['max_seqlen']} | {r['ms']:.1f} "
                   f"| {r['new_variants']} |" for r in stream]

@@ -151,11 +151,22 @@ def _longest_run(ids: np.ndarray) -> int:
 
 def stream(seq: int, batches: int, backend: str, bucketed: bool, seed0: int, heads=32, kv_heads=8, d=128):
     """Yield one row per batch: ``batches`` fwd+bwd steps of torch_impl, each on new ids (the
-    balance mixes in turn, seed ``seed0 + i``), with its wall ms and FA4's compile-cache growth."""
+    balance mixes in turn, seed ``seed0 + i``), with its wall ms and FA4's compile-cache growth —
+    after a check row of the same path (bucketed or not) on the first batch's mix at ``min(seq,
+    8192)`` tokens; a path that fails its check streams nothing."""
     import torch
 
+    from benchmarks.common import Problem
     from parity.probes.balance import MIXES
     from torch_impl.kernels.fa4 import seqlen_bucket
+
+    mode = contextlib.nullcontext if bucketed else _raw_bounds
+    first = replace(MIXES[0], seed=seed0)
+    with mode():
+        checked = check_ids(first.name, Problem(seq=min(seq, 8192), documents=first.name).segment_ids(), backend)
+    yield {**checked, "kind": "stream check", "bucketed": bucketed}
+    if not checked["passed"]:
+        return
 
     q, k, v, do = _inputs(seq, heads, kv_heads, d, torch.bfloat16 if _device() == "cuda" else torch.float32)
     step = _calls(backend)[0]
@@ -165,7 +176,7 @@ def stream(seq: int, batches: int, backend: str, bucketed: bool, seed0: int, hea
         longest = _longest_run(ids)
         before = fa4_variants()
         began = time.perf_counter()
-        with _raw_bounds() if not bucketed else contextlib.nullcontext():
+        with mode():
             step(q, k, v, do, _ids_tensor(ids[None]))
         if _device() == "cuda":
             torch.cuda.synchronize()

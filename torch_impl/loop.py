@@ -289,7 +289,7 @@ class VisitMasks:
     device_positions: the same as int32 tensors on the inputs' device (the windowed kernel's
                       ``positions``).
     kernel_memos:     per block of this visit, a dict its kernel keeps through the call (forward
-                      and backward: ``ShardMasks.kernel_memos``), or None."""
+                      and backward: held in ``ShardMasks.plans``), or None."""
 
     segments: tuple | None = None
     window: tuple[int, int] | None = None
@@ -310,9 +310,8 @@ class ShardMasks:
     host copy ``ids_host`` (one device-to-host copy per call, so no block decides on a device sync),
     ``window`` (left, right) or None, and with a window every ring shard's original positions
     (``positions`` NumPy [R, t], ``device_positions`` int32 [R, t] on the inputs' device).
-    ``plans``: the call's host-side plans (:meth:`plan`), so the backward reuses the forward's;
-    ``kernel_memos``: per visit and block, what its kernel derived from the block's ids (its run
-    list: ``seqplan.documents.HostPair.memo``), likewise."""
+    ``plans``: the call's host-side plans (:meth:`plan`), so the backward reuses the forward's —
+    and, per visit, the dicts its blocks' kernels keep their run lists in (``VisitMasks.kernel_memos``)."""
 
     ids_all: torch.Tensor | None
     window: tuple[int, int] | None
@@ -320,7 +319,6 @@ class ShardMasks:
     device_positions: torch.Tensor | None
     ids_host: np.ndarray | None = None
     plans: dict = field(default_factory=dict, repr=False)
-    kernel_memos: dict = field(default_factory=dict, repr=False)
 
     def plan(self, planner, *arrays, **flags):
         """``seqplan.documents.cached_plan(planner, *arrays, **flags)`` for arrays of this call
@@ -362,7 +360,7 @@ class ShardMasks:
             return None if x is None else (x[device], x[source])
 
         return VisitMasks(pair(self.ids_all), self.window, pair(self.positions), pair(self.device_positions),
-                          pair(self.ids_host), self.kernel_memos.setdefault((device, source), {}))
+                          pair(self.ids_host), self.plans.setdefault(("kernel memos", device, source), {}))
 
 
 # ---- the batch's ids on the host, given once (torch only: JAX plans on the device, under jit) ----

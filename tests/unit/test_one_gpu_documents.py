@@ -58,6 +58,9 @@ def test_torch_side_checks_and_streams_on_the_cpu(tmp_path):
                                    "--stream", "3", "--raw-stream", "2"])
     check, *stream = rows
     assert (check["framework"], check["kind"], check["passed"]) == ("torch", "check", True)
+    checks = [r for r in stream if r["kind"] == "stream check"]  # each path checked before its batches
+    assert [(r["bucketed"], r["passed"]) for r in checks] == [(True, True), (False, True)]
+    stream = [r for r in stream if r["kind"] == "stream"]
     assert 0 < max(check["errors"].values()) <= 2e-2  # bf16 against float32: not zero, not wrong
     assert [(r["bucketed"], r["batch"]) for r in stream] == [(True, 0), (True, 1), (True, 2), (False, 0), (False, 1)]
     assert len({r["seed"] for r in stream}) == 5  # new ids every batch
@@ -88,3 +91,13 @@ def test_an_unknown_framework_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="--frameworks takes jax and torch, not 'tf'"):
         one_gpu_documents.main(["--out", str(tmp_path / "x"), "--smoke", "--frameworks", "jax,tf"])
     assert not (tmp_path / "x").exists()
+
+
+def test_a_stream_path_that_fails_its_check_streams_nothing(monkeypatch):
+    pytest.importorskip("torch")
+    from benchmarks import one_gpu_documents_torch as side
+
+    monkeypatch.setattr(side, "check_ids", lambda mix, ids, backend: {"kind": "check", "passed": False,
+                                                                     "errors": {"o": 0.1}})
+    rows = list(side.stream(512, 3, "reference", bucketed=False, seed0=0))
+    assert [(r["kind"], r["passed"]) for r in rows] == [("stream check", False)]

@@ -80,18 +80,24 @@ def block_runs(mask: BlockMask, segments, positions, dtype) -> tuple[DocumentRun
     return cached_plan(index_runs, *(_host(segments) if segments is not None else (None, None)), *_host(positions))
 
 
-_RUN_TENSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ON_DEVICE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plan object -> {device: its arrays there}
+
+
+def _on_device(plan, device, arrays) -> tuple:
+    """A plan's host ``arrays`` (None stays None) on ``device``, copied once per plan object and
+    device — a block's backward, a later layer, takes the same tensors — through pinned memory, so
+    a fresh batch's plan does not wait for the GPU's queue (``comm.host_to_device``)."""
+    held = _ON_DEVICE.setdefault(plan, {})
+    key = torch.device(device)
+    if key not in held:
+        held[key] = tuple(None if x is None else host_to_device(x, device) for x in arrays)
+    return held[key]
 
 
 def run_offsets(runs: DocumentRuns, device):
-    """(cu_q, cu_k, empty_rows, unread_keys) of ``runs`` on ``device``, copied once per plan object:
-    a block's backward, handed its forward's runs, takes its offsets without a second upload."""
-    held = _RUN_TENSORS.setdefault(runs, {})
-    key = torch.device(device)
-    if key not in held:
-        to = lambda x: None if x is None else torch.from_numpy(x).to(device, non_blocking=True)
-        held[key] = (to(runs.cu_q), to(runs.cu_k), to(runs.empty_rows), to(runs.unread_keys))
-    return held[key]
+    """(cu_q, cu_k, empty_rows, unread_keys) of ``runs`` on ``device`` (:func:`_on_device`: a
+    block's backward, handed its forward's runs, takes its offsets without a second upload)."""
+    return _on_device(runs, device, (runs.cu_q, runs.cu_k, runs.empty_rows, runs.unread_keys))
 
 
 def _rng_state(device, dtype, d: int):
@@ -195,22 +201,15 @@ register_backend(BlockBackend("aten_varlen", varlen_block_fwd, varlen_block_bwd,
 
 # ---- one call for a device's queries against every key (all-gather-KV: seqplan.documents.prefix_runs) ----
 
-_PREFIX_TENSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def one_call_takes(q) -> bool:
     """Whether the one call runs on FA2's varlen ops for queries like ``q`` (its dtypes)."""
     return q.dtype in (torch.bfloat16, torch.float16)
 
 
 def prefix_offsets(plan: PrefixRuns, device):
-    """The plan's offsets and key index on ``device``, copied once per plan object (a cached
-    plan serves a step's layers and both passes: one host-to-device copy, not one per call),
-    through pinned memory: a fresh batch's plan does not wait for the GPU's queue."""
-    held = _PREFIX_TENSORS.setdefault(plan, {})
-    if device not in held:
-        held[device] = tuple(host_to_device(x, device) for x in (plan.cu_q, plan.cu_k, plan.key_index))
-    return held[device]
+    """The plan's offsets and key index on ``device`` (:func:`_on_device`: a cached plan serves a
+    step's layers and both passes — one host-to-device copy, not one per call)."""
+    return _on_device(plan, device, (plan.cu_q, plan.cu_k, plan.key_index))
 
 
 def plan_keys(plan: PrefixRuns, index, *packed):
