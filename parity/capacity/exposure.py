@@ -106,9 +106,12 @@ def profiled_kernels(step, sync) -> list[tuple[str, float, float]]:
 
 
 def xla_trace_kernels(trace_dir: str) -> dict[str, list[tuple[str, float, float]]]:
-    """The GPU kernels of a ``jax.profiler`` trace under ``trace_dir``, per GPU process name:
-    (name, start_s, end_s), as :func:`profiled_kernels` gives torch's. A JAX step is one process
-    for every GPU (single controller): each GPU is one ``/device:GPU:N`` process of the trace."""
+    """The GPU kernels of the newest ``jax.profiler`` trace under ``trace_dir``, per GPU process
+    name: (name, start_s, end_s), as :func:`profiled_kernels` gives torch's. A JAX step is one
+    process for every GPU (single controller): each GPU is one ``/device:GPU:N`` process of the
+    trace. The newest: every ``jax.profiler.trace`` into the same directory adds a run beside the
+    earlier ones (three processes of one GPU call that each profiled the same path all read the
+    first one's trace on 2026-11-29)."""
     import glob
     import gzip
     from collections import defaultdict
@@ -116,7 +119,7 @@ def xla_trace_kernels(trace_dir: str) -> dict[str, list[tuple[str, float, float]
     found = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not found:
         raise FileNotFoundError(f"no trace under {trace_dir}")
-    with gzip.open(found[0]) as f:
+    with gzip.open(max(found, key=os.path.getmtime)) as f:
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     kernels: dict[str, list] = defaultdict(list)

@@ -64,3 +64,14 @@ def test_an_xla_trace_gives_each_gpus_kernels_in_seconds(tmp_path):
     assert exposed_times(kernels["/device:GPU:0"], ("p2p",))["all-gather"]["exposed_s"] == pytest.approx(5e-4)
     with pytest.raises(FileNotFoundError, match="no trace"):
         xla_trace_kernels(str(tmp_path / "plugins" / "missing"))
+    # a later trace into the same folder (another process, another run) is the one read
+    import os
+
+    later = tmp_path / "plugins" / "profile" / "a-later-run"
+    later.mkdir()
+    with gzip.open(later / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events[:1] + [{"ph": "X", "pid": 1, "name": "later", "ts": 0.0, "dur": 1.0}]}, f)
+    for newest, name in ((later, "later"), (folder, "ncclDevKernel_AllGather")):  # each in turn the newest
+        os.utime(newest / "host.trace.json.gz", (2e9, 2e9))
+        os.utime(({later, folder} - {newest}).pop() / "host.trace.json.gz", (1e9, 1e9))
+        assert xla_trace_kernels(str(tmp_path))["/device:GPU:0"][0][0] == name
