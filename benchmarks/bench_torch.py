@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from seqplan.documents import forget_plans
+
 from .common import (
     MeshSpec,
     Problem,
@@ -194,11 +196,16 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
         problem.batch, problem.seq, 1, problem.head_dim, device="cuda", dtype=getattr(torch, problem.dtype)),
         lambda a: torch.as_tensor(a, device="cuda")) if _rank() == 0 else {}
     rows = []
+    # RINGBRIDGE_FRESH_PLANS=1: the host's plans forgotten and the ids and token indices new tensors every
+    # step, so each step pays the planning and the checks a training step with new ids pays (the row records
+    # it; JAX plans on the device, in every step). Under RINGBRIDGE_HOST_IDS=1 the host_ids block, held around
+    # the row's steps, still keeps its shards and device copies from step to step.
+    fresh_plans = os.environ.get("RINGBRIDGE_FRESH_PLANS") == "1"
     for fwd_only in fwd_modes:
         row = Row("torch_impl", spec.strategy, layout, problem.seq, spec.devices, spec.ulysses, spec.ring, fwd_only,
                   extra={"block_backend": backend, "mesh": spec.name, "heads": problem.heads, "kv_heads": problem.kv_heads,
                          **mask_extra(problem), **head_groups_extra(spec), **path,
-                         **({"variant": variant} if variant else {})})
+                         **({"variant": variant} if variant else {}), **({"fresh_plans": True} if fresh_plans else {})})
 
         def make_step():
             n = spec.devices
@@ -207,10 +214,15 @@ def impl_rows(problem: Problem, spec: MeshSpec, layout: str, backend: str, iters
             k, v = (_randn(*_local_shape(problem, n, problem.kv_heads), requires_grad=True, seed=i) for i in (1, 2))
 
             def run(q, k, v):
+                step_ids, step_index = ids, index
+                if fresh_plans:  # every step as a new batch's: plans (cached by content) and checks (by tensor) anew
+                    forget_plans()
+                    step_ids, step_index = (None if x is None else x.clone() for x in (ids, index))
                 return torch_impl.sequence_parallel_attention(q, k, v, mesh, causal=problem.causal,
                                                               layout=laid.api_layout, kv_exchange=spec.kv_exchange,
-                                                              block_backend=backend, segment_ids=ids,
-                                                              window=problem.window, token_index=index, **laid.shared)
+                                                              block_backend=backend, segment_ids=step_ids,
+                                                              window=problem.window, token_index=step_index,
+                                                              **laid.shared)
             return _train_step(run, q, k, v, do, fwd_only)
 
         with _host_ids_block(laid, row):

@@ -243,6 +243,15 @@ def cached_plan(planner, *arrays, **flags):
         _PLANS.popitem(last=False)
     return plan
 
+def forget_plans() -> None:
+    """Empty :func:`cached_plan`'s cache: the next call plans as a new batch's first call does. A
+    benchmark that repeats one batch's ids would otherwise time every step after the first
+    without its host planning, which a training step with new ids pays on every rank
+    (``RINGBRIDGE_FRESH_PLANS=1`` in the driver's torch rows; docs/decisions.md, "Plans for a new
+    batch")."""
+    _PLANS.clear()
+
+
 @dataclass(frozen=True, eq=False)
 class PrefixRuns:
     """One varlen call for a device's queries against every key of the sequence (all-gather-KV
@@ -317,8 +326,16 @@ def prefix_runs(q_ids, kv_ids, q_index, kv_index, *, max_keys: int | None = None
     span = np.int64(max(q_index.max(initial=0), kv_index.max(initial=0)) + 1)
     q_lens, k_lens, k_starts = [], [], []
     for row in range(b):
-        documents = np.unique(np.r_[q_ids[row], kv_ids[row]])
-        q_doc, kv_doc = (np.searchsorted(documents, x[row]).astype(np.int64) for x in (q_ids, kv_ids))
+        # (document, token index) as one sortable int64: the ids shifted by the lowest of them and 0,
+        # so the shifted ids are >= 0, ordered as their ranks would be — no sort to rank them first;
+        # where the ids' range times the indices' span leaves no room in an int64, their ranks
+        low = int(min(q_ids[row].min(initial=0), kv_ids[row].min(initial=0)))
+        high = int(max(q_ids[row].max(initial=0), kv_ids[row].max(initial=0)))
+        if (high - low + 1) * int(span) < 2 ** 62:
+            q_doc, kv_doc = (x[row].astype(np.int64) - low for x in (q_ids, kv_ids))
+        else:
+            documents = np.unique(np.r_[q_ids[row], kv_ids[row]])
+            q_doc, kv_doc = (np.searchsorted(documents, x[row]).astype(np.int64) for x in (q_ids, kv_ids))
         keys = kv_doc * span + kv_index[row]
         order = np.argsort(keys, kind="stable")
         sorted_keys = keys[order]

@@ -78,19 +78,34 @@ def check_shared_call(config, documents: bool) -> None:
 
 def spans_shards(ids_all) -> np.ndarray:
     """bool [R, b, t]: whether each token's document also has tokens on another ring shard
-    (``ids_all`` int [R, b, t], every shard's ids in layout order)."""
+    (``ids_all`` int [R, b, t], every shard's ids in layout order).
+
+    Decided per run of equal ids, not per token: a shard holds each document as a few runs, so
+    the grouping by (row, id) — a sort — runs over a few hundred runs instead of R·b·t tokens.
+    Torch plans this for every batch with new ids (the shared prefix's split, on the host): on
+    the 128k balance mixes over 4 shards :func:`shared_extent` (this and a scan) took 4.0–6.0 ms
+    per token on this project's 2-core box, 0.2–0.4 ms per run (docs/decisions.md, "Plans for a
+    new batch")."""
     ids_all = np.asarray(ids_all)
     ring, b, t = ids_all.shape
-    out = np.empty(ids_all.shape, bool)
-    shard = np.repeat(np.arange(ring), t)
-    for row in range(b):
-        _, doc = np.unique(ids_all[:, row, :].reshape(-1), return_inverse=True)
-        first = np.full(doc.max() + 1, ring)
-        last = np.full(doc.max() + 1, -1)
-        np.minimum.at(first, doc, shard)
-        np.maximum.at(last, doc, shard)
-        out[:, row, :] = (first != last)[doc].reshape(ring, t)
-    return out
+    if ids_all.size == 0:
+        return np.zeros(ids_all.shape, bool)
+    flat = ids_all.reshape(-1)
+    starts = np.ones(ids_all.shape, bool)  # a run never crosses a row or a shard: each starts at position 0
+    starts[..., 1:] = ids_all[..., 1:] != ids_all[..., :-1]
+    at = np.flatnonzero(starts)  # each run's first token (C order: shard, row, position)
+    run_shard, run_row = at // (b * t), (at // t) % b
+    # a document is (row, id): the ids ranked first, so the pair stacks as integers whatever the
+    # ids' dtype (uint64 beside the row's intp would stack as float64 and merge ids past 2^53)
+    _, id_rank = np.unique(flat[at], return_inverse=True)
+    _, document = np.unique(np.stack([run_row, id_rank.reshape(-1)], 1), axis=0, return_inverse=True)
+    document = document.reshape(-1)
+    first = np.full(document.max() + 1, ring)
+    last = np.full(document.max() + 1, -1)
+    np.minimum.at(first, document, run_shard)
+    np.maximum.at(last, document, run_shard)
+    spans = (first != last)[document]  # per run
+    return np.repeat(spans, np.diff(np.append(at, flat.size))).reshape(ring, b, t)
 
 
 def shared_extent(ids_all) -> int:

@@ -59,11 +59,18 @@
 # 2026-11-29 (third session, 1x H200): torch_impl on one GPU is host-bound on the short mix (0.80-0.85 of FA4's own
 # varlen call; the GPU idles ~2 ms a step waiting for the host: docs/gpu/documents-2026-11-29-h200.md section 5), so
 # torchprofhost now records where each rank's GPU waits and on which host call (STACKS=1).
+# 2026-11-29 (fourth session, 1x H200, CPU after): JAX unchanged (one slots x bound switch measured slower, not kept).
+# torch's host plan for a new batch is 2.5-3x cheaper (seqplan: spans_shards per run, prefix_runs without ranking), and
+# the torch documents rows never paid it (ids repeat, plans cached): d128fresh times them with and without it,
+# about as long as d128host (3.6 min), not yet run.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
 #              a cProfile of the host side)
 #   d128host   issue 46: torch's d128 rows twice, RINGBRIDGE_HOST_IDS=0 then 1 (the ids on the host: torch_impl.host_ids)
+#   d128fresh  issue 46: this host's plan for a new batch (benchmarks.plan_time, seconds), then torch's d128 rows
+#              twice, RINGBRIDGE_FRESH_PLANS=0 then 1 (every step's host plans made anew, as for a new batch: what
+#              the repeated ids hide from the default rows)
 #   d128       issue 46: 128k tokens, the three balance mixes, both frameworks: all-gather KV and
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
 #   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
@@ -181,6 +188,10 @@ if [ "$1" = start ]; then
   # ids off the GPU a call; every row and its check in the same block), same call: the short mix waited at that copy
   CMD[d128host]="for h in 0 1; do RINGBRIDGE_HOST_IDS=\$h $D128 --machine x${GPUS}-documents-torch-hostids\$h --only torch \
     --parts-dir $R/d128host\$h-$MIXTAG; done"
+  # torch's d128 rows with the host's plans kept (the ids repeat every step: cached by content), then forgotten
+  # before every step (a training step with new ids plans on every rank; 2.2 to 4.5 ms a device a step on a 2-core host)
+  CMD[d128fresh]="python3 -m benchmarks.plan_time --out $R/plan-time; for f in 0 1; do RINGBRIDGE_FRESH_PLANS=\$f $D128 --machine x${GPUS}-documents-torch-fresh\$f --only torch \
+    --parts-dir $R/d128fresh\$f-$MIXTAG; done"
   # torch's short-mix step profiled without then with the ids on the host (run 14: the host ids slower on this mix,
   # 7.41 -> 8.73 ms, not yet profiled), same call
   CMD[torchprofhost]="for h in 0 1; do STACKS=1 RINGBRIDGE_HOST_IDS=\$h MIXES=short LAYOUTS=document-hybrid-shared SEQ=$SEQ \

@@ -281,3 +281,41 @@ def test_balanced_split_at_refuses_a_tolerance_below_one():
 
     with pytest.raises(ValueError, match="tolerance must be a number >= 1"):
         balanced_split_at(np.zeros((1, 8), np.int32), 2, tolerance=0.9)
+
+
+def _spans_by_token(ids_all: np.ndarray) -> np.ndarray:
+    """The plain definition: per row, each token's document against the set of shards holding it."""
+    ring, b, t = ids_all.shape
+    out = np.empty(ids_all.shape, bool)
+    for row in range(b):
+        shards_of = {}
+        for r in range(ring):
+            for doc in ids_all[r, row]:
+                shards_of.setdefault(int(doc), set()).add(r)
+        out[:, row, :] = [[len(shards_of[int(doc)]) > 1 for doc in ids_all[r, row]] for r in range(ring)]
+    return out
+
+
+def test_spans_shards_decided_per_run_equals_the_per_token_definition(seed):
+    """``seqplan.shared.spans_shards`` groups runs of equal ids, not tokens (what makes a new
+    batch's shared-prefix plan cheap): it equals the per-token definition on ids of every shape —
+    one shard, one token a shard, a document split into several runs on one shard and across
+    rows, negative and large ids, whole documents and split ones as the hybrid lays them out."""
+    from seqplan.shared import ring_shards, spans_shards
+
+    rng = np.random.default_rng(seed + 31)
+    for trial in range(200):
+        ring, b, t = (int(x) for x in rng.integers(1, (5, 4, 40)))
+        ids = rng.integers(0, rng.integers(1, 12), size=(ring, b, t)) * (1 if trial % 3 else 1_000_003) - (trial % 5 == 0)
+        if trial % 4 == 0:  # sorted rows: documents as runs, some across the shard edges
+            ids = np.sort(ids.transpose(1, 0, 2).reshape(b, -1), axis=1).reshape(b, ring, t).transpose(1, 0, 2)
+        assert np.array_equal(spans_shards(ids), _spans_by_token(ids)), trial
+        for dtype, far in ((np.int32, -2 ** 31 + 40), (np.uint64, 2 ** 64 - 100)):  # ids near a dtype's edge
+            shifted = (ids - ids.min()).astype(dtype) + np.array(far).astype(dtype)
+            assert np.array_equal(spans_shards(shifted), _spans_by_token(ids)), (trial, dtype)
+    assert spans_shards(np.zeros((4, 0, 3), np.int32)).shape == (4, 0, 3)  # no rows: nothing spans
+    # 48 tokens over 4 contiguous shards of 12: document 4 (tokens 20-31) spans shards 1-2,
+    # document 6 (34-37) shards 2-3; the others lie on one shard each
+    ids = np.repeat(np.arange(8), [3, 9, 1, 7, 12, 2, 4, 10])[None]
+    want = np.array([[0] * 12, [0] * 8 + [1] * 4, [1] * 8 + [0] * 2 + [1] * 2, [1] * 2 + [0] * 10]) == 1
+    assert np.array_equal(spans_shards(ring_shards(ids, 4))[:, 0], want)

@@ -200,6 +200,11 @@ def test_plans_are_remembered_by_content():
     cached_plan(planner, ids, ids, index, index, causal=True)
     cached_plan(planner, ids, ids, index, index, causal=False)
     assert len(calls) == 7  # flags are part of the key
+    from seqplan.documents import forget_plans
+
+    forget_plans()  # the benchmarks' fresh-plans rows: the same ids plan again, as a new batch's would
+    again = cached_plan(planner, ids, ids, index, index)
+    assert len(calls) == 8 and again is not first
 
 
 def test_a_checksum_collision_plans_again(monkeypatch):
@@ -268,6 +273,35 @@ def test_prefix_runs_see_exactly_the_causal_document_pairs(layout, seed):
         if layout != "shuffled":  # a device's pieces of documents: few runs, keys within a chunk per document
             assert len(plan.cu_q) - 1 <= 2 * b * len(np.unique(laid[:, part])), len(plan.cu_q)
             assert plan.keys <= b * seq + 2 * b * t
+
+
+def test_prefix_runs_key_documents_by_shifted_ids_or_by_rank_alike(monkeypatch):
+    """``prefix_runs`` sorts (document, token index) as one int64: the ids shifted to start at 0,
+    or — where ids lie too far apart for that — their ranks. A run's keys are its document's,
+    wherever the document sorts, so any one-to-one relabelling of the ids gives the same plan:
+    negative ids near -2³¹, ids relabelled out of order, and int64 ids 2⁵⁸ apart (the ranks'
+    path) plan exactly like small ones, and see exactly the causal document pairs."""
+    from seqplan.documents import prefix_runs
+
+    ids = np.array([[0] * 9 + [1] + [2] * 30 + [3] * 4, [7] * 3 + [8] * 37 + [9] * 4])
+    index = np.stack([np.r_[np.arange(22) * 2, np.arange(22) * 2 + 1]] * 2)  # each row zigzagged in two
+    b, seq = ids.shape
+    t = seq // 2
+    small = prefix_runs(ids[:, :t], ids, index[:, :t], index)
+    relabelled = {"negative": ids - 2 ** 31 + 20, "out of order": (ids * 7919) % 10007 - 5000,
+                  "2^58 apart": ids.astype(np.int64) << 58}
+    ranked = []
+    real_unique = np.unique
+    monkeypatch.setattr(np, "unique", lambda *a, **k: ranked.append(1) or real_unique(*a, **k))  # the ranks' path sorts
+    for name, far in relabelled.items():
+        assert len(real_unique(far)) == len(real_unique(ids))  # one-to-one
+        ranked.clear()
+        plan = prefix_runs(far[:, :t], far, index[:, :t], index)
+        assert bool(ranked) == (name == "2^58 apart"), name  # the path the test means to take
+        for field in ("cu_q", "cu_k", "key_index"):
+            assert np.array_equal(getattr(plan, field), getattr(small, field)), (name, field)
+        assert (plan.max_q, plan.max_k) == (small.max_q, small.max_k), name
+        assert np.array_equal(_prefix_pairs(plan, b, t, seq), _pairs_by_index(far[:, :t], far, index[:, :t], index))
 
 
 def test_prefix_runs_refuse_what_they_cannot_express():
