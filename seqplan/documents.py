@@ -243,6 +243,7 @@ def cached_plan(planner, *arrays, **flags):
         _PLANS.popitem(last=False)
     return plan
 
+
 def forget_plans() -> None:
     """Empty :func:`cached_plan`'s cache: the next call plans as a new batch's first call does. A
     benchmark that repeats one batch's ids would otherwise time every step after the first

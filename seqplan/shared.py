@@ -95,13 +95,12 @@ def spans_shards(ids_all) -> np.ndarray:
     starts[..., 1:] = ids_all[..., 1:] != ids_all[..., :-1]
     at = np.flatnonzero(starts)  # each run's first token (C order: shard, row, position)
     run_shard, run_row = at // (b * t), (at // t) % b
-    # a document is (row, id): the ids ranked first, so the pair stacks as integers whatever the
-    # ids' dtype (uint64 beside the row's intp would stack as float64 and merge ids past 2^53)
-    _, id_rank = np.unique(flat[at], return_inverse=True)
-    _, document = np.unique(np.stack([run_row, id_rank.reshape(-1)], 1), axis=0, return_inverse=True)
-    document = document.reshape(-1)
-    first = np.full(document.max() + 1, ring)
-    last = np.full(document.max() + 1, -1)
+    # a document is (row, id), numbered row · ids + the id's rank (ranked, not the id itself: any
+    # dtype, uint64 past 2^53 included, numbers exactly)
+    ranks, id_rank = np.unique(flat[at], return_inverse=True)
+    document = run_row * len(ranks) + id_rank.reshape(-1)
+    first = np.full(b * len(ranks), ring)
+    last = np.full(b * len(ranks), -1)
     np.minimum.at(first, document, run_shard)
     np.maximum.at(last, document, run_shard)
     spans = (first != last)[document]  # per run

@@ -31,11 +31,15 @@ def nested(a, b):
     return lambda x, at: lax.switch(at[0], [lambda x, br=br: br(x, at) for br in branches], x)
 
 
-def timed(fn, x, at, iters):
+def timed(fn, x, at, iters, factor: float):
+    """The step's first result checked (the branch ``at`` picks multiplies by ``factor``: exact in
+    float32), then timed."""
     step = jax.jit(fn)
     start = time.perf_counter()
-    jax.block_until_ready(step(x, at))
+    got = jax.block_until_ready(step(x, at))
     compile_s = time.perf_counter() - start
+    if not bool(jnp.all(got == x * factor)):
+        raise AssertionError(f"the switch ran the wrong branch: expected x * {factor}")
     for _ in range(10):
         jax.block_until_ready(step(x, at))
     times = []
@@ -64,7 +68,10 @@ def main():
         fn = flat(n) if kind == "flat" else nested(n, inner)
         leaves = n if inner is None else n * inner
         at = jnp.asarray([min(3, n - 1), min(2, (inner or 1) - 1)], jnp.int32)  # on the device: read back per call
-        row = {"kind": kind, "branches": n, "inner": inner, "leaves": leaves, **timed(fn, x, at, iters)}
+        i, j = (int(a) for a in at)
+        factor = 2.0 if kind == "flat" and n == 1 else (i + 1.0 if inner is None else i * inner + j + 1.0)
+        row = {"kind": kind, "branches": n, "inner": inner, "leaves": leaves, "checked": True,
+               **timed(fn, x, at, iters, factor)}
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out / "switch-cost.json").write_text(json.dumps(rows, indent=1))
