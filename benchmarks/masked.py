@@ -474,6 +474,22 @@ def jax_ms(fn, *args, iters=5, warmup=2) -> float:
     return float(np.median(times))
 
 
+def jax_queued_ms(fn, *args, steps=10, repeats=3) -> float:
+    """Wall ms per call with ``steps`` calls queued before one wait (the host running ahead of the
+    GPU, as a training loop's does), the median of ``repeats`` such runs. Beside :func:`jax_ms`,
+    whose every call pays the host's launch and the wait's wake-up (≈ 0.8–1.0 ms together for one FA3
+    varlen fwd+bwd call on an H200, 2026-11-29: docs/gpu/host-gaps-2026-11-29-h200.md)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready([fn(*args) for _ in range(steps)])
+        runs.append((time.perf_counter() - start) * 1e3 / steps)
+    return float(np.median(runs))
+
+
 def jax_anchor(seq: int, heads=32, kv_heads=8, d=128, problem=None) -> dict:
     """flash_attn3_jax's ``flash_mha_varlen`` (its own custom_vjp; causal, so the library's
     backward workspaces suffice: 64-row tiles) on the whole sequence's documents, checked at 4096
@@ -520,7 +536,8 @@ def jax_anchor(seq: int, heads=32, kv_heads=8, d=128, problem=None) -> dict:
     q, k, v, do, cu, longest = inputs(seq, problem.segment_ids()[0])
     fwd, step = programs(cu, longest)
     fwd_ms, step_ms = jax_ms(fwd, q, k, v), jax_ms(step, q, k, v, do)
-    return _anchor_result("flash_attn3_jax flash_mha_varlen (its own vjp)", problem, errors, fwd_ms, step_ms)
+    return _anchor_result("flash_attn3_jax flash_mha_varlen (its own vjp)", problem, errors, fwd_ms, step_ms,
+                          fwd_bwd_queued_ms=jax_queued_ms(step, q, k, v, do))
 
 
 def _window_cases(t: int, span, cat):

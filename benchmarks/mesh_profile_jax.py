@@ -15,7 +15,9 @@ from the compiled program's HLO, which XLA dumps; the shared-prefix call names i
 ``jax_impl.allgather.SCOPES``), and where the idle time sits: per step, the device span (first kernel
 to last) against the busy time, and the longest gaps inside a step with the kernels on either
 side (a gap after a small kernel that returns a value to the host — a ``lax.switch`` index, a
-sync — reads differently from one after a collective). Each row is written to
+sync — reads differently from one after a collective); and per GPU what the host was doing in
+those gaps and in XLA's per-execution phases (``host``: ``benchmarks.host_gaps`` on the same
+trace). Each row is written to
 ``$OUT/jax-profile/{mix}[-window{W}]-{mesh}-{layout}.json`` as it finishes, with the top kernels of
 GPU 0 (``WINDOW=W``: a sliding window (W, 0) on every path).
 
@@ -154,6 +156,16 @@ def idle_inside_steps(rows, steps: int, top: int = 10) -> dict:
             "longest_gaps": [{"ms": round(g, 3), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
+def host_side(trace_dir: str, gpus: int) -> dict:
+    """Per GPU, what the host did while that GPU idled inside a step and XLA's per-execution
+    phases (``benchmarks.host_gaps``: the trace's host events on the GPUs' clock), the ten longest
+    gaps listed."""
+    from benchmarks.host_gaps import summary
+
+    return {f"GPU:{gpu}": {k: v for k, v in summary(trace_dir, gpu, detail=10).items() if k != "trace"}
+            for gpu in range(gpus)}
+
+
 def summarize(kernels: dict, steps: int, send_recv, names: dict[str, str] | None = None) -> dict:
     from parity.capacity.exposure import exposed_times
 
@@ -252,6 +264,7 @@ def main() -> None:
                 kernels = device_kernels(trace_dir)
                 send_recv = ("p2p",) if spec.kv_exchange == "ring" and spec.ring > 1 else ("all-to-all",)
                 row.update(summarize(kernels, 3, send_recv, names))
+                row["host"] = host_side(trace_dir, len(kernels))
             except Exception as err:  # noqa: BLE001 — a profiler that cannot start is a row, not a crash
                 row["profile_error"] = f"{type(err).__name__}: {err}"[:300]
             del args

@@ -10,7 +10,9 @@ torch`` runs torch_impl the same way against the faster of FA4's and FA2's varle
    dk, dv (≤ 2e-2 passes). A mix whose check fails is not timed.
 2. **Time** — fwd+bwd and fwd at ``--seq``, 32 / 8 heads, d 128, bf16, the ids a program argument
    (median of ``--iters``, each step waited for), beside ``benchmarks.masked.jax_anchor``
-   (flash_attn3_jax ``flash_mha_varlen`` on the same ids, checked at 4096 tokens).
+   (flash_attn3_jax ``flash_mha_varlen`` on the same ids, checked at 4096 tokens); and fwd+bwd
+   with ten steps queued before one wait (``queued_ratio``: the host's launch and the wait's
+   wake-up, paid by every waited step on both sides, hidden as in a training loop).
 
 Rows go to ``OUT/one-gpu-documents.json`` as they come (a killed call keeps them), the table to
 ``.md`` at the end.
@@ -92,7 +94,7 @@ def timed(mix: str, seq: int, backend: str, iters: int, warmup: int, heads=32, k
     import jax.numpy as jnp
 
     from benchmarks.common import Problem
-    from benchmarks.masked import jax_anchor, jax_ms
+    from benchmarks.masked import jax_anchor, jax_ms, jax_queued_ms
     from jax_impl.block import device_kind_of, resolve_backend
     from seqplan.schedule import BlockMask, MaskKind
 
@@ -106,6 +108,7 @@ def timed(mix: str, seq: int, backend: str, iters: int, warmup: int, heads=32, k
     compile_s = time.perf_counter() - began
     step_ms = jax_ms(step, q, k, v, do, ids, iters=iters, warmup=warmup)
     fwd_ms = jax_ms(forward, q, k, v, ids, iters=iters, warmup=warmup)
+    queued_ms = jax_queued_ms(step, q, k, v, do, ids)
     anchor = jax_anchor(seq, heads, kv_heads, d, problem=problem)
     kernel = resolve_backend(backend, device_kind=device_kind_of(q), dtype="bfloat16",
                              mask=BlockMask(MaskKind.CAUSAL, documents=True))
@@ -116,6 +119,8 @@ def timed(mix: str, seq: int, backend: str, iters: int, warmup: int, heads=32, k
             "anchor_ms": anchor["fwd_bwd_ms"],
             "anchor_fwd_ms": anchor["fwd_ms"], "anchor_tflops": anchor["tflops_fwd_bwd"],
             "anchor_verified": anchor["verified"], "ratio": anchor["fwd_bwd_ms"] / step_ms,
+            "impl_queued_ms": queued_ms, "anchor_queued_ms": anchor["fwd_bwd_queued_ms"],
+            "queued_ratio": anchor["fwd_bwd_queued_ms"] / queued_ms,
             "fwd_ratio": anchor["fwd_ms"] / fwd_ms}
 
 
@@ -128,16 +133,17 @@ def markdown(rows: list[dict], command: str, versions: dict) -> str:
         lines.append(f"| {r['framework']} | {r['mix']} | {r['seq']} | {e['o']:.1e} / {e['dq']:.1e} / {e['dk']:.1e} / "
                      f"{e['dv']:.1e} | {r['passed']} |")
     lines += ["", "| framework | mix | tokens | documents | kernel | fwd+bwd ms (TFLOP/s) | anchor | anchor ms (TFLOP/s) "
-              "| ÷ anchor | fwd ms / anchor fwd ms | ÷ anchor fwd | anchor verified |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| ÷ anchor | fwd ms / anchor fwd ms | ÷ anchor fwd | queued ms / anchor queued ms | ÷ anchor queued "
+              "| anchor verified |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["kind"] == "time"):
         if "error" in r:
-            lines.append(f"| {r['framework']} | {r['mix']} | {r['seq']} | | | {r['error']} | | | | | | |")
+            lines.append(f"| {r['framework']} | {r['mix']} | {r['seq']} | | | {r['error']} | | | | | | | | |")
             continue
         lines.append(f"| {r['framework']} | {r['mix']} | {r['seq']} | {r['documents']} | {r['kernel']} | "
                      f"{r['impl_ms']:.2f} ({r['impl_tflops']:.0f}) | {r['anchor_kernel']} | {r['anchor_ms']:.2f} "
                      f"({r['anchor_tflops']:.0f}) | **{r['ratio']:.3f}** | {r['impl_fwd_ms']:.2f} / "
-                     f"{r['anchor_fwd_ms']:.2f} | {r['fwd_ratio']:.3f} | {r['anchor_verified']} |")
+                     f"{r['anchor_fwd_ms']:.2f} | {r['fwd_ratio']:.3f} | {_queued(r)} | {r['anchor_verified']} |")
     stream = [r for r in rows if r["kind"] == "stream"]
     if stream:
         lines += ["", "FA4's compile stream (torch_impl fwd+bwd, new ids every batch; `max_seqlen` bucketed or the "
@@ -150,6 +156,13 @@ def markdown(rows: list[dict], command: str, versions: dict) -> str:
         lines += [f"| {r['bucketed']} | {r['batch']} | {r['mix']} | {r['longest']} | {r['max_seqlen']} | {r['ms']:.1f} "
                   f"| {r['new_variants']} |" for r in stream]
     return "\n".join(lines) + "\n"
+
+
+def _queued(row: dict) -> str:
+    """The queued columns (rows without them: torch's, and JAX rows from before 2026-11-29)."""
+    if "queued_ratio" not in row:
+        return " | "
+    return f"{row['impl_queued_ms']:.2f} / {row['anchor_queued_ms']:.2f} | **{row['queued_ratio']:.3f}**"
 
 
 def _side(framework: str):

@@ -73,10 +73,13 @@
 #              the repeated ids hide from the default rows)
 #   d128       issue 46: 128k tokens, the three balance mixes, both frameworks: all-gather KV and
 #              USP-all-gather on the hybrid, whole gather and shared prefix, anchors beside
-#   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes
+#   jaxprof    issue 46: jax_impl's kernels / NCCL / idle per GPU on the same mixes, and per GPU what the host did
+#              in the idle gaps and XLA's per-execution phases (the rows' "host": benchmarks.host_gaps)
 #   torchprofhost issue 46: torch's short-mix shared-prefix step profiled with the ids on the device, then on the host,
 #              each with every rank's GPU idle gaps and the host call behind each (STACKS=1: benchmarks/trace_gaps.py)
 #   conddoc    issue 46: JAX's short-mix shared-prefix row, XLA's conditionals on the host (default) then on the device
+#              — retired 2026-11-29: the flag moves no conditional whose branches hold FFI calls (all of these;
+#              docs/gpu/host-gaps-2026-11-29-h200.md §3), so both rows run the same program
 #   groups     issue 46: JAX, the shared-prefix paths on the three mixes with the one call's backward
 #              as one call (RINGBRIDGE_BACKWARD_GROUPS=1, the default) then in two groups (2), side by side
 #   llama      issue 48: the whole model on 4 GPUs (torch; LLAMA overrides the arguments, e.g.
@@ -96,7 +99,9 @@
 #              kind, NCCL, copies, the host's syncs and cProfile), each checked at 4096 tokens first
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
 #   cond       issue 47: JAX's zigzag rings at 128k with XLA's conditionals kept on the device
-#              (--xla_gpu_enable_command_buffer=+CONDITIONAL) beside the default, same call
+#              (--xla_gpu_enable_command_buffer=+CONDITIONAL) beside the default, same call — meaningful only where
+#              the branches' kernels may be recorded into a CUDA graph (XLA's cuDNN calls); a branch holding an FA3
+#              FFI call keeps its conditional on the host (docs/gpu/host-gaps-2026-11-29-h200.md §3)
 #   prio       issue 47: torch's three rings at 128k, NCCL on a normal then a high-priority stream
 #   tier       issues 46 / 47: the one-GPU tier's fa4 and window checks (FA4's dense, window and varlen entries)
 #   gqa        issue 47: do aten_cudnn / aten_flash take GQA K/V as they are (checked against float32,

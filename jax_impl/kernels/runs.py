@@ -166,17 +166,22 @@ class LengthChoice:
     at: jax.Array
 
 
-def length_choice(ladder, t: int, s: int, longest) -> LengthChoice:
+def length_choice(ladder, t: int, s: int, longest, least: int = 1) -> LengthChoice:
     """The smallest of ``ladder`` that bounds the ``longest`` run (traced), as (max_q, max_k) for a
     t x s block (each bound capped at the block's own lengths, equal pairs compiled once).
+    ``least``: the caller's floor on ``longest`` (a row of at most m runs covering its t tokens
+    has a run of at least t / m): bounds below it are never picked, so they are not compiled.
 
     Why a choice inside the kernel call and not one variant per bound: every variant of a
     ``lax.switch`` is its own code — the run lists, the packed keys, the scatter of dK / dV —
     and the bound changes only the kernel's grid; with the bound as a second switch around the
     FFI call alone, that code is compiled once per run-slot count, not once per (slots, bound)
-    (the one call's backward: 7 x 11 variants became 7, each with one 11-way kernel switch)."""
+    (the one call's backward: 7 x 11 variants became 7, each with one 11-way kernel switch).
+    Each compiled bound still costs the host on every execution (XLA prepares every kernel call
+    of every branch: ≈ 0.2–0.5 µs each on an H200, docs/gpu/host-gaps-2026-11-29-h200.md)."""
     if ladder[-1] < max(t, s):  # a run may be max(t, s) long: a smaller last bound would drop tiles silently
         raise ValueError(f"a length ladder must end at max(t, s) = {max(t, s)} or above, got {ladder}")
+    ladder = [bound for bound in ladder if bound >= least] or [ladder[-1]]  # the smallest picked holds least
     capped = [(min(bound, t), min(bound, s)) for bound in ladder]
     bounds = tuple(dict.fromkeys(capped))  # distinct, in the ladder's order
     index = np.asarray([bounds.index(pair) for pair in capped], np.int32)
@@ -305,15 +310,18 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
     ok, most = expressible(q_ids, kv_ids, causal, limit=sizes[-1])
     if valid is not None:
         ok = ok & valid
-    with_lengths = lambda runs: runs
+    with_lengths = lambda runs, m: runs
     if lengths:
         bounds = (ladder or (causal_length_ladder if causal else length_ladder))(max(t, s))
         # a form that knows its longest run (``runs.longest``: a causal block's, from its offsets)
         # bounds its own kernel; the ids' longest run (a scatter-add of every token into its run)
         # serves the others, and XLA drops it where no variant reads it
         ids_choice = length_choice(bounds, t, s, jnp.maximum(_longest_run(q_ids), _longest_run(kv_ids)))
-        with_lengths = lambda runs: runs.bounded_by(
-            ids_choice if runs.longest is None else length_choice(bounds, t, s, runs.longest))
+        # runs that cover the block (a causal block's own) put at most m runs on each row's t
+        # tokens, so the longest has at least ceil(t / m) keys: no smaller bound is compiled
+        with_lengths = lambda runs, m: runs.bounded_by(
+            ids_choice if runs.longest is None else
+            length_choice(bounds, t, s, runs.longest, least=-(-t // m) if runs.covers_block else 1))
 
     variants, boundary_ok = {}, False
     if boundary and not causal:  # tried first: no gather of keys, no scatter of dK / dV
@@ -321,7 +329,7 @@ def fused_branches(segments, causal: bool, kernel, slots=None, form=None, *, bou
         boundary_ok = edge.ok & (True if valid is None else valid)
         variants[(*prefix, BOUNDARY)] = lambda: kernel(edge)
     for m in sizes:
-        variants[(*prefix, *runs_variant(m))] = lambda m=m: kernel(with_lengths(form(q_ids, kv_ids, causal, m)))
+        variants[(*prefix, *runs_variant(m))] = lambda m=m: kernel(with_lengths(form(q_ids, kv_ids, causal, m), m))
     return variants, runs_choice(ok, most, sizes, boundary_ok, prefix)
 
 

@@ -372,6 +372,40 @@ def test_jax_length_ladder_bounds_the_longest_run():
             assert got == min(b for b in ladder(t) if b >= longest), (causal, longest)
 
 
+def test_a_causal_block_compiles_no_bound_its_slots_cannot_reach():
+    """A causal block's runs cover its t tokens, so at m run slots its longest run has at least
+    ceil(t / m) keys: ``fused_branches`` compiles no smaller bound for that slot count (each
+    compiled bound is one more kernel call the host prepares on every execution). The bound picked
+    is still the smallest of the whole ladder holding the longest run, for run counts on every
+    slot size and over them (the portable kernel)."""
+    pytest.importorskip("jax")
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    t, slots, ladder = 4096, (4, 16, 64), runs.causal_length_ladder(4096)
+    compiled = {}
+
+    def kernel(r):
+        compiled[r.cu_q.shape[0] - 1] = r.bounds  # static: recorded as each variant is traced
+        return jnp.int32(r.chosen_bound()[0])
+
+    pick = jax.jit(lambda ids: runs.dispatch((ids, ids), True, kernel, lambda: jnp.int32(-1), slots=slots,
+                                             lengths=True))
+    rng = np.random.default_rng(0)
+    for documents in (1, 2, 4, 5, 9, 16, 17, 40, 64, 65, 300):
+        cuts = np.sort(rng.choice(np.arange(1, t), documents - 1, replace=False))
+        lengths = np.diff(np.r_[0, cuts, t])
+        ids = jnp.asarray(np.repeat(np.arange(documents), lengths).astype(np.int32)[None])
+        want = min(b for b in ladder if b >= lengths.max()) if documents <= slots[-1] else -1
+        assert int(pick(ids)) == want, documents
+    assert sorted(compiled) == list(slots)
+    for m, bounds in compiled.items():
+        assert [q for q, _ in bounds] == [b for b in ladder if b * m >= t], m
+    assert len(compiled[4]) == 9 < len(compiled[16]) == len(compiled[64]) == len(ladder) == 17
+
+
 def test_jax_run_lists_are_pytrees_with_static_flags():
     """The run lists are typed pytrees: their arrays are the leaves (a forward keeps the
     all-gather plans as custom_vjp residuals, which take arrays only), ``identity`` and the

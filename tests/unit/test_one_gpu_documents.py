@@ -43,10 +43,16 @@ def test_the_table_shows_ratios_and_failures():
     rows = [{"kind": "time", "framework": "jax", "mix": "short", "seq": 32768, "documents": 35, "kernel": "fa3_varlen",
              "impl_ms": 6.0, "impl_tflops": 330.0, "anchor_kernel": "flash_mha_varlen", "anchor_ms": 5.4,
              "anchor_tflops": 370.0, "ratio": 0.9, "impl_fwd_ms": 1.7, "anchor_fwd_ms": 1.5, "fwd_ratio": 0.88,
-             "anchor_verified": True},
+             "anchor_verified": True, "impl_queued_ms": 5.3, "anchor_queued_ms": 4.9, "queued_ratio": 4.9 / 5.3},
+            {**{"kind": "time", "framework": "torch", "mix": "short", "seq": 32768, "documents": 35, "kernel": "fa4",
+                "impl_ms": 6.0, "impl_tflops": 330.0, "anchor_kernel": "fa4 varlen", "anchor_ms": 5.7,
+                "anchor_tflops": 350.0, "ratio": 0.95, "impl_fwd_ms": 1.7, "anchor_fwd_ms": 1.6, "fwd_ratio": 0.94,
+                "anchor_verified": True}},  # no queued columns: left blank, not zero
             {"kind": "time", "framework": "torch", "mix": "few-long", "seq": 32768, "error": "OutOfMemoryError"}]
     table = one_gpu_documents.markdown(rows, "cmd", {})
     assert "**0.900**" in table and "| torch | few-long | 32768 | | | OutOfMemoryError |" in table
+    assert "| 5.30 / 4.90 | **0.925** | True |" in table and "| 0.940 |  |  | True |" in table
+    assert all(line.count("|") == table.splitlines()[-1].count("|") for line in table.splitlines() if "32768" in line)
 
 
 def test_torch_side_checks_and_streams_on_the_cpu(tmp_path):
