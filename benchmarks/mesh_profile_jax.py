@@ -156,14 +156,19 @@ def idle_inside_steps(rows, steps: int, top: int = 10) -> dict:
             "longest_gaps": [{"ms": round(g, 3), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
-def host_side(trace_dir: str, gpus: int) -> dict:
-    """Per GPU, what the host did while that GPU idled inside a step and XLA's per-execution
-    phases (``benchmarks.host_gaps``: the trace's host events on the GPUs' clock), the ten longest
-    gaps listed."""
-    from benchmarks.host_gaps import summary
+def host_side(trace_dir: str) -> dict:
+    """Per GPU of the trace, what the host did while that GPU idled inside a step, and XLA's
+    per-execution phases step by step (``benchmarks.host_gaps``: the trace's host events on the
+    GPUs' clock; the phases are the whole host's, the same under every GPU), the ten longest gaps
+    listed. A trace it cannot read is the row's ``host_error``, not a lost profile."""
+    from benchmarks.host_gaps import read_trace, summary
 
-    return {f"GPU:{gpu}": {k: v for k, v in summary(trace_dir, gpu, detail=10).items() if k != "trace"}
-            for gpu in range(gpus)}
+    try:
+        trace = read_trace(trace_dir)
+        return {"host": {f"GPU:{gpu}": {k: v for k, v in summary(trace, gpu, detail=10).items() if k != "trace"}
+                         for gpu in sorted(trace.devices)}}
+    except Exception as err:  # noqa: BLE001 — the device half of the row stands without it
+        return {"host_error": f"{type(err).__name__}: {err}"[:300]}
 
 
 def summarize(kernels: dict, steps: int, send_recv, names: dict[str, str] | None = None) -> dict:
@@ -264,7 +269,7 @@ def main() -> None:
                 kernels = device_kernels(trace_dir)
                 send_recv = ("p2p",) if spec.kv_exchange == "ring" and spec.ring > 1 else ("all-to-all",)
                 row.update(summarize(kernels, 3, send_recv, names))
-                row["host"] = host_side(trace_dir, len(kernels))
+                row.update(host_side(trace_dir))
             except Exception as err:  # noqa: BLE001 — a profiler that cannot start is a row, not a crash
                 row["profile_error"] = f"{type(err).__name__}: {err}"[:300]
             del args

@@ -178,7 +178,7 @@ def length_choice(ladder, t: int, s: int, longest, least: int = 1) -> LengthChoi
     FFI call alone, that code is compiled once per run-slot count, not once per (slots, bound)
     (the one call's backward: 7 x 11 variants became 7, each with one 11-way kernel switch).
     Each compiled bound still costs the host on every execution (XLA prepares every kernel call
-    of every branch: ≈ 0.2–0.5 µs each on an H200, docs/gpu/host-gaps-2026-11-29-h200.md)."""
+    of every branch: ≈ 0.3–0.45 µs each on an H200, docs/gpu/host-gaps-2026-11-29-h200.md)."""
     if ladder[-1] < max(t, s):  # a run may be max(t, s) long: a smaller last bound would drop tiles silently
         raise ValueError(f"a length ladder must end at max(t, s) = {max(t, s)} or above, got {ladder}")
     ladder = [bound for bound in ladder if bound >= least] or [ladder[-1]]  # the smallest picked holds least

@@ -388,7 +388,7 @@ def test_a_causal_block_compiles_no_bound_its_slots_cannot_reach():
     compiled = {}
 
     def kernel(r):
-        compiled[r.cu_q.shape[0] - 1] = r.bounds  # static: recorded as each variant is traced
+        compiled[(r.cu_q.shape[0] - 1) // r.covered_q.shape[0]] = r.bounds  # slots a row; static: recorded at trace time
         return jnp.int32(r.chosen_bound()[0])
 
     pick = jax.jit(lambda ids: runs.dispatch((ids, ids), True, kernel, lambda: jnp.int32(-1), slots=slots,
@@ -400,6 +400,10 @@ def test_a_causal_block_compiles_no_bound_its_slots_cannot_reach():
         ids = jnp.asarray(np.repeat(np.arange(documents), lengths).astype(np.int32)[None])
         want = min(b for b in ladder if b >= lengths.max()) if documents <= slots[-1] else -1
         assert int(pick(ids)) == want, documents
+    # two rows, runs of exactly t / m keys (the floor itself): 4 of 1,024 and 16 of 256 — 16 slots, bound 1,024
+    rows = np.stack([np.repeat(np.arange(4), t // 4), np.repeat(np.arange(16), t // 16)]).astype(np.int32)
+    assert int(pick(jnp.asarray(rows))) == 1024
+    assert int(pick(jnp.asarray(rows[1:]))) == 256 and int(pick(jnp.asarray(rows[:1]))) == 1024
     assert sorted(compiled) == list(slots)
     for m, bounds in compiled.items():
         assert [q for q, _ in bounds] == [b for b in ladder if b * m >= t], m

@@ -4,10 +4,10 @@ with the program's kernel call sites. ``VARIANT``:
 
 - ``base``: the library as committed.
 - ``coarse4``: a causal block's backward length ladder cut to n/8, n/4, n/2, n (4 bounds a slot
-  count instead of 29 at 32k: 44 backward FFI call sites instead of 290) — a diagnostic of the
+  count instead of 29 at 32k: 40 backward FFI call sites instead of 290) — a diagnostic of the
   host's cost per call site, not a proposal (the kernel then launches idle tiles).
 - ``noprune``: the library with every bound compiled at every slot count, as before this session
-  (``runs.length_choice`` ignoring its ``least``): 290 backward call sites at 32k against 221.
+  (``runs.length_choice`` ignoring its ``least``): 290 backward call sites at 32k against 222.
 - ``anchor``: no library: flash_attn3_jax's ``flash_mha_varlen`` fwd+bwd on the same ids, checked
   (``benchmarks.masked.jax_anchor``: against the portable kernel at 4,096 tokens), timed as the
   profile times a path (waited, queued) and traced the same way, into TRACE_DIR.
