@@ -156,6 +156,29 @@ def idle_inside_steps(rows, steps: int, top: int = 10) -> dict:
             "longest_gaps": [{"ms": round(g, 3), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
+def step_times(both, args, warmup: int = 2, steps: int = 5) -> dict:
+    """A compiled step's wall times as the profile reports them: each step waited for (median and
+    every one), the host's share (how long the call takes to return, no wait) and the step with
+    ``steps`` queued before one wait (the host running ahead)."""
+    for _ in range(warmup):
+        jax.block_until_ready(both(*args))
+    walls, dispatch = [], []
+    for _ in range(steps):
+        began = time.perf_counter()
+        jax.block_until_ready(both(*args))
+        walls.append((time.perf_counter() - began) * 1e3)
+    for _ in range(steps):
+        began = time.perf_counter()
+        out = both(*args)
+        dispatch.append((time.perf_counter() - began) * 1e3)
+        jax.block_until_ready(out)
+    began = time.perf_counter()
+    jax.block_until_ready([both(*args) for _ in range(steps)])
+    return {"wall_ms_median": statistics.median(walls), "walls_ms": walls,
+            "dispatch_ms_median": statistics.median(dispatch),
+            "queued_ms_per_step": (time.perf_counter() - began) * 1e3 / steps}
+
+
 def host_side(trace_dir: str) -> dict:
     """Per GPU of the trace, what the host did while that GPU idled inside a step, and XLA's
     per-execution phases step by step (``benchmarks.host_gaps``: the trace's host events on the
@@ -241,24 +264,7 @@ def main() -> None:
             row["compile_s"] = round(time.perf_counter() - began, 1)
             names = op_names(new_hlo(before))
             row["hlo_kernels_named"] = len(names)
-            for _ in range(2):
-                jax.block_until_ready(both(*args))
-            walls = []
-            for _ in range(5):
-                began = time.perf_counter()
-                jax.block_until_ready(both(*args))
-                walls.append((time.perf_counter() - began) * 1e3)
-            row["wall_ms_median"], row["walls_ms"] = statistics.median(walls), walls
-            dispatch = []
-            for _ in range(5):  # the host's share: how long the call takes to return (no wait)
-                began = time.perf_counter()
-                out = both(*args)
-                dispatch.append((time.perf_counter() - began) * 1e3)
-                jax.block_until_ready(out)
-            began = time.perf_counter()
-            jax.block_until_ready([both(*args) for _ in range(5)])  # queued: the host runs ahead
-            row["dispatch_ms_median"] = statistics.median(dispatch)
-            row["queued_ms_per_step"] = (time.perf_counter() - began) * 1e3 / 5
+            row.update(step_times(both, args))
             row["tflops_per_gpu"] = problem.flops(False) / (row["wall_ms_median"] * 1e-3) / spec.devices / 1e12
             trace_dir = f"/tmp/jaxprof-4gpu/{mix}{TAG}-{mesh_name}-{layout}"
             try:

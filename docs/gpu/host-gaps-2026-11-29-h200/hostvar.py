@@ -18,7 +18,6 @@ with the program's kernel call sites. ``VARIANT``:
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -33,6 +32,7 @@ def anchor(out_dir: str, seq: int, mix: str) -> None:
 
     from benchmarks.common import Problem
     from benchmarks.masked import jax_anchor
+    from benchmarks.mesh_profile_jax import step_times
 
     heads, kv_heads, d = 32, 8, 128
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents=mix)
@@ -53,23 +53,13 @@ def anchor(out_dir: str, seq: int, mix: str) -> None:
         return o, pull(do)
 
     args = (q, k, v, do)
-    for _ in range(3):
-        jax.block_until_ready(both(*args))
-    walls = []
-    for _ in range(5):
-        began = time.perf_counter()
-        jax.block_until_ready(both(*args))
-        walls.append((time.perf_counter() - began) * 1e3)
-    began = time.perf_counter()
-    jax.block_until_ready([both(*args) for _ in range(5)])
-    queued = (time.perf_counter() - began) * 1e3 / 5
+    times = step_times(both, args, warmup=3)  # as ran on 11-29 but for its dispatch field, measured since
     trace_dir = f"/tmp/jaxprof-4gpu/{mix}-anchor"
     with jax.profiler.trace(trace_dir):
         for _ in range(3):
             jax.block_until_ready(both(*args))
             time.sleep(0.03)
-    row = {"mix": mix, "seq": seq, "anchor": checked, "wall_ms_median": statistics.median(walls), "walls_ms": walls,
-           "queued_ms_per_step": queued, "trace_dir": trace_dir}
+    row = {"mix": mix, "seq": seq, "anchor": checked, **times, "trace_dir": trace_dir}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{mix}-anchor.json"), "w") as f:
         json.dump(row, f, indent=1, default=str)
