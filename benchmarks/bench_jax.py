@@ -5,7 +5,8 @@ installed), jax_impl in each mesh shape and block backend, and flash_attn3_jax's
     python -m benchmarks.bench_jax --out rows.json [--seqs 32768,131072] [--meshes ring-r4,usp-r2xu2]
 
 Times are medians of ``--iters`` runs of one jitted program (forward, or forward+backward via
-``jax.vjp``), each waited for with ``block_until_ready``; memory is XLA's compiled memory
+``jax.vjp``), each waited for with ``block_until_ready`` (and ``extra.queued_ms``: ``--iters`` runs
+queued before one wait, per run); memory is XLA's compiled memory
 analysis per device (arguments + outputs + temporaries): JAX cannot reset its runtime peak.
 """
 
@@ -62,6 +63,15 @@ def _time(fn, args, iters: int, warmup: int) -> list[float]:
     return times
 
 
+def _queued_ms(fn, args, steps: int) -> float:
+    """ms a step with ``steps`` steps queued before one wait: the host running ahead, as in a
+    training loop; beside the waited medians, which also count the host's launch and the wait's
+    wake-up every step (docs/gpu/host-gaps-2026-11-29-h200.md)."""
+    began = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(steps)])
+    return (time.perf_counter() - began) * 1e3 / steps
+
+
 def _compiled_bytes(fn, args) -> float | None:
     try:
         m = fn.lower(*args).compile().memory_analysis()
@@ -104,6 +114,7 @@ def _measure(row: Row, problem: Problem, attention, sharding, iters: int, warmup
         jax.block_until_ready(fn(*args))  # the compilation, timed apart from the warmup
         row.extra["compile_s"] = round(time.perf_counter() - began, 1)
         times = _time(fn, args, iters, warmup)
+        row.extra["queued_ms"] = round(_queued_ms(fn, args, iters), 4)
         finish(row, problem, times, _compiled_bytes(fn, args))
     except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
         row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"

@@ -67,6 +67,20 @@ def _time(step, iters: int, warmup: int, group=None) -> list[float]:
     return times
 
 
+def _queued_ms(step, steps: int, group=None) -> float:
+    """ms a step with ``steps`` steps issued back to back between two events (the host running
+    ahead, as in a training loop), beside the per-step event times, each of which also counts the
+    host's launch of its first kernels."""
+    dist.barrier(group=group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def _worst(value: float, group=None) -> float:
     t = torch.tensor([value], device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -85,6 +99,7 @@ def _measure(row: Row, problem: Problem, make_step, iters: int, warmup: int, gro
         median = sorted(times)[len(times) // 2]
         worst = _worst(median, group)
         times = [t * worst / median for t in times]  # this rank's spread, at the slowest rank's median
+        row.extra["queued_ms"] = round(_worst(_queued_ms(step, iters, group), group), 4)
         finish(row, problem, times, _worst(peak, group))
     except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
         error = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"

@@ -445,6 +445,8 @@ def anchor_row(framework: str, problem: Problem, result: dict, fwd_only: bool = 
         return row
     row.ms_per_iter = result["fwd_ms" if fwd_only else "fwd_bwd_ms"]
     row.tflops_per_gpu = problem.flops(fwd_only) / (row.ms_per_iter * 1e-3) / 1e12
+    if not fwd_only and result.get("fwd_bwd_queued_ms"):  # the anchors that time one (benchmarks.masked)
+        row.extra["queued_ms"] = round(result["fwd_bwd_queued_ms"], 4)
     return row
 
 

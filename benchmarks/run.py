@@ -49,12 +49,22 @@ def _versions() -> dict:
     return out
 
 
+def queued_tflops(row: dict) -> float | None:
+    """The row's TFLOP/s per GPU at its queued step time (``extra.queued_ms``: the host running
+    ahead), or None where it has none."""
+    queued = row.get("extra", {}).get("queued_ms")
+    if not queued or not row.get("tflops_per_gpu") or not row.get("ms_per_iter"):
+        return None
+    return row["tflops_per_gpu"] * row["ms_per_iter"] / queued
+
+
 def add_efficiency(rows: list[dict]) -> list[dict]:
     """efficiency = TFLOP/s/GPU over the best same-mode single-GPU ceiling of the row's framework;
     with packed documents, over its framework's varlen anchor on the same ids (same documents,
     same fitting); with a sliding window (no documents), over its framework's window anchor with
     the same window (timed at the ceiling's length: a window's work per token does not grow with
-    the length) — all counted on the visible pairs."""
+    the length) — all counted on the visible pairs. ``queued_efficiency``: the same at both sides'
+    queued step times (:func:`queued_tflops`), where both have one."""
     def family(r):
         return "jax" if r["framework"] in JAX_FRAMEWORKS else "torch"
 
@@ -65,27 +75,34 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
     def window_key(r):
         return family(r), tuple(r.get("extra", {}).get("window") or ())
 
-    best, anchors, windows = {}, {}, {}
-    for r in rows:
-        if r["framework"].endswith("_ceiling") and r.get("tflops_per_gpu"):
-            key = (family(r), r["fwd_only"])
-            best[key] = max(best.get(key, 0.0), r["tflops_per_gpu"])
-        if r["framework"].endswith("_varlen_anchor") and r.get("tflops_per_gpu"):
-            anchors[ids_key(r)] = r["tflops_per_gpu"]
-        if r["framework"].endswith("_window_anchor") and r.get("tflops_per_gpu"):
-            windows[window_key(r)] = r["tflops_per_gpu"]
-    for r in rows:
+    def reference_of(r):
+        """(table, key) of the reference ``r`` is measured against, or None."""
         documents = r.get("extra", {}).get("documents") not in (None, "none")
         windowed = not documents and bool(r.get("extra", {}).get("window"))
         if r["fwd_only"] and (documents or windowed):
-            ceiling = None  # the anchors are timed forward + backward only
-        elif documents:
-            ceiling = anchors.get(ids_key(r))
-        elif windowed:
-            ceiling = windows.get(window_key(r))
-        else:
-            ceiling = best.get((family(r), r["fwd_only"]))
-        r["efficiency"] = r["tflops_per_gpu"] / ceiling if ceiling and r.get("tflops_per_gpu") else None
+            return None  # the anchors are timed forward + backward only
+        if documents:
+            return "anchors", ids_key(r)
+        if windowed:
+            return "windows", window_key(r)
+        return "best", (family(r), r["fwd_only"])
+
+    for field, rate in (("efficiency", lambda r: r.get("tflops_per_gpu")), ("queued_efficiency", queued_tflops)):
+        tables: dict[str, dict] = {"best": {}, "anchors": {}, "windows": {}}
+        for r in rows:
+            if not rate(r):
+                continue
+            if r["framework"].endswith("_ceiling"):
+                key = (family(r), r["fwd_only"])
+                tables["best"][key] = max(tables["best"].get(key, 0.0), rate(r))
+            if r["framework"].endswith("_varlen_anchor"):
+                tables["anchors"][ids_key(r)] = rate(r)
+            if r["framework"].endswith("_window_anchor"):
+                tables["windows"][window_key(r)] = rate(r)
+        for r in rows:
+            where = reference_of(r)
+            reference = tables[where[0]].get(where[1]) if where else None
+            r[field] = rate(r) / reference if reference and rate(r) else None
     return rows
 
 
@@ -143,16 +160,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "`*_varlen_anchor`). Memory: torch max_memory_allocated; JAX compiled memory analysis "
              "(arguments + outputs + temporaries); ×floor: over q, k, v, o, lse, one arriving K/V pair (+ dq, dk, "
              "dv, do and the float32 dK/dV accumulator and its travelling copy) — `Problem.floor_terms`.", "",
+             "Queued: ms per step with the run's steps queued before one wait (the host running ahead, as in "
+             "training), and the efficiency at both sides' queued times.", "",
              "| framework | strategy | layout | seq_len | ulysses | ring | fwd_only | backend | iters/s | ms/iter "
-             "| spread ms | peak MB/dev | ×floor | TFLOP/s/GPU | efficiency | verified | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| spread ms | queued ms | peak MB/dev | ×floor | TFLOP/s/GPU | efficiency | queued efficiency | verified "
+             "| note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append("| " + " | ".join([
             r["framework"], r["strategy"], _layout_cell(r), str(r["seq_len"]), str(r["ulysses"]), str(r["ring"]),
             "fwd" if r["fwd_only"] else "fwd+bwd", _backend_cell(r.get("extra", {})),
             _fmt(r.get("iters_per_s"), ".2f"), _fmt(r.get("ms_per_iter"), ".2f"), _fmt(r.get("ms_spread"), ".2f"),
+            _fmt(r.get("extra", {}).get("queued_ms"), ".2f"),
             _fmt(r.get("peak_mb_per_device"), ".0f"), _fmt(r.get("memory_vs_floor"), ".2f"),
-            _fmt(r.get("tflops_per_gpu"), ".1f"), _fmt(r.get("efficiency"), ".2f"),
+            _fmt(r.get("tflops_per_gpu"), ".1f"), _fmt(r.get("efficiency"), ".2f"), _fmt(r.get("queued_efficiency"), ".2f"),
             {True: "yes", False: "**FAILED**", None: "—"}[r.get("verified")],
             (_replay_note(r.get("extra", {})) + (r.get("note") or "")).replace("|", "/")[:160]]) + " |")
     return "\n".join(lines) + "\n"
