@@ -44,6 +44,7 @@ from .common import (
     mesh_rows,
     one_call_record,
     problem_masks,
+    record_queued,
     row_problem,
     shared_arguments,
     weak_paths,
@@ -114,7 +115,7 @@ def _measure(row: Row, problem: Problem, attention, sharding, iters: int, warmup
         jax.block_until_ready(fn(*args))  # the compilation, timed apart from the warmup
         row.extra["compile_s"] = round(time.perf_counter() - began, 1)
         times = _time(fn, args, iters, warmup)
-        row.extra["queued_ms"] = round(_queued_ms(fn, args, iters), 4)
+        record_queued(row, lambda: _queued_ms(fn, args, iters))
         finish(row, problem, times, _compiled_bytes(fn, args))
     except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
         row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"

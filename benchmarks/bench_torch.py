@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import traceback
 
@@ -39,6 +40,7 @@ from .common import (
     mesh_rows,
     one_call_record,
     problem_masks,
+    record_queued,
     row_problem,
     shared_arguments,
     weak_paths,
@@ -81,6 +83,20 @@ def _queued_ms(step, steps: int, group=None) -> float:
     return start.elapsed_time(end) / steps
 
 
+def _worst_queued(step, steps: int, group=None) -> float:
+    """The slowest rank's :func:`_queued_ms`. Every rank reaches the reduction, a rank whose own
+    timing failed with NaN, so that no rank waits in it alone; the row then has no queued time."""
+    try:
+        mine = _queued_ms(step, steps, group)
+    except Exception:  # noqa: BLE001 — reported through the reduction, below
+        traceback.print_exc()
+        mine = float("nan")
+    worst = _worst(mine, group)
+    if not math.isfinite(worst):
+        raise RuntimeError("a rank's queued timing failed (its traceback is in its log)")
+    return worst
+
+
 def _worst(value: float, group=None) -> float:
     t = torch.tensor([value], device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -99,7 +115,7 @@ def _measure(row: Row, problem: Problem, make_step, iters: int, warmup: int, gro
         median = sorted(times)[len(times) // 2]
         worst = _worst(median, group)
         times = [t * worst / median for t in times]  # this rank's spread, at the slowest rank's median
-        row.extra["queued_ms"] = round(_worst(_queued_ms(step, iters, group), group), 4)
+        record_queued(row, lambda: _worst_queued(step, iters, group))
         finish(row, problem, times, _worst(peak, group))
     except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
         error = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"

@@ -156,6 +156,15 @@ def summarize(times_ms: list[float]) -> tuple[float, float]:
     return statistics.median(times_ms), max(times_ms) - min(times_ms)
 
 
+def record_queued(row: Row, measure) -> None:
+    """``row.extra["queued_ms"] = measure()``; a failure is the row's ``queued_error``, never the
+    row's loss (its waited times stand)."""
+    try:
+        row.extra["queued_ms"] = round(measure(), 4)
+    except Exception as err:  # noqa: BLE001 — the second timing is an addition to a measured row
+        row.extra["queued_error"] = f"{type(err).__name__}: {err}"[:200]
+
+
 def finish(row: Row, problem: Problem, times_ms: list[float], peak_bytes: float | None) -> Row:
     row.ms_per_iter, row.ms_spread = summarize(times_ms)
     if row.extra.get("variant") != "comm-only":  # the comm-only probe does no attention math

@@ -49,3 +49,13 @@ def test_queued_efficiency_is_taken_at_both_sides_queued_times():
     header = next(line for line in table if line.startswith("| framework"))
     assert all(line.count("|") == header.count("|") for line in table if line.startswith("| jax"))
     assert sum("| 4.00 |" in line and "| 0.80 | 0.90 |" in line for line in table) == 1  # queued ms, both ratios
+
+
+def test_a_failing_queued_timing_keeps_the_row():
+    from benchmarks.common import record_queued
+
+    row = Row("jax_impl", "ring", "zigzag", 256, 1, 4, 1, False)
+    record_queued(row, lambda: 1 / 0)
+    assert "queued_ms" not in row.extra and row.extra["queued_error"].startswith("ZeroDivisionError")
+    record_queued(row, lambda: 2.345678)
+    assert row.extra["queued_ms"] == 2.3457
