@@ -66,11 +66,11 @@ def _time(fn, args, iters: int, warmup: int) -> list[float]:
 
 def _queued_ms(fn, args, steps: int) -> float:
     """ms a step with ``steps`` steps queued before one wait: the host running ahead, as in a
-    training loop; beside the waited medians, which also count the host's launch and the wait's
-    wake-up every step (docs/gpu/host-gaps-2026-11-29-h200.md)."""
-    began = time.perf_counter()
-    jax.block_until_ready([fn(*args) for _ in range(steps)])
-    return (time.perf_counter() - began) * 1e3 / steps
+    training loop (``benchmarks.masked.jax_queued_ms``); beside the waited medians, which also count
+    the host's launch and the wait's wake-up every step (docs/gpu/host-gaps-2026-11-29-h200.md)."""
+    from .masked import jax_queued_ms
+
+    return jax_queued_ms(fn, *args, steps=steps, repeats=1)
 
 
 def _compiled_bytes(fn, args) -> float | None:
