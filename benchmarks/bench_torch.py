@@ -84,13 +84,15 @@ def _queued_ms(step, steps: int, group=None) -> float:
 
 
 def _worst_queued(step, steps: int, group=None) -> float:
-    """The slowest rank's :func:`_queued_ms`. Every rank reaches the reduction, a rank whose own
-    timing failed with NaN, so that no rank waits in it alone; the row then has no queued time."""
+    """The slowest rank's :func:`_queued_ms`. A rank whose own timing raised outside the steps'
+    collectives (the events, the barrier) still reaches the reduction, with +inf (NCCL's MAX keeps
+    an infinity; a NaN would lose to any number), so the row gets no queued time and no rank waits
+    there alone. A step that fails on one rank mid-collective hangs the others, as in ``_time``."""
     try:
         mine = _queued_ms(step, steps, group)
     except Exception:  # noqa: BLE001 — reported through the reduction, below
         traceback.print_exc()
-        mine = float("nan")
+        mine = math.inf
     worst = _worst(mine, group)
     if not math.isfinite(worst):
         raise RuntimeError("a rank's queued timing failed (its traceback is in its log)")

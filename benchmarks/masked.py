@@ -194,6 +194,7 @@ def window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128, ite
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
     return _anchor_result("FA2 sliding window (aten._flash_attention_*, through aten_window on the whole sequence)",
                           problem, {**errors, "fused": fused}, fwd_ms, step_ms,
+                          fwd_bwd_queued_ms=cuda_queued_ms(step, iters),
                           verified=fused and all(e <= 2e-2 for e in errors.values()), window=window)
 
 
@@ -227,15 +228,16 @@ def fa4_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128,
                                   WINDOW_CHECK)
     qkv, do = inputs(seq)
     fwd = call(qkv, window)
-    fwd_ms, step_ms = _autograd_ms(fwd, qkv, do, iters, warmup)
+    fwd_ms, step_ms, queued_ms = _autograd_ms(fwd, qkv, do, iters, warmup)
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, window=(window, 0))
     return _anchor_result(f"FlashAttention-4 sliding window (flash_attn.cute, window_size=({window}, 0))", problem,
-                          errors, fwd_ms, step_ms, window=window)
+                          errors, fwd_ms, step_ms, window=window, fwd_bwd_queued_ms=queued_ms)
 
 
-def _autograd_ms(fwd, qkv, do, iters: int, warmup: int) -> tuple[float, float]:
-    """(forward ms, forward + backward ms) of ``fwd()`` over the leaf tensors ``qkv``, through
-    autograd with cotangent ``do`` (a kernel library's own backward)."""
+def _autograd_ms(fwd, qkv, do, iters: int, warmup: int) -> tuple[float, float, float]:
+    """(forward ms, forward + backward ms, the latter queued: :func:`cuda_queued_ms`) of ``fwd()``
+    over the leaf tensors ``qkv``, through autograd with cotangent ``do`` (a kernel library's own
+    backward)."""
     import torch
 
     def step():
@@ -245,7 +247,22 @@ def _autograd_ms(fwd, qkv, do, iters: int, warmup: int) -> tuple[float, float]:
 
     with torch.no_grad():
         fwd_ms = cuda_ms(fwd, iters, warmup)
-    return fwd_ms, cuda_ms(step, iters, warmup)
+    return fwd_ms, cuda_ms(step, iters, warmup), cuda_queued_ms(step, iters)
+
+
+def cuda_queued_ms(fn, steps: int) -> float:
+    """ms a call of ``fn`` with ``steps`` calls issued back to back between two CUDA events (the
+    host running ahead, as in training); ``fn`` already warm."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
 
 
 def cuda_ms(fn, iters: int, warmup: int) -> float:
@@ -289,7 +306,7 @@ def anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem=Non
         if not time_it:
             return q, k, v, do, step()
         fwd_ms = cuda_ms(lambda: varlen_block_fwd(q, k, v, mask, d**-0.5, segments=seg), iters, warmup)
-        return fwd_ms, cuda_ms(step, iters, warmup)
+        return fwd_ms, cuda_ms(step, iters, warmup), cuda_queued_ms(step, iters)
 
     small = torch.from_numpy(_ids(4096)).to(device)
     q, k, v, do, (o, lse, grads) = run(4096, small, False)
@@ -299,8 +316,9 @@ def anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem=Non
     g_r = reference_block_bwd(do, q, k, v, o_r.bfloat16(), lse_r, mask, d**-0.5, segments=(small, small))
     errors = {"o": _rel(o.float(), o_r), "dq": _rel(grads[0].float(), g_r[0])}
     problem = problem or Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
-    fwd_ms, step_ms = run(seq, torch.from_numpy(problem.segment_ids()).to(device), True)
-    return _anchor_result("FA2 varlen (aten._flash_attention_forward/_backward)", problem, errors, fwd_ms, step_ms)
+    fwd_ms, step_ms, queued_ms = run(seq, torch.from_numpy(problem.segment_ids()).to(device), True)
+    return _anchor_result("FA2 varlen (aten._flash_attention_forward/_backward)", problem, errors, fwd_ms, step_ms,
+                          fwd_bwd_queued_ms=queued_ms)
 
 
 FA4_KERNEL = "FlashAttention-4 varlen (flash_attn.cute flash_attn_varlen_func)"
@@ -347,8 +365,8 @@ def fa4_anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2, problem
     problem = problem or Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents="mix")
     qkv, do = tensors(seq)
     fwd = call(qkv, problem.segment_ids()[0])
-    fwd_ms, step_ms = _autograd_ms(fwd, qkv, do, iters, warmup)
-    return _anchor_result(FA4_KERNEL, problem, errors, fwd_ms, step_ms)
+    fwd_ms, step_ms, queued_ms = _autograd_ms(fwd, qkv, do, iters, warmup)
+    return _anchor_result(FA4_KERNEL, problem, errors, fwd_ms, step_ms, fwd_bwd_queued_ms=queued_ms)
 
 
 FA4_DENSE_KERNEL = "FlashAttention-4 (flash_attn.cute flash_attn_func, causal)"
@@ -386,9 +404,9 @@ def fa4_dense_anchor(seq: int, heads=32, kv_heads=8, d=128, iters=5, warmup=2) -
     g_r = reference_block_bwd(do, q.detach(), k.detach(), v.detach(), o_r.bfloat16(), lse_r, mask, d**-0.5)
     errors = {"o": _rel(o.float(), o_r), "dq": _rel(dq.float(), g_r[0])}
     qkv, do = tensors(seq)
-    fwd_ms, step_ms = _autograd_ms(call(qkv), qkv, do, iters, warmup)
+    fwd_ms, step_ms, queued_ms = _autograd_ms(call(qkv), qkv, do, iters, warmup)
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d)
-    return _anchor_result(FA4_DENSE_KERNEL, problem, errors, fwd_ms, step_ms)
+    return _anchor_result(FA4_DENSE_KERNEL, problem, errors, fwd_ms, step_ms, fwd_bwd_queued_ms=queued_ms)
 
 
 def portable_peak(device: str, t=16384, heads=8, d=64) -> dict:
@@ -647,7 +665,7 @@ def jax_window_anchor(seq: int, window: int = 4096, heads=32, kv_heads=8, d=128)
     fwd, step = programs(window)
     fwd_ms, step_ms = jax_ms(fwd, q, k, v), jax_ms(step, q, k, v, do)
     return _anchor_result(f"flash_attn3_jax flash_mha(window_size=({window}, 0)) (its own vjp)", problem, errors,
-                          fwd_ms, step_ms, window=window)
+                          fwd_ms, step_ms, window=window, fwd_bwd_queued_ms=jax_queued_ms(step, q, k, v, do))
 
 
 def markdown(result: dict) -> str:

@@ -64,7 +64,9 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
     same fitting); with a sliding window (no documents), over its framework's window anchor with
     the same window (timed at the ceiling's length: a window's work per token does not grow with
     the length) — all counted on the visible pairs. ``queued_efficiency``: the same at both sides'
-    queued step times (:func:`queued_tflops`), where both have one."""
+    queued step times (:func:`queued_tflops`), where both have one — and None where any of the
+    reference's candidates (a ceiling kernel, an anchor) was timed only waited: the best of a
+    subset is not the reference."""
     def family(r):
         return "jax" if r["framework"] in JAX_FRAMEWORKS else "torch"
 
@@ -87,9 +89,14 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
             return "windows", window_key(r)
         return "best", (family(r), r["fwd_only"])
 
-    for field, rate in (("efficiency", lambda r: r.get("tflops_per_gpu")), ("queued_efficiency", queued_tflops)):
+    waited = lambda r: r.get("tflops_per_gpu")
+    for field, rate in (("efficiency", waited), ("queued_efficiency", queued_tflops)):
         tables: dict[str, dict] = {"best": {}, "anchors": {}, "windows": {}}
+        partial = set()  # references timed waited but not queued: a queued ratio there would be over a subset
         for r in rows:
+            if waited(r) and not rate(r) and r["framework"].endswith(("_ceiling", "_varlen_anchor", "_window_anchor")):
+                partial.add((family(r), r["fwd_only"]) if r["framework"].endswith("_ceiling") else
+                            ids_key(r) if r["framework"].endswith("_varlen_anchor") else window_key(r))
             if not rate(r):
                 continue
             if r["framework"].endswith("_ceiling"):
@@ -101,7 +108,7 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
                 tables["windows"][window_key(r)] = rate(r)
         for r in rows:
             where = reference_of(r)
-            reference = tables[where[0]].get(where[1]) if where else None
+            reference = tables[where[0]].get(where[1]) if where and where[1] not in partial else None
             r[field] = rate(r) / reference if reference and rate(r) else None
     return rows
 

@@ -110,6 +110,7 @@ def mark(row: Row, verdict: tuple[bool, str] | None) -> Row:
     row.verified, detail = verdict
     if not row.verified:
         row.ms_per_iter = row.ms_spread = row.tflops_per_gpu = row.efficiency = None
+        row.extra.pop("queued_ms", None)  # no time of a path that failed its check, queued or not
         row.note = f"NOT VERIFIED, not a throughput: {detail}; {row.note}".strip("; ")
     return row
 

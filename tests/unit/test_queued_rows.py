@@ -59,3 +59,27 @@ def test_a_failing_queued_timing_keeps_the_row():
     assert "queued_ms" not in row.extra and row.extra["queued_error"].startswith("ZeroDivisionError")
     record_queued(row, lambda: 2.345678)
     assert row.extra["queued_ms"] == 2.3457
+
+
+def test_no_queued_ratio_over_a_reference_timed_only_in_part():
+    """A framework's best ceiling taken over the kernels that have a queued time would be the
+    best of a subset (on 11-28 torch's fastest ceiling, FA4's, had none): no ratio then."""
+    from benchmarks.run import add_efficiency
+
+    base = {"strategy": "single", "layout": "-", "seq_len": 4096, "ulysses": 1, "ring": 1, "fwd_only": False}
+    slow = dict(base, framework="torch_cudnn_ceiling", tflops_per_gpu=500.0, ms_per_iter=10.0, extra={"queued_ms": 9.0})
+    fast = dict(base, framework="torch_fa4_ceiling", tflops_per_gpu=600.0, ms_per_iter=8.3, extra={})
+    row = dict(base, framework="torch_impl", strategy="ring", ring=4, tflops_per_gpu=450.0, ms_per_iter=5.0,
+               extra={"queued_ms": 4.5})
+    rows = add_efficiency([slow, fast, row])
+    assert rows[2]["efficiency"] == pytest.approx(0.75) and rows[2]["queued_efficiency"] is None
+    fast["extra"]["queued_ms"] = 8.0
+    assert add_efficiency([slow, fast, row])[2]["queued_efficiency"] == pytest.approx((450 * 5 / 4.5) / (600 * 8.3 / 8))
+
+
+def test_a_row_that_fails_its_check_keeps_no_time_queued_or_waited():
+    from benchmarks.verify import mark
+
+    row = Row("jax_impl", "ring", "zigzag", 256, 1, 4, 1, False, ms_per_iter=5.0, extra={"queued_ms": 4.0})
+    mark(row, (False, "dq error 1e-1"))
+    assert row.ms_per_iter is None and "queued_ms" not in row.extra and row.note.startswith("NOT VERIFIED")
