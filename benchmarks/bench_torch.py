@@ -71,16 +71,13 @@ def _time(step, iters: int, warmup: int, group=None) -> list[float]:
 
 def _queued_ms(step, steps: int, group=None) -> float:
     """ms a step with ``steps`` steps issued back to back between two events (the host running
-    ahead, as in a training loop), beside the per-step event times, each of which also counts the
-    host's launch of its first kernels."""
+    ahead, as in a training loop: ``benchmarks.masked.cuda_queued_ms``), the ranks starting
+    together, beside the per-step event times, each of which also counts the host's launch of its
+    first kernels."""
+    from .masked import cuda_queued_ms
+
     dist.barrier(group=group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
+    return cuda_queued_ms(step, steps)
 
 
 def _worst_queued(step, steps: int, group=None) -> float:
