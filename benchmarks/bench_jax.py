@@ -64,15 +64,6 @@ def _time(fn, args, iters: int, warmup: int) -> list[float]:
     return times
 
 
-def _queued_ms(fn, args, steps: int) -> float:
-    """ms a step with ``steps`` steps queued before one wait: the host running ahead, as in a
-    training loop (``benchmarks.masked.jax_queued_ms``); beside the waited medians, which also count
-    the host's launch and the wait's wake-up every step (docs/gpu/host-gaps-2026-11-29-h200.md)."""
-    from .masked import jax_queued_ms
-
-    return jax_queued_ms(fn, *args, steps=steps, repeats=1)
-
-
 def _compiled_bytes(fn, args) -> float | None:
     try:
         m = fn.lower(*args).compile().memory_analysis()
@@ -115,7 +106,9 @@ def _measure(row: Row, problem: Problem, attention, sharding, iters: int, warmup
         jax.block_until_ready(fn(*args))  # the compilation, timed apart from the warmup
         row.extra["compile_s"] = round(time.perf_counter() - began, 1)
         times = _time(fn, args, iters, warmup)
-        record_queued(row, lambda: _queued_ms(fn, args, iters))
+        from .masked import jax_queued_ms  # the host running ahead: the queued beside the waited times
+
+        record_queued(row, lambda: jax_queued_ms(fn, *args, steps=iters, repeats=1))
         finish(row, problem, times, _compiled_bytes(fn, args))
     except Exception as err:  # noqa: BLE001 — a failing configuration is a row, not a crash
         row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"

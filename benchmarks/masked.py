@@ -494,13 +494,12 @@ def jax_ms(fn, *args, iters=5, warmup=2) -> float:
 
 def jax_queued_ms(fn, *args, steps=10, repeats=3) -> float:
     """Wall ms per call with ``steps`` calls queued before one wait (the host running ahead of the
-    GPU, as a training loop's does), the median of ``repeats`` such runs. Beside :func:`jax_ms`,
-    whose every call also pays the host's launch and the wait's wake-up (for FA3's own varlen
-    fwd+bwd at 32k on an H200, 0.0–0.5 ms of a 5 ms step, 2026-11-29:
-    docs/gpu/host-gaps-2026-11-29-h200.md)."""
+    GPU, as a training loop's does), the median of ``repeats`` such runs; ``fn`` already compiled
+    and warm (every caller times it waited first). Beside :func:`jax_ms`, whose every call also
+    pays the host's launch and the wait's wake-up (for FA3's own varlen fwd+bwd at 32k on an
+    H200, up to 0.5 ms of a 5-ms step, 2026-11-29: docs/gpu/host-gaps-2026-11-29-h200.md)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()

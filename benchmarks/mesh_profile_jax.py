@@ -160,6 +160,8 @@ def step_times(both, args, warmup: int = 2, steps: int = 5) -> dict:
     """A compiled step's wall times as the profile reports them: each step waited for (median and
     every one), the host's share (how long the call takes to return, no wait) and the step with
     ``steps`` queued before one wait (the host running ahead)."""
+    from benchmarks.masked import jax_queued_ms
+
     for _ in range(warmup):
         jax.block_until_ready(both(*args))
     walls, dispatch = [], []
@@ -172,8 +174,6 @@ def step_times(both, args, warmup: int = 2, steps: int = 5) -> dict:
         out = both(*args)
         dispatch.append((time.perf_counter() - began) * 1e3)
         jax.block_until_ready(out)
-    from benchmarks.masked import jax_queued_ms
-
     return {"wall_ms_median": statistics.median(walls), "walls_ms": walls,
             "dispatch_ms_median": statistics.median(dispatch),
             "queued_ms_per_step": jax_queued_ms(both, *args, steps=steps, repeats=1)}

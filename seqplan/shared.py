@@ -84,8 +84,8 @@ def spans_shards(ids_all) -> np.ndarray:
     the grouping by (row, id) — a sort — runs over a few hundred runs instead of R·b·t tokens.
     Torch plans this for every batch with new ids (the shared prefix's split, on the host): on
     the 128k balance mixes over 4 shards :func:`shared_extent` (this and a scan) took 4.0–6.0 ms
-    per token on this project's 2-core box, 0.2–0.4 ms per run (docs/decisions.md, "Plans for a
-    new batch")."""
+    deciding per token on this project's 2-core box, 0.2–0.4 ms deciding per run (docs/decisions.md,
+    "Plans for a new batch")."""
     ids_all = np.asarray(ids_all)
     ring, b, t = ids_all.shape
     if ids_all.size == 0:

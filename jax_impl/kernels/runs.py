@@ -181,7 +181,9 @@ def length_choice(ladder, t: int, s: int, longest, least: int = 1) -> LengthChoi
     of every branch: ≈ 0.3–0.45 µs each on an H200, docs/gpu/host-gaps-2026-11-29-h200.md)."""
     if ladder[-1] < max(t, s):  # a run may be max(t, s) long: a smaller last bound would drop tiles silently
         raise ValueError(f"a length ladder must end at max(t, s) = {max(t, s)} or above, got {ladder}")
-    ladder = [bound for bound in ladder if bound >= least] or [ladder[-1]]  # the smallest picked holds least
+    if not 1 <= least <= max(t, s):  # no run is longer than the block: such a floor is a caller's mistake
+        raise ValueError(f"the floor on the longest run must be in [1, max(t, s) = {max(t, s)}], got {least}")
+    ladder = [bound for bound in ladder if bound >= least]  # never empty: ladder[-1] >= max(t, s) >= least
     capped = [(min(bound, t), min(bound, s)) for bound in ladder]
     bounds = tuple(dict.fromkeys(capped))  # distinct, in the ladder's order
     index = np.asarray([bounds.index(pair) for pair in capped], np.int32)

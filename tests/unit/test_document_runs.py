@@ -482,3 +482,18 @@ def test_one_switch_returns_the_widest_dtype_of_its_forms():
         assert out.dtype == jnp.float32
     same = {(runs.RUNS, 4, None): bf16, (runs.RUNS, 16, None): bf16}
     assert runs.switch_with_fallback(same, (runs.RUNS, 4, None), lambda: jnp.zeros((2,))).dtype == jnp.bfloat16
+
+
+def test_a_length_floor_past_the_block_is_refused():
+    """``length_choice``'s floor on the longest run can be no more than the block's length (no run
+    is longer): a larger one is the caller's mistake, refused by name, not an empty ladder."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import runs
+
+    ladder = runs.causal_length_ladder(1024)
+    assert runs.length_choice(ladder, 1024, 1024, jnp.int32(600), least=1024).bounds == ((1024, 1024),)
+    for least in (0, 1025):
+        with pytest.raises(ValueError, match="floor on the longest run"):
+            runs.length_choice(ladder, 1024, 1024, jnp.int32(600), least=least)
