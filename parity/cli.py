@@ -231,7 +231,8 @@ def _determinism(args, parser) -> int:
     configure_jax_devices(args.devices)
     return run_determinism(args.devices, args.ring, args.seq, args.heads, args.head_dim, args.repeats,
                            _frameworks(parser, args.frameworks), args.jax_backends.split(","),
-                           args.torch_backends.split(","), args.json)
+                           args.torch_backends.split(","), args.json, kv_heads=args.kv_heads,
+                           documents=args.documents)
 
 
 def _peers(args, parser) -> int:
@@ -338,8 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring", type=int, default=2)
     p.add_argument("--seq", type=int, default=16384)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--documents", default=None, help="a balance mix (short, heavy-tail, few-long): packed documents")
     p.add_argument("--jax-backends", default="reference,cudnn,fa3")
     p.add_argument("--torch-backends", default="reference,aten_flash,aten_cudnn")
     p.add_argument("--json", default=None)

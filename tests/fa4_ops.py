@@ -87,7 +87,7 @@ def emulated_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused
 
 def emulated_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None,
                  window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                 **unused):
+                 deterministic=False, **unused):
     assert not unused, unused
     # what FA4's backward asserts: o and do in q's dtype, lse float32 [b, h, t] (dense) / [h, total_q]
     assert out.dtype == dout.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, dout.dtype, lse.dtype)
@@ -100,6 +100,7 @@ def emulated_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, soft
         flat = lambda x: x.reshape(-1, *x.shape[2:])
         v, out, dout, lse = flat(v), flat(out), flat(dout), lse.transpose(0, 1).reshape(lse.shape[1], -1)
     _check_bounds(cu_q, cu_k, max_q, max_k, "bwd" if dense is None else "dense bwd", window)
+    CALLS[-1]["deterministic"] = deterministic
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     group = q.shape[1] // k.shape[1]
     dq, dk, dv = (torch.zeros(x.shape, dtype=F64) for x in (q, k, v))

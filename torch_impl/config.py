@@ -7,6 +7,8 @@ defaults of the API's keyword arguments — read here (and in ``seqplan.config``
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -39,6 +41,28 @@ def default_deterministic(deterministic: bool | None) -> bool:
     if deterministic is not None:
         return bool(deterministic)
     return torch.are_deterministic_algorithms_enabled()
+
+
+@contextmanager
+def deterministic_kernels(deterministic: bool) -> Iterator[None]:
+    """Inside: torch's deterministic switch on when a call asked for ``deterministic=True`` and the
+    process has it off (outside: as it was). torch picks a deterministic algorithm only under its
+    global switch — FA2's backward (``aten_flash``), ``index_add_`` on CUDA — and ``fa4`` reads it
+    for FlashAttention-4's own deterministic backward, so an explicit ``deterministic=True`` makes
+    the call's kernels deterministic, not only the block backend's name checked. Turned on here in
+    torch's warn-only form: an op with no deterministic algorithm (a cuBLAS product without
+    ``CUBLAS_WORKSPACE_CONFIG``, in the portable kernel) warns, naming itself, instead of failing
+    mid-call; a process that set the switch itself keeps its own strictness. The switch is
+    process-wide: the attention's forward and backward hold it while they run (the autograd engine
+    runs a CUDA backward on its device thread while the caller's thread waits in ``backward()``)."""
+    if not deterministic or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,

@@ -59,7 +59,7 @@ from seqplan.schedule import (
 )
 
 from .comm import Comm, RingShift, axis_size, host_to_device
-from .config import AttentionConfig
+from .config import AttentionConfig, deterministic_kernels
 from .merge import Float32Rows, merge_partials_into
 
 
@@ -802,6 +802,12 @@ class _Attention(torch.autograd.Function):
         # An unused output's gradient arrives as None rather than zeros, so the kernels know
         # there is no lse cotangent without inspecting a tensor (a device sync on GPUs).
         ctx.set_materialize_grads(False)
+        with deterministic_kernels(config.deterministic):
+            return _Attention._forward(ctx, forward, backward, q, k, v, groups, config, segment_ids, token_index,
+                                       sinks)
+
+    @staticmethod
+    def _forward(ctx, forward, backward, q, k, v, groups, config: AttentionConfig, segment_ids, token_index, sinks):
         # K/V may come in float32 (Ulysses' replicated heads, so that their dK/dV leave in float32):
         # they are computed and sent in q's dtype; only the gradients keep the caller's dtype.
         ctx.kv_dtype = k.dtype
@@ -823,6 +829,11 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
+        with deterministic_kernels(ctx.config.deterministic):
+            return _Attention._backward(ctx, do, dlse)
+
+    @staticmethod
+    def _backward(ctx, do, dlse):
         q, k, v, o, lse, *rest = ctx.saved_tensors
         sinks, extra = (rest[0], rest[1:]) if ctx.has_sinks else (None, rest)
         if do is None:

@@ -254,6 +254,52 @@ def test_deterministic_mode_refuses_fa4_before_any_call():
         get_backend("fa4", deterministic=True)
 
 
+def test_fa4s_backward_is_deterministic_under_torchs_switch(fa4, monkeypatch, seed):
+    """Under torch's deterministic switch (what a ``deterministic=True`` call holds while its
+    kernels run: ``torch_impl.config.deterministic_kernels``) every FA4 backward — dense, varlen,
+    and all-gather-KV's one call — is asked for FA4's deterministic mode, and off it for none; a
+    block FA4's backward cannot take (head_dim 256, on CUDA: stood in) goes to ``aten_flash`` (FA2,
+    deterministic under the switch) instead of ``aten_cudnn``, a windowed one to the portable
+    kernel instead of ``aten_window`` (its determinism not measured)."""
+    from torch_impl.block import BlockBackend
+    from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
+
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _inputs(rng, 1, 32, 32)
+    ids = (torch.tensor([[0] * 9 + [1] + [2] * 22], dtype=torch.int32),) * 2
+    blocks = [(BlockMask(MaskKind.CAUSAL), {}), (BlockMask(MaskKind.CAUSAL, documents=True), {"segments": ids})]
+    for switch in (False, True):
+        fa4_ops.CALLS.clear()
+        torch.use_deterministic_algorithms(switch, warn_only=True)
+        try:
+            for mask, kw in blocks:
+                _both(fa4, q, k, v, do, mask, **kw)
+            recorded = list(fa4_ops.CALLS)
+            fa4_ops.CALLS.clear()
+            test_allgather_runs_each_device_as_one_fa4_call(fa4, seed)  # the one call, forward and backward
+        finally:
+            torch.use_deterministic_algorithms(False)
+        backward = [c for c in recorded + fa4_ops.CALLS if c["kind"].endswith("bwd")]
+        assert {c["kind"] for c in backward} == {"dense bwd", "bwd"} and len(backward) == 2 + 4
+        assert all(c["deterministic"] is switch for c in backward), backward
+
+    calls = []
+    stand_in = lambda name: BlockBackend(name, lambda *a, **k: calls.append(name) or reference_block_fwd(*a, **k),
+                                         lambda *a, **k: calls.append(name) or reference_block_bwd(*a, **k))
+    monkeypatch.setattr(fa4, "get_backend", stand_in)
+    monkeypatch.setattr(fa4.torch.Tensor, "is_cuda", property(lambda self: True))
+    q, k, v, do = _inputs(rng, 1, 16, 16, d=256)
+    spans = (torch.arange(16, 32, dtype=torch.int32), torch.arange(0, 16, dtype=torch.int32))
+    fa4.portable.update(fwd=0, bwd=0)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _both(fa4, q, k, v, do, BlockMask(MaskKind.CAUSAL))
+        _both(fa4, q, k, v, do, BlockMask(MaskKind.FULL, window=(20, 0), offset=16), positions=spans)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert calls == ["aten_flash", "aten_flash"] and fa4.portable == {"fwd": 1, "bwd": 1}
+
+
 def test_allgather_runs_each_device_as_one_fa4_call(fa4, seed):
     """All-gather-KV with packed documents named onto ``fa4``: every device's forward and backward
     is ONE FA4 varlen call over gathered key prefixes (bottom-right causal per run), no block

@@ -92,6 +92,59 @@ def test_deterministic_mode_refuses_the_backend_measured_nondeterministic():
     assert get_backend("aten_cudnn", deterministic=default_deterministic(None)).name == "aten_cudnn"  # allowed
 
 
+def test_a_deterministic_call_holds_torchs_switch_while_its_kernels_run(monkeypatch, seed):
+    """``deterministic=True`` with torch's switch off: every block kernel, forward and backward,
+    runs under the switch (torch then picks FA2's deterministic backward and a deterministic
+    ``index_add_``; ``fa4`` reads it for FA4's deterministic backward), in warn-only form, and
+    the switch is off again after each pass — also when a kernel raises. A process that set the
+    switch itself keeps it, strict. ``deterministic=False``: the kernels run with it off."""
+    import torch_impl
+    from torch_impl import block
+
+    seen = []
+    reference = get_backend("reference")
+
+    def recording(fn):
+        def run(*args, **kwargs):
+            seen.append((torch.are_deterministic_algorithms_enabled(),
+                         torch.is_deterministic_algorithms_warn_only_enabled()))
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setitem(block._BACKENDS, "recording", block.BlockBackend(
+        "recording", recording(reference.fwd), recording(reference.bwd)))
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (torch.tensor(rng.standard_normal((1, 16, 2, 8)), dtype=torch.float32) for _ in range(4))
+
+    def step(deterministic: bool, switch_set: bool = False):
+        seen.clear()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, _ = torch_impl.ring_attention(*leaves, causal=True, layout="contiguous", block_backend="recording",
+                                         deterministic=deterministic)
+        assert torch.are_deterministic_algorithms_enabled() == switch_set  # between the passes: as it was
+        o.backward(do)
+        return list(seen)
+
+    assert step(deterministic=True) == [(True, True)] * 2  # one block, forward and backward
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert step(deterministic=False) == [(False, False)] * 2
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert step(deterministic=True, switch_set=True) == [(True, False)] * 2
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    def failing(*args, **kwargs):
+        raise ZeroDivisionError("a kernel that fails")
+
+    monkeypatch.setitem(block._BACKENDS, "failing", block.BlockBackend("failing", failing, failing))
+    with pytest.raises(ZeroDivisionError):
+        torch_impl.ring_attention(q, k, v, causal=True, layout="contiguous", block_backend="failing",
+                                  deterministic=True)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_in_place_merge_follows_the_merge_formula():
     """merge_partials_into (the ring forward's in-place merge of a bf16 partial into a float32
     accumulator; merge_partials is built on it) computes the contract's (docs/contract.md) stable merge, checked in

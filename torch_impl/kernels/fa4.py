@@ -80,6 +80,13 @@ def fa4_backward(*args, **kwargs):
     return _flash_attn_bwd(*args, **kwargs)
 
 
+def _backward(*args, **kwargs):
+    """:func:`fa4_backward` in FA4's deterministic mode while torch's deterministic switch is on (a
+    call with ``deterministic=True`` holds it: ``torch_impl.config.deterministic_kernels``): dq, and
+    with GQA dK / dV, accumulated in a fixed order instead of by atomics."""
+    return fa4_backward(*args, deterministic=torch.are_deterministic_algorithms_enabled(), **kwargs)
+
+
 @functools.cache
 def available() -> bool:
     """CUDA on compute capability 9.x (Hopper: where the GPU tier verified it), and
@@ -162,7 +169,7 @@ def _dense_fwd(q, k, v, cut: Band, scale: float, softcap):
 def _dense_bwd(do, q, k, v, o, lse, cut: Band, scale: float, softcap):
     rows, cols = slice(cut.i0, cut.i1), slice(cut.j0, cut.j1)
     crop = lambda x, part: x[:, part].to(q.dtype).contiguous()
-    grads = fa4_backward(crop(q, rows), crop(k, cols), crop(v, cols), crop(o, rows), crop(do, rows),
+    grads = _backward(crop(q, rows), crop(k, cols), crop(v, cols), crop(o, rows), crop(do, rows),
                          lse[:, :, rows].float().contiguous(), scale, softcap=softcap or 0.0, **_dense_mask(cut))[:3]
     if _whole(cut, q.shape[1], k.shape[1]):
         return grads
@@ -179,12 +186,18 @@ def _bounds(runs: DocumentRuns, q, k) -> dict:
 def _fused_instead(q, mask: BlockMask, softcap) -> BlockBackend | None:
     """The fused backend "auto" chose before FA4 was installed, for an uncapped CUDA block without
     documents FA4 cannot run (its SM90 backward stops at head_dim 192): ``aten_cudnn`` for a plain
-    block, ``aten_window`` for a windowed one (FA2, head dims to 256) — or None (the portable kernel)."""
+    block, ``aten_window`` for a windowed one (FA2, head dims to 256) — under torch's deterministic
+    switch ``aten_flash`` for a plain block and none for a windowed one (the routes of deterministic
+    mode) — or None (the portable kernel)."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and softcap is None and not mask.documents
             and mask.kind is not MaskKind.STRICT):
         return None
-    backend = get_backend("aten_cudnn" if mask.window is None else "aten_window")
-    return backend if backend.available() else None
+    if torch.are_deterministic_algorithms_enabled():
+        name = "aten_flash" if mask.window is None else None
+    else:
+        name = "aten_cudnn" if mask.window is None else "aten_window"
+    backend = None if name is None else get_backend(name)
+    return backend if backend is not None and backend.available() else None
 
 
 def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
@@ -232,7 +245,7 @@ def fa4_block_bwd(do, q, k, v, o, lse, mask: BlockMask, scale: float, dlse=None,
         return no_grads(q, k, v)
     cu_q, cu_k, empty, unread = run_offsets(runs, q.device)
     flat = lambda x: x.to(q.dtype).reshape(-1, *x.shape[2:])
-    dq, dk, dv = fa4_backward(flat(q), flat(k), flat(v), flat(o), flat(do), pack_lse(lse, empty), scale, causal,
+    dq, dk, dv = _backward(flat(q), flat(k), flat(v), flat(o), flat(do), pack_lse(lse, empty), scale, causal,
                               softcap or 0.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **_bounds(runs, q, k))[:3]
     return unpack_grads(dq, dk, dv, empty, unread, q.shape, k.shape)
 
@@ -274,7 +287,7 @@ def prefix_backward(do, q, k_packed, v_packed, o, lse, plan: PrefixRuns, scale: 
     b, t, h, d = q.shape
     cu_q, cu_k, index = prefix_offsets(plan, q.device)
     flat = lambda x: x.to(q.dtype).reshape(b * t, h, d)
-    dq, dk, dv = fa4_backward(flat(q), *plan_keys(plan, index, k_packed, v_packed), flat(o),
+    dq, dk, dv = _backward(flat(q), *plan_keys(plan, index, k_packed, v_packed), flat(o),
                               flat(do), pack_lse(lse), scale, True, 0.0, cu_seqlens_q=cu_q,
                               cu_seqlens_k=cu_k, **_prefix_bounds(plan, b * t, len(index)))[:3]
     return dq.reshape(q.shape), *plan_key_grads(plan, index, k_packed.shape, dk, dv)
