@@ -3,10 +3,11 @@ measurements behind ``torch_impl.block.NONDETERMINISTIC_WHEN_REQUESTED`` and the
 rows of ``AUTO_ROUTES``.
 
 For each case (causal, no documents; packed documents of a balance mix; a sliding window) and each
-backend that runs it, in two modes — torch's default, and ``torch.use_deterministic_algorithms(True,
-warn_only=True)``, the switch a ``deterministic=True`` call holds while its kernels run
-(``torch_impl.config.deterministic_kernels``; warn-only so that a backend the library still refuses
-in that mode is measured instead of refused):
+backend that runs it, in two modes — torch's default, and ``torch.use_deterministic_algorithms(True)``,
+the switch a ``deterministic=True`` call holds while its kernels run
+(``torch_impl.config.deterministic_kernels``). Strict, not warn-only: under warn-only torch's FA2
+backward warns and stays atomic (measured, 2026-11-29). A backend the library refuses in that mode
+is a row saying so. Run it with ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (the portable kernel's check):
 
 1. **check** — torch_impl on one rank (``ring_attention``, no group: the whole sequence one causal
    block) at ``--check-seq`` tokens, 8 / 2 heads, bf16, against the portable kernel in float32 on
@@ -61,10 +62,10 @@ def _kind(case: Case) -> str:
 
 @contextlib.contextmanager
 def _mode(mode: str):
-    """torch's deterministic switch in warn-only form for "deterministic", off for "default"."""
+    """torch's deterministic switch on for "deterministic", off for "default"."""
     import torch
 
-    torch.use_deterministic_algorithms(mode == "deterministic", warn_only=True)
+    torch.use_deterministic_algorithms(mode == "deterministic")
     try:
         yield
     finally:

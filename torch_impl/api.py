@@ -54,7 +54,7 @@ from seqplan.validation import (
 
 from .block import get_backend
 from .comm import check_ranks_agree
-from .config import default_deterministic
+from .config import check_deterministic_ready, default_deterministic
 from .double_ring import double_ring_attention
 from .loop import declared_host_ids
 from .ulysses import ulysses_attention
@@ -276,6 +276,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     shapes, dtypes and options before any attention collective (default: RINGBRIDGE_CHECK_RANKS=1;
     see the module docstring)."""
     deterministic = default_deterministic(deterministic)
+    check_deterministic_ready(deterministic, q.device)
     names = mesh.mesh_dim_names or ()
     sizes = {name: mesh.size(i) for i, name in enumerate(names)}
     head_groups = default_head_groups(head_groups, sizes.get(ULYSSES, 1))  # ranks read their own environment

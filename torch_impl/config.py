@@ -3,10 +3,13 @@ defaults of the API's keyword arguments — read here (and in ``seqplan.config``
 
     RINGBRIDGE_CHECK_RANKS=1                       -> check_ranks=None means True
     torch.use_deterministic_algorithms(True) set   -> deterministic=None means True
+    CUBLAS_WORKSPACE_CONFIG                        -> checked, not a default: deterministic=True on CUDA
+                                                      needs :4096:8 or :16:8 (check_deterministic_ready)
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,22 +46,44 @@ def default_deterministic(deterministic: bool | None) -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+# cuBLAS is reproducible only with one of these workspace settings, read when the process starts;
+# torch's deterministic switch refuses a cuBLAS product without one
+CUBLAS_DETERMINISTIC_WORKSPACES = (":4096:8", ":16:8")
+
+
+def check_deterministic_ready(deterministic: bool, device) -> None:
+    """ValueError, before any collective, when ``deterministic=True`` on CUDA would turn torch's
+    deterministic switch on (:func:`deterministic_kernels`) in a process whose cuBLAS is not set up
+    for it: under the switch the portable kernel's cuBLAS products raise unless
+    ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` or ``:16:8``, and cuBLAS reads it only at start-up.
+    A process that turned the switch on itself has met torch's own requirement already."""
+    if not deterministic or torch.device(device).type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if workspace not in CUBLAS_DETERMINISTIC_WORKSPACES:
+        raise ValueError(f"deterministic=True on CUDA runs the call's kernels under torch's deterministic switch, which "
+                         f"needs CUBLAS_WORKSPACE_CONFIG set to one of {CUBLAS_DETERMINISTIC_WORKSPACES} before the "
+                         f"process starts (it is {workspace!r}); or turn the switch on yourself "
+                         "(torch.use_deterministic_algorithms(True)), as torch's own deterministic mode requires")
+
+
 @contextmanager
 def deterministic_kernels(deterministic: bool) -> Iterator[None]:
     """Inside: torch's deterministic switch on when a call asked for ``deterministic=True`` and the
     process has it off (outside: as it was). torch picks a deterministic algorithm only under its
-    global switch — FA2's backward (``aten_flash``), ``index_add_`` on CUDA — and ``fa4`` reads it
-    for FlashAttention-4's own deterministic backward, so an explicit ``deterministic=True`` makes
-    the call's kernels deterministic, not only the block backend's name checked. Turned on here in
-    torch's warn-only form: an op with no deterministic algorithm (a cuBLAS product without
-    ``CUBLAS_WORKSPACE_CONFIG``, in the portable kernel) warns, naming itself, instead of failing
-    mid-call; a process that set the switch itself keeps its own strictness. The switch is
-    process-wide: the attention's forward and backward hold it while they run (the autograd engine
-    runs a CUDA backward on its device thread while the caller's thread waits in ``backward()``)."""
+    strict switch — FA2's backward (``aten_flash``, ``aten_varlen``, ``aten_window``; under
+    ``warn_only=True`` it warns and stays atomic, measured 2026-11-29), ``index_add_`` on CUDA —
+    and ``fa4`` reads it for FlashAttention-4's own deterministic backward, so an explicit
+    ``deterministic=True`` makes the call's kernels deterministic, not only the block backend's name
+    checked (:func:`check_deterministic_ready` saw, before any collective, that cuBLAS is set up for
+    it). A process that set the switch itself keeps its own setting, warn-only included. The switch
+    is process-wide: the attention's forward and backward hold it while they run (the autograd
+    engine runs a CUDA backward on its device thread while the caller's thread waits in
+    ``backward()``)."""
     if not deterministic or torch.are_deterministic_algorithms_enabled():
         yield
         return
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
@@ -71,7 +96,9 @@ def make_config(q, *, causal: bool, layout: str, scale: float | None, block_back
     """The config of a per-device call on ``q`` (for its head_dim), with this framework's defaults
     resolved (:func:`default_deterministic`) and the installed communication hook (``comm.using``);
     the rest, the token-index mode among it, is ``seqplan.config.AttentionConfig.for_call``."""
+    deterministic = default_deterministic(deterministic)
+    check_deterministic_ready(deterministic, q.device)
     return AttentionConfig.for_call(q.shape[-1], causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                                    deterministic=default_deterministic(deterministic), comm=current_comm(),
+                                    deterministic=deterministic, comm=current_comm(),
                                     window=window, softcap=softcap, token_index=token_index,
                                     shared_tokens=shared_tokens)

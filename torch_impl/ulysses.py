@@ -34,7 +34,7 @@ from seqplan.validation import (
 
 from .block import get_backend
 from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads, start_heads_to_seq, start_seq_to_heads
-from .config import default_deterministic
+from .config import check_deterministic_ready, default_deterministic
 from .ring import ring_attention
 
 
@@ -112,6 +112,7 @@ def ulysses_attention(q, k, v, group=None, *, segment_ids=None, window=None, sin
     softcap = check_softcap(softcap)
     groups = check_head_groups(head_groups, q.shape[2], k.shape[2], n)
     deterministic = default_deterministic(deterministic)
+    check_deterministic_ready(deterministic, q.device)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = resolve_scale(q.shape[-1], scale)
     attend = partial(attend or partial(ring_attention, group=None, layout="contiguous"), window=window,

@@ -7,12 +7,13 @@ Each framework runs the same forward + backward ``--repeats`` times on identical
 ``--ring`` devices, bf16, causal zigzag; with ``--documents`` the balance mix's packed documents,
 its ids laid out like the tokens) for every block backend, and reports per tensor whether every
 repeat is bitwise equal to the first. torch runs three modes (:data:`TORCH_MODES`): its default;
-``torch.use_deterministic_algorithms(True, warn_only=True)`` — every kernel runs in its
-deterministic form, refused ones only warn, so this is what a kernel's determinism is measured by;
-and ``deterministic=True`` passed to the call with the switch off — what the library guarantees
-(refused kernels raise). JAX reads ``--xla_gpu_deterministic_ops`` from XLA_FLAGS (run the
-command twice to compare). The findings are in docs/decisions.md ("Determinism on GPUs");
-``NONDETERMINISTIC`` in each block.py is what they found.
+``torch.use_deterministic_algorithms(True)`` (strict: under warn-only torch's FA2 backward stays
+atomic); and ``deterministic=True`` passed to the call with the switch off — which the call holds
+on while its kernels run. Refused kernels raise in the last two (a finding, printed). Set
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` on GPUs (set here when absent). JAX reads
+``--xla_gpu_deterministic_ops`` from XLA_FLAGS (run the command twice to compare). The findings
+are in docs/decisions.md ("Determinism on GPUs"); ``NONDETERMINISTIC`` in each block.py is what
+they found.
 """
 
 from __future__ import annotations
@@ -30,18 +31,18 @@ TENSORS = ("o", "dq", "dk", "dv")
 
 @dataclass(frozen=True)
 class TorchMode:
-    """How a torch run asks for determinism: torch's global switch (``switch``: None off, "warn"
-    on in warn-only form) and the call's ``deterministic`` argument."""
+    """How a torch run asks for determinism: torch's global switch (strict) and the call's
+    ``deterministic`` argument."""
 
     label: str
-    switch: str | None
+    switch: bool
     argument: bool | None
 
 
 TORCH_MODES = (
-    TorchMode("torch", None, None),
-    TorchMode("torch (use_deterministic_algorithms, warn_only)", "warn", None),
-    TorchMode("torch (deterministic=True argument)", None, True),
+    TorchMode("torch", False, None),
+    TorchMode("torch (use_deterministic_algorithms)", True, None),
+    TorchMode("torch (deterministic=True argument)", False, True),
 )
 
 
@@ -88,8 +89,7 @@ def torch_task(backends, seq: int, heads: int, kv_heads: int, head_dim: int, rep
     ids = probe_ids(documents, seq, n)
     segment_ids = None if ids is None else torch.as_tensor(ids[None, rank * shard:(rank + 1) * shard], device=device)
     out = {}
-    if mode.switch is not None:
-        torch.use_deterministic_algorithms(True, warn_only=mode.switch == "warn")
+    torch.use_deterministic_algorithms(mode.switch)
     try:
         for backend in backends:
             try:

@@ -247,13 +247,6 @@ def test_max_seqlen_takes_few_values_over_a_stream_of_packed_batches(fa4, monkey
     assert fa4.portable == {"fwd": 0, "bwd": 0}
 
 
-def test_deterministic_mode_refuses_fa4_before_any_call():
-    from torch_impl.block import get_backend
-
-    with pytest.raises(RuntimeError, match="'fa4' is not deterministic"):
-        get_backend("fa4", deterministic=True)
-
-
 def test_fa4s_backward_is_deterministic_under_torchs_switch(fa4, monkeypatch, seed):
     """Under torch's deterministic switch (what a ``deterministic=True`` call holds while its
     kernels run: ``torch_impl.config.deterministic_kernels``) every FA4 backward — dense, varlen,
@@ -270,7 +263,7 @@ def test_fa4s_backward_is_deterministic_under_torchs_switch(fa4, monkeypatch, se
     blocks = [(BlockMask(MaskKind.CAUSAL), {}), (BlockMask(MaskKind.CAUSAL, documents=True), {"segments": ids})]
     for switch in (False, True):
         fa4_ops.CALLS.clear()
-        torch.use_deterministic_algorithms(switch, warn_only=True)
+        torch.use_deterministic_algorithms(switch)
         try:
             for mask, kw in blocks:
                 _both(fa4, q, k, v, do, mask, **kw)
@@ -291,7 +284,7 @@ def test_fa4s_backward_is_deterministic_under_torchs_switch(fa4, monkeypatch, se
     q, k, v, do = _inputs(rng, 1, 16, 16, d=256)
     spans = (torch.arange(16, 32, dtype=torch.int32), torch.arange(0, 16, dtype=torch.int32))
     fa4.portable.update(fwd=0, bwd=0)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     try:
         _both(fa4, q, k, v, do, BlockMask(MaskKind.CAUSAL))
         _both(fa4, q, k, v, do, BlockMask(MaskKind.FULL, window=(20, 0), offset=16), positions=spans)
@@ -361,8 +354,9 @@ def test_auto_routes_every_block_fa4_takes_to_it_where_installed(monkeypatch):
     plain, windowed, document, token-index causal and soft-capped blocks to ``fa4`` (measured: its
     dense and window kernels 1.13x cuDNN's and 1.85x FA2's window on one H200, its varlen 1.08-1.81x
     ``aten_varlen`` on the 4-GPU table), strict blocks to ``aten_cudnn``, float32 to the portable
-    kernel, and deterministic mode avoids it (its determinism is not measured); without FA4 plain
-    blocks stay on ``aten_cudnn`` and windowed ones on ``aten_window``."""
+    kernel, in deterministic mode too (FA4's deterministic backward, measured bitwise reproducible);
+    without FA4 plain blocks stay on ``aten_cudnn`` (deterministic mode: ``aten_flash``), windowed
+    ones on ``aten_window`` and document blocks in deterministic mode on the portable kernel."""
     from seqplan.schedule import UNBOUNDED
     from torch_impl import block
 
@@ -380,13 +374,16 @@ def test_auto_routes_every_block_fa4_takes_to_it_where_installed(monkeypatch):
         assert block.resolve_backend("auto", mask=mask, **kw) == "fa4", mask
     assert block.resolve_backend("auto", mask=plain, softcap=True, **kw) == "fa4"
     assert block.resolve_backend("auto", mask=BlockMask(MaskKind.STRICT), **kw) == "aten_cudnn"
-    assert block.resolve_backend("auto", mask=plain, deterministic=True, **kw) == "aten_flash"
-    assert block.resolve_backend("auto", mask=documents, deterministic=True, **kw) == "reference"
+    for mask in (documents, by_index, plain, windowed):
+        assert block.resolve_backend("auto", mask=mask, deterministic=True, **kw) == "fa4", mask
+    assert block.get_backend("fa4", deterministic=True).name == "fa4"
     fa4 = block.get_backend("fa4")
     monkeypatch.setitem(block._BACKENDS, "fa4", block.BlockBackend("fa4", fa4.fwd, fa4.bwd, supports=fa4.supports,
                                                                    available=lambda: False))
     assert block.resolve_backend("auto", mask=plain, **kw) == "aten_cudnn"
     assert block.resolve_backend("auto", mask=windowed, **kw) == "aten_window"
+    assert block.resolve_backend("auto", mask=plain, deterministic=True, **kw) == "aten_flash"
+    assert block.resolve_backend("auto", mask=documents, deterministic=True, **kw) == "reference"
     assert block.resolve_backend("auto", mask=documents, device_kind="cuda", dtype="float32") == "reference"
 
 

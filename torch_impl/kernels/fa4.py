@@ -29,8 +29,10 @@ that are not runs, a head_dim outside FA4's (8..256, a multiple of 8), and a bac
 > 192 (not supported on SM90: such a block runs both passes on ``aten_cudnn`` or ``aten_window``,
 which "auto" chose for it before FA4). Queries whose document has no key in the block (or no key in its
 window) get o = 0, lse = -inf and zero gradients, and keys no query reads zero dK / dV, written
-here. Run-to-run determinism is not measured: the backend is refused under ``deterministic=True``
-(``block.NONDETERMINISTIC_WHEN_REQUESTED``); ``"auto"``'s rows for it say what was measured.
+here. Under ``deterministic=True`` (torch's deterministic switch, held by the call) the backward
+runs in FA4's deterministic mode, and a block FA4's backward cannot take goes to ``aten_flash``
+instead of ``aten_cudnn``, a windowed one to the portable kernel: measured bitwise reproducible on
+one H200 (docs/decisions.md, "FA4's deterministic backward").
 """
 
 from __future__ import annotations
