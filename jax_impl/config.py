@@ -2,7 +2,8 @@
 defaults of the API's keyword arguments — read here (and in ``seqplan.config``), at the API boundary, and nowhere else.
 
     RINGBRIDGE_CHECK_RANKS=1                   -> check_ranks=None means True
-    XLA_FLAGS has --xla_gpu_deterministic_ops=true  -> deterministic=None means True
+    XLA_FLAGS has --xla_gpu_deterministic_ops=true  -> deterministic=None means True; deterministic=True
+                                                    on a GPU requires it (check_deterministic_ready)
 """
 
 from __future__ import annotations
@@ -38,13 +39,36 @@ class AttentionConfig(seqplan.config.AttentionConfig):
         return get_backend(self.block_backend, deterministic=self.deterministic, softcap=self.softcap)
 
 
+XLA_DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
 def default_deterministic(deterministic: bool | None) -> bool:
     """``deterministic``, or when None whether XLA was started with deterministic GPU ops. XLA
     reads XLA_FLAGS once, when its backend starts: ``deterministic=True`` can only refuse a block
-    kernel that is not deterministic, never make XLA's own ops deterministic."""
+    kernel that is not deterministic, never make XLA's own ops deterministic
+    (:func:`check_deterministic_ready`)."""
     if deterministic is not None:
         return bool(deterministic)
-    return "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+    return XLA_DETERMINISTIC in os.environ.get("XLA_FLAGS", "")
+
+
+def check_deterministic_ready(deterministic: bool, platform: str | None = None) -> None:
+    """ValueError, at trace time (before any collective), for ``deterministic=True`` on a GPU
+    (``platform``: the mesh's devices' platform; None: JAX's default backend) whose XLA was not
+    started with deterministic ops: cuDNN's backward — the kernel deterministic mode routes to —
+    and XLA's own scatters are then run-to-run different, which a flag read at start-up alone
+    changes. On the CPU every kernel is reproducible: nothing is asked."""
+    if not deterministic or XLA_DETERMINISTIC in os.environ.get("XLA_FLAGS", ""):
+        return
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    if platform in GPU_PLATFORMS:
+        raise ValueError(f"deterministic=True on a GPU needs XLA started with deterministic ops: set "
+                         f"XLA_FLAGS={XLA_DETERMINISTIC} before JAX initialises its GPU backend (XLA reads its flags "
+                         "once); without it cuDNN's backward and XLA's scatters differ run to run")
 
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,
@@ -53,7 +77,9 @@ def make_config(q, *, causal: bool, layout: str, scale: float | None, block_back
     """The config of a per-device call on ``q`` (for its head_dim), with this framework's defaults
     resolved (:func:`default_deterministic`) and the installed communication hook (``comm.using``);
     the rest, the token-index mode among it, is ``seqplan.config.AttentionConfig.for_call``."""
+    deterministic = default_deterministic(deterministic)
+    check_deterministic_ready(deterministic)
     return AttentionConfig.for_call(q.shape[-1], causal=causal, layout=layout, scale=scale, block_backend=block_backend,
-                                    deterministic=default_deterministic(deterministic), comm=current_comm(),
+                                    deterministic=deterministic, comm=current_comm(),
                                     window=window, softcap=softcap, token_index=token_index,
                                     shared_tokens=shared_tokens)

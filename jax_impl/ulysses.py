@@ -34,7 +34,7 @@ from seqplan.validation import (
 
 from .block import get_backend
 from .comm import axis_size, gather_shards, heads_to_seq, seq_to_heads
-from .config import default_deterministic
+from .config import check_deterministic_ready, default_deterministic
 from .ring import ring_attention
 
 
@@ -106,6 +106,7 @@ def ulysses_attention(q, k, v, axis_name: str = ULYSSES, *, causal: bool = False
     softcap = check_softcap(softcap)
     groups = check_head_groups(head_groups, q.shape[2], k.shape[2], n)
     deterministic = default_deterministic(deterministic)
+    check_deterministic_ready(deterministic)
     get_backend(block_backend, deterministic=deterministic)  # an unknown or refused kernel fails here
     scale = resolve_scale(q.shape[-1], scale)
     attend = partial(attend or partial(ring_attention, axis_name=None, layout="contiguous"), causal=causal, scale=scale,

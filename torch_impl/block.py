@@ -71,10 +71,11 @@ class BlockBackend:
 # fused backwards accumulate dq with atomics, so dq differs between identical runs for
 # aten_flash and aten_cudnn; torch.use_deterministic_algorithms(True) makes aten_flash
 # deterministic (torch picks FlashAttention's deterministic backward) but not aten_cudnn.
-# "reference" and every forward were bitwise reproducible. fa4 (one H200, 2026-11-29,
-# ``python -m benchmarks.determinism_cost``): under torch's switch it runs FA4's deterministic
-# backward, bitwise identical over 5 runs on causal, document (two mixes) and windowed blocks,
-# 1.05-1.22x its default step; outside it dq (and with GQA dK / dV) differ.
+# "reference" and every forward were bitwise reproducible. One H200, 2026-11-29
+# (``python -m benchmarks.determinism_cost``, 32k tokens, 32 / 8 heads, 5 runs): under torch's
+# strict switch fa4 (FA4's own deterministic backward), aten_flash, aten_varlen and aten_window
+# are bitwise identical (fa4 1.06-1.26x its default step, FA2's kernels 1.47-1.96x); outside it,
+# or under warn-only, their dq (fa4 with GQA documents: dK / dV) differ.
 NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"aten_cudnn"})
 
 
@@ -101,11 +102,13 @@ AUTO_ROUTES: tuple[Route, ...] = (
           device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=ALL_MASKS, deterministic=False),
     Route("aten_varlen", "document blocks (full, causal diagonal; ids one run per document) and token-index causal "
           "blocks (seqplan.documents.index_runs) on FA2 varlen: "
-          "docs/gpu/masked-2026-11-24-h100.md; its determinism not measured, so not in deterministic mode",
-          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
+          "docs/gpu/masked-2026-11-24-h100.md; in deterministic mode too (FA2's deterministic backward under torch's "
+          "switch: bitwise reproducible, 1.5-2.0x its default step, one H200)",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL)),
     Route("aten_window", "windowed blocks (full, causal) whose positions are two contiguous ranges, on FA2's "
-          "sliding window: docs/gpu/masked-2026-11-24-h100.md; determinism not measured, so not in deterministic mode",
-          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
+          "sliding window: docs/gpu/masked-2026-11-24-h100.md; in deterministic mode too (bitwise reproducible under "
+          "torch's switch, 1.47x its default step, one H200)",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL)),
     Route("reference", "any other platform, and every block no fused kernel takes: the portable kernel"),
 )
 

@@ -122,6 +122,8 @@
 # GEMM tuning included) comes back as $OUT/jaxcache.tgz.00, .01, ... (15 MiB parts; skipped over 28 MiB: with .whl and the project it must fit the 64-MiB tree). Copied into
 # .jaxcache/ here and carried, the next `start` on a fresh machine of the same kind unpacks it first, so a hold given
 # back between calls (2026-11-28: the JAX twin's 277-s compiles lost with it) does not compile everything again.
+# Tried on one H200 (2026-11-29, docs/gpu/determinism-2026-11-29-h200.md): a fresh machine took all 19 entries of
+# another's cache (the twin's 2k step: 9.9 s compile -> 1.1 s, nothing new written).
 # SMOKE=1 start: every part's CPU path at toy sizes (no wheels, no GPU). Results under $OUT/runlist.tgz.
 # GPUS=2 (a two-GPU hold, 2026-11-28): tier, u128, win, winprof, weak and torchprof at 32k tokens per GPU on the
 # two-GPU meshes (ring 2, Ulysses 2, all-gather KV 2) — the same per-GPU shapes as the 4-GPU rows; llama and llamajax

@@ -377,3 +377,23 @@ def test_gpu_torch_window_blocks_match_the_portable_kernel(backend):
     rows = window_checks(backend=backend)
     assert rows and all(r["verified"] for r in rows), rows
     assert [r["fused_path"] for r in rows] == [True, True, True, True, False]
+
+
+@pytest.mark.parametrize("backend,case", [("fa4", "causal"), ("fa4", "documents-short"), ("fa4", "window-4096"),
+                                          ("aten_flash", "causal"), ("aten_varlen", "documents-short"),
+                                          ("aten_window", "window-4096")])
+def test_gpu_torch_deterministic_mode_is_reproducible_and_correct(backend, case, monkeypatch):
+    """Under torch's deterministic switch (what a ``deterministic=True`` call holds while its kernels
+    run), each backend "auto" routes there — FA4 in FA4's deterministic mode, FA2's dense, varlen and
+    window kernels in torch's — computes the same as the portable kernel in float32 at 4096 tokens
+    and repeats o, dq, dk, dv bit for bit at 8192 (32 / 8 heads); what deterministic mode costs is
+    ``benchmarks.determinism_cost``'s."""
+    _skip_without_fa4(backend)
+    from benchmarks import determinism_cost as cost
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the portable kernel's products under the switch
+    chosen = next(c for c in cost.CASES if c.name == case)
+    checked = cost.check(chosen, backend, "deterministic", 4096)
+    assert checked["passed"], checked["errors"]
+    repeated = cost.repeats_and_time(chosen, backend, "deterministic", 8192, repeats=3, iters=1, warmup=0)
+    assert all(repeated["bitwise_same"].values()), repeated["bitwise_same"]

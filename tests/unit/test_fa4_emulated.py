@@ -252,8 +252,8 @@ def test_fa4s_backward_is_deterministic_under_torchs_switch(fa4, monkeypatch, se
     kernels run: ``torch_impl.config.deterministic_kernels``) every FA4 backward — dense, varlen,
     and all-gather-KV's one call — is asked for FA4's deterministic mode, and off it for none; a
     block FA4's backward cannot take (head_dim 256, on CUDA: stood in) goes to ``aten_flash`` (FA2,
-    deterministic under the switch) instead of ``aten_cudnn``, a windowed one to the portable
-    kernel instead of ``aten_window`` (its determinism not measured)."""
+    deterministic under the switch) instead of ``aten_cudnn``; a windowed one to ``aten_window`` as
+    outside it (FA2's window kernel, deterministic under the switch too)."""
     from torch_impl.block import BlockBackend
     from torch_impl.kernels.reference import reference_block_bwd, reference_block_fwd
 
@@ -290,7 +290,7 @@ def test_fa4s_backward_is_deterministic_under_torchs_switch(fa4, monkeypatch, se
         _both(fa4, q, k, v, do, BlockMask(MaskKind.FULL, window=(20, 0), offset=16), positions=spans)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert calls == ["aten_flash", "aten_flash"] and fa4.portable == {"fwd": 1, "bwd": 1}
+    assert calls == ["aten_flash"] * 2 + ["aten_window"] * 2 and fa4.portable == {"fwd": 0, "bwd": 0}
 
 
 def test_allgather_runs_each_device_as_one_fa4_call(fa4, seed):
@@ -356,7 +356,7 @@ def test_auto_routes_every_block_fa4_takes_to_it_where_installed(monkeypatch):
     ``aten_varlen`` on the 4-GPU table), strict blocks to ``aten_cudnn``, float32 to the portable
     kernel, in deterministic mode too (FA4's deterministic backward, measured bitwise reproducible);
     without FA4 plain blocks stay on ``aten_cudnn`` (deterministic mode: ``aten_flash``), windowed
-    ones on ``aten_window`` and document blocks in deterministic mode on the portable kernel."""
+    ones on ``aten_window`` and document blocks on ``aten_varlen``, in deterministic mode too."""
     from seqplan.schedule import UNBOUNDED
     from torch_impl import block
 
@@ -383,7 +383,8 @@ def test_auto_routes_every_block_fa4_takes_to_it_where_installed(monkeypatch):
     assert block.resolve_backend("auto", mask=plain, **kw) == "aten_cudnn"
     assert block.resolve_backend("auto", mask=windowed, **kw) == "aten_window"
     assert block.resolve_backend("auto", mask=plain, deterministic=True, **kw) == "aten_flash"
-    assert block.resolve_backend("auto", mask=documents, deterministic=True, **kw) == "reference"
+    for mask, name in ((documents, "aten_varlen"), (by_index, "aten_varlen"), (windowed, "aten_window")):
+        assert block.resolve_backend("auto", mask=mask, deterministic=True, **kw) == name, mask
     assert block.resolve_backend("auto", mask=documents, device_kind="cuda", dtype="float32") == "reference"
 
 

@@ -141,6 +141,24 @@ def test_deterministic_xla_flag_refuses_fa3(monkeypatch):
     assert get_backend("fa3", deterministic=default_deterministic(None)).name == "fa3"
 
 
+def test_deterministic_on_a_gpu_needs_xla_started_deterministic(monkeypatch):
+    """``deterministic=True`` on a GPU platform without ``--xla_gpu_deterministic_ops=true`` in
+    XLA_FLAGS is refused by name at trace time (XLA reads the flag only at start-up, and without it
+    the kernel deterministic mode routes to, cuDNN, is run-to-run different); with the flag, on
+    the CPU, or with ``deterministic=False`` nothing is asked — and the API on a CPU mesh runs."""
+    from jax_impl.config import check_deterministic_ready
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    for platform in ("gpu", "cuda", "rocm"):
+        with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):
+            check_deterministic_ready(True, platform)
+    check_deterministic_ready(False, "gpu")
+    check_deterministic_ready(True, "cpu")
+    check_deterministic_ready(True)  # this process: JAX's default backend is the CPU
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true")
+    check_deterministic_ready(True, "gpu")
+
+
 def test_a_devices_only_block_is_never_widened_to_float32():
     """A kernel's o, dq, dK and dV stay in the inputs' dtype when the block is the device's only
     one (one device on the ring, Ulysses): the loops cast inside each block variant — here the

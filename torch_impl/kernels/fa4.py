@@ -30,9 +30,9 @@ that are not runs, a head_dim outside FA4's (8..256, a multiple of 8), and a bac
 which "auto" chose for it before FA4). Queries whose document has no key in the block (or no key in its
 window) get o = 0, lse = -inf and zero gradients, and keys no query reads zero dK / dV, written
 here. Under ``deterministic=True`` (torch's deterministic switch, held by the call) the backward
-runs in FA4's deterministic mode, and a block FA4's backward cannot take goes to ``aten_flash``
-instead of ``aten_cudnn``, a windowed one to the portable kernel: measured bitwise reproducible on
-one H200 (docs/decisions.md, "FA4's deterministic backward").
+runs in FA4's deterministic mode, and a plain block FA4's backward cannot take goes to
+``aten_flash`` instead of ``aten_cudnn``: measured bitwise reproducible on one H200
+(docs/decisions.md, "Deterministic mode holds torch's switch; FA4's deterministic backward").
 """
 
 from __future__ import annotations
@@ -188,18 +188,14 @@ def _bounds(runs: DocumentRuns, q, k) -> dict:
 def _fused_instead(q, mask: BlockMask, softcap) -> BlockBackend | None:
     """The fused backend "auto" chose before FA4 was installed, for an uncapped CUDA block without
     documents FA4 cannot run (its SM90 backward stops at head_dim 192): ``aten_cudnn`` for a plain
-    block, ``aten_window`` for a windowed one (FA2, head dims to 256) — under torch's deterministic
-    switch ``aten_flash`` for a plain block and none for a windowed one (the routes of deterministic
-    mode) — or None (the portable kernel)."""
+    block (under torch's deterministic switch ``aten_flash``, as deterministic mode routes),
+    ``aten_window`` for a windowed one (FA2, head dims to 256) — or None (the portable kernel)."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and softcap is None and not mask.documents
             and mask.kind is not MaskKind.STRICT):
         return None
-    if torch.are_deterministic_algorithms_enabled():
-        name = "aten_flash" if mask.window is None else None
-    else:
-        name = "aten_cudnn" if mask.window is None else "aten_window"
-    backend = None if name is None else get_backend(name)
-    return backend if backend is not None and backend.available() else None
+    plain = "aten_flash" if torch.are_deterministic_algorithms_enabled() else "aten_cudnn"
+    backend = get_backend(plain if mask.window is None else "aten_window")
+    return backend if backend.available() else None
 
 
 def fa4_block_fwd(q, k, v, mask: BlockMask, scale: float, segments=None, positions=None, softcap=None):
