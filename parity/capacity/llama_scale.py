@@ -252,14 +252,23 @@ def whole_step(rows: dict) -> dict:
     return total.rows()
 
 
-def traffic_equal(model_rows: dict, traced_rows: dict, scope: str = "per pass") -> bool:
-    """The model's (calls, bytes) equal the trace's, exactly: per (pass, kind), or with ``scope``
-    "whole step" per kind over the whole step (a trace read from the step's program alone)."""
+def traffic_differences(model_rows: dict, traced_rows: dict, scope: str = "per pass") -> dict:
+    """{"pass/kind": {"model": [calls, bytes], "traced": [calls, bytes]}} for every (pass, kind),
+    or with ``scope`` "whole step" every kind over the whole step (a trace read from the step's
+    program alone), where the model's calls or bytes differ from the trace's; empty when equal."""
     if scope not in ("per pass", "whole step"):
         raise ValueError(f"scope is 'per pass' or 'whole step', got {scope!r}")
     nonzero = lambda rows: {k: (int(c), float(b)) for k, (c, b) in rows.items() if c or b}
     collapse = whole_step if scope == "whole step" else (lambda rows: rows)
-    return nonzero(collapse(model_rows)) == nonzero(collapse(traced_rows))
+    model, traced = nonzero(collapse(model_rows)), nonzero(collapse(traced_rows))
+    return {"/".join(key): {"model": list(model.get(key, (0, 0.0))), "traced": list(traced.get(key, (0, 0.0)))}
+            for key in sorted(model.keys() | traced.keys()) if model.get(key) != traced.get(key)}
+
+
+def traffic_equal(model_rows: dict, traced_rows: dict, scope: str = "per pass") -> bool:
+    """The model's (calls, bytes) equal the trace's, exactly: per (pass, kind), or with ``scope``
+    "whole step" per kind over the whole step (:func:`traffic_differences` empty)."""
+    return not traffic_differences(model_rows, traced_rows, scope)
 
 
 def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, exposed: dict | None = None,
@@ -493,10 +502,11 @@ def row_record(head: dict, case: ModelCase, dtype: str, measured: dict, pred: di
     model says it moves (``llama_step_traffic`` in ``head["framework"]``) against that trace."""
     model_rows = llama_step_traffic(case, head["framework"], dtype).rows()
     s = measured["seconds"]
+    differences = traffic_differences(model_rows, measured["traffic"], measured.get("traffic_scope", "per pass"))
     return {**head, "mesh": case.mesh.name, "layout": case.layout, "measured_s": s,
             "fsdp_units": case.fsdp_units if head["framework"] == "torch" else None,  # JAX: no units (XLA)
             "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
-            "traffic_equal": traffic_equal(model_rows, measured["traffic"], measured.get("traffic_scope", "per pass")),
+            "traffic_equal": not differences, "traffic_differences": differences,
             "traffic_scope": measured.get("traffic_scope", "per pass"),
             "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
             "measured_over_predicted": s / pred["predicted_s"],
@@ -573,6 +583,10 @@ def markdown(result: dict) -> str:
                      f"| {ms('host_floor_s')} "
                      f"| {ms('bound_overlap_s')} / {ms('bound_serial_s')} | {r['achieved_tflops']:.1f} "
                      f"| {fmt(r['peak_gib'])} | {r['traffic_equal']} |")
+    lines += [f"- bytes differ, {r['strategy']} T = {r['seq']} B = {r['batch']}: "
+              + "; ".join(f"{key} model {d['model'][0]} calls / {d['model'][1]:.0f} B, traced {d['traced'][0]} / "
+                          f"{d['traced'][1]:.0f}" for key, d in r["traffic_differences"].items())
+              for r in result["rows"] + result["bstar"]["sweep"] if r.get("traffic_differences")]
     b = result["bstar"]
     lines += ["", f"B* ({b['strategy']}, T = {b['seq']}): links {b['rows_sum']:.2f} rows (sum, all of T_comm), "
               f"{b['rows_exposed']:.2f} (the exposed part); host floor {b['rows_host']:.2f}; predicted B* = "

@@ -248,6 +248,12 @@ def test_the_gpu_rows_whole_step_count_equals_the_model_per_kind_and_still_fails
     model = llama_step_traffic(case, "jax", "float32").rows()
     assert llama_scale.traffic_equal(model, whole, "whole step") and llama_scale.traffic_equal(model, split)
     assert not llama_scale.traffic_equal(llama_step_traffic(case, "jax", "bfloat16").rows(), whole, "whole step")
+    # what a row records where they differ: each kind's (calls, bytes) on both sides
+    wrong = llama_scale.traffic_differences(llama_step_traffic(case, "jax", "bfloat16").rows(), whole, "whole step")
+    assert wrong and all(key.startswith("step/") and d["model"] != d["traced"] for key, d in wrong.items()), wrong
+    assert all(d["traced"] == [whole[tuple(key.split("/"))][0], whole[tuple(key.split("/"))][1]]
+               for key, d in wrong.items())
+    assert llama_scale.traffic_differences(model, whole, "whole step") == {}
     assert not llama_scale.traffic_equal(model, whole)  # a whole-step count is no per-pass count
     with pytest.raises(ValueError, match="scope"):
         llama_scale.traffic_equal(model, whole, "per kind")
