@@ -205,4 +205,8 @@ def test_mirrors_have_the_same_files_and_public_names():
         jax_only |= {"forward_visit", "backward_visit", "resident_kv", "DKVAccumulation", "TRAVELLING",
                      "per_shard_accumulation"}
         torch_only |= {"attend_visits", "grad_visits", "ShardGrads"}
+        # Deterministic mode: torch holds its deterministic switch while a call's kernels run
+        # (deterministic_kernels); XLA reads its own only at start-up, which check_deterministic_ready
+        # asks for in both.
+        torch_only |= {"deterministic_kernels"}
         assert jax_names - jax_only == torch_names - torch_only, name
