@@ -22,11 +22,12 @@ HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.-]+)")
 ARRAY = re.compile(r"(?P<dt>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 
 
-def _arrays(shape: str) -> list[int]:
-    """Byte sizes of the arrays in an HLO shape (a tuple gives several)."""
+def _arrays(shape: str, scalars: bool = True) -> list[int]:
+    """Byte sizes of the arrays in an HLO shape (a tuple gives several); ``scalars=False`` leaves
+    out rank-0 ones (an async start's context words)."""
     out = []
     for m in ARRAY.finditer(shape):
-        if m.group("dt") not in ELEMENT_BYTES:
+        if m.group("dt") not in ELEMENT_BYTES or not (scalars or m.group("dims")):
             continue
         n = 1
         for dim in filter(None, m.group("dims").split(",")):
@@ -61,10 +62,12 @@ def _collective(op: str, shape: str, line: str):
     base = op[: -len("-start")] if start else op
     if base not in COLLECTIVES or op.endswith("-done"):
         return None
-    kind, sizes = COLLECTIVES[base], _arrays(shape)
-    if start and shape.startswith("(("):  # ((operands), outputs): keep the outputs
+    kind = COLLECTIVES[base]
+    # an async permute's start also holds context scalars (u32[]): never a buffer sent
+    sizes = _arrays(shape, scalars=not (start and kind == "p2p"))
+    if start and shape.startswith("(("):  # ((operands), outputs[, context]): keep the outputs
         sizes = sizes[len(sizes) // 2:]
-    elif start and kind == "p2p":  # (operand, output, context scalars): the buffer sent
+    elif start and kind == "p2p":  # (operand, output[, context scalars]): the buffer sent
         sizes = sizes[:1]
     if kind == "p2p":  # the buffers sent; a tuple (K and V combined) is one call each
         return kind, Fraction(sum(sizes)), len(sizes)
