@@ -2,7 +2,9 @@
 its shape, dtype and the op that issued it, beside the accounting model's per-kind difference —
 why the 2-GPU rows' p2p bytes came out at 0.7 of the model (docs/gpu/llamajax-2026-11-29-h200x2.md).
 
-    python docs/gpu/llamajax-2026-11-29-h200x2/permutes.py SEQ BACKEND [BACKEND ...]   (PYTHONPATH=$PWD)
+    python docs/gpu/llamajax-2026-11-29-h200x2/permutes.py SEQ DEVICES BACKEND [BACKEND ...]   (PYTHONPATH=$PWD)
+
+(the 4-GPU run list's part ``p2pbytes``; each instruction's whole shape, layouts dropped).
 """
 
 import re
@@ -11,11 +13,11 @@ import sys
 from parity.capacity import llama_scale, llama_scale_jax
 from parity.training.llama_traffic import llama_step_traffic
 
-seq, backends = int(sys.argv[1]), sys.argv[2:]
-case = llama_scale.model_case(llama_scale.ScaleRun(), "zigzag", seq, 1, 2)
+seq, devices, backends = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+case = llama_scale.model_case(llama_scale.ScaleRun(), "zigzag", seq, 1, devices)
 for backend in backends:
     rig = llama_scale_jax.JaxRig(case, "bfloat16", backend)
-    print(f"== {backend}, T = {seq}")
+    print(f"== {backend}, T = {seq}, {devices} devices")
     for line in rig.compiled.as_text().splitlines():
         if re.search(r"= .*collective-permute(-start)?\(", line):
             shape = re.search(r"= (.*?)\s+collective-permute(-start)?\(", line)
