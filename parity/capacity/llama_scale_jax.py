@@ -126,7 +126,10 @@ class JaxRig:
 
     def traffic(self, scope: str = "per pass"):
         """The compiled programs' collectives: "per pass" (``llama_jax.measure_traffic``) or
-        "whole step" (the timed step's own program alone, every collective counted as "step"). Per
+        "whole step" (the timed step's own program alone, every collective counted as "step"), or
+        "lowered": the whole step as JAX lowers it, before XLA's passes (no compile: seconds even on
+        GPUs; in the program's own dtypes, where XLA:CPU widens bf16 collectives to float32 and
+        XLA:GPU may narrow one — 2x H200, 2026-11-29: docs/gpu/llamajax-2026-11-29-h200x2.md). Per
         pass, the loss and loss+grads programs are compiled only to be read, never run: without GEMM
         autotuning (which picks kernels, not collectives), so a row costs one tuned compile, not
         three — on 4x H200 the JAX twin's calibration and first rows did not fit a 10-minute call
@@ -136,6 +139,8 @@ class JaxRig:
 
         if scope == "whole step":
             return count_collectives(self.compiled.as_text(), "step")
+        if scope == "lowered":
+            return count_collectives(self.programs[2].lower(*self.state, *self.batch).as_text(dialect="hlo"), "step")
         params, opt_state = self.state
         loss, grads, _ = self.programs
         untuned = {"xla_gpu_autotune_level": 0}
@@ -174,7 +179,8 @@ def timed_step(case: ModelCase, dtype: str, block_backend: str, warmup: int, ite
     seconds = jax_median_ms(rig.run, warmup, iters) * 1e-3
     out = {"seconds": seconds, "peak_bytes": _peak_bytes()}
     if traffic_scope is not None:
-        out |= {"traffic": rig.traffic(traffic_scope).rows(), "traffic_scope": traffic_scope}
+        out |= {"traffic": rig.traffic(traffic_scope).rows(), "traffic_scope": traffic_scope,
+                "traffic_lowered": rig.traffic("lowered").rows()}
     return out
 
 

@@ -224,6 +224,7 @@ def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_com
     for r in rows:
         assert "error" not in r, r
         assert r["framework"] == "jax" and r["devices"] == 2 and r["traffic_equal"] and r["verified"], r
+        assert r["traffic_lowered_differences"] == {}, r  # as lowered, before XLA's passes, too
         assert set(r["exposed_fraction"].values()) == {1.0}
         assert r["predicted_s"] == max(r["bound_serial_s"], result["host_floor_s"]["zigzag"])
     assert result["bstar"]["predicted_bstar"] == max(result["bstar"]["rows_exposed"], result["bstar"]["rows_host"])
@@ -257,6 +258,23 @@ def test_the_gpu_rows_whole_step_count_equals_the_model_per_kind_and_still_fails
     assert not llama_scale.traffic_equal(model, whole)  # a whole-step count is no per-pass count
     with pytest.raises(ValueError, match="scope"):
         llama_scale.traffic_equal(model, whole, "per kind")
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "ulysses"])
+def test_the_twins_step_as_lowered_equals_the_model_in_bf16(strategy, jax_devices):
+    """The bf16 step as JAX lowers it (before XLA's passes: ``JaxRig.traffic("lowered")``) moves
+    exactly the model's bf16 calls and bytes per kind — K / V and the all-to-alls in bf16, the ring's
+    dK / dV trail in float32. The compiled CPU program cannot say this (XLA:CPU widens bf16
+    collectives to float32), and on two H200s the compiled GPU program sent fewer p2p bytes than the
+    model (docs/gpu/llamajax-2026-11-29-h200x2.md): this tells the program's own bytes from what XLA
+    does to them. A float32 model fails it."""
+    from parity.capacity import llama_scale_jax
+
+    case = llama_scale.model_case(llama_scale.SMALL_RUN, strategy, 32, 1, 2)
+    lowered = llama_scale_jax.JaxRig(case, "bfloat16", "reference").traffic("lowered").rows()
+    assert any(kind in ("p2p", "all-to-all") for _, kind in lowered), lowered  # the attention's own, counted
+    assert llama_scale.traffic_equal(llama_step_traffic(case, "jax", "bfloat16").rows(), lowered, "whole step")
+    assert not llama_scale.traffic_equal(llama_step_traffic(case, "jax", "float32").rows(), lowered, "whole step")
 
 
 def test_the_check_before_timing_fails_a_wrong_gradient():
