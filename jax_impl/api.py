@@ -63,11 +63,6 @@ def _per_device(algorithm: str, *, layout: str, return_lse: bool, kv_exchange: s
     return partial(KV_EXCHANGE[kv_exchange], axis_name=axis, layout=layout, **kw)
 
 
-def _platform(mesh) -> str | None:
-    """The platform of ``mesh``'s devices (None for an abstract mesh, which has none)."""
-    return mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else None
-
-
 def _global_shape(local_shape, mesh_sizes: dict) -> tuple[int, ...]:
     """The global [b, t, heads, d] of a per-device shard inside ``shard_map`` over a mesh of these sizes."""
     b, t, h, d = local_shape
@@ -95,7 +90,7 @@ def local_attention(q, k, v, mesh, *, causal: bool = False, layout: str = "zigza
     it must also pass ``check_vma=False``. ``shared_tokens``: as in ``sequence_parallel_attention``
     (the ids are tracers here: a broken promise makes the outputs NaN)."""
     deterministic = default_deterministic(deterministic)
-    check_deterministic_ready(deterministic, _platform(mesh))
+    check_deterministic_ready(deterministic)
     sizes = dict(mesh.shape)
     decomposition: Decomposition = validate(
         *(_global_shape(x.shape, sizes) for x in (q, k, v)), tuple(dtype_name(x.dtype) for x in (q, k, v)), sizes,
@@ -239,7 +234,7 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     and set of options by construction."""
     default_check_ranks(check_ranks)  # nothing to compare in single-controller JAX (see above)
     deterministic = default_deterministic(deterministic)
-    check_deterministic_ready(deterministic, _platform(mesh))
+    check_deterministic_ready(deterministic)
     call = _checked_call(q, k, v, mesh, layout=layout, kv_exchange=kv_exchange, scale=scale, segment_ids=segment_ids,
                          token_index=token_index, window=window, softcap=softcap, sinks=sinks,
                          shared_tokens=shared_tokens, head_groups=head_groups)

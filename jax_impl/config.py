@@ -9,6 +9,7 @@ defaults of the API's keyword arguments — read here (and in ``seqplan.config``
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,6 +44,21 @@ XLA_DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
+def _xla_deterministic() -> bool:
+    """Whether XLA_FLAGS turns XLA's deterministic GPU ops on: its last ``--xla_gpu_deterministic_ops``
+    wins, as XLA reads it (bare, ``=true`` or ``=1``: on)."""
+    values = re.findall(r"--xla_gpu_deterministic_ops(?:=(\S*))?(?=\s|$)", os.environ.get("XLA_FLAGS", ""))
+    return bool(values) and values[-1].lower() in ("", "true", "1")
+
+
+def _default_platform() -> str:
+    """The platform a traced call resolves for: the default device's (``jax.devices()[0]``), as
+    "auto" resolves a traced block (``block.device_kind_of``)."""
+    import jax
+
+    return jax.devices()[0].platform
+
+
 def default_deterministic(deterministic: bool | None) -> bool:
     """``deterministic``, or when None whether XLA was started with deterministic GPU ops. XLA
     reads XLA_FLAGS once, when its backend starts: ``deterministic=True`` can only refuse a block
@@ -50,22 +66,18 @@ def default_deterministic(deterministic: bool | None) -> bool:
     (:func:`check_deterministic_ready`)."""
     if deterministic is not None:
         return bool(deterministic)
-    return XLA_DETERMINISTIC in os.environ.get("XLA_FLAGS", "")
+    return _xla_deterministic()
 
 
-def check_deterministic_ready(deterministic: bool, platform: str | None = None) -> None:
-    """ValueError, at trace time (before any collective), for ``deterministic=True`` on a GPU
-    (``platform``: the mesh's devices' platform; None: JAX's default backend) whose XLA was not
-    started with deterministic ops: cuDNN's backward — the kernel deterministic mode routes to —
-    and XLA's own scatters are then run-to-run different, which a flag read at start-up alone
+def check_deterministic_ready(deterministic: bool) -> None:
+    """ValueError, at trace time (before any collective), for ``deterministic=True`` where a call
+    resolves its kernels for a GPU (:func:`_default_platform`, the rule "auto" follows) and XLA was
+    not started with deterministic ops: cuDNN's backward — the kernel deterministic mode routes to —
+    and XLA's own scatters are then run-to-run different, which only a flag read at start-up
     changes. On the CPU every kernel is reproducible: nothing is asked."""
-    if not deterministic or XLA_DETERMINISTIC in os.environ.get("XLA_FLAGS", ""):
+    if not deterministic or _xla_deterministic():
         return
-    if platform is None:
-        import jax
-
-        platform = jax.default_backend()
-    if platform in GPU_PLATFORMS:
+    if _default_platform() in GPU_PLATFORMS:
         raise ValueError(f"deterministic=True on a GPU needs XLA started with deterministic ops: set "
                          f"XLA_FLAGS={XLA_DETERMINISTIC} before JAX initialises its GPU backend (XLA reads its flags "
                          "once); without it cuDNN's backward and XLA's scatters differ run to run")

@@ -74,8 +74,9 @@ class BlockBackend:
 # "reference" and every forward were bitwise reproducible. One H200, 2026-11-29
 # (``python -m benchmarks.determinism_cost``, 32k tokens, 32 / 8 heads, 5 runs): under torch's
 # strict switch fa4 (FA4's own deterministic backward), aten_flash, aten_varlen and aten_window
-# are bitwise identical (fa4 1.06-1.26x its default step, FA2's kernels 1.47-1.96x); outside it,
-# or under warn-only, their dq (fa4 with GQA documents: dK / dV) differ.
+# are bitwise identical (fa4 1.06-1.26x its default step, FA2's kernels 1.47-1.96x); outside it
+# their dq (fa4 with GQA documents: dK / dV) differ. Under warn-only FA2's kernels stay atomic;
+# fa4, which reads the switch itself, stays deterministic.
 NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"aten_cudnn"})
 
 

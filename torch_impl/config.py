@@ -10,6 +10,7 @@ defaults of the API's keyword arguments — read here (and in ``seqplan.config``
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,42 +53,59 @@ CUBLAS_DETERMINISTIC_WORKSPACES = (":4096:8", ":16:8")
 
 
 def check_deterministic_ready(deterministic: bool, device) -> None:
-    """ValueError, before any collective, when ``deterministic=True`` on CUDA would turn torch's
-    deterministic switch on (:func:`deterministic_kernels`) in a process whose cuBLAS is not set up
-    for it: under the switch the portable kernel's cuBLAS products raise unless
-    ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` or ``:16:8``, and cuBLAS reads it only at start-up.
-    A process that turned the switch on itself has met torch's own requirement already."""
-    if not deterministic or torch.device(device).type != "cuda" or torch.are_deterministic_algorithms_enabled():
+    """ValueError, before any collective, when ``deterministic=True`` on CUDA would run the call's
+    kernels under torch's strict deterministic switch (:func:`deterministic_kernels`, or the
+    process's own) in a process whose cuBLAS is not set up for it: under that switch the portable
+    kernel's cuBLAS products raise unless ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` or ``:16:8``,
+    and cuBLAS reads it only at start-up. A process whose switch is on in warn-only form only gets
+    torch's warnings: nothing is asked."""
+    if not deterministic or torch.device(device).type != "cuda":
+        return
+    if torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled():
         return
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if workspace not in CUBLAS_DETERMINISTIC_WORKSPACES:
         raise ValueError(f"deterministic=True on CUDA runs the call's kernels under torch's deterministic switch, which "
                          f"needs CUBLAS_WORKSPACE_CONFIG set to one of {CUBLAS_DETERMINISTIC_WORKSPACES} before the "
-                         f"process starts (it is {workspace!r}); or turn the switch on yourself "
-                         "(torch.use_deterministic_algorithms(True)), as torch's own deterministic mode requires")
+                         f"process starts (it is {workspace!r}), as torch's own deterministic mode does")
+
+
+# how many calls hold the switch now, and whether the first of them turned it on (then the last turns it off)
+_HOLD = {"calls": 0, "turned_on": False}
+_HOLD_LOCK = threading.Lock()
 
 
 @contextmanager
 def deterministic_kernels(deterministic: bool) -> Iterator[None]:
-    """Inside: torch's deterministic switch on when a call asked for ``deterministic=True`` and the
-    process has it off (outside: as it was). torch picks a deterministic algorithm only under its
-    strict switch — FA2's backward (``aten_flash``, ``aten_varlen``, ``aten_window``; under
-    ``warn_only=True`` it warns and stays atomic, measured 2026-11-29), ``index_add_`` on CUDA —
-    and ``fa4`` reads it for FlashAttention-4's own deterministic backward, so an explicit
-    ``deterministic=True`` makes the call's kernels deterministic, not only the block backend's name
-    checked (:func:`check_deterministic_ready` saw, before any collective, that cuBLAS is set up for
-    it). A process that set the switch itself keeps its own setting, warn-only included. The switch
-    is process-wide: the attention's forward and backward hold it while they run (the autograd
-    engine runs a CUDA backward on its device thread while the caller's thread waits in
-    ``backward()``)."""
-    if not deterministic or torch.are_deterministic_algorithms_enabled():
+    """Inside: torch's deterministic switch on when a call asked for ``deterministic=True`` (outside:
+    as it was). torch picks a deterministic algorithm only under its strict switch — FA2's backward
+    (``aten_flash``, ``aten_varlen``, ``aten_window``; under ``warn_only=True`` it warns and stays
+    atomic, measured 2026-11-29), ``index_add_`` on CUDA — and ``fa4`` reads it for
+    FlashAttention-4's own deterministic backward, so an explicit ``deterministic=True`` makes the
+    call's kernels deterministic, not only the block backend's name checked
+    (:func:`check_deterministic_ready` saw, before any collective, that cuBLAS is set up for it). A
+    process that set the switch itself keeps its own setting — in warn-only form FA2's kernels then
+    stay non-deterministic, as torch's own warn-only mode leaves them. The switch is process-wide:
+    the attention's forward and backward hold it while they run (the autograd engine runs a CUDA
+    backward on its device thread while the caller's thread waits), counted across threads, so
+    the last call to leave turns off what the first turned on."""
+    if not deterministic:
         yield
         return
-    torch.use_deterministic_algorithms(True)
+    with _HOLD_LOCK:
+        if _HOLD["calls"] == 0:
+            _HOLD["turned_on"] = not torch.are_deterministic_algorithms_enabled()
+            if _HOLD["turned_on"]:
+                torch.use_deterministic_algorithms(True)
+        _HOLD["calls"] += 1
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(False)
+        with _HOLD_LOCK:
+            _HOLD["calls"] -= 1
+            if _HOLD["calls"] == 0 and _HOLD["turned_on"]:
+                torch.use_deterministic_algorithms(False)
+                _HOLD["turned_on"] = False
 
 
 def make_config(q, *, causal: bool, layout: str, scale: float | None, block_backend: str,

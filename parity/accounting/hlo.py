@@ -22,12 +22,15 @@ HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.-]+)")
 ARRAY = re.compile(r"(?P<dt>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 
 
-def _arrays(shape: str, scalars: bool = True) -> list[int]:
-    """Byte sizes of the arrays in an HLO shape (a tuple gives several); ``scalars=False`` leaves
-    out rank-0 ones (an async start's context words)."""
+# an async collective-permute-start's shape ends in its context words: (..., u32[], u32[])
+CONTEXT_WORDS = re.compile(r"(?:,\s*[us]32\[\])+\)\s*$")
+
+
+def _arrays(shape: str) -> list[int]:
+    """Byte sizes of the arrays in an HLO shape (a tuple gives several)."""
     out = []
     for m in ARRAY.finditer(shape):
-        if m.group("dt") not in ELEMENT_BYTES or not (scalars or m.group("dims")):
+        if m.group("dt") not in ELEMENT_BYTES:
             continue
         n = 1
         for dim in filter(None, m.group("dims").split(",")):
@@ -63,8 +66,10 @@ def _collective(op: str, shape: str, line: str):
     if base not in COLLECTIVES or op.endswith("-done"):
         return None
     kind = COLLECTIVES[base]
-    # an async permute's start also holds context scalars (u32[]): never a buffer sent
-    sizes = _arrays(shape, scalars=not (start and kind == "p2p"))
+    if start and kind == "p2p":  # its trailing context words (u32[]) are never a buffer sent
+        words = CONTEXT_WORDS.search(shape)
+        shape = shape if words is None else shape[:words.start()] + ")"
+    sizes = _arrays(shape)
     if start and shape.startswith("(("):  # ((operands), outputs[, context]): keep the outputs
         sizes = sizes[len(sizes) // 2:]
     elif start and kind == "p2p":  # (operand, output[, context scalars]): the buffer sent

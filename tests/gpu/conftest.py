@@ -6,3 +6,9 @@ test that needs more GPUs skips with "needs N GPUs". Run through the device tool
 
 (the root conftest puts JAX on simulated CPU devices unless JAX_PLATFORMS says otherwise, and
 turns JAX's GPU memory preallocation off so that torch shares the GPU)."""
+
+import os
+
+# cuBLAS reads its workspace setting when its first handle is made: set before any test touches
+# CUDA, so that the deterministic-mode tests' portable kernel runs under torch's strict switch
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

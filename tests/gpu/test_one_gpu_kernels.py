@@ -5,6 +5,8 @@ policy), at 4096-token blocks. A backend not installed here is skipped with its 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -382,7 +384,7 @@ def test_gpu_torch_window_blocks_match_the_portable_kernel(backend):
 @pytest.mark.parametrize("backend,case", [("fa4", "causal"), ("fa4", "documents-short"), ("fa4", "window-4096"),
                                           ("aten_flash", "causal"), ("aten_varlen", "documents-short"),
                                           ("aten_window", "window-4096")])
-def test_gpu_torch_deterministic_mode_is_reproducible_and_correct(backend, case, monkeypatch):
+def test_gpu_torch_deterministic_mode_is_reproducible_and_correct(backend, case):
     """Under torch's deterministic switch (what a ``deterministic=True`` call holds while its kernels
     run), each backend "auto" routes there — FA4 in FA4's deterministic mode, FA2's dense, varlen and
     window kernels in torch's — computes the same as the portable kernel in float32 at 4096 tokens
@@ -391,7 +393,7 @@ def test_gpu_torch_deterministic_mode_is_reproducible_and_correct(backend, case,
     _skip_without_fa4(backend)
     from benchmarks import determinism_cost as cost
 
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the portable kernel's products under the switch
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"  # conftest: before cuBLAS's first handle
     chosen = next(c for c in cost.CASES if c.name == case)
     checked = cost.check(chosen, backend, "deterministic", 4096)
     assert checked["passed"], checked["errors"]

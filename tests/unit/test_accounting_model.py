@@ -89,6 +89,7 @@ ENTRY %main (a: f32[4,8], b: bf16[2,8]) -> f32[16,8] {
   %cps = ((f32[4,8]{1,0}, f32[4,8]{1,0}), (f32[4,8]{1,0}, f32[4,8]{1,0})) collective-permute-start(%a, %a), channel_id=9, source_target_pairs={{0,1},{1,0}}
   %cpx = ((bf16[2,8]{1,0}, f32[2,8]{1,0}), (bf16[2,8]{1,0}, f32[2,8]{1,0}), u32[], u32[]) collective-permute-start(%b, %c), channel_id=11, source_target_pairs={{0,1},{1,0}}
   %cp1 = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[], u32[]) collective-permute-start(%a), channel_id=12, source_target_pairs={{0,1},{1,0}}
+  %cp0 = ((f32[], f32[]), (f32[], f32[])) collective-permute-start(%z, %z), channel_id=13, source_target_pairs={{0,1},{1,0}}
   %arm = f32[4,8]{1,0} all-reduce(%a), channel_id=10, replica_groups=mesh['x'=2,'y'=4] {'y'}, to_apply=%add
   %w = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %r = f32[16,8]{1,0} copy(%ag)
@@ -100,12 +101,12 @@ def test_hlo_counter_on_a_handwritten_program():
     """Each collective form sized by the contract's (docs/contract.md) rule; async done not counted; a while body
     counted trip-count times (3 collective-permutes of 128 B); a combined (tuple) all-reduce is
     one call per buffer, and so is a combined collective-permute (K and V in one instruction, as
-    XLA:GPU emits), its buffers of mixed dtypes and its start's context scalars (u32[]) not
-    counted as buffers; a group of one device moves nothing; async starts sized by their outputs;
+    XLA:GPU emits), its buffers of mixed dtypes and its start's trailing context scalars (u32[])
+    not counted as buffers — scalar buffers sent are; a group of one device moves nothing; async starts sized by their outputs;
     jax ≥ 0.11's mesh-form replica groups read by the named axes' sizes."""
     t = count_collectives(HLO, "fwd")
     assert t.rows() == {
-        ("fwd", "p2p"): (3 + 2 + 2 + 1, 3 * 128 + 256 + (32 + 64) + 128),
+        ("fwd", "p2p"): (3 + 2 + 2 + 1 + 2, 3 * 128 + 256 + (32 + 64) + 128 + 8),
         ("fwd", "all-to-all"): (1, 64),  # 128 B buffer, n = 2
         ("fwd", "all-gather"): (2, 384 + 96),  # 512 B gathered, n = 4 -> 3/4; start: 128 B output -> 96
         ("fwd", "reduce-scatter"): (1, 16),  # output 16 B, n = 2 -> input 32 B -> 1/2

@@ -377,6 +377,7 @@ def test_auto_routes_every_block_fa4_takes_to_it_where_installed(monkeypatch):
     for mask in (documents, by_index, plain, windowed):
         assert block.resolve_backend("auto", mask=mask, deterministic=True, **kw) == "fa4", mask
     assert block.get_backend("fa4", deterministic=True).name == "fa4"
+    assert block.resolve_backend("auto", mask=BlockMask(MaskKind.STRICT), deterministic=True, **kw) == "aten_flash"
     fa4 = block.get_backend("fa4")
     monkeypatch.setitem(block._BACKENDS, "fa4", block.BlockBackend("fa4", fa4.fwd, fa4.bwd, supports=fa4.supports,
                                                                    available=lambda: False))

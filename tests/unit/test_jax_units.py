@@ -142,21 +142,40 @@ def test_deterministic_xla_flag_refuses_fa3(monkeypatch):
 
 
 def test_deterministic_on_a_gpu_needs_xla_started_deterministic(monkeypatch):
-    """``deterministic=True`` on a GPU platform without ``--xla_gpu_deterministic_ops=true`` in
-    XLA_FLAGS is refused by name at trace time (XLA reads the flag only at start-up, and without it
-    the kernel deterministic mode routes to, cuDNN, is run-to-run different); with the flag, on
-    the CPU, or with ``deterministic=False`` nothing is asked — and the API on a CPU mesh runs."""
+    """``deterministic=True`` where a call resolves its kernels for a GPU (the default device, the
+    rule "auto" follows) without XLA's deterministic ops on is refused by name at trace time — by
+    the API and by the per-device entries alike (XLA reads the flag only at start-up; without it
+    cuDNN's backward, the kernel deterministic mode routes to, is run-to-run different). The flag's
+    last occurrence in XLA_FLAGS wins; on the CPU or with ``deterministic=False`` nothing is asked."""
+    import jax
+    from jax.sharding import Mesh
+
+    import jax_impl
+    from jax_impl import config
     from jax_impl.config import check_deterministic_ready
 
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    for platform in ("gpu", "cuda", "rocm"):
-        with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):
-            check_deterministic_ready(True, platform)
-    check_deterministic_ready(False, "gpu")
-    check_deterministic_ready(True, "cpu")
-    check_deterministic_ready(True)  # this process: JAX's default backend is the CPU
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true")
-    check_deterministic_ready(True, "gpu")
+    flags = "--xla_force_host_platform_device_count=8"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    monkeypatch.setattr(config, "_default_platform", lambda: "gpu")  # a GPU host, stood in
+    with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):
+        check_deterministic_ready(True)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ring",))
+    q = jnp.ones((1, 8, 2, 4), jnp.float32)
+    with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):  # the API refuses as the entries would
+        jax_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, deterministic=True)
+    check_deterministic_ready(False)
+    for on in ("--xla_gpu_deterministic_ops=true", "--xla_gpu_deterministic_ops", "--xla_gpu_deterministic_ops=false "
+               "--xla_gpu_deterministic_ops=1"):
+        monkeypatch.setenv("XLA_FLAGS", f"{flags} {on}")
+        check_deterministic_ready(True)
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false")
+    with pytest.raises(ValueError):
+        check_deterministic_ready(True)
+    assert not config.default_deterministic(None)
+    monkeypatch.setattr(config, "_default_platform", lambda: "cpu")
+    check_deterministic_ready(True)
+    o = jax_impl.sequence_parallel_attention(q, q, q, mesh, causal=True, deterministic=True)
+    assert o.shape == q.shape
 
 
 def test_a_devices_only_block_is_never_widened_to_float32():

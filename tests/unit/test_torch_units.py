@@ -147,10 +147,10 @@ def test_a_deterministic_call_holds_torchs_switch_while_its_kernels_run(monkeypa
 
 
 def test_deterministic_on_cuda_needs_cublas_set_up_before_any_collective(monkeypatch):
-    """``deterministic=True`` on CUDA with torch's switch off: refused by name unless
-    ``CUBLAS_WORKSPACE_CONFIG`` is one of cuBLAS's reproducible settings (under the switch the
-    portable kernel's products would raise mid-call); on the CPU, with the switch already on, or
-    with ``deterministic=False``, nothing is asked."""
+    """``deterministic=True`` on CUDA: refused by name unless ``CUBLAS_WORKSPACE_CONFIG`` is one of
+    cuBLAS's reproducible settings (under torch's strict switch — the call's, or the process's own —
+    the portable kernel's products would raise mid-call); on the CPU, under the process's own
+    warn-only switch (warnings only), or with ``deterministic=False``, nothing is asked."""
     from torch_impl.config import check_deterministic_ready
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
@@ -165,9 +165,34 @@ def test_deterministic_on_cuda_needs_cublas_set_up_before_any_collective(monkeyp
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", setting)
         check_deterministic_ready(True, "cuda")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    for warn_only, refused in ((False, True), (True, False)):
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        try:
+            if refused:
+                with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG"):
+                    check_deterministic_ready(True, "cuda")
+            else:
+                check_deterministic_ready(True, "cuda")
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+
+def test_calls_holding_the_switch_at_once_leave_it_on_until_the_last_leaves():
+    """Two calls holding the switch at once (two threads, or two devices' autograd threads in one
+    process): the first to leave does not turn it off under the other; the last does, and only what
+    the first turned on."""
+    from torch_impl.config import deterministic_kernels
+
+    with deterministic_kernels(True):
+        with deterministic_kernels(True):
+            assert torch.are_deterministic_algorithms_enabled()
+        assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        check_deterministic_ready(True, "cuda")
+        with deterministic_kernels(True):
+            pass
+        assert torch.are_deterministic_algorithms_enabled()  # the process's own: kept
     finally:
         torch.use_deterministic_algorithms(False)
 
