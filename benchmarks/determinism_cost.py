@@ -35,8 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-PASS = 2e-2
-TENSORS = ("o", "dq", "dk", "dv")
+from benchmarks.one_gpu_documents import PASS
+from benchmarks.one_gpu_documents_torch import device_name, random_inputs
+from parity.probes.determinism import TENSORS
+
 MODES = ("default", "deterministic")
 
 
@@ -72,21 +74,6 @@ def _mode(mode: str):
         torch.use_deterministic_algorithms(False)
 
 
-def _device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _inputs(seq: int, heads: int, kv_heads: int, d: int, dtype, seed: int):
-    import torch
-
-    gen = torch.Generator(device=_device()).manual_seed(seed)
-    q, do = (torch.randn(1, seq, heads, d, device=_device(), generator=gen).to(dtype) for _ in range(2))
-    k, v = (torch.randn(1, seq, kv_heads, d, device=_device(), generator=gen).to(dtype) for _ in range(2))
-    return q, k, v, do
-
-
 def _ids(case: Case, seq: int):
     import torch
 
@@ -95,7 +82,7 @@ def _ids(case: Case, seq: int):
     from parity.probes.balance import MIXES
 
     mix = next(m for m in MIXES if m.name == case.documents)
-    return torch.as_tensor(mix.segment_ids(seq)[None].astype(np.int32), device=_device())
+    return torch.as_tensor(mix.segment_ids(seq)[None].astype(np.int32), device=device_name())
 
 
 def _step(case: Case, backend: str, ids):
@@ -117,7 +104,7 @@ def check(case: Case, backend: str, mode: str, seq: int) -> dict:
     """``backend`` in bf16 against the portable kernel in float32 on the same (upcast) inputs."""
     import torch
 
-    low = _inputs(seq, 8, 2, 128, torch.bfloat16, seed=1)
+    low = random_inputs(seq, 8, 2, 128, torch.bfloat16, seed=1)
     ids = _ids(case, seq)
     with _mode(mode):
         got = _step(case, backend, ids)(*low)
@@ -133,13 +120,13 @@ def repeats_and_time(case: Case, backend: str, mode: str, seq: int, repeats: int
 
     from benchmarks.masked import cuda_ms
 
-    x = _inputs(seq, heads, kv_heads, 128, torch.bfloat16, seed=0)
+    x = random_inputs(seq, heads, kv_heads, 128, torch.bfloat16, seed=0)
     step = _step(case, backend, _ids(case, seq))
     with _mode(mode):
         runs = [step(*x) for _ in range(repeats)]
         same = {t: all(torch.equal(r[i], runs[0][i]) for r in runs[1:]) for i, t in enumerate(TENSORS)}
         del runs
-        ms = cuda_ms(lambda: step(*x), iters, warmup) if _device() == "cuda" else None
+        ms = cuda_ms(lambda: step(*x), iters, warmup) if device_name() == "cuda" else None
     return {"bitwise_same": same, "ms": ms}
 
 

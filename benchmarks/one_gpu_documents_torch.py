@@ -25,7 +25,7 @@ import numpy as np
 from benchmarks.one_gpu_documents import PASS
 
 
-def _device() -> str:
+def device_name() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,19 +49,19 @@ def _calls(backend: str):
     return step, forward
 
 
-def _inputs(seq: int, heads: int, kv_heads: int, d: int, dtype, seed: int = 0):
+def random_inputs(seq: int, heads: int, kv_heads: int, d: int, dtype, seed: int = 0):
     import torch
 
-    gen = torch.Generator(device=_device()).manual_seed(seed)
-    q, do = (torch.randn(1, seq, heads, d, device=_device(), generator=gen).to(dtype) for _ in range(2))
-    k, v = (torch.randn(1, seq, kv_heads, d, device=_device(), generator=gen).to(dtype) for _ in range(2))
+    gen = torch.Generator(device=device_name()).manual_seed(seed)
+    q, do = (torch.randn(1, seq, heads, d, device=device_name(), generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, seq, kv_heads, d, device=device_name(), generator=gen).to(dtype) for _ in range(2))
     return q, k, v, do
 
 
 def _ids_tensor(ids):
     import torch
 
-    return torch.as_tensor(np.asarray(ids, np.int32), device=_device())
+    return torch.as_tensor(np.asarray(ids, np.int32), device=device_name())
 
 
 def check_ids(mix: str, ids, backend: str, heads=8, kv_heads=2, d=128) -> dict:
@@ -70,7 +70,7 @@ def check_ids(mix: str, ids, backend: str, heads=8, kv_heads=2, d=128) -> dict:
     import torch
 
     ids_t = _ids_tensor(ids)
-    low = _inputs(ids_t.shape[1], heads, kv_heads, d, torch.bfloat16, seed=1)
+    low = random_inputs(ids_t.shape[1], heads, kv_heads, d, torch.bfloat16, seed=1)
     got = _calls(backend)[0](*low, ids_t)
     want = _calls("reference")[0](*(x.float() for x in low), ids_t)
     errors = {name: float((g.detach().float() - w.detach()).abs().max() / w.detach().abs().max())
@@ -93,7 +93,7 @@ def timed(mix: str, seq: int, backend: str, iters: int, warmup: int, heads=32, k
     problem = Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, documents=mix)
     ids_np = problem.segment_ids()
     ids = _ids_tensor(ids_np)
-    q, k, v, do = _inputs(seq, heads, kv_heads, d, torch.bfloat16)
+    q, k, v, do = random_inputs(seq, heads, kv_heads, d, torch.bfloat16)
     step, forward = _calls(backend)
     began = time.perf_counter()
     step(q, k, v, do, ids)
@@ -168,7 +168,7 @@ def stream(seq: int, batches: int, backend: str, bucketed: bool, seed0: int, hea
     if not checked["passed"]:
         return
 
-    q, k, v, do = _inputs(seq, heads, kv_heads, d, torch.bfloat16 if _device() == "cuda" else torch.float32)
+    q, k, v, do = random_inputs(seq, heads, kv_heads, d, torch.bfloat16 if device_name() == "cuda" else torch.float32)
     step = _calls(backend)[0]
     for i in range(batches):
         mix = replace(MIXES[i % len(MIXES)], seed=seed0 + i)
@@ -178,7 +178,7 @@ def stream(seq: int, batches: int, backend: str, bucketed: bool, seed0: int, hea
         began = time.perf_counter()
         with mode():
             step(q, k, v, do, _ids_tensor(ids[None]))
-        if _device() == "cuda":
+        if device_name() == "cuda":
             torch.cuda.synchronize()
         ms = (time.perf_counter() - began) * 1e3
         after = fa4_variants()

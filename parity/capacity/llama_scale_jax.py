@@ -106,9 +106,14 @@ class JaxRig:
         self.state = [params, opt_state]
 
     @cached_property
+    def lowered(self):
+        """The full step as JAX lowers it (shapes and shardings only: the state's values may move on)."""
+        return self.programs[2].lower(*self.state, *self.batch)
+
+    @cached_property
     def compiled(self):
         """The full step (parameters and Adam states donated), compiled on first use."""
-        return self.programs[2].lower(*self.state, *self.batch).compile()
+        return self.lowered.compile()
 
     def loss_and_grads(self) -> tuple[float, dict]:
         """One step's loss and full gradients by weight name (the loss+grads program)."""
@@ -140,7 +145,7 @@ class JaxRig:
         if scope == "whole step":
             return count_collectives(self.compiled.as_text(), "step")
         if scope == "lowered":
-            return count_collectives(self.programs[2].lower(*self.state, *self.batch).as_text(dialect="hlo"), "step")
+            return count_collectives(self.lowered.as_text(dialect="hlo"), "step")
         params, opt_state = self.state
         loss, grads, _ = self.programs
         untuned = {"xla_gpu_autotune_level": 0}
