@@ -89,8 +89,9 @@
 #   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU;
 #              LLAMAJAX overrides the arguments)
 #   p2pbytes   issue 48: the JAX twin's zigzag step at 2k tokens compiled (not run) over every GPU, FA3 then the
-#              portable kernel: each collective-permute's whole shape beside the model's per-kind difference
-#              (docs/gpu/llamajax-2026-11-29-h200x2.md: its p2p bytes 0.60-0.70 of the model on 2 GPUs only); ≈ 1 min
+#              portable kernel: each collective-permute's whole shape, the compiled / lowered / unquantized counts
+#              against the model (answered on mocked GPUs: docs/gpu/p2pbytes-2026-11-29-h200.md; on real ones
+#              it confirms it); ≈ 1 min
 #   jaxcompile issue 48: where the JAX twin's multi-GPU compile goes — its step at 8k tokens over every GPU, compiled
 #              untuned, XLA's per-pass timers and the program's size (benchmarks/jax_compile_probe.py --pass-times),
 #              with the rows' segment ids and then without (the same mask on the plain kernels); ≈ 5 min on 2 GPUs

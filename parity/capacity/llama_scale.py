@@ -507,9 +507,9 @@ def row_record(head: dict, case: ModelCase, dtype: str, measured: dict, pred: di
             "fsdp_units": case.fsdp_units if head["framework"] == "torch" else None,  # JAX: no units (XLA)
             "peak_gib": None if measured["peak_bytes"] is None else measured["peak_bytes"] / 2**30,
             "traffic_equal": not differences, "traffic_differences": differences,
-            # JAX: the same step as lowered, before XLA's passes (None for torch, whose trace is its calls)
-            "traffic_lowered_differences": None if "traffic_lowered" not in measured else
-            traffic_differences(model_rows, measured["traffic_lowered"], "whole step"),
+            # JAX: the same step compiled without XLA's collective-quantizer (None for torch: its trace is its calls)
+            "traffic_unquantized_differences": None if "traffic_unquantized" not in measured else
+            traffic_differences(model_rows, measured["traffic_unquantized"], "whole step"),
             "traffic_scope": measured.get("traffic_scope", "per pass"),
             "comm_bytes_per_device": sum(float(b) for _, b in model_rows.values()), **pred,
             "measured_over_predicted": s / pred["predicted_s"],
@@ -589,9 +589,9 @@ def markdown(result: dict) -> str:
     lines += [f"- bytes differ, {r['strategy']} T = {r['seq']} B = {r['batch']}: "
               + "; ".join(f"{key} model {d['model'][0]} calls / {d['model'][1]:.0f} B, traced {d['traced'][0]} / "
                           f"{d['traced'][1]:.0f}" for key, d in r["traffic_differences"].items())
-              + ("" if r.get("traffic_lowered_differences") is None else
-                 " (as JAX lowers the step, before XLA's passes: "
-                 + ("equal to the model)" if not r["traffic_lowered_differences"] else "differs too)"))
+              + ("" if r.get("traffic_unquantized_differences") is None else
+                 " (compiled without XLA's collective-quantizer, which sends exactly widened or narrowed values "
+                 "in bf16: " + ("equal to the model)" if not r["traffic_unquantized_differences"] else "differs too)"))
               for r in result["rows"] + result["bstar"]["sweep"] if r.get("traffic_differences")]
     b = result["bstar"]
     lines += ["", f"B* ({b['strategy']}, T = {b['seq']}): links {b['rows_sum']:.2f} rows (sum, all of T_comm), "

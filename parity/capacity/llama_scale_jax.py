@@ -90,19 +90,39 @@ def jax_profile(sizes: Sizes, devices: list) -> dict:
             "devices": len(devices)}
 
 
+# XLA:GPU's collective-quantizer moves a convert across a collective-permute / all-gather / all-to-all
+# where that is exact: a bf16 value widened before the send, or a value narrowed right after it,
+# is sent in bf16. The accounting model counts what the program asks for; the rows count both.
+QUANTIZER = "collective-quantizer"
+
+
+def without_quantizer(cpu: bool) -> dict:
+    """Compiler options for the step without :data:`QUANTIZER` (and without GEMM autotuning, which
+    picks kernels, not collectives); on the CPU with the passes ``Step`` already disables."""
+    from ..training.jax_step import COMPILER_OPTIONS, GPU_COMPILER_OPTIONS
+
+    base = COMPILER_OPTIONS if cpu else GPU_COMPILER_OPTIONS
+    disabled = ",".join(filter(None, (base.get("xla_disable_hlo_passes"), QUANTIZER)))
+    return {**base, "xla_disable_hlo_passes": disabled, "xla_gpu_autotune_level": 0}
+
+
 class JaxRig:
     """One case's compiled step on the first ``case.mesh.devices`` devices, its batch one document
     per row (its segment ids passed only with ``case.segment_ids``, as the torch rig does)."""
 
-    def __init__(self, case: ModelCase, dtype: str, block_backend: str):
+    def __init__(self, case: ModelCase, dtype: str, block_backend: str, abstract: bool = False):
+        """``abstract``: compile only (shapes and shardings, ``Step.arguments``): ``lowered``,
+        ``compiled`` and ``traffic("whole step" | "lowered")`` work, on devices this process cannot run
+        (a mocked GPU topology), and nothing runs."""
         import jax.numpy as jnp
 
         from ..training.llama_jax import Step, make_mesh
 
         self.case = case
         step = Step(case, make_mesh(case), dtype=getattr(jnp, dtype), block_backend=block_backend)
-        params, opt_state, *self.batch = step.arguments(rows_of_one_document(case))
+        params, opt_state, *self.batch = step.arguments(rows_of_one_document(case), abstract=abstract)
         self.programs = step.programs(params, opt_state, donate=True)
+        self.cpu = step.mesh.devices.flat[0].platform == "cpu"
         self.state = [params, opt_state]
 
     @cached_property
@@ -132,9 +152,12 @@ class JaxRig:
     def traffic(self, scope: str = "per pass"):
         """The compiled programs' collectives: "per pass" (``llama_jax.measure_traffic``) or
         "whole step" (the timed step's own program alone, every collective counted as "step"), or
-        "lowered": the whole step as JAX lowers it, before XLA's passes (no compile: seconds even on
-        GPUs; in the program's own dtypes, where XLA:CPU widens bf16 collectives to float32 and
-        XLA:GPU may narrow one — 2x H200, 2026-11-29: docs/gpu/llamajax-2026-11-29-h200x2.md). Per
+        "lowered": the whole step as JAX lowers it, before XLA's passes (no compile; in the program's
+        own dtypes, where XLA:CPU widens bf16 collectives to float32; a ring of more than 2 lowers
+        its loop with no known trip count, which the reader refuses), or "unquantized": the whole
+        step compiled (untuned) without :data:`QUANTIZER` — XLA:GPU's pass that sends a permute's
+        value in bf16 where the sender widened it from bf16 or the receiver narrows it at once (exact;
+        on GPUs it sent 0.70 of the ring's p2p bytes: docs/gpu/p2pbytes-2026-11-29-h200.md). Per
         pass, the loss and loss+grads programs are compiled only to be read, never run: without GEMM
         autotuning (which picks kernels, not collectives), so a row costs one tuned compile, not
         three — on 4x H200 the JAX twin's calibration and first rows did not fit a 10-minute call
@@ -146,6 +169,10 @@ class JaxRig:
             return count_collectives(self.compiled.as_text(), "step")
         if scope == "lowered":
             return count_collectives(self.lowered.as_text(dialect="hlo"), "step")
+        if scope == "unquantized":
+            return count_collectives(self.lowered.compile(compiler_options=without_quantizer(self.cpu)).as_text(), "step")
+        if scope != "per pass":
+            raise ValueError(f"scope must be 'per pass', 'whole step', 'lowered' or 'unquantized', got {scope!r}")
         params, opt_state = self.state
         loss, grads, _ = self.programs
         untuned = {"xla_gpu_autotune_level": 0}
@@ -185,7 +212,7 @@ def timed_step(case: ModelCase, dtype: str, block_backend: str, warmup: int, ite
     out = {"seconds": seconds, "peak_bytes": _peak_bytes()}
     if traffic_scope is not None:
         out |= {"traffic": rig.traffic(traffic_scope).rows(), "traffic_scope": traffic_scope,
-                "traffic_lowered": rig.traffic("lowered").rows()}
+                "traffic_unquantized": rig.traffic("unquantized").rows()}
     return out
 
 

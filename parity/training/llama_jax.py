@@ -214,16 +214,26 @@ class Step:
                 self._shard_map(self._loss_and_grads, (w, *batch), (share, w)),
                 self._shard_map(step, (w, o, *batch), (share, w, w, o), donate=(0, 1) if donate else ()))
 
-    def arguments(self, batch: TokenBatch | None = None):
+    def arguments(self, batch: TokenBatch | None = None, abstract: bool = False):
         """(params, opt_state, tokens, labels, positions, ids) as sharded global arrays (ids None
-        without ``case.segment_ids``); ``batch`` in original order (default the case's corpus)."""
+        without ``case.segment_ids``); ``batch`` in original order (default the case's corpus).
+        ``abstract``: their shapes, dtypes and shardings only (``jax.ShapeDtypeStruct``), nothing
+        placed on the mesh and nothing run — enough to lower and compile the programs for devices
+        this process cannot run on (a mocked GPU topology: ``jax_mock_gpu_topology``)."""
         weights, corpus = self.case.inputs()
         batch = corpus if batch is None else batch
         self.case.check_batch(batch)
         batch = batch.permuted(self.case.permutation())
-        put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
+        if abstract:
+            put = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
+        else:
+            put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
         params = jax.tree.map(lambda a: put(jnp.asarray(a), self.weight_spec), to_params(weights, self.case.model))
-        opt_state = self.opt.init(params)
+        if abstract:  # Adam's moments sharded as their parameters; the step count uncommitted, as init leaves it
+            opt_state = optax.tree_map_params(self.opt, lambda a: put(a, self.weight_spec),
+                                              jax.eval_shape(self.opt.init, params))
+        else:
+            opt_state = self.opt.init(params)
         arrays = (batch.tokens, batch.labels, batch.positions)
         ids = put(jnp.asarray(batch.segment_ids), self.tokens_spec) if self.case.segment_ids else None
         return (params, opt_state, *(put(jnp.asarray(a), self.tokens_spec) for a in arrays), ids)

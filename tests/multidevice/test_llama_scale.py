@@ -224,7 +224,7 @@ def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_com
     for r in rows:
         assert "error" not in r, r
         assert r["framework"] == "jax" and r["devices"] == 2 and r["traffic_equal"] and r["verified"], r
-        assert r["traffic_lowered_differences"] == {}, r  # as lowered, before XLA's passes, too
+        assert r["traffic_unquantized_differences"] == {}, r  # compiled without XLA's collective-quantizer too
         assert set(r["exposed_fraction"].values()) == {1.0}
         assert r["predicted_s"] == max(r["bound_serial_s"], result["host_floor_s"]["zigzag"])
     assert result["bstar"]["predicted_bstar"] == max(result["bstar"]["rows_exposed"], result["bstar"]["rows_host"])
@@ -275,6 +275,40 @@ def test_the_twins_step_as_lowered_equals_the_model_in_bf16(strategy, jax_device
     assert any(kind in ("p2p", "all-to-all") for _, kind in lowered), lowered  # the attention's own, counted
     assert llama_scale.traffic_equal(llama_step_traffic(case, "jax", "bfloat16").rows(), lowered, "whole step")
     assert not llama_scale.traffic_equal(llama_step_traffic(case, "jax", "float32").rows(), lowered, "whole step")
+
+
+def test_the_twins_step_without_the_quantizer(jax_devices):
+    """``JaxRig.traffic("unquantized")`` compiles the step again with XLA's collective-quantizer
+    disabled (the pass that, on GPUs, sends an exactly widened or narrowed ring hop in bf16) — the
+    count each GPU row holds beside its compiled one. XLA:CPU has no such pass, so here it equals the
+    whole step's count; the options keep the passes ``Step`` disables on the CPU, and an unknown
+    scope is refused."""
+    from parity.capacity import llama_scale_jax
+
+    case = llama_scale.model_case(llama_scale.SMALL_RUN, "zigzag", 32, 1, 2)
+    rig = llama_scale_jax.JaxRig(case, "float32", "reference")
+    assert rig.traffic("unquantized").rows() == rig.traffic("whole step").rows()
+    options = llama_scale_jax.without_quantizer(cpu=True)
+    assert options["xla_disable_hlo_passes"].split(",") == ["cse_barrier_expander", llama_scale_jax.QUANTIZER]
+    assert llama_scale_jax.without_quantizer(cpu=False)["xla_disable_hlo_passes"] == llama_scale_jax.QUANTIZER
+    with pytest.raises(ValueError, match="scope"):
+        rig.traffic("as compiled")
+
+
+def test_the_twins_abstract_step_compiles_the_same_program(jax_devices):
+    """``JaxRig(..., abstract=True)`` (shapes and shardings only: what compiles a step for a mocked GPU
+    topology, where the other devices cannot hold an array) lowers exactly the program of the rig
+    built on real arrays, and compiles to the same collectives — so a byte count read from it is the
+    timed step's. It holds no values: running it is refused by JAX, not faked."""
+    from parity.capacity import llama_scale_jax
+
+    case = llama_scale.model_case(llama_scale.SMALL_RUN, "zigzag", 32, 1, 2)
+    real = llama_scale_jax.JaxRig(case, "bfloat16", "reference")
+    shapes = llama_scale_jax.JaxRig(case, "bfloat16", "reference", abstract=True)
+    assert shapes.lowered.as_text() == real.lowered.as_text()
+    assert shapes.traffic("whole step").rows() == real.traffic("whole step").rows()
+    with pytest.raises((TypeError, ValueError)):
+        shapes.run()
 
 
 def test_the_check_before_timing_fails_a_wrong_gradient():
