@@ -40,6 +40,8 @@ compiles for unless told otherwise); to force a kernel, name it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,9 +85,35 @@ class BlockBackend:
 
 # Run-to-run determinism, measured on H200 (``python -m parity determinism``, 2026-11-22): the
 # fused backwards accumulate dq with atomics, so dq differs between identical runs for cudnn and
-# fa3; with XLA_FLAGS=--xla_gpu_deterministic_ops=true XLA makes cudnn deterministic, fa3 stays
-# not. "reference" and every forward were bitwise reproducible.
-NONDETERMINISTIC_WHEN_REQUESTED = frozenset({"fa3"})
+# fa3; with XLA_FLAGS=--xla_gpu_deterministic_ops=true XLA makes cudnn deterministic. FA3's
+# backward has a deterministic mode of its own, which fa3 and fa3_varlen ask for while a call that
+# wants determinism is traced (:func:`deterministic_backward`): bitwise reproducible, 1.10-1.12x its
+# default step (H200, 2026-11-29: docs/gpu/determinism-fa3-2026-11-29-h200.md). "reference" and
+# every forward were bitwise reproducible. None is refused.
+NONDETERMINISTIC_WHEN_REQUESTED: frozenset[str] = frozenset()
+
+
+# Whether the block backward being traced must be run-to-run deterministic: set by the custom_vjp's
+# backward (loop.attention_with_vjp) from the call's config while it traces the backward, read by
+# the kernels with a deterministic mode of their own (FA3's backward) as they emit their call. A
+# trace-time fact, like torch_impl's strict switch held around its backward.
+_DETERMINISTIC_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("deterministic_backward",
+                                                                              default=False)
+
+
+@contextlib.contextmanager
+def deterministic_backward(on: bool):
+    """While the block backwards are traced: whether they must be deterministic."""
+    token = _DETERMINISTIC_BACKWARD.set(bool(on))
+    try:
+        yield
+    finally:
+        _DETERMINISTIC_BACKWARD.reset(token)
+
+
+def backward_is_deterministic() -> bool:
+    """Whether the backward being traced asked for run-to-run determinism (:func:`deterministic_backward`)."""
+    return _DETERMINISTIC_BACKWARD.get()
 
 
 # ---- "auto": the routing table --------------------------------------------------------------------
@@ -97,19 +125,18 @@ AUTO_ROUTES: tuple[Route, ...] = (
     Route("reference", "float32 is held to 1e-5 relative: only the portable kernel computes in float32",
           dtypes=("float32",)),
     Route("reference", "no fused kernel on the CPU", device_kinds=("cpu",)),
-    Route("cudnn", "XLA's deterministic mode makes cuDNN's backward deterministic; fa3's stays not",
-          device_kinds=("cuda",), dtypes=LOW_PRECISION, deterministic=True),
     Route("fa3", "fastest verified in bf16: 632 / 600 / 598 TFLOP/s full / causal / strict vs cuDNN "
           "573 / 556 / 541 (needs flash_attn3_jax 0.2.3; fp16 not yet verified on a GPU); windowed blocks whose "
-          "parts are position runs (BlockMask.offset) on FA3's own window, cropped to the band",
-          device_kinds=("cuda",), dtypes=("bfloat16",), masks=ALL_MASKS, deterministic=False),
+          "parts are position runs (BlockMask.offset) on FA3's own window, cropped to the band; deterministic "
+          "mode on FA3's deterministic backward: 56.4 ms at 32k causal against cuDNN's 74.4 (H200, 2026-11-29)",
+          device_kinds=("cuda",), dtypes=("bfloat16",), masks=ALL_MASKS),
     Route("cudnn", "verified bf16 and fp16 (fp16 resolves here, not to fa3, until fa3's fp16 is verified)",
           device_kinds=("cuda",), dtypes=LOW_PRECISION),
     Route("fa3_varlen", "document blocks (full, causal diagonal; one run per document, at most runs.VARLEN_MAX_RUNS per "
           "row, else the portable kernel by lax.cond) and token-index causal blocks (runs.index_dispatch) on FA3 "
-          "varlen: docs/gpu/masked-2026-11-24-h100.md; its "
-          "determinism not measured, so not in deterministic mode (needs flash_attn3_jax 0.2.3)",
-          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL), deterministic=False),
+          "varlen: docs/gpu/masked-2026-11-24-h100.md; deterministic mode on FA3's deterministic backward, "
+          "1.10-1.12x its default step (docs/gpu/determinism-fa3-2026-11-29-h200.md; needs flash_attn3_jax 0.2.3)",
+          device_kinds=("cuda",), dtypes=LOW_PRECISION, masks=(MaskKind.FULL, MaskKind.CAUSAL)),
     Route("reference", "any other platform, and every block no fused kernel takes: the portable kernel"),
 )
 

@@ -77,6 +77,7 @@ from .allgather import (
     prefix_forward,
     prefix_plan,
 )
+from .block import deterministic_backward
 from .comm import Comm
 from .config import AttentionConfig
 from .loop import (
@@ -174,14 +175,15 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                                dkv=per_shard_accumulation(schedule, r, t))
         return walk(schedule, None, None, visit, comm=_RESIDENT, axes=None, scan=token_index is not None)
 
-    if dlse is None and _one_call(strategy, config, mine[0], segment_ids):  # every shard's dK / dV from one call
-        # a program of its own here, so the plans are made again (the real backward keeps the forward's)
-        plans = prefix_plan(config, mine[0], _int32(segment_ids), _int32(token_index), r)
-        masks = gathered_masks(config, mine[0], _int32(segment_ids), _int32(token_index), r)
-        dq, dk, dv = prefix_backward(config, tuple(saved[:4]), kv_all, plans,
-                                     lambda: portable_backward(config, tuple(saved[:4]), kv_all, masks))
-    else:
-        dq, dk, dv = walked(config)
+    with deterministic_backward(config.deterministic):  # as the call's custom_vjp traces its backward
+        if dlse is None and _one_call(strategy, config, mine[0], segment_ids):  # every shard's dK / dV from one call
+            # a program of its own here, so the plans are made again (the real backward keeps the forward's)
+            plans = prefix_plan(config, mine[0], _int32(segment_ids), _int32(token_index), r)
+            masks = gathered_masks(config, mine[0], _int32(segment_ids), _int32(token_index), r)
+            dq, dk, dv = prefix_backward(config, tuple(saved[:4]), kv_all, plans,
+                                         lambda: portable_backward(config, tuple(saved[:4]), kv_all, masks))
+        else:
+            dq, dk, dv = walked(config)
     contributions = {src: (shard_of(dk, src, t), shard_of(dv, src, t)) for src in range(strategy.ring)}
     dsinks = None if sinks is None else sinks_grad(mine[1], lse_d, mine[2], dlse_d, sinks[q_heads])
     return DeviceGrads(dq.astype(q.dtype), contributions, dsinks)

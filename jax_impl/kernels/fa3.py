@@ -45,7 +45,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ..block import register_backend
+from ..block import backward_is_deterministic, register_backend
 from .cudnn import cudnn_attention_bwd
 from .fused import fused_backend
 
@@ -158,8 +158,8 @@ def flash_mha_bwd(do, q, k, v, o, lse, causal: bool, scale: float, window: tuple
 def fenced_backward(do, q, k, v, o, lse, causal: bool, scale: float, window: tuple[int, int] = (-1, -1)):
     """The fa3 backend's backward: the mended call, or the documented fallback (never the library's;
     a windowed block has none: cuDNN's backward here takes no window, so it raises)."""
-    if verified():
-        return flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window)
+    if verified():  # FA3's own deterministic mode when the call being traced asked for determinism
+        return flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window, deterministic=backward_is_deterministic())
     _require_package()
     if UNVERIFIED_VERSION_BACKWARD != "cudnn" or tuple(window) != (-1, -1):
         flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window)  # raises, naming the versions

@@ -50,7 +50,7 @@ from jax import lax
 from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
-from ..block import BlockBackend, register_backend
+from ..block import BlockBackend, backward_is_deterministic, register_backend
 from . import branches, groups
 from . import runs as run_plans
 from .fa3 import MAX_TILE_ROWS, forward_ffi, verified
@@ -131,12 +131,14 @@ def _bwd_call(do, q, k_p, v_p, o, lse_rows, causal: bool, scale: float, runs: Va
     used_k = absent if runs.used_k is None else runs.used_k
     operands = (do.astype(q.dtype), q, k_p, v_p, o.astype(q.dtype), lse_buffer, runs.cu_q, runs.cu_k, used_q, used_k)
 
+    deterministic = backward_is_deterministic()  # FA3's own deterministic mode (block.deterministic_backward)
+
     def call(max_q: int, max_k: int):
         return lambda *operands: jax.ffi.ffi_call(
             "flash_mha_bwd", result_types, has_side_effect=False, input_layouts=[None] * 10, output_layouts=[None] * 5,
         )(*operands, max_seqlen_q_val=max_q, max_seqlen_q_has_value=True, max_seqlen_k_val=max_k,
           max_seqlen_k_has_value=True, softmax_scale_val=float(scale), softmax_scale_has_value=True,
-          is_causal=bool(causal), window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False,
+          is_causal=bool(causal), window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=deterministic,
           sm_margin=0)[:3]
 
     if runs.bounds is None:  # one static bound (None: the block's own lengths)

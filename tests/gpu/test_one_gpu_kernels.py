@@ -399,3 +399,54 @@ def test_gpu_torch_deterministic_mode_is_reproducible_and_correct(backend, case)
     assert checked["passed"], checked["errors"]
     repeated = cost.repeats_and_time(chosen, backend, "deterministic", 8192, repeats=3, iters=1, warmup=0)
     assert all(repeated["bitwise_same"].values()), repeated["bitwise_same"]
+
+
+JAX_DETERMINISTIC_STEPS = r'''
+import json
+import jax.numpy as jnp
+import numpy as np
+from benchmarks.common import Problem
+from benchmarks.one_gpu_documents import PASS, _inputs, _mesh_call
+from jax_impl.block import resolve_backend
+from seqplan.schedule import BlockMask, MaskKind
+
+out = {}
+for mix in (None, "short"):
+    ids = None if mix is None else jnp.asarray(Problem(seq=8192, heads=8, kv_heads=2, documents=mix).segment_ids())
+    low = _inputs(8192, 8, 2, 128, jnp.bfloat16, seed=1)
+    runs = [[np.asarray(x.astype(jnp.float32)) for x in _mesh_call("auto")[0](*low, ids)] for _ in range(3)]
+    want = _mesh_call("reference")[0](*(x.astype(jnp.float32) for x in low), ids)
+    errors = [float(np.abs(g - np.asarray(w)).max() / np.abs(np.asarray(w)).max()) for g, w in zip(runs[0], want)]
+    out[str(mix)] = {"kernel": resolve_backend("auto", device_kind="cuda", dtype="bfloat16", deterministic=True,
+                                               mask=BlockMask(MaskKind.CAUSAL, documents=mix is not None)),
+                     "errors": errors, "passed": all(e <= PASS for e in errors),
+                     "same": [all(np.array_equal(r[i], runs[0][i]) for r in runs[1:]) for i in range(4)]}
+print("ROWS", json.dumps(out))
+'''
+
+
+def test_gpu_jax_deterministic_mode_runs_fa3_reproducibly():
+    """JAX's deterministic mode (XLA started with ``--xla_gpu_deterministic_ops=true``: ``deterministic``
+    defaults to True) routes causal blocks to ``fa3`` and document blocks to ``fa3_varlen``, both on
+    FA3's deterministic backward (``block.deterministic_backward``): the whole sequence on a
+    one-device mesh at 8192 tokens (8 / 2 heads of 128), without and with the short mix's documents,
+    within the contract's tolerance of the portable kernel in float32 and o, dq, dk, dv bit for bit
+    the same over three steps. A fresh process: XLA reads the flag when it starts."""
+    pytest.importorskip("jax")
+    if not jax_on_gpu():
+        pytest.skip("JAX has no GPU here (run with JAX_PLATFORMS=cuda)")
+    from jax_impl.kernels.fa3 import VERIFIED_VERSION, verified
+
+    if not verified():
+        pytest.skip(f"fa3 needs flash_attn3_jax {VERIFIED_VERSION}")
+    import json
+    import subprocess
+    import sys
+
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+    done = subprocess.run([sys.executable, "-c", JAX_DETERMINISTIC_STEPS], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "XLA_FLAGS": flags})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.split("ROWS", 1)[1])
+    assert {m: r["kernel"] for m, r in rows.items()} == {"None": "fa3", "short": "fa3_varlen"}, rows
+    assert all(r["passed"] and all(r["same"]) for r in rows.values()), rows

@@ -66,16 +66,21 @@ def test_cpu_and_float32_resolve_to_the_portable_kernel():
 
 
 def test_jax_cuda_routes_fa3_when_verified_else_cudnn():
+    """bf16 goes to fa3 in both modes (FA3's deterministic backward, measured bitwise reproducible on
+    an H200: docs/gpu/determinism-fa3-2026-11-29-h200.md), fp16 and an absent fa3 to cuDNN."""
     calls = []
     with stand_ins(jblock, calls, fa3=True, cudnn=True):
         for mask in MASKS:
-            assert jblock.resolve_backend("auto", device_kind="cuda", dtype="bfloat16", mask=mask) == "fa3"
-            assert jblock.resolve_backend("auto", device_kind="cuda", dtype=jnp.bfloat16, mask=BlockMask(mask),
-                                          deterministic=True) == "cudnn"
-            assert jblock.resolve_backend("auto", device_kind="cuda", dtype="float16", mask=mask) == "cudnn"
+            for det in (False, True):
+                assert jblock.resolve_backend("auto", device_kind="cuda", dtype=jnp.bfloat16, mask=BlockMask(mask),
+                                              deterministic=det) == "fa3"
+                assert jblock.resolve_backend("auto", device_kind="cuda", dtype="float16", mask=mask,
+                                              deterministic=det) == "cudnn"
     with stand_ins(jblock, calls, fa3=False, cudnn=True):
         for mask in MASKS:
-            assert jblock.resolve_backend("auto", device_kind="cuda", dtype="bfloat16", mask=mask) == "cudnn"
+            for det in (False, True):
+                assert jblock.resolve_backend("auto", device_kind="cuda", dtype="bfloat16", mask=mask,
+                                              deterministic=det) == "cudnn"
     assert jblock.resolve_backend("auto", device_kind="rocm", dtype="bfloat16", mask="full") == "reference"
 
 
@@ -94,23 +99,25 @@ def test_torch_cuda_routes_aten_cudnn_or_deterministic_aten_flash():
 
 
 def test_routing_backend_dispatches_each_call_by_its_inputs(monkeypatch):
-    """With inputs reported on CUDA, bf16 blocks of every mask go to fa3 (not deterministic) or
-    cudnn (deterministic), float32 blocks to the portable kernel — and the results are the
-    kernel's own."""
+    """With inputs reported on CUDA, bf16 blocks of every mask go to fa3 (in both modes: FA3's
+    deterministic backward in deterministic mode) or, with fp16, to cudnn; float32 blocks to the
+    portable kernel — and the results are the kernel's own."""
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 8, 4, 16)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.bfloat16) for _ in range(2))
     monkeypatch.setattr(jblock, "device_kind_of", lambda x: "cuda")
     calls = []
     with stand_ins(jblock, calls, fa3=True, cudnn=True):
-        for det, expected in ((False, "fa3"), (True, "cudnn")):
+        for det, dtype, expected in ((False, jnp.bfloat16, "fa3"), (True, jnp.bfloat16, "fa3"),
+                                     (True, jnp.float16, "cudnn")):
             auto = jblock.routing_backend(det)
+            q_, k_, v_ = (x.astype(dtype) for x in (q, k, v))
             for mask in BLOCK_MASKS:
                 calls.clear()
-                o, lse = auto.fwd(q, k, v, mask, 0.25)
-                auto.bwd(q, q, k, v, o, lse, mask, 0.25, None)
+                o, lse = auto.fwd(q_, k_, v_, mask, 0.25)
+                auto.bwd(q_, q_, k_, v_, o, lse, mask, 0.25, None)
                 assert calls == [(expected, "fwd"), (expected, "bwd")]
-                o_ref, _ = reference_block_fwd(q, k, v, mask, 0.25)
+                o_ref, _ = reference_block_fwd(q_, k_, v_, mask, 0.25)
                 np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
         calls.clear()
         jblock.routing_backend(False).fwd(q.astype(jnp.float32), k, v, FULL_MASK, 0.25)

@@ -397,3 +397,37 @@ def test_a_devices_own_document_block_is_one_run_time_decision_a_pass(lengths, e
     for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         assert np.max(np.abs(x - y)) <= 1e-2 * np.max(np.abs(y)), name
+
+
+def test_deterministic_calls_ask_for_fa3s_deterministic_backward(emulated_fa3, monkeypatch):
+    """A call with ``deterministic=True`` traces its backward inside ``block.deterministic_backward``,
+    and both FA3 backends emit their backward FFI call with ``deterministic=True`` — the mode
+    measured bitwise reproducible on an H200 (docs/gpu/determinism-fa3-2026-11-29-h200.md), the
+    reason neither is refused in that mode; with ``deterministic=False`` they ask for the faster
+    default. Here: fa3_varlen's emitted attribute (emulated FFI), and fa3's dense backward wrapper
+    (``fenced_backward``) with the kernel call recorded."""
+    import jax_impl
+    from jax_impl import block
+    from jax_impl.kernels import fa3
+
+    ids = jnp.asarray(_docs([20, 1, 30, 13])[None])
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (1, 64, 4, 8), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (1, 64, 2, 8), jnp.bfloat16) for kk in keys[1:])
+    for deterministic in (True, False):
+        fa3_ops.CALLS.clear()
+        loss = lambda q, k, v, det=deterministic: jax_impl.ring_attention(
+            q, k, v, None, causal=True, block_backend="fa3_varlen", deterministic=det, segment_ids=ids)[0].astype(
+            F32).sum()
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        asked = [c["deterministic"] for c in fa3_ops.CALLS if "deterministic" in c]  # the backward calls
+        assert asked and set(asked) == {deterministic}, fa3_ops.CALLS
+
+    seen = []
+    monkeypatch.setattr(fa3, "verified", lambda: True)
+    monkeypatch.setattr(fa3, "flash_mha_bwd", lambda *a, deterministic=False: seen.append(deterministic))
+    for on in (True, False):
+        with block.deterministic_backward(on):
+            fa3.fenced_backward(*(None,) * 6, True, 1.0)
+    fa3.fenced_backward(*(None,) * 6, True, 1.0)  # outside any call's backward: the default
+    assert seen == [True, False, False]
