@@ -40,8 +40,6 @@ compiles for unless told otherwise); to force a kernel, name it.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,33 +85,10 @@ class BlockBackend:
 # fused backwards accumulate dq with atomics, so dq differs between identical runs for cudnn and
 # fa3; with XLA_FLAGS=--xla_gpu_deterministic_ops=true XLA makes cudnn deterministic. FA3's
 # backward has a deterministic mode of its own, which fa3 and fa3_varlen ask for while a call that
-# wants determinism is traced (:func:`deterministic_backward`): bitwise reproducible, 1.10-1.12x its
+# wants determinism is traced (``config.deterministic_kernels``): bitwise reproducible, 1.10-1.12x its
 # default step (H200, 2026-11-29: docs/gpu/determinism-fa3-2026-11-29-h200.md). "reference" and
 # every forward were bitwise reproducible. None is refused.
 NONDETERMINISTIC_WHEN_REQUESTED: frozenset[str] = frozenset()
-
-
-# Whether the block backward being traced must be run-to-run deterministic: set by the custom_vjp's
-# backward (loop.attention_with_vjp) from the call's config while it traces the backward, read by
-# the kernels with a deterministic mode of their own (FA3's backward) as they emit their call. A
-# trace-time fact, like torch_impl's strict switch held around its backward.
-_DETERMINISTIC_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("deterministic_backward",
-                                                                              default=False)
-
-
-@contextlib.contextmanager
-def deterministic_backward(on: bool):
-    """While the block backwards are traced: whether they must be deterministic."""
-    token = _DETERMINISTIC_BACKWARD.set(bool(on))
-    try:
-        yield
-    finally:
-        _DETERMINISTIC_BACKWARD.reset(token)
-
-
-def backward_is_deterministic() -> bool:
-    """Whether the backward being traced asked for run-to-run determinism (:func:`deterministic_backward`)."""
-    return _DETERMINISTIC_BACKWARD.get()
 
 
 # ---- "auto": the routing table --------------------------------------------------------------------

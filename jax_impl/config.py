@@ -8,6 +8,8 @@ defaults of the API's keyword arguments — read here (and in ``seqplan.config``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 from dataclasses import dataclass
@@ -67,6 +69,29 @@ def default_deterministic(deterministic: bool | None) -> bool:
     if deterministic is not None:
         return bool(deterministic)
     return _xla_deterministic()
+
+
+# Whether the block backward being traced must be run-to-run deterministic: held by the custom_vjp's
+# backward (loop.attention_with_vjp, and the replay's device_backward) from the call's config while
+# it traces the backward, read by the kernels with a deterministic mode of their own (FA3's
+# backward: kernels/fa3.py, kernels/fa3_varlen.py) as they emit their call — a trace-time fact, as
+# torch_impl's deterministic_kernels holds torch's strict switch around its backward.
+_DETERMINISTIC_KERNELS: contextvars.ContextVar[bool] = contextvars.ContextVar("deterministic_kernels", default=False)
+
+
+@contextlib.contextmanager
+def deterministic_kernels(deterministic: bool):
+    """While the block backwards are traced: whether they must be deterministic."""
+    token = _DETERMINISTIC_KERNELS.set(bool(deterministic))
+    try:
+        yield
+    finally:
+        _DETERMINISTIC_KERNELS.reset(token)
+
+
+def kernels_deterministic() -> bool:
+    """Whether the backward being traced asked for run-to-run determinism (:func:`deterministic_kernels`)."""
+    return _DETERMINISTIC_KERNELS.get()
 
 
 def check_deterministic_ready(deterministic: bool) -> None:

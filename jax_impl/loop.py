@@ -56,9 +56,8 @@ from seqplan.schedule import (
     window_flags,
 )
 
-from .block import deterministic_backward
 from .comm import Comm, axis_size
-from .config import AttentionConfig
+from .config import AttentionConfig, deterministic_kernels
 from .kernels import branches
 from .merge import Float32Rows, merge_partials
 
@@ -726,7 +725,7 @@ def attention_with_vjp(forward: Callable, backward: Callable) -> Callable:
         dlse = None if isinstance(dlse, SymbolicZero) else dlse
         if kv_dtype_of.dtype == F32 and q.dtype != F32:  # K/V replicated in float32: keep their dK / dV so
             config = dataclasses.replace(config, float32_kv_grads=True)
-        with deterministic_backward(config.deterministic):  # kernels with a deterministic mode take it
+        with deterministic_kernels(config.deterministic):  # kernels with a deterministic mode take it
             dq, dk, dv = backward(q, k, v, o, lse, extra, do, dlse, axes, config)
         dsinks = None if sinks is None else sinks_grad(o, lse, do, dlse, sinks).astype(sinks.dtype)
         return (as_dtype(dq, q.dtype), as_dtype(dk, kv_dtype_of.dtype), as_dtype(dv, kv_dtype_of.dtype), None, None,

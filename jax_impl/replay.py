@@ -77,9 +77,8 @@ from .allgather import (
     prefix_forward,
     prefix_plan,
 )
-from .block import deterministic_backward
 from .comm import Comm
-from .config import AttentionConfig
+from .config import AttentionConfig, deterministic_kernels
 from .loop import (
     GradDtypes,
     add_sinks,
@@ -175,7 +174,7 @@ def device_backward(device: int, q, k, v, o, lse, do, dlse=None, *, strategy: St
                                dkv=per_shard_accumulation(schedule, r, t))
         return walk(schedule, None, None, visit, comm=_RESIDENT, axes=None, scan=token_index is not None)
 
-    with deterministic_backward(config.deterministic):  # as the call's custom_vjp traces its backward
+    with deterministic_kernels(config.deterministic):  # as the call's custom_vjp traces its backward
         if dlse is None and _one_call(strategy, config, mine[0], segment_ids):  # every shard's dK / dV from one call
             # a program of its own here, so the plans are made again (the real backward keeps the forward's)
             plans = prefix_plan(config, mine[0], _int32(segment_ids), _int32(token_index), r)

@@ -45,7 +45,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ..block import backward_is_deterministic, register_backend
+from ..block import register_backend
+from ..config import kernels_deterministic
 from .cudnn import cudnn_attention_bwd
 from .fused import fused_backend
 
@@ -159,7 +160,7 @@ def fenced_backward(do, q, k, v, o, lse, causal: bool, scale: float, window: tup
     """The fa3 backend's backward: the mended call, or the documented fallback (never the library's;
     a windowed block has none: cuDNN's backward here takes no window, so it raises)."""
     if verified():  # FA3's own deterministic mode when the call being traced asked for determinism
-        return flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window, deterministic=backward_is_deterministic())
+        return flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window, deterministic=kernels_deterministic())
     _require_package()
     if UNVERIFIED_VERSION_BACKWARD != "cudnn" or tuple(window) != (-1, -1):
         flash_mha_bwd(do, q, k, v, o, lse, causal, scale, window)  # raises, naming the versions

@@ -50,7 +50,8 @@ from jax import lax
 from seqplan.routing import LOW_PRECISION
 from seqplan.schedule import BlockMask, MaskKind, by_token_index
 
-from ..block import BlockBackend, backward_is_deterministic, register_backend
+from ..block import BlockBackend, register_backend
+from ..config import kernels_deterministic
 from . import branches, groups
 from . import runs as run_plans
 from .fa3 import MAX_TILE_ROWS, forward_ffi, verified
@@ -131,7 +132,7 @@ def _bwd_call(do, q, k_p, v_p, o, lse_rows, causal: bool, scale: float, runs: Va
     used_k = absent if runs.used_k is None else runs.used_k
     operands = (do.astype(q.dtype), q, k_p, v_p, o.astype(q.dtype), lse_buffer, runs.cu_q, runs.cu_k, used_q, used_k)
 
-    deterministic = backward_is_deterministic()  # FA3's own deterministic mode (block.deterministic_backward)
+    deterministic = kernels_deterministic()  # FA3's own deterministic mode (config.deterministic_kernels)
 
     def call(max_q: int, max_k: int):
         return lambda *operands: jax.ffi.ffi_call(

@@ -428,7 +428,7 @@ print("ROWS", json.dumps(out))
 def test_gpu_jax_deterministic_mode_runs_fa3_reproducibly():
     """JAX's deterministic mode (XLA started with ``--xla_gpu_deterministic_ops=true``: ``deterministic``
     defaults to True) routes causal blocks to ``fa3`` and document blocks to ``fa3_varlen``, both on
-    FA3's deterministic backward (``block.deterministic_backward``): the whole sequence on a
+    FA3's deterministic backward (``config.deterministic_kernels``): the whole sequence on a
     one-device mesh at 8192 tokens (8 / 2 heads of 128), without and with the short mix's documents,
     within the contract's tolerance of the portable kernel in float32 and o, dq, dk, dv bit for bit
     the same over three steps. A fresh process: XLA reads the flag when it starts."""

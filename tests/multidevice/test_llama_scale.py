@@ -280,14 +280,13 @@ def test_the_twins_step_as_lowered_equals_the_model_in_bf16(strategy, jax_device
 def test_the_twins_step_without_the_quantizer(jax_devices):
     """``JaxRig.traffic("unquantized")`` compiles the step again with XLA's collective-quantizer
     disabled (the pass that, on GPUs, sends an exactly widened or narrowed ring hop in bf16) — the
-    count each GPU row holds beside its compiled one. XLA:CPU has no such pass, so here it equals the
-    whole step's count; the options keep the passes ``Step`` disables on the CPU, and an unknown
-    scope is refused."""
+    count each GPU row holds beside its compiled one (XLA:CPU has no such pass: the twin's CPU
+    command test finds it equal to the model in every row). The options keep the passes ``Step``
+    disables on the CPU, and an unknown scope is refused before anything compiles."""
     from parity.capacity import llama_scale_jax
 
     case = llama_scale.model_case(llama_scale.SMALL_RUN, "zigzag", 32, 1, 2)
     rig = llama_scale_jax.JaxRig(case, "float32", "reference")
-    assert rig.traffic("unquantized").rows() == rig.traffic("whole step").rows()
     options = llama_scale_jax.without_quantizer(cpu=True)
     assert options["xla_disable_hlo_passes"].split(",") == ["cse_barrier_expander", llama_scale_jax.QUANTIZER]
     assert llama_scale_jax.without_quantizer(cpu=False)["xla_disable_hlo_passes"] == llama_scale_jax.QUANTIZER
@@ -295,18 +294,17 @@ def test_the_twins_step_without_the_quantizer(jax_devices):
         rig.traffic("as compiled")
 
 
-def test_the_twins_abstract_step_compiles_the_same_program(jax_devices):
+def test_the_twins_abstract_step_lowers_the_same_program(jax_devices):
     """``JaxRig(..., abstract=True)`` (shapes and shardings only: what compiles a step for a mocked GPU
-    topology, where the other devices cannot hold an array) lowers exactly the program of the rig
-    built on real arrays, and compiles to the same collectives — so a byte count read from it is the
-    timed step's. It holds no values: running it is refused by JAX, not faked."""
+    topology, where the other devices cannot hold an array) lowers exactly the program text of the
+    rig built on real arrays — so what XLA compiles from it, and a byte count read from that, is
+    the timed step's. It holds no values: running it is refused by JAX, not faked."""
     from parity.capacity import llama_scale_jax
 
     case = llama_scale.model_case(llama_scale.SMALL_RUN, "zigzag", 32, 1, 2)
     real = llama_scale_jax.JaxRig(case, "bfloat16", "reference")
     shapes = llama_scale_jax.JaxRig(case, "bfloat16", "reference", abstract=True)
     assert shapes.lowered.as_text() == real.lowered.as_text()
-    assert shapes.traffic("whole step").rows() == real.traffic("whole step").rows()
     with pytest.raises((TypeError, ValueError)):
         shapes.run()
 

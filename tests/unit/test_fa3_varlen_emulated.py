@@ -400,14 +400,14 @@ def test_a_devices_own_document_block_is_one_run_time_decision_a_pass(lengths, e
 
 
 def test_deterministic_calls_ask_for_fa3s_deterministic_backward(emulated_fa3, monkeypatch):
-    """A call with ``deterministic=True`` traces its backward inside ``block.deterministic_backward``,
+    """A call with ``deterministic=True`` traces its backward inside ``config.deterministic_kernels``,
     and both FA3 backends emit their backward FFI call with ``deterministic=True`` — the mode
     measured bitwise reproducible on an H200 (docs/gpu/determinism-fa3-2026-11-29-h200.md), the
     reason neither is refused in that mode; with ``deterministic=False`` they ask for the faster
     default. Here: fa3_varlen's emitted attribute (emulated FFI), and fa3's dense backward wrapper
     (``fenced_backward``) with the kernel call recorded."""
     import jax_impl
-    from jax_impl import block
+    from jax_impl import config
     from jax_impl.kernels import fa3
 
     ids = jnp.asarray(_docs([20, 1, 30, 13])[None])
@@ -427,7 +427,7 @@ def test_deterministic_calls_ask_for_fa3s_deterministic_backward(emulated_fa3, m
     monkeypatch.setattr(fa3, "verified", lambda: True)
     monkeypatch.setattr(fa3, "flash_mha_bwd", lambda *a, deterministic=False: seen.append(deterministic))
     for on in (True, False):
-        with block.deterministic_backward(on):
+        with config.deterministic_kernels(on):
             fa3.fenced_backward(*(None,) * 6, True, 1.0)
     fa3.fenced_backward(*(None,) * 6, True, 1.0)  # outside any call's backward: the default
     assert seen == [True, False, False]

@@ -205,8 +205,9 @@ def test_mirrors_have_the_same_files_and_public_names():
         jax_only |= {"forward_visit", "backward_visit", "resident_kv", "DKVAccumulation", "TRAVELLING",
                      "per_shard_accumulation"}
         torch_only |= {"attend_visits", "grad_visits", "ShardGrads"}
-        # Deterministic mode: torch holds its deterministic switch while a call's kernels run
-        # (deterministic_kernels); XLA reads its own only at start-up, which check_deterministic_ready
-        # asks for in both.
-        torch_only |= {"deterministic_kernels"}
+        # Deterministic mode: both hold it while a call's kernels run (deterministic_kernels: torch
+        # its strict switch, JAX a flag while the backward is traced); torch's kernels read torch's
+        # switch, JAX's FA3 calls read kernels_deterministic. XLA reads its own flag only at
+        # start-up, which check_deterministic_ready asks for in both.
+        jax_only |= {"kernels_deterministic"}
         assert jax_names - jax_only == torch_names - torch_only, name
