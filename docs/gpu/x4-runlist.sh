@@ -175,7 +175,9 @@ if [ "$1" = start ]; then
     # The B* sweep at 1k-token rows: on 2x H200 (2026-11-29) the twin's host floor was 9-11 ms and a 16k row 47 ms, so
     # at 16k its predicted B* was 0.2 rows; at 1k, T_math ≈ 3 ms + 2.4 ms a row puts the floor near 3 rows (the issue
     # asks for 2-8). The JAX rows took 2.3 min (zigzag) and 3.7 (both strategies, one 32k row each) on two GPUs.
-    LLAMAJAX=${LLAMAJAX:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 1024 --exposure-seq 8192 --batches 1,2,4,8,16,32 --xla-gemm cublas"}
+    # At 1k on 2x H200 (2026-11-29 evening: docs/gpu/llamajax-sweep-2026-11-29-h200x2.md) time per row still fell
+    # at B = 32 (16.8 GiB a GPU; the sweep's edge was the knee): the sweep goes on to 128 rows.
+    LLAMAJAX=${LLAMAJAX:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 1024 --exposure-seq 8192 --batches 1,2,4,8,16,32,64,128 --xla-gemm cublas"}
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}; TPSWEEP=""
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke
