@@ -225,10 +225,11 @@ def sequence_parallel_attention(q, k, v, mesh, *, causal: bool = False, layout: 
     valid Ulysses split on its own; None reads ``RINGBRIDGE_HEAD_GROUPS`` (default 1) on meshes with
     a Ulysses axis and means 1 on the others.
 
-    ``deterministic``: refuse block kernels that are not run-to-run deterministic (default: whether
-    XLA_FLAGS has ``--xla_gpu_deterministic_ops=true``). XLA reads its flags when its backend
-    starts, so ``deterministic=True`` can only refuse such a kernel; it cannot make XLA's own ops
-    deterministic — start the process with that flag for that.
+    ``deterministic``: run-to-run deterministic block kernels (default: whether XLA_FLAGS has
+    ``--xla_gpu_deterministic_ops=true``): a kernel not deterministic in that mode is refused, and
+    FA3's kernels are asked for their deterministic backward (``config.deterministic_kernels``).
+    XLA reads its flags when its backend starts, so ``deterministic=True`` cannot make XLA's own
+    ops deterministic: on a GPU it is refused unless the process started with that flag.
     ``check_ranks``: accepted for parity with torch_impl (default: RINGBRIDGE_CHECK_RANKS=1), and
     there is nothing to check: one controller passes global arrays, which have one shape, dtype
     and set of options by construction."""

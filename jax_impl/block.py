@@ -136,7 +136,7 @@ def _dtype_name(dtype) -> str:
 def _refusal(name: str) -> str:
     return (f"block backend {name!r} is not deterministic (its backward's dq differs between identical "
             "runs) and deterministic=True (by default: XLA_FLAGS has "
-            "--xla_gpu_deterministic_ops=true): use 'cudnn' (deterministic in that mode) or 'reference'")
+            "--xla_gpu_deterministic_ops=true): use 'auto', 'fa3', 'fa3_varlen', 'cudnn' or 'reference'")
 
 
 def _process_device_kinds() -> set[str]:
@@ -222,8 +222,9 @@ def get_backend(name: str = "auto", *, deterministic: bool = False, softcap: flo
     process can reach names one backend (a CPU-only process: ``reference``), that backend itself.
     ``deterministic=True`` (the API's ``deterministic`` argument, which defaults to whether
     XLA_FLAGS has ``--xla_gpu_deterministic_ops=true``) refuses a backend measured
-    non-deterministic in that mode, and "auto" avoids it. XLA reads its flags when the backend
-    starts, so this can only refuse a kernel: it cannot make XLA's own ops deterministic.
+    non-deterministic in that mode (none today: FA3's kernels take their deterministic backward,
+    ``config.deterministic_kernels``), and "auto" avoids it. XLA reads its flags when the backend
+    starts, so this cannot make XLA's own ops deterministic.
     ``softcap`` (a float, or None): the kernels soft-cap every block — "auto" routes each block
     to a backend that applies it, a named backend runs on its own kernels only the blocks it can
     cap (:func:`capped_backend`)."""

@@ -97,9 +97,9 @@ def kernels_deterministic() -> bool:
 def check_deterministic_ready(deterministic: bool) -> None:
     """ValueError, at trace time (before any collective), for ``deterministic=True`` where a call
     resolves its kernels for a GPU (:func:`_default_platform`, the rule "auto" follows) and XLA was
-    not started with deterministic ops: cuDNN's backward — the kernel deterministic mode routes to —
-    and XLA's own scatters are then run-to-run different, which only a flag read at start-up
-    changes. On the CPU every kernel is reproducible: nothing is asked."""
+    not started with deterministic ops: cuDNN's backward (fp16 blocks' kernel in that mode) and
+    XLA's own scatters (the document blocks' dK / dV) are then run-to-run different, which only a
+    flag read at start-up changes. On the CPU every kernel is reproducible: nothing is asked."""
     if not deterministic or _xla_deterministic():
         return
     if _default_platform() in GPU_PLATFORMS:

@@ -701,7 +701,14 @@ def main(argv=None) -> int:
     (a.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
     rows = result["rows"] + result["bstar"]["sweep"]
-    return 0 if all(r.get("traffic_equal") for r in rows) else 1
+    return 0 if all(bytes_as_modelled(r) for r in rows) else 1
+
+
+def bytes_as_modelled(row: dict) -> bool:
+    """Whether a row moved the model's bytes: its trace equals the model, or (JAX) the step compiled
+    without XLA's collective-quantizer does — the compiled program then differs only by XLA's exact
+    narrowing of a hop to bf16 (docs/gpu/p2pbytes-2026-11-29-h200.md)."""
+    return bool(row.get("traffic_equal")) or row.get("traffic_unquantized_differences") == {}
 
 
 if __name__ == "__main__":

@@ -277,6 +277,18 @@ def test_the_twins_step_as_lowered_equals_the_model_in_bf16(strategy, jax_device
     assert not llama_scale.traffic_equal(llama_step_traffic(case, "jax", "float32").rows(), lowered, "whole step")
 
 
+def test_a_row_passes_on_its_trace_or_on_the_step_without_the_quantizer():
+    """The command's exit code: a row moved the model's bytes when its trace equals the model, or —
+    JAX on GPUs, whose compiled ring hops XLA's collective-quantizer narrows exactly — when the
+    same step compiled without that pass does; a row whose unquantized count differs too, or that
+    has none (torch), fails on its trace alone."""
+    differs = {"step/p2p": {"model": [24, 8.0], "traced": [24, 6.0]}}
+    assert llama_scale.bytes_as_modelled({"traffic_equal": True, "traffic_unquantized_differences": None})
+    assert llama_scale.bytes_as_modelled({"traffic_equal": False, "traffic_unquantized_differences": {}})
+    assert not llama_scale.bytes_as_modelled({"traffic_equal": False, "traffic_unquantized_differences": differs})
+    assert not llama_scale.bytes_as_modelled({"traffic_equal": False, "traffic_unquantized_differences": None})
+
+
 def test_the_twins_step_without_the_quantizer(jax_devices):
     """``JaxRig.traffic("unquantized")`` compiles the step again with XLA's collective-quantizer
     disabled (the pass that, on GPUs, sends an exactly widened or narrowed ring hop in bf16) — the

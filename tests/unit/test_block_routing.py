@@ -21,7 +21,7 @@ import torch_impl.block as tblock
 from jax_impl.kernels import fa3
 from jax_impl.kernels.fused import fused_backend
 from jax_impl.kernels.reference import reference_block_bwd, reference_block_fwd
-from seqplan.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask
+from seqplan.schedule import BLOCK_MASKS, CAUSAL_MASK, FULL_MASK, STRICT_MASK, BlockMask, MaskKind
 
 MASKS = ("full", "causal", "strict")
 
@@ -76,6 +76,13 @@ def test_jax_cuda_routes_fa3_when_verified_else_cudnn():
                                               deterministic=det) == "fa3"
                 assert jblock.resolve_backend("auto", device_kind="cuda", dtype="float16", mask=mask,
                                               deterministic=det) == "cudnn"
+    # document blocks: FA3's varlen kernel in both modes (the real fa3 / cudnn backends, which take no
+    # documents, stay registered; a stand-in would claim every mask)
+    with stand_ins(jblock, calls, fa3_varlen=True):
+        for kind in (MaskKind.FULL, MaskKind.CAUSAL):
+            for det in (False, True):
+                assert jblock.resolve_backend("auto", device_kind="cuda", dtype="bfloat16", deterministic=det,
+                                              mask=BlockMask(kind, documents=True)) == "fa3_varlen"
     with stand_ins(jblock, calls, fa3=False, cudnn=True):
         for mask in MASKS:
             for det in (False, True):
