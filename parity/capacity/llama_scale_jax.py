@@ -96,12 +96,9 @@ def jax_profile(sizes: Sizes, devices: list) -> dict:
 QUANTIZER = "collective-quantizer"
 
 
-def without_quantizer(cpu: bool) -> dict:
-    """Compiler options for the step without :data:`QUANTIZER` (and without GEMM autotuning, which
-    picks kernels, not collectives); on the CPU with the passes ``Step`` already disables."""
-    from ..training.jax_step import COMPILER_OPTIONS, GPU_COMPILER_OPTIONS
-
-    base = COMPILER_OPTIONS if cpu else GPU_COMPILER_OPTIONS
+def without_quantizer(base: dict) -> dict:
+    """The step's compiler options ``base`` (``jax_step.compiler_options``) without :data:`QUANTIZER`
+    too, and without GEMM autotuning (which picks kernels, not collectives)."""
     disabled = ",".join(filter(None, (base.get("xla_disable_hlo_passes"), QUANTIZER)))
     return {**base, "xla_disable_hlo_passes": disabled, "xla_gpu_autotune_level": 0}
 
@@ -116,13 +113,14 @@ class JaxRig:
         (a mocked GPU topology), and nothing runs."""
         import jax.numpy as jnp
 
+        from ..training.jax_step import compiler_options
         from ..training.llama_jax import Step, make_mesh
 
         self.case = case
         step = Step(case, make_mesh(case), dtype=getattr(jnp, dtype), block_backend=block_backend)
         params, opt_state, *self.batch = step.arguments(rows_of_one_document(case), abstract=abstract)
         self.programs = step.programs(params, opt_state, donate=True)
-        self.cpu = step.mesh.devices.flat[0].platform == "cpu"
+        self.options = compiler_options(step.mesh)
         self.state = [params, opt_state]
 
     @cached_property
@@ -170,7 +168,7 @@ class JaxRig:
         if scope == "lowered":
             return count_collectives(self.lowered.as_text(dialect="hlo"), "step")
         if scope == "unquantized":
-            return count_collectives(self.lowered.compile(compiler_options=without_quantizer(self.cpu)).as_text(), "step")
+            return count_collectives(self.lowered.compile(compiler_options=without_quantizer(self.options)).as_text(), "step")
         if scope != "per pass":
             raise ValueError(f"scope must be 'per pass', 'whole step', 'lowered' or 'unquantized', got {scope!r}")
         params, opt_state = self.state

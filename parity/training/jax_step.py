@@ -63,6 +63,11 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_all_reduce_combine_threshold_bytes": 0}
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
+def compiler_options(mesh) -> dict:
+    """The reference steps' compiler options on ``mesh``'s platform (above: the CPU's, or the GPUs')."""
+    return COMPILER_OPTIONS if mesh.devices.flat[0].platform == "cpu" else GPU_COMPILER_OPTIONS
+
+
 def _gather_weight(w, axis):
     return checkpoint_name(lax.all_gather(w, FSDP, axis=axis, tiled=True), GATHERED)
 
@@ -155,9 +160,8 @@ class Step:
 
     # ---- the three programs ------------------------------------------------------------
     def _shard_map(self, fn, in_specs, out_specs):
-        options = COMPILER_OPTIONS if self.mesh.devices.flat[0].platform == "cpu" else GPU_COMPILER_OPTIONS
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs),
-                       compiler_options=options)
+                       compiler_options=compiler_options(self.mesh))
 
     def _opt_specs(self, opt_state):
         return optax.tree_map_params(self.opt, lambda _, spec: spec, opt_state, self.master_specs,

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jax_impl.block import get_backend
 from jax_impl.layers import AttentionLayerConfig, SequenceParallelAttention
 
-from .jax_step import COMPILER_OPTIONS, GATHERED, GPU_COMPILER_OPTIONS, fsdp_remat_policy
+from .jax_step import GATHERED, compiler_options, fsdp_remat_policy
 from .llama import IGNORE, LlamaConfig, ModelCase, TokenBatch, TrainResult, weight_shapes
 
 
@@ -191,9 +191,8 @@ class Step:
         return loss[None], grads
 
     def _shard_map(self, fn, in_specs, out_specs, donate=()):
-        options = COMPILER_OPTIONS if self.mesh.devices.flat[0].platform == "cpu" else GPU_COMPILER_OPTIONS
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=self.typed),
-                       compiler_options=options, donate_argnums=donate)
+                       compiler_options=compiler_options(self.mesh), donate_argnums=donate)
 
     def programs(self, params, opt_state, donate: bool = False):
         """(loss, grads, step) jitted functions of (params, [opt_state,] tokens, labels, positions, ids);

@@ -296,12 +296,16 @@ def test_the_twins_step_without_the_quantizer(jax_devices):
     command test finds it equal to the model in every row). The options keep the passes ``Step``
     disables on the CPU, and an unknown scope is refused before anything compiles."""
     from parity.capacity import llama_scale_jax
+    from parity.training.jax_step import COMPILER_OPTIONS, GPU_COMPILER_OPTIONS
 
     case = llama_scale.model_case(llama_scale.SMALL_RUN, "zigzag", 32, 1, 2)
     rig = llama_scale_jax.JaxRig(case, "float32", "reference")
-    options = llama_scale_jax.without_quantizer(cpu=True)
+    assert rig.options == COMPILER_OPTIONS  # the CPU's: the options the rig's programs were compiled with
+    options = llama_scale_jax.without_quantizer(rig.options)
     assert options["xla_disable_hlo_passes"].split(",") == ["cse_barrier_expander", llama_scale_jax.QUANTIZER]
-    assert llama_scale_jax.without_quantizer(cpu=False)["xla_disable_hlo_passes"] == llama_scale_jax.QUANTIZER
+    gpu = llama_scale_jax.without_quantizer(GPU_COMPILER_OPTIONS)
+    assert gpu["xla_disable_hlo_passes"] == llama_scale_jax.QUANTIZER
+    assert gpu["xla_gpu_all_reduce_combine_threshold_bytes"] == 0  # the GPU step's own option kept
     with pytest.raises(ValueError, match="scope"):
         rig.traffic("as compiled")
 

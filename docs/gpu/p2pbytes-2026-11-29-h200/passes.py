@@ -3,7 +3,7 @@
 prints each pass after which the collective-permutes' (count, bytes by dtype, forward / backward)
 change, from the program as lowered to the program that runs.
 
-    python docs/gpu/p2pbytes-2026-11-29-h200/passes.py DUMP_DIR [MODULE_SUBSTRING]
+    PYTHONPATH=$PWD python docs/gpu/p2pbytes-2026-11-29-h200/passes.py DUMP_DIR [MODULE_SUBSTRING]
 """
 
 import os
@@ -11,29 +11,33 @@ import re
 import sys
 from collections import Counter
 
-WIDTH = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
-ARRAY = re.compile(r"\b(bf16|f16|f32|f64|s32|u32|s8|u8|pred)\[([0-9,]*)\]")
+from parity.accounting.hlo import ARRAY, CONTEXT_WORDS, ELEMENT_BYTES, INSTRUCTION
 
 
 def sends(text: str) -> Counter:
-    """(direction, dtype) -> [calls, bytes] of the permutes' operands in one dumped module: each
-    ``collective-permute`` / ``-start`` instruction's operand shapes (from its result shape: the
-    result of a start holds (operands, destinations, context); the first half is what is sent)."""
+    """(direction, dtype, "calls" | "bytes") -> total over the permutes of one dumped module, read
+    with the accounting's HLO pieces (``parity.accounting.hlo``): each ``collective-permute`` /
+    ``-start``'s shape, an async start's trailing context words dropped and, of its (sent,
+    received) halves, the first; "bwd" where the op came from a transpose (the backward)."""
     out = Counter()
     for line in text.splitlines():
-        m = re.search(r"= (.*?)\s+collective-permute(-start)?\(", line)
-        if not m:
+        m = INSTRUCTION.match(line)
+        if not m or m.group("op") not in ("collective-permute", "collective-permute-start"):
             continue
-        direction = "bwd" if "transpose(" in line else "fwd"
-        arrays = [(d, s) for d, s in ARRAY.findall(m.group(1)) if s]  # rank-0 context words left out
-        if m.group(2):  # a start's result: (sent..., received...): the first half is sent
+        shape = m.group("shape")
+        start = m.group("op").endswith("-start")
+        if start and (words := CONTEXT_WORDS.search(shape)):
+            shape = shape[:words.start()] + ")"
+        arrays = [(a.group("dt"), a.group("dims")) for a in ARRAY.finditer(shape) if a.group("dt") in ELEMENT_BYTES]
+        if start:
             arrays = arrays[: len(arrays) // 2]
+        direction = "bwd" if "transpose(" in line else "fwd"
         for dtype, dims in arrays:
             n = 1
-            for d in dims.split(","):
+            for d in filter(None, dims.split(",")):
                 n *= int(d)
             out[(direction, dtype, "calls")] += 1
-            out[(direction, dtype, "bytes")] += n * WIDTH[dtype]
+            out[(direction, dtype, "bytes")] += n * ELEMENT_BYTES[dtype]
     return out
 
 
