@@ -88,6 +88,9 @@
 #              16k-token rows (predicted B* between 2 and 8: docs/gpu/llama-scale-2026-11-27-h200x4.md)
 #   llamajax   issue 48: the same rows in JAX (llama_jax.Step on the mesh, one process for every GPU;
 #              LLAMAJAX overrides the arguments)
+#   llamaprof  issue 48: the JAX twin's zigzag step at 1k-token rows traced at B = 1, 4, 16 (LLAMAPROF overrides):
+#              per GPU the kernel time by kind (GEMM, attention, NCCL, XLA's other kernels), exposed NCCL, idle
+#              time, and the host in the gaps (benchmarks/llama_profile_jax.py); ≈ 2 min on 2 GPUs
 #   p2pbytes   issue 48: the JAX twin's zigzag step at 2k tokens compiled (not run) over every GPU, FA3 then the
 #              portable kernel: each collective-permute's whole shape, the compiled / lowered / unquantized counts
 #              against the model (answered on mocked GPUs: docs/gpu/p2pbytes-2026-11-29-h200.md; on real ones
@@ -143,8 +146,8 @@ PARTS=${PARTS:-llama,llamajax,torchprof,d128,jaxprof,magi4,mc}
 if [ "$1" = start ]; then
   if [ "$GPUS" != 4 ]; then  # the other parts name 4-GPU meshes: refused rather than run on a mesh that is not there
     for part in ${PARTS//,/ }; do
-      case $part in tier|u128|u128mha|win|winprof|wingroups|condwin|weak|torchprof|llama|llamajax|jaxcompile|p2pbytes) ;;  # llama*: every GPU there is
-        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, wingroups, condwin, weak, torchprof, llama, llamajax, jaxcompile do)"; exit 2 ;;
+      case $part in tier|u128|u128mha|win|winprof|wingroups|condwin|weak|torchprof|llama|llamajax|jaxcompile|p2pbytes|llamaprof) ;;  # llama*: every GPU there is
+        *) echo "GPUS=$GPUS: part $part has only its 4-GPU form (tier, u128, u128mha, win, winprof, wingroups, condwin, weak, torchprof, llama, llamajax, llamaprof, jaxcompile, p2pbytes do)"; exit 2 ;;
       esac
     done
   fi
@@ -229,6 +232,8 @@ if [ "$1" = start ]; then
   CMD[tp]="for side in $SIDES; do python3 -m parity.capacity.tp_sweep --framework \$side --devices $DEV --out $R/tp $TPSWEEP; done"
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
+  # the JAX twin's step traced at several B of the 1k-token sweep: which kernel kind holds the fixed cost
+  CMD[llamaprof]="python3 -m benchmarks.llama_profile_jax ${LLAMAPROF:---seq 1024 --batches 1,4,16} $S"
   CMD[p2pbytes]="python3 $HERE/llamajax-2026-11-29-h200x2/permutes.py $(( ${SMOKE:-0} == 1 ? 64 : 2048 )) $GPUS auto \
     reference > $R/p2pbytes.txt 2>&1; grep -v '^[IW][0-9]' $R/p2pbytes.txt | cut -c1-400 | tail -n 70"
   # the step's compile alone (nothing run, nothing to check), every GPU of the hold, XLA's pass timers; its log gzipped
