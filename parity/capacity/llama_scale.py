@@ -17,7 +17,8 @@ Per strategy and sequence length, on a world of N ranks (every GPU; 2 gloo ranks
   W_hbm (``parity.training.step_model``: torch's memory-bound kernels — norms, RoPE, SwiGLU, the
   casts, the loss over [tokens, vocab], Adam on the device's 1/N of the weights); T_comm = Σ over
   kinds of bytes / W[kind]; ``predicted_s`` = max(host floor, T_math + Σ T_comm[kind] × the
-  kind's exposed fraction), the bounds ``bound_overlap_s`` = max(T_math, T_comm) and
+  kind's exposed fraction) — in JAX's twin the floor's excess over its own math adds instead
+  (:data:`FIXED_COST_ADDS`) — the bounds ``bound_overlap_s`` = max(T_math, T_comm) and
   ``bound_serial_s`` = their sum. Calibrated in the same run, never on a row it predicts: C (bf16
   n³ matmul), W_hbm (a large elementwise copy) and W (per collective kind, bytes per device as
   docs/contract.md counts them) by ``calibrate.profile_task``; C_attn, the resolved causal block
@@ -271,8 +272,18 @@ def traffic_equal(model_rows: dict, traced_rows: dict, scope: str = "per pass") 
     return not traffic_differences(model_rows, traced_rows, scope)
 
 
+# Where a framework's fixed per-step cost adds to the math instead of hiding it. A compiled JAX step
+# is one dispatch: XLA's per-execution host work runs before the first kernel (1.7-1.9 ms on 2x H200),
+# and the FSDP pipeline's first gathers and last reduce-scatters, the copies and the idle gaps do not
+# shrink as B grows — traced at B = 1, 4, 16 of 1k-token rows, measured minus T_math stayed 5-7 ms
+# while the exposed NCCL time fell from 3.8 to 2.2 ms (docs/gpu/llamajax-profile-2026-11-29-h200x2.md).
+# The floor step measures that cost at once: the twin's step is floor − T_math(floor) + T_math. Eager
+# torch issues kernels while the GPU runs earlier ones: its floor is a floor (the larger of the two).
+FIXED_COST_ADDS = frozenset({"jax"})
+
+
 def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, exposed: dict | None = None,
-            host_s: float = 0.0, framework: str = "torch") -> dict:
+            host_s: float = 0.0, framework: str = "torch", floor_math_s: float | None = None) -> dict:
     """T_math, T_comm (seconds per device) of one step of ``case`` from the model's FLOPs and
     bytes: T_math = matmul FLOPs / N / C + attention FLOPs / N / C_attn + memory bytes / W_hbm
     (``step_model``: torch's memory-bound kernels on the device's tokens, Adam on its 1/N of the
@@ -281,7 +292,10 @@ def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, expo
     hidden), ``bound_serial_s`` = their sum (none hidden); ``predicted_s`` = T_math + Σ over kinds
     of T_comm[kind] × ``exposed[kind]`` — the fraction a calibration step left exposed
     (``exposure``; a kind without one counts whole) — or the host's floor ``host_s`` where that
-    is longer (``step_model.StepPrediction``'s rule)."""
+    is longer (``step_model.StepPrediction``'s rule). With ``floor_math_s`` (T_math of the floor
+    step itself; :data:`FIXED_COST_ADDS`) the floor's excess over its own math is a fixed cost
+    that adds: ``predicted_s`` = ``fixed_s`` + T_math, ``fixed_s`` = ``host_s`` − ``floor_math_s``.
+    ``predicted_exposure_s`` = T_math + the exposed part, without any floor, in every row."""
     from ..training import step_model as sm
 
     if "hbm" not in profile:
@@ -300,10 +314,13 @@ def predict(case: ModelCase, dtype: str, profile: dict, c_attention: float, expo
         comm_by_kind[kind] = comm_by_kind.get(kind, 0.0) + float(b) / profile["bandwidth"][kind]
     comm_s = sum(comm_by_kind.values())
     exposed_s = sum(t * (exposed or {}).get(kind, 1.0) for kind, t in comm_by_kind.items())
+    fixed_s = None if floor_math_s is None else host_s - floor_math_s
     return {"t_math_s": math_s, "t_matmul_s": matmul_s, "t_attention_s": attention_s, "t_memory_s": memory_s,
             "memory_bytes_per_device": memory, "t_comm_s": comm_s, "t_comm_by_kind_s": comm_by_kind,
             "t_comm_exposed_s": exposed_s, "bound_overlap_s": max(math_s, comm_s), "bound_serial_s": math_s + comm_s,
-            "host_floor_s": host_s, "predicted_s": max(host_s, math_s + exposed_s), "flops_per_device": sum(flops.values()) / n}
+            "host_floor_s": host_s, "fixed_s": fixed_s, "predicted_exposure_s": math_s + exposed_s,
+            "predicted_s": max(host_s, math_s + exposed_s) if fixed_s is None else fixed_s + math_s,
+            "flops_per_device": sum(flops.values()) / n}
 
 
 def affine_in_batch(run: ScaleRun, strategy: str, seq: int, world: int, profile: dict, c_attention: float,
@@ -468,6 +485,14 @@ def scale_result(run: ScaleRun, world: int, versions: dict, device_name: str, pr
             emit({"verify": strategy, **verdicts[strategy]})
         return verdicts[strategy]
 
+    def floor_math(strategy: str) -> float | None:
+        """T_math of the strategy's floor step, where its fixed cost adds (:data:`FIXED_COST_ADDS`)."""
+        if framework not in FIXED_COST_ADDS:
+            return None
+        host_seq = calibration_seqs(run)[1]
+        return predict(model_case(run, strategy, host_seq, 1, world), run.dtype, profile, kernel(host_seq, 1)[1],
+                       framework=framework)["t_math_s"]
+
     def row(strategy: str, seq: int, batch: int) -> dict:
         head = {"strategy": strategy, "seq": seq, "batch": batch, "framework": framework, "devices": world,
                 "segment_ids": run.segment_ids,
@@ -476,7 +501,7 @@ def scale_result(run: ScaleRun, world: int, versions: dict, device_name: str, pr
             case = model_case(run, strategy, seq, batch, world)
             measured, exposed, host_s = timed(strategy, case)
             pred = predict(case, run.dtype, profile, kernel(seq, batch)[1], exposed["fractions"], host_s,
-                           framework=framework)
+                           framework=framework, floor_math_s=floor_math(strategy))
             out = row_record(head, case, run.dtype, measured, pred, calibrated, kernel(seq, batch), exposed)
         except Exception as err:  # noqa: BLE001 — one failing row must not lose the others
             out, measured = {**head, "error": f"{type(err).__name__}: {err}"[:500]}, {}
@@ -570,22 +595,27 @@ def markdown(result: dict) -> str:
              + ", ".join(f"{st} {'passed' if v['passed'] else 'FAILED'}"
                          + (f" ({v['worst']} {v['worst_ratio']:.2f})" if "worst" in v else f" ({v.get('error')})")
                          for st, v in result.get("verified", {}).items()), "",
+             ("predicted = the fixed cost (the floor step less its own T_math) + T_math: a compiled step's fixed "
+              "cost adds to its math" if framework in FIXED_COST_ADDS else
+              "predicted = max(host floor, T_math + the exposed communication)")
+             + "; beside it, measured / (T_math + the exposed communication), no floor", "",
              "| strategy | T | B | measured ms | predicted ms | measured / predicted | T_math ms (of it memory) "
-             "| T_comm ms (exposed) | host floor ms | bounds: overlap / serial ms | TFLOP/s | peak GiB "
-             "| bytes == trace |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| T_comm ms (exposed) | host floor ms (fixed) | bounds: overlap / serial ms | TFLOP/s | peak GiB "
+             "| bytes == trace | measured / (T_math + exposed) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: "—" if x is None else f"{x:.2f}"
     for r in result["rows"] + result["bstar"]["sweep"]:
         if "error" in r:
             lines.append(f"| {r['strategy']} | {r['seq']} | {r['batch']} | failed: {r['error'][:120]} |"
-                         + " |" * 9)
+                         + " |" * 10)
             continue
         ms = lambda key, r=r: f"{r[key] * 1e3:.1f}"
         lines.append(f"| {r['strategy']} ({r['mesh']}) | {r['seq']} | {r['batch']} | {ms('measured_s')} "
                      f"| {ms('predicted_s')} | {r['measured_over_predicted']:.2f} "
                      f"| {ms('t_math_s')} ({ms('t_memory_s')}) | {ms('t_comm_s')} ({ms('t_comm_exposed_s')}) "
-                     f"| {ms('host_floor_s')} "
-                     f"| {ms('bound_overlap_s')} / {ms('bound_serial_s')} | {r['achieved_tflops']:.1f} "
-                     f"| {fmt(r['peak_gib'])} | {r['traffic_equal']} |")
+                     f"| {ms('host_floor_s')}" + ("" if r.get("fixed_s") is None else f" ({ms('fixed_s')})")
+                     + f" | {ms('bound_overlap_s')} / {ms('bound_serial_s')} | {r['achieved_tflops']:.1f} "
+                     f"| {fmt(r['peak_gib'])} | {r['traffic_equal']} "
+                     f"| {r['measured_s'] / r['predicted_exposure_s']:.2f} |")
     lines += [f"- bytes differ, {r['strategy']} T = {r['seq']} B = {r['batch']}: "
               + "; ".join(f"{key} model {d['model'][0]} calls / {d['model'][1]:.0f} B, traced {d['traced'][0]} / "
                           f"{d['traced'][1]:.0f}" for key, d in r["traffic_differences"].items())

@@ -20,8 +20,11 @@ slower), parameters and Adam states donated and fed back; the median step over `
   ``shard_map`` of each kind over every device, bytes per device as docs/contract.md counts them)
   calibrated here; C_attn, jax_impl's resolved causal block kernel alone at the row's B rows of T/N
   tokens; the exposed fractions from an XLA trace of each strategy's step at ``exposure_seq``
-  (GPU; on the CPU every fraction is 1); the host floor, the step at ``host_seq`` tokens (a JAX
-  step is one dispatch: the floor is the dispatch and the smallest kernels' time).
+  (GPU; on the CPU every fraction is 1); the fixed cost, the step at ``host_seq`` tokens less its
+  own T_math: a JAX step is one dispatch, and the host's per-execution work, the FSDP pipeline's
+  fill and drain and the copies add to every step's math (``llama_scale.FIXED_COST_ADDS``), so
+  ``predicted_s`` = that fixed cost + T_math (``predicted_exposure_s``: T_math + the exposed
+  communication, beside it).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ def test_the_command_times_every_strategy_with_the_models_bytes_equal_to_the_tra
         # the serial bound, and the host's floor (a step of host_seq tokens) where that is longer
         assert r["framework"] == "torch" and r["devices"] == 2 and set(r["exposed_fraction"].values()) == {1.0}
         assert r["predicted_s"] == max(r["bound_serial_s"], result["host_floor_s"][r["strategy"]])
+        assert r["fixed_s"] is None and r["predicted_exposure_s"] == r["bound_serial_s"]  # torch: the floor is a floor
         assert r["bound_overlap_s"] < r["bound_serial_s"]
     assert result["bstar"]["predicted_bstar"] == max(result["bstar"]["rows_exposed"], result["bstar"]["rows_host"])
     assert [(r["seq"], r["batch"]) for r in result["bstar"]["sweep"]] == [(run.bstar_seq, b) for b in run.batches]
@@ -226,7 +227,14 @@ def test_the_jax_twin_times_the_same_rows_with_the_models_bytes_equal_to_the_com
         assert r["framework"] == "jax" and r["devices"] == 2 and r["traffic_equal"] and r["verified"], r
         assert r["traffic_unquantized_differences"] == {}, r  # compiled without XLA's collective-quantizer too
         assert set(r["exposed_fraction"].values()) == {1.0}
-        assert r["predicted_s"] == max(r["bound_serial_s"], result["host_floor_s"]["zigzag"])
+        # a compiled step's fixed cost adds: the floor step less its own T_math, plus the row's T_math
+        floor_case = llama_scale.model_case(run, "zigzag", run.host_seq, 1, 2)
+        floor_math = llama_scale.predict(floor_case, run.dtype, result["profile"],
+                                         result["attention_kernel"][f"{run.host_seq}x1"]["tflops"] * 1e12,
+                                         framework="jax")["t_math_s"]
+        assert r["fixed_s"] == pytest.approx(result["host_floor_s"]["zigzag"] - floor_math, rel=1e-9)
+        assert r["predicted_s"] == pytest.approx(r["fixed_s"] + r["t_math_s"], rel=1e-12)
+        assert r["predicted_exposure_s"] == pytest.approx(r["bound_serial_s"], rel=1e-12)  # every fraction 1
     assert result["bstar"]["predicted_bstar"] == max(result["bstar"]["rows_exposed"], result["bstar"]["rows_host"])
     case = llama_scale.model_case(run, "zigzag", run.seqs[0], 1, 2)  # the bytes it compared are not nothing
     assert rows[0]["comm_bytes_per_device"] == sum(float(b) for _, b in llama_step_traffic(case, "jax", run.dtype)
