@@ -42,7 +42,8 @@ def kernel_kind(name: str) -> str:
 
 
 def split(kernels: dict[str, list[tuple[str, float, float]]], steps: int, send_recv, names: dict[str, str]) -> dict:
-    """Per GPU (ms per step): kernel time by :func:`kernel_kind`, the exposed NCCL time per
+    """Per GPU, from its kernels as (name, start ms, end ms) (``mesh_profile_jax.device_kernels``;
+    ms per step): kernel time by :func:`kernel_kind`, the exposed NCCL time per
     collective kind, busy (any kernel), the span and idle inside it, the "other" kernels by op
     scope, and the ten costliest kernels of GPU 0 by name."""
     from benchmarks.mesh_profile_jax import idle_inside_steps, other_by_scope, union_ms
@@ -94,8 +95,8 @@ def profile_row(run, strategy: str, seq: int, batch: int, world: int, check: boo
     import jax
 
     from benchmarks.host_gaps import read_trace, summary
-    from benchmarks.mesh_profile_jax import op_names
-    from parity.capacity.exposure import send_recv_kinds, xla_trace_kernels
+    from benchmarks.mesh_profile_jax import device_kernels, op_names
+    from parity.capacity.exposure import send_recv_kinds
     from parity.capacity.llama_scale import model_case, verdict
     from parity.capacity.llama_scale_jax import JaxRig
     from parity.training.llama_traffic import llama_step_traffic
@@ -119,7 +120,7 @@ def profile_row(run, strategy: str, seq: int, batch: int, world: int, check: boo
             jax.block_until_ready(rig.run())
             time.sleep(0.03)  # mesh_profile_jax.STEP_BREAK_MS splits the trace into steps here
     kinds = sorted({kind for _, kind in llama_step_traffic(case, "jax", run.dtype).rows()})
-    row |= split(xla_trace_kernels(trace_dir), STEPS_TRACED, send_recv_kinds(kinds), op_names(rig.compiled.as_text()))
+    row |= split(device_kernels(trace_dir), STEPS_TRACED, send_recv_kinds(kinds), op_names(rig.compiled.as_text()))
     try:
         trace = read_trace(trace_dir)
         row["host_gpu0"] = {k: v for k, v in summary(trace, 0, detail=8).items() if k != "trace"}
