@@ -10,8 +10,8 @@ step into kernel kinds — GEMMs, attention, NCCL per collective, memory copies,
 (``parity.capacity.exposure.exposed_times``), the idle time inside the step and the wall time
 outside the GPU's span, and what the host did in the idle gaps (``benchmarks.host_gaps``). A kind
 whose time per step is flat in B is fixed cost; the rows side by side say which kind holds the
-constant. Each B's row is checked first: its loss and gradients finite, its first-B row's gradients
-against the float64 step (``llama_scale.verdict``); rows go to ``$OUT/llama-profile/B{B}.json``
+constant. Before the first row is timed, the same step at one row of the same T is checked against
+the float64 step (``llama_scale.verdict``); rows go to ``$OUT/llama-profile/B{B}.json``
 as they finish, then a table of every B to ``summary.md``.
 
     python -m benchmarks.llama_profile_jax --seq 1024 --batches 1,4,16 --xla-gemm cublas
@@ -104,8 +104,11 @@ def profile_row(run, strategy: str, seq: int, batch: int, world: int, check: boo
     case = model_case(run, strategy, seq, batch, world)
     rig = JaxRig(case, run.dtype, run.block_backend)
     row: dict = {"strategy": strategy, "seq": seq, "batch": batch, "devices": world}
-    if check:  # the traced program's gradients against the float64 step, before any time is read
-        row["verified"] = verdict(case, run.dtype, *rig.loss_and_grads())
+    if check:  # the step's gradients against the float64 step, before any time is read: at one row of
+        # the same T (the float64 step on the host's CPU at 64 rows ran past a 170 s call on 2x H200)
+        one = case if batch == 1 else model_case(run, strategy, seq, 1, world)
+        row["verified"] = verdict(one, run.dtype, *(rig if one is case else JaxRig(one, run.dtype,
+                                                                                     run.block_backend)).loss_and_grads())
         if not row["verified"].get("passed"):
             return row
     began = time.perf_counter()
