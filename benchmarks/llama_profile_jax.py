@@ -30,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 STEPS_TRACED = 3
+STEP_SLEEP_S = 0.03  # between traced steps: mesh_profile_jax.STEP_BREAK_MS (10 ms) splits the trace there
 # Which kind a kernel's name says it is, first match wins: FA3's kernels are CUTLASS templates named
 # for flash attention, cuBLAS's Hopper GEMMs are "nvjet_*" or "sm90_xmma_gemm_*" (both before "other").
 KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "sdpa", "attention")),
@@ -51,6 +52,10 @@ def split(kernels: dict[str, list[tuple[str, float, float]]], steps: int, send_r
 
     per_gpu = {}
     for process, rows in sorted(kernels.items()):
+        found = idle_inside_steps(rows, steps, top=8)
+        if found["steps_found"] != steps:  # kernels in the wrong unit, or a step with a 10 ms gap inside
+            raise ValueError(f"{process}: the trace splits into {found['steps_found']} steps, not {steps} "
+                             f"(kernels in ms, steps {STEP_SLEEP_S * 1e3:.0f} ms apart expected)")
         by_kind: dict[str, float] = defaultdict(float)
         launches: dict[str, int] = defaultdict(int)
         for name, lo, hi in rows:
@@ -61,7 +66,7 @@ def split(kernels: dict[str, list[tuple[str, float, float]]], steps: int, send_r
                             "launches_per_step": {k: v / steps for k, v in launches.items()},
                             "busy_ms_per_step": union_ms(rows) / steps,
                             "nccl_exposed_ms_per_step": {k: x["exposed_s"] / steps for k, x in exposed.items()},
-                            **idle_inside_steps(rows, steps, top=8),
+                            **found,
                             "other_by_scope_ms_per_step": other_by_scope(
                                 [(n, lo, hi) for n, lo, hi in rows if kernel_kind(n) == "other"], names, steps, top=12)}
     top: dict[str, float] = defaultdict(float)
@@ -121,9 +126,12 @@ def profile_row(run, strategy: str, seq: int, batch: int, world: int, check: boo
     with jax.profiler.trace(trace_dir):
         for _ in range(STEPS_TRACED):
             jax.block_until_ready(rig.run())
-            time.sleep(0.03)  # mesh_profile_jax.STEP_BREAK_MS splits the trace into steps here
+            time.sleep(STEP_SLEEP_S)
     kinds = sorted({kind for _, kind in llama_step_traffic(case, "jax", run.dtype).rows()})
-    row |= split(device_kernels(trace_dir), STEPS_TRACED, send_recv_kinds(kinds), op_names(rig.compiled.as_text()))
+    try:
+        row |= split(device_kernels(trace_dir), STEPS_TRACED, send_recv_kinds(kinds), op_names(rig.compiled.as_text()))
+    except ValueError as err:  # a trace that does not split into its steps: the row keeps its times, not a split
+        row["profile_error"] = str(err)
     try:
         trace = read_trace(trace_dir)
         row["host_gpu0"] = {k: v for k, v in summary(trace, 0, detail=8).items() if k != "trace"}

@@ -273,7 +273,7 @@ def traffic_equal(model_rows: dict, traced_rows: dict, scope: str = "per pass") 
 
 
 # Where a framework's fixed per-step cost adds to the math instead of hiding it. A compiled JAX step
-# is one dispatch: XLA's per-execution host work runs before the first kernel (1.7-1.9 ms on 2x H200),
+# is one dispatch: XLA's per-execution host work runs before the first kernel (1.5-1.9 ms on 2x H200),
 # and the FSDP pipeline's first gathers and last reduce-scatters, the copies and the idle gaps do not
 # shrink as B grows — traced at B = 1, 4, 16 of 1k-token rows, measured minus T_math stayed 5-7 ms
 # while the exposed NCCL time fell from 3.8 to 2.2 ms (docs/gpu/llamajax-profile-2026-11-29-h200x2.md).
@@ -615,7 +615,7 @@ def markdown(result: dict) -> str:
                      f"| {ms('host_floor_s')}" + ("" if r.get("fixed_s") is None else f" ({ms('fixed_s')})")
                      + f" | {ms('bound_overlap_s')} / {ms('bound_serial_s')} | {r['achieved_tflops']:.1f} "
                      f"| {fmt(r['peak_gib'])} | {r['traffic_equal']} "
-                     f"| {r['measured_s'] / r['predicted_exposure_s']:.2f} |")
+                     f"| {r['measured_s'] / r.get('predicted_exposure_s', r['t_math_s'] + r['t_comm_exposed_s']):.2f} |")
     lines += [f"- bytes differ, {r['strategy']} T = {r['seq']} B = {r['batch']}: "
               + "; ".join(f"{key} model {d['model'][0]} calls / {d['model'][1]:.0f} B, traced {d['traced'][0]} / "
                           f"{d['traced'][1]:.0f}" for key, d in r["traffic_differences"].items())

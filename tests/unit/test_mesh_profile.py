@@ -63,3 +63,7 @@ def test_the_whole_model_profile_tells_gemms_from_attention_and_collectives():
     assert got["nccl_exposed_ms_per_step"] == {"all-gather": pytest.approx(2.0)}  # 1-2 ms under the GEMM
     assert got["busy_ms_per_step"] == pytest.approx(4.5) and got["idle_inside_ms_per_step"] == pytest.approx(0.5)
     assert got["launches_per_step"] == {"gemm": 1, "nccl": 1, "other": 1}
+    # the same kernels in seconds (the first 2x H200 call's bug): the trace no longer splits into its steps
+    seconds = [(name, lo * 1e-3, hi * 1e-3) for name, lo, hi in rows]
+    with pytest.raises(ValueError, match="splits into 1 steps, not 2"):
+        lp.split({"/device:GPU:0": seconds}, steps=2, send_recv=("p2p",), names={})
