@@ -63,6 +63,10 @@
 # torch's host plan for a new batch is 2.5-3x cheaper (seqplan: spans_shards per run, prefix_runs without ranking), and
 # the torch documents rows never paid it (ids repeat, plans cached): d128fresh times them with and without it,
 # about as long as d128host (3.6 min), not yet run.
+# 2026-11-29 (eighth session, 2x H200): llamaprof (B = 1, 4, 16 of 1k) 1.5 min; llamajax zigzag 1k sweep to B = 128
+# 3.8 min; zigzag 1k sweep to 64 plus a 32k row 3.2; ulysses + allgather (32k rows, ulysses' sweep) 4.4; torch's llama
+# 1k sweep to 128 (NO_FA4=1) 4.1. The twin's prediction now adds its fixed cost (llama_scale.FIXED_COST_ADDS): the next
+# 4-GPU llamajax rows test it there (docs/gpu/llamajax-profile-2026-11-29-h200x2.md).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
@@ -180,7 +184,8 @@ if [ "$1" = start ]; then
     # asks for 2-8). The JAX rows took 2.3 min (zigzag) and 3.7 (both strategies, one 32k row each) on two GPUs.
     # At 1k on 2x H200 (2026-11-29 evening: docs/gpu/llamajax-sweep-2026-11-29-h200x2.md) time per row still fell
     # at B = 32 (16.8 GiB a GPU; the sweep's edge was the knee): the sweep goes on to 128 rows.
-    LLAMAJAX=${LLAMAJAX:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 1024 --exposure-seq 8192 --batches 1,2,4,8,16,32,64,128 --xla-gemm cublas"}
+    # B = 128 ran out of memory on 2x H200 (a 55.9 GiB allocation; B = 64 peaked at 31 GiB a GPU): the sweep stops at 64
+    LLAMAJAX=${LLAMAJAX:-"--strategies zigzag,ulysses --seq 32768,65536 --bstar-seq 1024 --exposure-seq 8192 --batches 1,2,4,8,16,32,64 --xla-gemm cublas"}
     DRV="--heads 32 --kv-heads 8 --passes fwd+bwd"; SIDES=${SIDES:-torch jax}; TPSWEEP=""
   else
     export PYTHONPATH=$PWD JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 SMOKE_FLAG=--smoke
