@@ -6,9 +6,10 @@ T_math plus a constant ≈ 5.7 ms at every B from 1 to 32, where the model reads
 hides under. This traces the same step (``llama_scale``'s rig: ``GPU_MODEL``, FSDP over every GPU,
 the strategy's attention mesh, rows of one document) at several B and splits each GPU's time per
 step into kernel kinds — GEMMs, attention, NCCL per collective, memory copies, XLA's other kernels
-(fusions: the optimizer, norms, casts) — with the exposed part of each collective kind
-(``parity.capacity.exposure.exposed_times``), the idle time inside the step and the wall time
-outside the GPU's span, and what the host did in the idle gaps (``benchmarks.host_gaps``). A kind
+(fusions: the optimizer, norms, casts) — with the exposed part of each collective kind and the idle
+time inside the step (``mesh_profile_jax.summarize``, as the attention profiles read theirs), the
+wall time waited, dispatched and queued (``mesh_profile_jax.step_times``), and what the host did in
+the idle gaps (``benchmarks.host_gaps``). A kind
 whose time per step is flat in B is fixed cost; the rows side by side say which kind holds the
 constant. Before the first row is timed, the same step at one row of the same T is checked against
 the float64 step (``llama_scale.verdict``); rows go to ``$OUT/llama-profile/B{B}.json``
@@ -26,81 +27,18 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 STEPS_TRACED = 3
 STEP_SLEEP_S = 0.03  # between traced steps: mesh_profile_jax.STEP_BREAK_MS (10 ms) splits the trace there
-# Which kind a kernel's name says it is, first match wins: FA3's kernels are CUTLASS templates named
-# for flash attention, cuBLAS's Hopper GEMMs are "nvjet_*" or "sm90_xmma_gemm_*" (both before "other").
-KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "sdpa", "attention")),
-         ("gemm", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "triton_gemm")), ("copy", ("memcpy", "memset")))
-
-
-def kernel_kind(name: str) -> str:
-    lowered = name.lower()
-    return next((kind for kind, marks in KINDS if any(m in lowered for m in marks)), "other")
-
-
-def split(kernels: dict[str, list[tuple[str, float, float]]], steps: int, send_recv, names: dict[str, str]) -> dict:
-    """Per GPU, from its kernels as (name, start ms, end ms) (``mesh_profile_jax.device_kernels``;
-    ms per step): kernel time by :func:`kernel_kind`, the exposed NCCL time per
-    collective kind, busy (any kernel), the span and idle inside it, the "other" kernels by op
-    scope, and the ten costliest kernels of GPU 0 by name."""
-    from benchmarks.mesh_profile_jax import idle_inside_steps, other_by_scope, union_ms
-    from parity.capacity.exposure import exposed_times
-
-    per_gpu = {}
-    for process, rows in sorted(kernels.items()):
-        found = idle_inside_steps(rows, steps, top=8)
-        if found["steps_found"] != steps:  # kernels in the wrong unit, or a step with a 10 ms gap inside
-            raise ValueError(f"{process}: the trace splits into {found['steps_found']} steps, not {steps} "
-                             f"(kernels in ms, steps {STEP_SLEEP_S * 1e3:.0f} ms apart expected)")
-        by_kind: dict[str, float] = defaultdict(float)
-        launches: dict[str, int] = defaultdict(int)
-        for name, lo, hi in rows:
-            by_kind[kernel_kind(name)] += (hi - lo) / steps
-            launches[kernel_kind(name)] += 1
-        exposed = exposed_times(rows, send_recv)
-        per_gpu[process] = {"kernel_ms_per_step": dict(by_kind),
-                            "launches_per_step": {k: v / steps for k, v in launches.items()},
-                            "busy_ms_per_step": union_ms(rows) / steps,
-                            "nccl_exposed_ms_per_step": {k: x["exposed_s"] / steps for k, x in exposed.items()},
-                            **found,
-                            "other_by_scope_ms_per_step": other_by_scope(
-                                [(n, lo, hi) for n, lo, hi in rows if kernel_kind(n) == "other"], names, steps, top=12)}
-    top: dict[str, float] = defaultdict(float)
-    for name, lo, hi in kernels.get(min(kernels), []) if kernels else []:
-        top[name[:100]] += (hi - lo) / steps
-    return {"per_gpu": per_gpu, "top_kernels_gpu0_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:10])}
-
-
-def wall_times(rig, warmup: int, iters: int) -> dict:
-    """The step waited for (median of ``iters``), how long its call takes to return (the host's
-    dispatch), and the step with ``iters`` queued before one wait."""
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(rig.run())
-    waited, dispatch = [], []
-    for _ in range(iters):
-        began = time.perf_counter()
-        out = rig.run()
-        dispatch.append(time.perf_counter() - began)
-        jax.block_until_ready(out)
-        waited.append(time.perf_counter() - began)
-    began = time.perf_counter()
-    jax.block_until_ready([rig.run() for _ in range(iters)][-1])
-    queued = (time.perf_counter() - began) / iters
-    return {"waited_ms": 1e3 * statistics.median(waited), "dispatch_ms": 1e3 * statistics.median(dispatch),
-            "queued_ms": 1e3 * queued}
+KINDS_SHOWN = ("gemm", "attention", "nccl", "other", "copy")  # mesh_profile_jax.kind_of's kinds
 
 
 def profile_row(run, strategy: str, seq: int, batch: int, world: int, check: bool) -> dict:
     import jax
 
     from benchmarks.host_gaps import read_trace, summary
-    from benchmarks.mesh_profile_jax import device_kernels, op_names
+    from benchmarks.mesh_profile_jax import device_kernels, op_names, step_times, summarize
     from parity.capacity.exposure import send_recv_kinds
     from parity.capacity.llama_scale import model_case, verdict
     from parity.capacity.llama_scale_jax import JaxRig
@@ -111,15 +49,14 @@ def profile_row(run, strategy: str, seq: int, batch: int, world: int, check: boo
     row: dict = {"strategy": strategy, "seq": seq, "batch": batch, "devices": world}
     if check:  # the step's gradients against the float64 step, before any time is read: at one row of
         # the same T (the float64 step on the host's CPU at 64 rows ran past a 170 s call on 2x H200)
-        one = case if batch == 1 else model_case(run, strategy, seq, 1, world)
-        row["verified"] = verdict(one, run.dtype, *(rig if one is case else JaxRig(one, run.dtype,
-                                                                                     run.block_backend)).loss_and_grads())
+        checked = rig if batch == 1 else JaxRig(model_case(run, strategy, seq, 1, world), run.dtype, run.block_backend)
+        row["verified"] = verdict(checked.case, run.dtype, *checked.loss_and_grads())
         if not row["verified"].get("passed"):
             return row
     began = time.perf_counter()
     rig.compiled  # noqa: B018 — its compile timed apart from the steps
     row["compile_s"] = round(time.perf_counter() - began, 1)
-    row |= wall_times(rig, run.warmup, run.iters)
+    row |= step_times(rig.run, (), warmup=run.warmup, steps=run.iters)  # waited, dispatch, queued
     if jax.devices()[0].platform == "cpu":
         return row | {"profile": "not traced on the CPU (no device kernels)"}
     trace_dir = f"/tmp/llama-profile/{strategy}-T{seq}-B{batch}"
@@ -129,7 +66,7 @@ def profile_row(run, strategy: str, seq: int, batch: int, world: int, check: boo
             time.sleep(STEP_SLEEP_S)
     kinds = sorted({kind for _, kind in llama_step_traffic(case, "jax", run.dtype).rows()})
     try:
-        row |= split(device_kernels(trace_dir), STEPS_TRACED, send_recv_kinds(kinds), op_names(rig.compiled.as_text()))
+        row |= summarize(device_kernels(trace_dir), STEPS_TRACED, send_recv_kinds(kinds), op_names(rig.compiled.as_text()))
     except ValueError as err:  # a trace that does not split into its steps: the row keeps its times, not a split
         row["profile_error"] = str(err)
     try:
@@ -142,21 +79,22 @@ def profile_row(run, strategy: str, seq: int, batch: int, world: int, check: boo
 
 def table(rows: list[dict]) -> str:
     """GPU 0's split of every B, ms per step, side by side."""
-    kinds = ("gemm", "attention", "nccl", "other", "copy")
+    kinds = KINDS_SHOWN
     head = ("| B | waited ms | queued ms | dispatch ms | span | busy | idle inside | "
             + " | ".join(kinds) + " | NCCL exposed | launches |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         gpu = next(iter(r.get("per_gpu", {}).values()), None)
         if gpu is None:
-            lines.append(f"| {r['batch']} | {r.get('waited_ms', 0):.2f} | {r.get('queued_ms', 0):.2f} | "
-                         f"{r.get('dispatch_ms', 0):.2f} |" + " — |" * (len(kinds) + 5))
+            lines.append(f"| {r['batch']} | {r.get('wall_ms_median', 0):.2f} | {r.get('queued_ms_per_step', 0):.2f} | "
+                         f"{r.get('dispatch_ms_median', 0):.2f} |" + " — |" * (len(kinds) + 5))
             continue
         k = gpu["kernel_ms_per_step"]
-        lines.append(f"| {r['batch']} | {r['waited_ms']:.2f} | {r['queued_ms']:.2f} | {r['dispatch_ms']:.2f} | "
+        lines.append(f"| {r['batch']} | {r['wall_ms_median']:.2f} | {r['queued_ms_per_step']:.2f} | "
+                     f"{r['dispatch_ms_median']:.2f} | "
                      f"{statistics.median(gpu['span_ms']):.2f} | {gpu['busy_ms_per_step']:.2f} | "
                      f"{gpu['idle_inside_ms_per_step']:.2f} | " + " | ".join(f"{k.get(x, 0):.2f}" for x in kinds)
-                     + f" | {sum(gpu['nccl_exposed_ms_per_step'].values()):.2f} | "
+                     + f" | {sum(x['exposed'] for x in gpu['exposed_ms_per_step'].values()):.2f} | "
                      f"{sum(gpu['launches_per_step'].values()):.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -164,8 +102,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--strategy", default="zigzag")
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--seq", type=int, default=None, help="tokens a row (default 1024; --smoke: 32)")
+    ap.add_argument("--batches", default=None, help="comma-separated rows a step (default 1,4,16; --smoke: 1,2)")
     ap.add_argument("--world", type=int, default=None, help="GPUs (default: every one)")
     ap.add_argument("--xla-gemm", choices=("autotune", "cublas"), default="cublas")
     ap.add_argument("--smoke", action="store_true", help="CPU, the small model, 2 simulated devices")
@@ -175,15 +113,15 @@ def main(argv=None) -> None:
     from parity.capacity.llama_scale import SMALL_RUN, XLA_GEMM, ScaleRun
     from parity.core.devices import configure_jax_devices
 
-    if a.xla_gemm == "cublas" and not a.smoke:  # before JAX starts, as llama_scale sets it
+    if a.xla_gemm == "cublas":  # before JAX starts, as llama_scale sets it (XLA:CPU ignores the flag)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_GEMM['cublas']}".strip()
     configure_jax_devices("cpu" if a.smoke else "gpu", autotune=True)
     import jax
 
     run = SMALL_RUN if a.smoke else ScaleRun()
-    seq = 32 if a.smoke else a.seq
+    seq = a.seq or (32 if a.smoke else 1024)
     world = a.world or (2 if a.smoke else len(jax.devices()))
-    batches = [int(b) for b in a.batches.split(",")] if not a.smoke else [1, 2]
+    batches = [int(b) for b in (a.batches or ("1,2" if a.smoke else "1,4,16")).split(",")]
     out = Path(os.environ.get("OUT", "/tmp")) / "llama-profile"
     out.mkdir(parents=True, exist_ok=True)
     rows = []

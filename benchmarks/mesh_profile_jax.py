@@ -7,8 +7,8 @@ waited for, as the driver times it; beside it the host's dispatch time and the s
 steps queued before one wait) and traced over 3 steps with ``jax.profiler``, 30 ms of host sleep
 between them so the trace splits into steps unambiguously.
 
-Per GPU, from the trace: kernel time by kind (attention kernels, NCCL, the rest: XLA fusions,
-copies, scatters), the time any kernel runs (the union: the rest of the step the GPU idles), and
+Per GPU, from the trace: kernel time by kind (attention kernels, GEMMs, NCCL, copies, the rest:
+XLA fusions, scatters; ``kind_of``), the time any kernel runs (the union: the rest of the step the GPU idles), and
 the exposed share of each collective kind (``parity.capacity.exposure.exposed_times``: NCCL time
 no other kernel covers), the "other" kernels' time by the phase that launched them (their op names
 from the compiled program's HLO, which XLA dumps; the shared-prefix call names its phases:
@@ -98,13 +98,17 @@ def other_by_scope(rows, names: dict[str, str], steps: int, top: int = 20) -> di
     return dict(sorted(sums.items(), key=lambda kv: -kv[1])[:top])
 
 
+# Which kind a kernel's name says it is, first match wins. FA3's kernels are CUTLASS templates named
+# for flash attention (so attention comes before the GEMM marks); cuBLAS's Hopper GEMMs are "nvjet_*"
+# or "sm90_xmma_gemm_*" — until 2026-11-29 an "sm90" mark read those as attention, and GEMMs and
+# copies were summed into "other" (no attention-only profile before then ran a GEMM of note).
+KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "sdpa", "cudnn", "attention")),
+         ("gemm", ("gemm", "nvjet", "xmma", "cublas", "cutlass")), ("copy", ("memcpy", "memset")))
+
+
 def kind_of(name: str) -> str:
     lowered = name.lower()
-    if "nccl" in lowered:
-        return "nccl"
-    if any(s in lowered for s in ("flash", "fmha", "cudnn", "sm90", "attention")):
-        return "attention"
-    return "other"
+    return next((kind for kind, marks in KINDS if any(m in lowered for m in marks)), "other")
 
 
 def device_kernels(trace_dir: str) -> dict[str, list[tuple[str, float, float]]]:
@@ -195,19 +199,30 @@ def host_side(trace_dir: str) -> dict:
 
 
 def summarize(kernels: dict, steps: int, send_recv, names: dict[str, str] | None = None) -> dict:
+    """Per GPU of ``kernels`` ({process: [(name, start ms, end ms)]}, ``steps`` traced steps apart):
+    kernel time and launches by :func:`kind_of`, busy time, each collective kind's kernel and
+    exposed time, the idle inside the steps, and the "other" kernels by phase (``names``);
+    ValueError where the trace does not split into ``steps`` (kernels not in ms, or a step with a
+    gap over ``STEP_BREAK_MS`` inside)."""
     from parity.capacity.exposure import exposed_times
 
     per_gpu = {}
     for process, rows in sorted(kernels.items()):
+        found = idle_inside_steps(rows, steps)
+        if found["steps_found"] != steps:
+            raise ValueError(f"{process}: the trace splits into {found['steps_found']} steps, not {steps} "
+                             f"(kernels in ms, steps more than {STEP_BREAK_MS:.0f} ms apart expected)")
         by_kind: dict[str, float] = defaultdict(float)
+        launches: dict[str, float] = defaultdict(float)
         for name, lo, hi in rows:
             by_kind[kind_of(name)] += (hi - lo) / steps
+            launches[kind_of(name)] += 1 / steps
         exposed = exposed_times(rows, send_recv)
-        per_gpu[process] = {"kernel_ms_per_step": dict(by_kind), "busy_ms_per_step": union_ms(rows) / steps,
+        per_gpu[process] = {"kernel_ms_per_step": dict(by_kind), "launches_per_step": dict(launches),
+                            "busy_ms_per_step": union_ms(rows) / steps,
                             # exposed_times keeps its input's unit (ms here): "_s" names, ms per step
                             "exposed_ms_per_step": {k: {n.removesuffix("_s"): v / steps for n, v in x.items()}
-                                                    for k, x in exposed.items()}}
-        per_gpu[process].update(idle_inside_steps(rows, steps))
+                                                    for k, x in exposed.items()}, **found}
         if names:
             per_gpu[process]["other_by_scope_ms_per_step"] = other_by_scope(rows, names, steps)
     first = sorted(kernels)[0] if kernels else None

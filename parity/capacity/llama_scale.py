@@ -44,6 +44,7 @@ and FLOPs are exactly affine in B. docs/model.md says how to read the file.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -275,8 +276,8 @@ def traffic_equal(model_rows: dict, traced_rows: dict, scope: str = "per pass") 
 # Where a framework's fixed per-step cost adds to the math instead of hiding it. A compiled JAX step
 # is one dispatch: XLA's per-execution host work runs before the first kernel (1.5-1.9 ms on 2x H200),
 # and the FSDP pipeline's first gathers and last reduce-scatters, the copies and the idle gaps do not
-# shrink as B grows — traced at B = 1, 4, 16 of 1k-token rows, measured minus T_math stayed 5-7 ms
-# while the exposed NCCL time fell from 3.8 to 2.2 ms (docs/gpu/llamajax-profile-2026-11-29-h200x2.md).
+# shrink as B grows — traced from 256 to 16k tokens a step, the step minus its compute kernels stayed
+# 6.1-6.3 ms while the exposed NCCL time fell from 4.9 to 2.2 ms (docs/gpu/llamajax-profile-2026-11-29-h200x2.md).
 # The floor step measures that cost at once: the twin's step is floor − T_math(floor) + T_math. Eager
 # torch issues kernels while the GPU runs earlier ones: its floor is a floor (the larger of the two).
 FIXED_COST_ADDS = frozenset({"jax"})
@@ -485,6 +486,7 @@ def scale_result(run: ScaleRun, world: int, versions: dict, device_name: str, pr
             emit({"verify": strategy, **verdicts[strategy]})
         return verdicts[strategy]
 
+    @functools.cache  # one floor step per strategy: the same T_math for every row
     def floor_math(strategy: str) -> float | None:
         """T_math of the strategy's floor step, where its fixed cost adds (:data:`FIXED_COST_ADDS`)."""
         if framework not in FIXED_COST_ADDS:

@@ -38,32 +38,32 @@ def test_fusion_time_is_summed_by_the_phase_that_launched_it():
     scopes = {mp.scope_of(op) for op in names.values()}
     assert {"fwd shared_prefix.plan", "fwd shared_prefix.local_part", "bwd shared_prefix.plan"} <= scopes, scopes
     kernel = next(k for k, op in names.items() if mp.scope_of(op) == "bwd shared_prefix.plan")
-    rows = [(kernel, 0.0, 2.0), (kernel, 10.0, 12.0), ("MemcpyD2D", 3.0, 4.0),
-            ("flash::FlashAttnFwdSm90 kernel", 5.0, 9.0)]  # attention: not "other"
+    rows = [(kernel, 0.0, 2.0), (kernel, 10.0, 12.0), ("loop_fusion_not_in_the_hlo", 3.0, 4.0),
+            ("flash::FlashAttnFwdSm90 kernel", 5.0, 9.0), ("MemcpyD2D", 9.0, 11.0)]  # attention, copies: not "other"
     assert mp.other_by_scope(rows, names, steps=2) == {"bwd shared_prefix.plan": 2.0, "unmapped": 0.5}
 
 
-def test_the_whole_model_profile_tells_gemms_from_attention_and_collectives():
-    """``benchmarks/llama_profile_jax.py`` (issue 48's fixed cost): cuBLAS's Hopper GEMMs are named
+def test_kernels_are_told_apart_by_kind_and_a_trace_in_the_wrong_unit_is_refused():
+    """The profiles' kinds (``mesh_profile_jax.kind_of``, used by the attention profiles and the
+    whole-model one, ``benchmarks/llama_profile_jax.py``): cuBLAS's Hopper GEMMs are named
     ``sm90_xmma_gemm_*`` / ``nvjet_*`` and FA3's kernels are CUTLASS templates — a GEMM read as
-    attention, or FA3 as a GEMM, would put the fixed cost in the wrong kind."""
-    from benchmarks import llama_profile_jax as lp
-
-    assert lp.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
-    assert lp.kernel_kind("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN") == "gemm"
-    assert lp.kernel_kind("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90>>") \
+    attention (as an "sm90" mark once did), or FA3 as a GEMM, would put time in the wrong kind."""
+    assert mp.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
+    assert mp.kind_of("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert mp.kind_of("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90>>") \
         == "attention"
-    assert lp.kernel_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
-    assert lp.kernel_kind("loop_multiply_fusion_3") == "other"
+    assert mp.kind_of("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
+    assert mp.kind_of("memcpy128") == "copy"
+    assert mp.kind_of("loop_multiply_fusion_3") == "other"
     rows = [("nvjet_hsh_a", 0.0, 2.0), ("ncclDevKernel_AllGather_RING_LL", 1.0, 4.0),  # 1 of its 3 ms under the GEMM
             ("loop_add_fusion", 4.5, 5.0),  # step 1: span 5, busy 4.5
             ("nvjet_hsh_a", 50.0, 52.0), ("ncclDevKernel_AllGather_RING_LL", 51.0, 54.0), ("loop_add_fusion", 54.5, 55.0)]
-    got = lp.split({"/device:GPU:0": rows}, steps=2, send_recv=("p2p",), names={})["per_gpu"]["/device:GPU:0"]
+    got = mp.summarize({"/device:GPU:0": rows}, steps=2, send_recv=("p2p",))["per_gpu"]["/device:GPU:0"]
     assert got["kernel_ms_per_step"] == {"gemm": 2.0, "nccl": 3.0, "other": 0.5}
-    assert got["nccl_exposed_ms_per_step"] == {"all-gather": pytest.approx(2.0)}  # 1-2 ms under the GEMM
+    assert got["exposed_ms_per_step"] == {"all-gather": {"kernel": 3.0, "exposed": pytest.approx(2.0)}}
     assert got["busy_ms_per_step"] == pytest.approx(4.5) and got["idle_inside_ms_per_step"] == pytest.approx(0.5)
     assert got["launches_per_step"] == {"gemm": 1, "nccl": 1, "other": 1}
     # the same kernels in seconds (the first 2x H200 call's bug): the trace no longer splits into its steps
     seconds = [(name, lo * 1e-3, hi * 1e-3) for name, lo, hi in rows]
     with pytest.raises(ValueError, match="splits into 1 steps, not 2"):
-        lp.split({"/device:GPU:0": seconds}, steps=2, send_recv=("p2p",), names={})
+        mp.summarize({"/device:GPU:0": seconds}, steps=2, send_recv=("p2p",))
