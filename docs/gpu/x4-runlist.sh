@@ -238,7 +238,8 @@ if [ "$1" = start ]; then
   # JAX compiles every step program with GEMM autotuning (seconds per new shape): fewer rows per call
   CMD[llamajax]="python3 -m parity.capacity.llama_scale --framework jax --devices $DEV --out $R/llama-jax $LLAMAJAX"
   # the JAX twin's step traced at several B of the 1k-token sweep: which kernel kind holds the fixed cost
-  CMD[llamaprof]="python3 -m benchmarks.llama_profile_jax ${LLAMAPROF:---seq 1024 --batches 1,4,16} $S"
+  LP=${LLAMAPROF:-"--seq 1024 --batches 1,4,16"}; [ "${SMOKE:-0}" = 1 ] && LP=""  # --smoke: its own toy sizes
+  CMD[llamaprof]="python3 -m benchmarks.llama_profile_jax $LP $S"
   CMD[p2pbytes]="python3 $HERE/llamajax-2026-11-29-h200x2/permutes.py $(( ${SMOKE:-0} == 1 ? 64 : 2048 )) $GPUS auto \
     reference > $R/p2pbytes.txt 2>&1; grep -v '^[IW][0-9]' $R/p2pbytes.txt | cut -c1-400 | tail -n 70"
   # the step's compile alone (nothing run, nothing to check), every GPU of the hold, XLA's pass timers; its log gzipped
