@@ -2,8 +2,10 @@
 # One 4-GPU hold (nvidia-h100-x4, or the H200s it may come as), issues 46 / 47 / 48 / 51 in priority
 # order; each part writes its rows as it goes, a part that fails leaves the next to run:
 #   call 1 (carry .fa4a):         mkdir -p /root/keep && cp .fa4a/* /root/keep/
-#   call 2 (carry .fa4b, .whl):   PARTS=... WAIT_S=550 bash docs/gpu/x4-runlist.sh start
+#   call 2 (carry .fa4b):         PARTS=... SIDES=torch WAIT_S=520 bash docs/gpu/x4-runlist.sh start
 #   then (carry .whl):            PARTS=... SIDES=jax WAIT_S=550 bash docs/gpu/x4-runlist.sh start
+# (.fa4b and .whl together with the project passed 64 MiB on 2026-11-29: call 2 carries .fa4b alone and runs torch's
+# parts, which need only FA4; JAX's parts then carry .whl, FA4 staying installed on the held machine.)
 #   or, if the machine is held:   bash docs/gpu/x4-runlist.sh wait
 # Choose each `start`'s PARTS to finish within its own call: on 11-26 and again on 11-27 the hold
 # was given back between two calls issued back to back (the returned files' transfer counts toward
@@ -106,6 +108,8 @@
 #              checked, then timed at 64 … 16384 tokens per device beside the closed form's B*)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
+#   mcdoc      issue 46: JAX's short and heavy-tail shared-prefix rows (all-gather R 4), one process for every GPU
+#              then one a GPU, same call (is the short mix's idle the one host driving four GPUs?)
 #   prof47     issue 47: torch_impl's five strategies at 128k, no documents, profiled per rank (kernels by
 #              kind, NCCL, copies, the host's syncs and cProfile), each checked at 4096 tokens first
 #   jaxprof47  issue 47: the same in jax_impl (XLA trace per GPU: attention / NCCL / other, exposed share)
@@ -169,7 +173,7 @@ if [ "$1" = start ]; then
     # 2026-11-28 a d128 call did, 85 device seconds. Refused unless NO_FA4=1 says FA2 is what is wanted.
     case " ${SIDES:-torch jax} " in *" torch "*)
       if [ "${NO_FA4:-0}" != 1 ] && ! PYTHONPATH=$PYTHONPATH python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
-        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|conddoc|mc|llamajax|jaxcompile|p2pbytes|gqa) ;;
+        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|conddoc|mc|mcdoc|llamajax|jaxcompile|p2pbytes|gqa) ;;
           *) echo "FA4 is not installed on this machine (a fresh one?): torch's rows would run on FA2. Run the .fa4a stash and a" \
                "call with .fa4b first, or set SIDES=jax, or NO_FA4=1 to time FA2 on purpose."; exit 3 ;; esac; done
       fi ;;
@@ -314,9 +318,16 @@ if [ "$1" = start ]; then
     --parts-dir $R/condwin-device-jax"
   CMD[mc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --machine x${GPUS}-mc --parts-dir $R/mc \
     --seqs $SEQ --meshes ring-r4,ulysses-u4 $DRV --ceiling-seq 0 --no-peers --iters 10 --warmup 3"
+  # JAX's short and heavy-tail shared-prefix rows from one process for every GPU (the default), then one process a
+  # GPU, same call: on 2026-11-29 (evening) every GPU of the one-process row idled 1.35 ms a step while the host's
+  # four execute threads updated and relaunched command buffers (docs/gpu/documents-2026-11-29-evening-h200x4.md);
+  # a process a GPU gives each device a host of its own. One driver run: its one-process rows (with the anchor) first.
+  CMD[mcdoc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --seqs $SEQ --documents short,heavy-tail \
+    $DRV --iters 5 --warmup 2 --layout document-hybrid-shared --meshes ring-agkv-r4 --no-peers \
+    --machine x${GPUS}-mcdoc-jax --parts-dir $R/mcdoc-jax"
   RUNS=""
   for part in ${PARTS//,/ }; do
-    [ "${SMOKE:-0}" = 1 ] && case $part in mc|magi4|prio|tier|conddoc) continue ;; esac  # GPUs only (mc: a process per GPU; prio: torch)
+    [ "${SMOKE:-0}" = 1 ] && case $part in mc|mcdoc|magi4|prio|tier|conddoc) continue ;; esac  # GPUs only (mc: a process per GPU; prio: torch)
     RUNS="$RUNS echo \"== $part \$(date +%T)\"; ( ${CMD[$part]} ) > $R/$part.log 2>&1; echo \"== $part rc \$? \$(date +%T)\";"
   done
   rb_start $R "$RUNS"
