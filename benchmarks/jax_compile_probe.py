@@ -49,10 +49,11 @@ _UNIT_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
 
 def program_size(text: str) -> dict[str, int]:
     """The compiled program's size from its optimized HLO text: lines, fusions, while loops,
-    conditionals and custom calls (FA3's kernels are custom calls) — what a compile has to emit."""
+    conditionals, custom calls (FA3's kernels are custom calls) and sorts (a GPU runs a large one as
+    cub's radix sort, between command buffers) — what a compile has to emit."""
     count = lambda op: len(re.findall(rf"\s{op}\(", text))
     return {"hlo_lines": text.count("\n"), "fusions": count("fusion"), "while_loops": count("while"),
-            "conditionals": count("conditional"), "custom_calls": count("custom-call")}
+            "conditionals": count("conditional"), "custom_calls": count("custom-call"), "sorts": count("sort")}
 
 
 def pass_times(log: str, top: int = 15) -> dict[str, float]:

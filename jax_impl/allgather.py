@@ -26,8 +26,11 @@ are gathered — R·P tokens, independent of the device's queries [P, t) against
 (documents held whole: no transfer), which XLA may run during the gather — then its queries
 [0, P) attend to the gathered prefixes; each part is one varlen call on ``fa3_varlen`` where the
 one call is eligible (the portable kernel elsewhere, or with an lse cotangent), no merge (every
-query's keys lie in one part). The backward reduce-scatters the prefixes' dK / dV only. The ids
-are traced inside the program, so a P they break cannot raise there: the device computes that
+query's keys lie in one part). The local part's one call reads the shard's own keys in place
+(``runs.own_key_plans``: no ranking sort, no packed copy of the keys), where the shard's documents
+are runs with increasing token indices (the hybrid's); else it takes the portable kernel. The
+backward reduce-scatters the prefixes' dK / dV only. The ids are traced inside the program, so a
+P they break cannot raise there: the device computes that
 verdict (the same on every device: the gathered ids) and its outputs become NaN — loud, never
 silently wrong; ``sequence_parallel_attention`` raises the ``ValueError`` first when its ids are
 concrete.
@@ -57,7 +60,7 @@ from .comm import axis_size
 from .config import AttentionConfig, make_config
 from .kernels.fa3_varlen import one_call_backward, one_call_forward
 from .kernels.reference import reference_block_bwd, reference_block_fwd
-from .kernels.runs import VarlenRuns
+from .kernels.runs import VarlenRuns, own_key_plans
 from .kernels.runs import prefix_plans as prefix_plans_of
 from .loop import (
     attention_with_vjp,
@@ -271,8 +274,9 @@ class _SplitSaved:
     kv_prefixes:  (k, v) [b, R·P, hk, d], every shard's first P tokens (row, then shard), or None: P = 0.
     queries:      (ids, positions) of the device's queries [b, t].
     keys_shared:  (ids, positions) of the gathered prefixes [b, R·P].
-    plans:        (shared, local) one-call plans (``kernels/runs.prefix_plans``), None where the
-                  part is empty or the one call is not eligible (the portable kernel).
+    plans:        (shared, local) one-call plans (``kernels/runs.prefix_plans``; the local part's
+                  over the shard's own keys, ``runs.own_key_plans``), None where the part is empty
+                  or the one call is not eligible (the portable kernel).
     holds:        bool: the ids keep ``shared_tokens``' promise (every device computes the same)."""
 
     kv_prefixes: tuple | None
@@ -346,12 +350,9 @@ def _split_forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
     with jax.named_scope(SCOPES.gather):  # [b, R·p, hk, d]: shard r's prefix at rows r·p, as _prefixes orders the ids
         kv_prefixes = tuple(config.comm.gather(x[:, :p], axis_name) for x in (k, v)) if p else None
     one_call = prefix_eligible(config, q, True)
-
-    def plan(lo, hi, keys):  # queries [lo, hi) against ``keys`` = (ids, positions)
-        return prefix_plans_of(queries[0][:, lo:hi], keys[0], queries[1][:, lo:hi], keys[1]) if one_call else None
-
-    with jax.named_scope(SCOPES.plan):
-        plans = (plan(0, p, keys_shared) if p else None, plan(p, t, queries) if p < t else None)
+    with jax.named_scope(SCOPES.plan):  # the prefixes' keys gathered, ranked; the local part's keys its own, in place
+        shared = lambda: prefix_plans_of(queries[0][:, :p], keys_shared[0], queries[1][:, :p], keys_shared[1])
+        plans = (shared() if one_call and p else None, own_key_plans(*queries, p) if one_call and p < t else None)
     part_masks = lambda lo, hi, keys: ((queries[0][:, lo:hi], keys[0]), (queries[1][:, lo:hi], keys[1]))
     parts = []
     if p:

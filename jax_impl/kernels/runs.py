@@ -694,6 +694,47 @@ def trimmed_plan(largest: VarlenRuns, m: int, run_count) -> VarlenRuns:
                                ok=largest.ok & (run_count <= m))
 
 
+def own_key_runs(ids, index, p: int, m: int) -> VarlenRuns:
+    """A shared-prefix call's local part — a shard's queries [p, t) against its own keys [0, t),
+    ``ids`` / ``index`` [b, t] the shard's — over the shard's own memory: no ranking sort, no
+    gathered keys. Where each id is one run of the row whose token indices increase along it,
+    a query sees exactly its run's keys up to itself: FA3's causal varlen (bottom-right) on
+    (queries from p, keys from the run's start). Each row is its sequences over its keys in order:
+    (0 queries, the keys before the run holding position p), that run from p, then every later
+    run — at most ``m`` sequences in all (unused: the end). ``ok``: the row is runs of one id each
+    (at most ``PAIRWISE_RUNS``, compared without a sort) with increasing indices, the sequences
+    fit, no index negative; ``longest``: the longest run's keys (the backward's bound). Queries
+    packed [b·(t − p)], keys [b·t] (``identity``): a key before that run is read by no query here
+    (``covered_kv`` False: its dK / dV zeroed after the call). Its fallback, where ``ok`` fails, is
+    :func:`prefix_plans` over the same queries and keys."""
+    b, t = index.shape
+    ids = jnp.zeros((b, t), jnp.int32) if ids is None else ids
+    first = _run_starts(ids)
+    at = jnp.arange(t)
+    head = jnp.max(jnp.where(first & (at <= p)[None, :], at[None, :], 0), axis=1)  # where p's run starts
+    starts = (at[None, :] == 0) | (at[None, :] == head[:, None]) | (first & (at > p)[None, :])  # [b, t]
+    n = jnp.sum(starts)
+    flat = jnp.nonzero(starts.reshape(-1), size=m, fill_value=b * t)[0].astype(jnp.int32)
+    row, key_at = flat // t, flat % t
+    q_starts = jnp.where(flat < b * t, row * (t - p) + jnp.maximum(key_at - p, 0), b * (t - p))
+    cu_q = jnp.concatenate([q_starts, jnp.full((1,), b * (t - p), jnp.int32)]).astype(jnp.int32)
+    cu_k = jnp.concatenate([flat, jnp.full((1,), b * t, jnp.int32)])
+    k_len, q_len = jnp.diff(cu_k), jnp.diff(cu_q)
+    one_run, _ = _one_run_per_id(ids, min(PAIRWISE_RUNS, t))
+    ok = (n <= m) & jnp.all(one_run) & increasing_in_documents(ids, index) & (jnp.min(index) >= 0)
+    return VarlenRuns(cu_q=cu_q, cu_k=cu_k, kv_index=jnp.arange(b * t, dtype=jnp.int32),
+                      covered_q=jnp.ones((b, t - p), bool), ok=ok, covered_kv=at[None, :] >= head[:, None],
+                      longest=jnp.max(jnp.where(q_len > 0, k_len, 0)), identity=True)
+
+
+def own_key_plans(ids, index, p: int) -> list[VarlenRuns]:
+    """:func:`own_key_runs` for each of ``PREFIX_SLOTS`` (at least two sequences a row: the keys
+    before p's run and that run), the fewest that fit picked on the device (:func:`prefix_dispatch`)."""
+    b, t = index.shape
+    sizes = sorted({min(max(m, 2 * b), b * t) for m in PREFIX_SLOTS})
+    return [own_key_runs(ids, index, p, m) for m in sizes]
+
+
 def prefix_length_ladder(n: int) -> tuple[int, ...]:
     """The one call's backward ``max_seqlen`` bounds: n/32 to n in steps of 1.5× and 4/3× (n/32,
     3n/64, n/16, 3n/32 … 3n/4, n), none below 256 — finer than :func:`length_ladder`, where a

@@ -207,8 +207,9 @@ def test_jax_a_broken_promise_raises_or_shows(jax_devices):
 
 def test_jax_the_one_call_kernel_path_equals_the_truth(jax_devices, monkeypatch):
     """float16 on ``fa3_varlen`` with FA3's varlen ops emulated: each part one varlen call forward
-    and backward — the portable kernel the parts would fall back to planted with NaNs, so a part
-    that fell back would show — equal to the float64 truth at float16's level."""
+    and backward — the shared part on its ranked plans, the local part on the shard's own keys in
+    place (``runs.own_key_plans``) — the portable kernel the parts would fall back to planted with
+    NaNs, so a part that fell back would show; equal to the float64 truth at float16's level."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
@@ -231,6 +232,39 @@ def test_jax_the_one_call_kernel_path_equals_the_truth(jax_devices, monkeypatch)
     truth = _zero_dlse_truth(x, ids)
     for name in ("o", "dq", "dk", "dv"):
         assert np.isfinite(got[name]).all(), f"{name}: a part fell back to the portable kernel (NaN planted there)"
+        assert _rel(got[name], truth[name]) < 2e-2, (name, _rel(got[name], truth[name]))
+
+
+def test_jax_a_local_part_its_own_keys_cannot_hold_falls_back_to_the_portable_kernel(jax_devices, monkeypatch):
+    """Where the shard's documents are not runs with increasing indices the local part's own-key
+    plans refuse (``runs.own_key_runs``' ``ok``; refused here on the hybrid's ids, which hold) and
+    it runs on the portable kernel — the one call planted with NaNs for the local part's queries,
+    so a refusal not taken would show — still equal to the truth."""
+    import dataclasses
+
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import fa3_ops
+    from jax_impl import allgather
+    from jax_impl.kernels import fa3_varlen
+
+    fa3_ops.emulate(monkeypatch)
+    own = allgather.own_key_plans
+    monkeypatch.setattr(allgather, "own_key_plans",
+                        lambda *a: [dataclasses.replace(plan, ok=jnp.zeros((), bool)) for plan in own(*a)])
+    real_fwd = fa3_varlen.varlen_fwd
+    planted = lambda q, k, v, causal, scale, runs, *a: (  # the own-key runs are the only identity runs here
+        (jnp.full(q.shape, jnp.nan, q.dtype), jnp.full((q.shape[0], q.shape[2], q.shape[1]), jnp.nan))
+        if runs.identity else real_fwd(q, k, v, causal, scale, runs, *a))
+    monkeypatch.setattr(fa3_varlen, "varlen_fwd", planted)
+    ids, layout, x = _problem(seed=8)
+    extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
+    mesh = jax.make_mesh((RING,), ("ring",))
+    got = _jax_run(mesh, x, ids, layout, traced_ids=True, block_backend="fa3_varlen", dtype="float16",
+                   shared_tokens=extent)
+    truth = _zero_dlse_truth(x, ids)
+    for name in ("o", "dq", "dk", "dv"):
         assert _rel(got[name], truth[name]) < 2e-2, (name, _rel(got[name], truth[name]))
 
 

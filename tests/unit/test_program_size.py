@@ -13,7 +13,7 @@ pytest.importorskip("jax")
 from benchmarks import program_size
 
 
-def _row(path, monkeypatch, ladder=None):
+def _row(path, monkeypatch, ladder=None, seq=1024, ring=2):
     from jax_impl.kernels import runs
 
     with monkeypatch.context() as patch:
@@ -21,7 +21,7 @@ def _row(path, monkeypatch, ladder=None):
             patch.setattr(runs, "prefix_length_ladder", ladder)
         undo = program_size.gpu_program()
         try:
-            return program_size.measure(path, 1024, 2, "short")
+            return program_size.measure(path, seq, ring, "short")
         finally:
             undo()
 
@@ -126,3 +126,15 @@ def test_run_time_switches_counts_what_one_execution_runs():
     assert (count(nested), count(stepped), count(jnp.sin)) == (2, 7, 0)
     with pytest.raises(ValueError, match="while loop"):
         count(lambda x: lax.while_loop(lambda c: c < 3, lambda c: nested(c) + 1, x))
+
+
+def test_a_shared_prefix_sorts_for_its_shared_part_and_promise_not_its_local_part(monkeypatch):
+    """The shared-prefix call's local part reads the shard's own keys in place
+    (``runs.own_key_plans``): its plan sorts nothing, where the ranked plan sorted its ids twice —
+    on 4x H200 each large sort was cub's radix sort between command buffers, the GPUs idle
+    0.3–0.7 ms after it (docs/gpu/documents-2026-11-29-evening-h200x4.md). What sorts is the shared
+    part's plan (its ids ranked, its keys ordered: ``runs._row_prefix``) and the promise check
+    (``allgather._shared_prefix_holds``): three sorts, where the ranked local plan made five."""
+    shared = _row("allgather-hybrid-shared", monkeypatch, seq=4096)  # 1,280 of 2,048 tokens shared
+    assert 0 < shared["shared_tokens"] < shared["seq"] // shared["ring"]  # both parts present
+    assert shared["sorts"] == 3, shared["sorts"]
