@@ -69,6 +69,11 @@
 # 3.8 min; zigzag 1k sweep to 64 plus a 32k row 3.2; ulysses + allgather (32k rows, ulysses' sweep) 4.4; torch's llama
 # 1k sweep to 128 (NO_FA4=1) 4.1. The twin's prediction now adds its fixed cost (llama_scale.FIXED_COST_ADDS): the next
 # 4-GPU llamajax rows test it there (docs/gpu/llamajax-profile-2026-11-29-h200x2.md).
+# 2026-11-29 (ninth session, 4x H200, docs/gpu/documents-2026-11-29-evening-h200x4.md): d128 torch 2.9 min (FA4 installed
+# in the same call), d128 JAX short + heavy-tail 3.8, torchprofhost 5.2, jaxprof 3.8, u128 both sides 3.6 + win both sides
+# 5 (one call, 536 s). After it (CPU): JAX's shared-prefix local part reads its own keys in place (runs.own_key_plans: two
+# fewer sorts a step, no packed keys) — first d128 JAX with D128_MIXES=short,heavy-tail then few-long, then mcdoc (one
+# process a GPU: is the short mix's idle the one host driving four GPUs?), then jaxprof to see the gaps move.
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,

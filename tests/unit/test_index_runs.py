@@ -342,17 +342,17 @@ def test_traced_plans_trimmed_from_the_largest_equal_their_own(layout, seed, mon
     else:
         perm = hybrid_layout(ids, ring, split_at=30).perm
     laid, t = np.take_along_axis(ids, perm, 1).astype(np.int32), seq // ring
+
+    @jax.jit  # one compile for every shard (the same shapes)
+    def both(q_ids, kv_ids, q_index, kv_index, cap=runs.PREFIX_KEY_FACTOR * b * seq):
+        own = [runs.prefix_runs(q_ids, kv_ids, q_index, kv_index, plan.cu_q.shape[0] - 1, cap)
+               for plan in runs.prefix_plans(q_ids, kv_ids, q_index, kv_index)]
+        return runs.prefix_plans(q_ids, kv_ids, q_index, kv_index), own
+
     fits = set()
     for r in range(ring):
         part = slice(r * t, (r + 1) * t)
         args = tuple(jnp.asarray(x, jnp.int32) for x in (laid[:, part], laid, perm[:, part], perm))
-
-        @jax.jit
-        def both(q_ids, kv_ids, q_index, kv_index, cap=runs.PREFIX_KEY_FACTOR * b * seq):
-            own = [runs.prefix_runs(q_ids, kv_ids, q_index, kv_index, plan.cu_q.shape[0] - 1, cap)
-                   for plan in runs.prefix_plans(q_ids, kv_ids, q_index, kv_index)]
-            return runs.prefix_plans(q_ids, kv_ids, q_index, kv_index), own
-
         trimmed, own = both(*args)
         assert len(trimmed) > 1
         for plan, want in zip(trimmed, own):
@@ -376,7 +376,7 @@ def test_a_trimmed_plan_does_not_fit_where_its_keys_outgrow_the_capacity():
 
     ids = jnp.asarray(np.repeat(np.arange(4), 8)[None].astype(np.int32))  # 4 documents of 8 tokens
     index = jnp.arange(32, dtype=jnp.int32)[None]
-    run_count = jnp.sum(jax.vmap(runs._row_prefix)(ids, ids, index, index)[3])
+    run_count = jax.jit(lambda i, x: jnp.sum(jax.vmap(runs._row_prefix)(i, i, x, x)[3]))(ids, index)
     # jitted: op by op, eagerly, the plans took 12 s on 2 cores (each op its own compile)
     plan = jax.jit(runs.prefix_runs, static_argnums=(4, 5))
     trimmed_ok = jax.jit(lambda largest, m, count: runs.trimmed_plan(largest, m, count).ok, static_argnums=1)

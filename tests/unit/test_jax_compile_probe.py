@@ -56,9 +56,10 @@ def test_compile_only_rows_carry_no_step_time_and_no_check(tmp_path):
 def test_program_size_counts_the_ops_a_compile_emits():
     text = "\n".join(["ENTRY main {", "  %f = f32[2] fusion(%a), kind=kLoop", "  %w = (s32[]) while(%t), body=b",
                       "  %c = f32[2] conditional(%p, %x, %y)", "  %k = f32[2] custom-call(%a), custom_call_target=\"x\"",
-                      "  %g = f32[2] fusion(%f), kind=kLoop", "}"])
-    assert jax_compile_probe.program_size(text) == {"hlo_lines": 6, "fusions": 2, "while_loops": 1,
-                                                    "conditionals": 1, "custom_calls": 1}
+                      "  %g = f32[2] fusion(%f), kind=kLoop", "  %s = (s32[8], s32[8]) sort(%i, %j), dimensions={0}",
+                      "}"])
+    assert jax_compile_probe.program_size(text) == {"hlo_lines": 7, "fusions": 2, "while_loops": 1,
+                                                    "conditionals": 1, "custom_calls": 1, "sorts": 1}
 
 
 def test_pass_times_sum_each_pass_over_its_runs_in_seconds():

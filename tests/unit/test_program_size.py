@@ -135,6 +135,6 @@ def test_a_shared_prefix_sorts_for_its_shared_part_and_promise_not_its_local_par
     0.3–0.7 ms after it (docs/gpu/documents-2026-11-29-evening-h200x4.md). What sorts is the shared
     part's plan (its ids ranked, its keys ordered: ``runs._row_prefix``) and the promise check
     (``allgather._shared_prefix_holds``): three sorts, where the ranked local plan made five."""
-    shared = _row("allgather-hybrid-shared", monkeypatch, seq=4096)  # 1,280 of 2,048 tokens shared
+    shared = _row("allgather-hybrid-shared", monkeypatch, ladder=lambda n: (n,), seq=4096)  # 1,280 of 2,048 shared
     assert 0 < shared["shared_tokens"] < shared["seq"] // shared["ring"]  # both parts present
     assert shared["sorts"] == 3, shared["sorts"]
