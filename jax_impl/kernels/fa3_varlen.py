@@ -237,7 +237,8 @@ def plans_packed_kv(k, v, plans: list[VarlenRuns]) -> tuple:
     each plan's branch carried its own copy of the gather. The price: where none fits, the
     fallback runs with these unread buffers (the key capacity, twice) still live — a path taken
     only when a batch outgrows the largest plan; gating the gather would add a conditional, and a
-    host round trip, to every call."""
+    host round trip, to every call. Plans over the block's own keys (``runs.own_key_plans``:
+    ``identity``) pack nothing: the keys are read in place."""
     return _packed_kv(k, plans[-1]), _packed_kv(v, plans[-1])
 
 

@@ -705,8 +705,8 @@ def own_key_runs(ids, index, p: int, m: int) -> VarlenRuns:
     (at most ``PAIRWISE_RUNS``, compared without a sort) with increasing indices, the sequences
     fit, no index negative; ``longest``: the longest run's keys (the backward's bound). Queries
     packed [b·(t − p)], keys [b·t] (``identity``): a key before that run is read by no query here
-    (``covered_kv`` False: its dK / dV zeroed after the call). Its fallback, where ``ok`` fails, is
-    :func:`prefix_plans` over the same queries and keys."""
+    (``covered_kv`` False: its dK / dV zeroed after the call). Where ``ok`` fails the caller runs
+    the portable kernel (``allgather._part_forward``)."""
     b, t = index.shape
     ids = jnp.zeros((b, t), jnp.int32) if ids is None else ids
     first = _run_starts(ids)
@@ -751,7 +751,7 @@ def prefix_dispatch(plans: list[VarlenRuns], kernel, fallback, *, keys: int, len
     chosen around the kernel call alone: :func:`length_choice`), or ``fallback()`` when none does —
     one ``lax.switch`` decided on the device."""
     t, s = plans[0].covered_q.shape[1], keys
-    # the plans' keys are gathered (identity False: prefix_runs); every plan holds the same runs
+    # every plan holds the same runs: gathered keys (prefix_runs) or the block's own (own_key_runs)
     choice = length_choice(prefix_length_ladder(s), t, s, plans[-1].longest) if lengths else None
     with_lengths = lambda runs: runs if choice is None else runs.bounded_by(choice)
     slot_counts = [plan.cu_q.shape[0] - 1 for plan in plans]

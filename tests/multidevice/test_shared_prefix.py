@@ -238,8 +238,8 @@ def test_jax_the_one_call_kernel_path_equals_the_truth(jax_devices, monkeypatch)
 def test_jax_a_local_part_its_own_keys_cannot_hold_falls_back_to_the_portable_kernel(jax_devices, monkeypatch):
     """Where the shard's documents are not runs with increasing indices the local part's own-key
     plans refuse (``runs.own_key_runs``' ``ok``; refused here on the hybrid's ids, which hold) and
-    it runs on the portable kernel — the one call planted with NaNs for the local part's queries,
-    so a refusal not taken would show — still equal to the truth."""
+    it runs on the portable kernel — the one call planted with NaNs for the local part's runs,
+    forward and backward, so a refusal not taken would show — still equal to the truth."""
     import dataclasses
 
     jax = pytest.importorskip("jax")
@@ -253,11 +253,15 @@ def test_jax_a_local_part_its_own_keys_cannot_hold_falls_back_to_the_portable_ke
     own = allgather.own_key_plans
     monkeypatch.setattr(allgather, "own_key_plans",
                         lambda *a: [dataclasses.replace(plan, ok=jnp.zeros((), bool)) for plan in own(*a)])
-    real_fwd = fa3_varlen.varlen_fwd
+    real_fwd, real_bwd = fa3_varlen.varlen_fwd, fa3_varlen._bwd_call
     planted = lambda q, k, v, causal, scale, runs, *a: (  # the own-key runs are the only identity runs here
         (jnp.full(q.shape, jnp.nan, q.dtype), jnp.full((q.shape[0], q.shape[2], q.shape[1]), jnp.nan))
         if runs.identity else real_fwd(q, k, v, causal, scale, runs, *a))
+    planted_bwd = lambda do, q, k_p, v_p, o, lse, causal, scale, runs, t, s: (  # ... and a backward taken anyway
+        tuple(jnp.full(x.shape, jnp.nan, x.dtype) for x in (q, k_p, v_p)) if runs.identity
+        else real_bwd(do, q, k_p, v_p, o, lse, causal, scale, runs, t, s))
     monkeypatch.setattr(fa3_varlen, "varlen_fwd", planted)
+    monkeypatch.setattr(fa3_varlen, "_bwd_call", planted_bwd)
     ids, layout, x = _problem(seed=8)
     extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
     mesh = jax.make_mesh((RING,), ("ring",))

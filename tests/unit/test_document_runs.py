@@ -499,43 +499,41 @@ def test_a_length_floor_past_the_block_is_refused():
             runs.length_choice(ladder, 1024, 1024, jnp.int32(600), least=least)
 
 
-@pytest.mark.parametrize("trial", range(3))
-def test_jax_own_key_runs_see_exactly_a_local_parts_pairs(trial, seed):
+@pytest.mark.parametrize("case", ["p=0", "p=t-1", "three rows", "two runs", "index falls"])
+def test_jax_own_key_runs_see_exactly_a_local_parts_pairs(case, seed):
     """runs.own_key_runs — a shared-prefix call's local part, queries [p, t) against the shard's
     own keys in place — sees exactly the pairs the mask allows (same document, key index <= query
-    index) when it says ``ok``: runs of one id whose token indices increase. It marks the keys
-    before position p's run as read by nobody, and refuses a document in two runs, indices that
-    fall inside a run, and more sequences than its slots."""
+    index) when it says ``ok`` — runs of one id whose token indices increase — at p = 0, at the
+    last position and at a drawn p over three rows. It marks the keys before position p's run as
+    read by nobody, fits exactly as many slots as it has sequences, and refuses a document in two
+    runs and indices that fall inside a run."""
     pytest.importorskip("jax")
     import jax
     import jax.numpy as jnp
 
     from jax_impl.kernels.runs import own_key_runs
 
-    rng = np.random.default_rng(seed + 500 + trial)
-    b, t = 2, 24
-    p = int(rng.integers(0, t))
+    rng = np.random.default_rng(seed + 500)
+    b, t = (3 if case == "three rows" else 2), 24
+    p = {"p=0": 0, "p=t-1": t - 1}.get(case, int(rng.integers(1, t - 1)))
     ids = sorted_document_ids(rng, b, t)
     index = np.stack([np.arange(t) * 3 + 7 * row for row in range(b)]).astype(np.int32)  # increasing, not consecutive
-    broken = trial % 3  # 0: as drawn; 1: a document in two runs; 2: an index that falls inside a run
-    if broken == 1:
-        ids[:, -1] = ids[:, 0]
-        ids[:, -2] = -1  # the first document again after a different one: two runs
-    if broken == 2:
-        ids[:, :] = ids[:, :1]  # one document a row, its indices no longer increasing
-        index[:, t // 2] = -1 + index[:, 0]
-    runs = jax.jit(own_key_runs, static_argnums=(2, 3))(jnp.asarray(ids), jnp.asarray(index), p, 2 * t)
-    assert runs.identity and not runs.covers_block  # the shard's own keys, some read by nobody
-    if broken:
-        assert not bool(runs.ok)
-        return
-    assert bool(runs.ok)
+    if case == "two runs":  # the first document again after a different one
+        ids[:, -1], ids[:, -2] = ids[:, 0], -1
+    if case == "index falls":  # one document a row, its indices no longer increasing
+        ids[:, :] = ids[:, :1]
+        index[:, t // 2] = index[:, 0] - 1
     starts = lambda row: {0, max(j for j in range(p + 1) if j == 0 or row[j] != row[j - 1])} | {
         j for j in range(p + 1, t) if row[j] != row[j - 1]}  # the keys before p's run, that run, the later ones
     need = sum(len(starts(row)) for row in ids)
+    runs, fits, short = jax.jit(lambda i, x: (own_key_runs(i, x, p, 2 * t), own_key_runs(i, x, p, need).ok,
+                                              own_key_runs(i, x, p, need - 1).ok))(jnp.asarray(ids), jnp.asarray(index))
+    assert runs.identity and not runs.covers_block  # the shard's own keys, some read by nobody
+    if case in ("two runs", "index falls"):
+        assert not bool(runs.ok) and not bool(fits)
+        return
+    assert bool(runs.ok) and bool(fits) and not bool(short)
     assert int(np.sum(np.diff(np.asarray(runs.cu_k)) > 0)) == need
-    assert bool(own_key_runs(jnp.asarray(ids), jnp.asarray(index), p, need).ok)
-    assert not bool(own_key_runs(jnp.asarray(ids), jnp.asarray(index), p, need - 1).ok)
 
     class Host:  # the varlen form as pairs_from_runs reads it
         cu_q, cu_k = np.asarray(runs.cu_q), np.asarray(runs.cu_k)
