@@ -113,6 +113,8 @@
 #              checked, then timed at 64 … 16384 tokens per device beside the closed form's B*)
 #   magi4      issue 51: MagiAttention's setting at 8k tokens per GPU on 4 GPUs, JAX then torch
 #   mc         issue 47: JAX one process per GPU vs one for all, 128k, ring 4 and Ulysses 4
+#   nocub      issue 46: JAX's short-mix shared-prefix row (all-gather R 4) with the default sorts, then with XLA's own
+#              sort kernels for every sort (--xla_gpu_enable_cub_radix_sort=false), same call
 #   mcdoc      issue 46: JAX's short and heavy-tail shared-prefix rows (all-gather R 4), one process for every GPU
 #              then one a GPU, same call (is the short mix's idle the one host driving four GPUs?)
 #   prof47     issue 47: torch_impl's five strategies at 128k, no documents, profiled per rank (kernels by
@@ -178,7 +180,7 @@ if [ "$1" = start ]; then
     # 2026-11-28 a d128 call did, 85 device seconds. Refused unless NO_FA4=1 says FA2 is what is wanted.
     case " ${SIDES:-torch jax} " in *" torch "*)
       if [ "${NO_FA4:-0}" != 1 ] && ! PYTHONPATH=$PYTHONPATH python3 -c "import flash_attn.cute.interface" 2>/dev/null; then
-        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|conddoc|mc|mcdoc|llamajax|jaxcompile|p2pbytes|gqa) ;;
+        for part in ${PARTS//,/ }; do case $part in groups|jaxprof|jaxprof47|cond|condwin|conddoc|mc|mcdoc|nocub|llamajax|jaxcompile|p2pbytes|gqa) ;;
           *) echo "FA4 is not installed on this machine (a fresh one?): torch's rows would run on FA2. Run the .fa4a stash and a" \
                "call with .fa4b first, or set SIDES=jax, or NO_FA4=1 to time FA2 on purpose."; exit 3 ;; esac; done
       fi ;;
@@ -330,6 +332,14 @@ if [ "$1" = start ]; then
   CMD[mcdoc]="python3 -m benchmarks --gpus 4 --only jax --jax-multi-controller --seqs $SEQ --documents short,heavy-tail \
     $DRV --iters 5 --warmup 2 --layout document-hybrid-shared --meshes ring-agkv-r4 --no-peers \
     --machine x${GPUS}-mcdoc-jax --parts-dir $R/mcdoc-jax"
+  # JAX's short-mix shared-prefix row with every sort on XLA's own sort kernels (no cub radix sort: no thunk between
+  # command buffers) beside the default, same call — the promise check's argsort over R·t ids is the step's one large
+  # sort since the local part reads its own keys (docs/decisions.md, "A shared prefix's local part reads its own keys")
+  NC="python3 -m benchmarks --gpus 4 --only jax --seqs $SEQ --documents short $DRV --iters 5 --warmup 2 \
+    --layout document-hybrid-shared --meshes ring-agkv-r4"
+  CMD[nocub]="$NC --machine x${GPUS}-nocub-default-jax --parts-dir $R/nocub-default-jax;
+    XLA_FLAGS=\"\${XLA_FLAGS:-} --xla_gpu_enable_cub_radix_sort=false\" $NC --machine x${GPUS}-nocub-xla-jax \
+    --parts-dir $R/nocub-xla-jax"
   RUNS=""
   for part in ${PARTS//,/ }; do
     [ "${SMOKE:-0}" = 1 ] && case $part in mc|mcdoc|magi4|prio|tier|conddoc) continue ;; esac  # GPUs only (mc: a process per GPU; prio: torch)
