@@ -205,12 +205,24 @@ def test_jax_a_broken_promise_raises_or_shows(jax_devices):
     assert np.isfinite(_jax_run(mesh, x, ids, layout, traced_ids=True, shared_tokens=extent)["o"]).all()
 
 
+def _float16_one_call(seed: int):
+    """(got, truth): the JAX shared-prefix call in float16 on ``fa3_varlen`` (its kernels emulated
+    by the caller) at the smallest ``shared_tokens`` the ids allow, and the float64 truth."""
+    import jax
+
+    ids, layout, x = _problem(seed=seed)
+    extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
+    got = _jax_run(jax.make_mesh((RING,), ("ring",)), x, ids, layout, traced_ids=True, block_backend="fa3_varlen",
+                   dtype="float16", shared_tokens=extent)
+    return got, _zero_dlse_truth(x, ids)
+
+
 def test_jax_the_one_call_kernel_path_equals_the_truth(jax_devices, monkeypatch):
     """float16 on ``fa3_varlen`` with FA3's varlen ops emulated: each part one varlen call forward
     and backward — the shared part on its ranked plans, the local part on the shard's own keys in
     place (``runs.own_key_plans``) — the portable kernel the parts would fall back to planted with
     NaNs, so a part that fell back would show; equal to the float64 truth at float16's level."""
-    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax")
     import jax.numpy as jnp
 
     import fa3_ops
@@ -224,12 +236,7 @@ def test_jax_the_one_call_kernel_path_equals_the_truth(jax_devices, monkeypatch)
     monkeypatch.setattr(allgather, "reference_block_fwd", lambda q, k, v, *a, **kw: nan(
         q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]))))
     monkeypatch.setattr(allgather, "reference_block_bwd", lambda do, q, k, v, *a, **kw: nan(q, k, v))
-    ids, layout, x = _problem(seed=6)
-    extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
-    mesh = jax.make_mesh((RING,), ("ring",))
-    got = _jax_run(mesh, x, ids, layout, traced_ids=True, block_backend="fa3_varlen", dtype="float16",
-                   shared_tokens=extent)
-    truth = _zero_dlse_truth(x, ids)
+    got, truth = _float16_one_call(seed=6)
     for name in ("o", "dq", "dk", "dv"):
         assert np.isfinite(got[name]).all(), f"{name}: a part fell back to the portable kernel (NaN planted there)"
         assert _rel(got[name], truth[name]) < 2e-2, (name, _rel(got[name], truth[name]))
@@ -242,7 +249,7 @@ def test_jax_a_local_part_its_own_keys_cannot_hold_falls_back_to_the_portable_ke
     forward and backward, so a refusal not taken would show — still equal to the truth."""
     import dataclasses
 
-    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax")
     import jax.numpy as jnp
 
     import fa3_ops
@@ -262,12 +269,7 @@ def test_jax_a_local_part_its_own_keys_cannot_hold_falls_back_to_the_portable_ke
         else real_bwd(do, q, k_p, v_p, o, lse, causal, scale, runs, t, s))
     monkeypatch.setattr(fa3_varlen, "varlen_fwd", planted)
     monkeypatch.setattr(fa3_varlen, "_bwd_call", planted_bwd)
-    ids, layout, x = _problem(seed=8)
-    extent = shared_extent(ring_shards(_laid(ids, layout.perm), RING))
-    mesh = jax.make_mesh((RING,), ("ring",))
-    got = _jax_run(mesh, x, ids, layout, traced_ids=True, block_backend="fa3_varlen", dtype="float16",
-                   shared_tokens=extent)
-    truth = _zero_dlse_truth(x, ids)
+    got, truth = _float16_one_call(seed=8)
     for name in ("o", "dq", "dk", "dv"):
         assert _rel(got[name], truth[name]) < 2e-2, (name, _rel(got[name], truth[name]))
 
