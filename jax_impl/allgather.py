@@ -355,12 +355,12 @@ def _split_forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
         plans = (shared() if one_call and p else None, own_key_plans(*queries, p) if one_call and p < t else None)
     part_masks = lambda lo, hi, keys: ((queries[0][:, lo:hi], keys[0]), (queries[1][:, lo:hi], keys[1]))
     parts = []
-    if p:
-        with jax.named_scope(SCOPES.shared):
-            parts.append(_part_forward(config, q[:, :p], kv_prefixes, plans[0], part_masks(0, p, keys_shared)))
-    if p < t:
+    if p < t:  # the local part first, as torch_impl: it needs nothing the gather brings (XLA may still reorder)
         with jax.named_scope(SCOPES.local):
             parts.append(_part_forward(config, q[:, p:], (k, v), plans[1], part_masks(p, t, queries)))
+    if p:
+        with jax.named_scope(SCOPES.shared):
+            parts.insert(0, _part_forward(config, q[:, :p], kv_prefixes, plans[0], part_masks(0, p, keys_shared)))
     with jax.named_scope(SCOPES.combine):
         o = jnp.concatenate([o_part.astype(q.dtype) for o_part, _ in parts], axis=1)
         lse = jnp.concatenate([lse_part.astype(F32) for _, lse_part in parts], axis=2)
