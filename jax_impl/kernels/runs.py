@@ -110,7 +110,9 @@ class VarlenRuns:
     block's own keys in order: no gather, no scatter), ``covers_block`` (every query and every
     key of the block is in a run — a causal diagonal block's own runs, when ``ok`` — so
     ``covered_q`` / ``covered_kv`` are all true and the kernels skip their masked selects),
-    ``max_q`` / ``max_k`` (the backward's ``max_seqlen`` bounds; None: the block's own lengths),
+    ``covers_queries`` (every query is in a run that reads a key, when ``ok`` — a device's one
+    call — so the kernels skip the selects over o, lse and dq, keys aside), ``max_q`` / ``max_k``
+    (the backward's ``max_seqlen`` bounds; None: the block's own lengths),
     or ``bounds`` (static: several such pairs) with ``bound_at`` (traced: the one the device
     picked, :func:`length_choice`) — the kernel is compiled once per bound, nothing else is.
     ``used_q`` / ``used_k`` (int32 [nseq], or None): each run's length where it is not the offsets'
@@ -125,6 +127,7 @@ class VarlenRuns:
     longest: jax.Array | None = None
     identity: bool = False
     covers_block: bool = False
+    covers_queries: bool = False
     max_q: int | None = None
     max_k: int | None = None
     used_q: jax.Array | None = None
@@ -154,7 +157,8 @@ jax.tree_util.register_dataclass(
 jax.tree_util.register_dataclass(
     VarlenRuns, data_fields=["cu_q", "cu_k", "kv_index", "covered_q", "ok", "covered_kv", "longest", "used_q", "used_k",
                              "bound_at"],
-    meta_fields=["identity", "covers_block", "max_q", "max_k", "bounds"])  # static: the kernels branch and compile on them
+    # static: the kernels branch and compile on them
+    meta_fields=["identity", "covers_block", "covers_queries", "max_q", "max_k", "bounds"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -660,7 +664,7 @@ def prefix_runs(q_ids, kv_ids, q_index, kv_index, m: int, cap: int, rows=None) -
     ok = (n <= m) & (cu_k[-1] <= cap) & jnp.all(upper > first) & nonnegative
     # identity False: the keys are gathered, never the block's own
     return VarlenRuns(cu_q=cu_q, cu_k=cu_k, kv_index=kv_index_out, covered_q=jnp.ones((b, t), bool), ok=ok,
-                      longest=jnp.max(k_len), identity=False)
+                      longest=jnp.max(k_len), identity=False, covers_queries=True)
 
 
 def prefix_plans(q_ids, kv_ids, q_index, kv_index) -> list[VarlenRuns]:
@@ -724,7 +728,7 @@ def own_key_runs(ids, index, p: int, m: int) -> VarlenRuns:
     ok = (n <= m) & jnp.all(one_run) & increasing_in_documents(ids, index) & (jnp.min(index) >= 0)
     return VarlenRuns(cu_q=cu_q, cu_k=cu_k, kv_index=jnp.arange(b * t, dtype=jnp.int32),
                       covered_q=jnp.ones((b, t - p), bool), ok=ok, covered_kv=at[None, :] >= head[:, None],
-                      longest=jnp.max(jnp.where(q_len > 0, k_len, 0)), identity=True)
+                      longest=jnp.max(jnp.where(q_len > 0, k_len, 0)), identity=True, covers_queries=True)
 
 
 def own_key_plans(ids, index, p: int) -> list[VarlenRuns]:

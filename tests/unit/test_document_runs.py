@@ -543,6 +543,6 @@ def test_jax_own_key_runs_see_exactly_a_local_parts_pairs(case, seed):
         block = (ids[row, p:, None] == ids[row, None, :]) & (index[row, None, :] <= index[row, p:, None])
         want[row * (t - p):(row + 1) * (t - p), row * t:(row + 1) * t] = block
     np.testing.assert_array_equal(pairs_from_runs(Host, b, t - p, t, True), want)
-    assert np.asarray(runs.covered_q).all()
+    assert np.asarray(runs.covered_q).all() and want.any(1).all() and runs.covers_queries  # no select over o / dq
     np.testing.assert_array_equal(np.asarray(runs.covered_kv).reshape(-1), want.any(0))
     assert int(runs.longest) == max(np.diff(Host.cu_k)[np.diff(Host.cu_q) > 0])

@@ -361,6 +361,10 @@ def test_traced_plans_trimmed_from_the_largest_equal_their_own(layout, seed, mon
             if want.ok:
                 for name in ("cu_q", "cu_k", "kv_index", "covered_q", "longest"):
                     assert np.array_equal(getattr(plan, name), getattr(want, name)), (layout, r, name)
+                # every query in a run that reads a key: what lets the kernels skip their selects over o / dq
+                cu_q, cu_k = np.asarray(want.cu_q), np.asarray(want.cu_k)
+                run = np.searchsorted(cu_q, np.arange(cu_q[-1]), side="right") - 1
+                assert want.covers_queries and (np.diff(cu_k)[run] > 0).all(), (layout, r)
     # some slot counts short of the runs, some holding them (shuffled: a run a query, none holds them)
     assert fits == ({False} if layout == "shuffled" else {True, False}), fits
 
