@@ -215,8 +215,9 @@ def summarize(kernels: dict, steps: int, send_recv, names: dict[str, str] | None
         by_kind: dict[str, float] = defaultdict(float)
         launches: dict[str, float] = defaultdict(float)
         for name, lo, hi in rows:
-            by_kind[kind_of(name)] += (hi - lo) / steps
-            launches[kind_of(name)] += 1 / steps
+            kind = kind_of(name)
+            by_kind[kind] += (hi - lo) / steps
+            launches[kind] += 1 / steps
         exposed = exposed_times(rows, send_recv)
         per_gpu[process] = {"kernel_ms_per_step": dict(by_kind), "launches_per_step": dict(launches),
                             "busy_ms_per_step": union_ms(rows) / steps,

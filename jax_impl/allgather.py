@@ -351,8 +351,9 @@ def _split_forward(q, k, v, ids, index, axis_name, config: AttentionConfig):
         kv_prefixes = tuple(config.comm.gather(x[:, :p], axis_name) for x in (k, v)) if p else None
     one_call = prefix_eligible(config, q, True)
     with jax.named_scope(SCOPES.plan):  # the prefixes' keys gathered, ranked; the local part's keys its own, in place
-        shared = lambda: prefix_plans_of(queries[0][:, :p], keys_shared[0], queries[1][:, :p], keys_shared[1])
-        plans = (shared() if one_call and p else None, own_key_plans(*queries, p) if one_call and p < t else None)
+        shared = (prefix_plans_of(queries[0][:, :p], keys_shared[0], queries[1][:, :p], keys_shared[1])
+                  if one_call and p else None)
+        plans = (shared, own_key_plans(*queries, p) if one_call and p < t else None)
     part_masks = lambda lo, hi, keys: ((queries[0][:, lo:hi], keys[0]), (queries[1][:, lo:hi], keys[1]))
     parts = []
     if p < t:  # the local part first, as torch_impl: it needs nothing the gather brings (XLA may still reorder)

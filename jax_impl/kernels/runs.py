@@ -698,6 +698,14 @@ def trimmed_plan(largest: VarlenRuns, m: int, run_count) -> VarlenRuns:
                                ok=largest.ok & (run_count <= m))
 
 
+def _own_key_starts(ids, p: int):
+    """(where each of :func:`own_key_runs`' sequences starts over the row's keys [b, t] bool, and
+    where the run holding position p starts [b])."""
+    first, at = _run_starts(ids), jnp.arange(ids.shape[1])
+    head = jnp.max(jnp.where(first & (at <= p)[None, :], at[None, :], 0), axis=1)
+    return (at[None, :] == 0) | (at[None, :] == head[:, None]) | (first & (at > p)[None, :]), head
+
+
 def own_key_runs(ids, index, p: int, m: int) -> VarlenRuns:
     """A shared-prefix call's local part — a shard's queries [p, t) against its own keys [0, t),
     ``ids`` / ``index`` [b, t] the shard's — over the shard's own memory: no ranking sort, no
@@ -713,10 +721,8 @@ def own_key_runs(ids, index, p: int, m: int) -> VarlenRuns:
     the portable kernel (``allgather._part_forward``)."""
     b, t = index.shape
     ids = jnp.zeros((b, t), jnp.int32) if ids is None else ids
-    first = _run_starts(ids)
+    starts, head = _own_key_starts(ids, p)
     at = jnp.arange(t)
-    head = jnp.max(jnp.where(first & (at <= p)[None, :], at[None, :], 0), axis=1)  # where p's run starts
-    starts = (at[None, :] == 0) | (at[None, :] == head[:, None]) | (first & (at > p)[None, :])  # [b, t]
     n = jnp.sum(starts)
     flat = jnp.nonzero(starts.reshape(-1), size=m, fill_value=b * t)[0].astype(jnp.int32)
     row, key_at = flat // t, flat % t
@@ -733,10 +739,14 @@ def own_key_runs(ids, index, p: int, m: int) -> VarlenRuns:
 
 def own_key_plans(ids, index, p: int) -> list[VarlenRuns]:
     """:func:`own_key_runs` for each of ``PREFIX_SLOTS`` (at least two sequences a row: the keys
-    before p's run and that run), the fewest that fit picked on the device (:func:`prefix_dispatch`)."""
+    before p's run and that run), the fewest that fit picked on the device (:func:`prefix_dispatch`).
+    As :func:`prefix_plans`, only the largest is built and the others trimmed from it
+    (:func:`trimmed_plan`: its sequences are flat over the rows, the unused ones at the end)."""
     b, t = index.shape
+    ids = jnp.zeros((b, t), jnp.int32) if ids is None else ids
     sizes = sorted({min(max(m, 2 * b), b * t) for m in PREFIX_SLOTS})
-    return [own_key_runs(ids, index, p, m) for m in sizes]
+    largest, count = own_key_runs(ids, index, p, sizes[-1]), jnp.sum(_own_key_starts(ids, p)[0])
+    return [trimmed_plan(largest, m, count) for m in sizes[:-1]] + [largest]
 
 
 def prefix_length_ladder(n: int) -> tuple[int, ...]:

@@ -500,7 +500,7 @@ def test_a_length_floor_past_the_block_is_refused():
 
 
 @pytest.mark.parametrize("case", ["p=0", "p=t-1", "three rows", "two runs", "index falls"])
-def test_jax_own_key_runs_see_exactly_a_local_parts_pairs(case, seed):
+def test_jax_own_key_runs_see_exactly_a_local_parts_pairs(case, seed, monkeypatch):
     """runs.own_key_runs — a shared-prefix call's local part, queries [p, t) against the shard's
     own keys in place — sees exactly the pairs the mask allows (same document, key index <= query
     index) when it says ``ok`` — runs of one id whose token indices increase — at p = 0, at the
@@ -511,7 +511,8 @@ def test_jax_own_key_runs_see_exactly_a_local_parts_pairs(case, seed):
     import jax
     import jax.numpy as jnp
 
-    from jax_impl.kernels.runs import own_key_runs
+    from jax_impl.kernels import runs as kernel_runs
+    from jax_impl.kernels.runs import own_key_plans, own_key_runs
 
     rng = np.random.default_rng(seed + 500)
     b, t = (3 if case == "three rows" else 2), 24
@@ -526,13 +527,23 @@ def test_jax_own_key_runs_see_exactly_a_local_parts_pairs(case, seed):
     starts = lambda row: {0, max(j for j in range(p + 1) if j == 0 or row[j] != row[j - 1])} | {
         j for j in range(p + 1, t) if row[j] != row[j - 1]}  # the keys before p's run, that run, the later ones
     need = sum(len(starts(row)) for row in ids)
-    runs, fits, short = jax.jit(lambda i, x: (own_key_runs(i, x, p, 2 * t), own_key_runs(i, x, p, need).ok,
-                                              own_key_runs(i, x, p, need - 1).ok))(jnp.asarray(ids), jnp.asarray(index))
+    monkeypatch.setattr(kernel_runs, "PREFIX_SLOTS", (need - 1, need, 2 * t))  # own_key_plans: the largest trimmed
+    runs, fits, short, plans, built = jax.jit(lambda i, x: (
+        own_key_runs(i, x, p, 2 * t), own_key_runs(i, x, p, need).ok, own_key_runs(i, x, p, need - 1).ok,
+        own_key_plans(i, x, p), [own_key_runs(i, x, p, plan.cu_q.shape[0] - 1) for plan in own_key_plans(i, x, p)],
+    ))(jnp.asarray(ids), jnp.asarray(index))
     assert runs.identity and not runs.covers_block  # the shard's own keys, some read by nobody
+    for plan, own in zip(plans, built):  # each plan trimmed from the largest is the one built for its slots
+        assert bool(plan.ok) == bool(own.ok), plan.cu_q.shape
+        for name in ("cu_q", "cu_k", "covered_kv", "longest") if own.ok else ():
+            np.testing.assert_array_equal(getattr(plan, name), getattr(own, name), err_msg=name)
     if case in ("two runs", "index falls"):
         assert not bool(runs.ok) and not bool(fits)
         return
     assert bool(runs.ok) and bool(fits) and not bool(short)
+    sizes = [plan.cu_q.shape[0] - 1 for plan in plans]  # both sides of the edge where the floor allows it
+    assert need in sizes or need < 2 * b
+    assert {bool(plan.ok) for plan in plans} == ({False, True} if need - 1 >= 2 * b else {True})
     assert int(np.sum(np.diff(np.asarray(runs.cu_k)) > 0)) == need
 
     class Host:  # the varlen form as pairs_from_runs reads it
