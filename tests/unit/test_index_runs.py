@@ -324,7 +324,8 @@ def test_traced_plans_trimmed_from_the_largest_equal_their_own(layout, seed, mon
     from it (``trimmed_plan``): each equals :func:`prefix_runs` built for its own slot count —
     the same ``ok`` always, and where it fits (the only plans the switch runs) the same offsets,
     key index and longest run. Slot counts from 2 (short of every layout here) up, so both sides
-    of ``ok`` are met on the ordered layouts (the shuffled one fits none)."""
+    of ``ok`` are met on the ordered layouts; on the shuffled one the short plans never fit, and
+    whether the largest does depends on the draw (a shard of 12 queries can hold few enough runs)."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
@@ -365,8 +366,8 @@ def test_traced_plans_trimmed_from_the_largest_equal_their_own(layout, seed, mon
                 cu_q, cu_k = np.asarray(want.cu_q), np.asarray(want.cu_k)
                 run = np.searchsorted(cu_q, np.arange(cu_q[-1]), side="right") - 1
                 assert want.covers_queries and (np.diff(cu_k)[run] > 0).all(), (layout, r)
-    # some slot counts short of the runs, some holding them (shuffled: a run a query, none holds them)
-    assert fits == ({False} if layout == "shuffled" else {True, False}), fits
+    # some slot counts short of the runs; on the ordered layouts some holding them as well
+    assert False in fits and (layout == "shuffled" or True in fits), fits
 
 
 def test_a_trimmed_plan_does_not_fit_where_its_keys_outgrow_the_capacity():
