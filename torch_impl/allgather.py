@@ -26,7 +26,8 @@ cotangent (the varlen backward takes none) walks the blocks as before.
 **Shared prefix** (``shared_tokens = P``, ``seqplan.shared``): when every token whose document
 spans shards sits within its shard's first P positions (the per-document hybrid; checked on the
 gathered ids, the same ``ValueError`` on every rank), only those K/V are gathered — R·P tokens,
-issued asynchronously while the rank's queries [P, t) attend to its own keys (documents held
+issued asynchronously before the call's plans are made (P is static: the gather runs while the
+host plans) and while the rank's queries [P, t) attend to its own keys (documents held
 whole: no transfer) — then its queries [0, P) attend to the gathered prefixes; each part is one
 varlen call on the one-call kernel (the portable kernel where there is none, or with an lse
 cotangent), no merge (every query's keys lie in one part). The backward reduce-scatters the
@@ -144,9 +145,9 @@ def prefix_backward(config: AttentionConfig, saved, kv_packed, plan: PrefixRuns)
 
 def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
     (schedule, visits), me = _visits(groups, config), ring_index(groups)
-    split = _split_plan(config, masks, me) if schedule.size > 1 else None
-    if split is not None:  # only the shared prefixes travel
-        return _split_forward(q, k, v, groups, config, masks, split)
+    if config.shared_tokens is not None and schedule.size > 1:  # only the shared prefixes travel
+        prefixes = _gather_prefixes(config, k, v, groups)  # while this host plans
+        return _split_forward(q, k, v, groups, config, masks, _split_plan(config, masks, me), prefixes)
     plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 else None
     if plan is not None:  # one call against every key
         k_all, v_all = (config.comm.gather(x, groups[1]) for x in (k, v))
@@ -253,16 +254,27 @@ def _part_backward(config: AttentionConfig, saved, kv, runs, part_masks):
     return dq, dk.float().reshape(kv[0].shape), dv.float().reshape(kv[1].shape)
 
 
-def _split_forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks, split: SplitRuns):
+def _gather_prefixes(config: AttentionConfig, k, v, groups):
+    """Every shard's first ``p = config.shared_tokens`` K / V, gathered asynchronously: ((k_all, work), (v_all, work)), or
+    None (``p`` 0, or past the shard: :func:`_split_plan` refuses that). Issued before the call's
+    plans — it needs only ``shared_tokens``, which is static — so the gather runs while the host
+    plans and the local part computes: the host was the short mix's step on 4x H200 (the GPU idle
+    1.8–2.2 ms before this gather, docs/gpu/documents-2026-11-29-evening-h200x4.md)."""
+    p = config.shared_tokens
+    if not 0 < p <= k.shape[1]:
+        return None
+    return tuple(config.comm.gather(x[:, :p], groups[1], async_op=True) for x in (k, v))
+
+
+def _split_forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks, split: SplitRuns, prefixes):
     me, p, t = ring_index(groups), split.shared_tokens, q.shape[1]
     shared_masks, local_masks = (partial(_part_masks, config, masks, me, p, t, shared) for shared in (True, False))
-    if p:  # the prefixes travel while the local part computes
-        (k_all, k_work), (v_all, v_work) = (config.comm.gather(x[:, :p], groups[1], async_op=True) for x in (k, v))
     parts = []
     if p < t:
         parts.append(_part_forward(config, q[:, p:].contiguous(), (k, v), split.local, local_masks))
     if not p:
         return *parts[0], ()
+    (k_all, k_work), (v_all, v_work) = prefixes
     k_work.wait()
     v_work.wait()
     shared_kv = (_kv_rows(k_all, p), _kv_rows(v_all, p))

@@ -303,8 +303,9 @@ current_comm, using = _HOOKS.current, _HOOKS.using
 
 def host_to_device(x, device) -> torch.Tensor:
     """A NumPy array on ``device`` without waiting for the GPU's queued work: through pinned memory,
-    non-blocking (a copy from pageable memory waits for the stream first — a host sync)."""
-    tensor = torch.from_numpy(x)
+    non-blocking (a copy from pageable memory waits for the stream first — a host sync). A
+    read-only array (a ``host_ids`` block's) is copied first: torch takes no read-only memory."""
+    tensor = torch.from_numpy(x if x.flags.writeable else x.copy())
     if torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

@@ -319,15 +319,27 @@ class ShardMasks:
     device_positions: torch.Tensor | None
     ids_host: np.ndarray | None = None
     plans: dict = field(default_factory=dict, repr=False)
+    block: HostShards | None = None
 
     def plan(self, planner, *arrays, **flags):
         """``seqplan.documents.cached_plan(planner, *arrays, **flags)`` for arrays of this call
         (``ids_host``, ``positions``), remembered here too: the backward, and every later use in
         the call, takes the plan without hashing the ids again (each lookup hashes and compares
-        every array: ≈ 0.15 ms per 512 KB, six times a step on the shared prefix's path)."""
+        every array: ≈ 0.27 ms of CRC-32 and 0.13 of comparison per 512 KB). When the arrays are
+        the :func:`host_ids` block's own (``block``), the plan is kept in the block by which of
+        its arrays it was made from: every layer's call, forward and backward, takes it with no
+        hashing at all — three CRC-32s a call on the shared prefix's path before (4x H200 profile,
+        docs/gpu/documents-2026-11-29-evening-h200x4.md)."""
         key = (planner, tuple(id(a) for a in arrays), tuple(sorted(flags.items())))
         if key not in self.plans:
-            self.plans[key] = cached_plan(planner, *arrays, **flags)
+            held = None if self.block is None else self.block.names(arrays)
+            if held is None:
+                self.plans[key] = cached_plan(planner, *arrays, **flags)
+            else:
+                block_key = (planner, held, key[2])
+                if block_key not in self.block.plans:
+                    self.block.plans[block_key] = planner(*arrays, **flags)
+                self.plans[key] = self.block.plans[block_key]
         return self.plans[key]
 
     @classmethod
@@ -339,6 +351,7 @@ class ShardMasks:
         per-row positions [R, b, t] from them (one host copy per call, none when ``host`` — the
         caller's host copies of both, :func:`host_ids` — is given)."""
         positions = device_positions = None
+        block = host
         host = (_host_copies(ids_all, None if index_all is None else index_all.to(torch.int32)) if host is None
                 else (host.ids, host.index))
         ids_host = host[0]
@@ -348,7 +361,7 @@ class ShardMasks:
             positions, device_positions = _static_positions(config.layout, ring_size, t, torch.device(device))
         if ids_host is not None and config.shared_tokens is None and one_document_per_row(ids_host):
             ids_all = ids_host = None  # the same mask without documents: blocks route as plain ones
-        return cls(ids_all, config.mask_window, positions, device_positions, ids_host)
+        return cls(ids_all, config.mask_window, positions, device_positions, ids_host, block=block)
 
     def visit(self, device: int, source: int) -> VisitMasks | None:
         """Ring shard ``device``'s queries meeting shard ``source``'s keys (None without documents
@@ -365,13 +378,23 @@ class ShardMasks:
 
 # ---- the batch's ids on the host, given once (torch only: JAX plans on the device, under jit) ----
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HostShards:
     """Every ring shard's ids (and token indices, or None) on the host, int32 [R, b, t]: what a
-    call would otherwise copy from the device (:func:`_host_copies`)."""
+    call would otherwise copy from the device (:func:`_host_copies`). ``plans``: the plans made
+    from these arrays (:meth:`ShardMasks.plan`), kept as long as the block: its arrays are
+    read-only and held here, so which of them a plan came from names its inputs exactly."""
 
     ids: np.ndarray
     index: np.ndarray | None
+    plans: dict = field(default_factory=dict, repr=False)
+
+    def names(self, arrays) -> tuple | None:
+        """Which of this block's arrays each of ``arrays`` is (``"ids"``, ``"index"``; None stays
+        None), or None when one is not the block's own (by identity: an equal copy is not)."""
+        mine = {id(self.ids): "ids", **({} if self.index is None else {id(self.index): "index"})}
+        names = tuple(None if a is None else mine.get(id(a)) for a in arrays)
+        return None if any(a is not None and n is None for a, n in zip(arrays, names)) else names
 
 
 @dataclass(frozen=True, eq=False)
@@ -392,7 +415,13 @@ class HostIds:
 
     def shards(self, ring: int) -> HostShards:
         """Ring shard r = the r-th contiguous seq / R of each row (every layout's order), [R, b, t]."""
-        split = lambda x: None if x is None else x.reshape(x.shape[0], ring, -1).transpose(1, 0, 2).copy()
+        def split(x):
+            if x is None:
+                return None
+            shards = x.reshape(x.shape[0], ring, -1).transpose(1, 0, 2).copy()
+            shards.setflags(write=False)  # the block's plans are kept by which array they came from
+            return shards
+
         return self._once(("shards", ring), lambda: HostShards(split(self.segment_ids), split(self.token_index)))
 
     def on_device(self, ring: int, device) -> tuple:

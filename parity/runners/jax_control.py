@@ -13,20 +13,21 @@ from .base import option_keywords
 
 
 def _as(x, dtype):
-    """Host-side cast (ml_dtypes), so that no small conversion program is compiled per shape."""
+    """Host-side cast (ml_dtypes) to a NumPy array, so that no small program is compiled per
+    shape: neither a conversion nor the slicing that spreads an array already on one device over
+    the program's sharding (``_multi_slice``: 2–3 compiles of 0.06–0.13 s a case on 2 cores) —
+    a host array is sliced on the host."""
     import jax.numpy as jnp
 
-    return jnp.asarray(np.asarray(x, np.float32).astype(jnp.dtype(dtype)))
+    return np.asarray(x, np.float32).astype(jnp.dtype(dtype))
 
 
 def _options(x: Inputs) -> tuple:
-    """The inputs' segment ids (JAX int32), sinks (JAX float32) and token indices (JAX int32),
-    each None when the case has none: ``forward_backward``'s last three arguments."""
-    import jax.numpy as jnp
-
-    ids = None if x.segment_ids is None else jnp.asarray(x.segment_ids, jnp.int32)
-    index = None if x.token_index is None else jnp.asarray(x.token_index, jnp.int32)
-    return ids, None if x.sinks is None else jnp.asarray(np.asarray(x.sinks, np.float32)), index
+    """The inputs' segment ids (int32), sinks (float32) and token indices (int32), NumPy arrays
+    (:func:`_as`), each None when the case has none: ``forward_backward``'s last three arguments."""
+    ids = None if x.segment_ids is None else np.asarray(x.segment_ids, np.int32)
+    index = None if x.token_index is None else np.asarray(x.token_index, np.int32)
+    return ids, None if x.sinks is None else np.asarray(x.sinks, np.float32), index
 
 
 def vjp_results(fn, case: Case, x: Inputs) -> dict[str, np.ndarray]:

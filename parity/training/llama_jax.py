@@ -227,15 +227,18 @@ class Step:
             put = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
         else:
             put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
-        params = jax.tree.map(lambda a: put(jnp.asarray(a), self.weight_spec), to_params(weights, self.case.model))
+        # placed from host arrays: a host array is sliced on the host, where one already on a
+        # device is spread by a small program compiled per shape (``_multi_slice``)
+        host = lambda a: np.asarray(a, jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
+        params = jax.tree.map(lambda a: put(host(a), self.weight_spec), to_params(weights, self.case.model))
         if abstract:  # Adam's moments sharded as their parameters; the step count uncommitted, as init leaves it
             opt_state = optax.tree_map_params(self.opt, lambda a: put(a, self.weight_spec),
                                               jax.eval_shape(self.opt.init, params))
         else:
             opt_state = self.opt.init(params)
         arrays = (batch.tokens, batch.labels, batch.positions)
-        ids = put(jnp.asarray(batch.segment_ids), self.tokens_spec) if self.case.segment_ids else None
-        return (params, opt_state, *(put(jnp.asarray(a), self.tokens_spec) for a in arrays), ids)
+        ids = put(host(batch.segment_ids), self.tokens_spec) if self.case.segment_ids else None
+        return (params, opt_state, *(put(host(a), self.tokens_spec) for a in arrays), ids)
 
 
 def train(case: ModelCase, steps: int | None = None) -> TrainResult:

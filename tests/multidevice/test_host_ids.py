@@ -101,6 +101,40 @@ def test_host_ids_refuses_what_is_not_rows_of_ids():
     assert torch_impl.loop.declared_host_ids() is None
 
 
+def test_a_blocks_plans_are_made_once_and_never_hashed(monkeypatch):
+    """Inside a ``host_ids`` block the calls' host arrays are the block's own, read-only: a plan
+    made from them is kept in the block by which of its arrays it came from, so the next call
+    (the next layer) takes it without hashing the ids (``cached_plan`` is never asked). An equal
+    copy that is not the block's array still goes through ``cached_plan``, which checks content."""
+    torch = pytest.importorskip("torch")
+    import torch_impl
+    from torch_impl import loop
+    from torch_impl.config import make_config
+
+    asked, made = [], []
+    monkeypatch.setattr(loop, "cached_plan", lambda planner, *a, **f: asked.append(planner) or planner(*a, **f))
+
+    def planner(ids, index, *, device):
+        made.append(device)
+        return ids.sum() + index.sum() + device
+
+    ring, ids, index = 2, DOCUMENTS[:, :64].astype(np.int32), np.tile(np.arange(64, dtype=np.int32), (2, 1))
+    config = make_config(torch.zeros(2, 32, 2, 8), causal=True, layout="contiguous", scale=None, block_backend="auto",
+                         deterministic=None, token_index=True)
+    with torch_impl.host_ids(ids, index) as held:
+        block = held.shards(ring)
+        assert not block.ids.flags.writeable and not block.index.flags.writeable
+        gathered = torch.from_numpy(block.ids.copy()), torch.from_numpy(block.index.copy())
+        calls = [loop.ShardMasks.build(config, ring, 32, gathered[0], "cpu", gathered[1], block) for _ in range(2)]
+        plans = [m.plan(planner, m.ids_host, m.positions, device=1) for m in calls]
+        assert plans[0] == plans[1] and made == [1] and not asked
+        last = calls[1]
+        last.plan(planner, last.ids_host, last.positions, device=0)  # another flag: its own plan
+        assert made == [1, 0] and not asked
+        copy = last.plan(planner, last.ids_host.copy(), last.positions, device=1)  # not the block's array
+        assert copy == plans[0] and asked == [planner] and made == [1, 0, 1]
+
+
 def test_the_checks_run_the_block_the_driver_times(monkeypatch):
     """``RINGBRIDGE_HOST_IDS=1``: the parity runner's ranks call inside ``host_ids`` over their data
     block's rows (the driver's rows time the same block), and outside it without the variable."""

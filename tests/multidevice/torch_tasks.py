@@ -515,3 +515,34 @@ def head_groups_order_task(mesh_axes, x: dict, kwargs: dict) -> list[str]:
     finally:
         dist.all_to_all_single = real
     return events
+
+
+def shared_prefix_order_task(mesh_axes, x: dict, kwargs: dict) -> list:
+    """:func:`documents_task` on all-gather KV with ``shared_tokens`` (in ``kwargs``), recording in
+    order each all-gather the call issues (its local shape) and each time the shared prefix's
+    plan is made (``seqplan.shared.split_runs``, no plan remembered beforehand). Returns the events."""
+    import torch_impl.allgather as allgather
+    from seqplan.documents import forget_plans
+    from torch_impl.comm import Comm, using
+
+    events: list = []
+
+    class Recording(Comm):
+        def gather(self, x, group, async_op: bool = False):
+            events.append(("gather", tuple(x.shape)))
+            return super().gather(x, group, async_op=async_op)
+
+    real = allgather.split_runs
+
+    def planned(*args, **flags):
+        events.append(("plan",))
+        return real(*args, **flags)
+
+    forget_plans()
+    allgather.split_runs = planned
+    try:
+        with using(Recording()):
+            documents_task(mesh_axes, x, kwargs)
+    finally:
+        allgather.split_runs = real  # the worker serves later tasks
+    return events
