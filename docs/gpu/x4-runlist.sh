@@ -74,6 +74,9 @@
 # 5 (one call, 536 s). After it (CPU): JAX's shared-prefix local part reads its own keys in place (runs.own_key_plans: two
 # fewer sorts a step, no packed keys) — first d128 JAX with D128_MIXES=short,heavy-tail then few-long, then mcdoc (one
 # process a GPU: is the short mix's idle the one host driving four GPUs?), then jaxprof to see the gaps move.
+# 2026-11-29 (tenth session, CPU only: no device time left): torch's shared prefix now issues the prefixes' gather before
+# its plans, and a host_ids block keeps its plans (no CRC-32 a call) — after the JAX parts above, d128host (both torch
+# rows, host ids off then on) and torchprofhost (do the 1.8-2.2 ms waits before the gather shrink?).
 # Parts (PARTS selects, in the order given; d512k ran 2026-11-26):
 #   torchprof  issue 46: torch_impl all-gather KV on the hybrid, whole gather and shared prefix,
 #              short and heavy-tail, profiled (device kernels by kind, the synchronising calls,
