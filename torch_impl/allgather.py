@@ -174,9 +174,8 @@ def _forward(q, k, v, groups, config: AttentionConfig, masks: ShardMasks):
 
 def _backward(q, k, v, o, lse, kv_all, do, dlse, groups, config: AttentionConfig, masks: ShardMasks):
     (schedule, visits), me = _visits(groups, config), ring_index(groups)
-    split = _split_plan(config, masks, me) if schedule.size > 1 else None
-    if split is not None:
-        return _split_backward(q, k, v, o, lse, kv_all, do, dlse, groups, config, masks, split)
+    if config.shared_tokens is not None and schedule.size > 1:
+        return _split_backward(q, k, v, o, lse, kv_all, do, dlse, groups, config, masks, _split_plan(config, masks, me))
     plan = prefix_plan(config, masks, me, q, shard_major=True) if schedule.size > 1 and dlse is None else None
     if plan is not None:
         packed = lambda x: x.reshape(-1, *x.shape[-2:])
@@ -197,12 +196,10 @@ _allgather = attention_with_vjp(_forward, _backward)
 
 # ---- the shared prefix (module docstring; seqplan.shared) ----------------------------------------
 
-def _split_plan(config: AttentionConfig, masks: ShardMasks, device: int) -> SplitRuns | None:
-    """Ring shard ``device``'s two parts (``seqplan.shared.split_runs``, remembered by content), or
-    None when the call gathers everything (no ``shared_tokens``). Refuses a ``shared_tokens`` the
-    gathered ids break (``seqplan.shared.check_shared_tokens``: every rank sees the same ids)."""
-    if config.shared_tokens is None:
-        return None
+def _split_plan(config: AttentionConfig, masks: ShardMasks, device: int) -> SplitRuns:
+    """Ring shard ``device``'s two parts of a call with ``shared_tokens`` (``seqplan.shared.split_runs``,
+    remembered by content). Refuses a ``shared_tokens`` the gathered ids break
+    (``seqplan.shared.check_shared_tokens``: every rank sees the same ids)."""
     p, positions = config.shared_tokens, masks.positions if config.token_index else None
     if p > masks.ids_host.shape[2] or masks.plan(shared_extent, masks.ids_host) > p:
         check_shared_tokens(masks.ids_host, p)  # raises, naming the token

@@ -351,17 +351,15 @@ class ShardMasks:
         per-row positions [R, b, t] from them (one host copy per call, none when ``host`` — the
         caller's host copies of both, :func:`host_ids` — is given)."""
         positions = device_positions = None
-        block = host
-        host = (_host_copies(ids_all, None if index_all is None else index_all.to(torch.int32)) if host is None
-                else (host.ids, host.index))
-        ids_host = host[0]
+        ids_host, index_host = (_host_copies(ids_all, None if index_all is None else index_all.to(torch.int32))
+                                if host is None else (host.ids, host.index))
         if index_all is not None:
-            device_positions, positions = index_all.to(torch.int32), host[1]
+            device_positions, positions = index_all.to(torch.int32), index_host
         elif config.window is not None:
             positions, device_positions = _static_positions(config.layout, ring_size, t, torch.device(device))
         if ids_host is not None and config.shared_tokens is None and one_document_per_row(ids_host):
             ids_all = ids_host = None  # the same mask without documents: blocks route as plain ones
-        return cls(ids_all, config.mask_window, positions, device_positions, ids_host, block=block)
+        return cls(ids_all, config.mask_window, positions, device_positions, ids_host, block=host)
 
     def visit(self, device: int, source: int) -> VisitMasks | None:
         """Ring shard ``device``'s queries meeting shard ``source``'s keys (None without documents

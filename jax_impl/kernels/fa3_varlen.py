@@ -100,7 +100,7 @@ def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns, packed: tu
     o, lse = forward_ffi(q.reshape(b * t, h, d), k_p, v_p, runs.cu_q, runs.cu_k,
                          _lse_buffer_shape(nseq, h, b * t), t, k.shape[1], causal, scale)
     o, lse = o.reshape(b, t, h, d), _lse_tokens(lse, b, h, t)
-    if runs.covers_block or runs.covers_queries:  # every query in a run: nothing to blank (a select is a pass over o)
+    if runs.every_query:  # nothing to blank (a select is a pass over o)
         return o, lse
     covered = runs.covered_q
     return jnp.where(covered[:, :, None, None], o, 0), jnp.where(covered[:, None, :], lse, -jnp.inf)
@@ -109,8 +109,7 @@ def varlen_fwd(q, k, v, causal: bool, scale: float, runs: VarlenRuns, packed: tu
 def _lse_rows(lse, runs: VarlenRuns):
     """The forward's lse [b, h, t] as the backward reads it, [h·b·t] float32 (rows with no key
     here get any finite value: their gradients are zeroed after the call)."""
-    every = runs.covers_block or runs.covers_queries
-    lse_t = lse.astype(F32) if every else jnp.where(runs.covered_q[:, None, :], lse.astype(F32), 0.0)
+    lse_t = lse.astype(F32) if runs.every_query else jnp.where(runs.covered_q[:, None, :], lse.astype(F32), 0.0)
     return lse_t.transpose(1, 0, 2).reshape(-1)
 
 
@@ -158,7 +157,7 @@ def _bwd_finish(dq, dk_p, dv_p, runs: VarlenRuns, b: int, t: int, s: int):
     own = lambda g: g.reshape(b, s, hk, d)  # the block's own keys (identity runs)
     if runs.covers_block:  # every query and key in a run: the kernel wrote every row
         return dq, own(dk_p), own(dv_p)
-    if not runs.covers_queries:
+    if not runs.every_query:
         dq = jnp.where(runs.covered_q[:, :, None, None], dq, 0)
     if runs.identity:  # keys no query reads: zero, written here rather than trusted to the kernel
         read = runs.covered_kv[:, :, None, None]

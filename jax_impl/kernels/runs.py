@@ -135,6 +135,12 @@ class VarlenRuns:
     bounds: tuple[tuple[int, int], ...] | None = None
     bound_at: jax.Array | None = None
 
+    @property
+    def every_query(self) -> bool:
+        """Static: every query is in a run that reads a key (``covers_block`` or ``covers_queries``),
+        so the kernels skip their selects over o, lse and dq."""
+        return self.covers_block or self.covers_queries
+
     def bounded(self, max_q: int, max_k: int) -> VarlenRuns:
         """These runs with the backward's ``max_seqlen`` bounds."""
         return dataclasses.replace(self, max_q=max_q, max_k=max_k)
@@ -706,7 +712,7 @@ def _own_key_starts(ids, p: int):
     return (at[None, :] == 0) | (at[None, :] == head[:, None]) | (first & (at > p)[None, :]), head
 
 
-def own_key_runs(ids, index, p: int, m: int) -> VarlenRuns:
+def own_key_runs(ids, index, p: int, m: int, starts=None) -> VarlenRuns:
     """A shared-prefix call's local part — a shard's queries [p, t) against its own keys [0, t),
     ``ids`` / ``index`` [b, t] the shard's — over the shard's own memory: no ranking sort, no
     gathered keys. Where each id is one run of the row whose token indices increase along it,
@@ -718,10 +724,11 @@ def own_key_runs(ids, index, p: int, m: int) -> VarlenRuns:
     fit, no index negative; ``longest``: the longest run's keys (the backward's bound). Queries
     packed [b·(t − p)], keys [b·t] (``identity``): a key before that run is read by no query here
     (``covered_kv`` False: its dK / dV zeroed after the call). Where ``ok`` fails the caller runs
-    the portable kernel (``allgather._part_forward``)."""
+    the portable kernel (``allgather._part_forward``). ``starts``: :func:`_own_key_starts` of these
+    ids, when the caller has them (:func:`own_key_plans`)."""
     b, t = index.shape
     ids = jnp.zeros((b, t), jnp.int32) if ids is None else ids
-    starts, head = _own_key_starts(ids, p)
+    starts, head = _own_key_starts(ids, p) if starts is None else starts
     at = jnp.arange(t)
     n = jnp.sum(starts)
     flat = jnp.nonzero(starts.reshape(-1), size=m, fill_value=b * t)[0].astype(jnp.int32)
@@ -745,8 +752,9 @@ def own_key_plans(ids, index, p: int) -> list[VarlenRuns]:
     b, t = index.shape
     ids = jnp.zeros((b, t), jnp.int32) if ids is None else ids
     sizes = sorted({min(max(m, 2 * b), b * t) for m in PREFIX_SLOTS})
-    largest, count = own_key_runs(ids, index, p, sizes[-1]), jnp.sum(_own_key_starts(ids, p)[0])
-    return [trimmed_plan(largest, m, count) for m in sizes[:-1]] + [largest]
+    starts = _own_key_starts(ids, p)  # one search for every slot count's plan
+    largest = own_key_runs(ids, index, p, sizes[-1], starts)
+    return [trimmed_plan(largest, m, jnp.sum(starts[0])) for m in sizes[:-1]] + [largest]
 
 
 def prefix_length_ladder(n: int) -> tuple[int, ...]:
